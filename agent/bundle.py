@@ -1,0 +1,199 @@
+"""A model bundle on disk: load the manifest, verify every file, check each variant's contract.
+
+`load_bundle` is what every consumer calls; it returns a `Bundle` only when all checks passed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from agent.errors import BundleError, ContractError
+from agent.hashing import sha256_bytes, sha256_file
+from agent.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, TensorSpec, parse_manifest
+from agent.preprocess import Preprocessor
+
+_ORT_DTYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(uint8)": "uint8",
+    "tensor(int8)": "int8",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+}
+
+
+@dataclass(frozen=True)
+class GoldenSample:
+    """Raw input as the device sees it, the tensor preprocessing made of it, and the reference outputs."""
+
+    index: int
+    file: str
+    raw: np.ndarray
+    input: np.ndarray
+    outputs: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Bundle:
+    root: Path
+    manifest: Manifest
+    manifest_sha256: str
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def labels(self) -> list[str]:
+        rel = self.manifest.postprocess.labels
+        if rel is None:
+            return []
+        return [line.strip() for line in self.path(rel).read_text().splitlines() if line.strip()]
+
+    def preprocessor(self) -> Preprocessor:
+        return Preprocessor(self.manifest.preprocess, self.manifest.frame)
+
+    def golden(self) -> list[GoldenSample]:
+        return [load_golden(self.root, rel, i, self.manifest) for i, rel in enumerate(self.manifest.golden)]
+
+    @property
+    def identity(self) -> str:
+        m = self.manifest
+        return f"{m.name}@{m.version} ({m.label})"
+
+
+def _walk_files(root: Path) -> Iterator[tuple[str, Path]]:
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        d = Path(dirpath)
+        for name in dirnames:
+            if (d / name).is_symlink():
+                rel = (d / name).relative_to(root).as_posix()
+                raise BundleError(f"{root}: {rel} is a symbolic link; bundles hold plain files only")
+        for name in filenames:
+            p = d / name
+            yield p.relative_to(root).as_posix(), p
+
+
+def verify_files(root: Path, manifest: Manifest) -> None:
+    """Every listed file exists, is a plain file and matches its sha256; nothing unlisted is present."""
+    present: set[str] = set()
+    for rel, p in _walk_files(root):
+        if rel in (MANIFEST_NAME, SIGNATURE_NAME):
+            continue
+        if p.is_symlink() or not p.is_file():
+            raise BundleError(f"{root / rel}: not a plain file (links and devices are refused)")
+        present.add(rel)
+    for rel, expected in manifest.files.items():
+        p = root / rel
+        if rel not in present:
+            raise BundleError(f"{p}: missing (listed in {MANIFEST_NAME} files)")
+        actual = sha256_file(p)
+        if actual != expected:
+            raise BundleError(f"{p}: hash mismatch: manifest says sha256 {expected[:16]}..., file has {actual[:16]}...")
+    extra = sorted(present - set(manifest.files))
+    if extra:
+        raise BundleError(f"{root}: files not listed in {MANIFEST_NAME} (so not covered by its hashes): {extra}")
+
+
+def _dims_match(declared: tuple, actual: list) -> bool:
+    if len(declared) != len(actual):
+        return False
+    for d, a in zip(declared, actual):
+        if isinstance(d, int) and isinstance(a, int) and d != a:
+            return False
+        if isinstance(d, int) != isinstance(a, int):
+            # a fixed declared dim against a symbolic model dim (or the reverse) is a contract change
+            return False
+    return True
+
+
+def _contract_problems(kind: str, declared: TensorSpec, name: str, dtype: str, shape: list) -> list[str]:
+    problems = []
+    if declared.dtype != dtype:
+        problems.append(f"{kind} {name!r} dtype: manifest {declared.dtype}, model {dtype}")
+    if not _dims_match(declared.shape, shape):
+        problems.append(f"{kind} {name!r} shape: manifest {list(declared.shape)}, model {shape}")
+    return problems
+
+
+def check_contract(root: Path, manifest: Manifest) -> None:
+    """Open each variant with ONNX Runtime (CPU, no optimisation) and compare its I/O to the manifest."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    for v in manifest.variants:
+        path = root / v.file
+        try:
+            sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ORT raises several unrelated types for a bad model file
+            raise BundleError(f"{path}: ONNX Runtime cannot load variant {v.name!r}: {exc}") from exc
+        problems: list[str] = []
+        inputs = sess.get_inputs()
+        if [i.name for i in inputs] != [manifest.input.name]:
+            problems.append(f"inputs: manifest [{manifest.input.name!r}], model {[i.name for i in inputs]}")
+        else:
+            i = inputs[0]
+            problems += _contract_problems("input", manifest.input, i.name, _ORT_DTYPES.get(i.type, i.type), list(i.shape))
+        outputs = {o.name: o for o in sess.get_outputs()}
+        if list(outputs) != list(manifest.output_names):
+            problems.append(f"outputs: manifest {list(manifest.output_names)}, model {list(outputs)}")
+        else:
+            for spec in manifest.outputs:
+                o = outputs[spec.name]
+                problems += _contract_problems("output", spec, o.name, _ORT_DTYPES.get(o.type, o.type), list(o.shape))
+        if problems:
+            raise ContractError(f"{path}: variant {v.name!r} breaks the declared contract: " + "; ".join(problems))
+
+
+def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenSample:
+    path = root / rel
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as exc:  # zipfile/ValueError/OSError: all mean the same to the user
+        raise BundleError(f"{path}: golden sample {index} is not a readable .npz: {exc}") from exc
+    missing = [k for k in ["raw", "input", *(f"output.{n}" for n in manifest.output_names)] if k not in arrays]
+    if missing:
+        raise BundleError(f"{path}: golden sample {index} lacks arrays {missing} (has {sorted(arrays)})")
+    return GoldenSample(
+        index=index,
+        file=rel,
+        raw=arrays["raw"],
+        input=arrays["input"],
+        outputs={n: arrays[f"output.{n}"] for n in manifest.output_names},
+    )
+
+
+def read_manifest(root: Path) -> tuple[Manifest, str]:
+    path = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise BundleError(f"{root}: not a bundle directory (unpack a .tar.gz with `edge-agent bundle unpack`)")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise BundleError(f"{path}: missing: a bundle directory must hold {MANIFEST_NAME}") from exc
+    return parse_manifest(data.decode("utf-8", errors="replace"), where=str(path)), sha256_bytes(data)
+
+
+def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
+    """Manifest schema, file hashes, golden arrays and (by default) every variant's I/O contract."""
+    root = Path(root)
+    manifest, digest = read_manifest(root)
+    verify_files(root, manifest)
+    if check_contracts:
+        check_contract(root, manifest)
+    bundle = Bundle(root=root, manifest=manifest, manifest_sha256=digest)
+    for g in bundle.golden():
+        expected = (1, *manifest.input.shape[1:])
+        if g.input.ndim != len(manifest.input.shape) or any(
+            isinstance(d, int) and d != s for d, s in zip(expected, g.input.shape)
+        ):
+            raise BundleError(
+                f"{root / g.file}: golden input shape {list(g.input.shape)} does not fit input {list(manifest.input.shape)}"
+            )
+    return bundle

@@ -1,0 +1,254 @@
+"""The `edge-agent` command line: bundle tools, provider detection, the self-test, config checks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from agent import __version__
+from agent.errors import AgentError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_SELECTED = 0, 1, 2, 3
+
+
+@contextmanager
+def bundle_dir(path: Path) -> Iterator[Path]:
+    """A bundle directory as given, or a `.tar.gz` unpacked safely into a temporary one."""
+    from agent.archive import unpack
+
+    if path.is_dir():
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="edge-agent-bundle-") as tmp:
+        yield unpack(path, Path(tmp) / "bundle")
+
+
+def _cmd_bundle_verify(args: argparse.Namespace) -> int:
+    from agent.bundle import load_bundle
+
+    with bundle_dir(args.path) as root:
+        b = load_bundle(root)
+    m = b.manifest
+    print(f"OK {b.identity}: schema, {len(m.files)} file hashes, {len(m.variants)} variant contracts, "
+          f"{len(m.golden)} golden samples")
+    return EXIT_OK
+
+
+def _cmd_bundle_inspect(args: argparse.Namespace) -> int:
+    from agent.bundle import load_bundle
+    from agent.inspect import render_text, summarize
+
+    with bundle_dir(args.path) as root:
+        summary = summarize(load_bundle(root))
+    print(json.dumps(summary, indent=2) if args.json else render_text(summary))
+    return EXIT_OK
+
+
+def _cmd_bundle_pack(args: argparse.Namespace) -> int:
+    from agent.archive import pack
+    from agent.bundle import load_bundle
+
+    b = load_bundle(args.dir)  # never ship a bundle that would not load
+    out = pack(args.dir, args.out)
+    print(f"packed {b.identity} -> {out} ({out.stat().st_size:,} bytes)")
+    return EXIT_OK
+
+
+def _cmd_bundle_unpack(args: argparse.Namespace) -> int:
+    from agent.archive import unpack
+    from agent.bundle import load_bundle
+
+    out = unpack(args.archive, args.dir)
+    try:
+        b = load_bundle(out)
+    except AgentError:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    print(f"unpacked {b.identity} -> {out}")
+    return EXIT_OK
+
+
+def _cmd_bundle_create(args: argparse.Namespace) -> int:
+    from agent.bundle_create import CreateOptions, create_bundle
+
+    out = create_bundle(CreateOptions(
+        model=args.model, spec=args.spec, calibration=args.calibration, golden=args.golden, out=args.out,
+        heldout=args.heldout, labels=args.labels, method=args.method, per_channel=not args.no_per_channel,
+        exclude_nodes=tuple(args.exclude_node), exclude_op_types=tuple(args.exclude_op_type),
+        int8=not args.no_int8, fp16=args.fp16, calibration_limit=args.calibration_limit,
+        max_top1_drop=args.max_top1_drop, min_agreement=args.min_agreement, keep_low_quality=args.keep_low_quality,
+    ))
+    print(f"created {out}")
+    return EXIT_OK
+
+
+def _load_cfg(path: Path | None):
+    from agent.config import Config, load_config
+
+    return load_config(path) if path else Config()
+
+
+def _cmd_providers(args: argparse.Namespace) -> int:
+    from agent.providers import detect_providers
+
+    cfg = _load_cfg(args.config)
+    statuses = detect_providers(cfg.providers.order, cfg.providers.options, cfg.session)
+    if args.json:
+        print(json.dumps([s.to_dict() for s in statuses], indent=2))
+        return EXIT_OK
+    print(f"{'provider':28} {'listed':6} {'usable':6} {'nodes':>7}  effective / reason")
+    for s in statuses:
+        nodes = f"{s.nodes_on_provider}/{s.total_nodes}" if s.total_nodes else "-"
+        detail = ", ".join(s.effective) if s.usable else (s.reason or "")
+        print(f"{s.name:28} {'yes' if s.listed else 'no':6} {'yes' if s.usable else 'NO':6} {nodes:>7}  {detail}")
+    return EXIT_OK
+
+
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    from agent.bundle import load_bundle
+    from agent.selftest import options_from_config, run_selftest
+
+    cfg = _load_cfg(args.config)
+    state = args.state_dir or cfg.state_dir
+    opts = options_from_config(cfg, provider=args.provider, variant=args.variant,
+                               use_cache=False if args.no_cache else None)
+    if args.latency_runs:
+        from dataclasses import replace
+
+        opts = replace(opts, latency_runs=args.latency_runs)
+    with bundle_dir(args.bundle) as root:
+        report = run_selftest(load_bundle(root), state, opts)
+    doc = report.to_dict()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render_selftest(doc))
+        print(f"report: {state / 'selftest' / 'report.json'}")
+    if report.selected is None:
+        print(f"edge-agent: {report.reason}", file=sys.stderr)
+        return EXIT_NOT_SELECTED
+    return EXIT_OK
+
+
+def render_selftest(doc: dict) -> str:
+    short = lambda p: p.replace("ExecutionProvider", "")  # noqa: E731
+    lines = [f"self-test of {doc['bundle']['name']} v{doc['bundle']['version']} "
+             f"({'cached verdict re-checked' if doc['cached'] else 'full'}, {doc['duration_ms']:.0f} ms)",
+             f"{'candidate':22} {'runs on':14} {'nodes':18} {'parity':22} {'p50/p95 ms':14} verdict"]
+    for c in doc["candidates"]:
+        place = c.get("placement") or {}
+        nodes = ",".join(f"{short(k)}:{v}" for k, v in (place.get("nodes_by_provider") or {}).items()) or "-"
+        par = c.get("parity") or {}
+        parity = (f"top1 {par['top1_agreement']:.2f} cos {par['min_cosine']:.4f}" if "top1_agreement" in par
+                  else (f"cos {par['min_cosine']:.4f}" if par else "-"))
+        lat = c.get("latency")
+        lat_s = f"{lat['p50_ms']:.2f}/{lat['p95_ms']:.2f}" if lat else "-"
+        eff = ",".join(short(p) for p in c.get("effective_providers") or []) or "-"
+        verdict = "PASS" if c["passed"] else ("-" if c["status"] == "not_tried" else "FAIL")
+        lines.append(f"{short(c['provider']) + ':' + c['variant']:22} {eff:14} {nodes:18} {parity:22} {lat_s:14} {verdict}")
+        for r in c["reasons"]:
+            lines.append(f"    {r}")
+    for n in doc["notes"]:
+        lines.append(f"note: {n}")
+    sel = doc["selected"]
+    lines.append(f"selected: {short(sel['provider'])}:{sel['variant']}" if sel else f"selected: nothing: {doc['reason']}")
+    return "\n".join(lines)
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from agent.config import config_to_dict, load_config
+
+    cfg = load_config(args.file)
+    print(json.dumps(config_to_dict(cfg), indent=2))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edge-agent", description="ONNX Runtime inference agent that proves its model on the device.")
+    p.add_argument("--version", action="version", version=f"edge-agent {__version__}")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--log-json", dest="log_json", action="store_const", const=True, default=None,
+                     help="JSON log lines (default when stderr is not a terminal)")
+    fmt.add_argument("--log-pretty", dest="log_json", action="store_const", const=False)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser("bundle", help="verify, inspect, pack, unpack and create model bundles")
+    bsub = b.add_subparsers(dest="bundle_command", required=True, metavar="ACTION")
+    v = bsub.add_parser("verify", help="check schema, hashes, contracts and golden samples")
+    v.add_argument("path", type=Path, help="bundle directory or .tar.gz")
+    v.set_defaults(func=_cmd_bundle_verify)
+    i = bsub.add_parser("inspect", help="print a readable summary")
+    i.add_argument("path", type=Path)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_bundle_inspect)
+    pk = bsub.add_parser("pack", help="bundle directory -> .tar.gz (after verifying it)")
+    pk.add_argument("dir", type=Path)
+    pk.add_argument("out", type=Path)
+    pk.set_defaults(func=_cmd_bundle_pack)
+    up = bsub.add_parser("unpack", help=".tar.gz -> bundle directory (safely, then verified)")
+    up.add_argument("archive", type=Path)
+    up.add_argument("dir", type=Path)
+    up.set_defaults(func=_cmd_bundle_unpack)
+    c = bsub.add_parser("create", help="make a bundle (FP32 + INT8, golden samples) from your ONNX model")
+    c.add_argument("--model", type=Path, required=True)
+    c.add_argument("--spec", type=Path, required=True, help="YAML: name, version, task, frame, preprocess, postprocess")
+    c.add_argument("--calibration", type=Path, required=True, help=".npz with 'raw' or a directory of images")
+    c.add_argument("--golden", type=Path, required=True, help=".npz (optionally with reference.<output>) or images")
+    c.add_argument("--heldout", type=Path, help=".npz with 'raw' and optional 'label' for quality measurement")
+    c.add_argument("--labels", type=Path, help="class names, one per line")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax")
+    c.add_argument("--no-per-channel", action="store_true")
+    c.add_argument("--exclude-node", action="append", default=[], help="keep this node in float (repeatable)")
+    c.add_argument("--exclude-op-type", action="append", default=[], help="keep nodes of this op type in float")
+    c.add_argument("--no-int8", action="store_true")
+    c.add_argument("--fp16", action="store_true")
+    c.add_argument("--calibration-limit", type=int, default=256)
+    c.add_argument("--max-top1-drop", type=float, default=1.0, help="INT8 bound, held-out top-1 points under FP32")
+    c.add_argument("--min-agreement", type=float, default=0.97, help="INT8 bound on agreement with FP32 without labels")
+    c.add_argument("--keep-low-quality", action="store_true", help="keep an INT8 variant under the bound, marked")
+    c.set_defaults(func=_cmd_bundle_create)
+
+    pr = sub.add_parser("providers", help="which execution providers really work on this device")
+    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--config", type=Path)
+    pr.set_defaults(func=_cmd_providers)
+
+    s = sub.add_parser("selftest", help="prove a bundle on this device and select a candidate")
+    s.add_argument("--bundle", type=Path, required=True)
+    s.add_argument("--config", type=Path)
+    s.add_argument("--state-dir", type=Path, help="where the report, markers and cache go (default: config)")
+    s.add_argument("--json", action="store_true", help="print the full JSON report")
+    s.add_argument("--provider", help="pin a provider, e.g. CPUExecutionProvider")
+    s.add_argument("--variant", help="pin a variant, e.g. int8")
+    s.add_argument("--no-cache", action="store_true", help="ignore a cached verdict")
+    s.add_argument("--latency-runs", type=int, help="override the bundle's latency run count")
+    s.set_defaults(func=_cmd_selftest)
+
+    cf = sub.add_parser("config", help="validate a config file")
+    csub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    cc = csub.add_parser("check", help="validate and print the effective settings")
+    cc.add_argument("file", type=Path)
+    cc.set_defaults(func=_cmd_config_check)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from agent.logsetup import configure_logging
+
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_json)
+    try:
+        return args.func(args)
+    except AgentError as exc:
+        print(f"edge-agent: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130

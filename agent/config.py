@@ -1,0 +1,178 @@
+"""The agent's YAML config -> typed, validated settings.
+
+Every error names the file, the key path, what was expected and what was found. Unknown keys are
+errors, not silently ignored: a typo in `allow_cpu_falback` must not change what the agent does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+from agent.errors import ConfigError
+from agent.providers import DEFAULT_ORDER
+from agent.session import SessionSettings
+
+
+@dataclass(frozen=True)
+class ProvidersConfig:
+    order: tuple[str, ...] = DEFAULT_ORDER
+    options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    provider: str | None = None
+    variant: str | None = None
+    allow_cpu_fallback: bool = True
+    # The bundle's preferred variant wins unless another passing one is at least this much faster (p50).
+    prefer_margin: float = 0.10
+    use_cache: bool = True
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json: bool | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    device_id: str = field(default_factory=socket.gethostname)
+    state_dir: Path = Path("/var/lib/edge-agent")
+    bundle: Path | None = None
+    providers: ProvidersConfig = ProvidersConfig()
+    selection: SelectionConfig = SelectionConfig()
+    session: SessionSettings = SessionSettings()
+    log: LogConfig = LogConfig()
+    source_file: Path | None = None
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _convert(tp: Any, value: Any, where: str, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, where, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: key {key}: {value!r} does not fit {tp}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: key {key}: expected one of {list(args)}, found {value!r}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: key {key}: expected a list, found {type(value).__name__}")
+        item = args[0]
+        return tuple(_convert(item, v, where, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict, typing.Mapping) or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: key {key}: expected a mapping, found {type(value).__name__}")
+        kt, vt = args if args else (str, Any)
+        return {str(k): _convert(vt, v, where, f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: key {key}: expected a mapping, found {type(value).__name__}")
+        return build_dataclass(tp, value, where, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: key {key}: expected true or false, found {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: key {key}: expected an integer, found {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: key {key}: expected a number, found {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: key {key}: expected a string, found {value!r}")
+        return str(value)
+    if tp is Path:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: key {key}: expected a path, found {value!r}")
+        return Path(value)
+    raise ConfigError(f"{where}: key {key}: unsupported setting type {_type_name(tp)}")
+
+
+def build_dataclass(cls: Any, data: Mapping[str, Any], where: str, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        path = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{where}: key {path}: unknown key (known here: {sorted(names)})")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(hints[name], value, where, path)
+    return cls(**kwargs)
+
+
+def parse_config(text: str, where: str) -> Config:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: malformed YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level, found {type(data).__name__}")
+    if "source_file" in data:
+        raise ConfigError(f"{where}: key source_file: unknown key")
+    cfg = build_dataclass(Config, data, where)
+    base = Path(where).parent
+
+    def anchored(p: Path | None) -> Path | None:
+        # Relative paths in a config file are relative to that file, not to the working directory.
+        return p if p is None or p.is_absolute() else base / p
+
+    return dataclasses.replace(
+        cfg, state_dir=anchored(cfg.state_dir), bundle=anchored(cfg.bundle), source_file=Path(where)
+    )
+
+
+def load_config(path: Path | str) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from exc
+    return parse_config(text, str(path))
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Effective settings as plain data (for `config check` and reports)."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        if isinstance(v, Path):
+            return str(v)
+        return v
+
+    return plain(cfg)

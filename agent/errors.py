@@ -1,0 +1,42 @@
+"""Every exception the agent raises on purpose, in one place.
+
+Each one carries a message a person can act on: what was expected, what was found, and where.
+"""
+
+from __future__ import annotations
+
+
+class AgentError(Exception):
+    """Base of all deliberate agent errors; the CLI prints these as one line and exits non-zero."""
+
+
+class ConfigError(AgentError):
+    """A config file is malformed: the message names the file and the key."""
+
+
+class BundleError(AgentError):
+    """A model bundle failed a check: the message names the file and the check."""
+
+
+class ArchiveError(BundleError):
+    """A bundle archive is unsafe or corrupt (traversal, links, oversized member, truncated)."""
+
+
+class ContractError(BundleError):
+    """A variant's ONNX inputs/outputs disagree with the manifest's declared contract."""
+
+
+class QualityError(BundleError):
+    """`bundle create` measured an INT8 variant below the configured quality bound."""
+
+
+class PreprocessError(AgentError):
+    """A raw frame does not fit the bundle's preprocessing (wrong size, channels or dtype)."""
+
+
+class ProviderError(AgentError):
+    """A requested execution provider is unknown or not usable on this device."""
+
+
+class SelectionError(AgentError):
+    """No candidate passed the self-test; the message carries every rejection reason."""

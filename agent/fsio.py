@@ -1,0 +1,43 @@
+"""Crash-safe file writes: write a temporary file, fsync it, rename over the target, fsync the directory.
+
+After power loss a reader sees the old content or the new, never a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def read_json(path: Path, default: Any = None) -> Any:
+    """The JSON at `path`, or `default` when it is missing or unreadable (a torn write is treated as absent)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return default

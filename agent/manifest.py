@@ -1,0 +1,308 @@
+"""The bundle manifest (bundle.yaml): parse, validate against the shipped JSON Schema, and type it.
+
+Pure: takes the manifest text and a label for messages, returns frozen dataclasses or raises
+BundleError naming the file and the key. File checks (hashes, contracts) live in `bundle`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Literal, Mapping
+
+import jsonschema
+import yaml
+
+from agent.errors import BundleError
+
+MANIFEST_NAME = "bundle.yaml"
+SIGNATURE_NAME = "bundle.sig"
+FORMAT = 1
+
+Precision = Literal["fp32", "fp16", "int8"]
+Task = Literal["classification", "detection", "raw"]
+Dim = int | str
+
+
+@lru_cache(maxsize=1)
+def manifest_schema() -> dict[str, Any]:
+    """The JSON Schema every manifest is validated against (shipped in agent/schema/)."""
+    text = resources.files("agent").joinpath("schema/bundle.schema.json").read_text()
+    return json.loads(text)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[Dim, ...]
+
+
+@dataclass(frozen=True)
+class FrameSpec:
+    """The raw frame a source must deliver: an image (H, W, C uint8) or a sensor window (W, C)."""
+
+    kind: Literal["image", "sensor"]
+    height: int = 0
+    width: int = 0
+    channels: int = 3
+    color: str = "rgb"
+    window: int = 0
+    dtype: str = "uint8"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.kind == "image":
+            return (self.height, self.width, self.channels)
+        return (self.window, self.channels)
+
+
+@dataclass(frozen=True)
+class ResizeSpec:
+    width: int
+    height: int
+    mode: Literal["stretch", "letterbox"] = "stretch"
+    interpolation: str = "linear"
+    pad_value: int = 114
+
+
+@dataclass(frozen=True)
+class PreprocessSpec:
+    layout: str
+    dtype: str
+    resize: ResizeSpec | None = None
+    color: str | None = None
+    scale: float = 1.0
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PostprocessSpec:
+    type: Task
+    output: str | None = None
+    top_k: int = 5
+    labels: str | None = None
+    apply_softmax: bool = True
+    boxes_output: str | None = None
+    scores_output: str | None = None
+    score_threshold: float = 0.25
+    iou_threshold: float = 0.45
+    max_detections: int = 100
+    outputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    file: str
+    precision: Precision
+    providers: tuple[str, ...]
+    quality: Mapping[str, float | int | str] = field(default_factory=dict)
+    quantization: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParityThresholds:
+    max_abs: float | None = None
+    max_rel: float | None = None
+    min_cosine: float | None = None
+    min_top1_agreement: float | None = None
+    min_topk_agreement: float | None = None
+    min_recall: float | None = None
+    min_precision: float | None = None
+
+
+@dataclass(frozen=True)
+class SelftestSpec:
+    parity: Mapping[str, ParityThresholds]
+    latency_budget_ms: Mapping[str, float]
+    preprocess_max_abs: float = 1e-4
+    min_accelerator_fraction: float = 0.9
+    warmup_runs: int = 5
+    latency_runs: int = 50
+
+    def budget_for(self, provider: str) -> float | None:
+        return self.latency_budget_ms.get(provider, self.latency_budget_ms.get("default"))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    version: int
+    label: str
+    created: str
+    source: Mapping[str, str]
+    task: Task
+    input: TensorSpec
+    frame: FrameSpec
+    outputs: tuple[TensorSpec, ...]
+    preprocess: PreprocessSpec
+    postprocess: PostprocessSpec
+    variants: tuple[Variant, ...]
+    preference: Mapping[str, tuple[str, ...]]
+    selftest: SelftestSpec
+    golden: tuple[str, ...]
+    files: Mapping[str, str]
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        known = ", ".join(v.name for v in self.variants)
+        raise BundleError(f"bundle {self.name!r} has no variant {name!r} (variants: {known})")
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.outputs)
+
+
+def _key_path(path: Any) -> str:
+    parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in path]
+    return "".join(parts).lstrip(".") or "(top level)"
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    # oneOf failures are useless as-is ("not valid under any"); pick the branch whose
+    # discriminator ('type' or 'kind') matches and report its first error instead.
+    if error.validator == "oneOf" and isinstance(error.instance, dict):
+        tag = error.instance.get("type", error.instance.get("kind"))
+        for sub in error.context or []:
+            branch_tag = sub.schema.get("properties", {}) if isinstance(sub.schema, dict) else {}
+            if sub.validator == "const" or not isinstance(sub.schema, dict):
+                continue
+            consts = [p.get("const") for p in branch_tag.values() if isinstance(p, dict)]
+            if tag in consts:
+                return _describe(sub)
+        if tag is not None:
+            return f"key {_key_path(error.absolute_path)}: unsupported type {tag!r}"
+    where = _key_path(error.absolute_path)
+    if error.validator == "additionalProperties":
+        return f"key {where}: {error.message} (unknown key)"
+    return f"key {where}: {error.message}"
+
+
+def parse_manifest(text: str, where: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate manifest text; `where` names the file in every error."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise BundleError(f"{where}: malformed YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BundleError(f"{where}: expected a mapping at the top level, found {type(data).__name__}")
+    validator = jsonschema.Draft202012Validator(manifest_schema())
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        lines = "; ".join(_describe(e) for e in errors[:5])
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        raise BundleError(f"{where}: schema check failed: {lines}{more}")
+    manifest = _build(data)
+    _check_semantics(manifest, where)
+    return manifest
+
+
+def _tensor(d: Mapping[str, Any]) -> TensorSpec:
+    return TensorSpec(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]))
+
+
+def preprocess_from_dict(d: Mapping[str, Any]) -> PreprocessSpec:
+    pre = dict(d)
+    resize = ResizeSpec(**pre.pop("resize")) if "resize" in pre else None
+    return PreprocessSpec(resize=resize, mean=tuple(pre.pop("mean", ())), std=tuple(pre.pop("std", ())), **pre)
+
+
+def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
+    post = dict(d)
+    if "outputs" in post:
+        post["outputs"] = tuple(post["outputs"])
+    return PostprocessSpec(**post)
+
+
+def _build(d: Mapping[str, Any]) -> Manifest:
+    inp = d["input"]
+    st = dict(d["selftest"])
+    parity = {k: ParityThresholds(**v) for k, v in st.pop("parity").items()}
+    return Manifest(
+        name=d["name"],
+        version=int(d["version"]),
+        label=d["label"],
+        created=str(d["created"]),
+        source=dict(d["source"]),
+        task=d["task"],
+        input=_tensor(inp),
+        frame=FrameSpec(**inp["frame"]),
+        outputs=tuple(_tensor(o) for o in d["outputs"]),
+        preprocess=preprocess_from_dict(d["preprocess"]),
+        postprocess=postprocess_from_dict(d["postprocess"]),
+        variants=tuple(
+            Variant(
+                name=v["name"],
+                file=v["file"],
+                precision=v["precision"],
+                providers=tuple(v["providers"]),
+                quality=dict(v.get("quality", {})),
+                quantization=dict(v.get("quantization", {})),
+            )
+            for v in d["variants"]
+        ),
+        preference={k: tuple(v) for k, v in d.get("preference", {}).items()},
+        selftest=SelftestSpec(parity=parity, **st),
+        golden=tuple(d["golden"]),
+        files=dict(d["files"]),
+        raw=d,
+    )
+
+
+def _check_semantics(m: Manifest, where: str) -> None:
+    """Cross-key rules a JSON Schema cannot say."""
+    names = [v.name for v in m.variants]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise BundleError(f"{where}: key variants: duplicate variant names {sorted(dupes)}")
+    for i, v in enumerate(m.variants):
+        if v.precision not in m.selftest.parity:
+            raise BundleError(
+                f"{where}: key variants[{i}].precision: {v.precision!r} has no thresholds in "
+                f"selftest.parity (has {sorted(m.selftest.parity)})"
+            )
+        if v.file not in m.files:
+            raise BundleError(f"{where}: key variants[{i}].file: {v.file!r} is not listed in files")
+    for provider, prefs in m.preference.items():
+        for n in prefs:
+            if n not in names:
+                raise BundleError(f"{where}: key preference.{provider}: unknown variant {n!r} (variants: {names})")
+    for i, g in enumerate(m.golden):
+        if g not in m.files:
+            raise BundleError(f"{where}: key golden[{i}]: {g!r} is not listed in files")
+    for key in ("labels",):
+        ref = getattr(m.postprocess, key)
+        if ref is not None and ref not in m.files:
+            raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not listed in files")
+    for rel in m.files:
+        if rel.startswith("/") or ".." in rel.split("/") or rel in ("bundle.yaml", "bundle.sig"):
+            raise BundleError(f"{where}: key files: {rel!r} is not a plain relative path inside the bundle")
+    pre, frame = m.preprocess, m.frame
+    outs = set(m.output_names)
+    for key, ref in (("output", m.postprocess.output), ("boxes_output", m.postprocess.boxes_output),
+                     ("scores_output", m.postprocess.scores_output)):
+        if ref is not None and ref not in outs:
+            raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
+    if frame.kind == "image":
+        if pre.layout not in ("nchw", "nhwc"):
+            raise BundleError(f"{where}: key preprocess.layout: image frames need nchw or nhwc, found {pre.layout!r}")
+        channels = 1 if (pre.color or frame.color) == "gray" else 3
+    else:
+        if pre.layout not in ("ncw", "nwc"):
+            raise BundleError(f"{where}: key preprocess.layout: sensor frames need ncw or nwc, found {pre.layout!r}")
+        if pre.resize is not None or pre.color is not None:
+            raise BundleError(f"{where}: key preprocess: resize and color apply to images, not sensor windows")
+        channels = frame.channels
+    for key in ("mean", "std"):
+        vals = getattr(pre, key)
+        if vals and len(vals) not in (1, channels):
+            raise BundleError(
+                f"{where}: key preprocess.{key}: expected 1 or {channels} values (one per channel), found {len(vals)}"
+            )

@@ -1,0 +1,67 @@
+"""Sample sets for `bundle create`: calibration, golden and held-out frames, with optional labels
+and reference outputs.
+
+A sample set is either an `.npz` (array `raw` of N frames, optional `label` (N,), optional
+`reference.<output>` (N, ...)) or a directory of image files (sorted by name) and/or `.npy` windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from agent.errors import BundleError
+from agent.manifest import FrameSpec
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
+
+
+@dataclass(frozen=True)
+class SampleSet:
+    source: Path
+    raw: list[np.ndarray]
+    labels: np.ndarray | None = None
+    references: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+def read_image(path: Path, frame: FrameSpec) -> np.ndarray:
+    """Decode an image file into the frame's colour order (OpenCV decodes to BGR)."""
+    flag = cv2.IMREAD_GRAYSCALE if frame.color == "gray" else cv2.IMREAD_COLOR
+    img = cv2.imread(str(path), flag)
+    if img is None:
+        raise BundleError(f"{path}: cannot decode image")
+    if frame.color == "rgb":
+        img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    return img
+
+
+def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None) -> SampleSet:
+    path = Path(path)
+    if path.suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if "raw" not in z.files:
+                    raise BundleError(f"{path}: sample set .npz needs an array 'raw' (has {z.files})")
+                raw = z["raw"]
+                n = len(raw) if limit is None else min(limit, len(raw))
+                labels = z["label"][:n] if "label" in z.files else None
+                refs = {k.removeprefix("reference."): z[k][:n] for k in z.files if k.startswith("reference.")}
+                frames = [np.ascontiguousarray(raw[i]) for i in range(n)]
+        except (OSError, ValueError) as exc:
+            raise BundleError(f"{path}: cannot read sample set: {exc}") from exc
+        return SampleSet(path, frames, labels, refs)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
+        if limit is not None:
+            files = files[:limit]
+        frames = [np.load(p, allow_pickle=False) if p.suffix == ".npy" else read_image(p, frame) for p in files]
+        if not frames:
+            raise BundleError(f"{path}: no image or .npy samples in this directory")
+        return SampleSet(path, frames)
+    raise BundleError(f"{path}: a sample set is an .npz file or a directory of images / .npy windows")

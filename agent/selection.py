@@ -1,0 +1,94 @@
+"""Which candidates to try, in what order, and which passing one wins.
+
+Pure. Providers go in the configured priority order; within a provider, the bundle's preference
+order; the winner is the fastest passing variant on the highest-priority provider that has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from agent.errors import ProviderError
+from agent.manifest import Manifest
+from agent.providers import ProviderStatus
+from agent.session import CPU
+from agent.verdict import Candidate, CandidateResult
+
+
+@dataclass(frozen=True)
+class SelectionPolicy:
+    provider: str | None = None
+    variant: str | None = None
+    allow_cpu_fallback: bool = True
+    prefer_margin: float = 0.10
+
+
+def variants_for(manifest: Manifest, provider: str) -> list[str]:
+    """Variants meant for this provider, in the bundle's preference order."""
+    meant = [v.name for v in manifest.variants if provider in v.providers]
+    preferred = [n for n in manifest.preference.get(provider, ()) if n in meant]
+    return preferred + [n for n in meant if n not in preferred]
+
+
+def build_candidates(
+    manifest: Manifest,
+    statuses: Sequence[ProviderStatus],
+    policy: SelectionPolicy,
+    options: Mapping[str, Mapping[str, str]] | None = None,
+) -> tuple[list[Candidate], list[str]]:
+    """Candidates in trial order, and notes on providers left out (so the report says why)."""
+    options = options or {}
+    notes: list[str] = []
+    by_name = {s.name: s for s in statuses}
+    if policy.provider is not None:
+        status = by_name.get(policy.provider)
+        if status is None:
+            raise ProviderError(f"pinned provider {policy.provider!r} was not probed (probed: {list(by_name)})")
+        if not status.usable:
+            raise ProviderError(f"pinned provider {policy.provider} is not usable on this device: {status.reason}")
+    if policy.variant is not None:
+        manifest.variant(policy.variant)  # raises naming the known variants
+    out: list[Candidate] = []
+    for s in statuses:
+        if policy.provider is not None and s.name != policy.provider:
+            continue
+        if not s.usable:
+            notes.append(f"{s.name}: not usable: {s.reason}")
+            continue
+        if s.name == CPU and not policy.allow_cpu_fallback and policy.provider != CPU:
+            notes.append(f"{CPU}: excluded: CPU fallback is forbidden by config (selection.allow_cpu_fallback)")
+            continue
+        names = variants_for(manifest, s.name)
+        if policy.variant is not None:
+            names = [n for n in names if n == policy.variant]
+        if not names:
+            notes.append(f"{s.name}: usable, but the bundle has no variant meant for it")
+            continue
+        for n in names:
+            v = manifest.variant(n)
+            out.append(Candidate(s.name, n, v.precision, dict(options.get(s.name, {}))))
+    return out, notes
+
+
+def provider_groups(candidates: Sequence[Candidate]) -> list[list[Candidate]]:
+    groups: list[list[Candidate]] = []
+    for c in candidates:
+        if groups and groups[-1][0].provider == c.provider:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def choose(results: Sequence[CandidateResult], margin: float) -> CandidateResult | None:
+    """Among one provider's results (in preference order): the preferred passing variant, unless a
+    later passing one is at least `margin` faster at p50."""
+    passing = [r for r in results if r.passed]
+    if not passing:
+        return None
+    best = passing[0]
+    for r in passing[1:]:
+        if r.p50 < best.p50 * (1.0 - margin):
+            best = r
+    return best

@@ -1,0 +1,73 @@
+"""Shared fixtures: a tiny real bundle built once per run with `bundle create`, and the demo bundle."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "digits-classifier"
+
+TINY_SPEC = {
+    "name": "tiny-classifier",
+    "version": 1,
+    "label": "0.1.0",
+    "task": "classification",
+    "frame": {"kind": "image", "height": 40, "width": 40, "channels": 3, "color": "rgb"},
+    "preprocess": {
+        "resize": {"width": 32, "height": 32, "mode": "stretch", "interpolation": "linear"},
+        "color": "rgb", "scale": 1 / 255, "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
+        "layout": "nchw", "dtype": "float32",
+    },
+    "postprocess": {"type": "classification", "output": "logits", "top_k": 2},
+}
+
+
+def write_sample_sets(d: Path, seed: int = 1) -> dict[str, Path]:
+    from agent.testing import structured_frames
+
+    d.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(d / "calib.npz", raw=structured_frames(48, 40, seed))
+    np.savez_compressed(d / "golden.npz", raw=structured_frames(8, 40, seed + 1))
+    np.savez_compressed(d / "heldout.npz", raw=structured_frames(64, 40, seed + 2))
+    (d / "spec.yaml").write_text(yaml.safe_dump(TINY_SPEC))
+    (d / "labels.txt").write_text("a\nb\nc\nd\n")
+    return {"calibration": d / "calib.npz", "golden": d / "golden.npz", "heldout": d / "heldout.npz",
+            "spec": d / "spec.yaml", "labels": d / "labels.txt"}
+
+
+@pytest.fixture(scope="session")
+def tiny_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from agent.testing import make_tiny_classifier
+
+    d = tmp_path_factory.mktemp("tiny-inputs")
+    sets = write_sample_sets(d)
+    sets["model"] = make_tiny_classifier(d / "tiny.onnx")
+    return sets
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_master(tiny_inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from agent.bundle_create import CreateOptions, create_bundle
+
+    out = tmp_path_factory.mktemp("tiny-bundle") / "tiny"
+    return create_bundle(CreateOptions(out=out, min_agreement=0.5, **tiny_inputs))
+
+
+@pytest.fixture
+def tiny_bundle(tiny_bundle_master: Path, tmp_path: Path) -> Path:
+    """A private copy each test may damage."""
+    dst = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle_master, dst)
+    return dst
+
+
+@pytest.fixture
+def demo_bundle() -> Path:
+    if not (DEMO / "bundle.yaml").exists():
+        pytest.fail(f"{DEMO} is missing: run scripts/build_demo_classifier.py")
+    return DEMO

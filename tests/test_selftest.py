@@ -1,0 +1,147 @@
+"""The self-test rejects every way a candidate can run but be wrong or slow, and selects what passed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+from agent.bundle import load_bundle
+from agent.config import Config, SelectionConfig
+from agent.errors import ProviderError
+from agent.selection import SelectionPolicy
+from agent.selftest import SelftestOptions, options_from_config, run_selftest
+from agent.testing import rewrite_manifest, scale_initializer
+
+FAST = SelftestOptions(latency_runs=20)
+
+
+def _by_key(report) -> dict:
+    return {r.candidate.key: r for r in report.results}
+
+
+def test_healthy_bundle_selects_a_cpu_candidate_with_full_evidence(tiny_bundle: Path, tmp_path: Path) -> None:
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    assert report.selected is not None
+    assert report.selected.candidate.provider == "CPUExecutionProvider"
+    doc = json.loads((tmp_path / "selftest" / "report.json").read_text())
+    cand = doc["candidates"][0]
+    assert cand["effective_providers"] == ["CPUExecutionProvider"]
+    assert cand["placement"]["nodes_by_provider"]["CPUExecutionProvider"] > 0
+    assert cand["parity"]["top1_agreement"] == 1.0
+    assert cand["latency"]["runs"] == 20 and cand["latency"]["p95_ms"] >= cand["latency"]["p50_ms"] > 0
+    assert doc["passed"] is True and doc["device"]["machine"]
+    assert {p["name"] for p in doc["providers"]} >= {"CPUExecutionProvider", "CUDAExecutionProvider"}
+
+
+def test_tampered_weights_with_recomputed_hashes_fail_parity_and_the_other_variant_is_selected(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    scale_initializer(tiny_bundle / "model_fp32.onnx", "w2", 1.3)
+    rewrite_manifest(tiny_bundle)
+    bundle = load_bundle(tiny_bundle)  # hashes match: only the self-test can catch this
+    report = run_selftest(bundle, tmp_path, FAST)
+    fp32 = _by_key(report)["CPUExecutionProvider:fp32"]
+    assert not fp32.passed
+    assert any("at stage model" in r and "parity" in r for r in fp32.reasons), fp32.reasons
+    assert report.selected is not None and report.selected.candidate.variant == "int8"
+
+
+def test_wrong_preprocessing_constant_fails_at_the_preprocessing_stage(tiny_bundle: Path, tmp_path: Path) -> None:
+    rewrite_manifest(tiny_bundle, lambda d: d["preprocess"].update(mean=[0.6, 0.5, 0.5]))
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    assert report.selected is None
+    for r in report.results:
+        assert any("stage preprocessing" in x for x in r.reasons), r.reasons
+    assert "no candidate passed" in report.reason
+    assert json.loads((tmp_path / "selftest" / "report.json").read_text())["passed"] is False
+
+
+def test_latency_budget_too_small_is_rejected_with_the_measured_p95(tiny_bundle: Path, tmp_path: Path) -> None:
+    rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 0.0001}))
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    assert report.selected is None
+    for r in report.results:
+        assert any(x.startswith("latency p95 = ") and "over budget 0.0001 ms" in x for x in r.reasons)
+
+
+def test_forced_provider_that_is_not_usable_is_a_clear_error(tiny_bundle: Path, tmp_path: Path) -> None:
+    opts = options_from_config(Config(), provider="CUDAExecutionProvider")
+    with pytest.raises(ProviderError, match="CUDAExecutionProvider is not usable on this device: not listed"):
+        run_selftest(load_bundle(tiny_bundle), tmp_path, opts)
+
+
+def test_cpu_fallback_forbidden_refuses_to_serve_on_cpu(tiny_bundle: Path, tmp_path: Path) -> None:
+    cfg = Config(selection=SelectionConfig(allow_cpu_fallback=False))
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path, options_from_config(cfg))
+    assert report.selected is None
+    assert any("CPU fallback is forbidden" in n for n in report.notes)
+    assert report.reason.startswith("no candidate to try")
+
+
+def test_pinned_variant_is_the_only_candidate(tiny_bundle: Path, tmp_path: Path) -> None:
+    opts = replace(FAST, policy=SelectionPolicy(variant="int8"))
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path, opts)
+    assert [r.candidate.key for r in report.results] == ["CPUExecutionProvider:int8"]
+
+
+def test_cached_verdict_is_reused_then_invalidated_by_bundle_and_ort_changes(
+    tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    assert not first.cached
+    second = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    assert second.cached and second.selected is not None
+    assert second.selected.evidence.latency is None  # warm boot: parity only
+    assert second.selected.evidence.parity is not None
+
+    monkeypatch.setattr(ort, "__version__", "0.0.0-other")
+    third = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    assert not third.cached and third.cache_key != first.cache_key
+    monkeypatch.undo()
+
+    rewrite_manifest(tiny_bundle, lambda d: d.update(version=2))
+    fourth = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    assert not fourth.cached
+
+
+def test_cached_winner_that_now_fails_parity_triggers_a_full_run(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = load_bundle(tiny_bundle)
+    first = run_selftest(bundle, tmp_path, FAST)
+    assert first.selected.candidate.variant == "fp32"
+    # The weights change on disk under an already-loaded bundle: same cache key, different answers.
+    scale_initializer(tiny_bundle / "model_fp32.onnx", "w2", 1.3)
+    again = run_selftest(bundle, tmp_path, FAST)
+    assert not again.cached
+    assert again.selected.candidate.variant == "int8"
+
+
+def test_crash_marker_skips_the_candidate_that_killed_the_process(tiny_bundle: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "agent", "--log-level", "warning", "selftest", "--bundle", str(tiny_bundle),
+           "--state-dir", str(state), "--no-cache", "--json"]
+    proc = subprocess.Popen(cmd + ["--latency-runs", "5000000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = state / "selftest" / "inflight.json"
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the self-test never wrote its in-flight marker"
+    crashed = json.loads(marker.read_text())["candidate"]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    out = subprocess.run(cmd + ["--latency-runs", "20"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    by_key = {f"{c['provider']}:{c['variant']}": c for c in doc["candidates"]}
+    assert by_key[crashed]["status"] == "skipped"
+    assert "crashed the agent" in by_key[crashed]["reasons"][0]
+    assert doc["selected"] is not None and f"{doc['selected']['provider']}:{doc['selected']['variant']}" != crashed
