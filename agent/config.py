@@ -6,6 +6,7 @@ errors, not silently ignored: a typo in `allow_cpu_falback` must not change what
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import socket
 import types
@@ -37,6 +38,45 @@ class SelectionConfig:
     use_cache: bool = True
 
 
+SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin"]
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Where frames come from. `type` picks the source from the registry in `agent.sources`."""
+
+    type: SourceType = "folder"
+    path: Path | None = None          # folder: images; video: file; file: FIFO / character device
+    url: str | None = None            # stream: http(s) MJPEG, rtsp://...
+    device: str | None = None         # camera: index ("0") or /dev/videoN
+    loop: bool = False                # folder/video: start again at the end
+    lossless: bool | None = None      # None: lossless for folder/video/file, latest-frame-wins for live sources
+    max_fps: float = 0.0              # folder/video: pace reading (0: as fast as the pipeline takes frames)
+    open_timeout_ms: int = 5000
+    read_timeout_ms: int = 3000
+    stall_timeout_s: float = 5.0      # no new frame for this long: the stream is lost, reopen
+    frozen_after: int = 30            # this many identical consecutive frames: report a frozen picture
+    reconnect_initial_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    host: str = "127.0.0.1"           # udp: bind address
+    port: int = 0                     # udp: bind port
+    sample_dtype: Literal["float32", "int16", "uint8"] = "float32"  # sensor samples, little-endian
+    hop: int = 0                      # sensor: samples between windows (0: the window length)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    max_batch: int = 1                # micro-batching where the model has a dynamic batch dimension
+    batch_timeout_ms: float = 2.0
+    queue_size: int = 2               # bounded queues between stages
+    max_frames: int = 0               # stop after this many frames (0: run until stopped)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    stdout: bool = True               # results as JSON lines on stdout
+
+
 @dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -51,6 +91,9 @@ class Config:
     providers: ProvidersConfig = ProvidersConfig()
     selection: SelectionConfig = SelectionConfig()
     session: SessionSettings = SessionSettings()
+    source: SourceConfig = SourceConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    output: OutputConfig = OutputConfig()
     log: LogConfig = LogConfig()
     source_file: Path | None = None
 
@@ -81,7 +124,7 @@ def _convert(tp: Any, value: Any, where: str, key: str) -> Any:
             raise ConfigError(f"{where}: key {key}: expected a list, found {type(value).__name__}")
         item = args[0]
         return tuple(_convert(item, v, where, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin in (Mapping, dict, typing.Mapping) or tp is dict:
+    if origin in (collections.abc.Mapping, dict) or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: key {key}: expected a mapping, found {type(value).__name__}")
         kt, vt = args if args else (str, Any)
@@ -148,7 +191,11 @@ def parse_config(text: str, where: str) -> Config:
         return p if p is None or p.is_absolute() else base / p
 
     return dataclasses.replace(
-        cfg, state_dir=anchored(cfg.state_dir), bundle=anchored(cfg.bundle), source_file=Path(where)
+        cfg,
+        state_dir=anchored(cfg.state_dir),
+        bundle=anchored(cfg.bundle),
+        source=dataclasses.replace(cfg.source, path=anchored(cfg.source.path)),
+        source_file=Path(where),
     )
 
 

@@ -23,14 +23,17 @@ CUDA = "CUDAExecutionProvider"
 OPENVINO = "OpenVINOExecutionProvider"
 DEFAULT_ORDER: tuple[str, ...] = (TENSORRT, CUDA, OPENVINO, CPU)
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _REASON_PATTERNS = (
     re.compile(r"(Failed to load library[^\n]*)"),
+    re.compile(r"\[OpenVINO\]\s*([^\n]*)"),
     re.compile(r"(Failed to create [A-Za-z]+ExecutionProvider[^\n]*)"),
     re.compile(r"(EP Error[^\n]*)"),
     re.compile(r"(Require cuDNN[^\n]*)"),
     re.compile(r"(CUDA failure[^\n]*)"),
     re.compile(r"(no CUDA-capable device[^\n]*)"),
     re.compile(r"(cannot open shared object file[^\n]*)"),
+    re.compile(r"\[E:onnxruntime[^\]]*\]\s*([^\n]*)"),
 )
 
 
@@ -88,7 +91,7 @@ def provider_versions(name: str) -> dict[str, str]:
 
 
 def reason_from_log(lines: Sequence[str]) -> str | None:
-    text = "\n".join(lines)
+    text = _ANSI.sub("", "\n".join(lines))
     for pattern in _REASON_PATTERNS:
         m = pattern.search(text)
         if m:

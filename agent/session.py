@@ -1,7 +1,7 @@
 """Build an ONNX Runtime session for one (model, provider) and measure where its nodes really run.
 
 Placement comes from ORT's graph-assignment info where this ORT has it, else from a profiling run's
-`args.provider` per node. ORT's own log lines during creation are captured: they carry the reason a
+`args.provider` per node. ORT's own output during creation is captured: they carry the reason a
 provider silently fell back (a library that failed to load, a missing device).
 """
 
@@ -94,19 +94,28 @@ class OpenedSession:
 
 
 @contextmanager
-def capture_native_stderr() -> Iterator[list[str]]:
-    """Collect what native code (ORT's logger) writes to fd 2 inside the block."""
+def capture_provider_output() -> Iterator[list[str]]:
+    """Collect what ORT and provider libraries write to fds 1 and 2 inside the block.
+
+    Native loggers write to fd 2, and ORT's Python layer prints its fallback notice ("EP Error ...
+    Falling back") to stdout, which would corrupt `--json` output; both carry the reason a provider
+    fell back, so both are kept as log lines instead.
+    """
     lines: list[str] = []
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
+        for fd in saved:
+            os.dup2(tmp.fileno(), fd)
         try:
             yield lines
         finally:
+            sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
             tmp.seek(0)
             lines.extend(line for line in tmp.read().decode("utf-8", "replace").splitlines() if line.strip())
 
@@ -144,7 +153,7 @@ def open_session(
     so = session_options(settings)
     src = model if isinstance(model, bytes) else str(model)
     t0 = time.perf_counter()
-    with capture_native_stderr() as log:
+    with capture_provider_output() as log:
         sess = ort.InferenceSession(src, so, providers=provider_list(provider, options))
     create_ms = (time.perf_counter() - t0) * 1000
     placement = placement_from_assignment(sess)
@@ -190,7 +199,7 @@ def placement_from_profile(
     so.enable_profiling = True
     with tempfile.TemporaryDirectory() as tmp:
         so.profile_file_prefix = os.path.join(tmp, "placement")
-        with capture_native_stderr():
+        with capture_provider_output():
             sess = ort.InferenceSession(src, so, providers=provider_list(provider, options))
         sess.run(None, {sess.get_inputs()[0].name: sample})
         path = sess.end_profiling()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-FRAME = 128
+FRAME = 160
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:

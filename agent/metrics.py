@@ -1,0 +1,73 @@
+"""Serving metrics: counters, frame rates and rolling latency percentiles per stage.
+
+Each counter has one writer (the stage that owns it); readers take snapshots. No locks on the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+STAGES = ("queue", "preprocess", "inference", "postprocess", "total")
+
+
+class Rate:
+    """Events per second over a sliding window of recent event times."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self.times: deque[float] = deque(maxlen=4096)
+
+    def mark(self, now: float | None = None) -> None:
+        self.times.append(time.monotonic() if now is None else now)
+
+    def per_second(self) -> float:
+        now = time.monotonic()
+        times = [t for t in list(self.times) if now - t <= self.window_s]
+        if len(times) < 2:
+            return 0.0
+        span = max(now - times[0], 1e-9)
+        return len(times) / span
+
+
+@dataclass
+class PipelineMetrics:
+    started: float = field(default_factory=time.monotonic)
+    frames_in: int = 0
+    frames_out: int = 0
+    dropped: int = 0  # latest-frame-wins overwrites
+    bad_frames: int = 0
+    inference_errors: int = 0
+    last_progress: float = field(default_factory=time.monotonic)  # the watchdog's view: results still flowing
+    rate_in: Rate = field(default_factory=Rate)
+    rate_out: Rate = field(default_factory=Rate)
+    latency_ms: dict[str, deque] = field(default_factory=lambda: {s: deque(maxlen=2048) for s in STAGES})
+
+    def observe(self, stage: str, ms: float) -> None:
+        self.latency_ms[stage].append(ms)
+
+    def percentiles(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for stage, values in self.latency_ms.items():
+            vals = np.fromiter(list(values), dtype=np.float64)
+            if vals.size:
+                p50, p95, p99 = np.percentile(vals, [50, 95, 99])
+                out[stage] = {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "p99": round(float(p99), 3)}
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "frames_in": self.frames_in,
+            "frames_out": self.frames_out,
+            "dropped": self.dropped,
+            "bad_frames": self.bad_frames,
+            "inference_errors": self.inference_errors,
+            "fps_in": round(self.rate_in.per_second(), 2),
+            "fps_out": round(self.rate_out.per_second(), 2),
+            "latency_ms": self.percentiles(),
+            "seconds_since_progress": round(time.monotonic() - self.last_progress, 3),
+        }

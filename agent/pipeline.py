@@ -1,0 +1,285 @@
+"""capture -> preprocess -> infer -> postprocess/publish, as threads joined by bounded queues.
+
+ORT releases the GIL in `run`, so preprocessing frame n+1 overlaps inference of frame n. Live sources
+hand over frames latest-wins (stale frames are dropped and counted); files can run lossless. A bad
+frame is counted and skipped; nothing a source delivers can stop the pipeline.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from agent.config import PipelineConfig
+from agent.engine import Engine
+from agent.errors import PreprocessError
+from agent.logsetup import get_logger
+from agent.metrics import PipelineMetrics
+from agent.postprocess import decode, split_batch
+from agent.sources import BadFrame, Frame, FrameSource
+
+log = get_logger("pipeline")
+
+_END = object()
+
+
+class Sink(Protocol):
+    def write(self, result: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class LatestSlot:
+    """A one-frame mailbox: put overwrites (counting the drop), get waits."""
+
+    def __init__(self, on_drop: Callable[[], None]):
+        self._cond = threading.Condition()
+        self._item: Any = None
+        self._full = False
+        self._on_drop = on_drop
+
+    def put(self, item: Any) -> None:
+        with self._cond:
+            if self._full and self._item is not _END:
+                self._on_drop()
+            if not (self._full and self._item is _END):
+                self._item, self._full = item, True
+            self._cond.notify()
+
+    def get(self, timeout: float | None = None) -> Any:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._full, timeout):
+                raise queue.Empty
+            item, self._item, self._full = self._item, None, False
+            return item
+
+
+@dataclass
+class Prepared:
+    frames: list[Frame]
+    tensor: np.ndarray
+    engine: Engine
+    geometry: list[Any]
+    dequeued_ns: int
+    preprocess_ms: float
+
+
+@dataclass
+class Inferred:
+    prepared: Prepared
+    outputs: dict[str, np.ndarray]
+    inference_ms: float
+
+
+@dataclass
+class PipelineStatus:
+    running: bool
+    source_state: str
+    last_frame_age_s: float | None
+    engine: dict[str, Any] | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Pipeline:
+    def __init__(self, source: FrameSource, engine: Engine, sink: Sink, cfg: PipelineConfig, lossless: bool):
+        self.source, self.sink, self.cfg, self.lossless = source, sink, cfg, lossless
+        self._engine = engine
+        self.metrics = PipelineMetrics()
+        self.stop_event = threading.Event()
+        self.paused = threading.Event()
+        self.done = threading.Event()
+        self._seq = 0
+        self._frames_q: Any = (queue.Queue(maxsize=max(cfg.queue_size, 1)) if lossless
+                               else LatestSlot(self._count_drop))
+        self._prepared_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size, 1))
+        self._results_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size * 4, 8))
+        self._threads = [
+            threading.Thread(target=self._guard(self._capture), name="capture", daemon=True),
+            threading.Thread(target=self._guard(self._preprocess), name="preprocess", daemon=True),
+            threading.Thread(target=self._guard(self._infer), name="infer", daemon=True),
+            threading.Thread(target=self._guard(self._publish), name="publish", daemon=True),
+        ]
+
+    # -- control ---------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def swap_engine(self, engine: Engine) -> None:
+        """Frames preprocessed for the old engine finish on it; the next frame uses the new one."""
+        old, self._engine = self._engine, engine
+        log.info("pipeline.engine_swapped", old=old.describe(), new=engine.describe())
+
+    def start(self) -> "Pipeline":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop reading; frames already captured finish and are published."""
+        self.stop_event.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    def status(self) -> PipelineStatus:
+        st = self.source.stats
+        age = (time.perf_counter_ns() - st.last_frame_ns) / 1e9 if st.last_frame_ns else None
+        return PipelineStatus(not self.done.is_set(), st.state, None if age is None else round(age, 3),
+                              self._engine.describe(), self.metrics.snapshot())
+
+    # -- stages ----------------------------------------------------------------------------------------
+    def _count_drop(self) -> None:
+        self.metrics.dropped += 1
+
+    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # a stage bug must not hang the others: end the stream downstream
+                log.exception("pipeline.stage_crashed", stage=fn.__name__)
+                self.stop_event.set()
+                for q in (self._frames_q, self._prepared_q, self._results_q):
+                    try:
+                        q.put(_END) if isinstance(q, LatestSlot) else q.put(_END, timeout=1)
+                    except queue.Full:
+                        pass
+        return run
+
+    def _capture(self) -> None:
+        src, m = self.source, self.metrics
+        limit = self.cfg.max_frames
+        while not self.stop_event.is_set():
+            if self.paused.is_set():
+                self.stop_event.wait(0.05)
+                continue
+            try:
+                frame = src.read(self.stop_event)
+            except BadFrame as exc:
+                m.bad_frames += 1
+                log.warning("frame.bad", source=src.name, reason=str(exc), bad_frames=m.bad_frames)
+                continue
+            if frame is None:
+                break
+            m.frames_in += 1
+            m.rate_in.mark()
+            if self.lossless:
+                while not self.stop_event.is_set():
+                    try:
+                        self._frames_q.put(frame, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+            else:
+                self._frames_q.put(frame)
+            if limit and m.frames_in >= limit:
+                break
+        self._frames_q.put(_END)
+
+    def _next_frame(self, timeout: float | None) -> Any:
+        try:
+            return self._frames_q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _preprocess(self) -> None:
+        m = self.metrics
+        while True:
+            first = self._next_frame(None)
+            if first is _END:
+                break
+            batch = [first]
+            engine = self._engine
+            if self.cfg.max_batch > 1 and engine.dynamic_batch:
+                deadline = time.monotonic() + self.cfg.batch_timeout_ms / 1000
+                while len(batch) < self.cfg.max_batch:
+                    nxt = self._next_frame(max(0.0, deadline - time.monotonic()))
+                    if nxt is None:
+                        break
+                    if nxt is _END:
+                        self._frames_q.put(_END)  # let the outer loop see the end too
+                        break
+                    batch.append(nxt)
+            t0 = time.perf_counter_ns()
+            tensors, frames, geoms = [], [], []
+            for f in batch:
+                try:
+                    tensors.append(engine.preprocessor(f.data))
+                    geoms.append(engine.preprocessor.geometry(f.data))
+                    frames.append(f)
+                except PreprocessError as exc:
+                    m.bad_frames += 1
+                    log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
+            if not frames:
+                continue
+            t1 = time.perf_counter_ns()
+            tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
+            self._prepared_q.put(Prepared(frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6))
+        self._prepared_q.put(_END)
+
+    def _infer(self) -> None:
+        m = self.metrics
+        while True:
+            p = self._prepared_q.get()
+            if p is _END:
+                break
+            t0 = time.perf_counter_ns()
+            try:
+                outputs = p.engine.opened.run(p.tensor)
+            except Exception as exc:  # a runtime failure on one input is counted, not fatal
+                m.inference_errors += 1
+                log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
+                continue
+            self._results_q.put(Inferred(p, outputs, (time.perf_counter_ns() - t0) / 1e6))
+        self._results_q.put(_END)
+
+    def _publish(self) -> None:
+        m = self.metrics
+        try:
+            while True:
+                item = self._results_q.get()
+                if item is _END:
+                    break
+                p: Prepared = item.prepared
+                eng = p.engine
+                n = len(p.frames)
+                for i, frame in enumerate(p.frames):
+                    t0 = time.perf_counter_ns()
+                    outs = split_batch(item.outputs, i)
+                    result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i])
+                    t1 = time.perf_counter_ns()
+                    self._seq += 1
+                    timings = {
+                        "queue_ms": round((p.dequeued_ns - frame.captured_ns) / 1e6, 3),
+                        "preprocess_ms": round(p.preprocess_ms / n, 3),
+                        "inference_ms": round(item.inference_ms, 3),
+                        "postprocess_ms": round((t1 - t0) / 1e6, 3),
+                        "total_ms": round((t1 - frame.captured_ns) / 1e6, 3),
+                    }
+                    for key in ("queue", "preprocess", "inference", "postprocess", "total"):
+                        m.observe(key, timings[f"{key}_ms"])
+                    self.sink.write({
+                        "seq": self._seq,
+                        "captured_at": round(frame.captured_at, 6),
+                        "source": frame.source,
+                        "frame_index": frame.index,
+                        "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
+                        "variant": eng.candidate.variant,
+                        "provider": eng.candidate.provider,  # verified against the session's effective list
+                        "batch": n,
+                        "timings": timings,
+                        "result": result,
+                    })
+                    m.frames_out += 1
+                    m.rate_out.mark()
+                    m.last_progress = time.monotonic()
+        finally:
+            self.sink.close()
+            self.done.set()

@@ -1,0 +1,362 @@
+"""Frame sources, chosen by type from a registry: image folders, OpenCV video/camera/streams, sensor windows.
+
+Each source delivers frames in the bundle's frame contract (image colour order, sensor window shape),
+never blocks past its time-outs, reports its state, and turns a lost stream into a reconnect with backoff.
+A frame that cannot be decoded is raised as BadFrame: the pipeline counts it and carries on.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import cv2
+import numpy as np
+
+from agent.config import SourceConfig
+from agent.errors import ConfigError
+from agent.logsetup import get_logger
+from agent.manifest import FrameSpec
+
+log = get_logger("source")
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+class BadFrame(Exception):
+    """One frame could not be turned into the frame the bundle expects; counted and skipped."""
+
+
+@dataclass
+class Frame:
+    index: int
+    data: np.ndarray
+    captured_at: float  # wall clock, for results
+    captured_ns: int  # monotonic, for latency
+    source: str
+
+
+@dataclass
+class SourceStats:
+    state: str = "starting"  # starting | open | lost | frozen | ended
+    frames: int = 0
+    bad: int = 0
+    reconnects: int = 0
+    frozen_events: int = 0
+    last_frame_ns: int = 0
+    last_error: str | None = None
+
+
+class FrameSource(Protocol):
+    name: str
+    live: bool
+    stats: SourceStats
+
+    def read(self, stop: threading.Event) -> Frame | None:
+        """The next frame; None when the source has ended for good or `stop` is set. May raise BadFrame."""
+
+    def close(self) -> None: ...
+
+
+def _now() -> tuple[float, int]:
+    return time.time(), time.perf_counter_ns()
+
+
+def _to_frame_color(img: np.ndarray, frame: FrameSpec) -> np.ndarray:
+    """OpenCV decodes to BGR; deliver the bundle's frame colour order."""
+    if frame.color == "gray":
+        return img if img.ndim == 2 else cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
+    if img.ndim == 2:
+        img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR)
+    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if frame.color == "rgb" else img
+
+
+class _Pacer:
+    def __init__(self, max_fps: float):
+        self.period = 1.0 / max_fps if max_fps > 0 else 0.0
+        self.next = time.monotonic()
+
+    def wait(self, stop: threading.Event) -> None:
+        if self.period:
+            delay = self.next - time.monotonic()
+            if delay > 0:
+                stop.wait(delay)
+            self.next = max(self.next + self.period, time.monotonic())
+
+
+class FolderSource:
+    """Image files in name order; the demo's default source."""
+
+    live = False
+
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
+        if cfg.path is None or not cfg.path.is_dir():
+            raise ConfigError(f"source.path: {cfg.path} is not a directory of images")
+        self.files = sorted(p for p in cfg.path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not self.files:
+            raise ConfigError(f"source.path: {cfg.path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+        self.cfg, self.frame, self.name = cfg, frame, f"folder:{cfg.path}"
+        self.pos = 0
+        self.stats = SourceStats(state="open")
+        self.pacer = _Pacer(cfg.max_fps)
+
+    def read(self, stop: threading.Event) -> Frame | None:
+        if stop.is_set():
+            return None
+        if self.pos >= len(self.files):
+            if not self.cfg.loop:
+                self.stats.state = "ended"
+                return None
+            self.pos = 0
+        self.pacer.wait(stop)
+        path = self.files[self.pos]
+        self.pos += 1
+        flag = cv2.IMREAD_GRAYSCALE if self.frame.color == "gray" else cv2.IMREAD_COLOR
+        img = cv2.imread(str(path), flag)
+        if img is None:
+            self.stats.bad += 1
+            raise BadFrame(f"{path}: cannot decode image")
+        data = _to_frame_color(img, self.frame)
+        at, ns = _now()
+        self.stats.frames += 1
+        self.stats.last_frame_ns = ns
+        return Frame(self.stats.frames, data, at, ns, str(path.name))
+
+    def close(self) -> None:
+        pass
+
+
+class OpenCVSource:
+    """Video files, cameras and network streams through cv2.VideoCapture, with time-outs and reconnects."""
+
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
+        self.cfg, self.frame = cfg, frame
+        if cfg.type == "video":
+            if cfg.path is None or not cfg.path.is_file():
+                raise ConfigError(f"source.path: {cfg.path} is not a video file")
+            self.target: str | int = str(cfg.path)
+        elif cfg.type == "camera":
+            dev = cfg.device or "0"
+            self.target = int(dev) if dev.isdigit() else dev
+        else:
+            if not cfg.url:
+                raise ConfigError("source.url: a stream source needs a URL (http://.../mjpeg, rtsp://...)")
+            self.target = cfg.url
+        self.live = cfg.type != "video"
+        self.name = f"{cfg.type}:{self.target}"
+        self.stats = SourceStats()
+        self.cap: cv2.VideoCapture | None = None
+        self.backoff = cfg.reconnect_initial_s
+        self.prev: np.ndarray | None = None
+        self.same = 0
+        self.pacer = _Pacer(cfg.max_fps if not self.live else 0.0)
+
+    def _open(self) -> bool:
+        params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, self.cfg.open_timeout_ms,
+                  cv2.CAP_PROP_READ_TIMEOUT_MSEC, self.cfg.read_timeout_ms]
+        api = cv2.CAP_V4L2 if isinstance(self.target, int) else cv2.CAP_FFMPEG
+        cap = cv2.VideoCapture(self.target, api, params)
+        if not cap.isOpened():
+            cap.release()
+            return False
+        self.cap = cap
+        return True
+
+    def _lose(self, why: str) -> None:
+        if self.stats.state != "lost":
+            log.warning("source.lost", source=self.name, reason=why)
+        self.stats.state = "lost"
+        self.stats.last_error = why
+        if self.cap is not None:
+            self.cap.release()
+            self.cap = None
+
+    def _reconnect(self, stop: threading.Event) -> bool:
+        """Open (again), sleeping with exponential backoff between tries; False only when stopped."""
+        first = self.stats.state == "starting"
+        while not stop.is_set():
+            if self._open():
+                if not first:
+                    self.stats.reconnects += 1
+                    log.info("source.reopened", source=self.name, reconnects=self.stats.reconnects)
+                self.stats.state = "open"
+                self.stats.last_frame_ns = time.perf_counter_ns()
+                self.backoff = self.cfg.reconnect_initial_s
+                return True
+            self._lose("cannot open")
+            if not self.live:
+                return False
+            stop.wait(self.backoff)
+            self.backoff = min(self.backoff * 2, self.cfg.reconnect_max_s)
+        return False
+
+    def read(self, stop: threading.Event) -> Frame | None:
+        while not stop.is_set():
+            if self.cap is None and not self._reconnect(stop):
+                if not self.live:
+                    self.stats.state = "ended"
+                return None
+            assert self.cap is not None
+            self.pacer.wait(stop)
+            ok, img = self.cap.read()
+            if not ok or img is None:
+                if not self.live:
+                    if self.cfg.loop and self.stats.frames > 0:
+                        self.cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+                        continue
+                    self.stats.state = "ended"
+                    return None
+                self._lose("read failed or timed out")
+                continue
+            at, ns = _now()
+            if self.live and self.stats.last_frame_ns and ns - self.stats.last_frame_ns > self.cfg.stall_timeout_s * 1e9:
+                log.warning("source.stalled", source=self.name, seconds=(ns - self.stats.last_frame_ns) / 1e9)
+            self.stats.last_frame_ns = ns
+            self._watch_frozen(img)
+            self.stats.frames += 1
+            return Frame(self.stats.frames, _to_frame_color(img, self.frame), at, ns, self.name)
+        return None
+
+    def _watch_frozen(self, img: np.ndarray) -> None:
+        if self.prev is not None and self.prev.shape == img.shape and np.array_equal(self.prev, img):
+            self.same += 1
+            if self.same == self.cfg.frozen_after:
+                self.stats.state = "frozen"
+                self.stats.frozen_events += 1
+                log.warning("source.frozen", source=self.name, identical_frames=self.same)
+        else:
+            if self.stats.state == "frozen":
+                log.info("source.unfrozen", source=self.name)
+            if self.stats.state in ("frozen", "starting"):
+                self.stats.state = "open"
+            self.same = 0
+        self.prev = img
+
+    def close(self) -> None:
+        if self.cap is not None:
+            self.cap.release()
+            self.cap = None
+
+
+class SensorSource:
+    """Windows of numeric samples from UDP datagrams, a FIFO / character device / file, or stdin.
+
+    Samples are little-endian `sample_dtype`, channels interleaved. A UDP datagram that is not a whole
+    number of samples is malformed: counted and dropped. Windows of `window` samples every `hop`.
+    """
+
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
+        if frame.kind != "sensor":
+            raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes {frame.kind} frames")
+        self.cfg, self.frame = cfg, frame
+        self.dtype = np.dtype(cfg.sample_dtype).newbyteorder("<")
+        self.sample_bytes = self.dtype.itemsize * frame.channels
+        self.window, self.hop = frame.window, cfg.hop or frame.window
+        self.buf = np.empty((0, frame.channels), np.float32)
+        self.pending = b""
+        self.stats = SourceStats()
+        self.live = cfg.type == "udp"
+        self.sock: socket.socket | None = None
+        self.fd: int | None = None
+        if cfg.type == "udp":
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.sock.bind((cfg.host, cfg.port))
+            self.sock.settimeout(0.2)
+            self.name = f"udp:{cfg.host}:{self.sock.getsockname()[1]}"
+        elif cfg.type == "stdin":
+            self.fd = sys.stdin.buffer.fileno()
+            self.name = "stdin"
+        else:
+            if cfg.path is None:
+                raise ConfigError("source.path: a file source needs a FIFO, character device or file")
+            self.fd = os.open(cfg.path, os.O_RDONLY | os.O_NONBLOCK)
+            self.name = f"file:{cfg.path}"
+        self.stats.state = "open"
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1] if self.sock else 0
+
+    def _chunk(self, stop: threading.Event) -> bytes | None:
+        """Raw bytes of one packet/read; b'' when nothing arrived yet; None at end of stream."""
+        if self.sock is not None:
+            try:
+                data, _ = self.sock.recvfrom(65536)
+            except socket.timeout:
+                return b""
+            if len(data) == 0 or len(data) % self.sample_bytes:
+                self.stats.bad += 1
+                raise BadFrame(f"{self.name}: datagram of {len(data)} bytes is not whole samples of {self.sample_bytes} bytes")
+            return data
+        assert self.fd is not None
+        ready, _, _ = select.select([self.fd], [], [], 0.2)
+        if not ready:
+            return b""
+        data = os.read(self.fd, 65536)
+        if not data:
+            return None
+        data = self.pending + data
+        cut = len(data) - len(data) % self.sample_bytes
+        self.pending = data[cut:]
+        return data[:cut]
+
+    def read(self, stop: threading.Event) -> Frame | None:
+        while not stop.is_set():
+            if len(self.buf) >= self.window:
+                win = self.buf[: self.window].copy()
+                self.buf = self.buf[self.hop :]
+                at, ns = _now()
+                if not np.all(np.isfinite(win)):
+                    self.stats.bad += 1
+                    raise BadFrame(f"{self.name}: window with non-finite samples")
+                self.stats.frames += 1
+                self.stats.last_frame_ns = ns
+                return Frame(self.stats.frames, win, at, ns, self.name)
+            data = self._chunk(stop)
+            if data is None:
+                self.stats.state = "ended"
+                return None
+            if data:
+                samples = np.frombuffer(data, self.dtype).astype(np.float32).reshape(-1, self.frame.channels)
+                self.buf = np.concatenate([self.buf, samples])
+        return None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.fd is not None and self.cfg.type != "stdin":
+            os.close(self.fd)
+
+
+SourceFactory = Callable[[SourceConfig, FrameSpec], FrameSource]
+
+SOURCES: dict[str, SourceFactory] = {
+    "folder": FolderSource,
+    "video": OpenCVSource,
+    "camera": OpenCVSource,
+    "stream": OpenCVSource,
+    "udp": SensorSource,
+    "file": SensorSource,
+    "stdin": SensorSource,
+}
+
+
+def open_source(cfg: SourceConfig, frame: FrameSpec) -> FrameSource:
+    try:
+        factory = SOURCES[cfg.type]
+    except KeyError:
+        raise ConfigError(f"source.type: unknown source {cfg.type!r} (known: {sorted(SOURCES)})") from None
+    if frame.kind == "image" and cfg.type in ("udp", "file", "stdin"):
+        raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes image frames")
+    return factory(cfg, frame)
+
+
+def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:
+    return (not source.live) if cfg.lossless is None else cfg.lossless

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install everything the tests need and run every test:
+#   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider);
+#   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
+#      replaces the `onnxruntime` module, so each gets its own venv.
+# Venvs live under $EDGE_AGENT_CACHE (default ~/.cache/edge-agent) and are reused when present.
+# Usage: scripts/test.sh [extra pytest args for the main suite]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CACHE=${EDGE_AGENT_CACHE:-$HOME/.cache/edge-agent}
+PY=${PYTHON:-python3}
+COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema pytest onnx sympy"
+export PYTHONPATH=$ROOT PIP_DISABLE_PIP_VERSION_CHECK=1
+mkdir -p "$CACHE"
+
+make_venv() {  # make_venv NAME ORT_PACKAGE -> path of its python
+  local dir=$CACHE/venv-$1
+  if [ ! -x "$dir/bin/python" ]; then
+    echo "== creating $dir" >&2
+    "$PY" -m venv "$dir"
+  fi
+  # Each venv gets exactly one onnxruntime distribution: two would overwrite each other's module.
+  "$dir/bin/python" -m pip install -q $COMMON_DEPS "$2" >&2
+  echo "$dir/bin/python"
+}
+
+CPU_PY=$(make_venv cpu onnxruntime)
+# The package installs and its console script works from a real (non-editable) install.
+"$CPU_PY" -m pip install -q --no-deps --force-reinstall "$ROOT" >&2
+"$(dirname "$CPU_PY")/edge-agent" --log-level warning bundle verify models/digits-classifier
+
+echo "== main suite (onnxruntime $("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)'))"
+"$CPU_PY" -m pytest "$@"
+
+for flavour in openvino gpu; do
+  FPY=$(make_venv "$flavour" "onnxruntime-$flavour")
+  echo "== provider matrix: onnxruntime-$flavour $("$FPY" -c 'import onnxruntime; print(onnxruntime.__version__, onnxruntime.get_available_providers())')"
+  "$FPY" -m pytest -q tests/test_provider_matrix.py
+done
