@@ -1,4 +1,4 @@
-"""The `edge-agent` command line: bundle tools, provider detection, the self-test, config checks."""
+"""The `edge-agent` command line: run, bundle tools, provider detection, the self-test, config checks."""
 
 from __future__ import annotations
 
@@ -161,6 +161,17 @@ def render_selftest(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from agent.daemon import Agent, demo_config
+
+    cfg = _load_cfg(args.config) if args.config else demo_config()
+    if args.max_frames is not None:
+        from dataclasses import replace
+
+        cfg = replace(cfg, pipeline=replace(cfg.pipeline, max_frames=args.max_frames))
+    return Agent(cfg).run()
+
+
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from agent.config import config_to_dict, load_config
 
@@ -231,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-cache", action="store_true", help="ignore a cached verdict")
     s.add_argument("--latency-runs", type=int, help="override the bundle's latency run count")
     s.set_defaults(func=_cmd_selftest)
+
+    r = sub.add_parser("run", help="boot, self-test and serve (no --config: the demo bundle on demo frames)")
+    r.add_argument("--config", type=Path)
+    r.add_argument("--max-frames", type=int, help="stop after this many frames")
+    r.set_defaults(func=_cmd_run)
 
     cf = sub.add_parser("config", help="validate a config file")
     csub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")

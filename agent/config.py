@@ -75,6 +75,7 @@ class PipelineConfig:
 @dataclass(frozen=True)
 class OutputConfig:
     stdout: bool = True               # results as JSON lines on stdout
+    health_interval_s: float = 10.0   # how often health is logged (and published, with MQTT)
 
 
 @dataclass(frozen=True)

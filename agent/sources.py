@@ -49,6 +49,7 @@ class SourceStats:
     frames: int = 0
     bad: int = 0
     reconnects: int = 0
+    losses: int = 0
     frozen_events: int = 0
     last_frame_ns: int = 0
     last_error: str | None = None
@@ -171,7 +172,8 @@ class OpenCVSource:
 
     def _lose(self, why: str) -> None:
         if self.stats.state != "lost":
-            log.warning("source.lost", source=self.name, reason=why)
+            self.stats.losses += 1
+            log.warning("source.lost", source=self.name, reason=why, losses=self.stats.losses)
         self.stats.state = "lost"
         self.stats.last_error = why
         if self.cap is not None:

@@ -98,3 +98,50 @@ def scale_initializer(model_path: Path, name: str, factor: float) -> None:
             onnx.save(model, str(model_path))
             return
     raise KeyError(f"{model_path}: no initializer {name!r}")
+
+
+def make_tiny_sensor_model(path: Path, window: int = 64, channels: int = 3, classes: int = 3, seed: int = 0) -> Path:
+    """A small real 1-D CNN over (batch, channels, window) sensor windows."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((8, channels, 5)) * 0.5).astype(np.float32), "w1"),
+        numpy_helper.from_array(np.zeros(8, np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((classes, 8)) * 1.5).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.zeros(classes, np.float32), "fc_b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["window", "w1", "b1"], ["c"], name="conv", pads=[2, 2]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["scores"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "tiny_sensor",
+        [helper.make_tensor_value_info("window", TensorProto.FLOAT, ["batch", channels, window])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", classes])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+class ListSink:
+    """Collects results in memory (thread-safe append), for tests of the pipeline."""
+
+    def __init__(self) -> None:
+        self.results: list[dict[str, Any]] = []
+        self.closed = False
+
+    def write(self, result: dict[str, Any]) -> None:
+        self.results.append(result)
+
+    def close(self) -> None:
+        self.closed = True

@@ -66,6 +66,37 @@ def tiny_bundle(tiny_bundle_master: Path, tmp_path: Path) -> Path:
     return dst
 
 
+TINY_SENSOR_SPEC = {
+    "name": "tiny-sensor",
+    "version": 1,
+    "label": "0.1.0",
+    "task": "classification",
+    "frame": {"kind": "sensor", "window": 64, "channels": 3, "dtype": "float32"},
+    "preprocess": {"scale": 1.0, "mean": [0.0], "std": [2.0], "layout": "ncw", "dtype": "float32"},
+    "postprocess": {"type": "classification", "output": "scores", "top_k": 1},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_sensor_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from agent.bundle_create import CreateOptions, create_bundle
+    from agent.testing import make_tiny_sensor_model
+
+    d = tmp_path_factory.mktemp("tiny-sensor")
+    rng = np.random.default_rng(5)
+    t = np.arange(64, dtype=np.float32)
+    def windows(n: int) -> np.ndarray:
+        f = rng.uniform(0.05, 0.4, (n, 1, 3))
+        return (np.sin(t[None, :, None] * f) + rng.normal(0, 0.2, (n, 64, 3))).astype(np.float32)
+    np.savez(d / "calib.npz", raw=windows(32))
+    np.savez(d / "golden.npz", raw=windows(6))
+    (d / "spec.yaml").write_text(yaml.safe_dump(TINY_SENSOR_SPEC))
+    return create_bundle(CreateOptions(
+        model=make_tiny_sensor_model(d / "s.onnx"), spec=d / "spec.yaml", calibration=d / "calib.npz",
+        golden=d / "golden.npz", out=d / "bundle", min_agreement=0.5, keep_low_quality=True,
+    ))
+
+
 @pytest.fixture
 def demo_bundle() -> Path:
     if not (DEMO / "bundle.yaml").exists():
