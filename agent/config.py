@@ -69,6 +69,7 @@ class PipelineConfig:
     max_batch: int = 1                # micro-batching where the model has a dynamic batch dimension
     batch_timeout_ms: float = 2.0
     queue_size: int = 2               # bounded queues between stages
+    inference_workers: int = 0        # threads calling run() on the one session; 0: one per available CPU, at most 4
     max_frames: int = 0               # stop after this many frames (0: run until stopped)
 
 

@@ -7,6 +7,7 @@ frame is counted and skipped; nothing a source delivers can stop the pipeline.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from agent.sources import BadFrame, Frame, FrameSource
 log = get_logger("pipeline")
 
 _END = object()
+_WORKER_DONE = object()
 
 
 class Sink(Protocol):
@@ -60,6 +62,7 @@ class LatestSlot:
 
 @dataclass
 class Prepared:
+    number: int  # order of preparation; results are published in this order
     frames: list[Frame]
     tensor: np.ndarray
     engine: Engine
@@ -71,7 +74,7 @@ class Prepared:
 @dataclass
 class Inferred:
     prepared: Prepared
-    outputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray] | None  # None: inference failed, counted, nothing to publish
     inference_ms: float
 
 
@@ -97,10 +100,12 @@ class Pipeline:
                                else LatestSlot(self._count_drop))
         self._prepared_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size, 1))
         self._results_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size * 4, 8))
+        self._workers = cfg.inference_workers or min(len(os.sched_getaffinity(0)), 4)
         self._threads = [
             threading.Thread(target=self._guard(self._capture), name="capture", daemon=True),
             threading.Thread(target=self._guard(self._preprocess), name="preprocess", daemon=True),
-            threading.Thread(target=self._guard(self._infer), name="infer", daemon=True),
+            *(threading.Thread(target=self._guard(self._infer), name=f"infer-{i}", daemon=True)
+              for i in range(self._workers)),
             threading.Thread(target=self._guard(self._publish), name="publish", daemon=True),
         ]
 
@@ -191,6 +196,7 @@ class Pipeline:
 
     def _preprocess(self) -> None:
         m = self.metrics
+        number = 0
         while True:
             first = self._next_frame(None)
             if first is _END:
@@ -221,7 +227,8 @@ class Pipeline:
                 continue
             t1 = time.perf_counter_ns()
             tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
-            self._prepared_q.put(Prepared(frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6))
+            number += 1
+            self._prepared_q.put(Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6))
         self._prepared_q.put(_END)
 
     def _infer(self) -> None:
@@ -229,6 +236,7 @@ class Pipeline:
         while True:
             p = self._prepared_q.get()
             if p is _END:
+                self._prepared_q.put(_END)  # the other workers need to see it too
                 break
             t0 = time.perf_counter_ns()
             try:
@@ -236,17 +244,34 @@ class Pipeline:
             except Exception as exc:  # a runtime failure on one input is counted, not fatal
                 m.inference_errors += 1
                 log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
-                continue
+                outputs = None
             self._results_q.put(Inferred(p, outputs, (time.perf_counter_ns() - t0) / 1e6))
-        self._results_q.put(_END)
+        self._results_q.put(_WORKER_DONE)
+
+    def _in_order(self) -> Any:
+        """Results from all inference workers, re-ordered by preparation number."""
+        pending: dict[int, Inferred] = {}
+        next_number, done = 1, 0
+        while done < self._workers:
+            item = self._results_q.get()
+            if item is _WORKER_DONE:
+                done += 1
+                continue
+            if item is _END:
+                break
+            pending[item.prepared.number] = item
+            while next_number in pending:
+                yield pending.pop(next_number)
+                next_number += 1
+        for number in sorted(pending):
+            yield pending[number]
 
     def _publish(self) -> None:
         m = self.metrics
         try:
-            while True:
-                item = self._results_q.get()
-                if item is _END:
-                    break
+            for item in self._in_order():
+                if item.outputs is None:
+                    continue
                 p: Prepared = item.prepared
                 eng = p.engine
                 n = len(p.frames)

@@ -83,3 +83,13 @@ def test_bundle_that_fails_selftest_is_not_served_but_the_agent_stays_up(tiny_bu
     assert not_serving and "latency p95" in not_serving[0]["reason"]
     health = [e for e in events if e["event"] == "health"]
     assert health and health[-1]["serving"] is False and "latency p95" in health[-1]["not_serving_reason"]
+
+
+def test_sensor_demo_from_stdin_classifies_each_simulated_state(tmp_path: Path) -> None:
+    stream = (ROOT / "models" / "demo-frames" / "vibration.f32").read_bytes()
+    out = subprocess.run([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config",
+                          str(ROOT / "examples" / "vibration-stdin.yaml")],
+                         input=stream, capture_output=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr.decode()
+    labels = [json.loads(line)["result"]["top"][0]["label"] for line in out.stdout.decode().splitlines()]
+    assert labels == ["normal"] * 3 + ["imbalance"] * 3 + ["misalignment"] * 3 + ["bearing_fault"] * 3
