@@ -66,6 +66,7 @@ def unpack(archive: Path, dest: Path, limits: UnpackLimits = UnpackLimits()) -> 
         raise ArchiveError(f"{dest}: already exists; unpack into a new directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".unpack-", dir=dest.parent))
+    work.chmod(0o755)
     try:
         _extract(archive, work, limits)
         work.rename(dest)

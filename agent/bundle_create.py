@@ -253,6 +253,7 @@ def create_bundle(opts: CreateOptions) -> Path:
         raise BundleError(f"{out}: already exists; choose a new output directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp makes 0700; a bundle is read by the service's own user
     try:
         _build(spec, opts, staging)
         load_bundle(staging)  # the same checks a device runs, before anything is published

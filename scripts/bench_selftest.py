@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.bundle import load_bundle  # noqa: E402
+from agent.session import SessionSettings, session_options  # noqa: E402
 
 
 def boot(bundle: Path, state: Path, *extra: str) -> tuple[float, dict]:
@@ -37,7 +38,9 @@ def boot(bundle: Path, state: Path, *extra: str) -> tuple[float, dict]:
 
 
 def raw_latency(model: Path, tensor: np.ndarray, runs: int) -> tuple[float, float]:
-    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    """A plain session with the agent's own default thread settings, so the ratio is like for like."""
+    sess = ort.InferenceSession(str(model), session_options(SessionSettings(), record_assignment=False),
+                                providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
     for _ in range(10):
         sess.run(None, {name: tensor})
