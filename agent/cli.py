@@ -172,6 +172,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return Agent(cfg).run()
 
 
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    from agent.monitor import run_monitor
+
+    host, _, port = args.broker.partition(":")
+    password = None
+    if args.password_file:
+        password = Path(args.password_file).read_text().strip()
+    return run_monitor(host, int(port or (8883 if args.tls_ca else 1883)), args.root, args.once, args.wait, args.json,
+                       tls_ca=args.tls_ca, username=args.username, password=password, insecure=args.tls_insecure)
+
+
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from agent.config import config_to_dict, load_config
 
@@ -247,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", type=Path)
     r.add_argument("--max-frames", type=int, help="stop after this many frames")
     r.set_defaults(func=_cmd_run)
+
+    mo = sub.add_parser("monitor", help="live table of every device's availability and health (operator side)")
+    mo.add_argument("--broker", default="127.0.0.1:1883", help="HOST[:PORT]")
+    mo.add_argument("--root", default="edge", help="topic root above the device ids")
+    mo.add_argument("--tls-ca", help="CA file: connect with TLS, verifying the broker")
+    mo.add_argument("--tls-insecure", action="store_true", help="TLS without verification (development only)")
+    mo.add_argument("--username")
+    mo.add_argument("--password-file")
+    mo.add_argument("--json", action="store_true")
+    mo.add_argument("--once", action="store_true", help="print once and exit (after --wait seconds)")
+    mo.add_argument("--wait", type=float, default=1.0, help="seconds to collect retained state first")
+    mo.set_defaults(func=_cmd_monitor)
 
     cf = sub.add_parser("config", help="validate a config file")
     csub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")

@@ -80,6 +80,47 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    ca_file: Path | None = None       # CA that signed the broker's certificate (verification is always on
+    cert_file: Path | None = None     # unless insecure: true, for development only)
+    key_file: Path | None = None
+    insecure: bool = False
+
+
+@dataclass(frozen=True)
+class MqttConfig:
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 1883
+    protocol: Literal["5", "3.1.1"] = "5"
+    client_id: str | None = None      # default: edge-agent-<device_id>
+    keepalive: int = 30
+    clean_start: bool = False
+    session_expiry_s: int = 3600      # MQTT 5: how long the broker keeps our session while we are away
+    qos: Literal[0, 1] = 1            # predictions
+    prefix: str | None = None         # default: edge/<device_id>/
+    username: str | None = None
+    password: str | None = None       # or, better, one of:
+    password_file: Path | None = None
+    password_env: str | None = None
+    tls: TlsConfig | None = None
+    reconnect_min_s: int = 1
+    reconnect_max_s: int = 30
+    max_inflight: int = 500           # QoS 1 messages awaiting PUBACK at once
+    batch_predictions: int = 1        # results per predictions message (1: one message per result)
+    homeassistant: bool = False       # Home Assistant MQTT discovery
+    homeassistant_prefix: str = "homeassistant"
+
+
+@dataclass(frozen=True)
+class OutboxConfig:
+    memory_messages: int = 5000       # held in memory while the broker keeps up; beyond, spill to disk
+    max_messages: int = 1_000_000     # memory + disk; beyond, the policy drops (counted in health)
+    max_age_s: float = 7 * 86400.0
+    policy: Literal["drop_oldest", "drop_newest"] = "drop_oldest"
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool | None = None
@@ -96,6 +137,8 @@ class Config:
     source: SourceConfig = SourceConfig()
     pipeline: PipelineConfig = PipelineConfig()
     output: OutputConfig = OutputConfig()
+    mqtt: MqttConfig = MqttConfig()
+    outbox: OutboxConfig = OutboxConfig()
     log: LogConfig = LogConfig()
     source_file: Path | None = None
 
@@ -197,6 +240,13 @@ def parse_config(text: str, where: str) -> Config:
         state_dir=anchored(cfg.state_dir),
         bundle=anchored(cfg.bundle),
         source=dataclasses.replace(cfg.source, path=anchored(cfg.source.path)),
+        mqtt=dataclasses.replace(
+            cfg.mqtt,
+            password_file=anchored(cfg.mqtt.password_file),
+            tls=None if cfg.mqtt.tls is None else dataclasses.replace(
+                cfg.mqtt.tls, ca_file=anchored(cfg.mqtt.tls.ca_file), cert_file=anchored(cfg.mqtt.tls.cert_file),
+                key_file=anchored(cfg.mqtt.tls.key_file)),
+        ),
         source_file=Path(where),
     )
 

@@ -41,3 +41,17 @@ def read_json(path: Path, default: Any = None) -> Any:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return default
+
+
+def read_counter(path: Path) -> int:
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def bump_counter(path: Path) -> int:
+    """Increment a persisted integer (crash-safe) and return the new value."""
+    n = read_counter(path) + 1
+    write_atomic(path, str(n).encode())
+    return n

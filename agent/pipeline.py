@@ -88,8 +88,10 @@ class PipelineStatus:
 
 
 class Pipeline:
-    def __init__(self, source: FrameSource, engine: Engine, sink: Sink, cfg: PipelineConfig, lossless: bool):
+    def __init__(self, source: FrameSource, engine: Engine, sink: Sink, cfg: PipelineConfig, lossless: bool,
+                 boot: int = 0):
         self.source, self.sink, self.cfg, self.lossless = source, sink, cfg, lossless
+        self.boot = boot  # with seq, identifies a result across agent restarts
         self._engine = engine
         self.metrics = PipelineMetrics()
         self.stop_event = threading.Event()
@@ -291,6 +293,7 @@ class Pipeline:
                     for key in ("queue", "preprocess", "inference", "postprocess", "total"):
                         m.observe(key, timings[f"{key}_ms"])
                     self.sink.write({
+                        "boot": self.boot,
                         "seq": self._seq,
                         "captured_at": round(frame.captured_at, 6),
                         "source": frame.source,

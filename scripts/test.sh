@@ -14,6 +14,18 @@ COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema 
 export PYTHONPATH=$ROOT PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$CACHE"
 
+# System packages: Debian's mosquitto (the MQTT tests start their own brokers) and openssl.
+need=()
+command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
+command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "== installing ${need[*]}" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+fi
+
 make_venv() {  # make_venv NAME ORT_PACKAGE -> path of its python
   local dir=$CACHE/venv-$1
   if [ ! -x "$dir/bin/python" ]; then

@@ -1,0 +1,36 @@
+"""Home Assistant MQTT discovery: one device with sensors for fps, latency, provider, verdict and the
+last prediction, all read from the agent's own health and predictions topics."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agent import __version__
+from agent.config import Config
+from agent.topics import Topics
+
+
+def discovery_messages(cfg: Config, topics: Topics) -> dict[str, bytes]:
+    dev_id = cfg.device_id.replace("/", "_")
+    device = {"identifiers": [f"edge-agent-{dev_id}"], "name": f"edge-agent {cfg.device_id}",
+              "manufacturer": "edge-agent", "sw_version": __version__}
+    availability = {"topic": topics.availability, "value_template": "{{ value_json.state }}",
+                    "payload_available": "online", "payload_not_available": "offline"}
+    sensors: dict[str, dict[str, Any]] = {
+        "fps": {"name": "Frames per second", "state_topic": topics.health,
+                "value_template": "{{ value_json.pipeline.fps_out }}", "unit_of_measurement": "fps"},
+        "latency_p95": {"name": "Latency p95", "state_topic": topics.health, "unit_of_measurement": "ms",
+                        "value_template": "{{ value_json.pipeline.latency_ms.total.p95 if value_json.pipeline.latency_ms.total is defined else 0 }}"},
+        "provider": {"name": "Execution provider", "state_topic": topics.health,
+                     "value_template": "{{ value_json.provider.effective[0] if value_json.provider else 'none' }}"},
+        "verdict": {"name": "Self-test", "state_topic": topics.health,
+                    "value_template": "{{ 'pass' if value_json.selftest.passed else 'fail' }}"},
+        "last_prediction": {"name": "Last prediction", "state_topic": topics.predictions,
+                            "value_template": "{{ (value_json.result.top[0].label) if value_json.result.top is defined else value_json.result.type }}"},
+    }
+    out = {}
+    for key, s in sensors.items():
+        config = {**s, "unique_id": f"edge_agent_{dev_id}_{key}", "device": device, "availability": [availability]}
+        out[f"{cfg.mqtt.homeassistant_prefix}/sensor/edge_agent_{dev_id}/{key}/config"] = json.dumps(config).encode()
+    return out

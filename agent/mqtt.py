@@ -1,0 +1,229 @@
+"""The broker connection: availability with a last will, retained health and self-test, commands with
+replies, and the pump that moves the outbox to the broker.
+
+paho-mqtt 2.x, callback API v2, MQTT 5 by default. A broker that is down at boot never stops the agent:
+the client reconnects with backoff in its own thread while the agent self-tests and serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import paho.mqtt.client as paho
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.config import MqttConfig
+from agent.errors import ConfigError
+from agent.fsio import bump_counter, read_counter
+from agent.logsetup import get_logger
+from agent.outbox import Message, Outbox
+from agent.topics import Topics, default_prefix
+
+log = get_logger("mqtt")
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    payload: dict[str, Any]
+    response_topic: str | None
+    correlation: bytes | None
+
+
+CommandHandler = Callable[[Command], dict[str, Any]]
+
+
+def resolve_password(cfg: MqttConfig) -> str | None:
+    """From the config, a file, or an environment variable; the value itself is never logged."""
+    if cfg.password_file is not None:
+        try:
+            return cfg.password_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"key mqtt.password_file: cannot read {cfg.password_file}: {exc.strerror}") from exc
+    if cfg.password_env is not None:
+        value = os.environ.get(cfg.password_env)
+        if value is None:
+            raise ConfigError(f"key mqtt.password_env: environment variable {cfg.password_env} is not set")
+        return value
+    return cfg.password
+
+
+def _availability(state: str, session: int) -> bytes:
+    return json.dumps({"state": state, "session": session, "ts": round(time.time(), 3)}).encode()
+
+
+class MqttLink:
+    def __init__(self, cfg: MqttConfig, device_id: str, state_dir: Path, outbox: Outbox,
+                 on_command: CommandHandler, retained: Callable[[], dict[str, bytes]]):
+        self.cfg = cfg
+        self.topics = Topics(cfg.prefix or default_prefix(device_id))
+        self.outbox = outbox
+        self.on_command = on_command
+        self.retained = retained  # topic -> payload to (re)publish on every connect
+        # incremented on every connect and persisted, so a stale last will never hides the live session
+        self._session_file = state_dir / "mqtt-session"
+        self.session = read_counter(self._session_file)
+        self.connected = threading.Event()
+        self._stop = threading.Event()
+        self._pump_thread = threading.Thread(target=self._pump, name="mqtt-pump", daemon=True)
+        v5 = cfg.protocol == "5"
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=cfg.client_id or f"edge-agent-{device_id}",
+                                  protocol=paho.MQTTv5 if v5 else paho.MQTTv311,
+                                  clean_session=None if v5 else cfg.clean_start)
+        self.v5 = v5
+        self.client.max_inflight_messages_set(cfg.max_inflight)
+        self.client.max_queued_messages_set(0)
+        self.client.reconnect_delay_set(cfg.reconnect_min_s, cfg.reconnect_max_s)
+        if cfg.username:
+            self.client.username_pw_set(cfg.username, resolve_password(cfg))
+        if cfg.tls is not None:
+            t = cfg.tls
+            self.client.tls_set(ca_certs=str(t.ca_file) if t.ca_file else None,
+                                certfile=str(t.cert_file) if t.cert_file else None,
+                                keyfile=str(t.key_file) if t.key_file else None,
+                                cert_reqs=ssl.CERT_NONE if t.insecure else ssl.CERT_REQUIRED)
+            self.client.tls_insecure_set(t.insecure)
+            if t.insecure:
+                log.warning("mqtt.tls_insecure", detail="certificate verification is OFF (tls.insecure: true)")
+        self._set_will()
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_publish = self._on_publish
+        self.client.on_message = self._on_message
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> "MqttLink":
+        props = None
+        if self.v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.cfg.session_expiry_s
+        clean = self.cfg.clean_start if self.v5 else paho.MQTT_CLEAN_START_FIRST_ONLY
+        self.client.connect_async(self.cfg.host, self.cfg.port, self.cfg.keepalive, clean_start=clean, properties=props)
+        self.client.loop_start()
+        self._pump_thread.start()
+        log.info("mqtt.starting", host=self.cfg.host, port=self.cfg.port, prefix=self.topics.prefix,
+                 protocol=self.cfg.protocol, tls=self.cfg.tls is not None)
+        return self
+
+    def stop(self, drain_s: float = 5.0) -> None:
+        """Graceful: give the outbox a moment to drain, say `stopped`, disconnect, keep the rest on disk."""
+        deadline = time.monotonic() + drain_s
+        while self.connected.is_set() and self.outbox.depth and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop.set()
+        self._pump_thread.join(timeout=5)
+        if self.connected.is_set():
+            info = self.client.publish(self.topics.availability, _availability("stopped", self.session), qos=1, retain=True)
+            try:
+                info.wait_for_publish(timeout=3)
+            except (RuntimeError, ValueError):
+                pass
+            self.client.disconnect()
+        self.client.loop_stop()
+        self.outbox.close()
+
+    # -- publishing ------------------------------------------------------------------------------------
+    def publish_retained(self, topic: str, payload: bytes) -> None:
+        """Latest-state topics bypass the outbox: only the newest value matters, and it is sent on connect."""
+        if self.connected.is_set():
+            self.client.publish(topic, payload, qos=1, retain=True)
+
+    def _send(self, msg: Message) -> int | None:
+        if not self.connected.is_set():
+            return None
+        info = self.client.publish(msg.topic, msg.payload, qos=msg.qos)
+        if info.rc != paho.MQTT_ERR_SUCCESS:
+            return None
+        return info.mid
+
+    def _pump(self) -> None:
+        was_connected = False
+        while not self._stop.is_set():
+            now_connected = self.connected.is_set()
+            if now_connected != was_connected:
+                (self.outbox.on_connected if now_connected else self.outbox.on_disconnected)()
+                was_connected = now_connected
+            try:
+                self.outbox.pump(self._send, self.cfg.max_inflight)
+            except Exception:  # never let a storage hiccup kill delivery; it is logged and retried
+                log.exception("outbox.pump_failed")
+                time.sleep(0.5)
+            self.outbox.wait(0.05)
+
+    # -- callbacks (paho's network thread) -------------------------------------------------------------
+    def _set_will(self) -> None:
+        self.client.will_set(self.topics.availability, _availability("offline", self.session + 1), qos=1, retain=True)
+
+    def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        if reason.is_failure:
+            log.warning("mqtt.connect_refused", reason=str(reason))
+            return
+        self.session = bump_counter(self._session_file)
+        client.publish(self.topics.availability, _availability("online", self.session), qos=1, retain=True)
+        for topic, payload in self.retained().items():
+            client.publish(topic, payload, qos=1, retain=True)
+        client.subscribe(self.topics.commands, qos=1)
+        if self.cfg.homeassistant:
+            client.subscribe(f"{self.cfg.homeassistant_prefix}/status", qos=1)
+        self.connected.set()
+        log.info("mqtt.connected", session=self.session, host=self.cfg.host, port=self.cfg.port)
+
+    def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        was = self.connected.is_set()
+        self.connected.clear()
+        self._set_will()  # the next connection's will carries the next session number
+        if was:
+            log.warning("mqtt.disconnected", reason=str(reason))
+
+    def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: Any, props: Any) -> None:
+        self.outbox.ack(mid)
+
+    def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        if msg.topic == f"{self.cfg.homeassistant_prefix}/status":
+            if msg.payload == b"online":
+                for topic, payload in self.retained().items():
+                    client.publish(topic, payload, qos=1, retain=True)
+            return
+        name = self.topics.command_name(msg.topic)
+        if name is None:
+            return
+        props = getattr(msg, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props else None
+        correlation = getattr(props, "CorrelationData", None) if props else None
+        try:
+            payload = json.loads(msg.payload.decode("utf-8")) if msg.payload.strip() else {}
+            if not isinstance(payload, dict):
+                raise ValueError("the payload must be a JSON object")
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.reply(Command(name, {}, response_topic, correlation),
+                       {"ok": False, "error": f"malformed payload: {exc}"})
+            return
+        cmd = Command(name, payload, response_topic, correlation)
+        # Handlers may take seconds (a self-test): never block paho's network thread.
+        threading.Thread(target=self._handle, args=(cmd,), name=f"cmd-{name}", daemon=True).start()
+
+    def _handle(self, cmd: Command) -> None:
+        try:
+            result = self.on_command(cmd)
+        except Exception as exc:  # a failing command is an error reply, never a crash
+            log.exception("command.failed", command=cmd.name)
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.reply(cmd, result)
+
+    def reply(self, cmd: Command, result: dict[str, Any]) -> None:
+        body = {"command": cmd.name, **({"id": cmd.payload["id"]} if "id" in cmd.payload else {}), **result}
+        props = None
+        if self.v5 and cmd.correlation is not None:
+            props = Properties(PacketTypes.PUBLISH)
+            props.CorrelationData = cmd.correlation
+        topic = cmd.response_topic or self.topics.reply(cmd.name)
+        self.client.publish(topic, json.dumps(body).encode(), qos=1, properties=props)
+        log.info("command.replied", command=cmd.name, ok=result.get("ok"), topic=topic)

@@ -1,0 +1,267 @@
+"""Store and forward: every result enters the outbox; it leaves only when the broker acknowledged it.
+
+Memory while the broker keeps up (no disk writes: flash wear); SQLite in the state directory while
+the broker is away or slow, drained in order when it returns, and surviving an agent restart.
+Order is kept by one rule: while anything is on disk, new messages go to disk behind it.
+Bounded by count and age; what the policy drops is counted and reported.
+
+Threads: `put` may be called from any thread; everything else runs on the one pump thread that
+owns the broker connection (see `agent.mqtt`).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from agent.config import OutboxConfig
+from agent.logsetup import get_logger
+
+log = get_logger("outbox")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    qos INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+
+@dataclass
+class Message:
+    topic: str
+    payload: bytes
+    qos: int
+    created: float
+    row: int | None = None  # SQLite id when the message lives on disk
+
+
+# publish(message) -> mid (int) once handed to the client, or None when it could not be sent now
+Publisher = Callable[[Message], "int | None"]
+
+
+class Outbox:
+    def __init__(self, path: Path, cfg: OutboxConfig = OutboxConfig()):
+        self.cfg = cfg
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL survives a process kill (the OS keeps written pages); power loss may lose the last commits.
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+        self._incoming: deque[Message] = deque()
+        self._wake = threading.Condition()
+        self.memory: deque[Message] = deque()
+        self.inflight: dict[int, Message] = {}  # mid -> message
+        self._acks: deque[int] = deque()
+        self.connected = False
+        self.disk_count = self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+        self._disk_cursor = 0  # highest row sent on this connection
+        self.dropped = self._meta("dropped")
+        self.spilled = 0
+        self.sent = 0
+        self.acked = 0
+        if self.disk_count:
+            log.info("outbox.recovered", messages=self.disk_count)
+
+    # -- any thread ------------------------------------------------------------------------------------
+    def put(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        self._incoming.append(Message(topic, payload, qos, time.time()))
+        with self._wake:
+            self._wake.notify()
+
+    def ack(self, mid: int) -> None:
+        """Called from the MQTT network thread on PUBACK (QoS 1)."""
+        self._acks.append(mid)
+        with self._wake:
+            self._wake.notify()
+
+    def wait(self, timeout: float) -> None:
+        with self._wake:
+            if not self._incoming and not self._acks:
+                self._wake.wait(timeout)
+
+    @property
+    def depth(self) -> int:
+        return len(self._incoming) + len(self.memory) + len(self.inflight) + self.disk_count
+
+    # -- pump thread -----------------------------------------------------------------------------------
+    def on_connected(self) -> None:
+        self.connected = True
+        self._disk_cursor = 0
+        # Unacknowledged messages from memory go back to the front; a new connection sends them again.
+        self._requeue_inflight()
+
+    def on_disconnected(self) -> None:
+        """The broker is away: nothing stays only in memory from now on."""
+        self.connected = False
+        self._requeue_inflight()
+        self._spill()
+
+    def pump(self, publish: Publisher, max_inflight: int) -> None:
+        """One round: take new messages, apply acks and bounds, send what the window allows."""
+        self._take_incoming()
+        self._apply_acks()
+        self._enforce_bounds()
+        if not self.connected:
+            self._spill()
+            return
+        if self.disk_count:
+            self._send_from_disk(publish, max_inflight)
+        else:
+            while self.memory and len(self.inflight) < max_inflight:
+                msg = self.memory[0]
+                mid = publish(msg)
+                if mid is None:
+                    return
+                self.memory.popleft()
+                self.inflight[mid] = msg
+                self.sent += 1
+            if len(self.memory) > self.cfg.memory_messages:  # the broker is slow: spill the backlog
+                self._spill()
+
+    def close(self) -> None:
+        """Graceful stop: whatever was not acknowledged is kept on disk for the next start."""
+        self._take_incoming()
+        self._apply_acks()
+        self._requeue_inflight()
+        self._spill()
+        self.db.close()
+
+    def stats(self) -> dict[str, float | int]:
+        oldest = None
+        if self.disk_count:
+            row = self.db.execute("SELECT MIN(created) FROM messages").fetchone()
+            oldest = row[0]
+        for m in (self.memory[0] if self.memory else None, self._incoming[0] if self._incoming else None):
+            if m is not None and (oldest is None or m.created < oldest):
+                oldest = m.created
+        return {
+            "depth": self.depth,
+            "on_disk": self.disk_count,
+            "inflight": len(self.inflight),
+            "oldest_age_s": round(time.time() - oldest, 3) if oldest else 0.0,
+            "dropped": self.dropped,
+            "spilled": self.spilled,
+            "sent": self.sent,
+            "acked": self.acked,
+        }
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _take_incoming(self) -> None:
+        while self._incoming:
+            msg = self._incoming.popleft()
+            if self.disk_count or not self.connected:
+                self._write([msg])  # behind what is already on disk, or durable while the broker is away
+            else:
+                self.memory.append(msg)
+
+    def _apply_acks(self) -> None:
+        rows = []
+        while self._acks:
+            msg = self.inflight.pop(self._acks.popleft(), None)
+            if msg is None:
+                continue
+            self.acked += 1
+            if msg.row is not None:
+                rows.append((msg.row,))
+        if rows:
+            self._delete_rows([r for (r,) in rows])
+
+    def _requeue_inflight(self) -> None:
+        from_memory = sorted((m for m in self.inflight.values() if m.row is None), key=lambda m: m.created)
+        self.inflight.clear()
+        self.memory.extendleft(reversed(from_memory))
+
+    def _spill(self) -> None:
+        if not self.memory:
+            return
+        if self.disk_count:
+            # disk already holds newer messages than memory only if order was broken; never expected
+            log.warning("outbox.spill_behind_disk", memory=len(self.memory), disk=self.disk_count)
+        batch = list(self.memory)
+        self.memory.clear()
+        self._write(batch)
+        self.spilled += len(batch)
+
+    def _write(self, msgs: list[Message]) -> None:
+        self.db.execute("BEGIN")
+        self.db.executemany("INSERT INTO messages(topic, payload, qos, created) VALUES (?, ?, ?, ?)",
+                            [(m.topic, m.payload, m.qos, m.created) for m in msgs])
+        self.db.execute("COMMIT")
+        self.disk_count += len(msgs)
+
+    def _send_from_disk(self, publish: Publisher, max_inflight: int) -> None:
+        room = max_inflight - len(self.inflight)
+        if room <= 0:
+            return
+        rows = self.db.execute(
+            "SELECT id, topic, payload, qos, created FROM messages WHERE id > ? ORDER BY id LIMIT ?",
+            (self._disk_cursor, room),
+        ).fetchall()
+        for row, topic, payload, qos, created in rows:
+            msg = Message(topic, bytes(payload), qos, created, row)
+            mid = publish(msg)
+            if mid is None:
+                return
+            self._disk_cursor = row
+            self.sent += 1
+            if qos == 0:
+                self._delete_rows([row])
+            else:
+                self.inflight[mid] = msg
+        if not rows and not self.inflight and self.disk_count:
+            self.disk_count = self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+
+    def _delete_rows(self, rows: list[int]) -> None:
+        cur = self.db.executemany("DELETE FROM messages WHERE id = ?", [(r,) for r in rows])
+        self.disk_count -= cur.rowcount if cur.rowcount >= 0 else len(rows)
+
+    def _enforce_bounds(self) -> None:
+        cfg = self.cfg
+        excess = self.depth - cfg.max_messages
+        if excess > 0:
+            self._drop(excess, "size")
+        if self.disk_count:
+            cutoff = time.time() - cfg.max_age_s
+            cur = self.db.execute("DELETE FROM messages WHERE created < ?", (cutoff,))
+            if cur.rowcount > 0:
+                self.disk_count -= cur.rowcount
+                self._count_drops(cur.rowcount, "age")
+        while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
+            self.memory.popleft()
+            self._count_drops(1, "age")
+
+    def _drop(self, n: int, why: str) -> None:
+        newest = self.cfg.policy == "drop_newest"
+        dropped = 0
+        if self.disk_count:
+            order = "DESC" if newest else "ASC"
+            ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?", (n,))]
+            self._delete_rows(ids)
+            dropped += len(ids)
+        while dropped < n and self.memory:
+            self.memory.pop() if newest else self.memory.popleft()
+            dropped += 1
+        self._count_drops(dropped, why)
+
+    def _count_drops(self, n: int, why: str) -> None:
+        if n <= 0:
+            return
+        self.dropped += n
+        self.db.execute("INSERT INTO meta(key, value) VALUES('dropped', ?) "
+                        "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (self.dropped,))
+        log.warning("outbox.dropped", count=n, reason=why, policy=self.cfg.policy, total=self.dropped)
+
+    def _meta(self, key: str) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return int(row[0]) if row else 0

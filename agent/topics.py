@@ -1,0 +1,69 @@
+"""Every MQTT topic the agent and its operators use, defined once.
+
+Prefix default `edge/<device_id>/`; README's topic table is checked against `Topics.documented()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROOT = "edge"
+
+
+def default_prefix(device_id: str) -> str:
+    return f"{ROOT}/{device_id}/"
+
+
+@dataclass(frozen=True)
+class Topics:
+    prefix: str
+
+    def __post_init__(self) -> None:
+        if not self.prefix.endswith("/"):
+            object.__setattr__(self, "prefix", self.prefix + "/")
+
+    @property
+    def availability(self) -> str:
+        return self.prefix + "availability"
+
+    @property
+    def health(self) -> str:
+        return self.prefix + "health"
+
+    @property
+    def selftest(self) -> str:
+        return self.prefix + "selftest"
+
+    @property
+    def predictions(self) -> str:
+        return self.prefix + "predictions"
+
+    @property
+    def commands(self) -> str:
+        """Subscription filter for every command."""
+        return self.prefix + "cmd/+"
+
+    def command(self, name: str) -> str:
+        return self.prefix + f"cmd/{name}"
+
+    def reply(self, name: str) -> str:
+        return self.prefix + f"cmd/{name}/reply"
+
+    def command_name(self, topic: str) -> str | None:
+        head = self.prefix + "cmd/"
+        if not topic.startswith(head):
+            return None
+        name = topic[len(head) :]
+        return name if name and "/" not in name else None
+
+    @staticmethod
+    def documented() -> dict[str, str]:
+        """Topic suffixes and their meaning, as README lists them."""
+        return {
+            "availability": "retained JSON {state: online|stopped|offline, session}; offline is the last will",
+            "health": "retained JSON, every output.health_interval_s and on change",
+            "selftest": "retained JSON: the full self-test report",
+            "predictions": "one JSON result per message (QoS 1 by default), or a list when batching",
+            "cmd/<name>": "commands: status, selftest, reload, pause, resume",
+            "cmd/<name>/reply": "command replies (MQTT 5 response topic + correlation data are honoured too)",
+        }

@@ -1,0 +1,181 @@
+"""Real Mosquitto brokers for tests, started by the tests on 127.0.0.1 with their own config files.
+
+`max_queued_messages 0`: the default 1000 silently drops QoS 1 messages for a slow subscriber.
+Persistence with a 1 s autosave keeps persistent subscribers' sessions across a broker SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paho.mqtt.client as paho
+
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"mosquitto did not listen on {port}")
+
+
+@dataclass
+class Broker:
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    tls_port: int | None = None
+    tls: dict | None = None  # {"ca", "cert", "key", "passwd", "acl"}
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+
+    def write_config(self) -> Path:
+        data = self.workdir / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        lines = [
+            # as root, mosquitto drops to user "mosquitto", which cannot write into the test's private dirs
+            *(["user root"] if os.geteuid() == 0 else []),
+            "per_listener_settings true",
+            "persistence true",
+            f"persistence_location {data}/",
+            "autosave_interval 1",
+            "max_queued_messages 0",
+            "max_inflight_messages 0",
+            "log_dest stderr",
+            "log_type error",
+            "log_type warning",
+            f"listener {self.port} 127.0.0.1",
+            "allow_anonymous true",
+        ]
+        if self.tls:
+            lines += [
+                f"listener {self.tls_port} 127.0.0.1",
+                f"cafile {self.tls['ca']}",
+                f"certfile {self.tls['cert']}",
+                f"keyfile {self.tls['key']}",
+                "allow_anonymous false",
+                f"password_file {self.tls['passwd']}",
+                f"acl_file {self.tls['acl']}",
+            ]
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text("\n".join(lines) + "\n")
+        return conf
+
+    def start(self) -> "Broker":
+        conf = self.write_config()
+        log = open(self.workdir / f"mosquitto-{self.starts}.log", "w")
+        self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+        self.starts += 1
+        wait_port(self.port)
+        if self.tls_port:
+            wait_port(self.tls_port)
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def make_tls_material(d: Path) -> dict:
+    """A CA, a server certificate for 127.0.0.1, a password file and an ACL, made with openssl and
+    mosquitto_passwd."""
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True, cwd=d)
+
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=edge-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+        "-out", "server.csr")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
+    passwd = d / "passwd"
+    run("mosquitto_passwd", "-b", "-c", str(passwd), "agent", "agent-secret")
+    run("mosquitto_passwd", "-b", str(passwd), "operator", "operator-secret")
+    run("mosquitto_passwd", "-b", str(passwd), "viewer", "viewer-secret")
+    acl = d / "acl"
+    acl.write_text(
+        "user agent\ntopic readwrite edge/#\n\n"
+        "user operator\ntopic readwrite edge/#\n\n"
+        "user viewer\ntopic read edge/#\n"
+    )
+    return {"ca": d / "ca.crt", "cert": d / "server.crt", "key": d / "server.key", "passwd": passwd, "acl": acl}
+
+
+class Collector:
+    """A real subscriber; persistent (clean_start false, session expiry) when given a client id."""
+
+    def __init__(self, port: int, topics: list[str], client_id: str = "", persistent: bool = False,
+                 tls: dict | None = None, username: str | None = None, password: str | None = None,
+                 tls_port: int | None = None):
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        self.messages: list[paho.MQTTMessage] = []
+        self.topics = topics
+        self.connects = 0
+        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+        if tls:
+            self.c.tls_set(ca_certs=str(tls["ca"]))
+        if username:
+            self.c.username_pw_set(username, password)
+        self.c.on_message = lambda c, u, m: self.messages.append(m)
+        self.c.on_connect = self._on_connect
+        self.c.reconnect_delay_set(0.1, 0.5)
+        props = None
+        if persistent:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = 3600
+        self.last_reason = None
+        self.c.connect_async("127.0.0.1", tls_port or port, 10, clean_start=not persistent, properties=props)
+        self.c.loop_start()
+
+    def _on_connect(self, c, u, flags, reason, props) -> None:
+        self.last_reason = reason
+        if reason.is_failure:
+            return
+        self.connects += 1
+        for t in self.topics:
+            c.subscribe(t, qos=1)
+
+    def on(self, topic: str) -> list[paho.MQTTMessage]:
+        return [m for m in list(self.messages) if m.topic == topic]
+
+    def wait(self, pred, timeout: float = 20.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
