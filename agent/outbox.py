@@ -60,6 +60,7 @@ class Outbox:
         self.db.executescript(_SCHEMA)
         self._incoming: deque[Message] = deque()
         self._wake = threading.Condition()
+        self._sleeping = False
         self.memory: deque[Message] = deque()
         self.inflight: dict[int, Message] = {}  # mid -> message
         self._acks: deque[int] = deque()
@@ -76,19 +77,25 @@ class Outbox:
     # -- any thread ------------------------------------------------------------------------------------
     def put(self, topic: str, payload: bytes, qos: int = 1) -> None:
         self._incoming.append(Message(topic, payload, qos, time.time()))
-        with self._wake:
-            self._wake.notify()
+        self._notify()
 
     def ack(self, mid: int) -> None:
         """Called from the MQTT network thread on PUBACK (QoS 1)."""
         self._acks.append(mid)
-        with self._wake:
-            self._wake.notify()
+        self._notify()
+
+    def _notify(self) -> None:
+        # Only wake a pump that sleeps: a notify per message would cost more than the publish itself.
+        if self._sleeping:
+            with self._wake:
+                self._wake.notify()
 
     def wait(self, timeout: float) -> None:
         with self._wake:
+            self._sleeping = True
             if not self._incoming and not self._acks:
                 self._wake.wait(timeout)
+            self._sleeping = False
 
     @property
     def depth(self) -> int:

@@ -313,3 +313,27 @@ def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: 
         pub.loop_stop()
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
+
+
+def test_mqtt_311_and_home_assistant_discovery_reannounced_on_ha_restart(broker: Broker, tmp_path: Path) -> None:
+    col = Collector(broker.port, ["homeassistant/#", PREFIX + "predictions"])
+    agent = start_agent(agent_config(tmp_path, broker.port, protocol="3.1.1", homeassistant=True),
+                        tmp_path / "agent.log")
+    try:
+        configs = lambda: [m for m in col.messages if m.topic.endswith("/config")]  # noqa: E731
+        assert col.wait(lambda: len(configs()) >= 5 and col.on(PREFIX + "predictions"), 60)
+        doc = json.loads(configs()[0].payload)
+        assert doc["device"]["identifiers"] == [f"edge-agent-{DEVICE}"]
+        assert {json.loads(m.payload)["unique_id"] for m in configs()} >= {
+            f"edge_agent_{DEVICE}_{k}" for k in ("fps", "latency_p95", "provider", "verdict", "last_prediction")}
+        before = len(configs())
+        pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
+        pub.connect("127.0.0.1", broker.port)
+        pub.loop_start()
+        pub.publish("homeassistant/status", b"online", qos=1).wait_for_publish(5)
+        assert col.wait(lambda: len(configs()) >= before + 5, 10)
+        pub.loop_stop()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+        col.close()

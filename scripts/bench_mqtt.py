@@ -1,0 +1,138 @@
+"""MQTT benchmark against a local Mosquitto started here: publish throughput through the agent's
+outbox (QoS 0 and 1, batching on and off), the drain rate of an outbox spilled to disk while the
+broker was away, and a raw paho publish loop of the same payloads as the baseline in the same run.
+
+Usage: python scripts/bench_mqtt.py [--messages 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import paho.mqtt.client as paho
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from agent.config import MqttConfig, OutboxConfig  # noqa: E402
+from agent.mqtt import MqttLink  # noqa: E402
+from agent.outbox import Outbox  # noqa: E402
+from agent.sinks import OutboxSink  # noqa: E402
+from brokers import Broker, Collector  # noqa: E402
+
+TOPIC = "edge/bench/predictions"
+
+
+def result(i: int) -> dict:
+    return {"boot": 1, "seq": i, "captured_at": 1795965633.108598, "source": f"{i:04d}.png", "frame_index": i,
+            "bundle": {"name": "digits-classifier", "version": 1}, "variant": "int8",
+            "provider": "CPUExecutionProvider", "batch": 1,
+            "timings": {"queue_ms": 0.4, "preprocess_ms": 0.5, "inference_ms": 1.0, "postprocess_ms": 0.1, "total_ms": 2.1},
+            "result": {"type": "classification", "top": [{"class_id": 3, "label": "three", "score": 0.98},
+                                                         {"class_id": 5, "label": "five", "score": 0.01}]}}
+
+
+def wait_until(pred, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise TimeoutError("benchmark step did not finish")
+        time.sleep(0.002)
+
+
+def through_agent(port: int, tmp: Path, n: int, qos: int, batch: int) -> tuple[float, int]:
+    """Results/s from OutboxSink.write until the outbox is empty (QoS 1: every message acknowledged)."""
+    box = Outbox(tmp / f"box-{qos}-{batch}.sqlite", OutboxConfig(memory_messages=n + 10))
+    link = MqttLink(MqttConfig(enabled=True, port=port, max_inflight=1000), "bench", tmp, box,
+                    lambda c: {"ok": True}, lambda: {}).start()
+    link.connected.wait(10)
+    sink = OutboxSink(box, TOPIC, qos, batch)
+    payloads = [result(i) for i in range(n)]
+    t0 = time.perf_counter()
+    for r in payloads:
+        sink.write(r)
+    sink.close()
+    wait_until(lambda: box.depth == 0 and (qos == 0 or box.acked >= box.sent))
+    dt = time.perf_counter() - t0
+    disk = box.spilled
+    link.stop(drain_s=0)
+    return n / dt, disk
+
+
+def drain(port: int, broker: Broker, tmp: Path, n: int) -> tuple[float, int]:
+    """An outbox filled while the broker is down, then drained: results/s from reconnect to empty."""
+    broker.kill()
+    box = Outbox(tmp / "spilled.sqlite", OutboxConfig())
+    for i in range(n):
+        box.put(TOPIC, json.dumps(result(i)).encode(), 1)
+    box.pump(lambda m: None, 1)  # disconnected: everything goes to disk
+    on_disk = box.stats()["on_disk"]
+    broker.start()
+    link = MqttLink(MqttConfig(enabled=True, port=port, max_inflight=1000), "bench", tmp, box,
+                    lambda c: {"ok": True}, lambda: {})
+    t0 = time.perf_counter()
+    link.start()
+    wait_until(lambda: box.depth == 0)
+    dt = time.perf_counter() - t0
+    link.stop(drain_s=0)
+    return n / dt, on_disk
+
+
+def raw_paho(port: int, n: int, qos: int) -> float:
+    c = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    c.max_inflight_messages_set(1000)
+    c.max_queued_messages_set(0)
+    acked = [0]
+    c.on_publish = lambda *a: acked.__setitem__(0, acked[0] + 1)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    payloads = [json.dumps(result(i)).encode() for i in range(n)]
+    t0 = time.perf_counter()
+    for p in payloads:
+        c.publish(TOPIC, p, qos=qos)
+    wait_until(lambda: acked[0] >= n)
+    dt = time.perf_counter() - t0
+    c.loop_stop()
+    c.disconnect()
+    return n / dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--messages", type=int, default=20000)
+    args = ap.parse_args()
+    n = args.messages
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        broker = Broker(tmp / "broker").start()
+        sub = Collector(broker.port, ["edge/#"])  # a live subscriber, as in the field
+        try:
+            rows = []
+            for qos in (0, 1):
+                base = raw_paho(broker.port, n, qos)
+                rows.append((f"raw paho publish loop, QoS {qos}", base, None, "-"))
+                for batch in (1, 10):
+                    rate, disk = through_agent(broker.port, tmp, n, qos, batch)
+                    rows.append((f"agent outbox, QoS {qos}, batch {batch}", rate, rate / base, disk))
+            rate, on_disk = drain(broker.port, broker, tmp, n)
+            base = raw_paho(broker.port, n, 1)
+            rows.append((f"drain of {on_disk} spilled results, QoS 1", rate, rate / base, on_disk))
+        finally:
+            sub.close()
+            broker.stop()
+    print(f"local mosquitto, {n} prediction results (~{len(json.dumps(result(0)))} bytes each), a live subscriber\n")
+    print(f"{'mode':40} {'results/s':>10} {'vs raw':>7} {'disk writes':>12}")
+    for name, rate, ratio, disk in rows:
+        print(f"{name:40} {rate:>10.0f} {('%.2f' % ratio) if ratio else '-':>7} {disk!s:>12}")
+    print("\nvs raw: against the raw paho loop at the same QoS in this run (batched rows count results, not messages)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
