@@ -31,12 +31,64 @@ def bundle_dir(path: Path) -> Iterator[Path]:
 
 def _cmd_bundle_verify(args: argparse.Namespace) -> int:
     from agent.bundle import load_bundle
+    from agent.signing import verify_signature
 
     with bundle_dir(args.path) as root:
         b = load_bundle(root)
+        sig = verify_signature(root, args.pubkey, allow_unsigned=not args.pubkey) if args.pubkey else None
     m = b.manifest
+    signed = f", signature by key {sig.key_id}" if sig else ""
     print(f"OK {b.identity}: schema, {len(m.files)} file hashes, {len(m.variants)} variant contracts, "
-          f"{len(m.golden)} golden samples")
+          f"{len(m.golden)} golden samples{signed}")
+    return EXIT_OK
+
+
+def _cmd_bundle_keygen(args: argparse.Namespace) -> int:
+    from agent.signing import keygen
+
+    kid = keygen(args.private, args.public)
+    print(f"key {kid}: private {args.private} (keep it off devices), public {args.public} (updates.trusted_keys)")
+    return EXIT_OK
+
+
+def _cmd_bundle_sign(args: argparse.Namespace) -> int:
+    from agent.bundle import load_bundle
+    from agent.signing import sign_bundle
+
+    b = load_bundle(args.dir)  # sign only what verifies
+    kid = sign_bundle(args.dir, args.key)
+    print(f"signed {b.identity} with key {kid}")
+    return EXIT_OK
+
+
+def _store(args: argparse.Namespace):
+    from agent.store import BundleStore
+
+    cfg = _load_cfg(args.config)
+    return BundleStore((args.state_dir or cfg.state_dir) / "store")
+
+
+def _cmd_bundle_list(args: argparse.Namespace) -> int:
+    store = _store(args)
+    for e in store.entries():
+        marks = ",".join(m for m, on in (("current", e.current), ("committed", e.committed)) if on)
+        print(f"{e.id:56} {marks}")
+    return EXIT_OK
+
+
+def _cmd_bundle_activate(args: argparse.Namespace) -> int:
+    from agent.bundle import load_bundle
+
+    store = _store(args)
+    bid = args.id
+    if bid == "previous":
+        bid = store.previous_committed()
+        if bid is None:
+            print("edge-agent: no previous committed bundle in the store", file=sys.stderr)
+            return EXIT_ERROR
+    load_bundle(store.path(bid))
+    store.commit(bid)
+    print(f"committed {bid}; restart or reload the agent to serve it (it is self-tested at boot)")
     return EXIT_OK
 
 
@@ -172,6 +224,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return Agent(cfg).run()
 
 
+def _cmd_push(args: argparse.Namespace) -> int:
+    from agent.push import push
+
+    host, _, port = args.broker.partition(":")
+    password = Path(args.password_file).read_text().strip() if args.password_file else None
+    result = push(args.bundle, args.device, host, int(port or 1883), prefix=args.prefix,
+                  chunk_size=args.chunk_size, timeout_s=args.timeout, tls_ca=args.tls_ca,
+                  username=args.username, password=password)
+    print(json.dumps(result))
+    return EXIT_OK if result["state"] == "committed" else EXIT_ERROR
+
+
 def _cmd_monitor(args: argparse.Namespace) -> int:
     from agent.monitor import run_monitor
 
@@ -203,9 +267,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bundle", help="verify, inspect, pack, unpack and create model bundles")
     bsub = b.add_subparsers(dest="bundle_command", required=True, metavar="ACTION")
-    v = bsub.add_parser("verify", help="check schema, hashes, contracts and golden samples")
+    v = bsub.add_parser("verify", help="check schema, hashes, contracts, golden samples (and the signature)")
     v.add_argument("path", type=Path, help="bundle directory or .tar.gz")
+    v.add_argument("--pubkey", type=Path, action="append", default=[], help="trusted public key (repeatable)")
     v.set_defaults(func=_cmd_bundle_verify)
+    kg = bsub.add_parser("keygen", help="make an Ed25519 signing key pair")
+    kg.add_argument("--private", type=Path, required=True)
+    kg.add_argument("--public", type=Path, required=True)
+    kg.set_defaults(func=_cmd_bundle_keygen)
+    sg = bsub.add_parser("sign", help="sign a bundle directory's manifest (writes bundle.sig)")
+    sg.add_argument("dir", type=Path)
+    sg.add_argument("--key", type=Path, required=True)
+    sg.set_defaults(func=_cmd_bundle_sign)
+    for name, fn, hlp in (("list", _cmd_bundle_list, "bundles in the device's store"),
+                          ("activate", _cmd_bundle_activate, "commit a stored bundle (or 'previous')"),
+                          ("rollback", _cmd_bundle_activate, "commit the previous committed bundle")):
+        sp = bsub.add_parser(name, help=hlp)
+        if name == "activate":
+            sp.add_argument("id")
+        else:
+            sp.set_defaults(id="previous")
+        sp.add_argument("--config", type=Path)
+        sp.add_argument("--state-dir", type=Path)
+        sp.set_defaults(func=fn)
     i = bsub.add_parser("inspect", help="print a readable summary")
     i.add_argument("path", type=Path)
     i.add_argument("--json", action="store_true")
@@ -258,6 +342,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", type=Path)
     r.add_argument("--max-frames", type=int, help="stop after this many frames")
     r.set_defaults(func=_cmd_run)
+
+    pu = sub.add_parser("push", help="push a bundle .tar.gz to a device over MQTT and wait for its verdict")
+    pu.add_argument("--device", required=True)
+    pu.add_argument("--bundle", type=Path, required=True)
+    pu.add_argument("--broker", default="127.0.0.1:1883", help="HOST[:PORT]")
+    pu.add_argument("--prefix", help="topic prefix (default edge/<device>/)")
+    pu.add_argument("--chunk-size", type=int, default=256 * 1024)
+    pu.add_argument("--timeout", type=float, default=600)
+    pu.add_argument("--tls-ca")
+    pu.add_argument("--username")
+    pu.add_argument("--password-file")
+    pu.set_defaults(func=_cmd_push)
 
     mo = sub.add_parser("monitor", help="live table of every device's availability and health (operator side)")
     mo.add_argument("--broker", default="127.0.0.1:1883", help="HOST[:PORT]")

@@ -121,6 +121,22 @@ class OutboxConfig:
 
 
 @dataclass(frozen=True)
+class UpdatesConfig:
+    """Pushed bundles: verified, self-tested in a child process, switched, on probation, committed."""
+
+    enabled: bool = False             # serve from the bundle store (state_dir/store); `bundle` seeds it
+    trusted_keys: tuple[Path, ...] = ()  # Ed25519 public keys (PEM); several for key rotation
+    allow_unsigned: bool = False      # development only: logged loudly
+    keep: int = 3                     # committed bundles kept for rollback
+    probation_s: float = 20.0         # a new bundle serves this long ...
+    probation_frames: int = 100       # ... or this many frames with no errors, latency in budget
+    max_bundle_bytes: int = 512 * 2**20
+    selftest_timeout_s: float = 300.0
+    inbox: Path | None = None         # a directory watched for dropped .tar.gz bundles
+    download_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool | None = None
@@ -139,6 +155,7 @@ class Config:
     output: OutputConfig = OutputConfig()
     mqtt: MqttConfig = MqttConfig()
     outbox: OutboxConfig = OutboxConfig()
+    updates: UpdatesConfig = UpdatesConfig()
     log: LogConfig = LogConfig()
     source_file: Path | None = None
 
@@ -247,6 +264,9 @@ def parse_config(text: str, where: str) -> Config:
                 cfg.mqtt.tls, ca_file=anchored(cfg.mqtt.tls.ca_file), cert_file=anchored(cfg.mqtt.tls.cert_file),
                 key_file=anchored(cfg.mqtt.tls.key_file)),
         ),
+        updates=dataclasses.replace(
+            cfg.updates, inbox=anchored(cfg.updates.inbox),
+            trusted_keys=tuple(anchored(k) for k in cfg.updates.trusted_keys)),
         source_file=Path(where),
     )
 

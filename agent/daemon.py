@@ -32,7 +32,7 @@ log = get_logger("daemon")
 
 DEMO_BUNDLE = Path("models/digits-classifier")
 DEMO_FRAMES = Path("models/demo-frames/digits")
-COMMANDS = ("status", "selftest", "reload", "pause", "resume")
+COMMANDS = ("status", "selftest", "reload", "pause", "resume", "update", "rollback")
 
 
 def default_state_dir() -> Path:
@@ -66,6 +66,9 @@ class Agent:
         self.lock = threading.RLock()  # boot/reload vs commands
         self.bundle: Bundle | None = None
         self.report: SelftestReport | None = None
+        self.selftest_doc: dict[str, Any] | None = None  # the report that proved what serves now
+        self.store = None
+        self.updater = None
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         self.not_serving_reason: str | None = None
@@ -75,6 +78,7 @@ class Agent:
         self.outbox = None
         self._last_health_key: Any = None
         self._reload_waiters: list[threading.Event] = []
+        self._last_update: dict[str, Any] | None = None
         self.boot_number = 0
         # Called with the health document whenever it is published (systemd STATUS= etc. hook here).
         self.on_health: list[Callable[[dict[str, Any]], None]] = []
@@ -84,11 +88,12 @@ class Agent:
         """Load and prove the bundle; True when an engine is ready to serve."""
         cfg = self.cfg
         self.engine = None
-        if cfg.bundle is None:
-            return self._not_serving("no bundle configured (key bundle)")
         try:
-            self.bundle = load_bundle(cfg.bundle)
+            self.bundle = self._serving_bundle()
+            if self.bundle is None:
+                return self._not_serving("no bundle configured (key bundle) and none in the store")
             self.report = run_selftest(self.bundle, cfg.state_dir, options_from_config(cfg))
+            self.selftest_doc = self.report.to_dict()
         except AgentError as exc:
             return self._not_serving(str(exc))
         finally:
@@ -96,14 +101,63 @@ class Agent:
         sel = self.report.selected
         if sel is None:
             return self._not_serving(self.report.reason or "no candidate passed")
-        engine = build_engine(self.bundle, sel.candidate, cfg.session)
-        if sel.candidate.provider not in engine.opened.effective:
-            return self._not_serving(f"the serving session for {sel.candidate.key} runs on "
-                                     f"{list(engine.opened.effective)}, not the proven provider")
-        self.engine = engine
+        try:
+            self.engine = self._engine_for(self.bundle, sel.candidate)
+        except AgentError as exc:
+            return self._not_serving(str(exc))
         self.not_serving_reason = None
-        log.info("boot.ready", **engine.describe())
+        log.info("boot.ready", **self.engine.describe())
         return True
+
+    def _serving_bundle(self) -> Bundle | None:
+        """With updates: the store's committed bundle (seeded from `bundle` once); else `bundle` itself."""
+        cfg = self.cfg
+        if not cfg.updates.enabled:
+            return load_bundle(cfg.bundle) if cfg.bundle is not None else None
+        from agent.store import BundleStore
+
+        self.store = self.store or BundleStore(cfg.state_dir / "store")
+        self.store.recover()
+        found = self.store.load_serving()
+        if found is None and cfg.bundle is not None:
+            bid = self.store.import_bundle(cfg.bundle)
+            log.info("store.seeded", bundle=bid, source=str(cfg.bundle))
+            found = self.store.load_serving()
+        return found[0] if found else None
+
+    def _engine_for(self, bundle: Bundle, candidate: Any) -> Engine:
+        engine = build_engine(bundle, candidate, self.cfg.session)
+        if candidate.provider not in engine.opened.effective:
+            raise AgentError(f"the serving session for {candidate.key} runs on {list(engine.opened.effective)}, "
+                             "not the proven provider")
+        return engine
+
+    # -- updates (called by agent.updates.Updater) ------------------------------------------------------------
+    def swap_bundle(self, bundle: Bundle, candidate: Any, report: dict[str, Any]) -> Any:
+        """Serve `bundle` now; returns what `restore` needs to go back."""
+        engine = self._engine_for(bundle, candidate)
+        previous = (self.bundle, self.engine, self.selftest_doc, self.not_serving_reason)
+        with self.lock:
+            self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
+            if self.serving:
+                self.pipeline.swap_engine(engine)
+            else:
+                self.start_pipeline()
+        self._publish_selftest()
+        return previous
+
+    def restore(self, previous: Any) -> None:
+        with self.lock:
+            self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = previous
+            if self.engine is not None and self.serving:
+                self.pipeline.swap_engine(self.engine)
+            elif self.engine is None:
+                self.stop_pipeline()
+                self.pipeline = None
+        self._publish_selftest()
+
+    def pipeline_metrics(self) -> Any:
+        return self.pipeline.metrics if self.serving else None
 
     def _not_serving(self, reason: str) -> bool:
         self.not_serving_reason = reason
@@ -145,9 +199,9 @@ class Agent:
         p = self.pipeline
         status = p.status() if p is not None else None
         selftest = None
-        if self.report is not None:
-            selftest = {"passed": self.report.selected is not None, "created": self.report.created,
-                        "cached": self.report.cached, "reason": self.report.reason}
+        if self.selftest_doc is not None:
+            d = self.selftest_doc
+            selftest = {"passed": d["passed"], "created": d["created"], "cached": d["cached"], "reason": d["reason"]}
         source = None
         if p is not None:
             st = p.source.stats
@@ -186,14 +240,16 @@ class Agent:
                 p.source.stats.state if p else None, bool(p and p.paused.is_set()))
 
     def _publish_selftest(self) -> None:
-        if self.link is not None and self.report is not None:
-            self.link.publish_retained(self.link.topics.selftest, json.dumps(self.report.to_dict()).encode())
+        if self.link is not None and self.selftest_doc is not None:
+            self.link.publish_retained(self.link.topics.selftest, json.dumps(self.selftest_doc).encode())
 
     def _retained(self) -> dict[str, bytes]:
         assert self.link is not None
         out = {self.link.topics.health: json.dumps(self.health()).encode()}
-        if self.report is not None:
-            out[self.link.topics.selftest] = json.dumps(self.report.to_dict()).encode()
+        if self.selftest_doc is not None:
+            out[self.link.topics.selftest] = json.dumps(self.selftest_doc).encode()
+        if self._last_update is not None:
+            out[self.link.topics.update_status] = json.dumps(self._last_update).encode()
         if self.cfg.mqtt.homeassistant:
             from agent.homeassistant import discovery_messages
 
@@ -216,9 +272,9 @@ class Agent:
             with self.lock:
                 report = run_selftest(self.bundle, self.cfg.state_dir,
                                       dataclasses.replace(options_from_config(self.cfg), use_cache=False))
-                self.report = report
+                doc = report.to_dict()
+                self.report, self.selftest_doc = report, doc
             self._publish_selftest()
-            doc = report.to_dict()
             return {"ok": True, "passed": doc["passed"], "selected": doc["selected"], "reason": doc["reason"]}
         if cmd.name == "reload":
             done = threading.Event()
@@ -227,6 +283,17 @@ class Agent:
             done.wait(timeout=120)
             return {"ok": self.not_serving_reason is None, "serving": self.serving,
                     "reason": self.not_serving_reason, "config": str(self.cfg.source_file)}
+        if cmd.name in ("update", "rollback"):
+            if self.updater is None:
+                return {"ok": False, "error": "updates are not enabled (updates.enabled)"}
+            if cmd.name == "rollback":
+                result = self.updater.rollback(str(cmd.payload.get("id", "rollback")))
+            else:
+                url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
+                if not isinstance(url, str) or not isinstance(sha, str):
+                    return {"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"}
+                result = self.updater.from_url(url, sha, str(cmd.payload.get("id", url.rsplit("/", 1)[-1])))
+            return {"ok": result["state"] == "committed", "update": result}
         return {"ok": False, "error": f"unknown command {cmd.name!r} (known: {', '.join(COMMANDS)})"}
 
     def reload(self) -> None:
@@ -267,7 +334,35 @@ class Agent:
 
         self.outbox = Outbox(self.cfg.state_dir / "outbox.sqlite", self.cfg.outbox)
         self.link = MqttLink(self.cfg.mqtt, self.cfg.device_id, self.cfg.state_dir, self.outbox,
-                             self.handle_command, self._retained).start()
+                             self.handle_command, self._retained,
+                             on_bundle=self._on_bundle_message if self.cfg.updates.enabled else None).start()
+
+    def _publish_update(self, doc: dict[str, Any]) -> None:
+        self._last_update = doc
+        if self.link is not None:
+            self.link.publish_retained(self.link.topics.update_status, json.dumps(doc).encode())
+
+    def start_updates(self) -> None:
+        if not self.cfg.updates.enabled:
+            return
+        from agent.store import BundleStore
+        from agent.updates import ChunkReceiver, Updater
+
+        self.store = self.store or BundleStore(self.cfg.state_dir / "store")
+        self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, self.cfg.source_file,
+                               self._publish_update)
+        self.receiver = ChunkReceiver(self.updater)
+        threading.Thread(target=self.updater.watch_inbox, args=(self.stop_event,), name="inbox", daemon=True).start()
+
+    def _on_bundle_message(self, topic: str, payload: bytes) -> None:
+        t = self.link.topics
+        if topic == t.bundle_offer:
+            self.receiver.on_offer(json.loads(payload))
+        elif topic == t.bundle_done:
+            self.receiver.on_done(json.loads(payload))
+        elif topic.startswith(t.prefix + "bundle/chunk/"):
+            transfer, index = topic[len(t.prefix + "bundle/chunk/"):].split("/")
+            self.receiver.on_chunk(transfer, int(index), payload)
 
     def run(self) -> int:
         """Boot, serve until stopped or the source ends, drain, exit 0. Not serving: wait until stopped."""
@@ -278,7 +373,9 @@ class Agent:
         # results carry (boot, seq): unique across restarts, so a subscriber can prove nothing was lost
         self.boot_number = bump_counter(self.cfg.state_dir / "boots")
         self.start_mqtt()  # a broker that is down never delays boot: the link connects in the background
-        if self.boot():
+        ok = self.boot()
+        self.start_updates()
+        if ok:
             self.start_pipeline()
         self.publish_health()
         interval = self.cfg.output.health_interval_s

@@ -146,6 +146,7 @@ class Manifest:
     selftest: SelftestSpec
     golden: tuple[str, ...]
     files: Mapping[str, str]
+    requires: Mapping[str, Any] = field(default_factory=dict)
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     def variant(self, name: str) -> Variant:
@@ -252,6 +253,7 @@ def _build(d: Mapping[str, Any]) -> Manifest:
         selftest=SelftestSpec(parity=parity, **st),
         golden=tuple(d["golden"]),
         files=dict(d["files"]),
+        requires=dict(d.get("requires", {})),
         raw=d,
     )
 

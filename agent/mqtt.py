@@ -62,12 +62,14 @@ def _availability(state: str, session: int) -> bytes:
 
 class MqttLink:
     def __init__(self, cfg: MqttConfig, device_id: str, state_dir: Path, outbox: Outbox,
-                 on_command: CommandHandler, retained: Callable[[], dict[str, bytes]]):
+                 on_command: CommandHandler, retained: Callable[[], dict[str, bytes]],
+                 on_bundle: Callable[[str, bytes], None] | None = None):
         self.cfg = cfg
         self.topics = Topics(cfg.prefix or default_prefix(device_id))
         self.outbox = outbox
         self.on_command = on_command
         self.retained = retained  # topic -> payload to (re)publish on every connect
+        self.on_bundle = on_bundle  # the update transfer protocol (bundle/#), when updates are enabled
         # incremented on every connect and persisted, so a stale last will never hides the live session
         self._session_file = state_dir / "mqtt-session"
         self.session = read_counter(self._session_file)
@@ -171,6 +173,8 @@ class MqttLink:
         for topic, payload in self.retained().items():
             client.publish(topic, payload, qos=1, retain=True)
         client.subscribe(self.topics.commands, qos=1)
+        if self.on_bundle is not None:
+            client.subscribe(self.topics.bundle_all, qos=1)
         if self.cfg.homeassistant:
             client.subscribe(f"{self.cfg.homeassistant_prefix}/status", qos=1)
         self.connected.set()
@@ -191,6 +195,12 @@ class MqttLink:
             if msg.payload == b"online":
                 for topic, payload in self.retained().items():
                     client.publish(topic, payload, qos=1, retain=True)
+            return
+        if self.on_bundle is not None and msg.topic.startswith(self.topics.prefix + "bundle/"):
+            try:
+                self.on_bundle(msg.topic, msg.payload)
+            except Exception:  # a bad transfer message must not take the network thread down
+                log.exception("bundle.message_failed", topic=msg.topic)
             return
         name = self.topics.command_name(msg.topic)
         if name is None:

@@ -243,6 +243,9 @@ class Pipeline:
             t0 = time.perf_counter_ns()
             try:
                 outputs = p.engine.opened.run(p.tensor)
+                bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+                if bad:  # NaN/inf answers are wrong answers: counted, never published
+                    raise FloatingPointError(f"non-finite values in outputs {bad}")
             except Exception as exc:  # a runtime failure on one input is counted, not fatal
                 m.inference_errors += 1
                 log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)

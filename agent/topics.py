@@ -39,6 +39,26 @@ class Topics:
         return self.prefix + "predictions"
 
     @property
+    def bundle_offer(self) -> str:
+        return self.prefix + "bundle/offer"
+
+    def bundle_chunk(self, transfer: str, index: int) -> str:
+        return self.prefix + f"bundle/chunk/{transfer}/{index}"
+
+    @property
+    def bundle_done(self) -> str:
+        return self.prefix + "bundle/done"
+
+    @property
+    def bundle_all(self) -> str:
+        """Subscription filter for the whole transfer protocol."""
+        return self.prefix + "bundle/#"
+
+    @property
+    def update_status(self) -> str:
+        return self.prefix + "update/status"
+
+    @property
     def commands(self) -> str:
         """Subscription filter for every command."""
         return self.prefix + "cmd/+"
@@ -66,4 +86,8 @@ class Topics:
             "predictions": "one JSON result per message (QoS 1 by default), or a list when batching",
             "cmd/<name>": "commands: status, selftest, reload, pause, resume",
             "cmd/<name>/reply": "command replies (MQTT 5 response topic + correlation data are honoured too)",
+            "bundle/offer": "a pushed bundle's offer: transfer id, name, version, size, sha256, chunk size",
+            "bundle/chunk/<transfer>/<index>": "the bundle's bytes, in chunks",
+            "bundle/done": "the pusher has sent every chunk; the agent answers missing chunks or goes on",
+            "update/status": "retained JSON: each step of an update, its final verdict and reason",
         }

@@ -1,0 +1,338 @@
+"""Updates: a pushed bundle is verified, self-tested on this device in a child process, switched in
+atomically, watched on probation, then committed, or rolled back. The old bundle serves until then.
+
+Delivery: MQTT chunks (`ChunkReceiver`), a URL with its sha256, or a `.tar.gz` dropped into an inbox.
+Every step is logged and published on `update/status`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from agent import __version__
+from agent.archive import UnpackLimits, unpack
+from agent.bundle import Bundle, load_bundle
+from agent.config import UpdatesConfig
+from agent.errors import AgentError
+from agent.hashing import sha256_file
+from agent.logsetup import get_logger
+from agent.signing import verify_signature
+from agent.store import BundleStore
+from agent.verdict import Candidate
+
+log = get_logger("updates")
+
+
+class UpdateRejected(AgentError):
+    """An update was refused; the message is the reason published on update/status."""
+
+
+class ServingAgent(Protocol):
+    """What the updater needs from the daemon."""
+
+    bundle: Bundle | None
+
+    def swap_bundle(self, bundle: Bundle, candidate: Candidate, report: dict[str, Any]) -> Any: ...
+    def restore(self, previous: Any) -> None: ...
+    def pipeline_metrics(self) -> Any: ...
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+class Updater:
+    def __init__(self, agent: ServingAgent, store: BundleStore, cfg: UpdatesConfig, state_dir: Path,
+                 config_file: Path | None, publish: Callable[[dict[str, Any]], None]):
+        self.agent, self.store, self.cfg = agent, store, cfg
+        self.state_dir, self.config_file, self.publish = state_dir, config_file, publish
+        self.lock = threading.Lock()  # one update at a time
+        if cfg.allow_unsigned:
+            log.warning("updates.unsigned_allowed", detail="UNSIGNED BUNDLES ARE ACCEPTED (updates.allow_unsigned)")
+
+    # -- status ------------------------------------------------------------------------------------------
+    def status(self, update: str, origin: str, state: str, **detail: Any) -> dict[str, Any]:
+        doc = {"update": update, "origin": origin, "state": state, "ts": round(time.time(), 3), **detail}
+        (log.warning if state in ("rejected", "rolled_back") else log.info)("update." + state, update=update, **detail)
+        self.publish(doc)
+        return doc
+
+    # -- the install flow --------------------------------------------------------------------------------
+    def install(self, archive: Path, origin: str, update: str, expected_sha256: str | None = None,
+                allow_downgrade: bool = False) -> dict[str, Any]:
+        with self.lock:
+            work = self.store.new_staging("update-")
+            try:
+                return self._install(archive, origin, update, expected_sha256, allow_downgrade, work)
+            except UpdateRejected as exc:
+                return self.status(update, origin, "rejected", reason=str(exc))
+            except AgentError as exc:  # bundle, archive, signature errors all name the problem
+                return self.status(update, origin, "rejected", reason=str(exc))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+
+    def _install(self, archive: Path, origin: str, update: str, expected_sha256: str | None,
+                 allow_downgrade: bool, work: Path) -> dict[str, Any]:
+        self.status(update, origin, "verifying")
+        size = archive.stat().st_size
+        if size > self.cfg.max_bundle_bytes:
+            raise UpdateRejected(f"archive is {size} bytes, over updates.max_bundle_bytes {self.cfg.max_bundle_bytes}")
+        if expected_sha256 is not None:
+            actual = sha256_file(archive)
+            if actual != expected_sha256:
+                raise UpdateRejected(f"hash mismatch: archive sha256 {actual[:16]}..., expected {expected_sha256[:16]}...")
+        self.status(update, origin, "unpacking")
+        root = unpack(archive, work / "bundle", UnpackLimits(max_member_bytes=self.cfg.max_bundle_bytes,
+                                                             max_total_bytes=self.cfg.max_bundle_bytes))
+        sig = verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
+        if not sig.signed:
+            log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
+        bundle = load_bundle(root)
+        self._check_version_and_compatibility(bundle, allow_downgrade)
+        self.status(update, origin, "verified", bundle=bundle.identity, key_id=sig.key_id)
+
+        return self._prove_and_switch(update, origin, root, bundle, stored_id=None)
+
+    def rollback(self, update: str) -> dict[str, Any]:
+        """Go back to the previous committed bundle: verified and self-tested again, then switched."""
+        with self.lock:
+            prev = self.store.previous_committed()
+            if prev is None:
+                return self.status(update, "rollback", "rejected", reason="no previous committed bundle in the store")
+            try:
+                root = self.store.path(prev)
+                verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
+                bundle = load_bundle(root)
+                self.status(update, "rollback", "verified", bundle=bundle.identity)
+                return self._prove_and_switch(update, "rollback", root, bundle, stored_id=prev)
+            except AgentError as exc:
+                return self.status(update, "rollback", "rejected", reason=str(exc))
+
+    def _prove_and_switch(self, update: str, origin: str, root: Path, bundle: Bundle,
+                          stored_id: str | None) -> dict[str, Any]:
+        self.status(update, origin, "selftest")
+        report = self._child_selftest(root)
+        if not report.get("passed"):
+            raise UpdateRejected(f"self-test failed on this device: {report.get('reason')}")
+        sel = report["selected"]
+        candidate = Candidate(sel["provider"], sel["variant"], sel["precision"],
+                              next((c["options"] for c in report["candidates"]
+                                    if c["provider"] == sel["provider"] and c["variant"] == sel["variant"]), {}))
+        self.status(update, origin, "selftest_passed", selected=f"{candidate.provider}:{candidate.variant}")
+
+        bid = stored_id or self.store.add(root, bundle)
+        stored = load_bundle(self.store.path(bid), check_contracts=False)
+        self.store.activate(bid)
+        self.status(update, origin, "switched", bundle=bid)
+        try:
+            previous = self.agent.swap_bundle(stored, candidate, report)
+        except AgentError as exc:
+            self.store.revert_current()
+            return self.status(update, origin, "rolled_back", reason=f"could not start serving it: {exc}")
+        self.status(update, origin, "probation", seconds=self.cfg.probation_s, frames=self.cfg.probation_frames)
+        ok, detail = self._probation(stored, candidate)
+        if not ok:
+            self.agent.restore(previous)
+            self.store.revert_current()
+            return self.status(update, origin, "rolled_back", reason=detail, bundle=bid)
+        self.store.commit(bid)
+        removed = self.store.prune(self.cfg.keep)
+        return self.status(update, origin, "committed", bundle=bid, probation=detail, pruned=removed)
+
+    def _check_version_and_compatibility(self, bundle: Bundle, allow_downgrade: bool) -> None:
+        active = self.agent.bundle
+        m = bundle.manifest
+        if active is not None and not allow_downgrade:
+            a = active.manifest
+            if m.name == a.name and m.version <= a.version:
+                raise UpdateRejected(f"version {m.version} is not newer than the active {a.name} version {a.version} "
+                                     "(anti-downgrade; use the rollback command to go back)")
+        need = m.requires.get("agent")
+        if need and _version_tuple(__version__) < _version_tuple(need):
+            raise UpdateRejected(f"bundle requires agent >= {need}, this agent is {__version__}")
+
+    def _child_selftest(self, root: Path) -> dict[str, Any]:
+        """The same self-test as boot, in a child process: a crashing provider cannot kill the agent."""
+        cmd = [sys.executable, "-m", "agent", "--log-level", "warning", "selftest", "--bundle", str(root),
+               "--state-dir", str(self.state_dir / "update-selftest"), "--json", "--no-cache"]
+        if self.config_file is not None:
+            cmd += ["--config", str(self.config_file)]
+        wrapper = os.environ.get("EDGE_AGENT_SELFTEST_WRAPPER")
+        if wrapper:  # e.g. "nice -n 10" or "systemd-run --scope ..."; tests use it to crash the child
+            cmd = wrapper.split() + cmd
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.cfg.selftest_timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise UpdateRejected(f"self-test timed out after {self.cfg.selftest_timeout_s:g} s") from exc
+        if out.returncode < 0:
+            raise UpdateRejected(f"self-test process crashed (signal {-out.returncode}); the agent kept serving")
+        if out.returncode not in (0, 3):
+            tail = " ".join(out.stderr.strip().splitlines()[-2:])[:300]
+            raise UpdateRejected(f"self-test process failed (exit {out.returncode}): {tail}")
+        try:
+            return json.loads(out.stdout)
+        except ValueError as exc:
+            raise UpdateRejected(f"self-test process printed no report: {exc}") from exc
+
+    def _probation(self, bundle: Bundle, candidate: Candidate) -> tuple[bool, str]:
+        """N seconds or frames on the new bundle: no inference errors, inference p95 within budget."""
+        m = self.agent.pipeline_metrics()
+        if m is None:
+            return True, "not serving frames: committed after the self-test alone"
+        base_out, base_err = m.frames_out, m.inference_errors
+        deadline = time.monotonic() + self.cfg.probation_s
+        while time.monotonic() < deadline and m.frames_out - base_out < self.cfg.probation_frames:
+            if m.inference_errors > base_err:
+                return False, f"probation: {m.inference_errors - base_err} inference errors on the new bundle"
+            time.sleep(0.05)
+        if m.inference_errors > base_err:
+            return False, f"probation: {m.inference_errors - base_err} inference errors on the new bundle"
+        served = m.frames_out - base_out
+        if served == 0:
+            return True, f"no frames in {self.cfg.probation_s:g} s of probation"
+        samples = list(m.latency_ms["inference"])[-served:]
+        budget = bundle.manifest.selftest.budget_for(candidate.provider)
+        p95 = float(np.percentile(samples, 95)) if samples else 0.0
+        if budget is not None and p95 > budget:
+            return False, f"probation: inference p95 = {p95:.2f} ms over budget {budget:g} ms"
+        return True, f"{served} frames, inference p95 {p95:.2f} ms, no errors"
+
+    # -- delivery: URL -----------------------------------------------------------------------------------
+    def from_url(self, url: str, sha256: str, update: str) -> dict[str, Any]:
+        if not url.startswith(("http://", "https://")):
+            return self.status(update, "url", "rejected", reason=f"only http(s) URLs are fetched, not {url!r}")
+        dest = self.store.new_staging("download-") / "bundle.tar.gz"
+        self.status(update, "url", "downloading", url=url)
+        try:
+            with urllib.request.urlopen(url, timeout=self.cfg.download_timeout_s) as r, open(dest, "wb") as f:
+                total = 0
+                while chunk := r.read(1 << 20):
+                    total += len(chunk)
+                    if total > self.cfg.max_bundle_bytes:
+                        return self.status(update, "url", "rejected",
+                                           reason=f"download over updates.max_bundle_bytes {self.cfg.max_bundle_bytes}")
+                    f.write(chunk)
+        except (OSError, ValueError) as exc:
+            return self.status(update, "url", "rejected", reason=f"download failed: {exc}")
+        try:
+            return self.install(dest, "url", update, expected_sha256=sha256)
+        finally:
+            shutil.rmtree(dest.parent, ignore_errors=True)
+
+    # -- delivery: inbox ---------------------------------------------------------------------------------
+    def watch_inbox(self, stop: threading.Event) -> None:
+        inbox = self.cfg.inbox
+        if inbox is None:
+            return
+        for sub in ("done", "rejected"):
+            (inbox / sub).mkdir(parents=True, exist_ok=True)
+        while not stop.wait(1.0):
+            for f in sorted(inbox.glob("*.tar.gz")):  # copy as .part, then rename: only whole files match
+                result = self.install(f, "inbox", f.name)
+                target = inbox / ("done" if result["state"] == "committed" else "rejected") / f.name
+                os.replace(f, target)
+                if result["state"] != "committed":
+                    target.with_suffix(".reason.txt").write_text(str(result.get("reason")) + "\n")
+
+
+@dataclass
+class Transfer:
+    id: str
+    size: int
+    sha256: str
+    chunk_size: int
+    chunks: int
+    path: Path
+    received: set[int] = field(default_factory=set)
+    done_requests: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class ChunkReceiver:
+    """Reassembles an MQTT-pushed bundle: offer, chunks (any order, resent on request), done."""
+
+    MAX_DONE_WITHOUT_DATA = 3
+
+    def __init__(self, updater: Updater):
+        self.updater = updater
+        self.transfers: dict[str, Transfer] = {}
+        self.lock = threading.Lock()
+
+    def on_offer(self, doc: dict[str, Any]) -> None:
+        try:
+            tid = str(doc["transfer"])
+            size, sha, chunk = int(doc["size"]), str(doc["sha256"]), int(doc["chunk_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            self.updater.status(str(doc.get("transfer", "?")), "mqtt", "rejected", reason=f"malformed offer: {exc}")
+            return
+        if size <= 0 or chunk <= 0 or "/" in tid:
+            self.updater.status(tid, "mqtt", "rejected", reason="malformed offer: size, chunk_size or transfer id")
+            return
+        if size > self.updater.cfg.max_bundle_bytes:
+            self.updater.status(tid, "mqtt", "rejected",
+                                reason=f"offer of {size} bytes is over updates.max_bundle_bytes {self.updater.cfg.max_bundle_bytes}")
+            return
+        path = self.updater.store.new_staging("push-") / "bundle.tar.gz"
+        with open(path, "wb") as f:
+            f.truncate(size)
+        with self.lock:
+            self.transfers[tid] = Transfer(tid, size, sha, chunk, (size + chunk - 1) // chunk, path)
+        self.updater.status(tid, "mqtt", "receiving", name=doc.get("name"), version=doc.get("version"), size=size)
+
+    def on_chunk(self, tid: str, index: int, data: bytes) -> None:
+        t = self.transfers.get(tid)
+        if t is None or not 0 <= index < t.chunks:
+            return
+        offset = index * t.chunk_size
+        if offset + len(data) > t.size:
+            return  # longer than offered: ignored, the hash check will refuse the result
+        with open(t.path, "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+        before = len(t.received) * 10 // t.chunks
+        t.received.add(index)
+        if len(t.received) * 10 // t.chunks > before:
+            self.updater.status(tid, "mqtt", "progress", received=len(t.received), chunks=t.chunks)
+
+    def on_done(self, doc: dict[str, Any]) -> None:
+        tid = str(doc.get("transfer"))
+        t = self.transfers.get(tid)
+        if t is None:
+            self.updater.status(tid, "mqtt", "rejected", reason="done for an unknown transfer (send the offer first)")
+            return
+        missing = sorted(set(range(t.chunks)) - t.received)
+        if missing:
+            t.done_requests += 1
+            if t.done_requests >= self.MAX_DONE_WITHOUT_DATA:
+                self._forget(t)
+                self.updater.status(tid, "mqtt", "rejected",
+                                    reason=f"truncated upload: {len(t.received)} of {t.chunks} chunks arrived")
+                return
+            self.updater.status(tid, "mqtt", "missing", chunks=missing[:1000], count=len(missing))
+            return
+        self._forget(t, keep_file=True)
+        threading.Thread(target=self._install, args=(t,), name=f"update-{tid}", daemon=True).start()
+
+    def _install(self, t: Transfer) -> None:
+        try:
+            self.updater.install(t.path, "mqtt", t.id, expected_sha256=t.sha256)
+        finally:
+            shutil.rmtree(t.path.parent, ignore_errors=True)
+
+    def _forget(self, t: Transfer, keep_file: bool = False) -> None:
+        with self.lock:
+            self.transfers.pop(t.id, None)
+        if not keep_file:
+            shutil.rmtree(t.path.parent, ignore_errors=True)

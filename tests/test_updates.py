@@ -1,0 +1,400 @@
+"""Pushed bundles against a real broker, real archives, real agent processes: committed when good;
+refused with the old bundle still serving when not; rolled back on probation failure; and a SIGKILL at
+any step boots into the committed bundle."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from agent.archive import pack
+from agent.hashing import sha256_file
+from agent.signing import keygen, sign_bundle
+from agent.testing import rewrite_manifest, scale_initializer, structured_frames
+from brokers import Broker, Collector
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "dev-u"
+PREFIX = f"edge/{DEVICE}/"
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_master: Path) -> dict:
+    """Keys, frames and signed bundle archives, good and bad, built once."""
+    d = tmp_path_factory.mktemp("update-kit")
+    keygen(d / "k.pem", d / "k.pub")
+    keygen(d / "other.pem", d / "other.pub")
+    frames = d / "frames"
+    frames.mkdir()
+    import cv2
+
+    for i, f in enumerate(structured_frames(12, 40, seed=9)):
+        cv2.imwrite(str(frames / f"{i:02d}.png"), f)
+
+    def variant(name: str, mutate=None, sign_with: str | None = "k", after=None, version: int = 2) -> Path:
+        src = d / name
+        shutil.copytree(tiny_bundle_master, src)
+        rewrite_manifest(src, lambda m: (m.update(version=version), mutate and mutate(m)))
+        if after is not None and after.__name__.startswith("before_sign"):
+            after(src)
+            rewrite_manifest(src)
+        if sign_with:
+            sign_bundle(src, d / f"{sign_with}.pem")
+        if after is not None and not after.__name__.startswith("before_sign"):
+            after(src)
+        return pack(src, d / f"{name}.tar.gz")
+
+    def before_sign_tamper(src: Path) -> None:
+        for v in ("model_fp32.onnx",):
+            scale_initializer(src / v, "w2", 1.4)
+
+    def after_sign_relabel(src: Path) -> None:
+        p = src / "bundle.yaml"
+        p.write_text(p.read_text().replace("label: 0.1.0", "label: 0.1.1"))
+
+    def after_sign_file(src: Path) -> None:
+        with open(src / "labels.txt", "a") as f:
+            f.write("e\n")
+
+    def before_sign_tamper_int8_too(src: Path) -> None:
+        before_sign_tamper(src)
+        # the int8 variant is tampered through its own (quantized) weights' float copy: drop it entirely
+        data = yaml.safe_load((src / "bundle.yaml").read_text())
+        data["variants"] = [v for v in data["variants"] if v["name"] == "fp32"]
+        data["preference"] = {"CPUExecutionProvider": ["fp32"]}
+        (src / "model_int8.onnx").unlink()
+        (src / "bundle.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+    bundles = {
+        "v1": variant("v1", version=1),
+        "v2": variant("v2"),
+        "v3": variant("v3", version=3),
+        "unsigned": variant("unsigned", sign_with=None),
+        "unknown_key": variant("unknown_key", sign_with="other"),
+        "bad_signature": variant("bad_signature", after=after_sign_relabel),
+        "hash_mismatch": variant("hash_mismatch", after=after_sign_file),
+        "older": variant("older", version=1),
+        "tampered": variant("tampered", after=before_sign_tamper_int8_too),
+        "slow": variant("slow", mutate=lambda m: m["selftest"].update(latency_budget_ms={"default": 0.0001})),
+    }
+    # unsafe archives
+    def raw_tar(name: str, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+        path = d / f"{name}.tar.gz"
+        with tarfile.open(path, "w:gz") as tar:
+            for info, data in members:
+                if data is not None:
+                    info.size = len(data)
+                tar.addfile(info, io.BytesIO(data) if data is not None else None)
+        return path
+
+    evil = tarfile.TarInfo("../../evil.txt")
+    link = tarfile.TarInfo("model_fp32.onnx")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    bundles["traversal"] = raw_tar("traversal", [(tarfile.TarInfo("bundle.yaml"), b"x"), (evil, b"pwned")])
+    bundles["symlink"] = raw_tar("symlink", [(link, None)])
+    bundles["oversized"] = raw_tar("oversized", [(tarfile.TarInfo("big.bin"), b"\0" * (3 * 2**20))])
+    return {"dir": d, "frames": frames, "pub": d / "k.pub", "bundles": bundles, "v1_dir": d / "v1"}
+
+
+def agent_config(tmp: Path, kit: dict, port: int, **updates) -> Path:
+    cfg = {
+        "device_id": DEVICE,
+        "state_dir": str(tmp / "state"),
+        "bundle": str(kit["v1_dir"]),
+        "source": {"type": "folder", "path": str(kit["frames"]), "loop": True, "max_fps": 60},
+        "output": {"stdout": False, "health_interval_s": 0.5},
+        "mqtt": {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1},
+        "updates": {"enabled": True, "trusted_keys": [str(kit["pub"])], "probation_s": 2.0,
+                    "probation_frames": 40, "max_bundle_bytes": 2 * 2**20, **updates},
+    }
+    p = tmp / "agent.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+class AgentProc:
+    def __init__(self, config: Path, log: Path, env: dict | None = None):
+        self.config, self.log, self.env = config, log, env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "AgentProc":
+        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(self.config)],
+                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "a"),
+                                     env={**os.environ, **(self.env or {})})
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def preds(col: Collector) -> list[dict]:
+    return [json.loads(m.payload) for m in col.on(PREFIX + "predictions")]
+
+
+def statuses(col: Collector, update: str | None = None) -> list[dict]:
+    docs = [json.loads(m.payload) for m in col.on(PREFIX + "update/status")]
+    return [d for d in docs if update is None or d["update"] == update]
+
+
+def serving_version(col: Collector) -> int:
+    return preds(col)[-1]["bundle"]["version"]
+
+
+def send_archive(archive: Path, port: int, drop: set[int] | None = None, chunk_size: int = 4096) -> dict:
+    from agent.push import push
+
+    return push(archive, DEVICE, "127.0.0.1", port, chunk_size=chunk_size, timeout_s=180, drop_chunks=drop)
+
+
+@pytest.fixture
+def env(tmp_path: Path, kit: dict):
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    agent = AgentProc(agent_config(tmp_path, kit, broker.port), tmp_path / "agent.log").start()
+    assert col.wait(lambda: len(preds(col)) >= 5, 60), (tmp_path / "agent.log").read_text()[-3000:]
+    yield {"broker": broker, "col": col, "agent": agent, "tmp": tmp_path}
+    agent.stop()
+    col.close()
+    broker.stop()
+
+
+def test_signed_newer_bundle_pushed_over_mqtt_is_self_tested_switched_and_committed(env: dict, kit: dict) -> None:
+    col = env["col"]
+    result = send_archive(kit["bundles"]["v2"], env["broker"].port, drop={1, 3})  # two chunks lost: resumed
+    assert result["state"] == "committed", result
+    states = [s["state"] for s in statuses(col, result["update"])]
+    for step in ("receiving", "missing", "verifying", "unpacking", "verified", "selftest", "selftest_passed",
+                 "switched", "probation", "committed"):
+        assert step in states, f"{step} not in {states}"
+    assert col.wait(lambda: serving_version(col) == 2, 10)
+    seqs = [(p["boot"], p["seq"]) for p in preds(col)]
+    assert [s for _, s in seqs] == list(range(1, len(seqs) + 1))  # no gap across the switch
+    versions = [p["bundle"]["version"] for p in preds(col)]
+    assert versions == sorted(versions) and versions[0] == 1  # v1 until the swap, v2 after
+    out = subprocess.run([sys.executable, "-m", "agent", "bundle", "list", "--state-dir", str(env["tmp"] / "state")],
+                         capture_output=True, text=True)
+    assert any("tiny-classifier-v2-" in line and "current,committed" in line for line in out.stdout.splitlines())
+
+
+REFUSALS = {
+    "bad_signature": "bad signature",
+    "unknown_key": "signed by unknown key",
+    "unsigned": "unsigned bundles are refused",
+    "older": "is not newer than the active",
+    "hash_mismatch": "hash mismatch",
+    "traversal": "path traversal",
+    "symlink": "is a link",
+    "oversized": "over the 2097152 limit",
+    "tampered": "self-test failed on this device: no candidate passed: CPUExecutionProvider:fp32: parity",
+    "slow": "latency p95",
+}
+
+
+def test_every_bad_bundle_is_refused_with_a_clear_status_and_the_old_one_keeps_serving(env: dict, kit: dict) -> None:
+    col = env["col"]
+    for name, reason in REFUSALS.items():
+        result = send_archive(kit["bundles"][name], env["broker"].port)
+        assert result["state"] == "rejected", (name, result)
+        assert reason in result["reason"], (name, result["reason"])
+        n = len(preds(col))
+        assert col.wait(lambda: len(preds(col)) > n + 3, 10), f"stopped serving after {name}"
+        assert serving_version(col) == 1
+    assert env["agent"].proc.poll() is None
+
+
+def test_truncated_upload_is_refused(env: dict, kit: dict) -> None:
+    import paho.mqtt.client as paho
+
+    col = env["col"]
+    data = kit["bundles"]["v2"].read_bytes()
+    tid = uuid.uuid4().hex[:8]
+    c = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    c.connect("127.0.0.1", env["broker"].port)
+    c.loop_start()
+    offer = {"transfer": tid, "size": len(data), "sha256": sha256_file(kit["bundles"]["v2"]), "chunk_size": 4096}
+    c.publish(PREFIX + "bundle/offer", json.dumps(offer), qos=1).wait_for_publish(5)
+    c.publish(PREFIX + f"bundle/chunk/{tid}/0", data[:4096], qos=1).wait_for_publish(5)  # then the link drops
+    for _ in range(3):
+        c.publish(PREFIX + "bundle/done", json.dumps({"transfer": tid}), qos=1).wait_for_publish(5)
+        time.sleep(0.2)
+    c.loop_stop()
+    assert col.wait(lambda: any(s["state"] == "rejected" for s in statuses(col, tid)), 10)
+    rejected = [s for s in statuses(col, tid) if s["state"] == "rejected"][0]
+    assert rejected["reason"].startswith("truncated upload: 1 of")
+    assert serving_version(col) == 1
+
+
+def test_self_test_process_that_crashes_is_a_refusal_not_a_crash(tmp_path: Path, kit: dict) -> None:
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    wrapper = tmp_path / "segv.sh"
+    wrapper.write_text("#!/bin/sh\nkill -SEGV $$\n")  # a provider that takes the process down
+    wrapper.chmod(0o755)
+    agent = AgentProc(agent_config(tmp_path, kit, broker.port), tmp_path / "agent.log",
+                      env={"EDGE_AGENT_SELFTEST_WRAPPER": str(wrapper)}).start()
+    try:
+        assert col.wait(lambda: len(preds(col)) >= 5, 60)
+        result = send_archive(kit["bundles"]["v2"], broker.port)
+        assert result["state"] == "rejected" and "self-test process crashed (signal 11)" in result["reason"]
+        n = len(preds(col))
+        assert col.wait(lambda: len(preds(col)) > n + 3, 10) and serving_version(col) == 1
+    finally:
+        agent.stop()
+        col.close()
+        broker.stop()
+
+
+def _sqrt_bundle(kit: dict, tiny_inputs: dict, out: Path) -> Path:
+    """Passes its self-test on bright golden frames, but answers NaN for darker frames in the field."""
+    import onnx
+    from onnx import helper
+
+    from agent.bundle_create import CreateOptions, create_bundle
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = onnx.load(str(tiny_inputs["model"]))
+    model.graph.node.insert(0, helper.make_node("Sqrt", ["input"], ["input_sqrt"], name="sqrt"))
+    model.graph.node[1].input[0] = "input_sqrt"
+    src = out / "sqrt.onnx"
+    onnx.save(model, str(src))
+    bright = np.clip(structured_frames(6, 40, seed=3).astype(np.int32) // 2 + 140, 0, 255).astype(np.uint8)
+    np.savez(out / "golden.npz", raw=bright)
+    spec = yaml.safe_load(tiny_inputs["spec"].read_text())
+    spec["version"] = 5
+    (out / "spec.yaml").write_text(yaml.safe_dump(spec))
+    b = create_bundle(CreateOptions(model=src, spec=out / "spec.yaml", calibration=out / "golden.npz",
+                                    golden=out / "golden.npz", out=out / "bundle", int8=False))
+    sign_bundle(b, kit["dir"] / "k.pem")
+    return pack(b, out / "sqrt.tar.gz")
+
+
+def test_probation_failure_rolls_back_to_the_previous_bundle(env: dict, kit: dict, tiny_inputs: dict) -> None:
+    col = env["col"]
+    archive = _sqrt_bundle(kit, tiny_inputs, env["tmp"] / "sqrt")
+    result = send_archive(archive, env["broker"].port)
+    assert result["state"] == "rolled_back", result
+    assert "inference errors on the new bundle" in result["reason"]
+    n = len(preds(col))
+    assert col.wait(lambda: len(preds(col)) > n + 5, 10)
+    assert serving_version(col) == 1
+    out = subprocess.run([sys.executable, "-m", "agent", "bundle", "list", "--state-dir", str(env["tmp"] / "state")],
+                         capture_output=True, text=True).stdout
+    assert any("tiny-classifier-v1-" in line and "current,committed" in line for line in out.splitlines())
+
+
+@pytest.mark.parametrize("step", ["verifying", "unpacking", "selftest_passed", "switched"])
+def test_sigkill_at_each_step_boots_into_the_committed_bundle(tmp_path: Path, kit: dict, step: str) -> None:
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    cfg = agent_config(tmp_path, kit, broker.port)
+    agent = AgentProc(cfg, tmp_path / "agent.log").start()
+    try:
+        assert col.wait(lambda: len(preds(col)) >= 5, 60)
+        threading.Thread(target=lambda: _quiet(send_archive, kit["bundles"]["v2"], broker.port), daemon=True).start()
+        assert col.wait(lambda: any(s["state"] == step for s in statuses(col)), 60)
+        agent.kill()  # power cut at this step
+        before = len(preds(col))
+        agent = AgentProc(cfg, tmp_path / "agent.log").start()
+        assert col.wait(lambda: len(preds(col)) > before + 5, 60), (tmp_path / "agent.log").read_text()[-3000:]
+        boot = preds(col)[-1]["boot"]
+        assert boot == 2
+        # a committed bundle serves; an interrupted update never left `current` off `committed`
+        state = tmp_path / "state" / "store"
+        assert os.readlink(state / "current") == os.readlink(state / "committed")
+        assert serving_version(col) == 1
+    finally:
+        agent.stop()
+        col.close()
+        broker.stop()
+
+
+def _quiet(fn, *a) -> None:
+    try:
+        fn(*a)
+    except Exception:
+        pass  # the agent was killed mid-push on purpose
+
+
+def test_inbox_and_url_delivery_each_work_end_to_end(tmp_path: Path, kit: dict) -> None:
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    inbox = tmp_path / "inbox"
+    agent = AgentProc(agent_config(tmp_path, kit, broker.port, inbox=str(inbox)), tmp_path / "agent.log").start()
+    web_root = tmp_path / "web"
+    web_root.mkdir()
+    shutil.copy(kit["bundles"]["v3"], web_root / "v3.tar.gz")
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web_root), **k)  # noqa: E731
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        assert col.wait(lambda: len(preds(col)) >= 5, 60)
+        shutil.copy(kit["bundles"]["v2"], inbox / "v2.tar.gz.part")
+        os.replace(inbox / "v2.tar.gz.part", inbox / "v2.tar.gz")  # appear whole
+        assert col.wait(lambda: any(s["state"] == "committed" for s in statuses(col, "v2.tar.gz")), 60)
+        assert (inbox / "done" / "v2.tar.gz").exists()
+        assert col.wait(lambda: serving_version(col) == 2, 10)
+
+        from brokers import Collector as C
+
+        url = f"http://127.0.0.1:{web.server_address[1]}/v3.tar.gz"
+        cmd = C(broker.port, [PREFIX + "cmd/update/reply"])
+        assert cmd.wait(lambda: cmd.connects >= 1)
+        cmd.c.publish(PREFIX + "cmd/update", json.dumps({"url": url, "sha256": sha256_file(kit["bundles"]["v3"])}), qos=1)
+        assert cmd.wait(lambda: cmd.messages, 120)
+        reply = json.loads(cmd.messages[0].payload)
+        assert reply["ok"] and reply["update"]["state"] == "committed", reply
+        assert col.wait(lambda: serving_version(col) == 3, 10)
+
+        # an explicit rollback goes back to the previous committed bundle (v2), self-tested again
+        cmd.messages.clear()
+        cmd.c.subscribe(PREFIX + "cmd/rollback/reply", qos=1)
+        time.sleep(0.3)
+        cmd.c.publish(PREFIX + "cmd/rollback", b"{}", qos=1)
+        assert cmd.wait(lambda: cmd.on(PREFIX + "cmd/rollback/reply"), 120)
+        assert json.loads(cmd.on(PREFIX + "cmd/rollback/reply")[0].payload)["ok"]
+        assert col.wait(lambda: serving_version(col) == 2, 10)
+        cmd.close()
+    finally:
+        web.shutdown()
+        agent.stop()
+        col.close()
+        broker.stop()
+
+
+def test_keygen_sign_and_verify_with_the_cli(tmp_path: Path, tiny_bundle: Path) -> None:
+    run = lambda *a: subprocess.run([sys.executable, "-m", "agent", *a], capture_output=True, text=True)  # noqa: E731
+    assert run("bundle", "keygen", "--private", str(tmp_path / "a.pem"), "--public", str(tmp_path / "a.pub")).returncode == 0
+    assert (tmp_path / "a.pem").stat().st_mode & 0o777 == 0o600
+    run("bundle", "keygen", "--private", str(tmp_path / "b.pem"), "--public", str(tmp_path / "b.pub"))
+    assert run("bundle", "sign", str(tiny_bundle), "--key", str(tmp_path / "a.pem")).returncode == 0
+    ok = run("bundle", "verify", str(tiny_bundle), "--pubkey", str(tmp_path / "b.pub"), "--pubkey", str(tmp_path / "a.pub"))
+    assert ok.returncode == 0 and "signature by key" in ok.stdout
+    bad = run("bundle", "verify", str(tiny_bundle), "--pubkey", str(tmp_path / "b.pub"))
+    assert bad.returncode == 1 and "signed by unknown key" in bad.stderr
