@@ -24,6 +24,7 @@ from agent.fsio import bump_counter
 from agent.health import ProcessProbe, build_health
 from agent.logsetup import configure_logging, get_logger
 from agent.pipeline import Pipeline, Sink
+from agent.sdnotify import Notifier
 from agent.selftest import SelftestReport, options_from_config, run_selftest
 from agent.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.sources import is_lossless, open_source
@@ -80,6 +81,7 @@ class Agent:
         self._reload_waiters: list[threading.Event] = []
         self._last_update: dict[str, Any] | None = None
         self.boot_number = 0
+        self.notifier = Notifier()
         # Called with the health document whenever it is published (systemd STATUS= etc. hook here).
         self.on_health: list[Callable[[dict[str, Any]], None]] = []
 
@@ -318,6 +320,24 @@ class Agent:
         self.publish_health()
 
     # -- main loop -------------------------------------------------------------------------------------------
+    def status_line(self) -> str:
+        """systemd's STATUS=: what serves, or why nothing does."""
+        if self.engine is not None and self.not_serving_reason is None:
+            d = self.engine.describe()
+            return f"serving {d['bundle']} v{d['version']} {d['variant']} on {d['provider']}"
+        return f"NOT serving: {self.not_serving_reason}"
+
+    def _watchdog(self) -> None:
+        """Ping only while frames really flow (or while not serving by design): a hung pipeline misses it."""
+        reason = None
+        if self.serving and self.notifier.watchdog_s:
+            reason = self.pipeline.stalled(horizon_s=max(self.notifier.watchdog_s / 2, 1.0))
+        if reason is None:
+            self.notifier.watchdog()
+        else:
+            log.error("watchdog.withheld", reason=reason)
+            self.notifier.status(f"STALLED: {reason}")
+
     def request_stop(self, *_: Any) -> None:
         self.stop_event.set()
         if self.pipeline is not None:
@@ -377,25 +397,36 @@ class Agent:
         self.start_updates()
         if ok:
             self.start_pipeline()
+        # Ready means proven: a candidate passed, or the agent settled in "not serving" and says why.
+        self.notifier.ready(self.status_line())
         self.publish_health()
+        next_ping = 0.0
         interval = self.cfg.output.health_interval_s
         next_health = time.monotonic() + interval
         while not self.stop_event.is_set():
             if self.pipeline is not None and self.pipeline.done.is_set() and not self.cfg.mqtt.enabled:
                 break  # a finite source ended and nothing else can reach us
             self.stop_event.wait(0.1)
+            if self.notifier.watchdog_s and time.monotonic() >= next_ping:
+                self._watchdog()
+                next_ping = time.monotonic() + self.notifier.watchdog_s / 4
             if self.reload_event.is_set():
                 self.reload_event.clear()
+                self.notifier.reloading()
                 self.reload()
+                self.notifier.ready(self.status_line())
                 while self._reload_waiters:
                     self._reload_waiters.pop().set()
             key = self._health_key()
             if time.monotonic() >= next_health or key != self._last_health_key:
                 doc = self.publish_health()
+                if key != self._last_health_key:
+                    self.notifier.status(self.status_line())
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
                          **doc["pipeline"])
                 next_health = time.monotonic() + interval
+        self.notifier.stopping()
         self.stop_pipeline()
         doc = self.health()
         log.info("shutdown", serving=doc["serving"], **doc["pipeline"])

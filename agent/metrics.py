@@ -43,6 +43,7 @@ class PipelineMetrics:
     bad_frames: int = 0
     inference_errors: int = 0
     last_progress: float = field(default_factory=time.monotonic)  # the watchdog's view: results still flowing
+    last_capture: float = 0.0  # when the source last delivered a frame
     rate_in: Rate = field(default_factory=Rate)
     rate_out: Rate = field(default_factory=Rate)
     latency_ms: dict[str, deque] = field(default_factory=lambda: {s: deque(maxlen=2048) for s in STAGES})

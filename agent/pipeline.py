@@ -142,6 +142,20 @@ class Pipeline:
         return PipelineStatus(not self.done.is_set(), st.state, None if age is None else round(age, 3),
                               self._engine.describe(), self.metrics.snapshot())
 
+    def stalled(self, horizon_s: float) -> str | None:
+        """Why the pipeline is hung, or None. An idle source (no frames) is not hung; a source stuck
+        inside a read, or frames captured with no result coming out, is."""
+        if self.done.is_set() or self.paused.is_set():
+            return None
+        now = time.monotonic()
+        quiet = now - self.source.stats.heartbeat
+        if quiet > horizon_s:
+            return f"capture stuck in {self.source.name} for {quiet:.0f} s"
+        m = self.metrics
+        if m.last_capture > m.last_progress and now - m.last_progress > horizon_s:
+            return f"frames captured but no result for {now - m.last_progress:.0f} s"
+        return None
+
     # -- stages ----------------------------------------------------------------------------------------
     def _count_drop(self) -> None:
         self.metrics.dropped += 1
@@ -176,6 +190,7 @@ class Pipeline:
             if frame is None:
                 break
             m.frames_in += 1
+            m.last_capture = time.monotonic()
             m.rate_in.mark()
             if self.lossless:
                 while not self.stop_event.is_set():

@@ -53,6 +53,10 @@ class SourceStats:
     frozen_events: int = 0
     last_frame_ns: int = 0
     last_error: str | None = None
+    heartbeat: float = field(default_factory=time.monotonic)  # the source's loop is alive (watchdog)
+
+    def beat(self) -> None:
+        self.heartbeat = time.monotonic()
 
 
 class FrameSource(Protocol):
@@ -84,11 +88,11 @@ class _Pacer:
         self.period = 1.0 / max_fps if max_fps > 0 else 0.0
         self.next = time.monotonic()
 
-    def wait(self, stop: threading.Event) -> None:
+    def wait(self, stop: threading.Event, stats: "SourceStats") -> None:
         if self.period:
-            delay = self.next - time.monotonic()
-            if delay > 0:
-                stop.wait(delay)
+            while not stop.is_set() and (delay := self.next - time.monotonic()) > 0:
+                stats.beat()  # a slow pace is not a hang
+                stop.wait(min(delay, 1.0))
             self.next = max(self.next + self.period, time.monotonic())
 
 
@@ -109,6 +113,7 @@ class FolderSource:
         self.pacer = _Pacer(cfg.max_fps)
 
     def read(self, stop: threading.Event) -> Frame | None:
+        self.stats.beat()
         if stop.is_set():
             return None
         if self.pos >= len(self.files):
@@ -116,7 +121,7 @@ class FolderSource:
                 self.stats.state = "ended"
                 return None
             self.pos = 0
-        self.pacer.wait(stop)
+        self.pacer.wait(stop, self.stats)
         path = self.files[self.pos]
         self.pos += 1
         flag = cv2.IMREAD_GRAYSCALE if self.frame.color == "gray" else cv2.IMREAD_COLOR
@@ -195,18 +200,22 @@ class OpenCVSource:
             self._lose("cannot open")
             if not self.live:
                 return False
-            stop.wait(self.backoff)
+            until = time.monotonic() + self.backoff
+            while not stop.is_set() and time.monotonic() < until:  # beat while waiting: waiting is not hanging
+                self.stats.beat()
+                stop.wait(min(1.0, until - time.monotonic()))
             self.backoff = min(self.backoff * 2, self.cfg.reconnect_max_s)
         return False
 
     def read(self, stop: threading.Event) -> Frame | None:
         while not stop.is_set():
+            self.stats.beat()
             if self.cap is None and not self._reconnect(stop):
                 if not self.live:
                     self.stats.state = "ended"
                 return None
             assert self.cap is not None
-            self.pacer.wait(stop)
+            self.pacer.wait(stop, self.stats)
             ok, img = self.cap.read()
             if not ok or img is None:
                 if not self.live:
@@ -311,6 +320,7 @@ class SensorSource:
 
     def read(self, stop: threading.Event) -> Frame | None:
         while not stop.is_set():
+            self.stats.beat()
             if len(self.buf) >= self.window:
                 win = self.buf[: self.window].copy()
                 self.buf = self.buf[self.hop :]

@@ -19,6 +19,8 @@ need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
@@ -43,10 +45,13 @@ CPU_PY=$(make_venv cpu onnxruntime)
 "$(dirname "$CPU_PY")/edge-agent" --log-level warning bundle verify models/digits-classifier
 
 echo "== main suite (onnxruntime $("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)'))"
-"$CPU_PY" -m pytest "$@"
+"$CPU_PY" -m pytest -m "not nspawn" "$@"
 
 for flavour in openvino gpu; do
   FPY=$(make_venv "$flavour" "onnxruntime-$flavour")
   echo "== provider matrix: onnxruntime-$flavour $("$FPY" -c 'import onnxruntime; print(onnxruntime.__version__, onnxruntime.get_available_providers())')"
   "$FPY" -m pytest -q tests/test_provider_matrix.py
 done
+
+echo "== the service under real systemd (systemd-nspawn)"
+EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m nspawn -s -v -p no:cacheprovider tests/test_service_nspawn.py

@@ -1,0 +1,229 @@
+"""The service under real systemd: a debootstrapped Debian booted with `systemd-nspawn -b`, systemd as
+PID 1, `scripts/install.sh` run inside it, then readiness, reload, stop, crash, watchdog, state and
+uninstall checked through systemctl, the journal and a Mosquitto broker inside the container.
+
+Run by scripts/test.sh as its own step (`-m nspawn -s`) so each step prints. Needs root, debootstrap
+and systemd-container; the root file system and a wheelhouse are cached under ~/.cache/edge-agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("EDGE_AGENT_CACHE", Path.home() / ".cache" / "edge-agent"))
+ROOTFS = CACHE / "nspawn-bookworm"
+WHEELS = CACHE / "wheelhouse"
+PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-venv,mosquitto,mosquitto-clients,ca-certificates,procps"
+
+HAVE = os.geteuid() == 0 and shutil.which("systemd-nspawn") and shutil.which("debootstrap") and shutil.which("nsenter")
+pytestmark = [
+    pytest.mark.nspawn,
+    pytest.mark.skipif(not HAVE and not os.environ.get("CI"),
+                       reason="needs root, systemd-nspawn and debootstrap (scripts/test.sh installs them)"),
+]
+
+
+def step(msg: str) -> None:
+    print(f"\n[nspawn] {msg}", flush=True)
+
+
+def ensure_rootfs() -> Path:
+    marker = ROOTFS / ".edge-agent-packages"
+    if marker.exists() and marker.read_text() == PACKAGES:
+        return ROOTFS
+    step(f"debootstrap bookworm into {ROOTFS} (cached for later runs)")
+    tmp = ROOTFS.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", str(tmp),
+                    "http://deb.debian.org/debian"], check=True, stdout=subprocess.DEVNULL)
+    (tmp / ".edge-agent-packages").write_text(PACKAGES)
+    shutil.rmtree(ROOTFS, ignore_errors=True)
+    tmp.rename(ROOTFS)
+    return ROOTFS
+
+
+def ensure_wheels() -> Path:
+    """Wheels for the container's Python 3.11: the dependencies (cached) and this checkout's agent."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    for old in WHEELS.glob("edge_agent-*.whl"):
+        old.unlink()
+    step("building the wheelhouse (dependencies cached, the agent rebuilt)")
+    build = CACHE / "wheel-build"
+    shutil.rmtree(build, ignore_errors=True)
+    shutil.copytree(ROOT, build, ignore=shutil.ignore_patterns(".venv", ".git", "state", "build", "*.egg-info",
+                                                               "calibration", "tests", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "-w", str(WHEELS),
+                    str(build)], check=True)
+    shutil.rmtree(build, ignore_errors=True)
+    return WHEELS
+
+
+class Container:
+    def __init__(self, rootfs: Path, binds: dict[Path, str]):
+        args = ["systemd-nspawn", "-q", "-D", str(rootfs), "--ephemeral", "--register=no", "--keep-unit",
+                "--private-network", "-b"]
+        for host, inside in binds.items():
+            args.append(f"--bind-ro={host}:{inside}")
+        self.log = open(CACHE / "nspawn-console.log", "w")
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+        self.leader = 0
+        end = time.monotonic() + 60
+        while not self.leader and time.monotonic() < end:
+            try:
+                kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+                self.leader = int(kids[0]) if kids else 0
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert self.leader, "systemd-nspawn did not start the container"
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            state = self.sh("systemctl is-system-running", check=False).stdout.strip()
+            if state in ("running", "degraded"):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"the container's systemd did not finish booting: {state}")
+
+    def sh(self, cmd: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        out = subprocess.run(["nsenter", "-t", str(self.leader), "-a", "/bin/sh", "-c", cmd],
+                             capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"`{cmd}` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        return out
+
+    def prop(self, name: str) -> str:
+        return self.sh(f"systemctl show -p {name} --value edge-agent").stdout.strip()
+
+    def wait_for(self, pred, timeout: float = 120, what: str = "") -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred():
+                return
+            time.sleep(0.3)
+        journal = self.sh("journalctl -u edge-agent --no-pager -n 40", check=False).stdout
+        raise AssertionError(f"timed out waiting for {what}\n{journal}")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def listing(c: Container) -> set[str]:
+    """Every path on the container's root file system outside runtime and cache areas."""
+    out = c.sh("find / -xdev \\( -path /proc -o -path /sys -o -path /dev -o -path /run -o -path /tmp "
+               "-o -path /var/tmp -o -path /var/log/journal -o -path /var/cache -o -path /var/lib/systemd "
+               "-o -path /var/lib/mosquitto -o -path /root/.cache \\) -prune -o -print").stdout
+    return set(out.splitlines())
+
+
+AGENT_YAML = """
+device_id: nspawn-dev
+state_dir: /var/lib/edge-agent
+bundle: /opt/edge-agent/share/models/digits-classifier
+source: {type: folder, path: /opt/edge-agent/share/models/demo-frames/digits, loop: true, max_fps: 20}
+output: {stdout: false, health_interval_s: 2}
+mqtt: {enabled: true, host: 127.0.0.1, port: 1883, reconnect_min_s: 1, reconnect_max_s: 2}
+"""
+
+HUNG_CAMERA = """
+source: {type: stream, url: "http://127.0.0.1:8554/cam.mjpg", open_timeout_ms: 600000, read_timeout_ms: 600000}
+"""
+
+
+def test_service_under_real_systemd() -> None:
+    rootfs = ensure_rootfs()
+    wheels = ensure_wheels()
+    step("booting the container (systemd-nspawn -b, systemd as PID 1)")
+    c = Container(rootfs, {ROOT: "/src", wheels: "/wheels"})
+    try:
+        step(f"container up: {c.sh('systemctl --version | head -1').stdout.strip()}")
+        before = listing(c)
+
+        step("scripts/install.sh --wheelhouse /wheels --no-start")
+        out = c.sh("/src/scripts/install.sh --wheelhouse /wheels --no-start", timeout=600)
+        assert "installed:" in out.stdout
+        assert c.sh("systemctl is-enabled edge-agent").stdout.strip() == "enabled"
+        c.sh(f"cat > /etc/edge-agent/agent.yaml <<'EOF'\n{AGENT_YAML}\nEOF")
+        c.sh("mkdir -p /etc/systemd/system/edge-agent.service.d && "
+             "printf '[Service]\\nWatchdogSec=6\\n' > /etc/systemd/system/edge-agent.service.d/test.conf && "
+             "systemctl daemon-reload")
+        c.sh("systemctl is-active mosquitto")
+
+        step("start: the unit is `activating` through the self-test, `active` only after READY=1")
+        c.sh("systemctl start --no-block edge-agent")
+        states = []
+        end = time.monotonic() + 120
+        while time.monotonic() < end and (not states or states[-1] != "active"):
+            states.append(c.sh("systemctl is-active edge-agent", check=False).stdout.strip())
+            time.sleep(0.05)
+        assert "activating" in states and states[-1] == "active", states
+        status = c.prop("StatusText")
+        assert status.startswith("serving digits-classifier v1 ") and "CPUExecutionProvider" in status, status
+        report_mtime = float(c.sh("stat -c %Y /var/lib/edge-agent/selftest/report.json").stdout)
+        active_at = int(c.prop("ActiveEnterTimestampMonotonic"))
+        assert active_at > 0 and report_mtime > 0
+        user = c.sh("ps -o user= -C edge-agent || ps -o user= -p $(systemctl show -p MainPID --value edge-agent)").stdout.strip()
+        assert user and user != "root", f"runs as {user!r}"
+        step(f"active as dynamic user {user!r}; STATUS={status!r}")
+
+        c.wait_for(lambda: '"state": "online"' in c.sh(
+            "mosquitto_sub -h 127.0.0.1 -C 1 -W 3 -t edge/nspawn-dev/availability", check=False).stdout,
+            60, "availability online")
+        boots = lambda: int(c.sh("cat /var/lib/edge-agent/boots").stdout)  # noqa: E731
+        first_boot = boots()
+
+        step("systemctl reload: RELOADING=1, the config is re-read, READY again")
+        c.sh("sed -i 's/max_fps: 20/max_fps: 10/' /etc/edge-agent/agent.yaml")
+        c.sh("systemctl reload edge-agent")
+        c.wait_for(lambda: "reload.start" in c.sh("journalctl -u edge-agent --no-pager -o cat").stdout, 60, "reload")
+        c.wait_for(lambda: c.sh("systemctl is-active edge-agent", check=False).stdout.strip() == "active", 60, "active")
+        assert c.prop("MainPID") != "0" and boots() == first_boot  # same process, reloaded in place
+
+        step("systemctl stop: `stopped` published (retained)")
+        c.sh("systemctl stop edge-agent")
+        avail = c.sh("mosquitto_sub -h 127.0.0.1 -C 1 -W 5 -t edge/nspawn-dev/availability").stdout
+        assert json.loads(avail)["state"] == "stopped", avail
+
+        step("a crash (SIGKILL) is restarted by Restart=on-failure; the state directory survives")
+        c.sh("systemctl start edge-agent")
+        restarts = int(c.prop("NRestarts"))
+        c.sh("systemctl kill -s SIGKILL edge-agent")
+        c.wait_for(lambda: int(c.prop("NRestarts")) > restarts and
+                   c.sh("systemctl is-active edge-agent", check=False).stdout.strip() == "active", 120, "restart")
+        assert boots() >= first_boot + 2
+        assert c.sh("test -f /var/lib/edge-agent/selftest/cache.json && echo yes").stdout.strip() == "yes"
+
+        step("a hung pipeline (a camera that never answers) misses the watchdog and is restarted")
+        c.sh("systemd-run --unit hung-camera python3 -c \"import socket,time; s=socket.socket(); "
+             "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', 8554)); s.listen(8); "
+             "conns=[s.accept() for _ in range(8)]; time.sleep(3600)\"")
+        c.sh(f"cat >> /etc/edge-agent/agent.yaml <<'EOF'\n{HUNG_CAMERA}\nEOF")
+        c.sh("python3 - <<'EOF'\nimport re\np='/etc/edge-agent/agent.yaml'\ns=open(p).read()\n"
+             "s=re.sub(r'^source: \\{type: folder.*\\n', '', s, flags=re.M)\nopen(p,'w').write(s)\nEOF")
+        restarts = int(c.prop("NRestarts"))
+        c.sh("systemctl restart edge-agent")
+        c.wait_for(lambda: int(c.prop("NRestarts")) > restarts, 120, "a watchdog restart")
+        journal = c.sh("journalctl -u edge-agent --no-pager").stdout
+        assert "Watchdog timeout" in journal or "watchdog" in journal.lower(), journal[-2000:]
+        assert "watchdog.withheld" in journal
+        step("watchdog fired: " + next(l for l in journal.splitlines() if "atchdog timeout" in l).strip()[-100:])
+
+        step("scripts/uninstall.sh --purge leaves no stray files")
+        c.sh("systemctl stop hung-camera", check=False)
+        c.sh("/src/scripts/uninstall.sh --purge")
+        after = listing(c)
+        stray = sorted(after - before)
+        assert not stray, f"left behind: {stray[:30]}"
+        step("uninstalled cleanly")
+    finally:
+        c.stop()
