@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import yaml
@@ -26,8 +26,8 @@ from agent.logsetup import get_logger
 from agent.manifest import MANIFEST_NAME, FrameSpec, postprocess_from_dict, preprocess_from_dict
 from agent.parity import compare
 from agent.preprocess import Preprocessor
-from agent.samples import SampleSet, load_samples
-from agent.session import CPU
+from agent.samples import load_samples
+from agent.session import CPU, measure_latency
 
 log = get_logger("bundle.create")
 
@@ -227,14 +227,8 @@ def _run_all(sess: Any, tensors: Sequence[np.ndarray]) -> list[dict[str, np.ndar
 
 def _latency_ms(sess: Any, tensor: np.ndarray, runs: int = 40) -> dict[str, float]:
     name = sess.get_inputs()[0].name
-    for _ in range(5):
-        sess.run(None, {name: tensor})
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter_ns()
-        sess.run(None, {name: tensor})
-        ts.append((time.perf_counter_ns() - t0) / 1e6)
-    return {"cpu_p50_ms": round(float(np.percentile(ts, 50)), 3), "cpu_p95_ms": round(float(np.percentile(ts, 95)), 3)}
+    stats = measure_latency(lambda t: sess.run(None, {name: t}), tensor, warmup=5, runs=runs)
+    return {"cpu_p50_ms": round(stats.p50_ms, 3), "cpu_p95_ms": round(stats.p95_ms, 3)}
 
 
 def _unbatch(outs: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:

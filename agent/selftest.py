@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -25,8 +25,8 @@ from agent.logsetup import get_logger
 from agent.parity import compare
 from agent.providers import DEFAULT_ORDER, ProviderStatus, detect_providers, device_fingerprint
 from agent.selection import SelectionPolicy, build_candidates, choose, provider_groups
-from agent.session import SessionSettings, open_session
-from agent.verdict import Candidate, CandidateResult, Evidence, LatencyStats, PreprocessCheck, judge
+from agent.session import SessionSettings, measure_latency, open_session
+from agent.verdict import Candidate, CandidateResult, Evidence, PreprocessCheck, judge
 
 log = get_logger("selftest")
 
@@ -103,17 +103,6 @@ def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple
         if d > worst:
             worst, worst_i = d, g.index
     return PreprocessCheck(worst, worst_i), tensors
-
-
-def measure_latency(run: Any, tensor: np.ndarray, warmup: int, runs: int) -> LatencyStats:
-    for _ in range(warmup):
-        run(tensor)
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter_ns()
-        run(tensor)
-        samples.append(time.perf_counter_ns() - t0)
-    return LatencyStats.from_ns(samples)
 
 
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],

@@ -15,10 +15,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping
 
 import numpy as np
 import onnxruntime as ort
+
+if TYPE_CHECKING:
+    from agent.verdict import LatencyStats
 
 CPU = "CPUExecutionProvider"
 ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
@@ -230,3 +233,17 @@ def placement_from_profile(
         nodes[ep] = nodes.get(ep, 0) + 1
         ops.setdefault(ep, {})[op] = ops.setdefault(ep, {}).get(op, 0) + 1
     return Placement(nodes, ops, partitions, "profiling")
+
+
+def measure_latency(run: Callable[[np.ndarray], Any], tensor: np.ndarray, warmup: int, runs: int) -> "LatencyStats":
+    """Warm-up calls, then `runs` timed calls of `run(tensor)`: the one latency loop everything uses."""
+    from agent.verdict import LatencyStats
+
+    for _ in range(warmup):
+        run(tensor)
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter_ns()
+        run(tensor)
+        samples.append(time.perf_counter_ns() - t0)
+    return LatencyStats.from_ns(samples)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.bundle import load_bundle  # noqa: E402
-from agent.session import SessionSettings, session_options  # noqa: E402
+from agent.session import SessionSettings, measure_latency, session_options  # noqa: E402
 
 
 def boot(bundle: Path, state: Path, *extra: str) -> tuple[float, dict]:
@@ -42,14 +42,8 @@ def raw_latency(model: Path, tensor: np.ndarray, runs: int) -> tuple[float, floa
     sess = ort.InferenceSession(str(model), session_options(SessionSettings(), record_assignment=False),
                                 providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
-    for _ in range(10):
-        sess.run(None, {name: tensor})
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter_ns()
-        sess.run(None, {name: tensor})
-        ts.append((time.perf_counter_ns() - t0) / 1e6)
-    return float(np.percentile(ts, 50)), float(np.percentile(ts, 95))
+    stats = measure_latency(lambda t: sess.run(None, {name: t}), tensor, warmup=10, runs=runs)
+    return stats.p50_ms, stats.p95_ms
 
 
 def main() -> int:

@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,19 +27,13 @@ from agent.bundle import load_bundle  # noqa: E402
 from agent.config import Config  # noqa: E402
 from agent.providers import CUDA, TENSORRT, detect_providers  # noqa: E402
 from agent.selftest import options_from_config, run_selftest  # noqa: E402
+from agent.session import measure_latency  # noqa: E402
 
 
 def raw_p50(model: Path, provider: str, tensor: np.ndarray, runs: int = 300) -> float:
     sess = ort.InferenceSession(str(model), providers=[provider, "CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
-    for _ in range(20):
-        sess.run(None, {name: tensor})
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter_ns()
-        sess.run(None, {name: tensor})
-        ts.append((time.perf_counter_ns() - t0) / 1e6)
-    return float(np.percentile(ts, 50))
+    return measure_latency(lambda t: sess.run(None, {name: t}), tensor, warmup=20, runs=runs).p50_ms
 
 
 def main() -> int:

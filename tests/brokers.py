@@ -17,6 +17,8 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 
+from waiting import wait_until
+
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
 
@@ -169,12 +171,7 @@ class Collector:
         return [m for m in list(self.messages) if m.topic == topic]
 
     def wait(self, pred, timeout: float = 20.0) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if pred():
-                return True
-            time.sleep(0.05)
-        return False
+        return wait_until(pred, timeout)
 
     def close(self) -> None:
         self.c.loop_stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,6 @@ import pytest
 from agent.bundle import load_bundle
 from agent.bundle_create import CreateOptions, create_bundle
 from agent.errors import BundleError, QualityError
-from agent.parity import compare
 from agent.selftest import SelftestOptions, run_selftest
 from agent.session import open_session
 from agent.testing import make_tiny_classifier

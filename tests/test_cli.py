@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 
 def edge_agent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from agent.sdnotify import Notifier
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,12 +51,7 @@ class NotifySocket:
         return [m for m in list(self.messages) if key in m]
 
     def wait(self, pred, timeout: float = 30) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if pred():
-                return True
-            time.sleep(0.05)
-        return False
+        return wait_until(pred, timeout)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,16 +6,13 @@ Each test asserts on results and counters; none can hang (every wait is bounded)
 from __future__ import annotations
 
 import socket
-import struct
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import cv2
 import numpy as np
-import pytest
 
 from agent.bundle import load_bundle
 from agent.config import PipelineConfig, SourceConfig
@@ -25,6 +22,7 @@ from agent.postprocess import decode
 from agent.sources import is_lossless, open_source
 from agent.testing import ListSink
 from agent.verdict import Candidate
+from waiting import wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -168,13 +166,7 @@ def test_http_mjpeg_stream_lost_is_reported_and_reopened_when_it_returns(tiny_bu
     sink = ListSink()
     p = Pipeline(source, engine, sink, PipelineConfig(), is_lossless(cfg, source)).start()
     try:
-        def wait(pred, timeout=20.0) -> bool:
-            end = time.monotonic() + timeout
-            while time.monotonic() < end:
-                if pred():
-                    return True
-                time.sleep(0.05)
-            return False
+        wait = wait_until
 
         assert wait(lambda: len(sink.results) >= 10), "no frames from the stream"
         assert source.stats.state == "open"

@@ -4,7 +4,6 @@ any step boots into the committed bundle."""
 
 from __future__ import annotations
 
-import gzip
 import http.server
 import io
 import json
