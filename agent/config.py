@@ -38,7 +38,7 @@ class SelectionConfig:
     use_cache: bool = True
 
 
-SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin"]
+SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin", "mqtt"]
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,10 @@ class SourceConfig:
     frozen_after: int = 30            # this many identical consecutive frames: report a frozen picture
     reconnect_initial_s: float = 0.5
     reconnect_max_s: float = 30.0
-    host: str = "127.0.0.1"           # udp: bind address
-    port: int = 0                     # udp: bind port
+    host: str = "127.0.0.1"           # udp: bind address; mqtt: the broker
+    port: int = 0                     # udp: bind port; mqtt: the broker's port (0: 1883)
+    topic: str | None = None          # mqtt: where frames arrive
+    payload: Literal["image", "npy", "raw"] = "image"  # mqtt: encoded image, .npy bytes, or raw frame bytes
     sample_dtype: Literal["float32", "int16", "uint8"] = "float32"  # sensor samples, little-endian
     hop: int = 0                      # sensor: samples between windows (0: the window length)
 

@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -346,6 +347,82 @@ class SensorSource:
             os.close(self.fd)
 
 
+class MqttFrameSource:
+    """Frames published on an MQTT topic: encoded images, `.npy` arrays, or raw bytes of the frame.
+
+    Latest-frame-wins by default (a small buffer of the newest payloads); a payload that does not
+    decode into the bundle's frame is counted and skipped.
+    """
+
+    live = True
+
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
+        import io
+
+        import paho.mqtt.client as paho
+
+        if not cfg.topic:
+            raise ConfigError("source.topic: an mqtt source needs the topic frames arrive on")
+        self.cfg, self.frame, self._io = cfg, frame, io
+        self.name = f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
+        self.stats = SourceStats()
+        self._buf: deque[tuple[bytes, float, int]] = deque(maxlen=8)
+        self._cond = threading.Condition()
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
+        self.client.on_connect = lambda c, u, f, rc, p: (not rc.is_failure) and c.subscribe(cfg.topic, qos=0)
+        self.client.on_message = self._on_message
+        self.client.reconnect_delay_set(int(max(cfg.reconnect_initial_s, 1)), int(cfg.reconnect_max_s))
+        self.client.connect_async(cfg.host, cfg.port or 1883, 30)
+        self.client.loop_start()
+        self.stats.state = "open"
+
+    def _on_message(self, client: object, userdata: object, msg: object) -> None:
+        at, ns = _now()
+        with self._cond:
+            self._buf.append((msg.payload, at, ns))  # type: ignore[attr-defined]
+            self._cond.notify()
+
+    def _decode(self, data: bytes) -> np.ndarray:
+        f = self.frame
+        if self.cfg.payload == "image":
+            img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_GRAYSCALE if f.color == "gray" else cv2.IMREAD_COLOR)
+            if img is None:
+                raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable image")
+            return _to_frame_color(img, f)
+        if self.cfg.payload == "npy":
+            try:
+                return np.load(self._io.BytesIO(data), allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                raise BadFrame(f"{self.name}: payload is not a .npy array: {exc}") from exc
+        dtype = np.dtype(f.dtype if f.kind == "sensor" else np.uint8)
+        expected = int(np.prod(f.shape)) * dtype.itemsize
+        if len(data) != expected:
+            raise BadFrame(f"{self.name}: raw payload of {len(data)} bytes, expected {expected} for {f.shape} {dtype}")
+        return np.frombuffer(data, dtype).reshape(f.shape).copy()
+
+    def read(self, stop: threading.Event) -> Frame | None:
+        while not stop.is_set():
+            self.stats.beat()
+            with self._cond:
+                if not self._buf:
+                    self._cond.wait(0.2)
+                    continue
+                data, at, ns = self._buf.popleft()
+            try:
+                frame = self._decode(data)
+            except BadFrame:
+                self.stats.bad += 1
+                raise
+            self.stats.frames += 1
+            self.stats.last_frame_ns = ns
+            return Frame(self.stats.frames, frame, at, ns, self.name)
+        return None
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
 SourceFactory = Callable[[SourceConfig, FrameSpec], FrameSource]
 
 SOURCES: dict[str, SourceFactory] = {
@@ -356,6 +433,7 @@ SOURCES: dict[str, SourceFactory] = {
     "udp": SensorSource,
     "file": SensorSource,
     "stdin": SensorSource,
+    "mqtt": MqttFrameSource,
 }
 
 

@@ -126,6 +126,10 @@ class Updater:
         report = self._child_selftest(root)
         if not report.get("passed"):
             raise UpdateRejected(f"self-test failed on this device: {report.get('reason')}")
+        wanted = set(bundle.manifest.requires.get("providers", []))
+        usable = {p["name"] for p in report.get("providers", []) if p.get("usable")}
+        if wanted and not wanted & usable:
+            raise UpdateRejected(f"bundle requires one of {sorted(wanted)}; usable here: {sorted(usable)}")
         sel = report["selected"]
         candidate = Candidate(sel["provider"], sel["variant"], sel["precision"],
                               next((c["options"] for c in report["candidates"]

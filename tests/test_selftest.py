@@ -145,3 +145,23 @@ def test_crash_marker_skips_the_candidate_that_killed_the_process(tiny_bundle: P
     assert by_key[crashed]["status"] == "skipped"
     assert "crashed the agent" in by_key[crashed]["reasons"][0]
     assert doc["selected"] is not None and f"{doc['selected']['provider']}:{doc['selected']['variant']}" != crashed
+
+
+def test_a_candidate_asked_for_an_absent_provider_is_judged_a_silent_fallback(tiny_bundle: Path) -> None:
+    from agent.selftest import evaluate
+    from agent.session import SessionSettings
+    from agent.verdict import Candidate
+
+    b = load_bundle(tiny_bundle)
+    r = evaluate(b, Candidate("CUDAExecutionProvider", "fp32", "fp32"), SessionSettings(), b.golden(), latency=False)
+    assert not r.passed
+    assert r.reasons[0] == "silent fallback: asked for CUDAExecutionProvider, session runs on ['CPUExecutionProvider']"
+
+
+def test_a_session_that_cannot_be_created_is_a_verdict_not_a_crash(tiny_bundle: Path, tmp_path: Path) -> None:
+    b = load_bundle(tiny_bundle)
+    (tiny_bundle / "model_fp32.onnx").write_bytes(b"corrupted after verification")
+    report = run_selftest(b, tmp_path, FAST)
+    fp32 = _by_key(report)["CPUExecutionProvider:fp32"]
+    assert not fp32.passed and fp32.reasons[0].startswith("session creation error: ")
+    assert report.selected.candidate.variant == "int8"

@@ -268,3 +268,46 @@ def test_sensor_windows_from_a_fifo(tiny_sensor_bundle: Path, tmp_path: Path) ->
     t.join()
     source.close()
     assert len(sink.results) == 5 and p.metrics.bad_frames == 0
+
+
+def test_frames_arriving_on_an_mqtt_topic_as_images_and_arrays(tiny_bundle: Path, tmp_path: Path) -> None:
+    import io
+
+    import paho.mqtt.client as paho
+
+    from agent.testing import structured_frames
+    from brokers import Broker
+
+    broker = Broker(tmp_path / "broker").start()
+    engine = _engine(tiny_bundle)
+    sink = ListSink()
+    try:
+        for payload in ("image", "npy"):
+            cfg = SourceConfig(type="mqtt", host="127.0.0.1", port=broker.port, topic=f"cams/{payload}", payload=payload,
+                               lossless=True)
+            source = open_source(cfg, engine.bundle.manifest.frame)
+            p = Pipeline(source, engine, sink, PipelineConfig(), lossless=True).start()
+            pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
+            pub.connect("127.0.0.1", broker.port)
+            pub.loop_start()
+            assert wait_until(lambda: source.client.is_connected(), 10)
+            time.sleep(0.3)  # the subscription settles
+            before = len(sink.results)
+            for f in structured_frames(4, 40):
+                if payload == "image":
+                    data = cv2.imencode(".png", cv2.cvtColor(f, cv2.COLOR_RGB2BGR))[1].tobytes()
+                else:
+                    buf = io.BytesIO()
+                    np.save(buf, f)
+                    data = buf.getvalue()
+                pub.publish(cfg.topic, data, qos=1).wait_for_publish(5)
+                time.sleep(0.05)
+            pub.publish(cfg.topic, b"not a frame", qos=1).wait_for_publish(5)
+            assert wait_until(lambda: len(sink.results) >= before + 4 and p.metrics.bad_frames >= 1, 10)
+            pub.loop_stop()
+            p.stop()
+            assert p.join(10)
+            source.close()
+            assert p.metrics.bad_frames == 1 and len(sink.results) == before + 4
+    finally:
+        broker.stop()

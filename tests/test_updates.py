@@ -91,6 +91,8 @@ def kit(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_master: Path) -> d
         "older": variant("older", version=1),
         "tampered": variant("tampered", after=before_sign_tamper_int8_too),
         "slow": variant("slow", mutate=lambda m: m["selftest"].update(latency_budget_ms={"default": 0.0001})),
+        "needs_gpu": variant("needs_gpu", mutate=lambda m: m.update(requires={"providers": ["CUDAExecutionProvider"]})),
+        "needs_new_agent": variant("needs_new_agent", mutate=lambda m: m.update(requires={"agent": "99.0.0"})),
     }
     # unsafe archives
     def raw_tar(name: str, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
@@ -212,6 +214,8 @@ REFUSALS = {
     "oversized": "over the 2097152 limit",
     "tampered": "self-test failed on this device: no candidate passed: CPUExecutionProvider:fp32: parity",
     "slow": "latency p95",
+    "needs_gpu": "bundle requires one of ['CUDAExecutionProvider']",
+    "needs_new_agent": "bundle requires agent >= 99.0.0",
 }
 
 
