@@ -355,7 +355,8 @@ class Agent:
         self.outbox = Outbox(self.cfg.state_dir / "outbox.sqlite", self.cfg.outbox)
         self.link = MqttLink(self.cfg.mqtt, self.cfg.device_id, self.cfg.state_dir, self.outbox,
                              self.handle_command, self._retained,
-                             on_bundle=self._on_bundle_message if self.cfg.updates.enabled else None).start()
+                             on_bundle=self._on_bundle_message if self.cfg.updates.enabled else None)
+        self.link.start()  # after the assignment: on_connect may run before start() returns
 
     def _publish_update(self, doc: dict[str, Any]) -> None:
         self._last_update = doc

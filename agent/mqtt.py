@@ -170,8 +170,11 @@ class MqttLink:
             return
         self.session = bump_counter(self._session_file)
         client.publish(self.topics.availability, _availability("online", self.session), qos=1, retain=True)
-        for topic, payload in self.retained().items():
-            client.publish(topic, payload, qos=1, retain=True)
+        try:
+            for topic, payload in self.retained().items():
+                client.publish(topic, payload, qos=1, retain=True)
+        except Exception:  # never let it kill paho's network thread: the next health publish repairs it
+            log.exception("mqtt.retained_publish_failed")
         client.subscribe(self.topics.commands, qos=1)
         if self.on_bundle is not None:
             client.subscribe(self.topics.bundle_all, qos=1)
