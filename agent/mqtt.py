@@ -8,6 +8,7 @@ the client reconnects with backoff in its own thread while the agent self-tests 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import ssl
 import threading
@@ -81,6 +82,9 @@ class MqttLink:
                                   protocol=paho.MQTTv5 if v5 else paho.MQTTv311,
                                   clean_session=None if v5 else cfg.clean_start)
         self.v5 = v5
+        # A bug in one of our callbacks must cost that message, never paho's network thread.
+        self.client.suppress_exceptions = True
+        self.client.enable_logger(logging.getLogger("paho"))
         self.client.max_inflight_messages_set(cfg.max_inflight)
         self.client.max_queued_messages_set(0)
         self.client.reconnect_delay_set(cfg.reconnect_min_s, cfg.reconnect_max_s)
