@@ -33,6 +33,7 @@ _REASON_PATTERNS = (
     re.compile(r"(CUDA failure[^\n]*)"),
     re.compile(r"(no CUDA-capable device[^\n]*)"),
     re.compile(r"(cannot open shared object file[^\n]*)"),
+    re.compile(r"(Specified provider '[A-Za-z]+' is not in available provider names)"),
     re.compile(r"\[E:onnxruntime[^\]]*\]\s*([^\n]*)"),
 )
 

@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,8 +162,10 @@ def open_session(
     so = session_options(settings)
     src = model if isinstance(model, bytes) else str(model)
     t0 = time.perf_counter()
-    with capture_provider_output() as log:
+    with capture_provider_output() as log, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         sess = ort.InferenceSession(src, so, providers=provider_list(provider, options))
+    log.extend(str(w.message) for w in caught)  # e.g. "Specified provider ... is not in available provider names"
     create_ms = (time.perf_counter() - t0) * 1000
     placement = placement_from_assignment(sess)
     if placement is None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from agent.manifest import Manifest
 from agent.parity import ParityReport, parity_failures
+from agent.providers import reason_from_log
 from agent.session import CPU, Placement
 
 
@@ -108,7 +109,9 @@ def judge(ev: Evidence, manifest: Manifest) -> CandidateResult:
         return CandidateResult(c, False, (ev.error,), ev)
     reasons: list[str] = []
     if c.provider not in ev.effective:
-        reasons.append(f"silent fallback: asked for {c.provider}, session runs on {list(ev.effective)}")
+        why = reason_from_log(ev.ort_log)
+        reasons.append(f"silent fallback: asked for {c.provider}, session runs on {list(ev.effective)}"
+                       + (f": {why}" if why else ""))
     if ev.placement is not None and c.provider != CPU and ev.placement.total_nodes:
         frac = ev.placement.fraction(c.provider)
         if frac < st.min_accelerator_fraction:

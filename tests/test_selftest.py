@@ -155,7 +155,8 @@ def test_a_candidate_asked_for_an_absent_provider_is_judged_a_silent_fallback(ti
     b = load_bundle(tiny_bundle)
     r = evaluate(b, Candidate("CUDAExecutionProvider", "fp32", "fp32"), SessionSettings(), b.golden(), latency=False)
     assert not r.passed
-    assert r.reasons[0] == "silent fallback: asked for CUDAExecutionProvider, session runs on ['CPUExecutionProvider']"
+    assert r.reasons[0] == ("silent fallback: asked for CUDAExecutionProvider, session runs on ['CPUExecutionProvider']: "
+                            "Specified provider 'CUDAExecutionProvider' is not in available provider names")
 
 
 def test_a_session_that_cannot_be_created_is_a_verdict_not_a_crash(tiny_bundle: Path, tmp_path: Path) -> None:
