@@ -118,6 +118,4 @@ def _extract(archive: Path, work: Path, limits: UnpackLimits) -> None:
     except FileExistsError as exc:
         raise ArchiveError(f"{archive}: a member appears twice ({exc.filename})") from exc
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, io.UnsupportedOperation) as exc:
-        if isinstance(exc, ArchiveError):
-            raise
         raise ArchiveError(f"{archive}: corrupt or truncated archive: {exc}") from exc

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 
-from waiting import wait_until
+from waiting import end_process, wait_until
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
@@ -90,17 +89,10 @@ class Broker:
         return self
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        end_process(self.proc, graceful=False)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        end_process(self.proc, timeout=10)
 
 
 def make_tls_material(d: Path) -> dict:

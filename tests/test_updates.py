@@ -9,7 +9,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -27,6 +26,7 @@ from agent.hashing import sha256_file
 from agent.signing import keygen, sign_bundle
 from agent.testing import rewrite_manifest, scale_initializer, structured_frames
 from brokers import Broker, Collector
+from waiting import end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-u"
@@ -141,17 +141,10 @@ class AgentProc:
         return self
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        end_process(self.proc, graceful=False)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        end_process(self.proc)
 
 
 def preds(col: Collector) -> list[dict]:

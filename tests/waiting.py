@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from typing import Callable
 
@@ -13,3 +14,17 @@ def wait_until(pred: Callable[[], object], timeout: float = 20.0, interval: floa
             return True
         time.sleep(interval)
     return bool(pred())
+
+
+def end_process(proc: "subprocess.Popen | None", graceful: bool = True, timeout: float = 30.0) -> None:
+    """SIGTERM and wait (then SIGKILL if it hangs), or SIGKILL at once; nothing if it already ended."""
+    import signal
+
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
