@@ -180,30 +180,36 @@ class Outbox:
                 continue
             self.acked += 1
             if msg.row is not None:
-                rows.append((msg.row,))
+                rows.append(msg.row)
         if rows:
-            self._delete_rows([r for (r,) in rows])
+            self._delete_rows(rows)
 
     def _requeue_inflight(self) -> None:
-        from_memory = sorted((m for m in self.inflight.values() if m.row is None), key=lambda m: m.created)
+        # dict order is send order, which is the order the messages were put
+        from_memory = [m for m in self.inflight.values() if m.row is None]
         self.inflight.clear()
         self.memory.extendleft(reversed(from_memory))
 
     def _spill(self) -> None:
+        """Memory to disk, keeping order: messages already sent from memory and still awaiting their
+        PUBACK are older than the backlog, so they are written first and stay in flight under their row."""
+        sent = [m for m in self.inflight.values() if m.row is None]
+        if sent:
+            self._write(sent)
+            self._disk_cursor = max(self._disk_cursor, sent[-1].row or 0)  # in flight: not sent again now
         if not self.memory:
             return
-        if self.disk_count:
-            # disk already holds newer messages than memory only if order was broken; never expected
-            log.warning("outbox.spill_behind_disk", memory=len(self.memory), disk=self.disk_count)
         batch = list(self.memory)
         self.memory.clear()
         self._write(batch)
         self.spilled += len(batch)
 
     def _write(self, msgs: list[Message]) -> None:
+        """Append to disk in order; each message learns its row id."""
         self.db.execute("BEGIN")
-        self.db.executemany("INSERT INTO messages(topic, payload, qos, created) VALUES (?, ?, ?, ?)",
-                            [(m.topic, m.payload, m.qos, m.created) for m in msgs])
+        for m in msgs:
+            m.row = self.db.execute("INSERT INTO messages(topic, payload, qos, created) VALUES (?, ?, ?, ?)",
+                                    (m.topic, m.payload, m.qos, m.created)).lastrowid
         self.db.execute("COMMIT")
         self.disk_count += len(msgs)
 
