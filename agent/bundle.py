@@ -77,6 +77,11 @@ def _walk_files(root: Path) -> Iterator[tuple[str, Path]]:
             yield p.relative_to(root).as_posix(), p
 
 
+def hash_files(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` except the manifest and its signature: the manifest's `files`."""
+    return {rel: sha256_file(p) for rel, p in sorted(_walk_files(root)) if rel not in (MANIFEST_NAME, SIGNATURE_NAME)}
+
+
 def verify_files(root: Path, manifest: Manifest) -> None:
     """Every listed file exists, is a plain file and matches its sha256; nothing unlisted is present."""
     present: set[str] = set()

@@ -19,12 +19,13 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
-from agent.bundle import load_bundle
+from agent.bundle import hash_files, load_bundle
 from agent.errors import BundleError, QualityError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.manifest import MANIFEST_NAME, FrameSpec, postprocess_from_dict, preprocess_from_dict
 from agent.parity import compare
+from agent.postprocess import split_batch
 from agent.preprocess import Preprocessor
 from agent.samples import load_samples
 from agent.session import CPU, measure_latency
@@ -232,7 +233,7 @@ def _latency_ms(sess: Any, tensor: np.ndarray, runs: int = 40) -> dict[str, floa
 
 
 def _unbatch(outs: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    return [{k: v[0] for k, v in o.items()} for o in outs]
+    return [split_batch(o, 0) for o in outs]
 
 
 def _top1(outs: Sequence[Mapping[str, np.ndarray]], output: str) -> np.ndarray:
@@ -369,8 +370,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         "golden": golden_files,
         "files": {},
     }
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    manifest["files"] = {p.relative_to(root).as_posix(): sha256_file(p) for p in files}
+    manifest["files"] = hash_files(root)
     (root / MANIFEST_NAME).write_text(yaml.safe_dump(manifest, sort_keys=False, width=120))
 
 

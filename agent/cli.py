@@ -35,7 +35,7 @@ def _cmd_bundle_verify(args: argparse.Namespace) -> int:
 
     with bundle_dir(args.path) as root:
         b = load_bundle(root)
-        sig = verify_signature(root, args.pubkey, allow_unsigned=not args.pubkey) if args.pubkey else None
+        sig = verify_signature(root, args.pubkey) if args.pubkey else None
     m = b.manifest
     signed = f", signature by key {sig.key_id}" if sig else ""
     print(f"OK {b.identity}: schema, {len(m.files)} file hashes, {len(m.variants)} variant contracts, "

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from agent.bundle import Bundle, load_bundle
 from agent.config import Config, SourceConfig, load_config
@@ -25,7 +25,7 @@ from agent.health import ProcessProbe, build_health
 from agent.logsetup import configure_logging, get_logger
 from agent.pipeline import Pipeline, Sink
 from agent.sdnotify import Notifier
-from agent.selftest import SelftestReport, options_from_config, run_selftest
+from agent.selftest import options_from_config, run_selftest
 from agent.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.sources import is_lossless, open_source
 
@@ -66,7 +66,6 @@ class Agent:
         self.reload_event = threading.Event()
         self.lock = threading.RLock()  # boot/reload vs commands
         self.bundle: Bundle | None = None
-        self.report: SelftestReport | None = None
         self.selftest_doc: dict[str, Any] | None = None  # the report that proved what serves now
         self.store = None
         self.updater = None
@@ -82,8 +81,6 @@ class Agent:
         self._last_update: dict[str, Any] | None = None
         self.boot_number = 0
         self.notifier = Notifier()
-        # Called with the health document whenever it is published (systemd STATUS= etc. hook here).
-        self.on_health: list[Callable[[dict[str, Any]], None]] = []
 
     # -- boot --------------------------------------------------------------------------------------------
     def boot(self) -> bool:
@@ -94,15 +91,15 @@ class Agent:
             self.bundle = self._serving_bundle()
             if self.bundle is None:
                 return self._not_serving("no bundle configured (key bundle) and none in the store")
-            self.report = run_selftest(self.bundle, cfg.state_dir, options_from_config(cfg))
-            self.selftest_doc = self.report.to_dict()
+            report = run_selftest(self.bundle, cfg.state_dir, options_from_config(cfg))
+            self.selftest_doc = report.to_dict()
         except AgentError as exc:
             return self._not_serving(str(exc))
         finally:
             self._publish_selftest()
-        sel = self.report.selected
+        sel = report.selected
         if sel is None:
-            return self._not_serving(self.report.reason or "no candidate passed")
+            return self._not_serving(report.reason or "no candidate passed")
         try:
             self.engine = self._engine_for(self.bundle, sel.candidate)
         except AgentError as exc:
@@ -231,8 +228,6 @@ class Agent:
         doc = self.health()
         if self.link is not None:
             self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
-        for hook in self.on_health:
-            hook(doc)
         return doc
 
     def _health_key(self) -> Any:
@@ -274,8 +269,7 @@ class Agent:
             with self.lock:
                 report = run_selftest(self.bundle, self.cfg.state_dir,
                                       dataclasses.replace(options_from_config(self.cfg), use_cache=False))
-                doc = report.to_dict()
-                self.report, self.selftest_doc = report, doc
+                doc = self.selftest_doc = report.to_dict()
             self._publish_selftest()
             return {"ok": True, "passed": doc["passed"], "selected": doc["selected"], "reason": doc["reason"]}
         if cmd.name == "reload":

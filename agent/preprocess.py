@@ -49,6 +49,25 @@ class Letterbox:
 IDENTITY = Letterbox(1.0, 1.0, 0.0, 0.0)
 
 
+def imread_flag(frame: FrameSpec) -> int:
+    return cv2.IMREAD_GRAYSCALE if frame.color == "gray" else cv2.IMREAD_COLOR
+
+
+def bgr_to_frame(img: np.ndarray, frame: FrameSpec) -> np.ndarray:
+    """OpenCV decodes to BGR; deliver the bundle's frame colour order."""
+    if frame.color == "gray":
+        return img if img.ndim == 2 else cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
+    if img.ndim == 2:
+        img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR)
+    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if frame.color == "rgb" else img
+
+
+def read_image_file(path: str, frame: FrameSpec) -> np.ndarray | None:
+    """An image file as the bundle's raw frame, or None when it does not decode."""
+    img = cv2.imread(path, imread_flag(frame))
+    return None if img is None else bgr_to_frame(img, frame)
+
+
 def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Letterbox:
     if resize is None:
         return IDENTITY

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 from agent.errors import BundleError
 from agent.manifest import FrameSpec
+from agent.preprocess import read_image_file
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
@@ -31,13 +31,9 @@ class SampleSet:
 
 
 def read_image(path: Path, frame: FrameSpec) -> np.ndarray:
-    """Decode an image file into the frame's colour order (OpenCV decodes to BGR)."""
-    flag = cv2.IMREAD_GRAYSCALE if frame.color == "gray" else cv2.IMREAD_COLOR
-    img = cv2.imread(str(path), flag)
+    img = read_image_file(str(path), frame)
     if img is None:
         raise BundleError(f"{path}: cannot decode image")
-    if frame.color == "rgb":
-        img = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return img
 
 

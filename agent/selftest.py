@@ -23,6 +23,7 @@ from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.parity import compare
+from agent.postprocess import split_batch
 from agent.providers import DEFAULT_ORDER, ProviderStatus, detect_providers, device_fingerprint
 from agent.selection import SelectionPolicy, build_candidates, choose, provider_groups
 from agent.session import SessionSettings, measure_latency, open_session
@@ -106,22 +107,25 @@ def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple
 
 
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-             latency: bool = True, latency_runs: int | None = None) -> CandidateResult:
-    """Open the candidate's session and gather all evidence; any failure becomes a verdict, never a raise."""
+             latency: bool = True, latency_runs: int | None = None,
+             preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None) -> CandidateResult:
+    """Open the candidate's session and gather all evidence; any failure becomes a verdict, never a raise.
+
+    `preprocessed` (from check_preprocessing) is the same for every candidate: pass it to do it once."""
     m = bundle.manifest
     model = bundle.path(m.variant(c.variant).file)
     try:
         opened = open_session(model, c.provider, c.options, settings, sample=golden[0].input)
     except Exception as exc:  # provider/ORT errors of every kind are a failed candidate
         return judge(Evidence(c, error=f"session creation error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"), m)
-    pre_check, tensors = check_preprocessing(bundle, golden)
+    pre_check, tensors = preprocessed or check_preprocessing(bundle, golden)
     try:
         # End to end (device preprocessing) when preprocessing holds; the bundled tensors otherwise,
         # so a model fault is still told apart from a preprocessing fault.
         use_device = pre_check.max_abs <= m.selftest.preprocess_max_abs
         outputs = [opened.run(t if use_device else g.input) for t, g in zip(tensors, golden)]
-        parity = compare(m.postprocess, [{k: v[0] for k, v in o.items()} for o in outputs],
-                         [{k: v[0] for k, v in g.outputs.items()} for g in golden])
+        parity = compare(m.postprocess, [split_batch(o, 0) for o in outputs],
+                         [split_batch(g.outputs, 0) for g in golden])
         stats = None
         if latency:
             runs = latency_runs or m.selftest.latency_runs
@@ -180,6 +184,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     created = datetime.now(timezone.utc).isoformat()
     m = bundle.manifest
     golden = bundle.golden()
+    preprocessed = check_preprocessing(bundle, golden)  # the device's preprocessing: one check for all candidates
     statuses = detect_providers(opts.provider_order, opts.provider_options, opts.settings)
     for s in statuses:
         log.info("provider.probed", provider=s.name, listed=s.listed, usable=s.usable, reason=s.reason)
@@ -208,7 +213,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         if cached and cached.get("key") == key:
             hit = next((c for c in candidates if c.key == cached.get("candidate")), None)
             if hit is not None:
-                quick = _guarded(markers, bundle, hit, lambda: evaluate(bundle, hit, opts.settings, golden, latency=False))
+                quick = _guarded(markers, bundle, hit, lambda: evaluate(bundle, hit, opts.settings, golden, latency=False,
+                                                        preprocessed=preprocessed))
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
                     return finish([quick], quick, cached=True)
@@ -229,7 +235,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             else:
                 log.info("selftest.candidate_start", candidate=c.key)
                 r = _guarded(markers, bundle, c,
-                             lambda c=c: evaluate(bundle, c, opts.settings, golden, latency_runs=opts.latency_runs))
+                             lambda c=c: evaluate(bundle, c, opts.settings, golden, latency_runs=opts.latency_runs,
+                                                  preprocessed=preprocessed))
             level = log.info if r.passed else log.warning
             level("selftest.candidate_passed" if r.passed else "selftest.candidate_rejected",
                   candidate=c.key, reasons=list(r.reasons),

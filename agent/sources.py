@@ -24,6 +24,7 @@ from agent.config import SourceConfig
 from agent.errors import ConfigError
 from agent.logsetup import get_logger
 from agent.manifest import FrameSpec
+from agent.preprocess import bgr_to_frame, imread_flag, read_image_file
 
 log = get_logger("source")
 
@@ -74,15 +75,6 @@ def _now() -> tuple[float, int]:
     return time.time(), time.perf_counter_ns()
 
 
-def _to_frame_color(img: np.ndarray, frame: FrameSpec) -> np.ndarray:
-    """OpenCV decodes to BGR; deliver the bundle's frame colour order."""
-    if frame.color == "gray":
-        return img if img.ndim == 2 else cv2.cvtColor(img, cv2.COLOR_BGR2GRAY)
-    if img.ndim == 2:
-        img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR)
-    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if frame.color == "rgb" else img
-
-
 class _Pacer:
     def __init__(self, max_fps: float):
         self.period = 1.0 / max_fps if max_fps > 0 else 0.0
@@ -124,12 +116,10 @@ class FolderSource:
         self.pacer.wait(stop, self.stats)
         path = self.files[self.pos]
         self.pos += 1
-        flag = cv2.IMREAD_GRAYSCALE if self.frame.color == "gray" else cv2.IMREAD_COLOR
-        img = cv2.imread(str(path), flag)
-        if img is None:
+        data = read_image_file(str(path), self.frame)
+        if data is None:
             self.stats.bad += 1
             raise BadFrame(f"{path}: cannot decode image")
-        data = _to_frame_color(img, self.frame)
         at, ns = _now()
         self.stats.frames += 1
         self.stats.last_frame_ns = ns
@@ -232,7 +222,7 @@ class OpenCVSource:
             self.stats.last_frame_ns = ns
             self._watch_frozen(img)
             self.stats.frames += 1
-            return Frame(self.stats.frames, _to_frame_color(img, self.frame), at, ns, self.name)
+            return Frame(self.stats.frames, bgr_to_frame(img, self.frame), at, ns, self.name)
         return None
 
     def _watch_frozen(self, img: np.ndarray) -> None:
@@ -385,10 +375,10 @@ class MqttFrameSource:
     def _decode(self, data: bytes) -> np.ndarray:
         f = self.frame
         if self.cfg.payload == "image":
-            img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_GRAYSCALE if f.color == "gray" else cv2.IMREAD_COLOR)
+            img = cv2.imdecode(np.frombuffer(data, np.uint8), imread_flag(f))
             if img is None:
                 raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable image")
-            return _to_frame_color(img, f)
+            return bgr_to_frame(img, f)
         if self.cfg.payload == "npy":
             try:
                 return np.load(self._io.BytesIO(data), allow_pickle=False)

@@ -11,13 +11,25 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
-from agent.hashing import sha256_file
+from agent.bundle import hash_files
 from agent.manifest import MANIFEST_NAME, SIGNATURE_NAME
+
+
+def _save_checked(graph: Any, path: Path, opset: int) -> Path:
+    """Wrap a graph in a model (IR 8, so older ORT builds load it too), check it, save it."""
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
 
 
 def make_tiny_classifier(path: Path, classes: int = 4, size: int = 32, seed: int = 0, opset: int = 17) -> Path:
     """A small real CNN (Conv-Relu-Conv-Relu-GAP-Gemm) with dynamic batch, saved at `path`."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -44,12 +56,7 @@ def make_tiny_classifier(path: Path, classes: int = 4, size: int = 32, seed: int
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
         initializer=inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save_checked(graph, path, opset)
 
 
 def structured_frames(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
@@ -79,8 +86,7 @@ def rewrite_manifest(root: Path, mutate: Callable[[dict[str, Any]], None] | None
     data = yaml.safe_load(path.read_text())
     if mutate:
         mutate(data)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name not in (MANIFEST_NAME, SIGNATURE_NAME))
-    data["files"] = {p.relative_to(root).as_posix(): sha256_file(p) for p in files}
+    data["files"] = hash_files(root)
     path.write_text(yaml.safe_dump(data, sort_keys=False, width=120))
     (root / SIGNATURE_NAME).unlink(missing_ok=True)
 
@@ -102,7 +108,6 @@ def scale_initializer(model_path: Path, name: str, factor: float) -> None:
 
 def make_tiny_sensor_model(path: Path, window: int = 64, channels: int = 3, classes: int = 3, seed: int = 0) -> Path:
     """A small real 1-D CNN over (batch, channels, window) sensor windows."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
@@ -125,12 +130,7 @@ def make_tiny_sensor_model(path: Path, window: int = 64, channels: int = 3, clas
         [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", classes])],
         initializer=inits,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return _save_checked(graph, path, 17)
 
 
 class ListSink:

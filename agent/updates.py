@@ -7,6 +7,7 @@ Every step is logged and published on `update/status`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -70,12 +71,11 @@ class Updater:
         return doc
 
     # -- the install flow --------------------------------------------------------------------------------
-    def install(self, archive: Path, origin: str, update: str, expected_sha256: str | None = None,
-                allow_downgrade: bool = False) -> dict[str, Any]:
+    def install(self, archive: Path, origin: str, update: str, expected_sha256: str | None = None) -> dict[str, Any]:
         with self.lock:
             work = self.store.new_staging("update-")
             try:
-                return self._install(archive, origin, update, expected_sha256, allow_downgrade, work)
+                return self._install(archive, origin, update, expected_sha256, work)
             except UpdateRejected as exc:
                 return self.status(update, origin, "rejected", reason=str(exc))
             except AgentError as exc:  # bundle, archive, signature errors all name the problem
@@ -84,7 +84,7 @@ class Updater:
                 shutil.rmtree(work, ignore_errors=True)
 
     def _install(self, archive: Path, origin: str, update: str, expected_sha256: str | None,
-                 allow_downgrade: bool, work: Path) -> dict[str, Any]:
+                 work: Path) -> dict[str, Any]:
         self.status(update, origin, "verifying")
         size = archive.stat().st_size
         if size > self.cfg.max_bundle_bytes:
@@ -100,7 +100,7 @@ class Updater:
         if not sig.signed:
             log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
         bundle = load_bundle(root)
-        self._check_version_and_compatibility(bundle, allow_downgrade)
+        self._check_version_and_compatibility(bundle)
         self.status(update, origin, "verified", bundle=bundle.identity, key_id=sig.key_id)
 
         return self._prove_and_switch(update, origin, root, bundle, stored_id=None)
@@ -137,7 +137,8 @@ class Updater:
         self.status(update, origin, "selftest_passed", selected=f"{candidate.provider}:{candidate.variant}")
 
         bid = stored_id or self.store.add(root, bundle)
-        stored = load_bundle(self.store.path(bid), check_contracts=False)
+        # verified in staging and moved by rename: same files, new root; no second hashing pass
+        stored = dataclasses.replace(bundle, root=self.store.path(bid))
         self.store.activate(bid)
         self.status(update, origin, "switched", bundle=bid)
         try:
@@ -155,10 +156,11 @@ class Updater:
         removed = self.store.prune(self.cfg.keep)
         return self.status(update, origin, "committed", bundle=bid, probation=detail, pruned=removed)
 
-    def _check_version_and_compatibility(self, bundle: Bundle, allow_downgrade: bool) -> None:
+    def _check_version_and_compatibility(self, bundle: Bundle) -> None:
+        """Anti-downgrade (only `rollback` goes back, and it does not come through here) and requires.agent."""
         active = self.agent.bundle
         m = bundle.manifest
-        if active is not None and not allow_downgrade:
+        if active is not None:
             a = active.manifest
             if m.name == a.name and m.version <= a.version:
                 raise UpdateRejected(f"version {m.version} is not newer than the active {a.name} version {a.version} "

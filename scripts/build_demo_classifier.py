@@ -14,7 +14,6 @@ Usage: python scripts/build_demo_classifier.py [--epochs N] [--out models/digits
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from agent.bundle_create import CreateOptions, create_bundle, read_spec  # noqa: E402
-from agent.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
-from agent.preprocess import Preprocessor  # noqa: E402
+from demo_build import export_check_and_bundle, seeded_setup  # noqa: E402
 from digits_data import load_digits_arrays, render_many  # noqa: E402
 
 SEED = 20261129
@@ -61,10 +58,7 @@ def main() -> int:
 
     import torch
 
-    torch.manual_seed(SEED)
-    torch.set_num_threads(2)
-    spec = read_spec(SPEC)
-    pre = Preprocessor(preprocess_from_dict(spec["preprocess"]), FrameSpec(**spec["frame"]))
+    spec, pre = seeded_setup(SPEC, SEED)
 
     images, labels = load_digits_arrays()
     order = np.random.default_rng(SEED).permutation(len(images))
@@ -110,31 +104,8 @@ def main() -> int:
     np.savez_compressed(DATA / "golden.npz", raw=golden_raw, label=labels[golden_idx], **{"reference.logits": golden_ref})
     (DATA / "labels.txt").write_text("\n".join(LABELS) + "\n")
 
-    onnx_path = DATA / "digits_fp32_source.onnx"
-    torch.onnx.export(
-        net, torch.from_numpy(pre(golden_raw[0])), str(onnx_path), opset_version=17, dynamo=False,
-        input_names=["input"], output_names=["logits"], dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-    )
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-    ort_out = np.concatenate([sess.run(None, {"input": pre(f)})[0] for f in golden_raw])
-    diff = float(np.max(np.abs(ort_out - golden_ref)))
-    print(f"ORT vs PyTorch on {len(golden_raw)} golden frames: max abs {diff:.2e}")
-    if diff > 1e-5:
-        print("ORT disagrees with PyTorch by more than 1e-5; not bundling", file=sys.stderr)
+    if not export_check_and_bundle(net, pre, golden_raw, golden_ref, "input", "logits", DATA, SPEC, args.out):
         return 1
-
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    create_bundle(CreateOptions(
-        model=onnx_path, spec=SPEC, calibration=DATA / "calibration.npz", golden=DATA / "golden.npz",
-        heldout=DATA / "heldout.npz", labels=DATA / "labels.txt", out=args.out, method="minmax", per_channel=True,
-    ))
-    onnx_path.unlink()  # the bundle holds the model; the source export is rebuilt by this script
-    print(f"bundle written to {args.out}")
     return 0
 
 

@@ -12,7 +12,6 @@ Usage: python scripts/build_demo_sensor.py [--epochs 15]
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,9 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from agent.bundle_create import CreateOptions, create_bundle, read_spec  # noqa: E402
-from agent.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
-from agent.preprocess import Preprocessor  # noqa: E402
+from demo_build import export_check_and_bundle, seeded_setup  # noqa: E402
 from vibration_data import CLASSES, WINDOW, signal, windows  # noqa: E402
 
 SEED = 7
@@ -41,10 +38,7 @@ def main() -> int:
     import torch
     import torch.nn as nn
 
-    torch.manual_seed(SEED)
-    torch.set_num_threads(2)
-    spec = read_spec(SPEC)
-    pre = Preprocessor(preprocess_from_dict(spec["preprocess"]), FrameSpec(**spec["frame"]))
+    spec, pre = seeded_setup(SPEC, SEED)
     prep = lambda xs: np.concatenate([pre(x) for x in xs])  # noqa: E731
 
     train_x, train_y = windows(600, SEED)
@@ -79,23 +73,8 @@ def main() -> int:
     np.savez_compressed(DATA / "heldout.npz", raw=held_x, label=held_y)
     np.savez_compressed(DATA / "golden.npz", raw=golden_x, **{"reference.scores": golden_ref})
     (DATA / "labels.txt").write_text("\n".join(CLASSES) + "\n")
-    onnx_path = DATA / "vibration_fp32_source.onnx"
-    torch.onnx.export(net, torch.from_numpy(pre(golden_x[0])), str(onnx_path), opset_version=17, dynamo=False,
-                      input_names=["window"], output_names=["scores"],
-                      dynamic_axes={"window": {0: "batch"}, "scores": {0: "batch"}})
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    diff = float(np.max(np.abs(np.concatenate([sess.run(None, {"window": pre(w)})[0] for w in golden_x]) - golden_ref)))
-    print(f"ORT vs PyTorch on {len(golden_x)} golden windows: max abs {diff:.2e}")
-    if diff > 1e-5:
+    if not export_check_and_bundle(net, pre, golden_x, golden_ref, "window", "scores", DATA, SPEC, args.out):
         return 1
-    if args.out.exists():
-        shutil.rmtree(args.out)
-    create_bundle(CreateOptions(model=onnx_path, spec=SPEC, calibration=DATA / "calibration.npz",
-                                golden=DATA / "golden.npz", heldout=DATA / "heldout.npz",
-                                labels=DATA / "labels.txt", out=args.out))
-    onnx_path.unlink()
 
     # a demo stream: 3 windows of each state, back to back, in a fixed order
     rng = np.random.default_rng(SEED + 2)
