@@ -1,5 +1,5 @@
 """`python -m agent` runs the same CLI as the `edge-agent` console script."""
 
-from agent.cli import main
+from agent.service.cli import main
 
 raise SystemExit(main())

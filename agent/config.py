@@ -18,8 +18,7 @@ from typing import Any, Literal, Mapping
 import yaml
 
 from agent.errors import ConfigError
-from agent.providers import DEFAULT_ORDER
-from agent.session import SessionSettings
+from agent.proof.terms import DEFAULT_ORDER, SessionSettings
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
-from agent.bundle import hash_files
-from agent.manifest import MANIFEST_NAME, SIGNATURE_NAME
+from agent.bundle.load import hash_files
+from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME
 
 
 def _save_checked(graph: Any, path: Path, opset: int) -> Path:

@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from agent.config import MqttConfig, OutboxConfig  # noqa: E402
-from agent.mqtt import MqttLink  # noqa: E402
-from agent.outbox import Outbox  # noqa: E402
-from agent.sinks import OutboxSink  # noqa: E402
+from agent.link.mqtt import MqttLink  # noqa: E402
+from agent.link.outbox import Outbox  # noqa: E402
+from agent.serving.sinks import OutboxSink  # noqa: E402
 from brokers import Broker, Collector  # noqa: E402
 
 TOPIC = "edge/bench/predictions"

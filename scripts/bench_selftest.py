@@ -26,8 +26,9 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.bundle import load_bundle  # noqa: E402
-from agent.session import SessionSettings, measure_latency, session_options  # noqa: E402
+from agent.bundle.load import load_bundle  # noqa: E402
+from agent.proof.session import measure_latency, session_options  # noqa: E402
+from agent.proof.terms import SessionSettings  # noqa: E402
 
 
 def boot(bundle: Path, state: Path, *extra: str) -> tuple[float, dict]:

@@ -28,11 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from agent.bundle import load_bundle  # noqa: E402
+from agent.bundle.load import load_bundle  # noqa: E402
 from agent.config import Config  # noqa: E402
-from agent.postprocess import decode  # noqa: E402
-from agent.selftest import options_from_config, run_selftest  # noqa: E402
-from agent.session import SessionSettings, open_session  # noqa: E402
+from agent.spec.decoders import decode  # noqa: E402
+from agent.proof.selftest import options_from_config, run_selftest  # noqa: E402
+from agent.proof.session import open_session  # noqa: E402
+from agent.proof.terms import SessionSettings  # noqa: E402
 from make_demo_frames import write_video  # noqa: E402
 
 BUNDLE = ROOT / "models" / "digits-classifier"

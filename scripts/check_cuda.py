@@ -23,11 +23,12 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.bundle import load_bundle  # noqa: E402
+from agent.bundle.load import load_bundle  # noqa: E402
 from agent.config import Config  # noqa: E402
-from agent.providers import CUDA, TENSORRT, detect_providers  # noqa: E402
-from agent.selftest import options_from_config, run_selftest  # noqa: E402
-from agent.session import measure_latency  # noqa: E402
+from agent.proof.probe import detect_providers  # noqa: E402
+from agent.proof.terms import CUDA, TENSORRT  # noqa: E402
+from agent.proof.selftest import options_from_config, run_selftest  # noqa: E402
+from agent.proof.session import measure_latency  # noqa: E402
 
 
 def raw_p50(model: Path, provider: str, tensor: np.ndarray, runs: int = 300) -> float:

@@ -12,9 +12,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.bundle_create import CreateOptions, create_bundle, read_spec  # noqa: E402
-from agent.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
-from agent.preprocess import Preprocessor  # noqa: E402
+from agent.bundle.create import CreateOptions, create_bundle, read_spec  # noqa: E402
+from agent.spec.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
+from agent.spec.preprocess import Preprocessor  # noqa: E402
 
 MAX_EXPORT_ERROR = 1e-5
 

@@ -52,7 +52,7 @@ def tiny_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_bundle_master(tiny_inputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agent.bundle_create import CreateOptions, create_bundle
+    from agent.bundle.create import CreateOptions, create_bundle
 
     out = tmp_path_factory.mktemp("tiny-bundle") / "tiny"
     return create_bundle(CreateOptions(out=out, min_agreement=0.5, **tiny_inputs))
@@ -79,7 +79,7 @@ TINY_SENSOR_SPEC = {
 
 @pytest.fixture(scope="session")
 def tiny_sensor_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agent.bundle_create import CreateOptions, create_bundle
+    from agent.bundle.create import CreateOptions, create_bundle
     from agent.testing import make_tiny_sensor_model
 
     d = tmp_path_factory.mktemp("tiny-sensor")

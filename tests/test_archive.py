@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.archive import UnpackLimits, pack, unpack
-from agent.bundle import load_bundle
+from agent.bundle.archive import UnpackLimits, pack, unpack
+from agent.bundle.load import load_bundle
 from agent.errors import ArchiveError
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.bundle import load_bundle
-from agent.bundle_create import CreateOptions, create_bundle
+from agent.bundle.load import load_bundle
+from agent.bundle.create import CreateOptions, create_bundle
 from agent.errors import BundleError, QualityError
-from agent.selftest import SelftestOptions, run_selftest
-from agent.session import open_session
+from agent.proof.selftest import SelftestOptions, run_selftest
+from agent.proof.session import open_session
 from agent.testing import make_tiny_classifier
 
 

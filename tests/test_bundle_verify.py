@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from agent.bundle import load_bundle
+from agent.bundle.load import load_bundle
 from agent.errors import BundleError, ContractError
 from agent.testing import make_tiny_classifier, rewrite_manifest
 

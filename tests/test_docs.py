@@ -7,7 +7,7 @@ import typing
 from pathlib import Path
 
 from agent.config import Config
-from agent.topics import Topics
+from agent.link.topics import Topics
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -155,8 +155,8 @@ def test_no_result_is_lost_across_broker_kills_and_an_agent_kill(tmp_path: Path)
 
 def test_outbox_bound_drops_oldest_counts_it_and_drains_the_newest_in_order(broker: Broker, tmp_path: Path) -> None:
     from agent.config import MqttConfig, OutboxConfig
-    from agent.mqtt import MqttLink
-    from agent.outbox import Outbox
+    from agent.link.mqtt import MqttLink
+    from agent.link.outbox import Outbox
 
     box = Outbox(tmp_path / "outbox.sqlite", OutboxConfig(max_messages=50))
     for i in range(200):  # nobody connected: all to disk, bounded

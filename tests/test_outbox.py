@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from agent.config import OutboxConfig
-from agent.outbox import Message, Outbox
+from agent.link.outbox import Message, Outbox
 
 
 class Wire:

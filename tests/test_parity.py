@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.manifest import ParityThresholds, PostprocessSpec
-from agent.parity import compare, parity_failures
-from agent.postprocess import decode, decode_detections
+from agent.spec.manifest import ParityThresholds, PostprocessSpec
+from agent.proof.parity import compare, parity_failures
+from agent.spec.decoders import decode, decode_detections
 
 DET = PostprocessSpec(type="detection", boxes_output="boxes", scores_output="scores", score_threshold=0.5, iou_threshold=0.5)
 CLS = PostprocessSpec(type="classification", output="logits", top_k=2)

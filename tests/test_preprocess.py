@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from agent.errors import PreprocessError
-from agent.manifest import FrameSpec, PreprocessSpec, ResizeSpec
-from agent.preprocess import Preprocessor, fit_geometry
+from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
+from agent.spec.preprocess import Preprocessor, fit_geometry
 
 
 def _img(h: int, w: int, value=(10, 20, 30)) -> np.ndarray:

@@ -12,11 +12,12 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
-from agent.bundle import load_bundle
+from agent.bundle.load import load_bundle
 from agent.config import Config, ProvidersConfig, SelectionConfig
-from agent.providers import CUDA, OPENVINO, TENSORRT, probe_provider
-from agent.selftest import options_from_config, run_selftest
-from agent.session import CPU
+from agent.proof.probe import probe_provider
+from agent.proof.terms import CUDA, OPENVINO, TENSORRT
+from agent.proof.selftest import options_from_config, run_selftest
+from agent.proof.terms import CPU
 
 LISTED = set(ort.get_available_providers())
 openvino = pytest.mark.skipif(OPENVINO not in LISTED, reason="needs onnxruntime-openvino (scripts/test.sh runs it)")

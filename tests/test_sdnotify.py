@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from agent.sdnotify import Notifier
+from agent.service.sdnotify import Notifier
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,11 +14,11 @@ from pathlib import Path
 import onnxruntime as ort
 import pytest
 
-from agent.bundle import load_bundle
+from agent.bundle.load import load_bundle
 from agent.config import Config, SelectionConfig
 from agent.errors import ProviderError
-from agent.selection import SelectionPolicy
-from agent.selftest import SelftestOptions, options_from_config, run_selftest
+from agent.proof.selection import SelectionPolicy
+from agent.proof.selftest import SelftestOptions, options_from_config, run_selftest
 from agent.testing import rewrite_manifest, scale_initializer
 
 FAST = SelftestOptions(latency_runs=20)
@@ -148,9 +148,9 @@ def test_crash_marker_skips_the_candidate_that_killed_the_process(tiny_bundle: P
 
 
 def test_a_candidate_asked_for_an_absent_provider_is_judged_a_silent_fallback(tiny_bundle: Path) -> None:
-    from agent.selftest import evaluate
-    from agent.session import SessionSettings
-    from agent.verdict import Candidate
+    from agent.proof.selftest import evaluate
+    from agent.proof.terms import SessionSettings
+    from agent.proof.verdict import Candidate
 
     b = load_bundle(tiny_bundle)
     r = evaluate(b, Candidate("CUDAExecutionProvider", "fp32", "fp32"), SessionSettings(), b.golden(), latency=False)

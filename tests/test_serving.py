@@ -14,14 +14,14 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from agent.bundle import load_bundle
+from agent.bundle.load import load_bundle
 from agent.config import PipelineConfig, SourceConfig
-from agent.engine import build_engine
-from agent.pipeline import LatestSlot, Pipeline
-from agent.postprocess import decode
-from agent.sources import is_lossless, open_source
+from agent.serving.engine import build_engine
+from agent.serving.pipeline import LatestSlot, Pipeline
+from agent.spec.decoders import decode
+from agent.serving.sources import is_lossless, open_source
 from agent.testing import ListSink
-from agent.verdict import Candidate
+from agent.proof.verdict import Candidate
 from waiting import wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -29,7 +29,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 def _engine(bundle_dir: Path, variant: str = "fp32"):
     b = load_bundle(bundle_dir)
-    from agent.session import SessionSettings
+    from agent.proof.terms import SessionSettings
 
     return build_engine(b, Candidate("CPUExecutionProvider", variant, b.manifest.variant(variant).precision), SessionSettings())
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import yaml
 
-from agent.archive import pack
+from agent.bundle.archive import pack
 from agent.hashing import sha256_file
-from agent.signing import keygen, sign_bundle
+from agent.bundle.signing import keygen, sign_bundle
 from agent.testing import rewrite_manifest, scale_initializer, structured_frames
 from brokers import Broker, Collector
 from waiting import end_process
@@ -161,7 +161,7 @@ def serving_version(col: Collector) -> int:
 
 
 def send_archive(archive: Path, port: int, drop: set[int] | None = None, chunk_size: int = 4096) -> dict:
-    from agent.push import push
+    from agent.link.push import push
 
     return push(archive, DEVICE, "127.0.0.1", port, chunk_size=chunk_size, timeout_s=180, drop_chunks=drop)
 
@@ -271,7 +271,7 @@ def _sqrt_bundle(kit: dict, tiny_inputs: dict, out: Path) -> Path:
     import onnx
     from onnx import helper
 
-    from agent.bundle_create import CreateOptions, create_bundle
+    from agent.bundle.create import CreateOptions, create_bundle
 
     out.mkdir(parents=True, exist_ok=True)
     model = onnx.load(str(tiny_inputs["model"]))

@@ -18,16 +18,28 @@ import numpy as np
 import onnxruntime as ort
 
 from agent import __version__
-from agent.bundle import Bundle, GoldenSample
+from agent.bundle.load import Bundle, GoldenSample
 from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
-from agent.parity import compare
-from agent.postprocess import split_batch
-from agent.providers import DEFAULT_ORDER, ProviderStatus, detect_providers, device_fingerprint
-from agent.selection import SelectionPolicy, build_candidates, choose, provider_groups
-from agent.session import SessionSettings, measure_latency, open_session
-from agent.verdict import Candidate, CandidateResult, Evidence, PreprocessCheck, judge
+from agent.proof.parity import compare
+from agent.proof.probe import detect_providers, device_fingerprint
+from agent.proof.selection import (
+    SelectionPolicy,
+    build_candidates,
+    choose,
+    provider_groups,
+)
+from agent.proof.session import measure_latency, open_session
+from agent.proof.terms import DEFAULT_ORDER, ProviderStatus, SessionSettings
+from agent.proof.verdict import (
+    Candidate,
+    CandidateResult,
+    Evidence,
+    PreprocessCheck,
+    judge,
+)
+from agent.spec.decoders import split_batch
 
 log = get_logger("selftest")
 

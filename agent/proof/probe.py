@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import platform
 import re
-from dataclasses import asdict, dataclass, field
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -16,44 +15,17 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from agent.session import CPU, SessionSettings, open_session
-
-TENSORRT = "TensorrtExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-OPENVINO = "OpenVINOExecutionProvider"
-DEFAULT_ORDER: tuple[str, ...] = (TENSORRT, CUDA, OPENVINO, CPU)
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_REASON_PATTERNS = (
-    re.compile(r"(Failed to load library[^\n]*)"),
-    re.compile(r"\[OpenVINO\]\s*([^\n]*)"),
-    re.compile(r"(Failed to create [A-Za-z]+ExecutionProvider[^\n]*)"),
-    re.compile(r"(EP Error[^\n]*)"),
-    re.compile(r"(Require cuDNN[^\n]*)"),
-    re.compile(r"(CUDA failure[^\n]*)"),
-    re.compile(r"(no CUDA-capable device[^\n]*)"),
-    re.compile(r"(cannot open shared object file[^\n]*)"),
-    re.compile(r"(Specified provider '[A-Za-z]+' is not in available provider names)"),
-    re.compile(r"\[E:onnxruntime[^\]]*\]\s*([^\n]*)"),
+from agent.proof.session import open_session
+from agent.proof.terms import (
+    CPU,
+    CUDA,
+    DEFAULT_ORDER,
+    OPENVINO,
+    TENSORRT,
+    ProviderStatus,
+    SessionSettings,
+    reason_from_log,
 )
-
-
-@dataclass(frozen=True)
-class ProviderStatus:
-    name: str
-    listed: bool
-    usable: bool
-    reason: str | None
-    options: Mapping[str, str] = field(default_factory=dict)
-    effective: tuple[str, ...] = ()
-    nodes_on_provider: int = 0
-    total_nodes: int = 0
-    versions: Mapping[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["effective"] = list(self.effective)
-        return d
 
 
 def probe_model_bytes() -> bytes:
@@ -89,15 +61,6 @@ def provider_versions(name: str) -> dict[str, str]:
         if v:
             out["openvino"] = v
     return out
-
-
-def reason_from_log(lines: Sequence[str]) -> str | None:
-    text = _ANSI.sub("", "\n".join(lines))
-    for pattern in _REASON_PATTERNS:
-        m = pattern.search(text)
-        if m:
-            return m.group(1).strip()
-    return None
 
 
 def probe_provider(

@@ -25,8 +25,8 @@ from agent.config import MqttConfig
 from agent.errors import ConfigError
 from agent.fsio import bump_counter, read_counter
 from agent.logsetup import get_logger
-from agent.outbox import Message, Outbox
-from agent.topics import Topics, default_prefix
+from agent.link.outbox import Message, Outbox
+from agent.link.topics import Topics, default_prefix
 
 log = get_logger("mqtt")
 

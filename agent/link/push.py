@@ -16,10 +16,10 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
-from agent.archive import unpack
+from agent.bundle.archive import unpack
 from agent.hashing import sha256_file
-from agent.manifest import MANIFEST_NAME, parse_manifest
-from agent.topics import Topics, default_prefix
+from agent.spec.manifest import MANIFEST_NAME, parse_manifest
+from agent.link.topics import Topics, default_prefix
 
 FINAL = ("committed", "rejected", "rolled_back")
 

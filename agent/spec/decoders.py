@@ -10,8 +10,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from agent.manifest import PostprocessSpec
-from agent.preprocess import IDENTITY, Letterbox
+from agent.spec.manifest import PostprocessSpec
+from agent.spec.preprocess import IDENTITY, Letterbox
 
 Outputs = Mapping[str, np.ndarray]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
-from agent.topics import ROOT
+from agent.link.topics import ROOT
 
 STALE_FACTOR = 3.0  # health older than this many intervals, while online, is stale
 

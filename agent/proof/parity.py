@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from agent.manifest import ParityThresholds, PostprocessSpec
-from agent.postprocess import class_scores, decode_detections, iou
+from agent.spec.decoders import class_scores, decode_detections, iou
+from agent.spec.manifest import ParityThresholds, PostprocessSpec
 
 Outputs = Mapping[str, np.ndarray]
 

@@ -16,18 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.bundle import Bundle, load_bundle
+from agent.bundle.load import Bundle, load_bundle
 from agent.config import Config, SourceConfig, load_config
-from agent.engine import Engine, build_engine
+from agent.serving.engine import Engine, build_engine
 from agent.errors import AgentError, ConfigError
 from agent.fsio import bump_counter
-from agent.health import ProcessProbe, build_health
+from agent.link.health import ProcessProbe, build_health
 from agent.logsetup import configure_logging, get_logger
-from agent.pipeline import Pipeline, Sink
-from agent.sdnotify import Notifier
-from agent.selftest import options_from_config, run_selftest
-from agent.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
-from agent.sources import is_lossless, open_source
+from agent.serving.pipeline import Pipeline, Sink
+from agent.service.sdnotify import Notifier
+from agent.proof.selftest import options_from_config, run_selftest
+from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
+from agent.serving.sources import is_lossless, open_source
 
 log = get_logger("daemon")
 
@@ -113,7 +113,7 @@ class Agent:
         cfg = self.cfg
         if not cfg.updates.enabled:
             return load_bundle(cfg.bundle) if cfg.bundle is not None else None
-        from agent.store import BundleStore
+        from agent.updates.store import BundleStore
 
         self.store = self.store or BundleStore(cfg.state_dir / "store")
         self.store.recover()
@@ -248,7 +248,7 @@ class Agent:
         if self._last_update is not None:
             out[self.link.topics.update_status] = json.dumps(self._last_update).encode()
         if self.cfg.mqtt.homeassistant:
-            from agent.homeassistant import discovery_messages
+            from agent.link.discovery import discovery_messages
 
             out.update(discovery_messages(self.cfg, self.link.topics))
         return out
@@ -343,8 +343,8 @@ class Agent:
     def start_mqtt(self) -> None:
         if not self.cfg.mqtt.enabled:
             return
-        from agent.mqtt import MqttLink
-        from agent.outbox import Outbox
+        from agent.link.mqtt import MqttLink
+        from agent.link.outbox import Outbox
 
         self.outbox = Outbox(self.cfg.state_dir / "outbox.sqlite", self.cfg.outbox)
         self.link = MqttLink(self.cfg.mqtt, self.cfg.device_id, self.cfg.state_dir, self.outbox,
@@ -360,8 +360,8 @@ class Agent:
     def start_updates(self) -> None:
         if not self.cfg.updates.enabled:
             return
-        from agent.store import BundleStore
-        from agent.updates import ChunkReceiver, Updater
+        from agent.updates.store import BundleStore
+        from agent.updates.updater import ChunkReceiver, Updater
 
         self.store = self.store or BundleStore(self.cfg.state_dir / "store")
         self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, self.cfg.source_file,

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.bundle import Bundle, load_bundle
+from agent.bundle.load import Bundle, load_bundle
 from agent.errors import BundleError
 from agent.fsio import fsync_dir, read_json, write_json_atomic
 from agent.logsetup import get_logger

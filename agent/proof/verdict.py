@@ -6,14 +6,11 @@ Pure. The shell (`selftest`) gathers the evidence with real sessions; this modul
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-import numpy as np
-
-from agent.manifest import Manifest
-from agent.parity import ParityReport, parity_failures
-from agent.providers import reason_from_log
-from agent.session import CPU, Placement
+from agent.proof.parity import ParityReport, parity_failures
+from agent.proof.terms import CPU, LatencyStats, Placement, reason_from_log
+from agent.spec.manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -26,21 +23,6 @@ class Candidate:
     @property
     def key(self) -> str:
         return f"{self.provider}:{self.variant}"
-
-
-@dataclass(frozen=True)
-class LatencyStats:
-    runs: int
-    p50_ms: float
-    p95_ms: float
-    p99_ms: float
-    mean_ms: float
-
-    @classmethod
-    def from_ns(cls, samples_ns: Sequence[int]) -> "LatencyStats":
-        ms = np.asarray(samples_ns, dtype=np.float64) / 1e6
-        p50, p95, p99 = np.percentile(ms, [50, 95, 99])
-        return cls(len(ms), round(float(p50), 4), round(float(p95), 4), round(float(p99), 4), round(float(ms.mean()), 4))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import numpy as np
 from agent.config import SourceConfig
 from agent.errors import ConfigError
 from agent.logsetup import get_logger
-from agent.manifest import FrameSpec
-from agent.preprocess import bgr_to_frame, imread_flag, read_image_file
+from agent.spec.manifest import FrameSpec
+from agent.spec.preprocess import bgr_to_frame, imread_flag, read_image_file
 
 log = get_logger("source")
 

@@ -20,7 +20,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_SELECTED = 0, 1, 2, 3
 @contextmanager
 def bundle_dir(path: Path) -> Iterator[Path]:
     """A bundle directory as given, or a `.tar.gz` unpacked safely into a temporary one."""
-    from agent.archive import unpack
+    from agent.bundle.archive import unpack
 
     if path.is_dir():
         yield path
@@ -30,8 +30,8 @@ def bundle_dir(path: Path) -> Iterator[Path]:
 
 
 def _cmd_bundle_verify(args: argparse.Namespace) -> int:
-    from agent.bundle import load_bundle
-    from agent.signing import verify_signature
+    from agent.bundle.load import load_bundle
+    from agent.bundle.signing import verify_signature
 
     with bundle_dir(args.path) as root:
         b = load_bundle(root)
@@ -44,7 +44,7 @@ def _cmd_bundle_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle_keygen(args: argparse.Namespace) -> int:
-    from agent.signing import keygen
+    from agent.bundle.signing import keygen
 
     kid = keygen(args.private, args.public)
     print(f"key {kid}: private {args.private} (keep it off devices), public {args.public} (updates.trusted_keys)")
@@ -52,8 +52,8 @@ def _cmd_bundle_keygen(args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle_sign(args: argparse.Namespace) -> int:
-    from agent.bundle import load_bundle
-    from agent.signing import sign_bundle
+    from agent.bundle.load import load_bundle
+    from agent.bundle.signing import sign_bundle
 
     b = load_bundle(args.dir)  # sign only what verifies
     kid = sign_bundle(args.dir, args.key)
@@ -62,7 +62,7 @@ def _cmd_bundle_sign(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace):
-    from agent.store import BundleStore
+    from agent.updates.store import BundleStore
 
     cfg = _load_cfg(args.config)
     return BundleStore((args.state_dir or cfg.state_dir) / "store")
@@ -77,7 +77,7 @@ def _cmd_bundle_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle_activate(args: argparse.Namespace) -> int:
-    from agent.bundle import load_bundle
+    from agent.bundle.load import load_bundle
 
     store = _store(args)
     bid = args.id
@@ -93,8 +93,8 @@ def _cmd_bundle_activate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle_inspect(args: argparse.Namespace) -> int:
-    from agent.bundle import load_bundle
-    from agent.inspect import render_text, summarize
+    from agent.bundle.load import load_bundle
+    from agent.proof.inspect import render_text, summarize
 
     with bundle_dir(args.path) as root:
         summary = summarize(load_bundle(root))
@@ -103,8 +103,8 @@ def _cmd_bundle_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle_pack(args: argparse.Namespace) -> int:
-    from agent.archive import pack
-    from agent.bundle import load_bundle
+    from agent.bundle.archive import pack
+    from agent.bundle.load import load_bundle
 
     b = load_bundle(args.dir)  # never ship a bundle that would not load
     out = pack(args.dir, args.out)
@@ -113,8 +113,8 @@ def _cmd_bundle_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle_unpack(args: argparse.Namespace) -> int:
-    from agent.archive import unpack
-    from agent.bundle import load_bundle
+    from agent.bundle.archive import unpack
+    from agent.bundle.load import load_bundle
 
     out = unpack(args.archive, args.dir)
     try:
@@ -127,7 +127,7 @@ def _cmd_bundle_unpack(args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle_create(args: argparse.Namespace) -> int:
-    from agent.bundle_create import CreateOptions, create_bundle
+    from agent.bundle.create import CreateOptions, create_bundle
 
     out = create_bundle(CreateOptions(
         model=args.model, spec=args.spec, calibration=args.calibration, golden=args.golden, out=args.out,
@@ -147,7 +147,7 @@ def _load_cfg(path: Path | None):
 
 
 def _cmd_providers(args: argparse.Namespace) -> int:
-    from agent.providers import detect_providers
+    from agent.proof.probe import detect_providers
 
     cfg = _load_cfg(args.config)
     statuses = detect_providers(cfg.providers.order, cfg.providers.options, cfg.session)
@@ -163,8 +163,8 @@ def _cmd_providers(args: argparse.Namespace) -> int:
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
-    from agent.bundle import load_bundle
-    from agent.selftest import options_from_config, run_selftest
+    from agent.bundle.load import load_bundle
+    from agent.proof.selftest import options_from_config, run_selftest
 
     cfg = _load_cfg(args.config)
     state = args.state_dir or cfg.state_dir
@@ -214,7 +214,7 @@ def render_selftest(doc: dict) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from agent.daemon import Agent, demo_config
+    from agent.service.daemon import Agent, demo_config
 
     cfg = _load_cfg(args.config) if args.config else demo_config()
     if args.max_frames is not None:
@@ -225,7 +225,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_push(args: argparse.Namespace) -> int:
-    from agent.push import push
+    from agent.link.push import push
 
     host, _, port = args.broker.partition(":")
     password = Path(args.password_file).read_text().strip() if args.password_file else None
@@ -237,7 +237,7 @@ def _cmd_push(args: argparse.Namespace) -> int:
 
 
 def _cmd_monitor(args: argparse.Namespace) -> int:
-    from agent.monitor import run_monitor
+    from agent.link.monitor import run_monitor
 
     host, _, port = args.broker.partition(":")
     password = None

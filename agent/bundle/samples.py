@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from agent.errors import BundleError
-from agent.manifest import FrameSpec
-from agent.preprocess import read_image_file
+from agent.spec.manifest import FrameSpec
+from agent.spec.preprocess import read_image_file
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 

@@ -10,8 +10,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agent.bundle import Bundle
-from agent.session import SessionSettings, open_session
+from agent.bundle.load import Bundle
+from agent.proof.session import open_session
+from agent.proof.terms import SessionSettings
 
 
 def ops_by_type(model: Path) -> dict[str, int]:

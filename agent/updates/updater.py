@@ -23,15 +23,15 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from agent import __version__
-from agent.archive import UnpackLimits, unpack
-from agent.bundle import Bundle, load_bundle
+from agent.bundle.archive import UnpackLimits, unpack
+from agent.bundle.load import Bundle, load_bundle
 from agent.config import UpdatesConfig
 from agent.errors import AgentError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
-from agent.signing import verify_signature
-from agent.store import BundleStore
-from agent.verdict import Candidate
+from agent.bundle.signing import verify_signature
+from agent.updates.store import BundleStore
+from agent.proof.verdict import Candidate
 
 log = get_logger("updates")
 

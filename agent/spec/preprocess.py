@@ -11,7 +11,7 @@ import cv2
 import numpy as np
 
 from agent.errors import PreprocessError
-from agent.manifest import FrameSpec, PreprocessSpec, ResizeSpec
+from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
 
 _INTERPOLATION = {
     "nearest": cv2.INTER_NEAREST,

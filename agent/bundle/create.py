@@ -19,16 +19,17 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
-from agent.bundle import hash_files, load_bundle
+from agent.bundle.load import hash_files, load_bundle
 from agent.errors import BundleError, QualityError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
-from agent.manifest import MANIFEST_NAME, FrameSpec, postprocess_from_dict, preprocess_from_dict
-from agent.parity import compare
-from agent.postprocess import split_batch
-from agent.preprocess import Preprocessor
-from agent.samples import load_samples
-from agent.session import CPU, measure_latency
+from agent.spec.manifest import MANIFEST_NAME, FrameSpec, postprocess_from_dict, preprocess_from_dict
+from agent.proof.parity import compare
+from agent.spec.decoders import split_batch
+from agent.spec.preprocess import Preprocessor
+from agent.bundle.samples import load_samples
+from agent.proof.session import measure_latency
+from agent.proof.terms import CPU
 
 log = get_logger("bundle.create")
 

@@ -17,12 +17,12 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from agent.config import PipelineConfig
-from agent.engine import Engine
+from agent.serving.engine import Engine
 from agent.errors import PreprocessError
 from agent.logsetup import get_logger
-from agent.metrics import PipelineMetrics
-from agent.postprocess import decode, split_batch
-from agent.sources import BadFrame, Frame, FrameSource
+from agent.serving.metrics import PipelineMetrics
+from agent.spec.decoders import decode, split_batch
+from agent.serving.sources import BadFrame, Frame, FrameSource
 
 log = get_logger("pipeline")
 

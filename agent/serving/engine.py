@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.bundle import Bundle
-from agent.preprocess import Preprocessor
-from agent.session import OpenedSession, SessionSettings, open_session
-from agent.verdict import Candidate
+from agent.bundle.load import Bundle
+from agent.spec.preprocess import Preprocessor
+from agent.proof.session import OpenedSession, open_session
+from agent.proof.terms import SessionSettings
+from agent.proof.verdict import Candidate
 
 
 @dataclass(frozen=True)

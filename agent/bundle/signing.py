@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from agent.errors import BundleError
 from agent.fsio import write_atomic
-from agent.manifest import MANIFEST_NAME, SIGNATURE_NAME
+from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME
 
 
 class SignatureError(BundleError):

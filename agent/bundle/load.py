@@ -14,8 +14,8 @@ import numpy as np
 
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
-from agent.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, TensorSpec, parse_manifest
-from agent.preprocess import Preprocessor
+from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, TensorSpec, parse_manifest
+from agent.spec.preprocess import Preprocessor
 
 _ORT_DTYPES = {
     "tensor(float)": "float32",

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from agent.errors import ProviderError
-from agent.manifest import Manifest
-from agent.providers import ProviderStatus
-from agent.session import CPU
-from agent.verdict import Candidate, CandidateResult
+from agent.proof.terms import CPU, ProviderStatus
+from agent.proof.verdict import Candidate, CandidateResult
+from agent.spec.manifest import Manifest
 
 
 @dataclass(frozen=True)

@@ -16,68 +16,21 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import onnxruntime as ort
 
-if TYPE_CHECKING:
-    from agent.verdict import LatencyStats
+from agent.proof.terms import CPU, LatencyStats, Placement, SessionSettings
 
-CPU = "CPUExecutionProvider"
 ASSIGNMENT_KEY = "session.record_ep_graph_assignment_info"
 
-GraphOptimization = Literal["disable", "basic", "extended", "all"]
 _OPT_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
-
-
-@dataclass(frozen=True)
-class SessionSettings:
-    """Thread settings are the same for the self-test and serving, so the latency that was proven is
-    the latency served. Defaults suit a small CPU device: one intra-op thread per inference worker
-    and no spinning (spinning pool threads starve capture and preprocessing; measured in
-    scripts/bench_serving.py). 0 threads means ORT's own default."""
-
-    graph_optimization: GraphOptimization = "all"
-    intra_op_threads: int = 1
-    inter_op_threads: int = 0
-    allow_spinning: bool = False
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Nodes per provider after partitioning, and how often execution crosses between providers."""
-
-    nodes_by_provider: Mapping[str, int]
-    op_types_by_provider: Mapping[str, Mapping[str, int]]
-    partitions: int
-    source: Literal["graph_assignment", "profiling", "none"]
-
-    @property
-    def total_nodes(self) -> int:
-        return sum(self.nodes_by_provider.values())
-
-    @property
-    def boundaries(self) -> int:
-        return max(self.partitions - 1, 0)
-
-    def fraction(self, provider: str) -> float:
-        total = self.total_nodes
-        return self.nodes_by_provider.get(provider, 0) / total if total else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "nodes_by_provider": dict(self.nodes_by_provider),
-            "op_types_by_provider": {k: dict(v) for k, v in self.op_types_by_provider.items()},
-            "partitions": self.partitions,
-            "boundaries": self.boundaries,
-            "source": self.source,
-        }
 
 
 @dataclass
@@ -240,7 +193,6 @@ def placement_from_profile(
 
 def measure_latency(run: Callable[[np.ndarray], Any], tensor: np.ndarray, warmup: int, runs: int) -> "LatencyStats":
     """Warm-up calls, then `runs` timed calls of `run(tensor)`: the one latency loop everything uses."""
-    from agent.verdict import LatencyStats
 
     for _ in range(warmup):
         run(tensor)

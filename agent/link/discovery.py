@@ -8,7 +8,7 @@ from typing import Any
 
 from agent import __version__
 from agent.config import Config
-from agent.topics import Topics
+from agent.link.topics import Topics
 
 
 def discovery_messages(cfg: Config, topics: Topics) -> dict[str, bytes]:

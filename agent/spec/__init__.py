@@ -1,0 +1,4 @@
+"""The pure vocabulary of a bundle: manifest schema and values, preprocessing, output decoders.
+
+Every other package speaks it; it imports none of them and never onnxruntime.
+"""

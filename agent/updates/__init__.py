@@ -1,0 +1,2 @@
+"""Model updates: the bundle store with its atomic symlinks, the install flow, probation.
+"""
