@@ -18,6 +18,7 @@ _INTERPOLATION = {
     "linear": cv2.INTER_LINEAR,
     "area": cv2.INTER_AREA,
     "cubic": cv2.INTER_CUBIC,
+    "lanczos": cv2.INTER_LANCZOS4,
 }
 
 _COLOR_CONVERSIONS = {
@@ -31,22 +32,39 @@ _COLOR_CONVERSIONS = {
 
 
 @dataclass(frozen=True)
-class Letterbox:
-    """How a frame was fitted into the model input, so boxes can be mapped back to the frame."""
+class Geometry:
+    """How a frame became the model input, so boxes in input pixels map back to frame pixels.
+
+    A frame point x lands at x * scale_x - crop_x + pad_x in the model input (resize, then crop, then pad).
+    frame_w/frame_h (0 = unknown) clip mapped boxes to the frame.
+    """
 
     scale_x: float
     scale_y: float
     pad_x: float
     pad_y: float
+    crop_x: float = 0.0
+    crop_y: float = 0.0
+    frame_w: int = 0
+    frame_h: int = 0
+    input_w: int = 0
+    input_h: int = 0
 
     def to_frame(self, boxes: np.ndarray) -> np.ndarray:
         out = boxes.astype(np.float32, copy=True)
-        out[..., [0, 2]] = (out[..., [0, 2]] - self.pad_x) / self.scale_x
-        out[..., [1, 3]] = (out[..., [1, 3]] - self.pad_y) / self.scale_y
+        out[..., [0, 2]] = (out[..., [0, 2]] - self.pad_x + self.crop_x) / self.scale_x
+        out[..., [1, 3]] = (out[..., [1, 3]] - self.pad_y + self.crop_y) / self.scale_y
+        if self.frame_w > 0 and self.frame_h > 0:
+            out[..., [0, 2]] = np.clip(out[..., [0, 2]], 0, self.frame_w)
+            out[..., [1, 3]] = np.clip(out[..., [1, 3]], 0, self.frame_h)
         return out
 
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
 
-IDENTITY = Letterbox(1.0, 1.0, 0.0, 0.0)
+
+Letterbox = Geometry  # the name before crops and dynamic sizes existed
+IDENTITY = Geometry(1.0, 1.0, 0.0, 0.0)
 
 
 def imread_flag(frame: FrameSpec) -> int:
@@ -68,14 +86,43 @@ def read_image_file(path: str, frame: FrameSpec) -> np.ndarray | None:
     return None if img is None else bgr_to_frame(img, frame)
 
 
-def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Letterbox:
+def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Geometry:
+    """The geometry of fitting a height x width frame with `resize` (pure arithmetic, no pixels)."""
     if resize is None:
-        return IDENTITY
-    if resize.mode == "stretch":
-        return Letterbox(resize.width / width, resize.height / height, 0.0, 0.0)
-    r = min(resize.width / width, resize.height / height)
-    new_w, new_h = round(width * r), round(height * r)
-    return Letterbox(r, r, (resize.width - new_w) // 2, (resize.height - new_h) // 2)
+        return Geometry(1.0, 1.0, 0.0, 0.0, frame_w=width, frame_h=height, input_w=width, input_h=height)
+    r = resize
+    if r.mode == "stretch":
+        return Geometry(r.width / width, r.height / height, 0.0, 0.0, frame_w=width, frame_h=height,
+                        input_w=r.width, input_h=r.height)
+    if r.mode == "letterbox":
+        s = min(r.width / width, r.height / height)
+        new_w, new_h = round(width * s), round(height * s)
+        if r.anchor == "top_left":
+            pad_x, pad_y = 0, 0
+        else:
+            # Ultralytics' split of an odd padding (round(d - 0.1) left/top) equals the floor of half.
+            pad_x, pad_y = (r.width - new_w) // 2, (r.height - new_h) // 2
+        return Geometry(s, s, pad_x, pad_y, frame_w=width, frame_h=height, input_w=r.width, input_h=r.height)
+    if r.mode == "short_side_crop":
+        assert r.short_side is not None
+        # torchvision Resize(int): the short side becomes short_side, the long side int(short_side * long / short)
+        if width <= height:
+            new_w, new_h = r.short_side, int(r.short_side * height / width)
+        else:
+            new_w, new_h = int(r.short_side * width / height), r.short_side
+        # torchvision CenterCrop: offset int(round((size - crop) / 2))
+        crop_x, crop_y = int(round((new_w - r.width) / 2.0)), int(round((new_h - r.height) / 2.0))
+        return Geometry(new_w / width, new_h / height, 0.0, 0.0, crop_x, crop_y, frame_w=width, frame_h=height,
+                        input_w=r.width, input_h=r.height)
+    # fit_multiple (PaddleOCR DetResizeForTest, limit_type max/min)
+    assert r.limit_side is not None
+    if r.limit_type == "max":
+        ratio = r.limit_side / max(height, width) if max(height, width) > r.limit_side else 1.0
+    else:
+        ratio = r.limit_side / min(height, width) if min(height, width) < r.limit_side else 1.0
+    new_h = max(int(round(height * ratio / r.multiple) * r.multiple), r.multiple)
+    new_w = max(int(round(width * ratio / r.multiple) * r.multiple), r.multiple)
+    return Geometry(new_w / width, new_h / height, 0.0, 0.0, frame_w=width, frame_h=height, input_w=new_w, input_h=new_h)
 
 
 class Preprocessor:
@@ -99,6 +146,9 @@ class Preprocessor:
         self._sub = (mean / std).astype(np.float32)
         self._identity_affine = bool(np.all(self._mul == 1.0) and np.all(self._sub == 0.0))
         self._dtype = np.dtype(spec.dtype)
+        # uint8 models take raw pixels: no float round trip when there is nothing to normalise
+        self._raw_pixels = self._dtype == np.uint8 and self._identity_affine and frame.kind == "image"
+        self.fixed_size = spec.resize is None or spec.resize.fixed_size
 
     def check(self, raw: np.ndarray) -> None:
         """Raise PreprocessError when a raw frame cannot be what this bundle expects."""
@@ -124,8 +174,12 @@ class Preprocessor:
             if raw.shape != (f.window, f.channels):
                 raise PreprocessError(f"sensor window shape {raw.shape} is not ({f.window}, {f.channels})")
 
-    def geometry(self, raw: np.ndarray) -> Letterbox:
+    def geometry(self, raw: np.ndarray) -> Geometry:
         return fit_geometry(raw.shape[0], raw.shape[1], self.spec.resize) if self.frame.kind == "image" else IDENTITY
+
+    def with_geometry(self, raw: np.ndarray) -> tuple[np.ndarray, Geometry]:
+        """The tensor and the geometry that maps its boxes back to this frame."""
+        return self(raw), self.geometry(raw)
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         """Raw frame -> tensor with a leading batch dimension of 1."""
@@ -146,22 +200,11 @@ class Preprocessor:
         target = spec.color or frame.color
         if frame.color != target:
             img = cv2.cvtColor(img, _COLOR_CONVERSIONS[(frame.color, target)])
-        r = spec.resize
-        if r is not None and img.shape[:2] != (r.height, r.width):
-            interp = _INTERPOLATION[r.interpolation]
-            if r.mode == "stretch":
-                img = cv2.resize(img, (r.width, r.height), interpolation=interp)
-            else:
-                g = fit_geometry(img.shape[0], img.shape[1], r)
-                new_w, new_h = round(img.shape[1] * g.scale_x), round(img.shape[0] * g.scale_y)
-                small = cv2.resize(img, (new_w, new_h), interpolation=interp)
-                canvas = np.full((r.height, r.width) + small.shape[2:], r.pad_value, dtype=np.uint8)
-                y0, x0 = int(g.pad_y), int(g.pad_x)
-                canvas[y0 : y0 + new_h, x0 : x0 + new_w] = small
-                img = canvas
+        if spec.resize is not None:
+            img = resize_image(img, spec.resize)
         if img.ndim == 2:
             img = img[:, :, np.newaxis]
-        return img.astype(np.float32)
+        return img if self._raw_pixels else img.astype(np.float32)
 
     def _normalise(self, x: np.ndarray) -> np.ndarray:
         if self._identity_affine:
@@ -171,5 +214,32 @@ class Preprocessor:
         return x
 
 
+def resize_image(img: np.ndarray, r: ResizeSpec) -> np.ndarray:
+    """One resize step on an (H, W[, C]) uint8 image, per the spec's mode. Pure."""
+    h, w = img.shape[:2]
+    g = fit_geometry(h, w, r)
+    interp = _INTERPOLATION[r.interpolation]
+    if r.mode in ("stretch", "fit_multiple"):
+        if (h, w) == (g.input_h, g.input_w):
+            return img
+        return cv2.resize(img, (g.input_w, g.input_h), interpolation=interp)
+    new_w, new_h = round(w * g.scale_x), round(h * g.scale_y)
+    small = img if (new_h, new_w) == (h, w) else cv2.resize(img, (new_w, new_h), interpolation=interp)
+    if r.mode == "short_side_crop":
+        x0, y0 = int(g.crop_x), int(g.crop_y)
+        return np.ascontiguousarray(small[y0 : y0 + r.height, x0 : x0 + r.width])
+    if (new_h, new_w) == (r.height, r.width):
+        return small
+    canvas = np.full((r.height, r.width) + small.shape[2:], r.pad_value, dtype=img.dtype)
+    y0, x0 = int(g.pad_y), int(g.pad_x)
+    canvas[y0 : y0 + new_h, x0 : x0 + new_w] = small
+    return canvas
+
+
 def preprocess_batch(pre: Preprocessor, frames: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate([pre(f) for f in frames], axis=0)
+    """Frames -> one batch. Frames of different input sizes (fit_multiple) cannot share a batch."""
+    tensors = [pre(f) for f in frames]
+    shapes = {t.shape for t in tensors}
+    if len(shapes) > 1:
+        raise PreprocessError(f"frames make tensors of different shapes {sorted(shapes)}: run them one at a time")
+    return np.concatenate(tensors, axis=0)
