@@ -15,6 +15,7 @@ import numpy as np
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
 from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, TensorSpec, parse_manifest
+from agent.spec.decoders import layout_problems
 from agent.spec.preprocess import Preprocessor
 
 _ORT_DTYPES = {
@@ -124,6 +125,10 @@ def _contract_problems(kind: str, declared: TensorSpec, name: str, dtype: str, s
     return problems
 
 
+def _ort_dims(shape: list) -> list[int | str]:
+    return [d if isinstance(d, int) else str(d) for d in shape]
+
+
 def check_contract(root: Path, manifest: Manifest) -> None:
     """Open each variant with ONNX Runtime (CPU, no optimisation) and compare its I/O to the manifest."""
     import onnxruntime as ort
@@ -151,6 +156,7 @@ def check_contract(root: Path, manifest: Manifest) -> None:
             for spec in manifest.outputs:
                 o = outputs[spec.name]
                 problems += _contract_problems("output", spec, o.name, _ORT_DTYPES.get(o.type, o.type), list(o.shape))
+            problems += layout_problems(manifest.postprocess, {n: _ort_dims(o.shape) for n, o in outputs.items()})
         if problems:
             raise ContractError(f"{path}: variant {v.name!r} breaks the declared contract: " + "; ".join(problems))
 

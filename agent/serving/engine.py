@@ -25,7 +25,10 @@ class Engine:
 
     @property
     def dynamic_batch(self) -> bool:
-        return not isinstance(self.bundle.manifest.input.shape[0], int)
+        """Frames may share a batch: a dynamic batch dimension, a fixed input size (fit_multiple makes the
+        size follow each frame, so its frames run one at a time), and no state carried between frames."""
+        m = self.bundle.manifest
+        return not isinstance(m.input.shape[0], int) and self.preprocessor.fixed_size and not m.stateful
 
     def describe(self) -> dict[str, object]:
         m = self.bundle.manifest
