@@ -2,7 +2,10 @@
 and reference outputs.
 
 A sample set is either an `.npz` (array `raw` of N frames, optional `label` (N,), optional
-`reference.<output>` (N, ...)) or a directory of image files (sorted by name) and/or `.npy` windows.
+`reference.<output>` (N, ...), optional `input` (N, ...): the framework's own input tensors, to prove
+the bundle's preprocessing reproduces them) or a directory of image files (sorted by name) and/or
+`.npy` windows. For a stateful model each of the N samples is a sequence: `raw` (N, T, ...), and
+`reference.<output>` / `input` carry a row per step (N, T, ...).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class SampleSet:
     raw: list[np.ndarray]
     labels: np.ndarray | None = None
     references: dict[str, np.ndarray] = field(default_factory=dict)
+    framework_inputs: np.ndarray | None = None  # npz key `input`: the framework's own input tensors
 
     def __len__(self) -> int:
         return len(self.raw)
@@ -48,10 +52,13 @@ def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None) -
                 n = len(raw) if limit is None else min(limit, len(raw))
                 labels = z["label"][:n] if "label" in z.files else None
                 refs = {k.removeprefix("reference."): z[k][:n] for k in z.files if k.startswith("reference.")}
+                inputs = z["input"][:n] if "input" in z.files else None
                 frames = [np.ascontiguousarray(raw[i]) for i in range(n)]
         except (OSError, ValueError) as exc:
             raise BundleError(f"{path}: cannot read sample set: {exc}") from exc
-        return SampleSet(path, frames, labels, refs)
+        if inputs is not None and len(inputs) != n:
+            raise BundleError(f"{path}: 'input' has {len(inputs)} samples, 'raw' has {n}: one framework tensor per sample")
+        return SampleSet(path, frames, labels, refs, inputs)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
         if limit is not None:

@@ -43,7 +43,7 @@ def replay(run: Run, manifest: Manifest, tensor: np.ndarray | Sequence[np.ndarra
     or a list of per-step tensors. A fresh state every call: replays never leak into each other.
     """
     steps = list(tensor) if isinstance(tensor, (list, tuple)) else steps_of(tensor, sequence)
-    feeder = InputFeeder(manifest)
+    feeder = InputFeeder.for_manifest(manifest)
     outs: list[Outputs] = []
     for t, x in enumerate(steps):
         o = run(feeder.feeds(x, "replay", metadata=metadata[t] if metadata else None))

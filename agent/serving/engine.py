@@ -74,4 +74,4 @@ class Engine:
 def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings) -> Engine:
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
-    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder(bundle.manifest))
+    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(bundle.manifest))

@@ -51,12 +51,16 @@ class InputFeeder:
     `reset(source)` (a new stream), starts that source from the initial state again.
     """
 
-    def __init__(self, manifest: Manifest):
-        self.frame_input = manifest.input.name
-        self.extra: tuple[ExtraInput, ...] = manifest.inputs
+    def __init__(self, frame_input: str, extra: Sequence[ExtraInput] = ()):
+        self.frame_input = frame_input
+        self.extra: tuple[ExtraInput, ...] = tuple(extra)
         self.states = tuple(x for x in self.extra if x.kind == "state")
         self._constants = {x.name: constant_value(x) for x in self.extra if x.kind == "constant"}
         self._sources: dict[str, _SourceState] = {}
+
+    @classmethod
+    def for_manifest(cls, manifest: Manifest) -> "InputFeeder":
+        return cls(manifest.input.name, manifest.inputs)
 
     @property
     def stateful(self) -> bool:
@@ -117,9 +121,9 @@ class InputFeeder:
             s.values[x.name] = np.asarray(outputs[x.from_output], dtype=x.dtype).reshape(initial_state(x).shape)
 
 
-def sequence_feeds(manifest: Manifest, tensors: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> list[Feeds]:
+def sequence_feeds(feeder: InputFeeder, tensors: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> list[Feeds]:
     """The feeds of every step of a sequence whose outputs are known (a reference run): for calibration."""
-    feeder = InputFeeder(manifest)
+    feeder.reset("sequence")
     out = []
     for t, o in zip(tensors, outputs):
         out.append(feeder.feeds(t, "sequence"))
