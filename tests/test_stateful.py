@@ -196,3 +196,34 @@ def test_a_declared_input_of_the_wrong_dtype_breaks_the_contract(stateful_bundle
     rewrite_manifest(root, lambda d: d["inputs"][0].update(dtype="int32"))
     with pytest.raises(ContractError, match=r"input 'sr' dtype: manifest int32, model int64"):
         load_bundle(root)
+
+
+def test_a_stateful_model_serves_from_a_file_source_and_matches_the_numpy_recurrence(stateful_bundle: Path,
+                                                                                     tmp_path: Path) -> None:
+    import time
+
+    from agent.config import PipelineConfig, SourceConfig
+    from agent.serving.pipeline import Pipeline
+    from agent.serving.sources import is_lossless, open_source
+    from agent.testing import ListSink
+
+    b = load_bundle(stateful_bundle)
+    engine = build_engine(b, Candidate("CPUExecutionProvider", "fp32", "fp32"), SessionSettings())
+    seq = _sequences(7)[0]  # (T, W, C): T consecutive windows of one stream
+    stream = tmp_path / "samples.f32"
+    stream.write_bytes(seq.reshape(-1, C).astype("<f4").tobytes())
+    cfg = SourceConfig(type="file", path=stream)
+    source = open_source(cfg, b.manifest.frame)
+    sink = ListSink()
+    p = Pipeline(source, engine, sink, PipelineConfig(inference_workers=4, max_batch=8), is_lossless(cfg, source)).start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not p.done.is_set():
+        time.sleep(0.02)
+    p.stop()
+    assert p.join(timeout=15)
+    source.close()
+    want = numpy_reference(seq)
+    assert len(sink.results) == T and all(r["batch"] == 1 for r in sink.results)
+    got = [(r["result"]["top"][0]["class_id"], r["result"]["top"][0]["score"]) for r in sink.results]
+    assert [c for c, _ in got] == list(want.argmax(1))
+    assert np.allclose([s for _, s in got], want.max(1), atol=1e-4)
