@@ -231,7 +231,7 @@ def test_every_refusal_has_a_reason_even_when_the_exception_has_no_message() -> 
 
 def test_the_build_hint_names_the_checkout_install_not_an_unrelated_package() -> None:
     assert "pip install '.[build]'" in INSTALL_BUILD_HINT and "edge-agent[build]" not in INSTALL_BUILD_HINT
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert not any(d.startswith("torch") for d in extras["build"]) and any(d.startswith("torch") for d in extras["demo"])

@@ -227,3 +227,10 @@ def test_a_stateful_model_serves_from_a_file_source_and_matches_the_numpy_recurr
     got = [(r["result"]["top"][0]["class_id"], r["result"]["top"][0]["score"]) for r in sink.results]
     assert [c for c, _ in got] == list(want.argmax(1))
     assert np.allclose([s for _, s in got], want.max(1), atol=1e-4)
+
+
+def test_inspect_shows_the_declared_inputs(stateful_bundle: Path) -> None:
+    from agent.proof.inspect import render_text, summarize
+
+    text = render_text(summarize(load_bundle(stateful_bundle)))
+    assert "inputs   sr (constant) int64 [1], state (state) float32 [1, 6]" in text
