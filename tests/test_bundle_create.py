@@ -236,3 +236,16 @@ def test_the_build_hint_names_the_checkout_install_not_an_unrelated_package() ->
     extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert not any(d.startswith("torch") for d in extras["build"]) and any(d.startswith("torch") for d in extras["demo"])
     assert any(d.startswith("onnx") for d in extras["build"]) and any(d.startswith("sympy") for d in extras["build"])
+
+
+def test_quantisation_pre_processing_failure_with_an_empty_message_still_says_why(
+        tiny_inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fault seen on a stateless VAD wrapper: ORT raised an exception whose str() is empty
+    import onnxruntime.quantization.shape_inference as si
+
+    def fail(*args, **kwargs):
+        raise AssertionError()
+
+    monkeypatch.setattr(si, "quant_pre_process", fail)
+    with pytest.raises(BundleError, match=r"pre-processing failed: AssertionError with no message"):
+        create_bundle(_opts(tiny_inputs, tmp_path / "empty"))

@@ -143,3 +143,15 @@ def test_declared_layout_that_does_not_fit_the_variant_is_refused_naming_the_fil
         "type": "detection", "layout": "yolov8", "output": "logits"}))
     with pytest.raises(ContractError, match=r"model_fp32\.onnx: variant 'fp32'.*yolov8 wants a rank-3|rank-3"):
         load_bundle(tiny_bundle)
+
+
+def test_mask_iou_compares_thresholded_maps() -> None:
+    from agent.spec.decoders import mask_iou
+
+    spec = PostprocessSpec(type="segmentation", output="m", threshold=0.5)
+    a = np.zeros((1, 1, 10, 10), np.float32)
+    a[0, 0, :5] = 0.9  # 50 pixels
+    b = np.zeros_like(a)
+    b[0, 0, :4] = 0.9  # 40 pixels inside a's
+    assert mask_iou(spec, {"m": a[0]}, {"m": b[0]}) == pytest.approx(0.8)
+    assert mask_iou(spec, {"m": np.zeros_like(a[0])}, {"m": np.zeros_like(a[0])}) == 1.0

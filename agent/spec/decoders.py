@@ -200,6 +200,16 @@ def segment_regions(spec: PostprocessSpec, prob: np.ndarray, geometry: Geometry 
     return [Region(tuple(float(v) for v in b), float(score[i]), int(areas[i])) for b, i in zip(boxes, ids)], mask
 
 
+def mask_iou(spec: PostprocessSpec, got: Outputs, ref: Outputs) -> float:
+    """IoU of the thresholded maps of one sample (1.0 when both are empty): segmentation agreement."""
+    a = probability_map(spec, got) > spec.threshold
+    b = probability_map(spec, ref) > spec.threshold
+    if a.shape != b.shape:
+        return 0.0
+    union = int(np.count_nonzero(a | b))
+    return 1.0 if union == 0 else int(np.count_nonzero(a & b)) / union
+
+
 def rle(mask: np.ndarray) -> dict[str, Any]:
     """Row-major run lengths of a 0/1 mask, starting with a run of zeros (0 when it starts with a one)."""
     flat = mask.ravel().astype(np.int8)
