@@ -154,3 +154,33 @@ def test_incomplete_resize_modes_are_refused_with_what_they_lack() -> None:
     assert "limit_side" in resize_problem(ResizeSpec(mode="fit_multiple"))
     assert "width and height" in resize_problem(ResizeSpec(mode="letterbox"))
     assert resize_problem(ResizeSpec(width=224, height=224, mode="short_side_crop", short_side=256)) is None
+
+
+@pytest.mark.parametrize("interpolation", ["linear", "cubic", "lanczos", "area", "nearest"])
+@pytest.mark.parametrize("size", [(224, 224), (341, 256), (700, 520)])
+def test_pil_resampler_is_bit_exact_with_pillow_with_or_without_pillow_installed(interpolation: str,
+                                                                                size: tuple[int, int]) -> None:
+    # torchvision on PIL images antialiases when shrinking; OpenCV's lanczos is 4.46 off on a crop classifier
+    image = pytest.importorskip("PIL.Image")
+    from agent.spec.preprocess import resize_like_pil
+
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (375, 500, 3), dtype=np.uint8)
+    img[100:200, 100:300] = 255
+    filters = {"nearest": image.NEAREST, "linear": image.BILINEAR, "cubic": image.BICUBIC,
+               "lanczos": image.LANCZOS, "area": image.BOX}
+    want = np.asarray(image.fromarray(img).resize(size, filters[interpolation]))
+    assert np.array_equal(resize_like_pil(img, *size, interpolation, use_pillow=False), want)
+    assert np.array_equal(resize_like_pil(img, *size, interpolation), want)
+
+
+def test_short_side_crop_with_the_pil_resampler_matches_torchvision_resize_and_center_crop() -> None:
+    image = pytest.importorskip("PIL.Image")
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (300, 420, 3), dtype=np.uint8)
+    r = ResizeSpec(width=224, height=224, mode="short_side_crop", short_side=256, interpolation="lanczos",
+                   resampler="pil")
+    got = resize_image(raw, r)
+    # torchvision: Resize(256) -> (256, int(256 * 420 / 300)) = (256, 358); CenterCrop(224) at round((358-224)/2)=67, 16
+    big = np.asarray(image.fromarray(raw).resize((358, 256), image.LANCZOS))
+    assert np.array_equal(got, big[16:240, 67:291])

@@ -79,6 +79,7 @@ class ResizeSpec:
     limit_side: int | None = None
     limit_type: Literal["max", "min"] = "max"
     multiple: int = 32
+    resampler: Literal["opencv", "pil"] = "opencv"
 
     @property
     def fixed_size(self) -> bool:
