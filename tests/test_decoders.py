@@ -155,3 +155,13 @@ def test_mask_iou_compares_thresholded_maps() -> None:
     b[0, 0, :4] = 0.9  # 40 pixels inside a's
     assert mask_iou(spec, {"m": a[0]}, {"m": b[0]}) == pytest.approx(0.8)
     assert mask_iou(spec, {"m": np.zeros_like(a[0])}, {"m": np.zeros_like(a[0])}) == 1.0
+
+
+def test_dbnet_style_box_threshold_and_unclip_grow_shrunk_text_kernels() -> None:
+    prob = np.zeros((100, 200), np.float32)
+    prob[40:50, 50:150] = 0.9  # a shrunk text kernel, 100 x 10
+    prob[80:90, 10:20] = 0.4  # a weak region under min_score
+    spec = PostprocessSpec(type="segmentation", output="m", threshold=0.3, min_area=1, min_score=0.6, unclip_ratio=1.5)
+    (r,), _ = segment_regions(spec, prob)
+    d = 100 * 10 * 1.5 / (2 * 110)  # area * ratio / perimeter
+    assert np.allclose(r.box, [50 - d, 40 - d, 150 + d, 50 + d], atol=1e-4)

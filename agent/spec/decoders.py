@@ -182,14 +182,20 @@ def segment_regions(spec: PostprocessSpec, prob: np.ndarray, geometry: Geometry 
         return [], mask
     sums = np.bincount(labels.ravel(), weights=prob.ravel().astype(np.float64), minlength=n)
     areas = stats[:, cv2.CC_STAT_AREA]
-    ids = [i for i in range(1, n) if areas[i] >= spec.min_area]
+    score = sums / np.maximum(areas, 1)
+    ids = [i for i in range(1, n) if areas[i] >= spec.min_area and score[i] >= spec.min_score]
     if not ids:
         return [], mask
-    score = sums / np.maximum(areas, 1)
     ids.sort(key=lambda i: -score[i])
     ids = ids[: spec.max_regions]
     st = stats[ids]
     boxes = np.stack([st[:, 0], st[:, 1], st[:, 0] + st[:, 2], st[:, 1] + st[:, 3]], axis=1).astype(np.float32)
+    if spec.unclip_ratio > 0:
+        # DBNet's unclip for a rectangle: offset = area * ratio / perimeter, on every side
+        w, h = st[:, 2].astype(np.float32), st[:, 3].astype(np.float32)
+        d = (w * h * spec.unclip_ratio / (2 * (w + h)))[:, None]
+        boxes = boxes + np.concatenate([-d, -d, d, d], axis=1)
+        boxes = np.clip(boxes, 0, [prob.shape[1], prob.shape[0], prob.shape[1], prob.shape[0]]).astype(np.float32)
     # a map smaller than the model input (a stride-4 head) covers the same field: scale to input pixels
     h, w = prob.shape
     if geometry.input_w and geometry.input_h and (w, h) != (geometry.input_w, geometry.input_h):

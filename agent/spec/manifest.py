@@ -119,6 +119,8 @@ class PostprocessSpec:
     min_area: int = 16
     max_regions: int = 100
     mask: Literal["none", "rle"] = "none"
+    min_score: float = 0.0  # segmentation: drop regions whose mean probability is lower (DBNet's box_thresh)
+    unclip_ratio: float = 0.0  # segmentation: grow each box by area * ratio / perimeter (DBNet's unclip; 0 = off)
     max_values: int = 64
     channel_axis: int = 1
 
