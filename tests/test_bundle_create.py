@@ -249,3 +249,18 @@ def test_quantisation_pre_processing_failure_with_an_empty_message_still_says_wh
     monkeypatch.setattr(si, "quant_pre_process", fail)
     with pytest.raises(BundleError, match=r"pre-processing failed: AssertionError with no message"):
         create_bundle(_opts(tiny_inputs, tmp_path / "empty"))
+
+
+def test_a_calibration_directory_is_decoded_as_it_is_used_not_loaded_whole(tmp_path: Path) -> None:
+    import cv2
+
+    from agent.bundle.samples import LazyFrames, load_samples
+
+    d = tmp_path / "calib"
+    d.mkdir()
+    for i in range(5):
+        cv2.imwrite(str(d / f"{i}.png"), np.full((40, 40, 3), i * 10, np.uint8))
+    s = load_samples(d, FrameSpec(**TINY_SPEC["frame"]), lazy=True)
+    assert isinstance(s.raw, LazyFrames) and len(s.raw) == 5
+    assert int(s.raw[3][0, 0, 0]) == 30 and [int(f[0, 0, 0]) for f in s.raw[1:3]] == [10, 20]
+    assert isinstance(load_samples(d, FrameSpec(**TINY_SPEC["frame"])).raw, list)

@@ -410,6 +410,19 @@ def create_bundle(opts: CreateOptions) -> Path:
     return out
 
 
+class _Prepared(Sequence[np.ndarray]):
+    """Samples preprocessed when indexed, so a large set is never held as float tensors."""
+
+    def __init__(self, raw: Sequence[np.ndarray], prepare: Any):
+        self.raw, self.prepare = raw, prepare
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.prepare(self.raw[i])
+
+
 def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndarray]]], layout: str,
                            bound: float) -> dict[str, Any]:
     """Compare the spec's tensors with the framework's own input tensors (`input` in a sample set).
@@ -493,7 +506,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         except Exception as exc:
             raise BundleError(f"preprocessing a sample failed: {_reason(exc)}") from exc
 
-    calib_set = load_samples(opts.calibration, frame, limit=opts.calibration_limit)
+    calib_set = load_samples(opts.calibration, frame, limit=opts.calibration_limit, lazy=True)
     golden_set = load_samples(opts.golden, frame)
     held = load_samples(opts.heldout, frame) if opts.heldout else None
     log.info("bundle.create.samples", calibration=len(calib_set), golden=len(golden_set),
@@ -507,7 +520,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     if held is not None:
         drift_sets.append(("heldout", held, held_inputs))
     if calib_set.framework_inputs is not None:
-        drift_sets.append(("calibration", calib_set, [prepare(r) for r in calib_set.raw]))
+        drift_sets.append(("calibration", calib_set, _Prepared(calib_set.raw, prepare)))
     bound = DEFAULT_PREPROCESS_DRIFT if opts.allow_preprocess_drift is None else opts.allow_preprocess_drift
     source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound)
     if source_drift:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -22,10 +23,26 @@ from agent.spec.preprocess import read_image_file
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
 
 
+class LazyFrames(Sequence[np.ndarray]):
+    """Files of a sample directory, decoded when indexed: a calibration set is never all in memory."""
+
+    def __init__(self, files: list[Path], frame: FrameSpec):
+        self.files, self.frame = files, frame
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        p = self.files[i]
+        return np.load(p, allow_pickle=False) if p.suffix == ".npy" else read_image(p, self.frame)
+
+
 @dataclass(frozen=True)
 class SampleSet:
     source: Path
-    raw: list[np.ndarray]
+    raw: Sequence[np.ndarray]
     labels: np.ndarray | None = None
     references: dict[str, np.ndarray] = field(default_factory=dict)
     framework_inputs: np.ndarray | None = None  # npz key `input`: the framework's own input tensors
@@ -41,7 +58,8 @@ def read_image(path: Path, frame: FrameSpec) -> np.ndarray:
     return img
 
 
-def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None) -> SampleSet:
+def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None, lazy: bool = False) -> SampleSet:
+    """`lazy`: a directory's files are decoded when used (calibration); an .npz is read at once."""
     path = Path(path)
     if path.suffix == ".npz":
         try:
@@ -63,8 +81,8 @@ def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None) -
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
         if limit is not None:
             files = files[:limit]
-        frames = [np.load(p, allow_pickle=False) if p.suffix == ".npy" else read_image(p, frame) for p in files]
-        if not frames:
+        if not files:
             raise BundleError(f"{path}: no image or .npy samples in this directory")
-        return SampleSet(path, frames)
+        frames = LazyFrames(files, frame)
+        return SampleSet(path, frames if lazy else list(frames))
     raise BundleError(f"{path}: a sample set is an .npz file or a directory of images / .npy windows")
