@@ -78,6 +78,7 @@ class PipelineConfig:
 class OutputConfig:
     stdout: bool = True               # results as JSON lines on stdout
     health_interval_s: float = 10.0   # how often health is logged (and published, with MQTT)
+    max_result_bytes: int = 65536     # a decoded result over this is counted as an error, never published (0: no cap)
 
 
 @dataclass(frozen=True)

@@ -40,3 +40,7 @@ class ProviderError(AgentError):
 
 class SelectionError(AgentError):
     """No candidate passed the self-test; the message carries every rejection reason."""
+
+
+class ResultTooLargeError(AgentError):
+    """A decoded result is over the configured message size (output.max_result_bytes): counted, not published."""

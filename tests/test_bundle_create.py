@@ -106,3 +106,161 @@ def test_spec_with_unknown_key_is_named(tiny_inputs: dict[str, Path], tmp_path: 
     spec.write_text(tiny_inputs["spec"].read_text() + "colour: rgb\n")
     with pytest.raises(BundleError, match=r"spec\.yaml: key colour: unknown key"):
         create_bundle(_opts(tiny_inputs, tmp_path / "x", spec=spec))
+
+
+# --- a build the author can steer (issue 11) -------------------------------------------------------
+
+import onnx  # noqa: E402
+import structlog  # noqa: E402
+
+from agent.bundle.create import INSTALL_BUILD_HINT, CalibrationFeeds, _reason  # noqa: E402
+from agent.proof.inspect import render_text, summarize  # noqa: E402
+from agent.spec.inputs import InputFeeder  # noqa: E402
+from agent.spec.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
+from agent.spec.preprocess import Preprocessor  # noqa: E402
+from tests.conftest import TINY_SPEC  # noqa: E402
+
+
+def _tiny_pre() -> Preprocessor:
+    return Preprocessor(preprocess_from_dict(TINY_SPEC["preprocess"]), FrameSpec(**TINY_SPEC["frame"]))
+
+
+def _golden_with_framework_inputs(tiny_inputs: dict[str, Path], tmp_path: Path, perturb: float = 0.0,
+                                  swap: bool = False) -> Path:
+    raw = np.load(tiny_inputs["golden"])["raw"]
+    pre = _tiny_pre()
+    inputs = np.concatenate([pre(r) for r in raw])  # (N, 3, 32, 32): what "the framework" fed its model
+    if swap:
+        inputs = inputs[:, ::-1].copy()
+    inputs[3, 0, 5, 5] += perturb
+    path = tmp_path / "golden_with_input.npz"
+    np.savez(path, raw=raw, input=inputs)
+    return path
+
+
+def test_spec_that_does_not_reproduce_the_framework_tensors_is_refused_with_worst_sample_and_max_abs(
+        tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    golden = _golden_with_framework_inputs(tiny_inputs, tmp_path, perturb=0.5)
+    out = tmp_path / "drift"
+    with pytest.raises(BundleError, match=r"does not reproduce the framework's input tensors: max abs 0\.5 on golden "
+                                          r"sample 3 \(bound 0\.001\).*--allow-preprocess-drift 0\.55"):
+        create_bundle(_opts(tiny_inputs, out, golden=golden, int8=False))
+    assert not out.exists()
+
+
+def test_swapped_colour_order_is_named_in_the_drift_refusal(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    golden = _golden_with_framework_inputs(tiny_inputs, tmp_path, swap=True)
+    with pytest.raises(BundleError, match=r"colour order looks swapped"):
+        create_bundle(_opts(tiny_inputs, tmp_path / "swap", golden=golden, int8=False))
+
+
+def test_accepted_preprocess_drift_is_recorded_and_shown_by_inspect_and_golden_keeps_both_tensors(
+        tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    golden = _golden_with_framework_inputs(tiny_inputs, tmp_path, perturb=0.5)
+    b = load_bundle(create_bundle(_opts(tiny_inputs, tmp_path / "ok", golden=golden, int8=False,
+                                        allow_preprocess_drift=0.6)))
+    drift = b.manifest.raw["preprocess"]["source_drift"]
+    assert drift["measured_max_abs"] == pytest.approx(0.5) and drift["worst_sample"] == "golden:3"
+    assert drift["bound"] == 0.6 and drift["accepted_by_author"] is True
+    assert "source_drift" in render_text(summarize(b))
+    g = b.golden()[3]
+    assert g.framework_input is not None and g.framework_input.shape == (3, 32, 32)
+    assert abs(float(g.framework_input[0, 5, 5]) - float(g.input[0, 0, 5, 5])) == pytest.approx(0.5, abs=1e-5)
+
+
+def test_a_spec_that_reproduces_the_framework_records_a_zero_drift(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    golden = _golden_with_framework_inputs(tiny_inputs, tmp_path)
+    b = load_bundle(create_bundle(_opts(tiny_inputs, tmp_path / "zero", golden=golden, int8=False)))
+    assert b.manifest.raw["preprocess"]["source_drift"]["measured_max_abs"] == 0.0
+
+
+def test_exclude_after_keeps_the_node_and_everything_downstream_in_float(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    b = load_bundle(create_bundle(_opts(tiny_inputs, tmp_path / "after", exclude_after=("conv2",))))
+    excluded = set(b.manifest.variant("int8").quantization["excluded_nodes"])
+    assert {"conv2", "fc"} <= excluded and "conv1" not in excluded
+    model = onnx.load(str(b.path("model_int8.onnx")))
+    fc = next(n for n in model.graph.node if n.name == "fc")
+    assert not any("DequantizeLinear" in p for p in fc.input)  # the head reads float, not a dequantised tensor
+    assert not any(n.op_type == "QuantizeLinear" and "fc_w" in n.input[0] for n in model.graph.node)
+
+
+def test_exclude_node_pattern_keeps_matching_nodes_in_float(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    b = load_bundle(create_bundle(_opts(tiny_inputs, tmp_path / "pat", exclude_node_patterns=(r"^conv\d$",))))
+    assert {"conv1", "conv2"} <= set(b.manifest.variant("int8").quantization["excluded_nodes"])
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"exclude_nodes": ("conv9",)}, r"--exclude-node 'conv9': no node of that name in .*tiny\.onnx; did you mean"),
+    ({"exclude_after": ("head",)}, r"--exclude-after 'head': no node of that name"),
+    ({"exclude_node_patterns": ("^yolo",)}, r"--exclude-node-pattern '\^yolo': matches no node"),
+    ({"exclude_node_patterns": ("(",)}, r"--exclude-node-pattern '\(': not a regular expression"),
+    ({"exclude_op_types": ("Softmax",)}, r"--exclude-op-type 'Softmax': the model has no such node"),
+])
+def test_unknown_exclusion_names_are_refused_naming_them(tiny_inputs: dict[str, Path], tmp_path: Path, kw: dict,
+                                                         message: str) -> None:
+    out = tmp_path / "unknown"
+    with pytest.raises(BundleError, match=message):
+        create_bundle(_opts(tiny_inputs, out, **kw))
+    assert not out.exists()
+
+
+def test_calibration_streams_frames_and_logs_progress_with_eta(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    raw = list(np.load(tiny_inputs["calibration"])["raw"])
+    prepared: list[int] = []
+    pre = _tiny_pre()
+
+    def prepare(r: np.ndarray) -> np.ndarray:
+        prepared.append(1)
+        return pre(r)
+
+    feeds = CalibrationFeeds(raw, prepare, InputFeeder("input"), batch=8, progress_every_s=0.0)
+    with structlog.testing.capture_logs() as logs:
+        first = feeds.get_next()
+        assert first["input"].shape == (8, 3, 32, 32) and len(prepared) == 8  # one batch, not the whole set
+        while feeds.get_next() is not None:
+            pass
+    progress = [e for e in logs if e["event"] == "bundle.create.calibrating"]
+    assert progress[-1]["done"] == progress[-1]["total"] == len(raw) and progress[-1]["eta_s"] == 0.0
+    assert {"elapsed_s", "eta_s"} <= set(progress[0]) and len(prepared) == len(raw)
+
+
+def test_every_refusal_has_a_reason_even_when_the_exception_has_no_message() -> None:
+    assert _reason(AssertionError()) == "AssertionError with no message (AssertionError())"
+    assert _reason(ValueError("bad axis")) == "ValueError: bad axis"
+
+
+def test_the_build_hint_names_the_checkout_install_not_an_unrelated_package() -> None:
+    assert "pip install '.[build]'" in INSTALL_BUILD_HINT and "edge-agent[build]" not in INSTALL_BUILD_HINT
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any(d.startswith("torch") for d in extras["build"]) and any(d.startswith("torch") for d in extras["demo"])
+    assert any(d.startswith("onnx") for d in extras["build"]) and any(d.startswith("sympy") for d in extras["build"])
+
+
+def test_quantisation_pre_processing_failure_with_an_empty_message_still_says_why(
+        tiny_inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fault seen on a stateless VAD wrapper: ORT raised an exception whose str() is empty
+    import onnxruntime.quantization.shape_inference as si
+
+    def fail(*args, **kwargs):
+        raise AssertionError()
+
+    monkeypatch.setattr(si, "quant_pre_process", fail)
+    with pytest.raises(BundleError, match=r"pre-processing failed: AssertionError with no message"):
+        create_bundle(_opts(tiny_inputs, tmp_path / "empty"))
+
+
+def test_a_calibration_directory_is_decoded_as_it_is_used_not_loaded_whole(tmp_path: Path) -> None:
+    import cv2
+
+    from agent.bundle.samples import LazyFrames, load_samples
+
+    d = tmp_path / "calib"
+    d.mkdir()
+    for i in range(5):
+        cv2.imwrite(str(d / f"{i}.png"), np.full((40, 40, 3), i * 10, np.uint8))
+    s = load_samples(d, FrameSpec(**TINY_SPEC["frame"]), lazy=True)
+    assert isinstance(s.raw, LazyFrames) and len(s.raw) == 5
+    assert int(s.raw[3][0, 0, 0]) == 30 and [int(f[0, 0, 0]) for f in s.raw[1:3]] == [10, 20]
+    assert isinstance(load_samples(d, FrameSpec(**TINY_SPEC["frame"])).raw, list)

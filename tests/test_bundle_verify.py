@@ -76,8 +76,8 @@ def test_variant_without_parity_thresholds_is_refused(tiny_bundle: Path) -> None
 
 
 def test_unknown_postprocess_type_is_named(tiny_bundle: Path) -> None:
-    rewrite_manifest(tiny_bundle, lambda d: d["postprocess"].update(type="segmentation"))
-    with pytest.raises(BundleError, match=r"key postprocess: unsupported type 'segmentation'"):
+    rewrite_manifest(tiny_bundle, lambda d: d["postprocess"].update(type="pose"))
+    with pytest.raises(BundleError, match=r"key postprocess: unsupported type 'pose'"):
         load_bundle(tiny_bundle)
 
 

@@ -1,13 +1,17 @@
 """`edge-agent bundle create`: a user's ONNX model -> a verified bundle with FP32 and INT8 variants.
 
 Build-time only (needs the `build` extra: onnx, sympy). Checks the model, records its contract,
-quantizes to static QDQ INT8 calibrated through the bundle's own preprocessing, measures quality on
-a held-out set, writes golden samples with reference outputs, hashes everything, and refuses an
-INT8 variant below the quality bound. Works in a staging directory: a refusal leaves nothing behind.
+proves the spec's preprocessing reproduces the framework's own input tensors (when the samples carry
+them), quantizes to static QDQ INT8 calibrated through the bundle's own preprocessing (streamed, in
+bounded memory, through sequences for a stateful model), measures quality on a held-out set, writes
+golden samples with reference outputs, hashes everything, and refuses an INT8 variant below the
+quality bound. Works in a staging directory: a refusal leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 import shutil
 import tempfile
 import time
@@ -19,15 +23,16 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
-from agent.bundle.load import hash_files, load_bundle
+from agent.bundle.load import golden_arrays, hash_files, load_bundle
 from agent.errors import BundleError, QualityError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
-from agent.spec.manifest import MANIFEST_NAME, FrameSpec, postprocess_from_dict, preprocess_from_dict
+from agent.spec.inputs import InputFeeder
+from agent.spec.manifest import MANIFEST_NAME, ExtraInput, FrameSpec, inputs_from_list, postprocess_from_dict, preprocess_from_dict
 from agent.proof.parity import compare
 from agent.spec.decoders import split_batch
 from agent.spec.preprocess import Preprocessor
-from agent.bundle.samples import load_samples
+from agent.bundle.samples import SampleSet, load_samples
 from agent.proof.session import measure_latency
 from agent.proof.terms import CPU
 
@@ -47,7 +52,11 @@ DEFAULT_PARITY = {
     "int8": {"min_cosine": 0.98},
 }
 DEFAULT_AGREEMENT = {"fp32": 1.0, "fp16": 0.95, "int8": 0.9}
-SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postprocess", "selftest", "preference", "source"}
+SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postprocess", "selftest", "preference", "source",
+             "inputs"}
+# Bound on |spec preprocessing - framework input tensor| before the build refuses (tensor units).
+DEFAULT_PREPROCESS_DRIFT = 1e-3
+INSTALL_BUILD_HINT = "pip install '.[build]' from an edge-agent checkout"
 
 _ONNX_DTYPES = {1: "float32", 10: "float16", 2: "uint8", 3: "int8", 6: "int32", 7: "int64"}
 
@@ -65,6 +74,10 @@ class CreateOptions:
     per_channel: bool = True
     exclude_nodes: tuple[str, ...] = ()
     exclude_op_types: tuple[str, ...] = ()
+    exclude_node_patterns: tuple[str, ...] = ()  # regular expressions over node names (re.search)
+    exclude_after: tuple[str, ...] = ()  # these nodes and everything downstream of them stay float
+    allow_preprocess_drift: float | None = None  # accept this max abs between spec and framework tensors
+    calibration_batch: int = 8  # frames per calibration run where the input has a dynamic batch
     int8: bool = True
     fp16: bool = False
     calibration_limit: int = 256
@@ -86,7 +99,7 @@ def _need_build_extra() -> Any:
     try:
         import onnx
     except ImportError as exc:
-        raise BundleError("`bundle create` needs the build tools: pip install 'edge-agent[build]'") from exc
+        raise BundleError(f"`bundle create` needs the build tools (onnx, sympy): {INSTALL_BUILD_HINT}") from exc
     return onnx
 
 
@@ -125,8 +138,16 @@ def _tensor_dict(vi: Any) -> dict[str, Any]:
     return {"name": vi.name, "dtype": _ONNX_DTYPES[elem], "shape": _dims(vi)}
 
 
-def prepare_fp32(model_path: Path, dest: Path) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
-    """onnx.checker, opset >= 13 (per-channel QDQ needs DequantizeLinear axis), contract from the graph."""
+def _reason(exc: BaseException) -> str:
+    """An exception as a reason a person can read: never an empty string."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} with no message ({exc!r})"
+
+
+def prepare_fp32(model_path: Path, dest: Path, extra_inputs: Sequence[str] = ()) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    """onnx.checker, opset >= 13 (per-channel QDQ needs DequantizeLinear axis), contract from the graph.
+
+    `extra_inputs`: the spec's declared constant/state/metadata inputs; the one input left is the frame's."""
     onnx = _need_build_extra()
     try:
         model = onnx.load(str(model_path))
@@ -145,31 +166,139 @@ def prepare_fp32(model_path: Path, dest: Path) -> tuple[dict[str, Any], list[dic
         shutil.copyfile(model_path, dest)
     inits = {i.name for i in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in inits]
-    if len(inputs) != 1:
-        raise BundleError(f"{model_path}: bundles take models with exactly one input tensor, found {[i.name for i in inputs]}")
-    return _tensor_dict(inputs[0]), [_tensor_dict(o) for o in model.graph.output], opset
+    names = [i.name for i in inputs]
+    unknown = [n for n in extra_inputs if n not in names]
+    if unknown:
+        raise BundleError(f"{model_path}: spec key inputs names {unknown}, which the model does not take (inputs: {names})")
+    frame_inputs = [i for i in inputs if i.name not in extra_inputs]
+    if len(frame_inputs) != 1:
+        raise BundleError(
+            f"{model_path}: the model takes inputs {names}; one is the frame, declare every other one in the spec "
+            "under inputs (kind constant, state or metadata)"
+        )
+    return _tensor_dict(frame_inputs[0]), [_tensor_dict(o) for o in model.graph.output], opset
 
 
-class _Reader:
-    """ORT CalibrationDataReader over preprocessed tensors, logging progress on long calibrations."""
+class CalibrationFeeds:
+    """Streams calibration feeds: frames are preprocessed when ORT asks for them, in batches where the
+    input has a dynamic batch, and a stateful model's sequences run through FP32 so each step carries
+    the state it would have in serving. Nothing holds the whole calibration set as tensors.
 
-    def __init__(self, name: str, tensors: Sequence[np.ndarray]):
-        self.name, self.tensors, self.i = name, tensors, 0
+    Logs `bundle.create.calibrating` with samples done, elapsed and ETA every few seconds.
+    """
 
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        if self.i >= len(self.tensors):
-            return None
-        t = self.tensors[self.i]
-        self.i += 1
-        if self.i % 64 == 0 or self.i == len(self.tensors):
-            log.info("bundle.create.calibrating", done=self.i, total=len(self.tensors))
-        return {self.name: t}
+    def __init__(self, samples: Sequence[np.ndarray], prepare: Any, feeder: InputFeeder, batch: int = 1,
+                 fp32: Any = None, progress_every_s: float = 2.0):
+        self.samples, self.prepare, self.feeder, self.batch = samples, prepare, feeder, max(1, batch)
+        self.fp32 = fp32  # a session for the state of stateful models
+        self.progress_every_s = progress_every_s
+        self.rewind()
 
     def rewind(self) -> None:
-        self.i = 0
+        self._it = self._generate()
+        self.done = 0
+        self._t0 = time.perf_counter()
+        self._last_log = self._t0
+
+    def _generate(self) -> Any:
+        if self.feeder.stateful:
+            names = [o.name for o in self.fp32.get_outputs()]
+            for seq in self.samples:
+                self.feeder.reset("calibration")
+                for frame in seq:
+                    feeds = self.feeder.feeds(self.prepare(frame), "calibration")
+                    yield feeds, 0
+                    self.feeder.advance("calibration", dict(zip(names, self.fp32.run(None, feeds))))
+                self._count(1)
+            return
+        for i in range(0, len(self.samples), self.batch):
+            chunk = self.samples[i : i + self.batch]
+            tensor = np.concatenate([self.prepare(r) for r in chunk]) if len(chunk) > 1 else self.prepare(chunk[0])
+            yield self.feeder.feeds(tensor, "calibration"), len(chunk)
+
+    def _count(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self._last_log >= self.progress_every_s or self.done == len(self.samples):
+            self._last_log = now
+            elapsed = now - self._t0
+            eta = elapsed / self.done * (len(self.samples) - self.done) if self.done else None
+            log.info("bundle.create.calibrating", done=self.done, total=len(self.samples), elapsed_s=round(elapsed, 1),
+                     eta_s=None if eta is None else round(eta, 1))
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        item = next(self._it, None)
+        if item is None:
+            return None
+        feeds, n = item
+        if n:
+            self._count(n)
+        return feeds
 
 
-def quantize_int8(fp32: Path, out: Path, input_name: str, calib: Sequence[np.ndarray], opts: CreateOptions) -> dict[str, Any]:
+def resolve_exclusions(graph: Any, source: Any, opts: CreateOptions) -> list[str]:
+    """Node names to keep in float, from names, patterns, op types and --exclude-after subgraphs.
+
+    Every name, pattern and op type must match something in the source model (`source`, what the user
+    sees in Netron); unknown ones are errors naming them. Nodes are then taken from `graph` (the model
+    after ORT's quantisation pre-processing) by name."""
+    src_nodes = [n.name for n in source.node]
+    all_nodes = {n.name for n in graph.node} | set(src_nodes)
+
+    def unknown_node(flag: str, name: str) -> BundleError:
+        close = difflib.get_close_matches(name, src_nodes, n=3)
+        hint = f"; did you mean {close}?" if close else ""
+        return BundleError(f"{flag} {name!r}: no node of that name in {opts.model}{hint}")
+
+    exclude: list[str] = []
+    for name in opts.exclude_nodes:
+        if name not in all_nodes:
+            raise unknown_node("--exclude-node", name)
+        exclude.append(name)
+    for pattern in opts.exclude_node_patterns:
+        try:
+            rx = re.compile(pattern)
+        except re.error as exc:
+            raise BundleError(f"--exclude-node-pattern {pattern!r}: not a regular expression: {exc}") from exc
+        hits = [n.name for n in graph.node if rx.search(n.name)]
+        if not hits:
+            raise BundleError(f"--exclude-node-pattern {pattern!r}: matches no node in {opts.model}")
+        exclude += hits
+    if opts.exclude_op_types:
+        present = {n.op_type for n in graph.node} | {n.op_type for n in source.node}
+        for op in opts.exclude_op_types:
+            if op not in present:
+                raise BundleError(f"--exclude-op-type {op!r}: the model has no such node (op types: {sorted(present)})")
+        exclude += [n.name for n in graph.node if n.op_type in opts.exclude_op_types]
+    for name in opts.exclude_after:
+        if name not in all_nodes:
+            raise unknown_node("--exclude-after", name)
+        g = graph if name in {n.name for n in graph.node} else source
+        exclude += downstream(g, name)
+    return list(dict.fromkeys(exclude))
+
+
+def downstream(graph: Any, start: str) -> list[str]:
+    """`start` and every node that consumes, directly or not, one of its outputs."""
+    consumers: dict[str, list[Any]] = {}
+    for n in graph.node:
+        for t in n.input:
+            consumers.setdefault(t, []).append(n)
+    by_name = {n.name: n for n in graph.node}
+    seen = [start]
+    frontier = list(by_name[start].output)
+    names = {start}
+    while frontier:
+        t = frontier.pop()
+        for n in consumers.get(t, ()):
+            if n.name not in names:
+                names.add(n.name)
+                seen.append(n.name)
+                frontier.extend(n.output)
+    return seen
+
+
+def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOptions) -> dict[str, Any]:
     onnx = _need_build_extra()
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -180,25 +309,30 @@ def quantize_int8(fp32: Path, out: Path, input_name: str, calib: Sequence[np.nda
         try:
             quant_pre_process(str(fp32), str(pre), auto_merge=True)
         except Exception as exc:
-            raise BundleError(f"{fp32}: ORT quantization pre-processing failed: {exc}") from exc
-        exclude = list(opts.exclude_nodes)
-        if opts.exclude_op_types:
-            graph = onnx.load(str(pre)).graph
-            exclude += [n.name for n in graph.node if n.op_type in opts.exclude_op_types]
+            raise BundleError(f"{fp32}: ORT quantization pre-processing failed: {_reason(exc)}") from exc
+        exclude = resolve_exclusions(onnx.load(str(pre)).graph, onnx.load(str(fp32)).graph, opts)
         method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                   "percentile": CalibrationMethod.Percentile}[opts.method]
+        # MinMax merges ranges every few runs instead of holding every intermediate output of the set
+        extra = {"CalibMaxIntermediateOutputs": 16} if opts.method == "minmax" else {}
         # uint8 activations with int8 weights: the S8S8 default is not fused on x86 and runs slower than FP32.
-        quantize_static(
-            str(pre), str(out), _Reader(input_name, calib),
-            quant_format=QuantFormat.QDQ,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            per_channel=opts.per_channel,
-            calibrate_method=method,
-            nodes_to_exclude=exclude,
-        )
+        try:
+            quantize_static(
+                str(pre), str(out), calib,
+                quant_format=QuantFormat.QDQ,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                per_channel=opts.per_channel,
+                calibrate_method=method,
+                nodes_to_exclude=exclude,
+                extra_options=extra,
+            )
+        except BundleError:
+            raise
+        except Exception as exc:
+            raise BundleError(f"{fp32}: INT8 quantization failed: {_reason(exc)}") from exc
     return {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": opts.per_channel,
-            "method": opts.method, "calibration_samples": len(calib), "excluded_nodes": exclude,
+            "method": opts.method, "calibration_samples": calib.done, "excluded_nodes": exclude,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -221,20 +355,35 @@ def _cpu_session(path: Path, optimize: bool) -> Any:
     return ort.InferenceSession(str(path), so, providers=[CPU])
 
 
-def _run_all(sess: Any, tensors: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
-    name = sess.get_inputs()[0].name
+def _run_all(sess: Any, samples: Sequence[np.ndarray], feeder: InputFeeder) -> list[dict[str, np.ndarray]]:
+    """Each sample's outputs; a stateful model's sample is a sequence [T, 1, ...], run step by step with its
+    state carried (fresh per sequence), outputs stacked [T, 1, ...]."""
     outs = [o.name for o in sess.get_outputs()]
-    return [dict(zip(outs, sess.run(None, {name: t}))) for t in tensors]
+    results = []
+    for x in samples:
+        if not feeder.stateful:
+            results.append(dict(zip(outs, sess.run(None, feeder.feeds(x)))))
+            continue
+        feeder.reset("build")
+        steps = []
+        for t in x:
+            o = dict(zip(outs, sess.run(None, feeder.feeds(t, "build"))))
+            feeder.advance("build", o)
+            steps.append(o)
+        results.append({k: np.stack([o[k] for o in steps]) for k in outs})
+    return results
 
 
-def _latency_ms(sess: Any, tensor: np.ndarray, runs: int = 40) -> dict[str, float]:
-    name = sess.get_inputs()[0].name
-    stats = measure_latency(lambda t: sess.run(None, {name: t}), tensor, warmup=5, runs=runs)
+def _latency_ms(sess: Any, feeds: dict[str, np.ndarray], runs: int = 40) -> dict[str, float]:
+    stats = measure_latency(lambda f: sess.run(None, f), feeds, warmup=5, runs=runs)
     return {"cpu_p50_ms": round(stats.p50_ms, 3), "cpu_p95_ms": round(stats.p95_ms, 3)}
 
 
-def _unbatch(outs: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    return [split_batch(o, 0) for o in outs]
+def _unbatch(outs: Sequence[Mapping[str, np.ndarray]], sequence: bool = False) -> list[dict[str, np.ndarray]]:
+    """Per-sample outputs without the batch dimension; a sequence counts each of its steps as a sample."""
+    if not sequence:
+        return [split_batch(o, 0) for o in outs]
+    return [{k: v[t, 0] for k, v in o.items()} for o in outs for t in range(next(iter(o.values())).shape[0])]
 
 
 def _top1(outs: Sequence[Mapping[str, np.ndarray]], output: str) -> np.ndarray:
@@ -261,34 +410,134 @@ def create_bundle(opts: CreateOptions) -> Path:
     return out
 
 
+class _Prepared(Sequence[np.ndarray]):
+    """Samples preprocessed when indexed, so a large set is never held as float tensors."""
+
+    def __init__(self, raw: Sequence[np.ndarray], prepare: Any):
+        self.raw, self.prepare = raw, prepare
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.prepare(self.raw[i])
+
+
+def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndarray]]], layout: str,
+                           bound: float) -> dict[str, Any]:
+    """Compare the spec's tensors with the framework's own input tensors (`input` in a sample set).
+
+    Returns what was measured (empty when no set carries `input`); raises BundleError with the worst
+    sample, the max abs and a hint when the difference exceeds `bound`."""
+    worst: tuple[float, str, int] = (-1.0, "", -1)
+    total = 0
+    for label, sset, tensors in sets:
+        if sset.framework_inputs is None:
+            continue
+        for i, t in enumerate(tensors):
+            f = np.asarray(sset.framework_inputs[i])
+            if f.size != t.size:
+                raise BundleError(
+                    f"{sset.source}: sample {i}: the framework's input has shape {list(f.shape)}, the spec's "
+                    f"preprocessing makes {list(t.shape)}: check preprocess.resize (mode, width, height) and layout"
+                )
+            d = float(np.max(np.abs(t.astype(np.float64) - f.reshape(t.shape).astype(np.float64)))) if t.size else 0.0
+            total += 1
+            if not np.isfinite(d) or d > worst[0]:
+                worst = (d, f"{label}:{i}", i)
+            if not np.isfinite(d):
+                break
+    if total == 0:
+        return {}
+    measured, where, _ = worst
+    record = {"measured_max_abs": float(f"{measured:.4g}"), "worst_sample": where, "samples": total,
+              "bound": bound}
+    if not measured <= bound:
+        label, i = where.split(":")
+        sset, tensors = next((s, t) for lab, s, t in sets if lab == label)
+        raise BundleError(
+            f"{sset.source}: the spec's preprocessing does not reproduce the framework's input tensors: max abs "
+            f"{measured:.4g} on {label} sample {i} (bound {bound:g}); {_drift_hint(tensors[int(i)], sset.framework_inputs[int(i)], layout)}"
+            f"; or pass --allow-preprocess-drift {float(f'{measured * 1.1:.2g}'):g} to accept it (recorded in the manifest)"
+        )
+    return record
+
+
+def _drift_hint(t: np.ndarray, f: np.ndarray, layout: str) -> str:
+    """A guess at what differs, from the two tensors alone."""
+    f = np.asarray(f, np.float64).reshape(t.shape)
+    t = t.astype(np.float64)
+    axis = {"nchw": -3, "ncw": -2, "nhwc": -1, "nwc": -1}.get(layout, -1)
+    if t.ndim >= 3 and t.shape[axis] == 3:
+        swapped = np.flip(t, axis=axis)
+        if np.max(np.abs(swapped - f)) < 0.5 * np.max(np.abs(t - f)):
+            return "the colour order looks swapped (preprocess.color rgb vs bgr)"
+    diff = t - f
+    if np.std(diff) < 0.05 * max(np.max(np.abs(diff)), 1e-12):
+        return f"a constant offset of {float(np.mean(diff)):.4g}: check preprocess.mean"
+    ratio = np.std(t) / max(np.std(f), 1e-12)
+    if abs(ratio - 1) > 0.05:
+        return f"the spread differs by a factor {ratio:.3g}: check preprocess.scale and std"
+    return ("differences are spatial: check preprocess.resize (mode, interpolation, anchor, crop) against the "
+            "framework's own transform")
+
+
 def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     frame = FrameSpec(**spec["frame"])
     pre = Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)
     post = postprocess_from_dict(spec["postprocess"])
     task = spec["task"]
+    try:
+        extra_inputs: tuple[ExtraInput, ...] = inputs_from_list(spec.get("inputs"))
+    except TypeError as exc:
+        raise BundleError(f"{opts.spec}: key inputs: {_reason(exc)}") from exc
+    sequence = any(x.kind == "state" for x in extra_inputs)
 
     fp32_file = "model_fp32.onnx"
-    input_spec, outputs, opset = prepare_fp32(opts.model, root / fp32_file)
-    log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs])
+    input_spec, outputs, opset = prepare_fp32(opts.model, root / fp32_file, [x.name for x in extra_inputs])
+    log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs],
+             extra_inputs=[x.name for x in extra_inputs])
+    feeder = InputFeeder(input_spec["name"], extra_inputs)
 
-    calib_set = load_samples(opts.calibration, frame, limit=opts.calibration_limit)
+    def prepare(raw: np.ndarray) -> np.ndarray:
+        """A frame -> [1, ...]; a stateful model's sequence -> [T, 1, ...]."""
+        try:
+            return np.stack([pre(r) for r in raw]) if sequence else pre(raw)
+        except Exception as exc:
+            raise BundleError(f"preprocessing a sample failed: {_reason(exc)}") from exc
+
+    calib_set = load_samples(opts.calibration, frame, limit=opts.calibration_limit, lazy=True)
     golden_set = load_samples(opts.golden, frame)
     held = load_samples(opts.heldout, frame) if opts.heldout else None
     log.info("bundle.create.samples", calibration=len(calib_set), golden=len(golden_set),
-             heldout=len(held) if held else 0)
-    calib = [pre(r) for r in calib_set.raw]
-    golden_inputs = [pre(r) for r in golden_set.raw]
+             heldout=len(held) if held else 0, sequences=sequence)
+    golden_inputs = [prepare(r) for r in golden_set.raw]
+    held_inputs = [prepare(r) for r in held.raw] if held else []
     output_names = [o["name"] for o in outputs]
+
+    # The spec must reproduce the framework's own input tensors wherever the author gave them.
+    drift_sets = [("golden", golden_set, golden_inputs)]
+    if held is not None:
+        drift_sets.append(("heldout", held, held_inputs))
+    if calib_set.framework_inputs is not None:
+        drift_sets.append(("calibration", calib_set, _Prepared(calib_set.raw, prepare)))
+    bound = DEFAULT_PREPROCESS_DRIFT if opts.allow_preprocess_drift is None else opts.allow_preprocess_drift
+    source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound)
+    if source_drift:
+        source_drift["accepted_by_author"] = opts.allow_preprocess_drift is not None
+        log.info("bundle.create.preprocess_drift", **source_drift)
+    del drift_sets
 
     # Reference outputs: the source framework's when given, else FP32 on CPU with no graph optimisation.
     fp32_ref_sess = _cpu_session(root / fp32_file, optimize=False)
-    ort_ref = _run_all(fp32_ref_sess, golden_inputs)
+    ort_ref = _run_all(fp32_ref_sess, golden_inputs, feeder)
     source_check: dict[str, Any] = {}
     if golden_set.references:
         missing = [n for n in output_names if n not in golden_set.references]
         if missing:
             raise BundleError(f"{opts.golden}: reference outputs missing for {missing}")
-        references = [{n: golden_set.references[n][i][np.newaxis] for n in output_names} for i in range(len(golden_set))]
+        references = [{n: _as_batch(golden_set.references[n][i], ort_ref[i][n]) for n in output_names}
+                      for i in range(len(golden_set))]
         diff = max(float(np.max(np.abs(ort_ref[i][n] - references[i][n]))) for i in range(len(references)) for n in output_names)
         source_check = {"golden_max_abs_vs_source": float(f"{diff:.3g}")}
         reference_origin = "source framework"
@@ -298,30 +547,33 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
 
     builds = [VariantBuild("fp32", "fp32", fp32_file, dict(source_check))]
     if opts.int8:
-        log.info("bundle.create.quantizing", method=opts.method, per_channel=opts.per_channel, samples=len(calib))
-        q = quantize_int8(root / fp32_file, root / "model_int8.onnx", input_spec["name"], calib, opts)
+        log.info("bundle.create.quantizing", method=opts.method, per_channel=opts.per_channel, samples=len(calib_set))
+        dynamic_batch = not isinstance(input_spec["shape"][0], int) and pre.fixed_size and not sequence
+        calib = CalibrationFeeds(calib_set.raw, pre, feeder, opts.calibration_batch if dynamic_batch else 1,
+                                 fp32=fp32_ref_sess if sequence else None)
+        q = quantize_int8(root / fp32_file, root / "model_int8.onnx", calib, opts)
         builds.append(VariantBuild("int8", "int8", "model_int8.onnx", quantization=q))
     if opts.fp16:
         builds.append(VariantBuild("fp16", "fp16", "model_fp16.onnx", quantization=convert_fp16(root / fp32_file, root / "model_fp16.onnx")))
 
-    held_inputs = [pre(r) for r in held.raw] if held else []
-    held_ref = _run_all(_cpu_session(root / fp32_file, optimize=True), held_inputs) if held else []
+    held_ref = _run_all(_cpu_session(root / fp32_file, optimize=True), held_inputs, feeder) if held else []
     parity_thresholds: dict[str, dict[str, float]] = {}
     cls_out = post.output or output_names[0]
     for b in builds:
         sess = _cpu_session(root / b.file, optimize=True)
-        g = compare(post, _unbatch(_run_all(sess, golden_inputs)), _unbatch(references))
+        g = compare(post, _unbatch(_run_all(sess, golden_inputs, feeder), sequence), _unbatch(references, sequence))
         b.quality.update({"golden_" + k: round(v, 6) for k, v in g.summary().items()})
         if held:
             log.info("bundle.create.evaluating", variant=b.name, heldout=len(held))
-            outs = _run_all(sess, held_inputs)
-            h = compare(post, _unbatch(outs), _unbatch(held_ref))
+            outs = _run_all(sess, held_inputs, feeder)
+            h = compare(post, _unbatch(outs, sequence), _unbatch(held_ref, sequence))
             b.quality.update({"heldout_" + k: round(v, 6) for k, v in h.agreement.items()})
             b.quality["heldout_min_cosine"] = round(h.worst_cosine.cosine, 6)
             b.quality["heldout_samples"] = len(held)
-            if held.labels is not None and task == "classification":
+            if held.labels is not None and task == "classification" and not sequence:
                 b.quality["heldout_top1"] = round(float(np.mean(_top1(outs, cls_out).ravel() == held.labels)), 5)
-        b.quality.update(_latency_ms(sess, golden_inputs[0]))
+        feeder.reset("")
+        b.quality.update(_latency_ms(sess, feeder.feeds(golden_inputs[0][0] if sequence else golden_inputs[0])))
         b.quality["size_bytes"] = (root / b.file).stat().st_size
         parity_thresholds[b.precision] = _thresholds(b, task, len(golden_set), spec)
     _quality_gate(builds, task, opts)
@@ -334,7 +586,8 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     (root / "golden").mkdir()
     for i, (raw, t, ref) in enumerate(zip(golden_set.raw, golden_inputs, references)):
         rel = f"golden/sample_{i:03d}.npz"
-        np.savez_compressed(root / rel, raw=raw, input=t, **{f"output.{n}": ref[n] for n in output_names})
+        framework = None if golden_set.framework_inputs is None else golden_set.framework_inputs[i]
+        np.savez_compressed(root / rel, **golden_arrays(raw, t, {n: ref[n] for n in output_names}, framework))
         golden_files.append(rel)
 
     postprocess = dict(spec["postprocess"])
@@ -357,8 +610,9 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         "source": _source(spec.get("source", {}), opts.model, reference_origin),
         "task": task,
         "input": {**input_spec, "frame": spec["frame"]},
+        **({"inputs": spec["inputs"]} if spec.get("inputs") else {}),
         "outputs": outputs,
-        "preprocess": spec["preprocess"],
+        "preprocess": {**spec["preprocess"], **({"source_drift": source_drift} if source_drift else {})},
         "postprocess": postprocess,
         "variants": [
             {"name": b.name, "file": b.file, "precision": b.precision,
@@ -373,6 +627,14 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     }
     manifest["files"] = hash_files(root)
     (root / MANIFEST_NAME).write_text(yaml.safe_dump(manifest, sort_keys=False, width=120))
+
+
+def _as_batch(ref: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """A source reference for one sample ([...] or [T, ...]) in the shape ONNX Runtime gave ([1, ...] / [T, 1, ...])."""
+    ref = np.asarray(ref)
+    if ref.size != like.size:
+        raise BundleError(f"a reference output of shape {list(ref.shape)} does not fit the model's {list(like.shape)}")
+    return ref.reshape(like.shape).astype(like.dtype, copy=False)
 
 
 def _source(given: Mapping[str, Any], model: Path, reference_origin: str) -> dict[str, Any]:

@@ -6,15 +6,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
 from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, TensorSpec, parse_manifest
+from agent.spec.decoders import layout_problems
 from agent.spec.preprocess import Preprocessor
 
 _ORT_DTYPES = {
@@ -29,13 +30,31 @@ _ORT_DTYPES = {
 
 @dataclass(frozen=True)
 class GoldenSample:
-    """Raw input as the device sees it, the tensor preprocessing made of it, and the reference outputs."""
+    """One golden sample: the raw input as the device sees it, the tensor the bundle's preprocessing made of
+    it (`input`, npz key `tensor`), the framework's own input tensor when the author gave one, and the
+    reference outputs. For a stateful model it is a sequence: raw [T, ...], input [T, 1, ...] and each
+    output [T, 1, ...], one step per row.
+
+    npz keys: raw, tensor, input (framework's), reference.<output>, variant.<variant>.<output>; bundles
+    made before these keys hold raw, input (= the bundle's tensor) and output.<output>, read the same.
+    """
 
     index: int
     file: str
     raw: np.ndarray
     input: np.ndarray
     outputs: dict[str, np.ndarray]
+    framework_input: np.ndarray | None = None
+    variant_outputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    sequence: bool = False
+
+    @property
+    def tensor(self) -> np.ndarray:
+        return self.input
+
+    @property
+    def steps(self) -> int:
+        return int(self.input.shape[0]) if self.sequence else 1
 
 
 @dataclass(frozen=True)
@@ -124,6 +143,23 @@ def _contract_problems(kind: str, declared: TensorSpec, name: str, dtype: str, s
     return problems
 
 
+def _extra_input_problems(declared: TensorSpec, dtype: str, shape: list) -> list[str]:
+    """A constant or state input fixes dims the model leaves symbolic (a state's batch of 1): only a
+    different rank, a different fixed dim or a different dtype break the contract."""
+    problems = []
+    if declared.dtype != dtype:
+        problems.append(f"input {declared.name!r} dtype: manifest {declared.dtype}, model {dtype}")
+    if len(declared.shape) != len(shape) or any(
+        isinstance(d, int) and isinstance(a, int) and d != a for d, a in zip(declared.shape, shape)
+    ):
+        problems.append(f"input {declared.name!r} shape: manifest {list(declared.shape)}, model {shape}")
+    return problems
+
+
+def _ort_dims(shape: list) -> list[int | str]:
+    return [d if isinstance(d, int) else str(d) for d in shape]
+
+
 def check_contract(root: Path, manifest: Manifest) -> None:
     """Open each variant with ONNX Runtime (CPU, no optimisation) and compare its I/O to the manifest."""
     import onnxruntime as ort
@@ -138,12 +174,20 @@ def check_contract(root: Path, manifest: Manifest) -> None:
         except Exception as exc:  # ORT raises several unrelated types for a bad model file
             raise BundleError(f"{path}: ONNX Runtime cannot load variant {v.name!r}: {exc}") from exc
         problems: list[str] = []
-        inputs = sess.get_inputs()
-        if [i.name for i in inputs] != [manifest.input.name]:
-            problems.append(f"inputs: manifest [{manifest.input.name!r}], model {[i.name for i in inputs]}")
+        inputs = {i.name: i for i in sess.get_inputs()}
+        declared = {manifest.input.name: manifest.input,
+                    **{x.name: TensorSpec(x.name, x.dtype, x.shape) for x in manifest.inputs}}
+        if sorted(inputs) != sorted(declared):
+            extra = sorted(set(inputs) - set(declared))
+            hint = f" (declare {extra} under inputs: constant, state or metadata)" if extra else ""
+            problems.append(f"inputs: manifest {sorted(declared)}, model {sorted(inputs)}{hint}")
         else:
-            i = inputs[0]
-            problems += _contract_problems("input", manifest.input, i.name, _ORT_DTYPES.get(i.type, i.type), list(i.shape))
+            for name, spec in declared.items():
+                i = inputs[name]
+                if name == manifest.input.name:
+                    problems += _contract_problems("input", spec, name, _ORT_DTYPES.get(i.type, i.type), list(i.shape))
+                else:
+                    problems += _extra_input_problems(spec, _ORT_DTYPES.get(i.type, i.type), list(i.shape))
         outputs = {o.name: o for o in sess.get_outputs()}
         if list(outputs) != list(manifest.output_names):
             problems.append(f"outputs: manifest {list(manifest.output_names)}, model {list(outputs)}")
@@ -151,6 +195,7 @@ def check_contract(root: Path, manifest: Manifest) -> None:
             for spec in manifest.outputs:
                 o = outputs[spec.name]
                 problems += _contract_problems("output", spec, o.name, _ORT_DTYPES.get(o.type, o.type), list(o.shape))
+            problems += layout_problems(manifest.postprocess, {n: _ort_dims(o.shape) for n, o in outputs.items()})
         if problems:
             raise ContractError(f"{path}: variant {v.name!r} breaks the declared contract: " + "; ".join(problems))
 
@@ -162,16 +207,35 @@ def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenS
             arrays = {k: z[k] for k in z.files}
     except Exception as exc:  # zipfile/ValueError/OSError: all mean the same to the user
         raise BundleError(f"{path}: golden sample {index} is not a readable .npz: {exc}") from exc
-    missing = [k for k in ["raw", "input", *(f"output.{n}" for n in manifest.output_names)] if k not in arrays]
+    legacy = "tensor" not in arrays
+    tensor_key, ref_prefix = ("input", "output.") if legacy else ("tensor", "reference.")
+    missing = [k for k in ["raw", tensor_key, *(f"{ref_prefix}{n}" for n in manifest.output_names)] if k not in arrays]
     if missing:
         raise BundleError(f"{path}: golden sample {index} lacks arrays {missing} (has {sorted(arrays)})")
+    variants: dict[str, dict[str, np.ndarray]] = {}
+    for k, v in arrays.items():
+        if k.startswith("variant.") and k.count(".") >= 2:
+            name, out = k.removeprefix("variant.").split(".", 1)
+            variants.setdefault(name, {})[out] = v
     return GoldenSample(
         index=index,
         file=rel,
         raw=arrays["raw"],
-        input=arrays["input"],
-        outputs={n: arrays[f"output.{n}"] for n in manifest.output_names},
+        input=arrays[tensor_key],
+        outputs={n: arrays[f"{ref_prefix}{n}"] for n in manifest.output_names},
+        framework_input=None if legacy else arrays.get("input"),
+        variant_outputs=variants,
+        sequence=manifest.stateful,
     )
+
+
+def golden_arrays(raw: np.ndarray, tensor: np.ndarray, references: Mapping[str, np.ndarray],
+                  framework_input: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The npz arrays of one golden sample, in the keys `load_golden` reads (for `bundle create`)."""
+    arrays = {"raw": raw, "tensor": tensor, **{f"reference.{n}": v for n, v in references.items()}}
+    if framework_input is not None:
+        arrays["input"] = framework_input
+    return arrays
 
 
 def read_manifest(root: Path) -> tuple[Manifest, str]:
@@ -195,8 +259,9 @@ def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
     bundle = Bundle(root=root, manifest=manifest, manifest_sha256=digest)
     for g in bundle.golden():
         expected = (1, *manifest.input.shape[1:])
-        if g.input.ndim != len(manifest.input.shape) or any(
-            isinstance(d, int) and d != s for d, s in zip(expected, g.input.shape)
+        steps = g.input[0] if g.sequence and g.input.ndim else g.input
+        if steps.ndim != len(manifest.input.shape) or any(
+            isinstance(d, int) and d != s for d, s in zip(expected, steps.shape)
         ):
             raise BundleError(
                 f"{root / g.file}: golden input shape {list(g.input.shape)} does not fit input {list(manifest.input.shape)}"

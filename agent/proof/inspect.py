@@ -36,6 +36,7 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "name": m.name, "version": m.version, "label": m.label, "created": m.created, "task": m.task,
         "manifest_sha256": bundle.manifest_sha256,
         "input": {"name": m.input.name, "dtype": m.input.dtype, "shape": list(m.input.shape)},
+        "inputs": list(m.raw.get("inputs", [])),
         "frame": {k: v for k, v in vars(m.frame).items() if v not in (0, None)},
         "outputs": [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape)} for o in m.outputs],
         "preprocess": m.raw["preprocess"], "postprocess": m.raw["postprocess"],
@@ -49,6 +50,8 @@ def render_text(s: dict[str, Any]) -> str:
         f"bundle   {s['name']} v{s['version']} ({s['label']}), created {s['created']}, task {s['task']}",
         f"manifest sha256 {s['manifest_sha256']}",
         f"input    {s['input']['name']} {s['input']['dtype']} {s['input']['shape']}  <- frame {s['frame']}",
+        *([f"inputs   " + ", ".join(f"{x['name']} ({x['kind']}) {x['dtype']} {x['shape']}" for x in s["inputs"])]
+          if s.get("inputs") else []),
         "outputs  " + ", ".join(f"{o['name']} {o['dtype']} {o['shape']}" for o in s["outputs"]),
         f"preproc  {s['preprocess']}",
         f"postproc {s['postprocess']}",

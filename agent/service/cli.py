@@ -133,6 +133,8 @@ def _cmd_bundle_create(args: argparse.Namespace) -> int:
         model=args.model, spec=args.spec, calibration=args.calibration, golden=args.golden, out=args.out,
         heldout=args.heldout, labels=args.labels, method=args.method, per_channel=not args.no_per_channel,
         exclude_nodes=tuple(args.exclude_node), exclude_op_types=tuple(args.exclude_op_type),
+        exclude_node_patterns=tuple(args.exclude_node_pattern), exclude_after=tuple(args.exclude_after),
+        allow_preprocess_drift=args.allow_preprocess_drift,
         int8=not args.no_int8, fp16=args.fp16, calibration_limit=args.calibration_limit,
         max_top1_drop=args.max_top1_drop, min_agreement=args.min_agreement, keep_low_quality=args.keep_low_quality,
     ))
@@ -314,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-per-channel", action="store_true")
     c.add_argument("--exclude-node", action="append", default=[], help="keep this node in float (repeatable)")
     c.add_argument("--exclude-op-type", action="append", default=[], help="keep nodes of this op type in float")
+    c.add_argument("--exclude-node-pattern", action="append", default=[], metavar="REGEX",
+                   help="keep nodes whose name matches this regular expression in float (repeatable)")
+    c.add_argument("--exclude-after", action="append", default=[], metavar="NODE",
+                   help="keep this node and everything downstream of it in float, e.g. a detector head (repeatable)")
+    c.add_argument("--allow-preprocess-drift", type=float, metavar="MAX_ABS",
+                   help="accept this max abs between the spec's preprocessing and the samples' 'input' tensors "
+                        "(recorded in the manifest)")
     c.add_argument("--no-int8", action="store_true")
     c.add_argument("--fp16", action="store_true")
     c.add_argument("--calibration-limit", type=int, default=256)

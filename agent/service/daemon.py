@@ -180,6 +180,7 @@ class Agent:
         source = open_source(self.cfg.source, self.bundle.manifest.frame)
         self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline,
                                  is_lossless(self.cfg.source, source), boot=self.boot_number)
+        self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless)
         return self.pipeline.start()
 

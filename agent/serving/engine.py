@@ -1,18 +1,24 @@
-"""An Engine is what serving needs from a self-test winner: the session, the bundle's pre/postprocessing.
+"""An Engine is what serving needs from a self-test winner: the session, the bundle's pre/postprocessing,
+and the feeds of the model's other inputs (constants, metadata, state carried per source).
 
 Swapping engines (a new bundle) is one reference assignment; frames already preprocessed for the old
-engine finish on it, so the stream never stops.
+engine finish on it, so the stream never stops. A new engine starts every source from its initial state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
 
 from agent.bundle.load import Bundle
-from agent.spec.preprocess import Preprocessor
 from agent.proof.session import OpenedSession, open_session
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
+from agent.spec.inputs import InputFeeder
+from agent.spec.preprocess import Preprocessor
 
 
 @dataclass(frozen=True)
@@ -22,10 +28,42 @@ class Engine:
     opened: OpenedSession
     preprocessor: Preprocessor
     labels: tuple[str, ...]
+    feeder: InputFeeder | None = None
+    # state is read, run and written back as one step: two workers must not interleave on a source
+    _state_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def dynamic_batch(self) -> bool:
-        return not isinstance(self.bundle.manifest.input.shape[0], int)
+        """Frames may share a batch: a dynamic batch dimension, a fixed input size (fit_multiple makes the
+        size follow each frame, so its frames run one at a time), and no state carried between frames."""
+        m = self.bundle.manifest
+        return not isinstance(m.input.shape[0], int) and self.preprocessor.fixed_size and not m.stateful
+
+    @property
+    def max_workers(self) -> int | None:
+        """A stateful model's steps must run in frame order: one inference worker. None = no limit."""
+        return 1 if self.bundle.manifest.stateful else None
+
+    def run(self, tensor: np.ndarray, source: str = "", at: float | None = None,
+            metadata: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """Run one prepared tensor with every other input the model takes; carries state per source."""
+        if self.feeder is None or not self.bundle.manifest.inputs:
+            return self.opened.run(tensor)
+        names = self.opened.output_names
+        if not self.feeder.stateful:
+            feeds = self.feeder.feeds(tensor, source, at, metadata)
+            return dict(zip(names, self.opened.session.run(None, feeds)))
+        with self._state_lock:
+            feeds = self.feeder.feeds(tensor, source, at, metadata)
+            outs = dict(zip(names, self.opened.session.run(None, feeds)))
+            self.feeder.advance(source, outs)
+        return outs
+
+    def reset_source(self, source: str) -> None:
+        """A new stream on this source (a reconnect, a new file): its state starts again."""
+        if self.feeder is not None:
+            with self._state_lock:
+                self.feeder.reset(source)
 
     def describe(self) -> dict[str, object]:
         m = self.bundle.manifest
@@ -36,4 +74,4 @@ class Engine:
 def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings) -> Engine:
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
-    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()))
+    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(bundle.manifest))

@@ -42,6 +42,7 @@ class PipelineMetrics:
     dropped: int = 0  # latest-frame-wins overwrites
     bad_frames: int = 0
     inference_errors: int = 0
+    result_errors: int = 0  # decoded results over output.max_result_bytes, not published
     last_progress: float = field(default_factory=time.monotonic)  # the watchdog's view: results still flowing
     last_capture: float = 0.0  # when the source last delivered a frame
     rate_in: Rate = field(default_factory=Rate)
@@ -67,6 +68,7 @@ class PipelineMetrics:
             "dropped": self.dropped,
             "bad_frames": self.bad_frames,
             "inference_errors": self.inference_errors,
+            "result_errors": self.result_errors,
             "fps_in": round(self.rate_in.per_second(), 2),
             "fps_out": round(self.rate_out.per_second(), 2),
             "latency_ms": self.percentiles(),

@@ -18,10 +18,10 @@ import numpy as np
 
 from agent.config import PipelineConfig
 from agent.serving.engine import Engine
-from agent.errors import PreprocessError
+from agent.errors import PreprocessError, ResultTooLargeError
 from agent.logsetup import get_logger
 from agent.serving.metrics import PipelineMetrics
-from agent.spec.decoders import decode, split_batch
+from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, decode, split_batch
 from agent.serving.sources import BadFrame, Frame, FrameSource
 
 log = get_logger("pipeline")
@@ -103,6 +103,9 @@ class Pipeline:
         self._prepared_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size, 1))
         self._results_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size * 4, 8))
         self._workers = cfg.inference_workers or min(len(os.sched_getaffinity(0)), 4)
+        if engine.max_workers:  # a stateful model's steps run in frame order
+            self._workers = min(self._workers, engine.max_workers)
+        self.max_result_bytes = DEFAULT_MAX_RESULT_BYTES  # the daemon sets output.max_result_bytes
         self._threads = [
             threading.Thread(target=self._guard(self._capture), name="capture", daemon=True),
             threading.Thread(target=self._guard(self._preprocess), name="preprocess", daemon=True),
@@ -257,7 +260,7 @@ class Pipeline:
                 break
             t0 = time.perf_counter_ns()
             try:
-                outputs = p.engine.opened.run(p.tensor)
+                outputs = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at)
                 bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
                 if bad:  # NaN/inf answers are wrong answers: counted, never published
                     raise FloatingPointError(f"non-finite values in outputs {bad}")
@@ -298,7 +301,14 @@ class Pipeline:
                 for i, frame in enumerate(p.frames):
                     t0 = time.perf_counter_ns()
                     outs = split_batch(item.outputs, i)
-                    result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i])
+                    try:
+                        result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i],
+                                        self.max_result_bytes)
+                    except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
+                        m.result_errors += 1
+                        log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
+                                  result_errors=m.result_errors)
+                        continue
                     t1 = time.perf_counter_ns()
                     self._seq += 1
                     timings = {

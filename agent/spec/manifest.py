@@ -22,7 +22,9 @@ SIGNATURE_NAME = "bundle.sig"
 FORMAT = 1
 
 Precision = Literal["fp32", "fp16", "int8"]
-Task = Literal["classification", "detection", "raw"]
+Task = Literal["classification", "detection", "segmentation", "raw"]
+ResizeMode = Literal["stretch", "letterbox", "short_side_crop", "fit_multiple"]
+DetectionLayout = Literal["boxes_scores", "yolov5", "yolov8", "end2end"]
 Dim = int | str
 
 
@@ -61,11 +63,27 @@ class FrameSpec:
 
 @dataclass(frozen=True)
 class ResizeSpec:
-    width: int
-    height: int
-    mode: Literal["stretch", "letterbox"] = "stretch"
+    """How a frame becomes the model's spatial size (see agent/spec/preprocess.py for each mode).
+
+    width/height: the output size (stretch, letterbox) or the crop size (short_side_crop); unused by
+    fit_multiple, whose output size follows each frame (a dynamic-size input).
+    """
+
+    width: int = 0
+    height: int = 0
+    mode: ResizeMode = "stretch"
     interpolation: str = "linear"
     pad_value: int = 114
+    anchor: Literal["center", "top_left"] = "center"
+    short_side: int | None = None
+    limit_side: int | None = None
+    limit_type: Literal["max", "min"] = "max"
+    multiple: int = 32
+    resampler: Literal["opencv", "pil"] = "opencv"
+
+    @property
+    def fixed_size(self) -> bool:
+        return self.mode != "fit_multiple"
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,7 @@ class PreprocessSpec:
     scale: float = 1.0
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
+    source_drift: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,33 @@ class PostprocessSpec:
     iou_threshold: float = 0.45
     max_detections: int = 100
     outputs: tuple[str, ...] = ()
+    layout: DetectionLayout = "boxes_scores"
+    box_format: Literal["xyxy", "cxcywh"] = "xyxy"
+    class_agnostic: bool = False
+    channel: int = 0
+    threshold: float = 0.3
+    min_area: int = 16
+    max_regions: int = 100
+    mask: Literal["none", "rle"] = "none"
+    min_score: float = 0.0  # segmentation: drop regions whose mean probability is lower (DBNet's box_thresh)
+    unclip_ratio: float = 0.0  # segmentation: grow each box by area * ratio / perimeter (DBNet's unclip; 0 = off)
+    max_values: int = 64
+    channel_axis: int = 1
+
+
+@dataclass(frozen=True)
+class ExtraInput:
+    """A model input besides the frame: a constant, a state fed back from an output, or per-frame metadata."""
+
+    name: str
+    kind: Literal["constant", "state", "metadata"]
+    dtype: str
+    shape: tuple[Dim, ...]
+    value: Any = None  # constant: a scalar or nested list
+    init: float = 0.0  # state: initial fill
+    from_output: str | None = None  # state: the output that feeds it on the next step
+    reset_on_gap_s: float | None = None  # state: a gap longer than this starts a new stream
+    default: Any = None  # metadata: value when a frame carries none
 
 
 @dataclass(frozen=True)
@@ -147,6 +193,7 @@ class Manifest:
     golden: tuple[str, ...]
     files: Mapping[str, str]
     requires: Mapping[str, Any] = field(default_factory=dict)
+    inputs: tuple[ExtraInput, ...] = ()
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     def variant(self, name: str) -> Variant:
@@ -159,6 +206,15 @@ class Manifest:
     @property
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outputs)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """Every model input: the frame input first, then the declared extra inputs."""
+        return (self.input.name, *(i.name for i in self.inputs))
+
+    @property
+    def stateful(self) -> bool:
+        return any(i.kind == "state" for i in self.inputs)
 
 
 def _key_path(path: Any) -> str:
@@ -215,6 +271,10 @@ def preprocess_from_dict(d: Mapping[str, Any]) -> PreprocessSpec:
     return PreprocessSpec(resize=resize, mean=tuple(pre.pop("mean", ())), std=tuple(pre.pop("std", ())), **pre)
 
 
+def inputs_from_list(items: Any) -> tuple[ExtraInput, ...]:
+    return tuple(ExtraInput(**{**d, "shape": tuple(d["shape"])}) for d in (items or ()))
+
+
 def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
     post = dict(d)
     if "outputs" in post:
@@ -254,6 +314,7 @@ def _build(d: Mapping[str, Any]) -> Manifest:
         golden=tuple(d["golden"]),
         files=dict(d["files"]),
         requires=dict(d.get("requires", {})),
+        inputs=inputs_from_list(d.get("inputs")),
         raw=d,
     )
 
@@ -292,6 +353,13 @@ def _check_semantics(m: Manifest, where: str) -> None:
                      ("scores_output", m.postprocess.scores_output)):
         if ref is not None and ref not in outs:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
+    for key, ref in (("outputs", n) for n in m.postprocess.outputs):
+        if ref not in outs:
+            raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
+    check_postprocess_keys(m.postprocess, where)
+    check_inputs(m, where)
+    if pre_resize_problem := resize_problem(m.preprocess.resize):
+        raise BundleError(f"{where}: key preprocess.resize: {pre_resize_problem}")
     if frame.kind == "image":
         if pre.layout not in ("nchw", "nhwc"):
             raise BundleError(f"{where}: key preprocess.layout: image frames need nchw or nhwc, found {pre.layout!r}")
@@ -308,3 +376,51 @@ def _check_semantics(m: Manifest, where: str) -> None:
             raise BundleError(
                 f"{where}: key preprocess.{key}: expected 1 or {channels} values (one per channel), found {len(vals)}"
             )
+
+
+def resize_problem(r: ResizeSpec | None) -> str | None:
+    """What a resize block lacks for its mode, or None when it is complete."""
+    if r is None:
+        return None
+    if r.mode in ("stretch", "letterbox", "short_side_crop") and (r.width < 1 or r.height < 1):
+        return f"mode {r.mode} needs width and height (found {r.width}x{r.height})"
+    if r.mode == "short_side_crop":
+        if r.short_side is None:
+            return "mode short_side_crop needs short_side (the short side after resizing, before the crop)"
+        if r.short_side < min(r.width, r.height):
+            return f"short_side {r.short_side} is smaller than the {r.width}x{r.height} crop"
+    if r.mode == "fit_multiple" and (r.limit_side is None or r.multiple < 1):
+        return "mode fit_multiple needs limit_side and a multiple >= 1"
+    return None
+
+
+def check_postprocess_keys(p: PostprocessSpec, where: str) -> None:
+    if p.type == "detection":
+        if p.layout == "boxes_scores" and (p.boxes_output is None or p.scores_output is None):
+            raise BundleError(f"{where}: key postprocess: layout boxes_scores needs boxes_output and scores_output")
+        if p.layout == "boxes_scores" and p.boxes_output == p.scores_output:
+            raise BundleError(
+                f"{where}: key postprocess.scores_output: {p.scores_output!r} is also boxes_output; one tensor holding "
+                "boxes and scores is a single-tensor layout: set layout: yolov5, yolov8 or end2end and output"
+            )
+        if p.layout != "boxes_scores" and p.output is None:
+            raise BundleError(f"{where}: key postprocess.output: layout {p.layout} needs the name of its output tensor")
+
+
+def check_inputs(m: Manifest, where: str) -> None:
+    outs = set(m.output_names)
+    seen = {m.input.name}
+    for i, x in enumerate(m.inputs):
+        key = f"inputs[{i}]"
+        if x.name in seen:
+            raise BundleError(f"{where}: key {key}.name: input {x.name!r} is declared twice")
+        seen.add(x.name)
+        if x.kind == "constant" and x.value is None:
+            raise BundleError(f"{where}: key {key}.value: a constant input needs a value")
+        if x.kind == "state":
+            if x.from_output is None:
+                raise BundleError(f"{where}: key {key}.from_output: a state input names the output that feeds it")
+            if x.from_output not in outs:
+                raise BundleError(f"{where}: key {key}.from_output: {x.from_output!r} is not a declared output {sorted(outs)}")
+            if not all(isinstance(d, int) for d in x.shape):
+                raise BundleError(f"{where}: key {key}.shape: a state's shape must be fixed integers, found {list(x.shape)}")

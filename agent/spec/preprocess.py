@@ -6,6 +6,7 @@ The one implementation used by serving, the self-test and `bundle create`; there
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import cv2
 import numpy as np
@@ -18,6 +19,7 @@ _INTERPOLATION = {
     "linear": cv2.INTER_LINEAR,
     "area": cv2.INTER_AREA,
     "cubic": cv2.INTER_CUBIC,
+    "lanczos": cv2.INTER_LANCZOS4,
 }
 
 _COLOR_CONVERSIONS = {
@@ -31,22 +33,39 @@ _COLOR_CONVERSIONS = {
 
 
 @dataclass(frozen=True)
-class Letterbox:
-    """How a frame was fitted into the model input, so boxes can be mapped back to the frame."""
+class Geometry:
+    """How a frame became the model input, so boxes in input pixels map back to frame pixels.
+
+    A frame point x lands at x * scale_x - crop_x + pad_x in the model input (resize, then crop, then pad).
+    frame_w/frame_h (0 = unknown) clip mapped boxes to the frame.
+    """
 
     scale_x: float
     scale_y: float
     pad_x: float
     pad_y: float
+    crop_x: float = 0.0
+    crop_y: float = 0.0
+    frame_w: int = 0
+    frame_h: int = 0
+    input_w: int = 0
+    input_h: int = 0
 
     def to_frame(self, boxes: np.ndarray) -> np.ndarray:
         out = boxes.astype(np.float32, copy=True)
-        out[..., [0, 2]] = (out[..., [0, 2]] - self.pad_x) / self.scale_x
-        out[..., [1, 3]] = (out[..., [1, 3]] - self.pad_y) / self.scale_y
+        out[..., [0, 2]] = (out[..., [0, 2]] - self.pad_x + self.crop_x) / self.scale_x
+        out[..., [1, 3]] = (out[..., [1, 3]] - self.pad_y + self.crop_y) / self.scale_y
+        if self.frame_w > 0 and self.frame_h > 0:
+            out[..., [0, 2]] = np.clip(out[..., [0, 2]], 0, self.frame_w)
+            out[..., [1, 3]] = np.clip(out[..., [1, 3]], 0, self.frame_h)
         return out
 
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
 
-IDENTITY = Letterbox(1.0, 1.0, 0.0, 0.0)
+
+Letterbox = Geometry  # the name before crops and dynamic sizes existed
+IDENTITY = Geometry(1.0, 1.0, 0.0, 0.0)
 
 
 def imread_flag(frame: FrameSpec) -> int:
@@ -68,14 +87,43 @@ def read_image_file(path: str, frame: FrameSpec) -> np.ndarray | None:
     return None if img is None else bgr_to_frame(img, frame)
 
 
-def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Letterbox:
+def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Geometry:
+    """The geometry of fitting a height x width frame with `resize` (pure arithmetic, no pixels)."""
     if resize is None:
-        return IDENTITY
-    if resize.mode == "stretch":
-        return Letterbox(resize.width / width, resize.height / height, 0.0, 0.0)
-    r = min(resize.width / width, resize.height / height)
-    new_w, new_h = round(width * r), round(height * r)
-    return Letterbox(r, r, (resize.width - new_w) // 2, (resize.height - new_h) // 2)
+        return Geometry(1.0, 1.0, 0.0, 0.0, frame_w=width, frame_h=height, input_w=width, input_h=height)
+    r = resize
+    if r.mode == "stretch":
+        return Geometry(r.width / width, r.height / height, 0.0, 0.0, frame_w=width, frame_h=height,
+                        input_w=r.width, input_h=r.height)
+    if r.mode == "letterbox":
+        s = min(r.width / width, r.height / height)
+        new_w, new_h = round(width * s), round(height * s)
+        if r.anchor == "top_left":
+            pad_x, pad_y = 0, 0
+        else:
+            # Ultralytics' split of an odd padding (round(d - 0.1) left/top) equals the floor of half.
+            pad_x, pad_y = (r.width - new_w) // 2, (r.height - new_h) // 2
+        return Geometry(s, s, pad_x, pad_y, frame_w=width, frame_h=height, input_w=r.width, input_h=r.height)
+    if r.mode == "short_side_crop":
+        assert r.short_side is not None
+        # torchvision Resize(int): the short side becomes short_side, the long side int(short_side * long / short)
+        if width <= height:
+            new_w, new_h = r.short_side, int(r.short_side * height / width)
+        else:
+            new_w, new_h = int(r.short_side * width / height), r.short_side
+        # torchvision CenterCrop: offset int(round((size - crop) / 2))
+        crop_x, crop_y = int(round((new_w - r.width) / 2.0)), int(round((new_h - r.height) / 2.0))
+        return Geometry(new_w / width, new_h / height, 0.0, 0.0, crop_x, crop_y, frame_w=width, frame_h=height,
+                        input_w=r.width, input_h=r.height)
+    # fit_multiple (PaddleOCR DetResizeForTest, limit_type max/min)
+    assert r.limit_side is not None
+    if r.limit_type == "max":
+        ratio = r.limit_side / max(height, width) if max(height, width) > r.limit_side else 1.0
+    else:
+        ratio = r.limit_side / min(height, width) if min(height, width) < r.limit_side else 1.0
+    new_h = max(int(round(height * ratio / r.multiple) * r.multiple), r.multiple)
+    new_w = max(int(round(width * ratio / r.multiple) * r.multiple), r.multiple)
+    return Geometry(new_w / width, new_h / height, 0.0, 0.0, frame_w=width, frame_h=height, input_w=new_w, input_h=new_h)
 
 
 class Preprocessor:
@@ -99,6 +147,9 @@ class Preprocessor:
         self._sub = (mean / std).astype(np.float32)
         self._identity_affine = bool(np.all(self._mul == 1.0) and np.all(self._sub == 0.0))
         self._dtype = np.dtype(spec.dtype)
+        # uint8 models take raw pixels: no float round trip when there is nothing to normalise
+        self._raw_pixels = self._dtype == np.uint8 and self._identity_affine and frame.kind == "image"
+        self.fixed_size = spec.resize is None or spec.resize.fixed_size
 
     def check(self, raw: np.ndarray) -> None:
         """Raise PreprocessError when a raw frame cannot be what this bundle expects."""
@@ -124,8 +175,12 @@ class Preprocessor:
             if raw.shape != (f.window, f.channels):
                 raise PreprocessError(f"sensor window shape {raw.shape} is not ({f.window}, {f.channels})")
 
-    def geometry(self, raw: np.ndarray) -> Letterbox:
+    def geometry(self, raw: np.ndarray) -> Geometry:
         return fit_geometry(raw.shape[0], raw.shape[1], self.spec.resize) if self.frame.kind == "image" else IDENTITY
+
+    def with_geometry(self, raw: np.ndarray) -> tuple[np.ndarray, Geometry]:
+        """The tensor and the geometry that maps its boxes back to this frame."""
+        return self(raw), self.geometry(raw)
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         """Raw frame -> tensor with a leading batch dimension of 1."""
@@ -146,22 +201,11 @@ class Preprocessor:
         target = spec.color or frame.color
         if frame.color != target:
             img = cv2.cvtColor(img, _COLOR_CONVERSIONS[(frame.color, target)])
-        r = spec.resize
-        if r is not None and img.shape[:2] != (r.height, r.width):
-            interp = _INTERPOLATION[r.interpolation]
-            if r.mode == "stretch":
-                img = cv2.resize(img, (r.width, r.height), interpolation=interp)
-            else:
-                g = fit_geometry(img.shape[0], img.shape[1], r)
-                new_w, new_h = round(img.shape[1] * g.scale_x), round(img.shape[0] * g.scale_y)
-                small = cv2.resize(img, (new_w, new_h), interpolation=interp)
-                canvas = np.full((r.height, r.width) + small.shape[2:], r.pad_value, dtype=np.uint8)
-                y0, x0 = int(g.pad_y), int(g.pad_x)
-                canvas[y0 : y0 + new_h, x0 : x0 + new_w] = small
-                img = canvas
+        if spec.resize is not None:
+            img = resize_image(img, spec.resize)
         if img.ndim == 2:
             img = img[:, :, np.newaxis]
-        return img.astype(np.float32)
+        return img if self._raw_pixels else img.astype(np.float32)
 
     def _normalise(self, x: np.ndarray) -> np.ndarray:
         if self._identity_affine:
@@ -171,5 +215,131 @@ class Preprocessor:
         return x
 
 
+def _pil_filter(name: str) -> tuple[float, Any]:
+    """(support, kernel) of PIL's resampling filters (Pillow's Resample.c)."""
+    if name == "area":  # PIL BOX
+        return 0.5, lambda x: ((x > -0.5) & (x <= 0.5)).astype(np.float64)
+    if name == "linear":  # PIL BILINEAR: triangle
+        return 1.0, lambda x: np.clip(1.0 - np.abs(x), 0.0, None)
+    if name == "cubic":  # PIL BICUBIC, a = -0.5
+
+        def cubic(x: np.ndarray) -> np.ndarray:
+            a, x = -0.5, np.abs(x)
+            return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                            np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+
+        return 2.0, cubic
+    if name == "lanczos":  # PIL LANCZOS, a = 3
+
+        def lanczos(x: np.ndarray) -> np.ndarray:
+            return np.where(np.abs(x) < 3, np.sinc(x) * np.sinc(x / 3), 0.0)
+
+        return 3.0, lanczos
+    raise ValueError(f"no PIL filter for interpolation {name!r}")
+
+
+_PIL_PRECISION_BITS = 32 - 8 - 2
+
+
+def _pil_coefficients(in_size: int, out_size: int, interpolation: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per output pixel: first input index and fixed-point weights (Pillow's precompute_coeffs + 8-bit
+    normalisation), as (out,) starts and (out, taps) int64 weights padded with zeros."""
+    support, kernel = _pil_filter(interpolation)
+    scale = in_size / out_size
+    filterscale = max(scale, 1.0)
+    support *= filterscale
+    centers = (np.arange(out_size) + 0.5) * scale
+    xmin = np.maximum(np.trunc(centers - support + 0.5), 0).astype(np.int64)
+    xmax = np.minimum(np.trunc(centers + support + 0.5), in_size).astype(np.int64) - xmin
+    taps = int(xmax.max())
+    x = np.arange(taps)[None, :]
+    w = kernel((x + xmin[:, None] - centers[:, None] + 0.5) / filterscale)
+    w = np.where(x < xmax[:, None], w, 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    w = np.where(total != 0, w / np.where(total == 0, 1, total), 0.0)
+    fixed = np.where(w < 0, np.trunc(-0.5 + w * (1 << _PIL_PRECISION_BITS)), np.trunc(0.5 + w * (1 << _PIL_PRECISION_BITS)))
+    return xmin, fixed.astype(np.int64)
+
+
+def _pil_pass(img: np.ndarray, out_size: int, axis: int, interpolation: str) -> np.ndarray:
+    """One separable pass along `axis` (1 = width, 0 = height), rounded and clipped to uint8 like Pillow."""
+    start, weights = _pil_coefficients(img.shape[axis], out_size, interpolation)
+    # int32 like Pillow's own accumulator; rows of the resized axis first so each tap gathers whole rows
+    src = np.ascontiguousarray(np.moveaxis(img, axis, 0)).astype(np.int32)  # (in, other, [C])
+    weights = weights.astype(np.int32)
+    acc = np.full((out_size,) + src.shape[1:], 1 << (_PIL_PRECISION_BITS - 1), dtype=np.int32)
+    last = img.shape[axis] - 1
+    extra = (1,) * (src.ndim - 1)
+    for k in range(weights.shape[1]):
+        idx = np.minimum(start + k, last)
+        acc += src[idx] * weights[:, k].reshape((-1,) + extra)
+    out = np.clip(acc >> _PIL_PRECISION_BITS, 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+
+
+_PIL_FILTERS = {"nearest": 0, "lanczos": 1, "linear": 2, "cubic": 3, "area": 4}  # PIL.Image.Resampling values
+
+
+def _pillow() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        return None
+    return Image
+
+
+def resize_like_pil(img: np.ndarray, width: int, height: int, interpolation: str, use_pillow: bool = True) -> np.ndarray:
+    """Pillow's Image.resize on a uint8 image (what torchvision transforms do on PIL images): the filter
+    widens when shrinking (antialiasing) and each pass rounds to uint8; horizontal pass first.
+
+    Pillow itself when installed (faster); otherwise the same arithmetic in numpy, bit-exact with it
+    (tests/test_preprocess.py checks both), so a device without Pillow computes the same tensor."""
+    image = _pillow() if use_pillow else None
+    if image is not None and img.ndim in (2, 3) and (img.ndim == 2 or img.shape[2] in (1, 3, 4)):
+        squeeze = img.ndim == 3 and img.shape[2] == 1
+        out = np.asarray(image.fromarray(img[..., 0] if squeeze else img).resize((width, height), _PIL_FILTERS[interpolation]))
+        return out[..., None] if squeeze else out
+    if interpolation == "nearest":
+        return cv2.resize(img, (width, height), interpolation=cv2.INTER_NEAREST_EXACT)
+    out = img
+    if out.shape[1] != width:
+        out = _pil_pass(out, width, 1, interpolation)
+    if out.shape[0] != height:
+        out = _pil_pass(out, height, 0, interpolation)
+    return out
+
+
+def _resize(img: np.ndarray, width: int, height: int, r: ResizeSpec) -> np.ndarray:
+    if r.resampler == "pil":
+        return resize_like_pil(img, width, height, r.interpolation)
+    return cv2.resize(img, (width, height), interpolation=_INTERPOLATION[r.interpolation])
+
+
+def resize_image(img: np.ndarray, r: ResizeSpec) -> np.ndarray:
+    """One resize step on an (H, W[, C]) uint8 image, per the spec's mode. Pure."""
+    h, w = img.shape[:2]
+    g = fit_geometry(h, w, r)
+    if r.mode in ("stretch", "fit_multiple"):
+        if (h, w) == (g.input_h, g.input_w):
+            return img
+        return _resize(img, g.input_w, g.input_h, r)
+    new_w, new_h = round(w * g.scale_x), round(h * g.scale_y)
+    small = img if (new_h, new_w) == (h, w) else _resize(img, new_w, new_h, r)
+    if r.mode == "short_side_crop":
+        x0, y0 = int(g.crop_x), int(g.crop_y)
+        return np.ascontiguousarray(small[y0 : y0 + r.height, x0 : x0 + r.width])
+    if (new_h, new_w) == (r.height, r.width):
+        return small
+    canvas = np.full((r.height, r.width) + small.shape[2:], r.pad_value, dtype=img.dtype)
+    y0, x0 = int(g.pad_y), int(g.pad_x)
+    canvas[y0 : y0 + new_h, x0 : x0 + new_w] = small
+    return canvas
+
+
 def preprocess_batch(pre: Preprocessor, frames: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate([pre(f) for f in frames], axis=0)
+    """Frames -> one batch. Frames of different input sizes (fit_multiple) cannot share a batch."""
+    tensors = [pre(f) for f in frames]
+    shapes = {t.shape for t in tensors}
+    if len(shapes) > 1:
+        raise PreprocessError(f"frames make tensors of different shapes {sorted(shapes)}: run them one at a time")
+    return np.concatenate(tensors, axis=0)

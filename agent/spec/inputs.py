@@ -1,0 +1,131 @@
+"""Feeds for a model's inputs besides the frame: constants, per-frame metadata and state carried per source.
+
+Pure (numpy only): serving, the self-test's replay and `bundle create`'s calibration all build their
+feeds here, so a stateful model sees the same inputs everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from agent.errors import PreprocessError
+from agent.spec.manifest import ExtraInput, Manifest
+
+Feeds = dict[str, np.ndarray]
+
+
+def _batched_shape(x: ExtraInput, batch: int) -> tuple[int, ...]:
+    # symbolic dims in a constant's or metadata's shape are the batch dimension
+    return tuple(d if isinstance(d, int) else batch for d in x.shape)
+
+
+def constant_value(x: ExtraInput, batch: int = 1) -> np.ndarray:
+    v = np.asarray(x.value if x.kind == "constant" else x.default, dtype=x.dtype)
+    shape = _batched_shape(x, batch)
+    if v.shape == shape:
+        return v
+    try:
+        return np.ascontiguousarray(np.broadcast_to(v, shape))
+    except ValueError as exc:
+        raise PreprocessError(f"input {x.name!r}: value of shape {v.shape} does not fit shape {list(x.shape)}") from exc
+
+
+def initial_state(x: ExtraInput) -> np.ndarray:
+    return np.full(tuple(int(d) for d in x.shape), x.init, dtype=x.dtype)
+
+
+@dataclass
+class _SourceState:
+    values: dict[str, np.ndarray]
+    last_seen: float | None
+
+
+class InputFeeder:
+    """Builds the feeds of one step and carries state per source (a camera, a UDP sender, a sequence).
+
+    `feeds(tensor, source, at)` -> every input the model needs; `advance(source, outputs)` stores the
+    outputs that feed state inputs on the next step. A gap longer than an input's reset_on_gap_s, or
+    `reset(source)` (a new stream), starts that source from the initial state again.
+    """
+
+    def __init__(self, frame_input: str, extra: Sequence[ExtraInput] = ()):
+        self.frame_input = frame_input
+        self.extra: tuple[ExtraInput, ...] = tuple(extra)
+        self.states = tuple(x for x in self.extra if x.kind == "state")
+        self._constants = {x.name: constant_value(x) for x in self.extra if x.kind == "constant"}
+        self._sources: dict[str, _SourceState] = {}
+
+    @classmethod
+    def for_manifest(cls, manifest: Manifest) -> "InputFeeder":
+        return cls(manifest.input.name, manifest.inputs)
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.states)
+
+    def reset(self, source: str) -> None:
+        self._sources.pop(source, None)
+
+    def state_of(self, source: str) -> dict[str, np.ndarray]:
+        s = self._sources.get(source)
+        return {x.name: (s.values[x.name] if s else initial_state(x)) for x in self.states}
+
+    def _current(self, source: str, at: float | None) -> _SourceState:
+        s = self._sources.get(source)
+        if s is not None and at is not None and s.last_seen is not None:
+            gap = at - s.last_seen
+            if any(x.reset_on_gap_s is not None and (gap > x.reset_on_gap_s or gap < 0) for x in self.states):
+                s = None
+        if s is None:
+            s = _SourceState({x.name: initial_state(x) for x in self.states}, None)
+            self._sources[source] = s
+        if at is not None:
+            s.last_seen = at
+        return s
+
+    def feeds(self, tensor: np.ndarray, source: str = "", at: float | None = None,
+              metadata: Mapping[str, Any] | None = None) -> Feeds:
+        batch = int(tensor.shape[0]) if tensor.ndim else 1
+        if self.states and batch != 1:
+            raise PreprocessError(f"a stateful model runs one frame per step per source, got a batch of {batch}")
+        out: Feeds = {self.frame_input: tensor}
+        s = self._current(source, at) if self.states else None
+        for x in self.extra:
+            if x.kind == "constant":
+                v = self._constants[x.name]
+                out[x.name] = v if batch == 1 else constant_value(x, batch)
+            elif x.kind == "state":
+                assert s is not None
+                out[x.name] = s.values[x.name]
+            else:
+                given = (metadata or {}).get(x.name)
+                if given is None:
+                    out[x.name] = constant_value(x, batch)
+                else:
+                    out[x.name] = np.ascontiguousarray(np.broadcast_to(np.asarray(given, dtype=x.dtype),
+                                                                       _batched_shape(x, batch)))
+        return out
+
+    def advance(self, source: str, outputs: Mapping[str, np.ndarray]) -> None:
+        """Store the outputs that feed the next step's state inputs."""
+        if not self.states:
+            return
+        s = self._sources.get(source)
+        if s is None:
+            s = self._current(source, None)
+        for x in self.states:
+            assert x.from_output is not None
+            s.values[x.name] = np.asarray(outputs[x.from_output], dtype=x.dtype).reshape(initial_state(x).shape)
+
+
+def sequence_feeds(feeder: InputFeeder, tensors: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> list[Feeds]:
+    """The feeds of every step of a sequence whose outputs are known (a reference run): for calibration."""
+    feeder.reset("sequence")
+    out = []
+    for t, o in zip(tensors, outputs):
+        out.append(feeder.feeds(t, "sequence"))
+        feeder.advance("sequence", o)
+    return out
