@@ -181,7 +181,7 @@ def test_outbox_bound_drops_oldest_counts_it_and_drains_the_newest_in_order(brok
 
 
 def _command(port: int, name: str, payload: bytes, props: Properties | None = None, **kw) -> dict:
-    col = Collector(port, [PREFIX + f"cmd/{name}/reply", "replies/#"], **kw)
+    col = Collector(port, [PREFIX + f"cmd/{name}/reply", PREFIX + "reply/#"], **kw)
     assert col.wait(lambda: col.connects >= 1)
     col.c.publish(PREFIX + f"cmd/{name}", payload, qos=1, properties=props)
     assert col.wait(lambda: col.messages, 60), f"no reply to {name}"
@@ -214,10 +214,10 @@ def test_commands_reply_and_bad_ones_get_an_error(broker: Broker, tmp_path: Path
         assert r["body"]["ok"] is False and "JSON object" in r["body"]["error"]
         # MQTT 5 request/response: the reply goes to the response topic with the correlation data
         props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = "replies/op-42"
+        props.ResponseTopic = PREFIX + "reply/op-42"
         props.CorrelationData = b"corr-1"
         r = _command(broker.port, "status", b"{}", props)
-        assert r["topic"] == "replies/op-42" and r["props"].CorrelationData == b"corr-1"
+        assert r["topic"] == PREFIX + "reply/op-42" and r["props"].CorrelationData == b"corr-1"
         assert agent.poll() is None  # nothing crashed
     finally:
         agent.send_signal(signal.SIGTERM)
