@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from agent import __version__
-from agent.bundle.archive import UnpackLimits, unpack
+from agent.bundle.archive import UnpackLimits, unpack_signed
 from agent.bundle.load import Bundle, load_bundle
 from agent.config import UpdatesConfig
 from agent.errors import AgentError
@@ -92,9 +92,9 @@ class Updater:
             if actual != expected_sha256:
                 raise UpdateRejected(f"hash mismatch: archive sha256 {actual[:16]}..., expected {expected_sha256[:16]}...")
         self.status(update, origin, "unpacking")
-        root = unpack(archive, work / "bundle", UnpackLimits(max_member_bytes=self.cfg.max_bundle_bytes,
-                                                             max_total_bytes=self.cfg.max_bundle_bytes))
-        sig = verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
+        # signature first: nothing is written before bundle.yaml verifies; each member is hashed as it lands
+        root, sig = unpack_signed(archive, work / "bundle", UnpackLimits(max_member_bytes=self.cfg.max_bundle_bytes,
+                                  max_total_bytes=self.cfg.max_bundle_bytes), self.cfg.trusted_keys, self.cfg.allow_unsigned)
         if not sig.signed:
             log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
         bundle = load_bundle(root)
@@ -111,8 +111,12 @@ class Updater:
                 return self.status(update, "rollback", "rejected", reason="no previous committed bundle in the store")
             try:
                 root = self.store.path(prev)
-                verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
+                seeded = self.store.seed_sha256(prev)  # the operator's own seed needs no signature ...
+                if seeded is None:
+                    verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
                 bundle = load_bundle(root)
+                if seeded is not None and bundle.manifest_sha256 != seeded:  # ... but must be what was installed
+                    raise UpdateRejected(f"{root}: the seeded bundle changed on disk since it was installed")
                 self.status(update, "rollback", "verified", bundle=bundle.identity)
                 return self._prove_and_switch(update, "rollback", root, bundle, stored_id=prev)
             except AgentError as exc:
