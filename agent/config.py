@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import json
+import os
 import socket
 import types
 import typing
@@ -157,10 +158,21 @@ class LogConfig:
     json: bool | None = None
 
 
+SERVICE_STATE_DIR = Path("/var/lib/edge-agent")
+
+
+def user_state_dir() -> Path:
+    """Where a user's commands keep state when the config names no state_dir. Only the service's own config
+    (systemd/agent.yaml, installed by install.sh) sets /var/lib/edge-agent: a CLI run as root must never
+    overwrite the installed service's report, verdict cache or store."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "edge-agent"
+
+
 @dataclass(frozen=True)
 class Config:
     device_id: str = field(default_factory=socket.gethostname)
-    state_dir: Path = Path("/var/lib/edge-agent")
+    state_dir: Path = field(default_factory=user_state_dir)
     bundle: Path | None = None
     providers: ProvidersConfig = ProvidersConfig()
     selection: SelectionConfig = SelectionConfig()
