@@ -337,3 +337,25 @@ def test_mqtt_311_and_home_assistant_discovery_reannounced_on_ha_restart(broker:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
         col.close()
+
+
+def test_unreachable_broker_is_a_structured_event_and_the_log_stays_json(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens: connection refused, again and again
+    agent = start_agent(agent_config(tmp_path, port), tmp_path / "agent.log")
+    try:
+        log = tmp_path / "agent.log"
+        assert wait_until_text(log, '"mqtt.connect_failed"', 30), log.read_text()[-2000:]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+    bad = [ln for ln in (tmp_path / "agent.log").read_text().splitlines() if ln.strip() and not ln.startswith("{")]
+    assert bad == [], bad[:5]
+
+
+def wait_until_text(path: Path, text: str, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.2)
+    return False
