@@ -302,3 +302,17 @@ def test_plain_http_beyond_loopback_is_refused_unless_configured(agent: dict, cl
     assert r["ok"] is False and "updates.allow_http" in r["update"]["reason"]
     r = _update(agent, client, "ftp://127.0.0.1/b.tar.gz", "ftpdirect")
     assert r["ok"] is False and "only https URLs" in r["update"]["reason"]
+
+
+def test_five_url_updates_at_once_download_one_at_a_time(agent: dict, client: Client, web: HostileWeb) -> None:
+    col = agent["col"]
+    n = len(replies(col, "update"))
+    for i in range(5):
+        client.pub(PREFIX + "cmd/update", json.dumps({"url": web.base + "/slow", "sha256": "0" * 64, "id": f"five{i}"}))
+    time.sleep(1.0)
+    assert len([p for p in staged(agent) if p.startswith("download-")]) <= 1
+    assert col.wait(lambda: len(replies(col, "update")) >= n + 5, 20), replies(col, "update")[n:]
+    got = replies(col, "update")[n:]
+    busy = [r for r in got if "busy" in (r.get("error") or r.get("update", {}).get("reason", ""))]
+    assert len(busy) == 4 and sum(not r["ok"] for r in got) == 5, got
+    assert wait_until(lambda: staged(agent) == [], 5)
