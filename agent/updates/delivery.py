@@ -6,7 +6,7 @@ Bounds and policy (each a config key under `updates`, see README "Hostile inputs
   [min_chunk_bytes, max_chunk_bytes]; received chunks are one byte each in a bitmap, data goes to a file;
 - one transfer at a time, newest wins: a new offer (or the same id offered again) ends the unfinished
   one and removes its file; an offer while a completed transfer installs is refused;
-- a transfer idle for transfer_idle_s expires; a sweeper removes expired transfers and orphaned staging;
+- a transfer idle for transfer_idle_s expires; a sweeper removes it and any orphaned transfer staging;
 - one download at a time, one total deadline, size checked while streaming, https (http to loopback, or
   anywhere with allow_http), redirects only to allowed schemes, staging removed on every failure.
 """
@@ -33,7 +33,9 @@ log = get_logger("delivery")
 
 # JSON messages on the transfer protocol (offer, done) are small; chunks are bounded by max_chunk_bytes.
 MAX_CONTROL_BYTES = 16 * 1024
-STAGING_PREFIXES = ("push-", "download-")
+# The sweeper removes only transfer staging: a download removes its own in `finally`, and whatever a
+# crash leaves is cleared by the store's recover() at boot.
+SWEPT_PREFIX = "push-"
 
 
 def free_bytes(path: Path) -> int:
@@ -78,7 +80,7 @@ class ChunkReceiver:
         self.cfg = updater.cfg
         self.staging = updater.store.staging
         self.transfer: Transfer | None = None  # newest wins: at most one unfinished transfer
-        self.installing: str | None = None
+        self.installing: Transfer | None = None
         self.lock = threading.Lock()
 
     # -- the protocol, straight from MQTT (paho's network thread: cheap and bounded) ---------------------
@@ -136,7 +138,7 @@ class ChunkReceiver:
             return
         with self.lock:
             if self.installing is not None:
-                busy = self.installing
+                busy = self.installing.id
             else:
                 busy = None
                 old, self.transfer = self.transfer, None
@@ -202,7 +204,7 @@ class ChunkReceiver:
         with self.lock:
             if self.transfer is not t:
                 return
-            self.transfer, self.installing = None, t.id
+            self.transfer, self.installing = None, t
         threading.Thread(target=self._install, args=(t,), name=f"update-{tid}", daemon=True).start()
 
     def _install(self, t: Transfer) -> None:
@@ -235,7 +237,7 @@ class ChunkReceiver:
                 self.transfer = None
             else:
                 t = None
-            live = {p.path.parent for p in (self.transfer,) if p is not None}
+            live = {p.path.parent for p in (self.transfer, self.installing) if p is not None}
         if t is not None:
             self._drop(t)
             gone.append(t.id)
@@ -244,7 +246,7 @@ class ChunkReceiver:
                                        f"{t.count} of {t.chunks} chunks had arrived")
         wall = time.time()
         for p in list(self.staging.iterdir()) if self.staging.is_dir() else []:
-            if not p.name.startswith(STAGING_PREFIXES) or p in live:
+            if not p.name.startswith(SWEPT_PREFIX) or p in live:
                 continue
             try:
                 age = wall - p.stat().st_mtime
