@@ -200,3 +200,10 @@ def test_log_level_from_the_config_is_honoured(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert '"level": "info"' not in out.stderr and "boot.ready" not in out.stderr
+
+
+def test_selftest_with_a_state_dir_it_cannot_write_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = edge_agent("selftest", "--bundle", str(DEMO), "--state-dir", str(blocker / "state"))
+    assert out.returncode == 1 and str(blocker) in _one_line(out.stderr), out.stderr

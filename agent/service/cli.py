@@ -181,6 +181,8 @@ def _cmd_providers(args: argparse.Namespace) -> int:
     from agent.proof.probe import detect_providers
 
     cfg = _load_cfg(args.config)
+    if args.config:
+        _apply_log_config(args, cfg)
     statuses = detect_providers(cfg.providers.order, cfg.providers.options, cfg.session)
     if args.json:
         print(json.dumps([s.to_dict() for s in statuses], indent=2))
@@ -198,6 +200,8 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     from agent.proof.selftest import options_from_config, run_selftest
 
     cfg = _load_cfg(args.config)
+    if args.config:
+        _apply_log_config(args, cfg)
     state = args.state_dir or cfg.state_dir
     opts = options_from_config(cfg, provider=args.provider, variant=args.variant,
                                use_cache=False if args.no_cache else None)
