@@ -40,6 +40,16 @@ class AclBroker(Broker):
         return conf
 
 
+def attempt(col: Collector, topic: str, payload: bytes) -> None:
+    """Publish as that client; the broker may refuse with a PUBACK reason or by dropping the connection
+    (both are refusals: only the effect on the other device is asserted)."""
+    col.wait(lambda: col.c.is_connected(), 10)
+    try:
+        col.c.publish(topic, payload, qos=1).wait_for_publish(5)
+    except (RuntimeError, ValueError):
+        pass
+
+
 def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: Path) -> None:
     broker = AclBroker(tmp_path / "broker").start()
     cfg = {"device_id": "dev-b", "state_dir": str(tmp_path / "state"),
@@ -59,8 +69,8 @@ def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: P
         health = lambda: [json.loads(m.payload) for m in operator.on("edge/dev-b/health")]  # noqa: E731
         assert operator.wait(lambda: any(h["serving"] for h in health()), 90), (tmp_path / "agent.log").read_text()[-2000:]
         assert rogue.wait(lambda: rogue.connects >= 1, 10)
-        rogue.c.publish("edge/dev-b/cmd/pause", b"{}", qos=1).wait_for_publish(5)
-        rogue.c.publish("edge/dev-b/bundle/offer", b'{"transfer": "x"}', qos=1).wait_for_publish(5)
+        attempt(rogue, "edge/dev-b/cmd/pause", b"{}")
+        attempt(rogue, "edge/dev-b/bundle/offer", b'{"transfer": "x"}')
         time.sleep(1.5)
         assert operator.on("edge/dev-b/cmd/pause/reply") == [], "dev-b obeyed dev-a"
         assert not health()[-1]["paused"]
@@ -72,7 +82,7 @@ def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: P
         assert rogue.messages == [], [m.topic for m in rogue.messages]
         # and dev-a cannot speak for dev-b: its forged health never reaches the operator
         n = len(health())
-        rogue.c.publish("edge/dev-b/health", b'{"serving": false, "forged": true}', qos=1).wait_for_publish(5)
+        attempt(rogue, "edge/dev-b/health", b'{"serving": false, "forged": true}')
         time.sleep(1.0)
         assert not any(h.get("forged") for h in health()[n:])
     finally:
