@@ -120,6 +120,9 @@ class MqttConfig:
     # any other response topic must match one of these filters (e.g. "operators/+/replies/#").
     reply_topics: tuple[str, ...] = ()
     max_running_commands: int = 4     # commands handled at once; beyond, the reply is "busy"
+    # MQTT 5: the broker must not send us a packet bigger than this (it drops it): bounds what one message
+    # can cost before any check of ours runs. Must hold a bundle chunk (updates.max_chunk_bytes) and its topic.
+    max_packet_bytes: int = 5 * 2**20
 
 
 @dataclass(frozen=True)
@@ -339,6 +342,10 @@ def check_ranges(cfg: Config, where: str) -> None:
     if cfg.updates.min_chunk_bytes > cfg.updates.max_chunk_bytes:
         raise ConfigError(f"{where}: key updates.min_chunk_bytes: {cfg.updates.min_chunk_bytes} is over "
                           f"updates.max_chunk_bytes {cfg.updates.max_chunk_bytes}")
+    if cfg.mqtt.max_packet_bytes < max(cfg.updates.max_chunk_bytes, cfg.mqtt.max_payload_bytes) + 1024:
+        raise ConfigError(f"{where}: key mqtt.max_packet_bytes: {cfg.mqtt.max_packet_bytes} cannot carry a chunk of "
+                          f"updates.max_chunk_bytes {cfg.updates.max_chunk_bytes} (or a command of "
+                          f"mqtt.max_payload_bytes) plus 1024 bytes of headers")
     if cfg.selection.prefer_margin < 0:
         raise ConfigError(f"{where}: key selection.prefer_margin: expected >= 0, found {cfg.selection.prefer_margin!r}")
 

@@ -316,3 +316,17 @@ def test_five_url_updates_at_once_download_one_at_a_time(agent: dict, client: Cl
     busy = [r for r in got if "busy" in (r.get("error") or r.get("update", {}).get("reason", ""))]
     assert len(busy) == 4 and sum(not r["ok"] for r in got) == 5, got
     assert wait_until(lambda: staged(agent) == [], 5)
+
+
+def test_message_over_the_packet_bound_never_reaches_the_agent(agent: dict, client: Client) -> None:
+    col = agent["col"]
+    before = vm_hwm_mb(agent["proc"].pid)
+    n = len(replies(col, "status"))
+    for _ in range(3):
+        client.pub(PREFIX + "cmd/status", b"{" + b" " * (50 * 2**20) + b"}")
+    client.pub(PREFIX + "cmd/status", b'{"id": "after"}')
+    assert col.wait(lambda: any(r.get("id") == "after" for r in replies(col, "status")[n:]), 20)
+    assert [r.get("id") for r in replies(col, "status")[n:]] == ["after"]  # the big ones were dropped unseen
+    peak = vm_hwm_mb(agent["proc"].pid)
+    print(f"three 50 MB commands: peak RSS {before:.0f} -> {peak:.0f} MB")
+    assert peak < PEAK_RSS_BOUND_MB

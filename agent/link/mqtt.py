@@ -113,6 +113,7 @@ class MqttLink:
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.cfg.session_expiry_s
+            props.MaximumPacketSize = self.cfg.max_packet_bytes
         clean = self.cfg.clean_start if self.v5 else paho.MQTT_CLEAN_START_FIRST_ONLY
         self.client.connect_async(self.cfg.host, self.cfg.port, self.cfg.keepalive, clean_start=clean, properties=props)
         self.client.loop_start()
