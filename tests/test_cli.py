@@ -207,3 +207,29 @@ def test_selftest_with_a_state_dir_it_cannot_write_is_one_line_not_a_traceback(t
     blocker.write_text("")
     out = edge_agent("selftest", "--bundle", str(DEMO), "--state-dir", str(blocker / "state"))
     assert out.returncode == 1 and str(blocker) in _one_line(out.stderr), out.stderr
+
+
+def test_stream_reconnects_leave_no_opencv_or_ffmpeg_lines_in_the_json_log(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from brokers import free_port
+
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 's'}\nbundle: {DEMO}\noutput: {{stdout: false}}\n"
+                   f"source: {{type: stream, url: 'http://127.0.0.1:{free_port()}/cam.mjpg', open_timeout_ms: 500, "
+                   "read_timeout_ms: 500, reconnect_initial_s: 0.2, reconnect_max_s: 0.5}\n")
+    err = tmp_path / "err.log"
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end and '"source.lost"' not in err.read_text():
+            time.sleep(0.2)
+        time.sleep(3)  # a few reconnect attempts
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
+    assert any('"source.lost"' in ln for ln in lines), lines[-5:]
+    assert [ln for ln in lines if not ln.startswith("{")] == []

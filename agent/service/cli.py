@@ -167,8 +167,12 @@ def _apply_log_config(args: argparse.Namespace, cfg) -> None:  # type: ignore[no
 
 
 def _quiet_opencv(as_json: bool, level: str) -> None:
-    """OpenCV's native logger writes `[ WARN:...]` lines straight to stderr and cannot be handed to structlog
-    from Python: under JSON logs it is silenced (sources report reconnects as structured events)."""
+    """OpenCV's native logger (and FFmpeg's below it) write `[ WARN:...]` lines straight to stderr and cannot be
+    handed to structlog from Python: under JSON logs they are silenced (sources report reconnects as
+    structured events)."""
+    if as_json:
+        # FFmpeg under OpenCV logs its own `[tcp @ 0x...] Connection refused` lines; read once, at its first use
+        os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # AV_LOG_QUIET
     try:
         import cv2
     except ImportError:
