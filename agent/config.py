@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import json
+import os
 import socket
 import types
 import typing
@@ -112,6 +114,16 @@ class MqttConfig:
     batch_predictions: int = 1        # results per predictions message (1: one message per result)
     homeassistant: bool = False       # Home Assistant MQTT discovery
     homeassistant_prefix: str = "homeassistant"
+    # What one message may cost before it is parsed: commands larger or deeper are answered with an error.
+    max_payload_bytes: int = 64 * 1024
+    max_json_depth: int = 32
+    # Replies go to <prefix>cmd/<name>/reply, or to an MQTT 5 response topic under <prefix>reply/;
+    # any other response topic must match one of these filters (e.g. "operators/+/replies/#").
+    reply_topics: tuple[str, ...] = ()
+    max_running_commands: int = 4     # commands handled at once; beyond, the reply is "busy"
+    # MQTT 5: the broker must not send us a packet bigger than this (it drops it): bounds what one message
+    # can cost before any check of ours runs. Must hold a bundle chunk (updates.max_chunk_bytes) and its topic.
+    max_packet_bytes: int = 5 * 2**20
 
 
 @dataclass(frozen=True)
@@ -135,7 +147,13 @@ class UpdatesConfig:
     max_bundle_bytes: int = 512 * 2**20
     selftest_timeout_s: float = 300.0
     inbox: Path | None = None         # a directory watched for dropped .tar.gz bundles
-    download_timeout_s: float = 60.0
+    download_timeout_s: float = 60.0  # one read may wait this long ...
+    download_deadline_s: float = 600.0  # ... and the whole download must finish within this
+    allow_http: bool = False          # http beyond loopback (127.0.0.1, ::1, localhost); https always
+    min_chunk_bytes: int = 1024       # an offer's chunk_size must lie in [min, max]: bounds the chunk count
+    max_chunk_bytes: int = 4 * 2**20
+    min_free_bytes: int = 64 * 2**20  # an offer must leave this much disk free (after 2x its size)
+    transfer_idle_s: float = 60.0     # a transfer with no message for this long expires; staging is swept
 
 
 @dataclass(frozen=True)
@@ -144,10 +162,21 @@ class LogConfig:
     json: bool | None = None
 
 
+SERVICE_STATE_DIR = Path("/var/lib/edge-agent")
+
+
+def user_state_dir() -> Path:
+    """Where a user's commands keep state when the config names no state_dir. Only the service's own config
+    (systemd/agent.yaml, installed by install.sh) sets /var/lib/edge-agent: a CLI run as root must never
+    overwrite the installed service's report, verdict cache or store."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "edge-agent"
+
+
 @dataclass(frozen=True)
 class Config:
     device_id: str = field(default_factory=socket.gethostname)
-    state_dir: Path = Path("/var/lib/edge-agent")
+    state_dir: Path = field(default_factory=user_state_dir)
     bundle: Path | None = None
     providers: ProvidersConfig = ProvidersConfig()
     selection: SelectionConfig = SelectionConfig()
@@ -254,7 +283,7 @@ def parse_config(text: str, where: str) -> Config:
         # Relative paths in a config file are relative to that file, not to the working directory.
         return p if p is None or p.is_absolute() else base / p
 
-    return dataclasses.replace(
+    return _checked(dataclasses.replace(
         cfg,
         state_dir=anchored(cfg.state_dir),
         bundle=anchored(cfg.bundle),
@@ -270,7 +299,56 @@ def parse_config(text: str, where: str) -> Config:
             cfg.updates, inbox=anchored(cfg.updates.inbox),
             trusted_keys=tuple(anchored(k) for k in cfg.updates.trusted_keys)),
         source_file=Path(where),
-    )
+    ), where)
+
+
+def _checked(cfg: Config, where: str) -> Config:
+    check_ranges(cfg, where)
+    return cfg
+
+
+# (section, key, lowest allowed value): a value below it is refused at load, naming the key.
+_MINIMUMS: tuple[tuple[str, str, float], ...] = (
+    ("pipeline", "max_batch", 1), ("pipeline", "batch_timeout_ms", 0), ("pipeline", "queue_size", 1),
+    ("pipeline", "inference_workers", 0), ("pipeline", "max_frames", 0),
+    ("output", "health_interval_s", 0.1),
+    ("source", "max_fps", 0), ("source", "open_timeout_ms", 1), ("source", "read_timeout_ms", 1),
+    ("source", "stall_timeout_s", 0.1), ("source", "frozen_after", 1), ("source", "reconnect_initial_s", 0),
+    ("source", "reconnect_max_s", 0), ("source", "port", 0), ("source", "hop", 0),
+    ("mqtt", "port", 1), ("mqtt", "keepalive", 1), ("mqtt", "session_expiry_s", 0), ("mqtt", "reconnect_min_s", 1),
+    ("mqtt", "reconnect_max_s", 1), ("mqtt", "max_inflight", 1), ("mqtt", "batch_predictions", 1),
+    ("mqtt", "max_payload_bytes", 256), ("mqtt", "max_json_depth", 2), ("mqtt", "max_running_commands", 1),
+    ("outbox", "memory_messages", 1), ("outbox", "max_messages", 1), ("outbox", "max_age_s", 1),
+    ("updates", "keep", 1), ("updates", "probation_s", 0), ("updates", "probation_frames", 0),
+    ("updates", "max_bundle_bytes", 1024), ("updates", "selftest_timeout_s", 1), ("updates", "download_timeout_s", 1),
+    ("updates", "download_deadline_s", 1), ("updates", "min_chunk_bytes", 1), ("updates", "max_chunk_bytes", 1),
+    ("updates", "min_free_bytes", 0), ("updates", "transfer_idle_s", 1),
+)
+_MAXIMUMS: tuple[tuple[str, str, float], ...] = (
+    ("mqtt", "port", 65535), ("source", "port", 65535), ("pipeline", "inference_workers", 64),
+    ("selection", "prefer_margin", 10.0),
+)
+
+
+def check_ranges(cfg: Config, where: str) -> None:
+    """Refuse values that parse but cannot work (inference_workers: -3 would start no inference thread)."""
+    for section, key, low in _MINIMUMS:
+        value = getattr(getattr(cfg, section), key)
+        if value < low:
+            raise ConfigError(f"{where}: key {section}.{key}: expected >= {low:g}, found {value!r}")
+    for section, key, high in _MAXIMUMS:
+        value = getattr(getattr(cfg, section), key)
+        if value > high:
+            raise ConfigError(f"{where}: key {section}.{key}: expected <= {high:g}, found {value!r}")
+    if cfg.updates.min_chunk_bytes > cfg.updates.max_chunk_bytes:
+        raise ConfigError(f"{where}: key updates.min_chunk_bytes: {cfg.updates.min_chunk_bytes} is over "
+                          f"updates.max_chunk_bytes {cfg.updates.max_chunk_bytes}")
+    if cfg.mqtt.max_packet_bytes < max(cfg.updates.max_chunk_bytes, cfg.mqtt.max_payload_bytes) + 1024:
+        raise ConfigError(f"{where}: key mqtt.max_packet_bytes: {cfg.mqtt.max_packet_bytes} cannot carry a chunk of "
+                          f"updates.max_chunk_bytes {cfg.updates.max_chunk_bytes} (or a command of "
+                          f"mqtt.max_payload_bytes) plus 1024 bytes of headers")
+    if cfg.selection.prefer_margin < 0:
+        raise ConfigError(f"{where}: key selection.prefer_margin: expected >= 0, found {cfg.selection.prefer_margin!r}")
 
 
 def load_config(path: Path | str) -> Config:
@@ -297,3 +375,64 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
         return v
 
     return plain(cfg)
+
+
+SECRET_KEYS = ("password",)
+
+
+def masked(doc: dict[str, Any]) -> dict[str, Any]:
+    """The same settings with secrets replaced by "***" (for printing and reports)."""
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            out[k] = masked(v)
+        elif k in SECRET_KEYS and v is not None:
+            out[k] = "***"
+        else:
+            out[k] = v
+    return out
+
+
+# -- bounded JSON from the outside -----------------------------------------------------------------------
+class PayloadError(ValueError):
+    """A message from outside is too large, too deep, not JSON or not a JSON object."""
+
+
+def json_depth_exceeds(data: bytes, max_depth: int) -> bool:
+    """True when brackets nest deeper than max_depth (strings skipped): checked before json.loads recurses."""
+    depth = 0
+    in_string = escaped = False
+    for b in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:
+                escaped = True
+            elif b == 0x22:
+                in_string = False
+        elif b == 0x22:
+            in_string = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > max_depth:
+                return True
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
+def parse_json_object(payload: bytes, max_bytes: int, max_depth: int = 32) -> dict[str, Any]:
+    """An empty payload is {}; anything else must be a JSON object within the size and depth bounds."""
+    if len(payload) > max_bytes:
+        raise PayloadError(f"payload of {len(payload)} bytes is over the {max_bytes} byte limit")
+    if not payload.strip():
+        return {}
+    if json_depth_exceeds(payload, max_depth):
+        raise PayloadError(f"JSON nested deeper than {max_depth} levels")
+    try:
+        doc = json.loads(payload.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise PayloadError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise PayloadError("the payload must be a JSON object")
+    return doc

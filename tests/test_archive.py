@@ -123,3 +123,105 @@ def test_existing_destination_is_not_overwritten(tiny_bundle: Path, tmp_path: Pa
     (tmp_path / "out").mkdir()
     with pytest.raises(ArchiveError, match="already exists"):
         unpack(a, tmp_path / "out")
+
+
+# -- signature first (issue 12) ------------------------------------------------------------------------------
+def _dirs_archive(path: Path, n: int) -> Path:
+    """n directory entries, written as raw ustar headers (tarfile takes 14 s for 300k)."""
+    import gzip
+
+    info = tarfile.TarInfo("d0000000")
+    info.type, info.mode = tarfile.DIRTYPE, 0o755
+    template = bytearray(info.tobuf(format=tarfile.USTAR_FORMAT))
+    template[148:156] = b" " * 8
+    base = sum(template) - sum(b"d0000000")
+    out = bytearray()
+    for i in range(n):
+        name = b"d%07d" % i
+        h = bytearray(template)
+        h[0:8] = name
+        h[148:156] = b"%06o\0 " % (base + sum(name))
+        out += h
+    path.write_bytes(gzip.compress(bytes(out + b"\0" * 1024), compresslevel=1))
+    return path
+
+
+def test_unsigned_archive_of_300k_directories_is_refused_at_once_writing_nothing(tmp_path: Path) -> None:
+    import time
+
+    from agent.bundle.archive import unpack_signed
+
+    a = _dirs_archive(tmp_path / "dirs.tar.gz", 300_000)
+    t0 = time.monotonic()
+    with pytest.raises(ArchiveError, match="more than 1000 files and directories"):
+        unpack_signed(a, tmp_path / "out" / "b", UnpackLimits(), trusted=[])
+    took = time.monotonic() - t0
+    print(f"{a.stat().st_size} byte archive of 300k directories refused in {took * 1000:.0f} ms")
+    assert took < 2.0
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+    # and plain unpack counts directories too
+    with pytest.raises(ArchiveError, match="more than 1000 files and directories"):
+        unpack(a, tmp_path / "out2")
+
+
+def _signed(tiny_bundle: Path, tmp_path: Path) -> tuple[Path, Path]:
+    from agent.bundle.signing import keygen, sign_bundle
+
+    keygen(tmp_path / "k.pem", tmp_path / "k.pub")
+    sign_bundle(tiny_bundle, tmp_path / "k.pem")
+    return tiny_bundle, tmp_path / "k.pub"
+
+
+def test_unsigned_archive_is_refused_before_any_member_is_written(tiny_bundle: Path, tmp_path: Path) -> None:
+    from agent.bundle.archive import unpack_signed
+    from agent.bundle.signing import SignatureError
+
+    a = pack(tiny_bundle, tmp_path / "b.tar.gz")
+    out = tmp_path / "out"
+    out.mkdir()
+    writes: list[str] = []
+    real_open = open
+
+    def spy(file, mode="r", *a, **k):  # noqa: ANN001
+        if "x" in mode or "w" in mode:
+            writes.append(str(file))
+        return real_open(file, mode, *a, **k)
+
+    import builtins
+
+    builtins.open = spy
+    try:
+        with pytest.raises(SignatureError, match="missing: unsigned bundles are refused"):
+            unpack_signed(a, out / "b", UnpackLimits(), trusted=[])
+    finally:
+        builtins.open = real_open
+    assert writes == [] and list(out.iterdir()) == []
+
+
+def test_signed_archive_with_a_member_changed_after_signing_is_refused_on_that_member(tiny_bundle: Path,
+                                                                                       tmp_path: Path) -> None:
+    from agent.bundle.archive import unpack_signed
+
+    root, pub = _signed(tiny_bundle, tmp_path)
+    a, check = unpack_signed(pack(root, tmp_path / "ok.tar.gz"), tmp_path / "ok", UnpackLimits(), [pub])
+    assert check.signed and load_bundle(a).manifest.name
+    (root / "labels.txt").write_text("tampered\n")
+    bad = pack(root, tmp_path / "bad.tar.gz")
+    with pytest.raises(ArchiveError, match="'labels.txt': hash mismatch against the signed bundle.yaml"):
+        unpack_signed(bad, tmp_path / "bad", UnpackLimits(), [pub])
+    assert not (tmp_path / "bad").exists()
+
+
+def test_member_not_listed_in_the_signed_manifest_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    from agent.bundle.archive import unpack_signed
+
+    root, pub = _signed(tiny_bundle, tmp_path)
+    (root / "extra.sh").write_text("#!/bin/sh\n")
+    with pytest.raises(ArchiveError, match="'extra.sh' is not listed in the signed bundle.yaml"):
+        unpack_signed(pack(root, tmp_path / "x.tar.gz"), tmp_path / "x", UnpackLimits(), [pub])
+
+
+def test_pack_puts_the_manifest_and_signature_first(tiny_bundle: Path, tmp_path: Path) -> None:
+    root, _ = _signed(tiny_bundle, tmp_path)
+    with tarfile.open(pack(root, tmp_path / "b.tar.gz")) as tar:
+        assert tar.getnames()[:2] == ["bundle.yaml", "bundle.sig"]

@@ -7,6 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO, FRAMES = ROOT / "models" / "digits-classifier", ROOT / "models" / "demo-frames" / "digits"
 
 
 def edge_agent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -83,10 +89,147 @@ def test_providers_json_reports_cpu_usable() -> None:
 
 def test_config_check_prints_effective_settings_or_names_the_bad_key(tmp_path: Path) -> None:
     good = tmp_path / "a.yaml"
-    good.write_text("device_id: d1\n")
+    good.write_text(f"device_id: d1\nbundle: {DEMO}\nsource: {{type: folder, path: {FRAMES}}}\n")
     out = edge_agent("config", "check", str(good))
     assert out.returncode == 0 and json.loads(out.stdout)["device_id"] == "d1"
     bad = tmp_path / "b.yaml"
     bad.write_text("devce_id: d1\n")
     out = edge_agent("config", "check", str(bad))
     assert out.returncode == 1 and "b.yaml: key devce_id: unknown key" in out.stderr
+
+
+# -- the shell speaks one language (issue 12) -----------------------------------------------------------------
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("edge-agent: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_push_to_an_unreachable_broker_is_one_line_not_a_connection_refused_traceback(tmp_path: Path) -> None:
+    archive = tmp_path / "b.tar.gz"
+    archive.write_bytes(b"x")
+    out = edge_agent("push", "--device", "d", "--bundle", str(archive), "--broker", "127.0.0.1:1")
+    assert out.returncode == 1
+    assert "cannot reach the broker 127.0.0.1:1" in _one_line(out.stderr) and "--broker" in out.stderr
+
+
+def test_push_of_a_missing_file_is_one_line_not_a_file_not_found_traceback(tmp_path: Path) -> None:
+    out = edge_agent("push", "--device", "d", "--bundle", str(tmp_path / "nope.tar.gz"))
+    assert out.returncode == 1 and "nope.tar.gz: no such file or directory" in _one_line(out.stderr)
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    out = edge_agent("push", "--device", "d", "--bundle", str(tmp_path / "nope.tar.gz"), "--debug")
+    assert out.returncode == 1 and "Traceback" in out.stderr
+
+
+def test_config_check_piped_into_head_is_quiet_not_a_broken_pipe_traceback(tmp_path: Path) -> None:
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(f"bundle: {DEMO}\nsource: {{type: folder, path: {FRAMES}}}\n")
+    out = subprocess.run(f"{sys.executable} -m agent config check {cfg} | head -1", shell=True, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout == "{\n" and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_keygen_twice_refuses_to_replace_the_private_key_without_force(tmp_path: Path) -> None:
+    args = ("bundle", "keygen", "--private", str(tmp_path / "k.pem"), "--public", str(tmp_path / "k.pub"))
+    assert edge_agent(*args).returncode == 0
+    first = (tmp_path / "k.pem").read_bytes()
+    out = edge_agent(*args)
+    assert out.returncode == 2 and "--force" in _one_line(out.stderr)
+    assert (tmp_path / "k.pem").read_bytes() == first
+    assert edge_agent(*args, "--force").returncode == 0 and (tmp_path / "k.pem").read_bytes() != first
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("", "key source.path: source type folder needs a path"),
+    ("bundle: nowhere\nsource: {type: folder, path: .}", "key bundle:"),
+    (f"bundle: {FRAMES}\nsource: {{type: folder, path: .}}", "key bundle:"),
+    (f"bundle: {DEMO}\nsource: {{type: folder, path: missing-frames}}", "missing-frames does not exist"),
+    (f"bundle: {DEMO}\nsource: {{type: folder, path: {FRAMES}}}\npipeline: {{inference_workers: -3}}",
+     "key pipeline.inference_workers: expected >= 0, found -3"),
+    (f"bundle: {DEMO}\nsource: {{type: folder, path: {FRAMES}}}\nupdates: {{keep: 0}}",
+     "key updates.keep: expected >= 1, found 0"),
+])
+def test_config_check_refuses_a_config_that_cannot_serve(tmp_path: Path, text: str, problem: str) -> None:
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(text)
+    out = edge_agent("config", "check", str(cfg))
+    assert out.returncode == 1 and problem in _one_line(out.stderr), out.stderr
+
+
+def test_config_check_masks_the_mqtt_password(tmp_path: Path) -> None:
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(f"bundle: {DEMO}\nsource: {{type: folder, path: {FRAMES}}}\nmqtt: {{password: hunter2}}\n")
+    out = edge_agent("config", "check", str(cfg))
+    assert out.returncode == 0 and "hunter2" not in out.stdout + out.stderr
+    assert json.loads(out.stdout)["mqtt"]["password"] == "***"
+
+
+def test_config_check_accepts_the_shipped_systemd_config_with_its_placeholders() -> None:
+    out = edge_agent("config", "check", str(ROOT / "systemd" / "agent.yaml"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["bundle"] == "/opt/edge-agent/share/models/digits-classifier"
+    assert "@PREFIX@ placeholders read as /opt/edge-agent" in out.stderr
+
+
+def test_global_options_are_accepted_after_the_command_and_every_command_has_a_description() -> None:
+    out = edge_agent("config", "check", "--log-json", "--log-level", "error", str(ROOT / "systemd" / "agent.yaml"))
+    assert out.returncode == 0, out.stderr
+    for cmd in (["run"], ["selftest"], ["push"], ["monitor"], ["providers"], ["bundle", "verify"], ["config", "check"]):
+        h = edge_agent(*cmd, "--help").stdout
+        usage_end = h.index("\n\n")
+        assert h[usage_end:].strip().split("\n")[0] and not h[usage_end:].lstrip().startswith(("options:", "positional")), cmd
+
+
+def test_cli_state_dir_defaults_to_the_users_not_the_services(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg"), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "agent", "--log-level", "error", "selftest", "--bundle", str(DEMO),
+                          "--json"], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "xdg" / "edge-agent" / "selftest" / "report.json").exists()
+
+
+def test_log_level_from_the_config_is_honoured(tmp_path: Path) -> None:
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 's'}\nbundle: {DEMO}\nsource: {{type: folder, path: {FRAMES}}}\n"
+                   "output: {stdout: false}\nlog: {level: error, json: true}\n")
+    out = subprocess.run([sys.executable, "-m", "agent", "run", "--config", str(cfg), "--max-frames", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert '"level": "info"' not in out.stderr and "boot.ready" not in out.stderr
+
+
+def test_selftest_with_a_state_dir_it_cannot_write_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = edge_agent("selftest", "--bundle", str(DEMO), "--state-dir", str(blocker / "state"))
+    assert out.returncode == 1 and str(blocker) in _one_line(out.stderr), out.stderr
+
+
+def test_stream_reconnects_leave_no_opencv_or_ffmpeg_lines_in_the_json_log(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from brokers import free_port
+
+    cfg = tmp_path / "a.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 's'}\nbundle: {DEMO}\noutput: {{stdout: false}}\n"
+                   f"source: {{type: stream, url: 'http://127.0.0.1:{free_port()}/cam.mjpg', open_timeout_ms: 500, "
+                   "read_timeout_ms: 500, reconnect_initial_s: 0.2, reconnect_max_s: 0.5}\n")
+    err = tmp_path / "err.log"
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end and '"source.lost"' not in err.read_text():
+            time.sleep(0.2)
+        time.sleep(3)  # a few reconnect attempts
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
+    assert any('"source.lost"' in ln for ln in lines), lines[-5:]
+    assert [ln for ln in lines if not ln.startswith("{")] == []

@@ -53,3 +53,50 @@ def test_bad_config_names_file_and_key(tmp_path: Path, text: str, message: str) 
 def test_missing_config_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read config"):
         load_config(tmp_path / "nope.yaml")
+
+
+# -- ranges, masking, bounded JSON (issue 12) ----------------------------------------------------------------
+@pytest.mark.parametrize("text, message", [
+    ("pipeline: {inference_workers: -3}", r"key pipeline\.inference_workers: expected >= 0, found -3"),
+    ("updates: {keep: 0}", r"key updates\.keep: expected >= 1, found 0"),
+    ("mqtt: {port: 70000}", r"key mqtt\.port: expected <= 65535"),
+    ("pipeline: {queue_size: 0}", r"key pipeline\.queue_size: expected >= 1"),
+    ("updates: {min_chunk_bytes: 9000, max_chunk_bytes: 4096}", r"updates\.min_chunk_bytes: 9000 is over"),
+])
+def test_values_that_parse_but_cannot_work_are_refused_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, text))
+
+
+def test_masked_settings_hide_the_password_only() -> None:
+    from agent.config import Config, MqttConfig, config_to_dict, masked
+
+    doc = masked(config_to_dict(Config(mqtt=MqttConfig(username="u", password="hunter2"))))
+    assert doc["mqtt"]["password"] == "***" and doc["mqtt"]["username"] == "u"
+    assert masked(config_to_dict(Config()))["mqtt"]["password"] is None
+
+
+def test_state_dir_defaults_to_the_users_xdg_state_home_not_the_services(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    from agent.config import Config
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert Config().state_dir == tmp_path / "edge-agent"
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"[" * 60_000, "nested deeper than 32"),
+    (b'{"a": "' + b"[" * 100 + b'"}', None),  # brackets inside strings do not count
+    (b"x" * 70_000, "over the 65536 byte limit"),
+    (b"\xff\xfe", "not JSON"),
+    (b"[1]", "must be a JSON object"),
+    (b"1" * 5000, "not JSON"),  # Python refuses int strings over 4300 digits: an error, not a hang
+])
+def test_bounded_json_parsing(payload: bytes, message: str | None) -> None:
+    from agent.config import PayloadError, parse_json_object
+
+    if message is None:
+        assert parse_json_object(payload, 65536) == {"a": "[" * 100}
+    else:
+        with pytest.raises(PayloadError, match=message):
+            parse_json_object(payload, 65536)

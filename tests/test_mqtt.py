@@ -181,7 +181,7 @@ def test_outbox_bound_drops_oldest_counts_it_and_drains_the_newest_in_order(brok
 
 
 def _command(port: int, name: str, payload: bytes, props: Properties | None = None, **kw) -> dict:
-    col = Collector(port, [PREFIX + f"cmd/{name}/reply", "replies/#"], **kw)
+    col = Collector(port, [PREFIX + f"cmd/{name}/reply", PREFIX + "reply/#"], **kw)
     assert col.wait(lambda: col.connects >= 1)
     col.c.publish(PREFIX + f"cmd/{name}", payload, qos=1, properties=props)
     assert col.wait(lambda: col.messages, 60), f"no reply to {name}"
@@ -214,10 +214,10 @@ def test_commands_reply_and_bad_ones_get_an_error(broker: Broker, tmp_path: Path
         assert r["body"]["ok"] is False and "JSON object" in r["body"]["error"]
         # MQTT 5 request/response: the reply goes to the response topic with the correlation data
         props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = "replies/op-42"
+        props.ResponseTopic = PREFIX + "reply/op-42"
         props.CorrelationData = b"corr-1"
         r = _command(broker.port, "status", b"{}", props)
-        assert r["topic"] == "replies/op-42" and r["props"].CorrelationData == b"corr-1"
+        assert r["topic"] == PREFIX + "reply/op-42" and r["props"].CorrelationData == b"corr-1"
         assert agent.poll() is None  # nothing crashed
     finally:
         agent.send_signal(signal.SIGTERM)
@@ -337,3 +337,25 @@ def test_mqtt_311_and_home_assistant_discovery_reannounced_on_ha_restart(broker:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
         col.close()
+
+
+def test_unreachable_broker_is_a_structured_event_and_the_log_stays_json(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens: connection refused, again and again
+    agent = start_agent(agent_config(tmp_path, port), tmp_path / "agent.log")
+    try:
+        log = tmp_path / "agent.log"
+        assert wait_until_text(log, '"mqtt.connect_failed"', 30), log.read_text()[-2000:]
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+    bad = [ln for ln in (tmp_path / "agent.log").read_text().splitlines() if ln.strip() and not ln.startswith("{")]
+    assert bad == [], bad[:5]
+
+
+def wait_until_text(path: Path, text: str, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists() and text in path.read_text():
+            return True
+        time.sleep(0.2)
+    return False

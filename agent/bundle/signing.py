@@ -81,23 +81,30 @@ class SignatureCheck:
 def verify_signature(root: Path, trusted: Sequence[Path], allow_unsigned: bool = False) -> SignatureCheck:
     """Raise SignatureError unless bundle.sig verifies bundle.yaml with one of the trusted keys."""
     sig_path = root / SIGNATURE_NAME
-    if not sig_path.exists():
+    sig = sig_path.read_bytes() if sig_path.exists() else None
+    return verify_manifest_bytes((root / MANIFEST_NAME).read_bytes(), sig, trusted, allow_unsigned, where=str(sig_path))
+
+
+def verify_manifest_bytes(manifest: bytes, sig: bytes | None, trusted: Sequence[Path], allow_unsigned: bool = False,
+                          where: str = SIGNATURE_NAME) -> SignatureCheck:
+    """The check itself, on bytes: used before anything of an archive is unpacked."""
+    if sig is None:
         if allow_unsigned:
             return SignatureCheck(False, None)
-        raise SignatureError(f"{sig_path}: missing: unsigned bundles are refused (updates.allow_unsigned is false)")
+        raise SignatureError(f"{where}: missing: unsigned bundles are refused (updates.allow_unsigned is false)")
     try:
-        doc = json.loads(sig_path.read_text())
+        doc = json.loads(sig.decode("utf-8"))
         signature = base64.b64decode(doc["signature"], validate=True)
         kid = str(doc["key_id"])
         if doc.get("algorithm") != "ed25519":
             raise ValueError(f"algorithm {doc.get('algorithm')!r} is not ed25519")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SignatureError(f"{sig_path}: malformed signature file: {exc}") from exc
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        raise SignatureError(f"{where}: malformed signature file: {exc}") from exc
     keys = {key_id(k): k for k in (load_public(p) for p in trusted)}
     if kid not in keys:
-        raise SignatureError(f"{sig_path}: signed by unknown key {kid} (trusted: {sorted(keys) or 'none'})")
+        raise SignatureError(f"{where}: signed by unknown key {kid} (trusted: {sorted(keys) or 'none'})")
     try:
-        keys[kid].verify(signature, (root / MANIFEST_NAME).read_bytes())
+        keys[kid].verify(signature, manifest)
     except InvalidSignature as exc:
-        raise SignatureError(f"{sig_path}: bad signature: bundle.yaml was not signed by key {kid}") from exc
+        raise SignatureError(f"{where}: bad signature: bundle.yaml was not signed by key {kid}") from exc
     return SignatureCheck(True, kid)

@@ -8,7 +8,6 @@ the client reconnects with backoff in its own thread while the agent self-tests 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import ssl
 import threading
@@ -21,7 +20,7 @@ import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.config import MqttConfig
+from agent.config import MqttConfig, PayloadError, parse_json_object
 from agent.errors import ConfigError
 from agent.fsio import bump_counter, read_counter
 from agent.logsetup import get_logger
@@ -76,6 +75,7 @@ class MqttLink:
         self.session = read_counter(self._session_file)
         self.connected = threading.Event()
         self._stop = threading.Event()
+        self._running = threading.BoundedSemaphore(cfg.max_running_commands)
         self._pump_thread = threading.Thread(target=self._pump, name="mqtt-pump", daemon=True)
         v5 = cfg.protocol == "5"
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=cfg.client_id or f"edge-agent-{device_id}",
@@ -84,7 +84,9 @@ class MqttLink:
         self.v5 = v5
         # A bug in one of our callbacks must cost that message, never paho's network thread.
         self.client.suppress_exceptions = True
-        self.client.enable_logger(logging.getLogger("paho"))
+        # paho's own lines become structured events: a plain line would break the JSON log stream
+        self.client.on_log = self._on_paho_log
+        self.client.on_connect_fail = self._on_connect_fail
         self.client.max_inflight_messages_set(cfg.max_inflight)
         self.client.max_queued_messages_set(0)
         self.client.reconnect_delay_set(cfg.reconnect_min_s, cfg.reconnect_max_s)
@@ -111,6 +113,7 @@ class MqttLink:
         if self.v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.cfg.session_expiry_s
+            props.MaximumPacketSize = self.cfg.max_packet_bytes
         clean = self.cfg.clean_start if self.v5 else paho.MQTT_CLEAN_START_FIRST_ONLY
         self.client.connect_async(self.cfg.host, self.cfg.port, self.cfg.keepalive, clean_start=clean, properties=props)
         self.client.loop_start()
@@ -187,6 +190,16 @@ class MqttLink:
         self.connected.set()
         log.info("mqtt.connected", session=self.session, host=self.cfg.host, port=self.cfg.port)
 
+    def _on_paho_log(self, client: paho.Client, userdata: Any, level: int, buf: str) -> None:
+        if level == paho.MQTT_LOG_ERR:
+            log.error("mqtt.client_error", detail=buf)
+        elif level == paho.MQTT_LOG_WARNING:
+            log.warning("mqtt.client_warning", detail=buf)
+
+    def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
+        log.warning("mqtt.connect_failed", host=self.cfg.host, port=self.cfg.port, tls=self.cfg.tls is not None,
+                    detail="broker unreachable, refused or TLS failed; retrying with backoff")
+
     def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         was = self.connected.is_set()
         self.connected.clear()
@@ -215,28 +228,52 @@ class MqttLink:
         props = getattr(msg, "properties", None)
         response_topic = getattr(props, "ResponseTopic", None) if props else None
         correlation = getattr(props, "CorrelationData", None) if props else None
+        if isinstance(correlation, (bytes, bytearray)) and len(correlation) > 256:
+            correlation = None
+        name = name[:64]
+        if response_topic is not None and not self.reply_allowed(response_topic):
+            # never publish where the caller points: another device's cmd/ or our own predictions
+            self.reply(Command(name, {}, None, correlation),
+                       {"ok": False, "error": f"response topic {response_topic[:200]!r} is outside this device's "
+                                              f"reply namespace {self.topics.prefix}reply/# (allow more with "
+                                              "mqtt.reply_topics); the command was not run"})
+            return
         try:
-            payload = json.loads(msg.payload.decode("utf-8")) if msg.payload.strip() else {}
-            if not isinstance(payload, dict):
-                raise ValueError("the payload must be a JSON object")
-        except (ValueError, UnicodeDecodeError) as exc:
+            payload = parse_json_object(msg.payload, self.cfg.max_payload_bytes, self.cfg.max_json_depth)
+        except PayloadError as exc:
             self.reply(Command(name, {}, response_topic, correlation),
                        {"ok": False, "error": f"malformed payload: {exc}"})
             return
         cmd = Command(name, payload, response_topic, correlation)
+        if not self._running.acquire(blocking=False):
+            self.reply(cmd, {"ok": False, "error": f"busy: {self.cfg.max_running_commands} commands are running "
+                                                   "(mqtt.max_running_commands); send it again later"})
+            return
         # Handlers may take seconds (a self-test): never block paho's network thread.
         threading.Thread(target=self._handle, args=(cmd,), name=f"cmd-{name}", daemon=True).start()
 
+    def reply_allowed(self, topic: str) -> bool:
+        if not topic or len(topic) > 512 or any(c in topic for c in "+#\0"):
+            return False
+        own = self.topics.prefix + "reply/"
+        if topic.startswith(own) and len(topic) > len(own):
+            return True
+        return any(paho.topic_matches_sub(f, topic) for f in self.cfg.reply_topics)
+
     def _handle(self, cmd: Command) -> None:
         try:
-            result = self.on_command(cmd)
-        except Exception as exc:  # a failing command is an error reply, never a crash
-            log.exception("command.failed", command=cmd.name)
-            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.reply(cmd, result)
+            try:
+                result = self.on_command(cmd)
+            except Exception as exc:  # a failing command is an error reply, never a crash
+                log.exception("command.failed", command=cmd.name)
+                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            self.reply(cmd, result)
+        finally:
+            self._running.release()
 
     def reply(self, cmd: Command, result: dict[str, Any]) -> None:
-        body = {"command": cmd.name, **({"id": cmd.payload["id"]} if "id" in cmd.payload else {}), **result}
+        cid = cmd.payload.get("id")
+        body = {"command": cmd.name, **({"id": cid} if isinstance(cid, (str, int, float)) else {}), **result}
         props = None
         if self.v5 and cmd.correlation is not None:
             props = Properties(PacketTypes.PUBLISH)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -15,6 +17,10 @@ from agent import __version__
 from agent.errors import AgentError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_SELECTED = 0, 1, 2, 3
+
+
+class UsageError(AgentError):
+    """The command line asks for something refused as given (exit 2)."""
 
 
 @contextmanager
@@ -46,6 +52,10 @@ def _cmd_bundle_verify(args: argparse.Namespace) -> int:
 def _cmd_bundle_keygen(args: argparse.Namespace) -> int:
     from agent.bundle.signing import keygen
 
+    existing = [str(p) for p in (args.private, args.public) if p.exists()]
+    if existing and not args.force:
+        raise UsageError(f"{', '.join(existing)} already exists: replacing a signing key strands every device that "
+                         "trusts it; pass --force to overwrite, or choose other paths")
     kid = keygen(args.private, args.public)
     print(f"key {kid}: private {args.private} (keep it off devices), public {args.public} (updates.trusted_keys)")
     return EXIT_OK
@@ -148,10 +158,37 @@ def _load_cfg(path: Path | None):
     return load_config(path) if path else Config()
 
 
+def _apply_log_config(args: argparse.Namespace, cfg) -> None:  # type: ignore[no-untyped-def]
+    """The config's log.level/log.json apply unless the command line says otherwise."""
+    from agent.logsetup import configure_logging
+
+    level = args.log_level or cfg.log.level
+    as_json = args.log_json if args.log_json is not None else cfg.log.json
+    configure_logging(level, as_json)
+    _quiet_opencv(as_json if as_json is not None else not sys.stderr.isatty(), level)
+
+
+def _quiet_opencv(as_json: bool, level: str) -> None:
+    """OpenCV's native logger (and FFmpeg's below it) write `[ WARN:...]` lines straight to stderr and cannot be
+    handed to structlog from Python: under JSON logs they are silenced (sources report reconnects as
+    structured events)."""
+    if as_json:
+        # FFmpeg under OpenCV logs its own `[tcp @ 0x...] Connection refused` lines; read once, at its first use
+        os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")  # AV_LOG_QUIET
+    try:
+        import cv2
+    except ImportError:
+        return
+    lv = cv2.utils.logging
+    lv.setLogLevel(lv.LOG_LEVEL_SILENT if as_json else (lv.LOG_LEVEL_DEBUG if level == "debug" else lv.LOG_LEVEL_ERROR))
+
+
 def _cmd_providers(args: argparse.Namespace) -> int:
     from agent.proof.probe import detect_providers
 
     cfg = _load_cfg(args.config)
+    if args.config:
+        _apply_log_config(args, cfg)
     statuses = detect_providers(cfg.providers.order, cfg.providers.options, cfg.session)
     if args.json:
         print(json.dumps([s.to_dict() for s in statuses], indent=2))
@@ -169,6 +206,8 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     from agent.proof.selftest import options_from_config, run_selftest
 
     cfg = _load_cfg(args.config)
+    if args.config:
+        _apply_log_config(args, cfg)
     state = args.state_dir or cfg.state_dir
     opts = options_from_config(cfg, provider=args.provider, variant=args.variant,
                                use_cache=False if args.no_cache else None)
@@ -219,6 +258,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from agent.service.daemon import Agent, demo_config
 
     cfg = _load_cfg(args.config) if args.config else demo_config()
+    _apply_log_config(args, cfg)
     if args.max_frames is not None:
         from dataclasses import replace
 
@@ -249,26 +289,78 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
                        tls_ca=args.tls_ca, username=args.username, password=password, insecure=args.tls_insecure)
 
 
-def _cmd_config_check(args: argparse.Namespace) -> int:
-    from agent.config import config_to_dict, load_config
+PLACEHOLDER = "@PREFIX@"
 
-    cfg = load_config(args.file)
-    print(json.dumps(config_to_dict(cfg), indent=2))
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    """Parse, range-check, then prove the config can serve: the bundle loads and the source can be opened."""
+    from agent.config import config_to_dict, masked, parse_config
+
+    try:
+        text = args.file.read_text()
+    except OSError as exc:
+        raise AgentError(f"{args.file}: cannot read config: {exc.strerror}") from exc
+    template = PLACEHOLDER in text
+    if template:
+        # systemd/agent.yaml is the template install.sh fills in (sed s|@PREFIX@|$PREFIX|)
+        text = text.replace(PLACEHOLDER, str(args.prefix or "/opt/edge-agent"))
+    cfg = parse_config(text, str(args.file))
+    notes = ([f"{PLACEHOLDER} placeholders read as {args.prefix or '/opt/edge-agent'} (install.sh's PREFIX; "
+              "change with --prefix DIR)"] if template else [])
+    problems: list[str] = []
+    if cfg.bundle is None:
+        notes.append("no bundle configured: the agent will run not serving until one is pushed")
+    elif template and not args.prefix and not cfg.bundle.exists():
+        notes.append(f"bundle {cfg.bundle}: not installed here; checked when install.sh installs this config")
+    else:
+        from agent.bundle.load import load_bundle
+
+        try:
+            b = load_bundle(cfg.bundle)
+            notes.append(f"bundle {b.identity} loads: schema, file hashes and contracts verified")
+        except AgentError as exc:
+            problems.append(f"key bundle: {exc}")
+    src = cfg.source
+    if src.type in ("folder", "video", "file"):
+        if src.path is None:
+            problems.append(f"key source.path: source type {src.type} needs a path")
+        elif not src.path.exists():
+            if template and not args.prefix:
+                notes.append(f"source.path {src.path}: not installed here")
+            else:
+                problems.append(f"key source.path: {src.path} does not exist")
+        elif src.type == "folder" and not src.path.is_dir():
+            problems.append(f"key source.path: {src.path} is not a directory")
+        elif not os.access(src.path, os.R_OK):
+            problems.append(f"key source.path: {src.path} is not readable by this user")
+    elif src.type == "stream" and not src.url:
+        problems.append("key source.url: source type stream needs a url")
+    elif src.type == "mqtt" and not src.topic:
+        problems.append("key source.topic: source type mqtt needs a topic")
+    else:
+        notes.append(f"source {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
+    for k in cfg.updates.trusted_keys:
+        if not k.exists() and not (template and not args.prefix):
+            problems.append(f"key updates.trusted_keys: {k} does not exist")
+    if cfg.updates.enabled and not cfg.updates.trusted_keys and not cfg.updates.allow_unsigned:
+        notes.append("updates enabled with no trusted_keys: every pushed bundle will be refused")
+    if problems:
+        raise AgentError(f"{args.file}: cannot serve: " + "; ".join(problems))
+    print(json.dumps(masked(config_to_dict(cfg)), indent=2))
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    print(f"{args.file}: OK", file=sys.stderr)
     return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edge-agent", description="ONNX Runtime inference agent that proves its model on the device.")
     p.add_argument("--version", action="version", version=f"edge-agent {__version__}")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--log-json", dest="log_json", action="store_const", const=True, default=None,
-                     help="JSON log lines (default when stderr is not a terminal)")
-    fmt.add_argument("--log-pretty", dest="log_json", action="store_const", const=False)
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _global_options(p, top=True)
+    sub = _Sub(p.add_subparsers(dest="command", required=True, metavar="COMMAND"))
 
     b = sub.add_parser("bundle", help="verify, inspect, pack, unpack and create model bundles")
-    bsub = b.add_subparsers(dest="bundle_command", required=True, metavar="ACTION")
+    bsub = _Sub(b.add_subparsers(dest="bundle_command", required=True, metavar="ACTION"))
     v = bsub.add_parser("verify", help="check schema, hashes, contracts, golden samples (and the signature)")
     v.add_argument("path", type=Path, help="bundle directory or .tar.gz")
     v.add_argument("--pubkey", type=Path, action="append", default=[], help="trusted public key (repeatable)")
@@ -276,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg = bsub.add_parser("keygen", help="make an Ed25519 signing key pair")
     kg.add_argument("--private", type=Path, required=True)
     kg.add_argument("--public", type=Path, required=True)
+    kg.add_argument("--force", action="store_true", help="overwrite an existing key pair")
     kg.set_defaults(func=_cmd_bundle_keygen)
     sg = bsub.add_parser("sign", help="sign a bundle directory's manifest (writes bundle.sig)")
     sg.add_argument("dir", type=Path)
@@ -377,22 +470,91 @@ def build_parser() -> argparse.ArgumentParser:
     mo.set_defaults(func=_cmd_monitor)
 
     cf = sub.add_parser("config", help="validate a config file")
-    csub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    csub = _Sub(cf.add_subparsers(dest="config_command", required=True, metavar="ACTION"))
     cc = csub.add_parser("check", help="validate and print the effective settings")
     cc.add_argument("file", type=Path)
+    cc.add_argument("--prefix", type=Path, help="what @PREFIX@ placeholders stand for (install.sh's --prefix; "
+                                                   "default /opt/edge-agent)")
     cc.set_defaults(func=_cmd_config_check)
     return p
+
+
+def _global_options(p: argparse.ArgumentParser, top: bool) -> None:
+    """On the program and on every command, so `edge-agent run --log-json` works like `edge-agent --log-json run`."""
+    d = {} if top else {"default": argparse.SUPPRESS}
+    g = p.add_argument_group("global options")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                   help="default: the config's log.level, else info", **({"default": None} if top else d))
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--log-json", dest="log_json", action="store_const", const=True,
+                     help="JSON log lines (default when stderr is not a terminal)", **({"default": None} if top else d))
+    fmt.add_argument("--log-pretty", dest="log_json", action="store_const", const=False, help="readable log lines",
+                     **({"default": None} if top else d))
+    g.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error",
+                   **({"default": False} if top else d))
+
+
+class _Sub:
+    """add_parser with the help text as the command's description, and the global options on every command."""
+
+    def __init__(self, action: argparse._SubParsersAction):
+        self.action = action
+
+    def add_parser(self, name: str, **kw) -> argparse.ArgumentParser:  # type: ignore[no-untyped-def]
+        kw.setdefault("description", kw.get("help"))
+        sp = self.action.add_parser(name, **kw)
+        _global_options(sp, top=False)
+        return sp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from agent.logsetup import configure_logging
 
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_json)
+    configure_logging(args.log_level or "info", args.log_json)
     try:
         return args.func(args)
+    except UsageError as exc:
+        return _fail(args, exc, str(exc), EXIT_USAGE)
     except AgentError as exc:
-        print(f"edge-agent: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return _fail(args, exc, str(exc), EXIT_ERROR)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `edge-agent ... | head`: the reader left; say nothing, and keep Python's exit flush quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:
+        return _fail(args, exc, _explain_os_error(args, exc), EXIT_ERROR)
+    except Exception as exc:  # a bug: one line, and the traceback with --debug
+        return _fail(args, exc, f"internal error: {type(exc).__name__}: {exc} (run again with --debug for the "
+                                "traceback, and report it)", EXIT_ERROR)
+
+
+def _fail(args: argparse.Namespace, exc: BaseException, line: str, code: int) -> int:
+    if getattr(args, "debug", False):
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"edge-agent: {line.splitlines()[0] if line else type(exc).__name__}", file=sys.stderr)
+    return code
+
+
+def _explain_os_error(args: argparse.Namespace, exc: OSError) -> str:
+    """What went wrong with which file or address, and what to do about it."""
+    where = exc.filename or ""
+    what = exc.strerror or str(exc)
+    if isinstance(exc, (ConnectionRefusedError, ConnectionResetError)) or exc.errno in (
+            errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT):
+        broker = getattr(args, "broker", None)
+        return (f"cannot reach the broker{' ' + broker if broker else ''}: {what}; is it running and listening "
+                "there? (--broker HOST:PORT)")
+    if isinstance(exc, PermissionError):
+        hint = ("pass --state-dir DIR (or set state_dir in the config) to a directory you can write"
+                if "edge-agent" in str(where) else "check the path's owner and mode")
+        return f"{where}: permission denied; {hint}"
+    if isinstance(exc, FileNotFoundError):
+        return f"{where}: no such file or directory; check the path"
+    if isinstance(exc, IsADirectoryError):
+        return f"{where}: is a directory; give a file"
+    return f"{where + ': ' if where else ''}{what}"

@@ -289,7 +289,7 @@ class Agent:
                 url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
                 if not isinstance(url, str) or not isinstance(sha, str):
                     return {"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"}
-                result = self.updater.from_url(url, sha, str(cmd.payload.get("id", url.rsplit("/", 1)[-1])))
+                result = self.downloader.fetch(url, sha, str(cmd.payload.get("id", url.rsplit("/", 1)[-1])))
             return {"ok": result["state"] == "committed", "update": result}
         return {"ok": False, "error": f"unknown command {cmd.name!r} (known: {', '.join(COMMANDS)})"}
 
@@ -362,23 +362,18 @@ class Agent:
         if not self.cfg.updates.enabled:
             return
         from agent.updates.store import BundleStore
-        from agent.updates.updater import ChunkReceiver, Updater
+        from agent.updates.delivery import ChunkReceiver, Downloader, watch_inbox
+        from agent.updates.updater import Updater
 
         self.store = self.store or BundleStore(self.cfg.state_dir / "store")
         self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, self.cfg.source_file,
                                self._publish_update)
-        self.receiver = ChunkReceiver(self.updater)
-        threading.Thread(target=self.updater.watch_inbox, args=(self.stop_event,), name="inbox", daemon=True).start()
+        self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
+        threading.Thread(target=watch_inbox, args=(self.updater, self.stop_event), name="inbox", daemon=True).start()
+        threading.Thread(target=self.receiver.run_sweeper, args=(self.stop_event,), name="sweeper", daemon=True).start()
 
     def _on_bundle_message(self, topic: str, payload: bytes) -> None:
-        t = self.link.topics
-        if topic == t.bundle_offer:
-            self.receiver.on_offer(json.loads(payload))
-        elif topic == t.bundle_done:
-            self.receiver.on_done(json.loads(payload))
-        elif topic.startswith(t.prefix + "bundle/chunk/"):
-            transfer, index = topic[len(t.prefix + "bundle/chunk/"):].split("/")
-            self.receiver.on_chunk(transfer, int(index), payload)
+        self.receiver.on_message(topic[len(self.link.topics.prefix):], payload)
 
     def run(self) -> int:
         """Boot, serve until stopped or the source ends, drain, exit 0. Not serving: wait until stopped."""

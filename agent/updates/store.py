@@ -4,6 +4,7 @@
   store/current   -> bundles/...             what serves now (possibly on probation)
   store/committed -> bundles/...             the last bundle that passed probation
   store/history.json                         committed ids, oldest first (for rollback)
+  store/seeds.json                           bundles the operator installed (config `bundle`): id -> manifest sha256
 
 Every switch is a new symlink renamed over the old one (atomic), then a directory fsync; at boot an
 uncommitted `current` is put back to `committed`, so power loss at any step boots the last committed
@@ -138,7 +139,14 @@ class BundleStore:
         bundle = load_bundle(staged)
         bid = self.add(staged, bundle)
         self.commit(bid)
+        # trusted as what the operator installed (it needs no signature), pinned to its manifest hash
+        seeds = read_json(self.root / "seeds.json", {}) or {}
+        write_json_atomic(self.root / "seeds.json", {**seeds, bid: bundle.manifest_sha256})
         return bid
+
+    def seed_sha256(self, bid: str) -> str | None:
+        """The manifest hash recorded when the operator's bundle seeded the store; None for pushed bundles."""
+        return (read_json(self.root / "seeds.json", {}) or {}).get(bid)
 
     def prune(self, keep: int) -> list[str]:
         """Keep the newest `keep` committed bundles, and never the ones in use."""

@@ -1,8 +1,8 @@
 """Updates: a pushed bundle is verified, self-tested on this device in a child process, switched in
 atomically, watched on probation, then committed, or rolled back. The old bundle serves until then.
 
-Delivery: MQTT chunks (`ChunkReceiver`), a URL with its sha256, or a `.tar.gz` dropped into an inbox.
-Every step is logged and published on `update/status`.
+How a bundle arrives (MQTT chunks, a URL, an inbox) is agent.updates.delivery's job; every step is
+logged and published on `update/status`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from agent import __version__
-from agent.bundle.archive import UnpackLimits, unpack
+from agent.bundle.archive import UnpackLimits, unpack_signed
 from agent.bundle.load import Bundle, load_bundle
 from agent.config import UpdatesConfig
 from agent.errors import AgentError
@@ -94,9 +92,9 @@ class Updater:
             if actual != expected_sha256:
                 raise UpdateRejected(f"hash mismatch: archive sha256 {actual[:16]}..., expected {expected_sha256[:16]}...")
         self.status(update, origin, "unpacking")
-        root = unpack(archive, work / "bundle", UnpackLimits(max_member_bytes=self.cfg.max_bundle_bytes,
-                                                             max_total_bytes=self.cfg.max_bundle_bytes))
-        sig = verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
+        # signature first: nothing is written before bundle.yaml verifies; each member is hashed as it lands
+        root, sig = unpack_signed(archive, work / "bundle", UnpackLimits(max_member_bytes=self.cfg.max_bundle_bytes,
+                                  max_total_bytes=self.cfg.max_bundle_bytes), self.cfg.trusted_keys, self.cfg.allow_unsigned)
         if not sig.signed:
             log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
         bundle = load_bundle(root)
@@ -113,8 +111,12 @@ class Updater:
                 return self.status(update, "rollback", "rejected", reason="no previous committed bundle in the store")
             try:
                 root = self.store.path(prev)
-                verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
+                seeded = self.store.seed_sha256(prev)  # the operator's own seed needs no signature ...
+                if seeded is None:
+                    verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
                 bundle = load_bundle(root)
+                if seeded is not None and bundle.manifest_sha256 != seeded:  # ... but must be what was installed
+                    raise UpdateRejected(f"{root}: the seeded bundle changed on disk since it was installed")
                 self.status(update, "rollback", "verified", bundle=bundle.identity)
                 return self._prove_and_switch(update, "rollback", root, bundle, stored_id=prev)
             except AgentError as exc:
@@ -214,131 +216,3 @@ class Updater:
         if budget is not None and p95 > budget:
             return False, f"probation: inference p95 = {p95:.2f} ms over budget {budget:g} ms"
         return True, f"{served} frames, inference p95 {p95:.2f} ms, no errors"
-
-    # -- delivery: URL -----------------------------------------------------------------------------------
-    def from_url(self, url: str, sha256: str, update: str) -> dict[str, Any]:
-        if not url.startswith(("http://", "https://")):
-            return self.status(update, "url", "rejected", reason=f"only http(s) URLs are fetched, not {url!r}")
-        dest = self.store.new_staging("download-") / "bundle.tar.gz"
-        self.status(update, "url", "downloading", url=url)
-        try:
-            with urllib.request.urlopen(url, timeout=self.cfg.download_timeout_s) as r, open(dest, "wb") as f:
-                total = 0
-                while chunk := r.read(1 << 20):
-                    total += len(chunk)
-                    if total > self.cfg.max_bundle_bytes:
-                        return self.status(update, "url", "rejected",
-                                           reason=f"download over updates.max_bundle_bytes {self.cfg.max_bundle_bytes}")
-                    f.write(chunk)
-        except (OSError, ValueError) as exc:
-            return self.status(update, "url", "rejected", reason=f"download failed: {exc}")
-        try:
-            return self.install(dest, "url", update, expected_sha256=sha256)
-        finally:
-            shutil.rmtree(dest.parent, ignore_errors=True)
-
-    # -- delivery: inbox ---------------------------------------------------------------------------------
-    def watch_inbox(self, stop: threading.Event) -> None:
-        inbox = self.cfg.inbox
-        if inbox is None:
-            return
-        for sub in ("done", "rejected"):
-            (inbox / sub).mkdir(parents=True, exist_ok=True)
-        while not stop.wait(1.0):
-            for f in sorted(inbox.glob("*.tar.gz")):  # copy as .part, then rename: only whole files match
-                result = self.install(f, "inbox", f.name)
-                target = inbox / ("done" if result["state"] == "committed" else "rejected") / f.name
-                os.replace(f, target)
-                if result["state"] != "committed":
-                    target.with_suffix(".reason.txt").write_text(str(result.get("reason")) + "\n")
-
-
-@dataclass
-class Transfer:
-    id: str
-    size: int
-    sha256: str
-    chunk_size: int
-    chunks: int
-    path: Path
-    received: set[int] = field(default_factory=set)
-    done_requests: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-
-class ChunkReceiver:
-    """Reassembles an MQTT-pushed bundle: offer, chunks (any order, resent on request), done."""
-
-    MAX_DONE_WITHOUT_DATA = 3
-
-    def __init__(self, updater: Updater):
-        self.updater = updater
-        self.transfers: dict[str, Transfer] = {}
-        self.lock = threading.Lock()
-
-    def on_offer(self, doc: dict[str, Any]) -> None:
-        try:
-            tid = str(doc["transfer"])
-            size, sha, chunk = int(doc["size"]), str(doc["sha256"]), int(doc["chunk_size"])
-        except (KeyError, TypeError, ValueError) as exc:
-            self.updater.status(str(doc.get("transfer", "?")), "mqtt", "rejected", reason=f"malformed offer: {exc}")
-            return
-        if size <= 0 or chunk <= 0 or "/" in tid:
-            self.updater.status(tid, "mqtt", "rejected", reason="malformed offer: size, chunk_size or transfer id")
-            return
-        if size > self.updater.cfg.max_bundle_bytes:
-            self.updater.status(tid, "mqtt", "rejected",
-                                reason=f"offer of {size} bytes is over updates.max_bundle_bytes {self.updater.cfg.max_bundle_bytes}")
-            return
-        path = self.updater.store.new_staging("push-") / "bundle.tar.gz"
-        with open(path, "wb") as f:
-            f.truncate(size)
-        with self.lock:
-            self.transfers[tid] = Transfer(tid, size, sha, chunk, (size + chunk - 1) // chunk, path)
-        self.updater.status(tid, "mqtt", "receiving", name=doc.get("name"), version=doc.get("version"), size=size)
-
-    def on_chunk(self, tid: str, index: int, data: bytes) -> None:
-        t = self.transfers.get(tid)
-        if t is None or not 0 <= index < t.chunks:
-            return
-        offset = index * t.chunk_size
-        if offset + len(data) > t.size:
-            return  # longer than offered: ignored, the hash check will refuse the result
-        with open(t.path, "r+b") as f:
-            f.seek(offset)
-            f.write(data)
-        before = len(t.received) * 10 // t.chunks
-        t.received.add(index)
-        if len(t.received) * 10 // t.chunks > before:
-            self.updater.status(tid, "mqtt", "progress", received=len(t.received), chunks=t.chunks)
-
-    def on_done(self, doc: dict[str, Any]) -> None:
-        tid = str(doc.get("transfer"))
-        t = self.transfers.get(tid)
-        if t is None:
-            self.updater.status(tid, "mqtt", "rejected", reason="done for an unknown transfer (send the offer first)")
-            return
-        missing = sorted(set(range(t.chunks)) - t.received)
-        if missing:
-            t.done_requests += 1
-            if t.done_requests >= self.MAX_DONE_WITHOUT_DATA:
-                self._forget(t)
-                self.updater.status(tid, "mqtt", "rejected",
-                                    reason=f"truncated upload: {len(t.received)} of {t.chunks} chunks arrived")
-                return
-            self.updater.status(tid, "mqtt", "missing", chunks=missing[:1000], count=len(missing))
-            return
-        self._forget(t, keep_file=True)
-        threading.Thread(target=self._install, args=(t,), name=f"update-{tid}", daemon=True).start()
-
-    def _install(self, t: Transfer) -> None:
-        try:
-            self.updater.install(t.path, "mqtt", t.id, expected_sha256=t.sha256)
-        finally:
-            shutil.rmtree(t.path.parent, ignore_errors=True)
-
-    def _forget(self, t: Transfer, keep_file: bool = False) -> None:
-        with self.lock:
-            self.transfers.pop(t.id, None)
-        if not keep_file:
-            shutil.rmtree(t.path.parent, ignore_errors=True)

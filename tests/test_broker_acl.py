@@ -1,0 +1,92 @@
+"""The broker ACL shipped in examples/mosquitto/acl, on a real Mosquitto with two device accounts and an
+operator: a device cannot command another device nor read its commands; the operator commands all."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from brokers import MOSQUITTO, Broker, Collector
+from waiting import end_process
+
+ROOT = Path(__file__).resolve().parents[1]
+ACL = ROOT / "examples" / "mosquitto" / "acl"
+
+pytestmark = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
+                                reason="mosquitto is not installed (scripts/test.sh installs it)")
+
+USERS = {"dev-a": "a-secret", "dev-b": "b-secret", "operator": "op-secret"}
+
+
+class AclBroker(Broker):
+    """One plain listener with the example ACL and a password file (no TLS: the ACL is what is tested)."""
+
+    def write_config(self) -> Path:
+        conf = super().write_config()
+        passwd = self.workdir / "passwd"
+        for i, (user, pw) in enumerate(USERS.items()):
+            subprocess.run(["mosquitto_passwd", "-b", *(["-c"] if i == 0 else []), str(passwd), user, pw],
+                           check=True, capture_output=True)
+        text = conf.read_text().replace("allow_anonymous true",
+                                        f"allow_anonymous false\npassword_file {passwd}\nacl_file {ACL}")
+        conf.write_text(text)
+        return conf
+
+
+def attempt(col: Collector, topic: str, payload: bytes) -> None:
+    """Publish as that client; the broker may refuse with a PUBACK reason or by dropping the connection
+    (both are refusals: only the effect on the other device is asserted)."""
+    col.wait(lambda: col.c.is_connected(), 10)
+    try:
+        col.c.publish(topic, payload, qos=1).wait_for_publish(5)
+    except (RuntimeError, ValueError):
+        pass
+
+
+def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: Path) -> None:
+    broker = AclBroker(tmp_path / "broker").start()
+    cfg = {"device_id": "dev-b", "state_dir": str(tmp_path / "state"),
+           "bundle": str(ROOT / "models" / "digits-classifier"),
+           "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
+                      "max_fps": 20},
+           "output": {"stdout": False, "health_interval_s": 0.5},
+           "mqtt": {"enabled": True, "port": broker.port, "username": "dev-b", "password": USERS["dev-b"],
+                    "reconnect_min_s": 1, "reconnect_max_s": 1}}
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(cfg))
+    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "b.yaml")],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "w"))
+    operator = Collector(broker.port, ["edge/#"], username="operator", password=USERS["operator"])
+    # dev-a, a device with a valid account, tries to listen to dev-b's commands and to pause it
+    rogue = Collector(broker.port, ["edge/dev-b/cmd/#", "edge/dev-b/#"], username="dev-a", password=USERS["dev-a"])
+    try:
+        health = lambda: [json.loads(m.payload) for m in operator.on("edge/dev-b/health")]  # noqa: E731
+        assert operator.wait(lambda: any(h["serving"] for h in health()), 90), (tmp_path / "agent.log").read_text()[-2000:]
+        assert rogue.wait(lambda: rogue.connects >= 1, 10)
+        attempt(rogue, "edge/dev-b/cmd/pause", b"{}")
+        attempt(rogue, "edge/dev-b/bundle/offer", b'{"transfer": "x"}')
+        time.sleep(1.5)
+        assert operator.on("edge/dev-b/cmd/pause/reply") == [], "dev-b obeyed dev-a"
+        assert not health()[-1]["paused"]
+        # the operator commands dev-b: it obeys, and dev-a sees neither the command nor the reply
+        operator.c.publish("edge/dev-b/cmd/pause", b'{"id": "op"}', qos=1).wait_for_publish(5)
+        assert operator.wait(lambda: operator.on("edge/dev-b/cmd/pause/reply"), 20)
+        assert json.loads(operator.on("edge/dev-b/cmd/pause/reply")[0].payload)["paused"] is True
+        time.sleep(0.5)
+        assert rogue.messages == [], [m.topic for m in rogue.messages]
+        # and dev-a cannot speak for dev-b: its forged health never reaches the operator
+        n = len(health())
+        attempt(rogue, "edge/dev-b/health", b'{"serving": false, "forged": true}')
+        time.sleep(1.0)
+        assert not any(h.get("forged") for h in health()[n:])
+    finally:
+        end_process(agent)
+        operator.close()
+        rogue.close()
+        broker.stop()
