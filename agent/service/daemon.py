@@ -197,10 +197,6 @@ class Agent:
     def health(self) -> dict[str, Any]:
         p = self.pipeline
         status = p.status() if p is not None else None
-        selftest = None
-        if self.selftest_doc is not None:
-            d = self.selftest_doc
-            selftest = {"passed": d["passed"], "created": d["created"], "cached": d["cached"], "reason": d["reason"]}
         source = None
         if p is not None:
             st = p.source.stats
@@ -216,12 +212,14 @@ class Agent:
             not_serving_reason=self.not_serving_reason,
             engine=self.engine.describe() if self.engine else None,
             placement=dict(self.engine.opened.placement.nodes_by_provider) if self.engine else None,
-            selftest=selftest,
+            selftest=self.selftest_doc,  # health_selftest(): the figures /metrics and the report page show
             pipeline=status.metrics if status else None,
             source=source,
             outbox=self.outbox.stats() if self.outbox is not None else None,
             process=self.probe.sample(),
             paused=bool(p and p.paused.is_set()),
+            mqtt_connected=self.link.connected.is_set() if self.link is not None else None,
+            update=self._last_update,
         )
 
     def publish_health(self) -> dict[str, Any]:
