@@ -151,7 +151,8 @@ def _entries(section: str, d: Mapping[str, Any], inherited: Mapping[str, Any]) -
     bounds = {**inherited, **_bounds_of(d)}
     stage = d.get("stage") if isinstance(d.get("stage"), str) else None
     for name, raw in d.items():
-        if name in ("bounds", "thresholds", "limits", "stage") or name.endswith("sample") or name in _SAMPLE_KEYS:
+        if name in ("bounds", "thresholds", "limits", "stage") or (
+                name not in _SAMPLE_LISTS and (name.endswith("sample") or name in _SAMPLE_KEYS)):
             continue
         if name in _SAMPLE_LISTS and isinstance(raw, list):
             for i, entry in enumerate(raw):

@@ -39,7 +39,7 @@ tr.fail td{background:#fff1f1}ul.reasons{margin:2px 0;padding-left:18px}ul.reaso
 .bar{display:flex;height:22px;width:100%;max-width:640px;border:1px solid #bbb;border-radius:3px;overflow:hidden}
 .bar span{display:block;height:100%;color:#fff;font-size:11px;line-height:22px;padding-left:4px;white-space:nowrap;overflow:hidden}
 .legend span{display:inline-block;margin-right:12px;font-size:12px}.legend i{display:inline-block;width:10px;height:10px;margin-right:4px}
-.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(170px,1fr));gap:8px}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(170px,1fr));gap:8px;align-items:start}
 .card{background:#fff;border:1px solid #ddd;border-radius:5px;padding:6px;font-size:12px}
 .card.fail{border:2px solid #c62828;background:#fff5f5}.card img{display:block;width:96px;image-rendering:auto;margin-bottom:4px}
 .card .stage{font-weight:600;color:#b71c1c}.muted{color:#777}

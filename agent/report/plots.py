@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,6 +36,7 @@ def _svg(fig: Any) -> str:
     fig.savefig(buf, format="svg", bbox_inches="tight")
     plt.close(fig)
     text = buf.getvalue()
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)  # creator/date RDF: bytes nobody reads
     return text[text.index("<svg"):]  # drop the XML prolog and doctype: inline in HTML
 
 
@@ -54,34 +56,37 @@ def latency_plot(series: Sequence[LatencySeries]) -> str:
     percentiles, p50-p95 as a bar with p99 as a whisker), with its budget as a vertical line."""
     plt = _pyplot()
     n = len(series)
-    fig, axes = plt.subplots(n, 1, figsize=(7.0, 1.35 * n + 0.5), sharex=True, squeeze=False)
-    hi = max([s.budget_ms or 0 for s in series] + [max(s.samples_ms, default=0) for s in series]
-             + [s.p99_ms or 0 for s in series]) or 1.0
+    fig, axes = plt.subplots(n, 1, figsize=(7.0, 1.45 * n + 0.5), sharex=True, squeeze=False)
+    # up to the furthest budget or 1.5 x p95: the few slow outliers past it are counted in the title, not
+    # allowed to squash the distribution the verdict is about
+    hi = 1.15 * (max([s.budget_ms or 0 for s in series] + [1.5 * (s.p95_ms or 0) for s in series]
+                     + [max(s.samples_ms, default=0) if s.p95_ms is None else 0 for s in series]) or 1.0)
     for ax, s in zip(axes[:, 0], series):
         color = PASS_COLOR if s.verdict == "pass" else FAIL_COLOR if s.verdict == "fail" else NEUTRAL_COLOR
+        title = f"{s.label}  [{s.verdict.upper()}]"
         if s.samples_ms:
-            ax.hist(s.samples_ms, bins=min(40, max(8, len(s.samples_ms) // 3)), color=color, alpha=0.8)
+            shown = [x for x in s.samples_ms if x <= hi]
+            ax.hist(shown, bins=60, range=(0, hi), color=color, alpha=0.8)
             ax.set_ylabel("runs")
+            if len(shown) < len(s.samples_ms):
+                title += f"  ({len(s.samples_ms) - len(shown)} slower run(s) up to {max(s.samples_ms):.3g} ms not drawn)"
         elif s.p50_ms is not None:
             p95 = s.p95_ms if s.p95_ms is not None else s.p50_ms
             ax.barh([0], [p95 - s.p50_ms or hi * 0.002], left=[s.p50_ms], height=0.5, color=color, alpha=0.8)
             if s.p99_ms is not None:
-                ax.plot([p95, s.p99_ms], [0, 0], color=color, lw=1.5)
-                ax.plot([s.p99_ms], [0], "|", color=color, ms=12)
-            ax.plot([s.p50_ms], [0], "|", color="black", ms=14)
+                ax.plot([p95, min(s.p99_ms, hi)], [0, 0], color=color, lw=1.5)
+                ax.plot([min(s.p99_ms, hi)], [0], "|", color=color, ms=12)
             ax.set_yticks([])
             ax.set_ylim(-0.8, 0.8)
-        for q, name in ((s.p50_ms, "p50"), (s.p95_ms, "p95")):
-            if q is not None and s.samples_ms:
-                ax.axvline(q, color="black", lw=0.8, ls=":")
-                ax.text(q, 1.0, f" {name}", transform=ax.get_xaxis_transform(), va="top", fontsize=7)
+        for q, name, style in ((s.p50_ms, "p50", ":"), (s.p95_ms, "p95", "-.")):
+            if q is not None:
+                ax.axvline(q, color="black", lw=0.9, ls=style, label=f"{name} {q:.3g} ms")
         if s.budget_ms is not None:
-            ax.axvline(s.budget_ms, color=BUDGET_COLOR, lw=1.6, ls="--")
-            ax.text(s.budget_ms, 0.98, f" budget {s.budget_ms:g} ms", color=BUDGET_COLOR,
-                    transform=ax.get_xaxis_transform(), va="top", fontsize=8)
-        ax.set_title(f"{s.label}  [{s.verdict.upper()}]", loc="left", fontsize=9, color=color)
+            ax.axvline(s.budget_ms, color=BUDGET_COLOR, lw=1.8, ls="--", label=f"budget {s.budget_ms:g} ms")
+        ax.legend(fontsize=7, frameon=False, loc="upper right")
+        ax.set_title(title, loc="left", fontsize=9, color=color)
     axes[-1, 0].set_xlabel("latency per run (ms)")
-    axes[-1, 0].set_xlim(0, hi * 1.1)
+    axes[-1, 0].set_xlim(0, hi)
     fig.tight_layout()
     return _svg(fig)
 
