@@ -25,14 +25,19 @@ _BUDGET = re.compile(r"latency p\d+ = [\d.eE+-]+ ms over budget ([\d.eE+-]+) ms"
 class ProcessProbe:
     """Current RSS and CPU use since the previous call."""
 
+    MIN_WINDOW_S = 1.0  # calls closer together (a /metrics scrape beside the health timer) reuse the last figure
+
     def __init__(self) -> None:
         self._cpu = time.process_time()
         self._wall = time.monotonic()
+        self._pct = 0.0
 
     def sample(self) -> dict[str, float]:
         cpu, wall = time.process_time(), time.monotonic()
-        pct = 100.0 * (cpu - self._cpu) / max(wall - self._wall, 1e-6)
-        self._cpu, self._wall = cpu, wall
+        if wall - self._wall >= self.MIN_WINDOW_S:
+            self._pct = 100.0 * (cpu - self._cpu) / (wall - self._wall)
+            self._cpu, self._wall = cpu, wall
+        pct = self._pct
         try:
             rss_pages = int(open("/proc/self/statm").read().split()[1])
             rss_mb = rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20

@@ -30,7 +30,7 @@ h1{font-size:22px;margin:8px 0}h2{font-size:18px;margin:28px 0 8px;border-bottom
 h3{font-size:15px;margin:16px 0 6px}
 table{border-collapse:collapse;margin:6px 0 12px;background:#fff}
 td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top;font-size:13px}
-th{background:#f0f0f0}td.num{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f0f0f0}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .banner{padding:12px 16px;border-radius:6px;font-size:16px;margin:8px 0 12px}
 .banner.pass{background:#e8f5e9;border:1px solid #2e7d32}.banner.fail{background:#ffebee;border:1px solid #c62828}
 .badge{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;font-weight:600;color:#fff}
@@ -267,7 +267,7 @@ def _samples(ctx: _Context) -> str:
 
 
 def _body(ctx: _Context, raw_json: bool = True) -> str:
-    parts = [_banner(ctx), _candidates(ctx), _latency(ctx), _metrics(ctx), _samples(ctx), _placement(ctx), _versions(ctx)]
+    parts = [_banner(ctx), _candidates(ctx), _latency(ctx), _samples(ctx), _metrics(ctx), _placement(ctx), _versions(ctx)]
     if raw_json:
         parts.append("<details><summary>report.json</summary><pre>"
                      + esc(json.dumps(ctx.doc, indent=1, default=str)) + "</pre></details>")

@@ -386,6 +386,9 @@ class Agent:
         # results carry (boot, seq): unique across restarts, so a subscriber can prove nothing was lost
         self.boot_number = bump_counter(self.cfg.state_dir / "boots")
         self.start_mqtt()  # a broker that is down never delays boot: the link connects in the background
+        from agent.link.prometheus import start_metrics_server
+
+        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self)  # None unless metrics.listen
         ok = self.boot()
         self.start_updates()
         if ok:
@@ -426,4 +429,6 @@ class Agent:
         if self.link is not None:
             self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
             self.link.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         return 0
