@@ -105,3 +105,53 @@ def test_serving_path_imports_neither_prometheus_client_nor_matplotlib() -> None
             "print(','.join(m for m in ('prometheus_client', 'matplotlib') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _full_health() -> dict:
+    """A health document with every part present (serving, MQTT on, an update, a self-test)."""
+    from agent.link.health import build_health
+
+    report = {"passed": True, "created": "2026-11-30T12:00:00+00:00", "cached": False, "reason": None,
+              "bundle": {"name": "b", "version": 3}, "selected": {"provider": "CPUExecutionProvider", "variant": "int8"},
+              "candidates": [{"provider": "CPUExecutionProvider", "variant": "int8", "precision": "int8", "status": "tested",
+                              "passed": True, "reasons": [], "latency": {"runs": 5, "p50_ms": 1.0, "p95_ms": 2.0,
+                                                                           "p99_ms": 3.0, "budget_ms": 5.0},
+                              "placement": {"nodes_by_provider": {"CPUExecutionProvider": 10}, "partitions": 1}}]}
+    return build_health(
+        device_id="d", uptime_s=5, session=2, interval_s=10, serving=True, not_serving_reason=None,
+        engine={"bundle": "b", "version": 3, "label": "1", "variant": "int8", "provider": "CPUExecutionProvider",
+                "effective_providers": ["CPUExecutionProvider"]},
+        placement={"CPUExecutionProvider": 10}, selftest=report,
+        pipeline={"frames_in": 7, "frames_out": 6, "dropped": 1, "bad_frames": 0, "inference_errors": 0},
+        source={"name": "cam", "reconnects": 1, "last_frame_age_s": 0.1},
+        outbox={"depth": 3, "on_disk": 1, "inflight": 1, "oldest_age_s": 0.5, "dropped": 0, "sent": 9, "acked": 8},
+        process={"rss_mb": 1.0}, mqtt_connected=True, update={"update": "u1", "state": "probation", "ts": 1.0})
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported() -> None:
+    import re
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.process_collector import ProcessCollector
+
+    from agent.link.prometheus import families
+    from agent.serving.metrics import PipelineMetrics
+
+    pm = PipelineMetrics()
+    pm.observe("total", 3.0)
+
+    class One:
+        def collect(self):
+            return families(_full_health(), pm)
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(One())
+    ProcessCollector(registry=reg)
+    text = generate_latest(reg).decode()
+    exported = set(re.findall(r"^([a-z0-9_:]+)(?:\{| )", text, re.M))
+    dash = json.loads((ROOT / "examples" / "grafana-dashboard.json").read_text())
+    queried = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"\b((?:edge_agent|process)_[a-z0-9_]+)", t["expr"])}
+    assert queried and not queried - exported, f"the dashboard queries metrics the agent does not export: {queried - exported}"
+    assert 'edge_agent_update_state{edge_agent_update_state="probation"} 1.0' in text
+    assert "edge_agent_mqtt_connected 1.0" in text and "edge_agent_outbox_depth_messages 3.0" in text
+    assert 'edge_agent_stage_latency_seconds_bucket{le="0.005",stage="total"} 1.0' in text
