@@ -218,3 +218,30 @@ def test_health_carries_the_same_selftest_figures_the_page_shows(tiny_bundle: Pa
     for hc, c in zip(health["selftest"]["candidates"], doc["candidates"]):
         assert hc["p95_ms"] == c["latency"]["p95_ms"]  # from the report, not re-measured
         assert f"{hc['p95_ms']:.3g} ms" in page
+
+
+def test_report_reads_findings_and_the_two_questions_blocks_of_the_self_test(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The self-test's findings ({check, metric, value, bound, sample, stage}) and the reproduction and
+    fidelity blocks (metrics with min_/max_ bounds, a tolerance with its bound): each on the page, the
+    failing sample highlighted, the legacy parity summary no longer judged against the manifest."""
+    doc = _selftest(tiny_bundle, tmp_path / "state")
+    c = doc["candidates"][0]
+    text = ("reproduction: max |a-b| beyond atol + rtol*|b| = 0.5978 over bound 0.001646 on sample 4 at stage model")
+    c["reasons"] = [text]
+    c["passed"] = False
+    c["findings"] = [{"check": "reproduction", "metric": "max |a-b| beyond atol + rtol*|b|", "value": 0.5978,
+                      "bound": 0.001646, "sample": 4, "stage": "model", "detail": "", "text": text}]
+    c["reproduction"] = {"passed": False, "metrics": {"top1_agreement": 0.875}, "bounds": {"min_agreement": 0.99},
+                         "tolerance": {"passed": False, "sample": 4, "abs_diff": 0.5978, "bound": 0.001646}}
+    c["fidelity"] = {"passed": True, "metrics": {"top1_agreement": 1.0}, "bounds": {"min_top1_agreement": 0.98}}
+    c["parity"] = {"min_cosine": 0.5}  # a flat view: not judged
+    metrics = candidate_metrics(c)
+    judged = {(m.section, m.name, m.sample, m.passed) for m in metrics if m.bound is not None}
+    assert ("reproduction", "max |a-b| beyond atol + rtol*|b|", 4, False) in judged
+    assert ("reproduction", "tolerance", 4, False) in judged
+    assert ("fidelity.metrics", "top1_agreement", None, True) in judged
+    page = render_report(doc)
+    assert "card fail' id='sample-4'" in page and "stage blamed: model" in page
+    judged_table = page.split("Metrics against their bounds")[1].split("more figures without a bound")[0]
+    label = f"{c['provider'].replace('ExecutionProvider', '')}:{c['variant']}"
+    assert f"<td>{label}</td><td>parity</td><td>min_cosine</td>" not in judged_table

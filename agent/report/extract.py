@@ -14,9 +14,10 @@ from typing import Any, Iterable, Mapping
 
 # Sections of a candidate that have their own place on the page.
 KNOWN_SECTIONS = {"provider", "variant", "precision", "options", "status", "passed", "reasons",
-                  "effective_providers", "placement", "latency", "create_ms", "error"}
+                  "effective_providers", "placement", "latency", "latency_context", "create_ms", "error",
+                  "findings", "warnings"}
 _BOUND_KEYS = ("bound", "threshold", "max", "min", "limit", "floor", "ceiling", "upper", "lower")
-_VALUE_KEYS = ("value", "measured", "got")
+_VALUE_KEYS = ("value", "measured", "got", "abs_diff")
 _SAMPLE_KEYS = ("sample", "index", "sample_index", "id")
 _SAMPLE_LISTS = ("samples", "per_sample", "by_sample")
 # Metrics where more is better when nothing else says which side of the bound is the good one.
@@ -109,6 +110,18 @@ def _direction(name: str, bound_key: str | None, entry: Mapping[str, Any]) -> st
     return ">=" if any(w in n for w in _HIGHER_IS_BETTER) else "<="
 
 
+def _named_bound(name: str, bounds: Mapping[str, Any]) -> Bound | None:
+    """The bound for `name` in a section's bounds: under its own name, or as min_<name> / max_<name>."""
+    if name in bounds:
+        return _bound_from(name, bounds[name])
+    for prefix, op in (("min_", ">="), ("max_", "<=")):
+        spec = bounds.get(prefix + name)
+        b = _bound_from(prefix + name, spec)
+        if b is not None:
+            return Bound(b.value, op)
+    return None
+
+
 def _bound_from(name: str, spec: Any) -> Bound | None:
     """A bound given as a number, or as a mapping with one of the bound keys (and maybe an op)."""
     if _num(spec) is not None:
@@ -127,7 +140,7 @@ def _metric(section: str, name: str, raw: Any, bounds: Mapping[str, Any], sample
         value = next((_num(raw[k]) for k in _VALUE_KEYS if _num(raw.get(k)) is not None), None)
         if value is None and not any(k in raw for k in _VALUE_KEYS):
             return None
-        bound = _bound_from(name, raw) or _bound_from(name, bounds.get(name))
+        bound = _bound_from(name, raw) or _named_bound(name, bounds)
         explicit = next((raw[k] for k in ("passed", "ok", "pass") if isinstance(raw.get(k), bool)), None)
         st = raw.get("stage") if isinstance(raw.get("stage"), str) else stage
         smp = next((int(raw[k]) for k in _SAMPLE_KEYS if _num(raw.get(k)) is not None), sample)
@@ -135,7 +148,7 @@ def _metric(section: str, name: str, raw: Any, bounds: Mapping[str, Any], sample
         value = _num(raw)
         if value is None:
             return None
-        bound, explicit, st, smp = _bound_from(name, bounds.get(name)), None, stage, sample
+        bound, explicit, st, smp = _named_bound(name, bounds), None, stage, sample
     passed = explicit if explicit is not None else (None if bound is None else bound.holds(value))
     return Metric(section, name, value, bound, passed, smp, st)
 
@@ -170,7 +183,7 @@ def _entries(section: str, d: Mapping[str, Any], inherited: Mapping[str, Any]) -
                     yield Metric(section, "passed", None, None, False, smp, st)
             continue
         if isinstance(raw, Mapping) and isinstance(raw.get("values"), list):
-            b = _bound_from(name, raw) or _bound_from(name, bounds.get(name))
+            b = _bound_from(name, raw) or _named_bound(name, bounds)
             for i, v in enumerate(raw["values"]):
                 m = _metric(section, name, v, {name: b.value} if b else {}, i, stage)
                 if m is not None:
@@ -184,12 +197,27 @@ def _entries(section: str, d: Mapping[str, Any], inherited: Mapping[str, Any]) -
             yield from _entries(f"{section}.{name}", raw, bounds)
 
 
+def finding_metrics(c: Mapping[str, Any]) -> list[Metric]:
+    """The verdict's own findings ({check, metric, value, bound, sample, stage, text}): each broke its bound."""
+    out = []
+    for f in c.get("findings") or ():
+        if not isinstance(f, Mapping):
+            continue
+        text = str(f.get("text") or "")
+        op = "<=" if " over " in text else ">=" if " under " in text else _direction(str(f.get("metric", "")), None, f)
+        bound = Bound(float(f["bound"]), op) if _num(f.get("bound")) is not None else None
+        out.append(Metric(str(f.get("check") or "finding"), str(f.get("metric") or "?"), _num(f.get("value")), bound,
+                          False, int(f["sample"]) if _num(f.get("sample")) is not None else None,
+                          f.get("stage") if isinstance(f.get("stage"), str) else None))
+    return out
+
+
 def candidate_metrics(c: Mapping[str, Any], extra_bounds: Mapping[str, Mapping[str, Any]] | None = None) -> list[Metric]:
     """Every metric in a candidate's sections other than the ones with their own place on the page.
 
     `extra_bounds` (section -> metric -> bound) fills in bounds the report itself does not carry, e.g. the
     thresholds in the bundle's manifest for today's `parity` summary."""
-    out: list[Metric] = []
+    out: list[Metric] = finding_metrics(c)
     for section, d in c.items():
         if section in KNOWN_SECTIONS or not isinstance(d, Mapping):
             continue

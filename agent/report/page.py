@@ -91,8 +91,12 @@ class _Context:
         self.manifest = bundle_manifest(self.bundle_root) if self.bundle_root else None
         self.thumbs = golden_thumbnails(self.bundle_root, self.manifest)
         selftest = (self.manifest or {}).get("selftest") or {}
+        # The manifest's legacy parity thresholds bound the old `parity` summary only: a report that judges
+        # reproduction and fidelity carries its own bounds, and its `parity` block is a flat view, not judged.
         self.metrics: list[list[Metric]] = [
-            candidate_metrics(c, manifest_bounds(selftest, c.get("precision"))) for c in doc.get("candidates") or ()]
+            candidate_metrics(c, None if ("reproduction" in c or "fidelity" in c)
+                              else manifest_bounds(selftest, c.get("precision")))
+            for c in doc.get("candidates") or ()]
         self.views = [sample_views(c, m) for c, m in zip(doc.get("candidates") or (), self.metrics)]
         # tested candidates carry colours; the rest are listed but not plotted
         self.budgets = (selftest.get("latency_budget_ms") or {}) if isinstance(selftest, Mapping) else {}
@@ -172,10 +176,17 @@ def _latency(ctx: _Context) -> str:
                                     f["p50_ms"], f["p95_ms"], f["p99_ms"], _budget(ctx, f)[0]))
     if not series:
         return "<h2>Latency</h2><p class='muted'>No candidate reached the latency loop.</p>"
+    context = ""
+    for c in ctx.doc.get("candidates") or ():
+        lc = c.get("latency_context")
+        if isinstance(lc, Mapping) and lc:
+            context += (f"<li>{esc(_short(c.get('provider')))}:{esc(c.get('variant'))}: "
+                        + ", ".join(f"{esc(k)} {esc(v)}" for k, v in lc.items()) + "</li>")
+    context = f"<ul class='muted'>{context}</ul>" if context else ""
     kind = ("histogram of every timed run" if all(s.samples_ms for s in series)
             else "p50 to p95 as a bar, p99 as a whisker (the report keeps percentiles only)")
     return (f"<h2>Latency</h2><p class='muted'>{kind}; dashed line: the budget the p95 is judged against.</p>"
-            f"<div class='plot' id='latency-plot'>{latency_plot(series)}</div>")
+            f"<div class='plot' id='latency-plot'>{latency_plot(series)}</div>{context}")
 
 
 def _placement(ctx: _Context) -> str:
@@ -207,21 +218,31 @@ def _placement(ctx: _Context) -> str:
 def _metrics(ctx: _Context) -> str:
     parts = ["<h2>Metrics against their bounds</h2>"]
     figs = ctx.figures.get("candidates", [])
-    rows, classes = [], []
+    judged: list[list[str]] = []
+    judged_cls: list[str] = []
+    other: list[list[str]] = []
     for f, metrics in zip(figs, ctx.metrics):
-        for m in (m for m in metrics if m.sample is None):
-            status = "-" if m.passed is None else ("ok" if m.passed else "FAIL")
-            rows.append([_td(f"{_short(f['provider'])}:{f['variant']}"), _td(m.section), _td(m.name),
-                         _td(m.value, True), _td(str(m.bound) if m.bound else "-"), _td(m.stage or ""), _td(status)])
-            classes.append("fail" if m.passed is False else "")
-    parts.append(_table(["candidate", "section", "metric", "value", "bound", "stage", ""], rows, classes) if rows
-                 else "<p class='muted'>The report carries no summary metrics.</p>")
+        for m in metrics:
+            row = [_td(f"{_short(f['provider'])}:{f['variant']}"), _td(m.section), _td(m.name), _td(m.value, True),
+                   _td(str(m.bound) if m.bound else "-"), _td("-" if m.sample is None else m.sample, True),
+                   _td(m.stage or ""), _td("-" if m.passed is None else ("ok" if m.passed else "FAIL"))]
+            if m.bound is not None or m.passed is False:
+                judged.append(row)
+                judged_cls.append("fail" if m.passed is False else "")
+            elif m.sample is None:
+                other.append(row)
+    head = ["candidate", "section", "metric", "value", "bound", "sample", "stage", ""]
+    parts.append(_table(head, judged, judged_cls) if judged else "<p class='muted'>The report carries no bounded metrics.</p>")
+    if other:
+        parts.append(f"<details><summary>{len(other)} more figures without a bound</summary>{_table(head, other)}</details>")
     # per-sample metrics: one plot per (section, metric), every candidate on it
     per: dict[tuple[str, str], list[tuple[str, Metric]]] = defaultdict(list)
     for f, metrics in zip(figs, ctx.metrics):
         for m in metrics:
             if m.sample is not None and m.value is not None:
                 per[(m.section, m.name)].append((f"{_short(f['provider'])}:{f['variant']}", m))
+    # a plot needs a spread of samples: a report that names only the worst sample has it in the table
+    per = {k: v for k, v in per.items() if len({m.sample for _, m in v}) >= 3}
     if per:
         parts.append("<h3>Per golden sample</h3>")
     for (section, name), items in per.items():
