@@ -135,6 +135,9 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         "bundle": {"name": bundle.get("name"), "version": bundle.get("version")} if bundle else None,
         "selected": None if not sel else {k: sel.get(k) for k in ("provider", "variant", "precision")},
         "candidates": [candidate_figures(c) for c in doc.get("candidates") or ()],
+        # steps that killed a self-test child (a bad driver), as "step: signal"
+        "crashes": [f"{c.get('step')}: {c.get('signal')}" if isinstance(c, Mapping) else str(c)
+                    for c in doc.get("crashes") or ()],
     }
 
 

@@ -26,7 +26,7 @@ class MetricsSource(Protocol):
     """What the agent exposes to the collector: its health document and the live pipeline counters."""
 
     def health(self) -> dict[str, Any]: ...
-    def pipeline_metrics(self) -> Any: ...
+    def pipeline_metrics(self) -> Any: ...  # a PipelineMetrics or None; else `.pipeline.metrics` is read
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -150,7 +150,8 @@ class _Collector:
     def collect(self) -> Iterator[Any]:
         try:
             health = self.source.health()
-            pipeline = self.source.pipeline_metrics()
+            getter = getattr(self.source, "pipeline_metrics", None)
+            pipeline = getter() if getter is not None else getattr(getattr(self.source, "pipeline", None), "metrics", None)
         except Exception as exc:  # a scrape must not take the agent down; the failure is counted by the scraper
             log.error("metrics.collect_failed", error=f"{type(exc).__name__}: {exc}")
             return
