@@ -155,3 +155,58 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported() -> None:
     assert 'edge_agent_update_state{edge_agent_update_state="probation"} 1.0' in text
     assert "edge_agent_mqtt_connected 1.0" in text and "edge_agent_outbox_depth_messages 3.0" in text
     assert 'edge_agent_stage_latency_seconds_bucket{le="0.005",stage="total"} 1.0' in text
+
+
+def test_health_metrics_and_report_page_show_the_same_selftest_figures_from_a_running_agent(tmp_path: Path) -> None:
+    """One agent with MQTT and /metrics: its retained health, its /metrics and the page rendered from its
+    retained self-test report carry the same verdict, run time and p95 per candidate."""
+    from brokers import Broker, Collector
+
+    broker = Broker(tmp_path / "broker").start()
+    port = free_port()
+    cfg = {
+        "device_id": "cam-9",
+        "state_dir": str(tmp_path / "state"),
+        "bundle": str(ROOT / "models" / "digits-classifier"),
+        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
+                   "max_fps": 50},
+        "output": {"stdout": False, "health_interval_s": 1},
+        "mqtt": {"enabled": True, "port": broker.port},
+        "metrics": {"listen": f"127.0.0.1:{port}"},
+    }
+    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    sub = Collector(broker.port, ["edge/cam-9/health", "edge/cam-9/selftest"])
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config",
+                             str(tmp_path / "agent.yaml")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        def serving_health() -> dict | None:
+            docs = [json.loads(m.payload) for m in sub.on("edge/cam-9/health")]
+            docs = [d for d in docs if d.get("serving") and (d.get("mqtt") or {}).get("connected")]
+            return docs[-1] if docs else None
+
+        assert wait_until(lambda: serving_health() is not None, timeout=90), "no health while serving"
+        health = serving_health()
+        fams = _scrape(port)
+        assert _value(fams, "edge_agent_mqtt_connected") == 1
+        fig = health["selftest"]
+        assert fig["verdict"] == "pass" and _value(fams, "edge_agent_selftest_passed") == 1
+        assert _value(fams, "edge_agent_selftest_last_run_timestamp_seconds") == pytest.approx(fig["created_ts"], abs=1e-3)
+        page_path = tmp_path / "page.html"
+        run = subprocess.run([sys.executable, "-m", "agent", "--log-level", "error", "report", "--broker",
+                              f"127.0.0.1:{broker.port}", "--device", "cam-9", "--out", str(page_path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        page = page_path.read_text()
+        for c in fig["candidates"]:
+            prov, _, variant = c["key"].partition(":")
+            assert _value(fams, "edge_agent_selftest_latency_p95_seconds", provider=prov, variant=variant) == \
+                pytest.approx(c["p95_ms"] / 1000, rel=1e-9)
+            assert f"{c['p95_ms']:.3g} ms" in page
+            assert _value(fams, "edge_agent_selftest_candidate_passed", provider=prov, variant=variant,
+                          verdict=c["verdict"]) == (1 if c["verdict"] == "pass" else 0)
+    finally:
+        end_process(proc)
+        sub.close()
+        broker.stop()
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]
