@@ -245,3 +245,44 @@ def test_report_reads_findings_and_the_two_questions_blocks_of_the_self_test(tin
     judged_table = page.split("Metrics against their bounds")[1].split("more figures without a bound")[0]
     label = f"{c['provider'].replace('ExecutionProvider', '')}:{c['variant']}"
     assert f"<td>{label}</td><td>parity</td><td>min_cosine</td>" not in judged_table
+
+
+def test_report_renders_damaged_and_unexpected_reports_without_crashing(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Reports from other agent versions, cut-off JSON sections, wrong types: the page still renders,
+    shows what it can, and never raises (seeded mutations of a real report)."""
+    import random
+
+    base = _selftest(tiny_bundle, tmp_path / "state")
+    rng = random.Random(7)
+    junk = [None, "text", 3, -1.5, float("nan"), [], {}, [1, "a"], {"x": {"value": "y"}}, True]
+
+    def paths(d, prefix=()):
+        if isinstance(d, dict):
+            for k, v in d.items():
+                yield prefix + (k,)
+                yield from paths(v, prefix + (k,))
+        elif isinstance(d, list):
+            for i, v in enumerate(d):
+                yield prefix + (i,)
+                yield from paths(v, prefix + (i,))
+
+    all_paths = list(paths(base))
+    for _ in range(30):
+        doc = copy.deepcopy(base)
+        for p in rng.sample(all_paths, 5):
+            try:
+                parent = doc
+                for k in p[:-1]:
+                    parent = parent[k]
+                if rng.random() < 0.4 and isinstance(parent, dict):
+                    parent.pop(p[-1], None)
+                else:
+                    parent[p[-1]] = rng.choice(junk)
+            except (KeyError, IndexError, TypeError):
+                continue
+        try:
+            page = render_report(doc, bundle_root=tiny_bundle)
+        except Exception as exc:  # noqa: BLE001 - the test names the mutation that broke it
+            raise AssertionError(f"render failed on a mutated report: {type(exc).__name__}: {exc}") from exc
+        assert page.startswith("<!DOCTYPE html>")
+    render_report({"candidates": []})  # the least a report can be

@@ -7,6 +7,7 @@ health payload, `/metrics` and the report page all read them from here, so they 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -59,20 +60,35 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _int(v: Any) -> int | None:
+    n = _num(v)
+    return int(n) if n is not None and math.isfinite(n) else None
+
+
+def _map(v: Any) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
+
+
+def report_candidates(doc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The report's candidate entries, skipping anything that is not one (a report of another version)."""
+    cands = doc.get("candidates")
+    return [c for c in cands if isinstance(c, Mapping)] if isinstance(cands, list) else []
+
+
 def _budget_ms(c: Mapping[str, Any]) -> float | None:
     """The latency budget the candidate was judged against: recorded beside the latency, or named in
     its failure reason; None when the report carries neither (a passing candidate of an older report)."""
-    lat = c.get("latency") or {}
+    lat = _map(c.get("latency"))
     for key in ("budget_ms", "latency_budget_ms"):
         if _num(lat.get(key)) is not None:
             return _num(lat.get(key))
-    bounds = lat.get("bounds") or {}
-    if isinstance(bounds, Mapping):
+    bounds = _map(lat.get("bounds"))
+    if bounds:
         for v in bounds.values():
             b = v.get("bound") if isinstance(v, Mapping) else v
             if _num(b) is not None:
                 return _num(b)
-    for r in c.get("reasons") or ():
+    for r in c.get("reasons") if isinstance(c.get("reasons"), list) else ():
         m = _BUDGET.search(str(r))
         if m:
             return float(m.group(1))
@@ -81,9 +97,9 @@ def _budget_ms(c: Mapping[str, Any]) -> float | None:
 
 def candidate_figures(c: Mapping[str, Any]) -> dict[str, Any]:
     """One candidate's headline figures from its entry in the self-test report."""
-    lat = c.get("latency") or {}
-    place = c.get("placement") or {}
-    nodes = {k: int(v) for k, v in (place.get("nodes_by_provider") or {}).items()}
+    lat = _map(c.get("latency"))
+    place = _map(c.get("placement"))
+    nodes = {str(k): n for k, v in _map(place.get("nodes_by_provider")).items() if (n := _int(v)) is not None}
     total = sum(nodes.values())
     provider = str(c.get("provider", ""))
     status = str(c.get("status", "tested"))
@@ -97,16 +113,16 @@ def candidate_figures(c: Mapping[str, Any]) -> dict[str, Any]:
         "status": status,
         "passed": passed,
         "verdict": verdict,
-        "reasons": [str(r) for r in c.get("reasons") or ()],
+        "reasons": [str(r) for r in c.get("reasons")] if isinstance(c.get("reasons"), list) else [],
         "p50_ms": _num(lat.get("p50_ms")),
         "p95_ms": _num(lat.get("p95_ms")),
         "p99_ms": _num(lat.get("p99_ms")),
-        "latency_runs": int(lat["runs"]) if _num(lat.get("runs")) is not None else None,
+        "latency_runs": _int(lat.get("runs")),
         "budget_ms": _budget_ms(c),
         "nodes_total": total,
         "nodes_on_provider": nodes.get(provider, 0),
         "provider_fraction": round(nodes.get(provider, 0) / total, 4) if total else None,
-        "partitions": int(place["partitions"]) if _num(place.get("partitions")) is not None else None,
+        "partitions": _int(place.get("partitions")),
     }
 
 
@@ -122,9 +138,9 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
             created_ts = round(datetime.fromisoformat(created).timestamp(), 3)
         except ValueError:
             created_ts = None
-    sel = doc.get("selected") or None
+    sel = _map(doc.get("selected")) or None
     passed = bool(doc.get("passed"))
-    bundle = doc.get("bundle") or {}
+    bundle = _map(doc.get("bundle"))
     return {
         "passed": passed,
         "verdict": "pass" if passed else "fail",
@@ -134,10 +150,10 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         "cached": bool(doc.get("cached")),
         "bundle": {"name": bundle.get("name"), "version": bundle.get("version")} if bundle else None,
         "selected": None if not sel else {k: sel.get(k) for k in ("provider", "variant", "precision")},
-        "candidates": [candidate_figures(c) for c in doc.get("candidates") or ()],
+        "candidates": [candidate_figures(c) for c in report_candidates(doc)],
         # steps that killed a self-test child (a bad driver), as "step: signal"
         "crashes": [f"{c.get('step')}: {c.get('signal')}" if isinstance(c, Mapping) else str(c)
-                    for c in doc.get("crashes") or ()],
+                    for c in (doc.get("crashes") if isinstance(doc.get("crashes"), list) else ())],
     }
 
 

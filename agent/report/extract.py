@@ -245,7 +245,8 @@ def sample_views(c: Mapping[str, Any], metrics: list[Metric]) -> dict[int, Sampl
         v.metrics.append(m)
         if m.passed is False and m.stage:
             v.stages.add(m.stage)
-    for sample, items in reason_samples(c.get("reasons") or ()).items():
+    reasons = c.get("reasons")
+    for sample, items in reason_samples([str(r) for r in reasons] if isinstance(reasons, list) else []).items():
         v = views.setdefault(sample, SampleView(sample))
         for reason, stage in items:
             v.reasons.append(reason)
@@ -265,7 +266,9 @@ def manifest_bounds(selftest: Mapping[str, Any] | None, precision: str | None) -
     if not selftest:
         return {}
     out: dict[str, dict[str, Any]] = {}
-    parity = (selftest.get("parity") or {}).get(precision or "") or {}
+    parity = selftest.get("parity")
+    parity = parity.get(precision or "") if isinstance(parity, Mapping) else None
+    parity = parity if isinstance(parity, Mapping) else {}
     rename = {"max_abs": "max_abs", "max_rel": "max_rel", "min_cosine": "min_cosine",
               "min_top1_agreement": "top1_agreement", "min_topk_agreement": "topk_agreement",
               "min_recall": "recall", "min_precision": "precision"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,10 +17,13 @@ from typing import Any, Mapping, Sequence
 
 from agent import __version__
 from agent.fsio import write_atomic
-from agent.link.health import selftest_figures
+from agent.logsetup import get_logger
+from agent.link.health import report_candidates, selftest_figures
 from agent.report.extract import Metric, candidate_metrics, fmt, manifest_bounds, sample_views
 from agent.report.plots import LatencySeries, SamplePoint, latency_plot, sample_metric_plot
 from agent.report.thumbs import bundle_manifest, golden_thumbnails
+
+log = get_logger("report")
 
 PALETTE = ("#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#5d4037", "#9e9d24", "#ad1457")
 
@@ -48,12 +52,30 @@ tr.fail td{background:#fff1f1}ul.reasons{margin:2px 0;padding-left:18px}ul.reaso
 """
 
 
+def _map(v: Any) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
+
+
+def _strs(v: Any) -> list[str]:
+    return [str(x) for x in v] if isinstance(v, list) else []
+
+
 def esc(v: Any) -> str:
     return html.escape(fmt(v) if not isinstance(v, str) else v)
 
 
-def _short(provider: str | None) -> str:
-    return (provider or "-").replace("ExecutionProvider", "")
+def _short(provider: Any) -> str:
+    return str(provider or "-").replace("ExecutionProvider", "")
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _nodes(c: Mapping[str, Any]) -> dict[str, int]:
+    """Nodes per provider of a candidate's placement, numbers only."""
+    raw = _map(_map(c.get("placement")).get("nodes_by_provider"))
+    return {str(p): int(n) for p, n in raw.items() if _finite(n) and n > 0}
 
 
 def _badge(verdict: str) -> str:
@@ -83,23 +105,24 @@ class _Context:
     def __init__(self, doc: Mapping[str, Any], bundle_root: Path | None):
         self.doc = doc
         self.figures = selftest_figures(doc)
+        self.cands = report_candidates(doc)  # the same entries the figures were made from, in order
         root = bundle_root
         if root is None:
-            p = (doc.get("bundle") or {}).get("path")
+            p = _map(doc.get("bundle")).get("path")
             root = Path(p) if p else None
         self.bundle_root = root if root is not None and root.is_dir() else None
         self.manifest = bundle_manifest(self.bundle_root) if self.bundle_root else None
         self.thumbs = golden_thumbnails(self.bundle_root, self.manifest)
-        selftest = (self.manifest or {}).get("selftest") or {}
+        selftest = _map(_map(self.manifest).get("selftest"))
         # The manifest's legacy parity thresholds bound the old `parity` summary only: a report that judges
         # reproduction and fidelity carries its own bounds, and its `parity` block is a flat view, not judged.
         self.metrics: list[list[Metric]] = [
             candidate_metrics(c, None if ("reproduction" in c or "fidelity" in c)
                               else manifest_bounds(selftest, c.get("precision")))
-            for c in doc.get("candidates") or ()]
-        self.views = [sample_views(c, m) for c, m in zip(doc.get("candidates") or (), self.metrics)]
+            for c in self.cands]
+        self.views = [sample_views(c, m) for c, m in zip(self.cands, self.metrics)]
         # tested candidates carry colours; the rest are listed but not plotted
-        self.budgets = (selftest.get("latency_budget_ms") or {}) if isinstance(selftest, Mapping) else {}
+        self.budgets = _map(selftest.get("latency_budget_ms")) if isinstance(selftest, Mapping) else {}
         self.colors = {f["key"]: PALETTE[i % len(PALETTE)] for i, f in enumerate(self.figures.get("candidates", []))}
 
 
@@ -113,7 +136,7 @@ def _budget(ctx: _Context, f: Mapping[str, Any]) -> tuple[float | None, str]:
 
 def _banner(ctx: _Context) -> str:
     f, doc = ctx.figures, ctx.doc
-    b = doc.get("bundle") or {}
+    b = _map(doc.get("bundle"))
     title = f"{b.get('name', '?')} v{b.get('version', '?')}" + (f" ({b['label']})" if b.get("label") else "")
     if f.get("passed"):
         sel = f["selected"] or {}
@@ -130,14 +153,14 @@ def _banner(ctx: _Context) -> str:
 def _versions(ctx: _Context) -> str:
     doc = ctx.doc
     rows = [[_td("agent"), _td(doc.get("agent_version"))]]
-    rows += [[_td(k), _td(v)] for k, v in (doc.get("versions") or {}).items()]
-    rows += [[_td(f"device {k}"), _td(v)] for k, v in (doc.get("device") or {}).items()]
+    rows += [[_td(k), _td(v)] for k, v in _map(doc.get("versions")).items()]
+    rows += [[_td(f"device {k}"), _td(v)] for k, v in _map(doc.get("device")).items()]
     prov_rows, classes = [], []
-    for p in doc.get("providers") or ():
-        vers = ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items()) or "-"
+    for p in (p for p in (doc.get("providers") if isinstance(doc.get("providers"), list) else ()) if isinstance(p, Mapping)):
+        vers = ", ".join(f"{k} {v}" for k, v in _map(p.get("versions")).items()) or "-"
         nodes = f"{p.get('nodes_on_provider')}/{p.get('total_nodes')}" if p.get("total_nodes") else "-"
         prov_rows.append([_td(p.get("name")), _td(p.get("listed")), _td(p.get("usable")), _td(nodes),
-                          _td(", ".join(p.get("effective") or []) or "-"), _td(vers), _td(p.get("reason") or "")])
+                          _td(", ".join(_strs(p.get("effective"))) or "-"), _td(vers), _td(p.get("reason") or "")])
         classes.append("" if p.get("usable") else "fail")
     return ("<h2>Device, providers, versions</h2>" + _table(["", ""], rows)
             + _table(["provider", "listed", "usable", "probe nodes", "effective", "versions", "reason"], prov_rows, classes))
@@ -145,19 +168,19 @@ def _versions(ctx: _Context) -> str:
 
 def _candidates(ctx: _Context) -> str:
     rows, classes = [], []
-    for c, f in zip(ctx.doc.get("candidates") or (), ctx.figures.get("candidates", [])):
+    for c, f in zip(ctx.cands, ctx.figures.get("candidates", [])):
         frac = "-" if f["provider_fraction"] is None else f"{f['nodes_on_provider']}/{f['nodes_total']} ({f['provider_fraction']:.0%})"
         reasons = "".join(f"<li>{esc(r)}</li>" for r in f["reasons"])
         rows.append([f"<td><b>{esc(_short(f['provider']))}:{esc(f['variant'])}</b><br>"
                      f"<span class='muted'>{esc(f['precision'])}</span></td>",
                      f"<td>{_badge(f['verdict'])}</td>",
-                     _td(", ".join(_short(p) for p in c.get("effective_providers") or []) or "-"),
+                     _td(", ".join(_short(p) for p in _strs(c.get("effective_providers"))) or "-"),
                      _td(frac), _td(f["partitions"], True),
                      _td(_ms(f["p50_ms"]), True), _td(_ms(f["p95_ms"]), True), _td(_ms(f["p99_ms"]), True),
                      _td(_ms(_budget(ctx, f)[0]) + _budget(ctx, f)[1], True),
                      f"<td><ul class='reasons'>{reasons}</ul></td>" if reasons else "<td></td>"])
         classes.append("fail" if f["verdict"] == "fail" else "")
-    notes = "".join(f"<li>{esc(n)}</li>" for n in ctx.doc.get("notes") or ())
+    notes = "".join(f"<li>{esc(n)}</li>" for n in _strs(ctx.doc.get("notes")))
     return ("<h2>Candidates</h2>"
             + _table(["candidate", "verdict", "runs on", "nodes on its provider", "partitions", "p50", "p95", "p99",
                       "budget (p95)", "every reason"], rows, classes)
@@ -166,10 +189,10 @@ def _candidates(ctx: _Context) -> str:
 
 def _latency(ctx: _Context) -> str:
     series = []
-    for c, f in zip(ctx.doc.get("candidates") or (), ctx.figures.get("candidates", [])):
-        lat = c.get("latency") or {}
-        samples = lat.get("samples_ms") or lat.get("samples") or []
-        samples = [float(x) for x in samples if isinstance(x, (int, float))]
+    for c, f in zip(ctx.cands, ctx.figures.get("candidates", [])):
+        lat = _map(c.get("latency"))
+        samples = lat.get("samples_ms") or lat.get("samples")
+        samples = [float(x) for x in samples if _finite(x)] if isinstance(samples, list) else []
         if f["p50_ms"] is None and not samples:
             continue
         series.append(LatencySeries(f"{_short(f['provider'])}:{f['variant']}", f["verdict"], samples,
@@ -177,7 +200,7 @@ def _latency(ctx: _Context) -> str:
     if not series:
         return "<h2>Latency</h2><p class='muted'>No candidate reached the latency loop.</p>"
     context = ""
-    for c in ctx.doc.get("candidates") or ():
+    for c in ctx.cands:
         lc = c.get("latency_context")
         if isinstance(lc, Mapping) and lc:
             context += (f"<li>{esc(_short(c.get('provider')))}:{esc(c.get('variant'))}: "
@@ -191,23 +214,23 @@ def _latency(ctx: _Context) -> str:
 
 def _placement(ctx: _Context) -> str:
     parts = ["<h2>Placement</h2>"]
-    providers = sorted({p for c in ctx.doc.get("candidates") or () for p in ((c.get("placement") or {}).get("nodes_by_provider") or {})})
+    providers = sorted({str(p) for c in ctx.cands for p in _nodes(c)})
     pcolor = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(providers)}
     if not providers:
         return parts[0] + "<p class='muted'>No candidate reported its placement.</p>"
     parts.append("<div class='legend'>" + "".join(f"<span><i style='background:{pcolor[p]}'></i>{esc(_short(p))}</span>"
                                                  for p in providers) + "</div>")
-    for c in ctx.doc.get("candidates") or ():
-        place = c.get("placement") or {}
-        nodes = place.get("nodes_by_provider") or {}
+    for c in ctx.cands:
+        place = _map(c.get("placement"))
+        nodes = _nodes(c)
         total = sum(nodes.values())
         if not total:
             continue
         bar = "".join(f"<span style='width:{100 * n / total:.2f}%;background:{pcolor[p]}' title='{esc(p)}: {n}'>"
                       f"{esc(_short(p))} {n}</span>" for p, n in nodes.items())
-        ops = place.get("op_types_by_provider") or {}
-        op_rows = [[_td(_short(p)), _td(", ".join(f"{k} {v}" for k, v in sorted(t.items(), key=lambda kv: -kv[1])))]
-                   for p, t in ops.items()]
+        ops = _map(place.get("op_types_by_provider"))
+        op_rows = [[_td(_short(p)), _td(", ".join(f"{k} {v}" for k, v in sorted(
+                       _map(t).items(), key=lambda kv: -kv[1] if _finite(kv[1]) else 0)))] for p, t in ops.items()]
         parts.append(f"<h3>{esc(_short(c.get('provider')))}:{esc(c.get('variant'))} — {total} nodes, "
                      f"{esc(place.get('partitions'))} partition(s), {esc(place.get('boundaries'))} boundary crossing(s), "
                      f"from {esc(place.get('source'))}</h3><div class='bar'>{bar}</div>"
@@ -287,8 +310,18 @@ def _samples(ctx: _Context) -> str:
             f"<div class='grid'>{''.join(cards)}</div>")
 
 
+def _section(fn: Any, ctx: _Context) -> str:
+    """One section; a report this page does not understand costs that section, never the page."""
+    try:
+        return fn(ctx)
+    except Exception as exc:  # noqa: BLE001 - shown on the page, so nothing is hidden
+        log.warning("report.section_failed", section=fn.__name__.strip("_"), error=f"{type(exc).__name__}: {exc}")
+        return (f"<h2>{esc(fn.__name__.strip('_'))}</h2><p class='muted'>This part of the report could not be shown "
+                f"({esc(type(exc).__name__)}: {esc(str(exc))[:300]}); the raw report is below.</p>")
+
+
 def _body(ctx: _Context, raw_json: bool = True) -> str:
-    parts = [_banner(ctx), _candidates(ctx), _latency(ctx), _samples(ctx), _metrics(ctx), _placement(ctx), _versions(ctx)]
+    parts = [_section(fn, ctx) for fn in (_banner, _candidates, _latency, _samples, _metrics, _placement, _versions)]
     if raw_json:
         parts.append("<details><summary>report.json</summary><pre>"
                      + esc(json.dumps(ctx.doc, indent=1, default=str)) + "</pre></details>")
@@ -301,8 +334,8 @@ def _comparison(old: _Context, new: _Context) -> str:
 
     rows = []
     for label, ctx in (("before", old), ("after", new)):
-        f, b = ctx.figures, ctx.doc.get("bundle") or {}
-        sel = f.get("selected") or {}
+        f, b = ctx.figures, _map(ctx.doc.get("bundle"))
+        sel = _map(f.get("selected"))
         chosen = next((c for c in f.get("candidates", []) if sel and c["provider"] == sel.get("provider")
                        and c["variant"] == sel.get("variant")), {})
         rows.append([_td(label), _td(f"{b.get('name')} v{b.get('version')}"), f"<td>{_badge(f.get('verdict', 'fail'))}</td>",
@@ -320,7 +353,7 @@ def render_report(doc: Mapping[str, Any], *, bundle_root: Path | None = None, co
                   compare_bundle_root: Path | None = None) -> str:
     """The whole page as one HTML string. `compare`: the report of the bundle this one replaces."""
     ctx = _Context(doc, bundle_root)
-    b = doc.get("bundle") or {}
+    b = _map(doc.get("bundle"))
     title = f"self-test: {b.get('name', '?')} v{b.get('version', '?')} {ctx.figures.get('verdict', '').upper()}"
     if compare is not None:
         content = _comparison(_Context(compare, compare_bundle_root), ctx)
