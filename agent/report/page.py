@@ -39,7 +39,7 @@ th{background:#f0f0f0}td.num{text-align:right;font-variant-numeric:tabular-nums;
 .banner.pass{background:#e8f5e9;border:1px solid #2e7d32}.banner.fail{background:#ffebee;border:1px solid #c62828}
 .badge{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;font-weight:600;color:#fff}
 .badge.pass{background:#2e7d32}.badge.fail{background:#c62828}.badge.other{background:#78909c}
-tr.fail td{background:#fff1f1}ul.reasons{margin:2px 0;padding-left:18px}ul.reasons li{color:#b71c1c}
+tr.fail td{background:#fff1f1}ul.reasons{margin:2px 0;padding-left:18px;min-width:240px}ul.reasons li{color:#b71c1c}
 .bar{display:flex;height:22px;width:100%;max-width:640px;border:1px solid #bbb;border-radius:3px;overflow:hidden}
 .bar span{display:block;height:100%;color:#fff;font-size:11px;line-height:22px;padding-left:4px;white-space:nowrap;overflow:hidden}
 .legend span{display:inline-block;margin-right:12px;font-size:12px}.legend i{display:inline-block;width:10px;height:10px;margin-right:4px}
@@ -48,6 +48,7 @@ tr.fail td{background:#fff1f1}ul.reasons{margin:2px 0;padding-left:18px}ul.reaso
 .card.fail{border:2px solid #c62828;background:#fff5f5}.card img{display:block;width:96px;image-rendering:auto;margin-bottom:4px}
 .card .stage{font-weight:600;color:#b71c1c}.muted{color:#777}
 .cols{display:grid;grid-template-columns:1fr 1fr;gap:20px}.cols>section{min-width:0}
+.cols table{display:block;overflow-x:auto;max-width:100%}main.wide{max-width:1800px}
 .plot svg{max-width:100%;height:auto}details{margin:6px 0}pre{white-space:pre-wrap;font-size:11px;background:#fff;border:1px solid #ddd;padding:6px}
 """
 
@@ -343,8 +344,21 @@ def _comparison(old: _Context, new: _Context) -> str:
                      cell(chosen, "p50_ms"), cell(chosen, "p95_ms"), cell(chosen, "budget_ms"),
                      _td("-" if chosen.get("provider_fraction") is None else f"{chosen['provider_fraction']:.0%}"),
                      _td(ctx.doc.get("created"))])
+    before = {c["key"]: c for c in old.figures.get("candidates", [])}
+    after = {c["key"]: c for c in new.figures.get("candidates", [])}
+    crow, ccls = [], []
+    for key in list(dict.fromkeys([*before, *after])):
+        b, a = before.get(key, {}), after.get(key, {})
+        change = "-"
+        if b.get("p95_ms") and a.get("p95_ms") is not None:
+            change = f"{100 * (a['p95_ms'] - b['p95_ms']) / b['p95_ms']:+.0f} %"
+        crow.append([_td(_short(key)), f"<td>{_badge(b['verdict']) if b else '-'}</td>", _td(_ms(b.get("p95_ms")), True),
+                     f"<td>{_badge(a['verdict']) if a else '-'}</td>", _td(_ms(a.get("p95_ms")), True), _td(change, True),
+                     f"<td><ul class='reasons'>{''.join(f'<li>{esc(r)}</li>' for r in a.get('reasons', []))}</ul></td>"])
+        ccls.append("fail" if a.get("verdict") == "fail" and b.get("verdict") == "pass" else "")
     return ("<h2>Update: before and after</h2>"
             + _table(["", "bundle", "verdict", "selected", "p50", "p95", "budget", "nodes on provider", "run"], rows)
+            + _table(["candidate", "before", "p95 before", "after", "p95 after", "p95 change", "reasons after"], crow, ccls)
             + f"<div class='cols'><section><h2>Before</h2>{_body(old, False)}</section>"
               f"<section><h2>After</h2>{_body(new, False)}</section></div>")
 
@@ -362,7 +376,7 @@ def render_report(doc: Mapping[str, Any], *, bundle_root: Path | None = None, co
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{esc(title)}</title>"
-            f"<style>{CSS}</style></head><body><main>{content}"
+            f"<style>{CSS}</style></head><body><main{' class=wide' if compare is not None else ''}>{content}"
             f"<p class='muted'>made by edge-agent {esc(__version__)} report, {stamp}</p></main></body></html>")
 
 
