@@ -146,6 +146,7 @@ def test_update_report_shows_old_and_new_side_by_side(tiny_bundle: Path, tmp_pat
     page = out.read_text()
     assert "Update: before and after" in page and "<h2>Before</h2>" in page and "<h2>After</h2>" in page
     assert f"{old['bundle']['name']} v1" in page and f"{old['bundle']['name']} v2" in page
+    assert "p95 change" in page and page.count("CPU:int8") >= 3  # per candidate: before, after, and in each report
 
 
 def test_report_of_32_samples_is_small_enough_to_attach_to_a_ticket(tmp_path: Path) -> None:
