@@ -287,3 +287,10 @@ def test_report_renders_damaged_and_unexpected_reports_without_crashing(tiny_bun
             raise AssertionError(f"render failed on a mutated report: {type(exc).__name__}: {exc}") from exc
         assert page.startswith("<!DOCTYPE html>")
     render_report({"candidates": []})  # the least a report can be
+
+
+def test_sensor_bundle_report_shows_each_golden_window_as_a_sparkline(tiny_sensor_bundle: Path, tmp_path: Path) -> None:
+    doc = _selftest(tiny_sensor_bundle, tmp_path / "state")
+    page = render_report(doc, bundle_root=tiny_sensor_bundle)
+    assert page.count("src='data:image/svg+xml;base64,") == 6  # one per golden window, no JPEG of noise
+    assert "id='latency-plot'" in page

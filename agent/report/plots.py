@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from agent.errors import AgentError
 
 PASS_COLOR, FAIL_COLOR, NEUTRAL_COLOR, BUDGET_COLOR = "#2e7d32", "#c62828", "#607d8b", "#d84315"
@@ -61,12 +63,17 @@ def latency_plot(series: Sequence[LatencySeries]) -> str:
     # allowed to squash the distribution the verdict is about
     hi = 1.15 * (max([s.budget_ms or 0 for s in series] + [1.5 * (s.p95_ms or 0) for s in series]
                      + [max(s.samples_ms, default=0) if s.p95_ms is None else 0 for s in series]) or 1.0)
+    # a budget far above the measured runs would squeeze them into one bar: then the axis is logarithmic
+    p95s = [s.p95_ms for s in series if s.p95_ms]
+    lo = min([x for s in series for x in s.samples_ms if x > 0] + [s.p50_ms for s in series if s.p50_ms], default=0)
+    log_x = bool(p95s) and lo > 0 and hi / max(p95s) > 20
+    edges = np.geomspace(lo * 0.8, hi, 61) if log_x else np.linspace(0, hi, 61)
     for ax, s in zip(axes[:, 0], series):
         color = PASS_COLOR if s.verdict == "pass" else FAIL_COLOR if s.verdict == "fail" else NEUTRAL_COLOR
         title = f"{s.label}  [{s.verdict.upper()}]"
         if s.samples_ms:
             shown = [x for x in s.samples_ms if x <= hi]
-            ax.hist(shown, bins=60, range=(0, hi), color=color, alpha=0.8)
+            ax.hist(shown, bins=edges, color=color, alpha=0.8)
             ax.set_ylabel("runs")
             if len(shown) < len(s.samples_ms):
                 title += f"  ({len(s.samples_ms) - len(shown)} slower run(s) up to {max(s.samples_ms):.3g} ms not drawn)"
@@ -85,8 +92,12 @@ def latency_plot(series: Sequence[LatencySeries]) -> str:
             ax.axvline(s.budget_ms, color=BUDGET_COLOR, lw=1.8, ls="--", label=f"budget {s.budget_ms:g} ms")
         ax.legend(fontsize=7, frameon=False, loc="upper right")
         ax.set_title(title, loc="left", fontsize=9, color=color)
-    axes[-1, 0].set_xlabel("latency per run (ms)")
-    axes[-1, 0].set_xlim(0, hi)
+    axes[-1, 0].set_xlabel("latency per run (ms)" + (", log scale" if log_x else ""))
+    if log_x:
+        axes[-1, 0].set_xscale("log")
+        axes[-1, 0].set_xlim(edges[0], hi)
+    else:
+        axes[-1, 0].set_xlim(0, hi)
     fig.tight_layout()
     return _svg(fig)
 

@@ -56,6 +56,7 @@ def _sensor_thumb(raw: np.ndarray) -> str:
     if x.ndim == 1:
         x = x[:, None]
     x = x.reshape(x.shape[0], -1)[:, :4]
+    x = x[:: max(1, len(x) // THUMB_PX)]  # about one point per pixel: the page stays small
     lo, hi = float(x.min()), float(x.max())
     span = hi - lo or 1.0
     w, h = THUMB_PX, THUMB_PX // 2
