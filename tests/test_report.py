@@ -268,7 +268,7 @@ def test_report_renders_damaged_and_unexpected_reports_without_crashing(tiny_bun
                 yield from paths(v, prefix + (i,))
 
     all_paths = list(paths(base))
-    for _ in range(30):
+    for _ in range(20):
         doc = copy.deepcopy(base)
         for p in rng.sample(all_paths, 5):
             try:
