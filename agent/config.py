@@ -157,6 +157,11 @@ class UpdatesConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    listen: str | None = None         # "127.0.0.1:9108": Prometheus /metrics (needs the extra `metrics`); off when unset
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
     json: bool | None = None
@@ -187,6 +192,7 @@ class Config:
     mqtt: MqttConfig = MqttConfig()
     outbox: OutboxConfig = OutboxConfig()
     updates: UpdatesConfig = UpdatesConfig()
+    metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
     source_file: Path | None = None
 

@@ -10,17 +10,18 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 CACHE=${EDGE_AGENT_CACHE:-$HOME/.cache/edge-agent}
 PY=${PYTHON:-python3}
-COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema cryptography pytest onnx sympy pillow"
+COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema cryptography pytest onnx sympy pillow matplotlib prometheus-client"
 export PYTHONPATH=$ROOT PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$CACHE"
 
-# System packages: Debian's mosquitto (the MQTT tests start their own brokers) and openssl.
+# System packages: Debian's mosquitto (the MQTT tests start their own brokers), openssl, chromium.
 need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)  # the report page is opened in a real headless browser
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo

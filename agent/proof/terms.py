@@ -113,9 +113,11 @@ class LatencyStats:
     p95_ms: float
     p99_ms: float
     mean_ms: float
+    samples_ms: tuple[float, ...] = ()  # every timed run, in order: the report page plots their distribution
 
     @classmethod
     def from_ns(cls, samples_ns: Sequence[int]) -> "LatencyStats":
         ms = np.asarray(samples_ns, dtype=np.float64) / 1e6
         p50, p95, p99 = np.percentile(ms, [50, 95, 99])
-        return cls(len(ms), round(float(p50), 4), round(float(p95), 4), round(float(p99), 4), round(float(ms.mean()), 4))
+        return cls(len(ms), round(float(p50), 4), round(float(p95), 4), round(float(p99), 4), round(float(ms.mean()), 4),
+                   tuple(round(float(x), 4) for x in ms))

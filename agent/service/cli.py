@@ -469,6 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--wait", type=float, default=1.0, help="seconds to collect retained state first")
     mo.set_defaults(func=_cmd_monitor)
 
+    from agent.report.command import add_report_parser
+
+    add_report_parser(sub)
+
     cf = sub.add_parser("config", help="validate a config file")
     csub = _Sub(cf.add_subparsers(dest="config_command", required=True, metavar="ACTION"))
     cc = csub.add_parser("check", help="validate and print the effective settings")

@@ -198,10 +198,6 @@ class Agent:
     def health(self) -> dict[str, Any]:
         p = self.pipeline
         status = p.status() if p is not None else None
-        selftest = None
-        if self.selftest_doc is not None:
-            d = self.selftest_doc
-            selftest = {"passed": d["passed"], "created": d["created"], "cached": d["cached"], "reason": d["reason"]}
         source = None
         if p is not None:
             st = p.source.stats
@@ -217,12 +213,14 @@ class Agent:
             not_serving_reason=self.not_serving_reason,
             engine=self.engine.describe() if self.engine else None,
             placement=dict(self.engine.opened.placement.nodes_by_provider) if self.engine else None,
-            selftest=selftest,
+            selftest=self.selftest_doc,  # health_selftest(): the figures /metrics and the report page show
             pipeline=status.metrics if status else None,
             source=source,
             outbox=self.outbox.stats() if self.outbox is not None else None,
             process=self.probe.sample(),
             paused=bool(p and p.paused.is_set()),
+            mqtt_connected=self.link.connected.is_set() if self.link is not None else None,
+            update=self._last_update,
         )
 
     def publish_health(self) -> dict[str, Any]:
@@ -384,6 +382,9 @@ class Agent:
         # results carry (boot, seq): unique across restarts, so a subscriber can prove nothing was lost
         self.boot_number = bump_counter(self.cfg.state_dir / "boots")
         self.start_mqtt()  # a broker that is down never delays boot: the link connects in the background
+        from agent.link.prometheus import start_metrics_server
+
+        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self)  # None unless metrics.listen
         ok = self.boot()
         self.start_updates()
         if ok:
@@ -424,4 +425,6 @@ class Agent:
         if self.link is not None:
             self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
             self.link.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         return 0

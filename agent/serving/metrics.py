@@ -1,10 +1,12 @@
-"""Serving metrics: counters, frame rates and rolling latency percentiles per stage.
+"""Serving metrics: counters, frame rates, rolling latency percentiles and cumulative latency
+histograms per stage.
 
 Each counter has one writer (the stage that owns it); readers take snapshots. No locks on the hot path.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,6 +15,9 @@ from typing import Any
 import numpy as np
 
 STAGES = ("queue", "preprocess", "inference", "postprocess", "total")
+# Upper bounds of the cumulative latency histogram (ms): from sub-millisecond CPU inference to a
+# multi-second stall; /metrics exports them in seconds.
+LATENCY_BUCKETS_MS: tuple[float, ...] = (0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2500, 5000)
 
 
 class Rate:
@@ -34,6 +39,28 @@ class Rate:
         return len(times) / span
 
 
+class Histogram:
+    """Counts per bucket (not cumulative; the last slot is +Inf) and the sum, since the pipeline started."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_MS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> tuple[list[tuple[float, int]], float]:
+        """[(upper bound, count <= bound)...] ending with (inf, total), and the sum: a consistent copy."""
+        counts, total = list(self.counts), self.sum
+        out, acc = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), counts):
+            acc += n
+            out.append((bound, acc))
+        return out, total
+
+
 @dataclass
 class PipelineMetrics:
     started: float = field(default_factory=time.monotonic)
@@ -48,9 +75,11 @@ class PipelineMetrics:
     rate_in: Rate = field(default_factory=Rate)
     rate_out: Rate = field(default_factory=Rate)
     latency_ms: dict[str, deque] = field(default_factory=lambda: {s: deque(maxlen=2048) for s in STAGES})
+    histograms_ms: dict[str, Histogram] = field(default_factory=lambda: {s: Histogram() for s in STAGES})
 
     def observe(self, stage: str, ms: float) -> None:
         self.latency_ms[stage].append(ms)
+        self.histograms_ms[stage].observe(ms)
 
     def percentiles(self) -> dict[str, dict[str, float]]:
         out = {}

@@ -1,0 +1,193 @@
+"""Prometheus metrics on `metrics.listen` (off by default): the agent's health, counters and stage
+latency histograms in the exposition format, read at scrape time from the values health is built from.
+
+`prometheus_client` is the optional extra `metrics`, imported only when `metrics.listen` is set. Names
+and units follow Prometheus conventions: `edge_agent_` prefix, base units (seconds, bytes), `_total` on
+counters, one labelled series per source, stage or candidate.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Protocol
+
+from agent.errors import AgentError, ConfigError
+from agent.logsetup import get_logger
+
+log = get_logger("metrics")
+
+NS = "edge_agent"
+UPDATE_STATES = ("idle", "downloading", "verifying", "verified", "unpacking", "selftest", "selftest_passed",
+                 "switched", "probation", "committed", "rejected", "rolled_back")
+
+
+class MetricsSource(Protocol):
+    """What the agent exposes to the collector: its health document and the live pipeline counters."""
+
+    def health(self) -> dict[str, Any]: ...
+    def pipeline_metrics(self) -> Any: ...  # a PipelineMetrics or None; else `.pipeline.metrics` is read
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not (0 < int(port) < 65536):
+        raise ConfigError(f"key metrics.listen: expected HOST:PORT (e.g. 127.0.0.1:9108), found {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
+    """Metric families from one health document and the pipeline's histograms (pure over its inputs)."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        InfoMetricFamily,
+        StateSetMetricFamily,
+    )
+
+    versions = health.get("versions") or {}
+    yield InfoMetricFamily(f"{NS}_build", "Agent and runtime versions",
+                           value={**{k: str(v) for k, v in versions.items()}, "device_id": str(health.get("device_id"))})
+    yield GaugeMetricFamily(f"{NS}_uptime_seconds", "Seconds since the agent started", value=health.get("uptime_s", 0))
+    yield GaugeMetricFamily(f"{NS}_serving", "1 while a proven candidate serves frames", value=int(bool(health.get("serving"))))
+    yield GaugeMetricFamily(f"{NS}_paused", "1 while serving is paused by command", value=int(bool(health.get("paused"))))
+
+    # frames, per source: counters since the pipeline started (a reload starts them again: Prometheus sees a reset)
+    src = (health.get("source") or {}).get("name")
+    pipe = health.get("pipeline") or {}
+    if src is not None and pipe:
+        for name, key, doc in (("frames_in", "frames_in", "Frames the source delivered"),
+                               ("frames_out", "frames_out", "Results published"),
+                               ("frames_dropped", "dropped", "Frames dropped by latest-frame-wins hand-over"),
+                               ("frames_bad", "bad_frames", "Frames that could not be decoded or preprocessed"),
+                               ("inference_errors", "inference_errors", "Inference calls that failed or gave non-finite outputs")):
+            c = CounterMetricFamily(f"{NS}_{name}", doc, labels=["source"])
+            c.add_metric([src], pipe.get(key, 0))
+            yield c
+        st = health.get("source") or {}
+        c = CounterMetricFamily(f"{NS}_source_reconnects", "Times the source was reopened", labels=["source"])
+        c.add_metric([src], st.get("reconnects", 0))
+        yield c
+        if _num(st.get("last_frame_age_s")) is not None:
+            g = GaugeMetricFamily(f"{NS}_source_last_frame_age_seconds", "Seconds since the last frame", labels=["source"])
+            g.add_metric([src], st["last_frame_age_s"])
+            yield g
+    if pipeline is not None:
+        h = HistogramMetricFamily(f"{NS}_stage_latency_seconds", "Per-frame latency of each pipeline stage",
+                                  labels=["stage"])
+        for stage, hist in pipeline.histograms_ms.items():
+            buckets, total_ms = hist.cumulative()
+            h.add_metric([stage], [("+Inf" if b == float("inf") else f"{b / 1000:g}", n) for b, n in buckets],
+                         total_ms / 1000)
+        yield h
+
+    # what serves, and the self-test that proved it (the figures health and the report page show)
+    provider = health.get("provider") or {}
+    bundle = health.get("bundle") or {}
+    sel = GaugeMetricFamily(f"{NS}_selected_candidate", "1 for the candidate that serves",
+                            labels=["bundle", "version", "variant", "provider", "effective_provider"])
+    if health.get("variant") is not None:
+        sel.add_metric([str(bundle.get("bundle")), str(bundle.get("version")), str(health["variant"]),
+                        str(provider.get("requested")), str((provider.get("effective") or [""])[0])], 1)
+    yield sel
+    fig = health.get("selftest") or {}
+    if fig:
+        b = fig.get("bundle") or {}
+        g = GaugeMetricFamily(f"{NS}_selftest_passed", "1 when the last self-test selected a candidate",
+                              labels=["bundle", "version"])
+        g.add_metric([str(b.get("name")), str(b.get("version"))], int(bool(fig.get("passed"))))
+        yield g
+        if _num(fig.get("created_ts")) is not None:
+            yield GaugeMetricFamily(f"{NS}_selftest_last_run_timestamp_seconds",
+                                    "When the last self-test ran (Unix time)", value=fig["created_ts"])
+        verdict = GaugeMetricFamily(f"{NS}_selftest_candidate_passed", "1 when the candidate passed its self-test",
+                                    labels=["provider", "variant", "verdict"])
+        p95 = GaugeMetricFamily(f"{NS}_selftest_latency_p95_seconds", "Self-test p95 latency of the candidate",
+                                labels=["provider", "variant"])
+        budget = GaugeMetricFamily(f"{NS}_selftest_latency_budget_seconds", "The p95 budget it was judged against",
+                                   labels=["provider", "variant"])
+        ratio = GaugeMetricFamily(f"{NS}_selftest_provider_node_ratio",
+                                  "Fraction of graph nodes placed on the candidate's own provider",
+                                  labels=["provider", "variant"])
+        for c in fig.get("candidates") or ():
+            prov, _, variant = str(c.get("key", ":")).partition(":")
+            verdict.add_metric([prov, variant, str(c.get("verdict"))], int(c.get("verdict") == "pass"))
+            for fam, key, scale in ((p95, "p95_ms", 1e-3), (budget, "budget_ms", 1e-3), (ratio, "provider_fraction", 1.0)):
+                if _num(c.get(key)) is not None:
+                    fam.add_metric([prov, variant], c[key] * scale)
+        yield from (verdict, p95, budget, ratio)
+
+    outbox = health.get("outbox") or {}
+    if outbox:
+        for name, key, doc in (("outbox_depth_messages", "depth", "Messages waiting to be acknowledged (memory and disk)"),
+                               ("outbox_on_disk_messages", "on_disk", "Messages spilled to disk"),
+                               ("outbox_inflight_messages", "inflight", "QoS 1 messages awaiting PUBACK"),
+                               ("outbox_oldest_age_seconds", "oldest_age_s", "Age of the oldest waiting message")):
+            yield GaugeMetricFamily(f"{NS}_{name}", doc, value=outbox.get(key, 0))
+        for name, key, doc in (("outbox_dropped_messages", "dropped", "Messages the outbox policy dropped"),
+                               ("outbox_sent_messages", "sent", "Messages handed to the broker client"),
+                               ("outbox_acked_messages", "acked", "Messages the broker acknowledged")):
+            yield CounterMetricFamily(f"{NS}_{name}", doc, value=outbox.get(key, 0))
+    mqtt = health.get("mqtt")
+    if mqtt is not None:
+        yield GaugeMetricFamily(f"{NS}_mqtt_connected", "1 while connected to the broker",
+                                value=int(bool(mqtt.get("connected"))))
+    state = str((health.get("update") or {}).get("state") or "idle")
+    states = UPDATE_STATES if state in UPDATE_STATES else (*UPDATE_STATES, state)
+    yield StateSetMetricFamily(f"{NS}_update_state", "The bundle update's current (or last) state",
+                               value={s: s == state for s in states})
+
+
+class _Collector:
+    def __init__(self, source: MetricsSource):
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            health = self.source.health()
+            getter = getattr(self.source, "pipeline_metrics", None)
+            pipeline = getter() if getter is not None else getattr(getattr(self.source, "pipeline", None), "metrics", None)
+        except Exception as exc:  # a scrape must not take the agent down; the failure is counted by the scraper
+            log.error("metrics.collect_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        yield from families(health, pipeline)
+
+
+@dataclass
+class MetricsServer:
+    host: str
+    port: int
+    server: Any
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start_metrics_server(listen: str | None, source: MetricsSource) -> MetricsServer | None:
+    """Serve /metrics on `listen` ("HOST:PORT"); None (and nothing imported) when it is unset."""
+    if not listen:
+        return None
+    host, port = parse_listen(listen)
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.process_collector import ProcessCollector
+    except ImportError as exc:
+        raise AgentError("metrics.listen is set but prometheus_client is not installed: "
+                         "pip install 'edge-agent[metrics]' (or pip install prometheus-client)") from exc
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(source))
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+    try:
+        server, thread = start_http_server(port, host, registry=registry)
+    except OSError as exc:
+        raise AgentError(f"metrics.listen {listen}: cannot listen: {exc.strerror or exc}") from exc
+    log.info("metrics.listening", listen=f"{host}:{port}", path="/metrics")
+    return MetricsServer(host, port, server, thread)

@@ -1,0 +1,78 @@
+"""Where a self-test report comes from: a report.json, a state directory, or a device's retained
+`selftest` topic on a broker."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from agent.errors import AgentError
+from agent.link.topics import Topics, default_prefix
+
+
+def _parse(data: bytes | str, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise AgentError(f"{where}: not a JSON self-test report: {exc}") from exc
+    if not isinstance(doc, dict) or "candidates" not in doc:
+        raise AgentError(f"{where}: not a self-test report (expected an object with 'candidates'; "
+                         "write one with `edge-agent selftest --bundle DIR`)")
+    return doc
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    """A report.json, or a state directory holding selftest/report.json."""
+    candidates = [path] if path.is_file() else [path / "selftest" / "report.json", path / "report.json"]
+    for p in candidates:
+        if p.is_file():
+            return _parse(p.read_bytes(), str(p))
+    raise AgentError(f"{path}: no self-test report here (looked for {', '.join(str(p) for p in candidates)}); "
+                     "pass a report.json or a state directory")
+
+
+def fetch_retained(host: str, port: int, device: str, prefix: str | None = None, timeout_s: float = 10.0,
+                   username: str | None = None, password: str | None = None, tls_ca: str | None = None) -> dict[str, Any]:
+    """The device's retained self-test report from the broker."""
+    import paho.mqtt.client as paho
+
+    topic = Topics(prefix or default_prefix(device)).selftest
+    got: dict[str, bytes] = {}
+    done = threading.Event()
+    failed: list[str] = []
+
+    def on_connect(c: Any, u: Any, flags: Any, reason: Any, props: Any) -> None:
+        if reason.is_failure:
+            failed.append(str(reason))
+            done.set()
+        else:
+            c.subscribe(topic, qos=1)
+
+    def on_message(c: Any, u: Any, msg: Any) -> None:
+        got["payload"] = msg.payload
+        done.set()
+
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+    if tls_ca:
+        client.tls_set(ca_certs=tls_ca)
+    if username:
+        client.username_pw_set(username, password)
+    client.on_connect, client.on_message = on_connect, on_message
+    try:
+        client.connect(host, port, 30)
+    except OSError as exc:
+        raise AgentError(f"cannot reach the broker at {host}:{port}: {exc}") from exc
+    client.loop_start()
+    try:
+        done.wait(timeout_s)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    if failed:
+        raise AgentError(f"broker {host}:{port} refused the connection: {failed[0]}")
+    if "payload" not in got:
+        raise AgentError(f"no retained self-test report on {topic} at {host}:{port} within {timeout_s:g} s "
+                         "(is the device id right, and has it run its self-test with MQTT on?)")
+    return _parse(got["payload"], f"{host}:{port} {topic}")
