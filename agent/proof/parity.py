@@ -178,7 +178,8 @@ def _channel_view(x: np.ndarray, axis: int | None) -> np.ndarray:
 
 
 def channel_axis(spec: PostprocessSpec) -> int | None:
-    return getattr(spec, "channel_axis", None) if spec.type == "raw" else None
+    """The declared channel axis of raw outputs (batched numbering; 1 unless the bundle says otherwise)."""
+    return getattr(spec, "channel_axis", 1) if spec.type == "raw" else None
 
 
 @dataclass(frozen=True)
