@@ -24,9 +24,9 @@ class SelectionPolicy:
     variant: str | None = None
     allow_cpu_fallback: bool = True
     prefer_margin: float = 0.10
-    latency_retries: int = 4
+    latency_retries: int = 3
     latency_backoff_s: float = 2.0
-    when_too_slow: Literal["degraded", "none"] = "degraded"
+    when_too_slow: Literal["degraded", "none"] = "none"
 
 
 def variants_for(manifest: Manifest, provider: str) -> list[str]:
