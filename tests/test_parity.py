@@ -228,3 +228,22 @@ def test_json_safe_replaces_every_non_finite_number() -> None:
     doc = json_safe({"a": float("nan"), "b": [float("inf"), 1.0, {"c": -math.inf}], "d": np.float32(2.5)})
     assert doc == {"a": None, "b": [None, 1.0, {"c": None}], "d": 2.5}
     _strict_loads(json.dumps(doc))
+
+
+def test_score_channels_collapsed_to_zero_are_seen_beside_loud_coordinate_channels() -> None:
+    # The real YOLOv8n whole-graph INT8 (declared raw): coordinates up to 1024 set the one uint8 scale
+    # (step 4), every class score (mostly ~1e-3, a few hot anchors) becomes 0. A signal floor borrowed
+    # from the loud channels would rate the silent score channels as fine.
+    rng = np.random.default_rng(7)
+    refs, got = [], []
+    for _ in range(6):
+        coords = rng.uniform(0, 1024, (4, 2000))
+        scores = np.full((3, 2000), 1e-3) * rng.uniform(0.5, 1.5, (3, 2000))
+        scores[:, rng.choice(2000, 5, replace=False)] = 0.7
+        y = np.concatenate([coords, scores]).astype(np.float32)
+        refs.append({"out": y})
+        got.append({"out": np.concatenate([coords, np.zeros_like(scores)]).astype(np.float32)})
+    q = judge_fidelity(RAW, got, refs, DEFAULT_FIDELITY["raw"])
+    assert not q.passed
+    f = q.findings[0]
+    assert f.value == pytest.approx(0.0, abs=1e-6) and "channel 4" in f.detail
