@@ -47,6 +47,12 @@ from agent.proof.verdict import (
 )
 from agent.spec.decoders import split_batch
 
+try:  # multi-input and stateful models (issue 11): feeds and step-by-step replay with state carried
+    from agent.proof.replay import replay, session_runner
+    from agent.spec.inputs import InputFeeder
+except ImportError:  # a tree without them: one frame input, one step per golden sample
+    replay = session_runner = InputFeeder = None  # type: ignore[assignment]
+
 log = get_logger("selftest")
 
 REPORT_SCHEMA = 1
@@ -130,7 +136,7 @@ def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple
     pre = bundle.preprocessor()
     worst, worst_i, tensors = 0.0, 0, []
     for g in golden:
-        t = pre(g.raw)
+        t = np.stack([pre(r) for r in g.raw]) if _is_sequence(g) else pre(g.raw)
         tensors.append(t)
         d = float(np.max(np.abs(t.astype(np.float64) - g.input.astype(np.float64)))) if t.shape == g.input.shape else float("inf")
         if d > worst:
@@ -179,12 +185,16 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         # End to end (device preprocessing) when preprocessing holds; the bundled tensors otherwise,
         # so a model fault is still told apart from a preprocessing fault.
         use_device = pre_check.max_abs <= m.selftest.preprocess_max_abs
-        got = [split_batch(opened.run(t if use_device else g.input), 0) for t, g in zip(tensors, golden)]
-        refs = [split_batch(g.outputs, 0) for g in golden]
-        own = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant)
+        own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant)
+        got, refs, own = [], [], []
+        for i, (t, g) in enumerate(zip(tensors, golden)):
+            got += [split_batch(o, 0) for o in _run_golden(opened, m, t if use_device else g.input, _is_sequence(g))]
+            refs += _steps(g.outputs, _is_sequence(g))
+            if own_batched is not None:
+                own += _steps(own_batched[i], _is_sequence(g))
         bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
-        if own is not None:
-            rep = judge_reproduction(m.postprocess, got, [split_batch(o, 0) for o in own], bounds, "variant")
+        if own_batched is not None:
+            rep = judge_reproduction(m.postprocess, got, own, bounds, "variant")
         else:
             # no recorded outputs: FP32 is held to its tensor bound against the source; reduced
             # precisions only to decoded agreement (their own outputs were never recorded)
@@ -199,8 +209,35 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
     return _Trial(c, ev, opened)
 
 
+def _is_sequence(g: GoldenSample) -> bool:
+    return bool(getattr(g, "sequence", False))
+
+
+def _steps(outputs: Mapping[str, np.ndarray], sequence: bool) -> list[dict[str, np.ndarray]]:
+    """One golden sample's outputs per step, batch dimension dropped: [1, ...] or [T, 1, ...]."""
+    if not sequence:
+        return [split_batch(outputs, 0)]
+    steps = next(iter(outputs.values())).shape[0]
+    return [{k: v[t, 0] for k, v in outputs.items()} for t in range(steps)]
+
+
+def _run_golden(opened: Any, m: Any, tensor: np.ndarray, sequence: bool) -> list[dict[str, np.ndarray]]:
+    """Outputs of each step of one golden sample, fed as serving feeds it (extra inputs, state)."""
+    if replay is not None:
+        return replay(session_runner(opened.session), m, tensor, sequence=sequence)
+    return [opened.run(tensor)]
+
+
+def _timed_call(opened: Any, m: Any, tensor: np.ndarray) -> Callable[[], Any]:
+    """One inference with the feeds serving gives it (the first step, for a sequence)."""
+    if InputFeeder is not None:
+        feeds = InputFeeder.for_manifest(m).feeds(tensor, "selftest")
+        return lambda: opened.session.run(None, feeds)
+    return lambda: opened.run(tensor)
+
+
 def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
-                     attempt: int = 0) -> None:
+                     attempt: int = 0, manifest: Any = None) -> None:
     """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
     machine lands on all candidates alike; the load average is recorded beside the figures."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
@@ -209,13 +246,15 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
     samples: dict[int, list[int]] = {id(t): [] for t in live}
     before = os.getloadavg()[0]
     try:
+        calls = {id(t): (_timed_call(t.opened, manifest, tensor) if manifest is not None else
+                         (lambda t=t: t.opened.run(tensor))) for t in live}
         for _ in range(warmup):
             for t in live:
-                t.opened.run(tensor)
+                calls[id(t)]()
         for _ in range(runs):
             for t in live:
                 t0 = time.perf_counter_ns()
-                t.opened.run(tensor)
+                calls[id(t)]()
                 samples[id(t)].append(time.perf_counter_ns() - t0)
     except Exception as exc:
         for t in live:
@@ -226,6 +265,11 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
         t.evidence = replace(t.evidence, latency=LatencyStats.from_ns(samples[id(t)]), latency_context=ctx)
 
 
+def _timing_tensor(golden: Sequence[GoldenSample]) -> np.ndarray:
+    g = golden[0]
+    return g.input[0] if _is_sequence(g) else g.input
+
+
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
              latency: bool = True, latency_runs: int | None = None,
              preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None) -> CandidateResult:
@@ -233,7 +277,8 @@ def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Se
     m = bundle.manifest
     trial = prove(bundle, c, settings, golden, preprocessed)
     if latency:
-        time_interleaved([trial], golden[0].input, m.selftest.warmup_runs, latency_runs or m.selftest.latency_runs)
+        time_interleaved([trial], _timing_tensor(golden), m.selftest.warmup_runs,
+                         latency_runs or m.selftest.latency_runs, manifest=m)
     return judge(trial.evidence, m)
 
 
@@ -355,7 +400,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                 proven.append(trial)
         if proven:  # only candidates that answered both questions are worth timing
             _guarded(markers, bundle, proven[0].candidate,
-                     lambda: time_interleaved(proven, golden[0].input, warmup, runs))
+                     lambda: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
@@ -372,7 +417,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                         candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
             opts.sleep(delay)
             _guarded(markers, bundle, slow[0].candidate,
-                     lambda: time_interleaved(slow, golden[0].input, warmup, runs, attempt))
+                     lambda: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt, manifest=m))
             again = {t.candidate.key: judge(t.evidence, m) for t in slow}
             results = [again.get(r.candidate.key, r) for r in results]
             attempts.append({"attempt": attempt, "waited_s": delay,
