@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -54,6 +54,7 @@ except ImportError:  # a tree without them: one frame input, one step per golden
     replay = session_runner = InputFeeder = None  # type: ignore[assignment]
 
 log = get_logger("selftest")
+T = TypeVar("T")
 
 REPORT_SCHEMA = 1
 
@@ -399,6 +400,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             if judge(trial.evidence, m).passed:
                 proven.append(trial)
         if proven:  # only candidates that answered both questions are worth timing
+            # Each ran its golden samples under its own marker already; a crash inside the interleaved
+            # loop is blamed on the first, so a crash loop still cannot happen.
             _guarded(markers, bundle, proven[0].candidate,
                      lambda: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
@@ -452,7 +455,7 @@ def _log_result(r: CandidateResult) -> None:
           p50_ms=r.evidence.latency.p50_ms if r.evidence and r.evidence.latency else None)
 
 
-def _guarded(markers: CrashMarkers | None, bundle: Bundle, c: Candidate, fn: Any) -> CandidateResult:
+def _guarded(markers: CrashMarkers | None, bundle: Bundle, c: Candidate, fn: Callable[[], T]) -> T:
     if markers:
         markers.enter(bundle.manifest_sha256, c)
     try:
