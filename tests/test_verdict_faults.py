@@ -220,3 +220,35 @@ def test_nan_output_is_named_and_selftest_json_parses_with_a_strict_parser(tiny_
     cand = doc["candidates"][0]
     assert any(r.startswith("output: non-finite output logits") and "NaN" in r for r in cand["reasons"]), cand["reasons"]
     assert "non-finite output logits" in doc["reason"]
+
+
+def test_floors_are_the_authors_and_a_build_keeps_them_as_written(detector_inputs: dict, tmp_path: Path) -> None:
+    spec = yaml.safe_load(Path(detector_inputs["spec"]).read_text())
+    spec["selftest"]["fidelity"] = {"min_channel_snr_db": -10.0}  # this author accepts a broken int8
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    b = load_bundle(create_bundle(CreateOptions(out=tmp_path / "lenient", min_agreement=0.0,
+                                                **{**detector_inputs, "spec": tmp_path / "spec.yaml"})))
+    assert b.manifest.variant("int8").below_floor is None
+    assert b.manifest.selftest.fidelity == {"min_channel_snr_db": -10.0}
+
+    spec["selftest"]["fidelity"] = {"min_channel_snr_db": 80.0}  # stricter than anything int8 measures
+    (tmp_path / "strict.yaml").write_text(yaml.safe_dump(spec))
+    kept = load_bundle(create_bundle(CreateOptions(out=tmp_path / "strict", min_agreement=0.0, keep_low_quality=True,
+                                                   **{**detector_inputs, "spec": tmp_path / "strict.yaml"})))
+    assert kept.manifest.selftest.fidelity == {"min_channel_snr_db": 80.0}  # kept as written, never lowered
+    assert "under bound 80" in kept.manifest.variant("int8").below_floor
+
+
+def test_selftest_table_shows_both_questions_and_the_task_metric(kept_detector: Path, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "agent", "--log-level", "error", "selftest", "--bundle",
+                          str(kept_detector), "--state-dir", str(tmp_path), "--no-cache", "--variant", "int8",
+                          "--latency-runs", "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()[1:3]
+    assert "reproduction" in header and "fidelity" in header
+    assert "ok vs variant" in row and "LOW SNR " in row and "PASS (warnings)" in row
+    assert "warning: fidelity: worst channel SNR dB" in out.stdout
+    assert "edge-agent: warning: " in out.stderr and "pinned by the config" in out.stderr
+    inspect = subprocess.run([sys.executable, "-m", "agent", "bundle", "inspect", str(kept_detector)],
+                             capture_output=True, text=True, timeout=60)
+    assert "BELOW FLOOR int8: variant int8: fidelity: worst channel SNR dB" in inspect.stdout
