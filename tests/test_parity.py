@@ -247,3 +247,13 @@ def test_score_channels_collapsed_to_zero_are_seen_beside_loud_coordinate_channe
     assert not q.passed
     f = q.findings[0]
     assert f.value == pytest.approx(0.0, abs=1e-6) and "channel 4" in f.detail
+
+
+def test_mask_iou_reads_channel_first_and_channel_last_maps_alike() -> None:
+    m = np.zeros((40, 40), np.float32)
+    m[5:15, 5:30] = 0.9
+    half = m.copy()
+    half[5:15, 18:30] = 0.0
+    for shape in ((1, 40, 40), (40, 40, 1), (40, 40)):
+        q = judge_fidelity(SEG, [{"maps": half.reshape(shape)}], [{"maps": m.reshape(shape)}], DEFAULT_FIDELITY["segmentation"])
+        assert q.agreement.metrics["mask_iou"] == pytest.approx(130 / 250), shape

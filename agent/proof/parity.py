@@ -360,11 +360,14 @@ def mask_iou(a: np.ndarray, b: np.ndarray, threshold: float) -> float:
 
 
 def _map_of(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:
+    """One sample's (H, W) map: the declared channel of (C, H, W), or (H, W, 1), or (H, W)."""
     name = spec.output or next(iter(outputs))
     x = np.asarray(outputs[name], dtype=np.float64)
     channel = int(getattr(spec, "channel", 0) or 0)
-    while x.ndim > 2:
-        x = x[min(channel, x.shape[0] - 1)] if x.shape[0] > 1 else x[0]
+    while x.ndim > 3 and x.shape[0] == 1:
+        x = x[0]
+    if x.ndim == 3:
+        x = x[..., 0] if x.shape[-1] == 1 and x.shape[0] != 1 else x[min(channel, x.shape[0] - 1)]
     return np.nan_to_num(x, nan=-np.inf)
 
 
