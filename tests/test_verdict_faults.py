@@ -252,3 +252,15 @@ def test_selftest_table_shows_both_questions_and_the_task_metric(kept_detector: 
     inspect = subprocess.run([sys.executable, "-m", "agent", "bundle", "inspect", str(kept_detector)],
                              capture_output=True, text=True, timeout=60)
     assert "BELOW FLOOR int8: variant int8: fidelity: worst channel SNR dB" in inspect.stdout
+
+
+def test_fp32_reproduces_under_any_graph_optimisation_level_on_the_machine_that_built_it(
+        tiny_bundle: Path, tmp_path: Path) -> None:
+    # Recorded with optimisation "all"; a device configured otherwise sees reordered float sums only.
+    from agent.proof.terms import SessionSettings
+
+    for level in ("disable", "basic", "extended", "all"):
+        opts = replace(FAST, settings=SessionSettings(graph_optimization=level), policy=SelectionPolicy(variant="fp32"))
+        report = run_selftest(load_bundle(tiny_bundle), tmp_path / level, opts)
+        assert report.selected is not None, (level, report.reason)
+        assert report.selected.evidence.reproduction.against == "variant"
