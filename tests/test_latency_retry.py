@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 
 from agent.bundle.load import load_bundle
 from agent.proof.parity import Finding
