@@ -349,7 +349,7 @@ def detection_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequ
     precision = matched / n_got if n_got else (1.0 if n_ref == 0 else 0.0)
     return TaskAgreement("detection", {"recall": recall, "precision": precision,
                                        "reference_detections": float(n_ref), "detections": float(n_got)},
-                         worst, f"{matched} of {n_ref} reference detections matched at IoU >= {min_iou:g}")
+                         worst, f"{matched} of {n_ref} reference detections matched at IoU {min_iou:g} or more")
 
 
 def mask_iou(a: np.ndarray, b: np.ndarray, threshold: float) -> float:

@@ -175,8 +175,8 @@ def judge(ev: Evidence, manifest: Manifest) -> CandidateResult:
         ctx = ev.latency_context
         findings.append(Finding("latency", "p95 ms", ev.latency.p95_ms, budget, "latency", None,
                                 f"p50 {ev.latency.p50_ms:.2f} ms" + (
-                                    f", load average {ctx.load_before:.2f}->{ctx.load_after:.2f} on {ctx.cpus} CPUs"
-                                    if ctx else ""), "over"))
+                                    f", load average {ctx.load_before:.2f} before and {ctx.load_after:.2f} after, "
+                                    f"{ctx.cpus} CPUs" if ctx else ""), "over"))
     reasons = tuple(_reason_text(f) for f in findings)
     return CandidateResult(c, not findings, reasons, ev, findings=tuple(findings), warnings=tuple(warnings))
 
