@@ -58,6 +58,7 @@ def test_device_that_stays_too_slow_serves_nothing_or_degraded_as_configured(tin
     assert none.selected is None and waits == [0.01, 0.02]
     assert [a["attempt"] for a in none.latency_attempts] == [1, 2]
     assert none.reason.startswith("no candidate passed: ") and "latency p95 = " in none.reason
+    assert none.too_slow and none.to_dict()["too_slow"] is True  # a controller may run it again later
 
     waits.clear()
     degraded = run_selftest(load_bundle(tiny_bundle), tmp_path / "deg",
@@ -67,7 +68,7 @@ def test_device_that_stays_too_slow_serves_nothing_or_degraded_as_configured(tin
     assert degraded.selected.candidate == fastest.candidate
     doc = json.loads((tmp_path / "deg" / "selftest" / "report.json").read_text())
     assert doc["degraded"].startswith(f"serving {fastest.candidate.key} degraded")
-    assert doc["warnings"] == [doc["degraded"]]
+    assert doc["warnings"] == [doc["degraded"]] and doc["too_slow"] is True
     ctx = doc["candidates"][0]["latency_context"]
     assert ctx["cpus"] >= 1 and ctx["load_before"] >= 0 and ctx["interleaved"] is True
     # a degraded pick is never cached as a proven winner

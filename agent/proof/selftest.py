@@ -93,6 +93,12 @@ class SelftestReport:
         return out + ([self.degraded] if self.degraded else [])
 
     @property
+    def too_slow(self) -> bool:
+        """Nothing proven serves at full speed only because of latency: the one failure a later run on
+        a quieter machine can clear (a controller re-runs the self-test on this)."""
+        return self.degraded is not None or (self.selected is None and should_remeasure_latency(self.results))
+
+    @property
     def reason(self) -> str | None:
         if self.selected is not None:
             return None
@@ -124,6 +130,7 @@ class SelftestReport:
             "reason": self.reason,
             "warnings": self.warnings,
             "degraded": self.degraded,
+            "too_slow": self.too_slow,
             "pinned_below_floor": sel.candidate.pinned_below_floor if sel else None,
             "latency_attempts": [dict(a) for a in self.latency_attempts],
             "cached": self.cached,
