@@ -37,6 +37,12 @@ class SelectionConfig:
     # The bundle's preferred variant wins unless another passing one is at least this much faster (p50).
     prefer_margin: float = 0.10
     use_cache: bool = True
+    # Latency that fails only because the machine is busy is measured again after backoff_s, doubling,
+    # `latency_retries` times; a device that stays too slow then serves its fastest proven candidate,
+    # loudly (`degraded`), or nothing (`none`).
+    latency_retries: int = 3
+    latency_backoff_s: float = 2.0
+    when_too_slow: Literal["degraded", "none"] = "none"
 
 
 SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin", "mqtt"]

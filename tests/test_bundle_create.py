@@ -57,7 +57,7 @@ def test_int8_below_the_quality_bound_is_refused_and_nothing_is_written(tiny_inp
 
 def test_int8_below_the_bound_can_be_kept_and_is_marked(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
     b = load_bundle(create_bundle(_opts(tiny_inputs, tmp_path / "kept", min_agreement=1.01, keep_low_quality=True)))
-    assert "under the bound" in b.manifest.variant("int8").quality["below_quality_bound"]
+    assert "under the bound" in b.manifest.variant("int8").below_floor
 
 
 def test_heldout_labels_drive_the_top1_bound(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:

@@ -63,15 +63,15 @@ def test_malformed_yaml_is_named(tiny_bundle: Path) -> None:
         load_bundle(tiny_bundle)
 
 
-def test_bad_threshold_is_named(tiny_bundle: Path) -> None:
-    rewrite_manifest(tiny_bundle, lambda d: d["selftest"]["parity"]["int8"].update(min_cosine=1.5))
-    with pytest.raises(BundleError, match=r"key selftest\.parity\.int8\.min_cosine: 1\.5 is greater than the maximum"):
+def test_bad_fidelity_floor_is_named(tiny_bundle: Path) -> None:
+    rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(fidelity={"min_top1_agreement": 1.5}))
+    with pytest.raises(BundleError, match=r"key selftest\.fidelity\.min_top1_agreement: 1\.5 is greater than the maximum"):
         load_bundle(tiny_bundle)
 
 
-def test_variant_without_parity_thresholds_is_refused(tiny_bundle: Path) -> None:
-    rewrite_manifest(tiny_bundle, lambda d: d["selftest"]["parity"].pop("int8"))
-    with pytest.raises(BundleError, match=r"variants\[1\]\.precision: 'int8' has no thresholds"):
+def test_reproduction_bounds_for_an_unknown_provider_class_are_refused(tiny_bundle: Path) -> None:
+    rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(reproduction={"fp32@tpu": {"rtol": 0.1}}))
+    with pytest.raises(BundleError, match=r"selftest\.reproduction"):
         load_bundle(tiny_bundle)
 
 

@@ -53,7 +53,7 @@ def test_selftest_that_selects_nothing_exits_3_with_a_one_line_reason(tiny_bundl
     from agent.testing import rewrite_manifest
 
     rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 0.0001}))
-    out = edge_agent("selftest", "--bundle", str(tiny_bundle), "--state-dir", str(tmp_path))
+    out = edge_agent("selftest", "--bundle", str(tiny_bundle), "--state-dir", str(tmp_path), "--latency-retries", "0")
     assert out.returncode == 3
     assert out.stderr.strip().splitlines()[-1].startswith("edge-agent: no candidate passed: ")
 

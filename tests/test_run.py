@@ -69,7 +69,7 @@ def test_bundle_that_fails_selftest_is_not_served_but_the_agent_stays_up(tiny_bu
     from agent.testing import rewrite_manifest
 
     rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 0.0001}))
-    cfg = _config(tmp_path, bundle=str(tiny_bundle))
+    cfg = _config(tmp_path, bundle=str(tiny_bundle), selection={"latency_retries": 0})
     proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(4)

@@ -36,7 +36,8 @@ def test_healthy_bundle_selects_a_cpu_candidate_with_full_evidence(tiny_bundle: 
     cand = doc["candidates"][0]
     assert cand["effective_providers"] == ["CPUExecutionProvider"]
     assert cand["placement"]["nodes_by_provider"]["CPUExecutionProvider"] > 0
-    assert cand["parity"]["top1_agreement"] == 1.0
+    assert cand["reproduction"]["passed"] and cand["reproduction"]["against"] == "variant"
+    assert cand["fidelity"]["passed"] and cand["fidelity"]["metrics"]["top1_agreement"] == 1.0
     assert cand["latency"]["runs"] == 20 and cand["latency"]["p95_ms"] >= cand["latency"]["p50_ms"] > 0
     assert doc["passed"] is True and doc["device"]["machine"]
     assert {p["name"] for p in doc["providers"]} >= {"CPUExecutionProvider", "CUDAExecutionProvider"}
@@ -51,7 +52,7 @@ def test_tampered_weights_with_recomputed_hashes_fail_parity_and_the_other_varia
     report = run_selftest(bundle, tmp_path, FAST)
     fp32 = _by_key(report)["CPUExecutionProvider:fp32"]
     assert not fp32.passed
-    assert any("at stage model" in r and "parity" in r for r in fp32.reasons), fp32.reasons
+    assert any("at stage model" in r and r.startswith("reproduction: ") for r in fp32.reasons), fp32.reasons
     assert report.selected is not None and report.selected.candidate.variant == "int8"
 
 
@@ -67,7 +68,8 @@ def test_wrong_preprocessing_constant_fails_at_the_preprocessing_stage(tiny_bund
 
 def test_latency_budget_too_small_is_rejected_with_the_measured_p95(tiny_bundle: Path, tmp_path: Path) -> None:
     rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 0.0001}))
-    report = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
+    opts = replace(FAST, policy=SelectionPolicy(latency_retries=0, when_too_slow="none"))
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path, opts)
     assert report.selected is None
     for r in report.results:
         assert any(x.startswith("latency p95 = ") and "over budget 0.0001 ms" in x for x in r.reasons)
@@ -101,7 +103,7 @@ def test_cached_verdict_is_reused_then_invalidated_by_bundle_and_ort_changes(
     second = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)
     assert second.cached and second.selected is not None
     assert second.selected.evidence.latency is None  # warm boot: parity only
-    assert second.selected.evidence.parity is not None
+    assert second.selected.evidence.reproduction is not None and second.selected.evidence.fidelity is not None
 
     monkeypatch.setattr(ort, "__version__", "0.0.0-other")
     third = run_selftest(load_bundle(tiny_bundle), tmp_path, FAST)

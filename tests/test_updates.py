@@ -205,7 +205,7 @@ REFUSALS = {
     "traversal": "path traversal",
     "symlink": "is a link",
     "oversized": "over the 2097152 limit",
-    "tampered": "self-test failed on this device: no candidate passed: CPUExecutionProvider:fp32: parity",
+    "tampered": "self-test failed on this device: no candidate passed: CPUExecutionProvider:fp32: reproduction",
     "slow": "latency p95",
     "needs_gpu": "bundle requires one of ['CUDAExecutionProvider']",
     "needs_new_agent": "bundle requires agent >= 99.0.0",

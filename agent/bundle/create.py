@@ -4,8 +4,9 @@ Build-time only (needs the `build` extra: onnx, sympy). Checks the model, record
 proves the spec's preprocessing reproduces the framework's own input tensors (when the samples carry
 them), quantizes to static QDQ INT8 calibrated through the bundle's own preprocessing (streamed, in
 bounded memory, through sequences for a stateful model), measures quality on a held-out set, writes
-golden samples with reference outputs, hashes everything, and refuses an INT8 variant below the
-quality bound. Works in a staging directory: a refusal leaves nothing behind.
+golden samples with reference outputs and each variant's own recorded outputs, hashes everything, and
+refuses a variant under a fidelity floor (or marks it `below_floor`). Works in a staging directory: a
+refusal leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.spec.inputs import InputFeeder
 from agent.spec.manifest import MANIFEST_NAME, ExtraInput, FrameSpec, inputs_from_list, postprocess_from_dict, preprocess_from_dict
-from agent.proof.parity import compare
+from agent.proof.parity import fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
 from agent.spec.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet, load_samples
@@ -46,12 +47,6 @@ PROVIDERS_BY_PRECISION = {
     "int8": ["TensorrtExecutionProvider", "OpenVINOExecutionProvider", CPU],
     "fp16": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "OpenVINOExecutionProvider"],
 }
-DEFAULT_PARITY = {
-    "fp32": {"max_rel": 2e-3, "min_cosine": 0.9999},
-    "fp16": {"max_rel": 2e-2, "min_cosine": 0.999},
-    "int8": {"min_cosine": 0.98},
-}
-DEFAULT_AGREEMENT = {"fp32": 1.0, "fp16": 0.95, "int8": 0.9}
 SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postprocess", "selftest", "preference", "source",
              "inputs"}
 # Bound on |spec preprocessing - framework input tensor| before the build refuses (tensor units).
@@ -93,6 +88,9 @@ class VariantBuild:
     file: str
     quality: dict[str, Any] = field(default_factory=dict)
     quantization: dict[str, Any] = field(default_factory=dict)
+    recorded: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # fidelity floors and author bounds it misses
+    below_floor: str | None = None
 
 
 def _need_build_extra() -> Any:
@@ -557,25 +555,31 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         builds.append(VariantBuild("fp16", "fp16", "model_fp16.onnx", quantization=convert_fp16(root / fp32_file, root / "model_fp16.onnx")))
 
     held_ref = _run_all(_cpu_session(root / fp32_file, optimize=True), held_inputs, feeder) if held else []
-    parity_thresholds: dict[str, dict[str, float]] = {}
+    floors = fidelity_floors(task, (spec.get("selftest") or {}).get("fidelity"))
     cls_out = post.output or output_names[0]
+    own: dict[str, list[dict[str, np.ndarray]]] = {}  # each variant's own golden outputs, recorded
     for b in builds:
-        sess = _cpu_session(root / b.file, optimize=True)
-        g = compare(post, _unbatch(_run_all(sess, golden_inputs, feeder), sequence), _unbatch(references, sequence))
-        b.quality.update({"golden_" + k: round(v, 6) for k, v in g.summary().items()})
+        sess = _cpu_session(root / b.file, optimize=True)  # as a device runs it: graph optimisation "all"
+        own[b.name] = _run_all(sess, golden_inputs, feeder)
+        b.recorded = {"onnxruntime": _ort_version(), "provider": CPU, "graph_optimization": "all"}
+        g = judge_fidelity(post, _unbatch(own[b.name], sequence), _unbatch(references, sequence), floors,
+                           stage="build golden")
+        b.quality.update(_figures("golden_", g))
+        problems = [f.text() for f in g.findings]
         if held:
             log.info("bundle.create.evaluating", variant=b.name, heldout=len(held))
             outs = _run_all(sess, held_inputs, feeder)
-            h = compare(post, _unbatch(outs, sequence), _unbatch(held_ref, sequence))
-            b.quality.update({"heldout_" + k: round(v, 6) for k, v in h.agreement.items()})
-            b.quality["heldout_min_cosine"] = round(h.worst_cosine.cosine, 6)
+            h = judge_fidelity(post, _unbatch(outs, sequence), _unbatch(held_ref, sequence), floors,
+                               stage="build held-out vs fp32")
+            b.quality.update(_figures("heldout_", h))
             b.quality["heldout_samples"] = len(held)
+            problems += [f.text() for f in h.findings]
             if held.labels is not None and task == "classification" and not sequence:
                 b.quality["heldout_top1"] = round(float(np.mean(_top1(outs, cls_out).ravel() == held.labels)), 5)
         feeder.reset("")
         b.quality.update(_latency_ms(sess, feeder.feeds(golden_inputs[0][0] if sequence else golden_inputs[0])))
         b.quality["size_bytes"] = (root / b.file).stat().st_size
-        parity_thresholds[b.precision] = _thresholds(b, task, len(golden_set), spec)
+        b.problems = problems
     _quality_gate(builds, task, opts)
 
     labels_rel = None
@@ -587,15 +591,16 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     for i, (raw, t, ref) in enumerate(zip(golden_set.raw, golden_inputs, references)):
         rel = f"golden/sample_{i:03d}.npz"
         framework = None if golden_set.framework_inputs is None else golden_set.framework_inputs[i]
-        np.savez_compressed(root / rel, **golden_arrays(raw, t, {n: ref[n] for n in output_names}, framework))
+        arrays = golden_arrays(raw, t, {n: ref[n] for n in output_names}, framework)
+        arrays.update({f"variant.{b.name}.{n}": own[b.name][i][n] for b in builds for n in output_names})
+        np.savez_compressed(root / rel, **arrays)
         golden_files.append(rel)
 
     postprocess = dict(spec["postprocess"])
     if labels_rel:
         postprocess["labels"] = labels_rel
+    # The author's floors and bounds pass through unchanged: a build never writes a gate from what it measured.
     selftest = dict(spec.get("selftest", {}))
-    parity = {**parity_thresholds, **selftest.get("parity", {})}
-    selftest["parity"] = parity
     slowest = max(b.quality["cpu_p95_ms"] for b in builds)
     # A budget relative to the build machine: generous enough for a slower device, tight enough to
     # catch a model that silently runs on the wrong provider. Bundles for known devices should set it.
@@ -617,7 +622,8 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         "variants": [
             {"name": b.name, "file": b.file, "precision": b.precision,
              "providers": PROVIDERS_BY_PRECISION[b.precision], "quality": b.quality,
-             **({"quantization": b.quantization} if b.quantization else {})}
+             **({"quantization": b.quantization} if b.quantization else {}),
+             "recorded": b.recorded, **({"below_floor": b.below_floor} if b.below_floor else {})}
             for b in builds
         ],
         "preference": preference,
@@ -642,46 +648,48 @@ def _source(given: Mapping[str, Any], model: Path, reference_origin: str) -> dic
     return {**given, "sha256": sha256_file(model), "description": description}
 
 
-def _thresholds(b: VariantBuild, task: str, n_golden: int, spec: Mapping[str, Any]) -> dict[str, float]:
-    """Default parity gates for a precision, never stricter than what this build itself measured
-    (less one sample's worth of slack), so a bundle always passes on the machine that built it."""
-    t: dict[str, float] = dict(DEFAULT_PARITY[b.precision])
-    q = b.quality
-    if "min_cosine" in t:
-        t["min_cosine"] = round(min(t["min_cosine"], q["golden_min_cosine"] - 1e-4), 6)
-    slack = 1.0 / max(n_golden, 1)
-    default = DEFAULT_AGREEMENT[b.precision]
-    if task == "classification":
-        measured = q.get("golden_top1_agreement", 1.0)
-        t["min_top1_agreement"] = round(max(0.0, min(default, measured - (slack if measured < 1 else 0))), 4)
-    elif task == "detection":
-        for k in ("recall", "precision"):
-            measured = q.get(f"golden_{k}", 1.0)
-            t[f"min_{k}"] = round(max(0.0, min(default, measured - (slack if measured < 1 else 0))), 4)
-    return t
+def _figures(prefix: str, q: Any) -> dict[str, Any]:
+    """A fidelity answer as flat quality figures for the manifest (measured: informational only)."""
+    out: dict[str, Any] = {}
+    if q.agreement is not None:
+        for k, v in q.agreement.metrics.items():
+            if v is not None and np.isfinite(v):
+                out[prefix + k] = round(float(v), 6)
+    if q.cosine is not None:
+        out[prefix + "min_cosine"] = round(q.cosine, 6)
+    return out
+
+
+def _ort_version() -> str:
+    import onnxruntime as ort
+
+    return str(ort.__version__)
 
 
 def _quality_gate(builds: Sequence[VariantBuild], task: str, opts: CreateOptions) -> None:
+    """Refuse (or, with --keep-low-quality, mark `below_floor`) every variant under a fidelity floor
+    or an author's bound. Floors come from the spec or the per-task defaults, never from a measurement."""
     fp32 = builds[0].quality
-    for b in builds[1:]:
+    for b in builds:
         q = b.quality
-        problem = None
-        if "heldout_top1" in q and "heldout_top1" in fp32:
+        problems = list(b.problems)
+        if b is not builds[0] and "heldout_top1" in q and "heldout_top1" in fp32:
             drop = (fp32["heldout_top1"] - q["heldout_top1"]) * 100
             q["top1_drop_points"] = round(drop, 3)
             if drop > opts.max_top1_drop:
-                problem = (f"{b.name} held-out top-1 {q['heldout_top1']:.4f} is {drop:.2f} points under fp32 "
-                           f"{fp32['heldout_top1']:.4f} (bound {opts.max_top1_drop} points)")
-        else:
-            key = {"classification": "top1_agreement", "detection": "recall"}.get(task)
+                problems.append(f"{b.name} held-out top-1 {q['heldout_top1']:.4f} is {drop:.2f} points under fp32 "
+                                f"{fp32['heldout_top1']:.4f} (bound {opts.max_top1_drop} points)")
+        elif b is not builds[0] and task in ("classification", "detection"):
+            key = {"classification": "top1_agreement", "detection": "recall"}[task]
             prefix = "heldout_" if f"heldout_{key}" in q else "golden_"
-            value = q.get(f"{prefix}{key}") if key else None
-            if value is None:
-                value, key = q.get(f"{prefix}min_cosine", q.get("golden_min_cosine")), "min_cosine"
+            value = q.get(f"{prefix}{key}")
             if value is not None and value < opts.min_agreement:
-                problem = f"{b.name} {prefix}{key} with fp32 = {value:.4f}, under the bound {opts.min_agreement}"
-        if problem:
-            if not opts.keep_low_quality:
-                raise QualityError(f"refusing the bundle: {problem}; pass --keep-low-quality to keep it marked")
-            q["below_quality_bound"] = problem
-            log.warning("bundle.create.low_quality_kept", variant=b.name, problem=problem)
+                problems.append(f"{b.name} {prefix}{key} with fp32 = {value:.4f}, under the bound {opts.min_agreement}")
+        if not problems:
+            continue
+        problem = f"variant {b.name}: " + "; ".join(problems)
+        if not opts.keep_low_quality:
+            raise QualityError(f"refusing the bundle: {problem}; pass --keep-low-quality to keep it marked "
+                               f"below_floor (never selected unless the config pins it)")
+        b.below_floor = problem[:2000]
+        log.warning("bundle.create.below_floor_kept", variant=b.name, problem=problem)

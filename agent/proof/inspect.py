@@ -31,6 +31,7 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         variants.append({
             "name": v.name, "file": v.file, "precision": v.precision, "size_bytes": path.stat().st_size,
             "providers": list(v.providers), "quality": dict(v.quality), "ops": ops_by_type(path),
+            "recorded": dict(v.recorded), "below_floor": v.below_floor,
         })
     return {
         "name": m.name, "version": m.version, "label": m.label, "created": m.created, "task": m.task,
@@ -50,7 +51,7 @@ def render_text(s: dict[str, Any]) -> str:
         f"bundle   {s['name']} v{s['version']} ({s['label']}), created {s['created']}, task {s['task']}",
         f"manifest sha256 {s['manifest_sha256']}",
         f"input    {s['input']['name']} {s['input']['dtype']} {s['input']['shape']}  <- frame {s['frame']}",
-        *([f"inputs   " + ", ".join(f"{x['name']} ({x['kind']}) {x['dtype']} {x['shape']}" for x in s["inputs"])]
+        *(["inputs   " + ", ".join(f"{x['name']} ({x['kind']}) {x['dtype']} {x['shape']}" for x in s["inputs"])]
           if s.get("inputs") else []),
         "outputs  " + ", ".join(f"{o['name']} {o['dtype']} {o['shape']}" for o in s["outputs"]),
         f"preproc  {s['preprocess']}",
@@ -67,6 +68,9 @@ def render_text(s: dict[str, Any]) -> str:
         p50 = f"{q['cpu_p50_ms']:.2f} ms" if "cpu_p50_ms" in q else "-"
         lines.append(f"{v['name']:8} {v['precision']:9} {v['size_bytes']:>10,} {top1:>7} {agree_s:>7} {p50:>9}  "
                      + ", ".join(p.replace('ExecutionProvider', '') for p in v["providers"]))
+    for v in s["variants"]:
+        if v.get("below_floor"):
+            lines.append(f"BELOW FLOOR {v['name']}: {v['below_floor']} (never selected unless the config pins it)")
     for v in s["variants"]:
         ops = ", ".join(f"{k} {n}" for k, n in v["ops"].items())
         lines.append(f"ops {v['name']}: {ops}")

@@ -1,139 +1,526 @@
-"""Parity between a candidate's outputs and the golden reference: tensor distance and task agreement.
+"""The two questions' measurements: reproduction (allclose against a variant's own recorded outputs)
+and fidelity (task metrics against the source model's references).
 
-Pure. Cosine alone is not enough (a detector can keep cosine 0.998 and lose most of its boxes), so
-each task adds its own agreement: top-1/top-k for classification, matched recall/precision for detection.
+Pure. No metric here passes a candidate on cosine: tensors are judged with allclose-style bounds whose
+atol scales with each output's (or each channel's) range, and tasks with their own agreement
+(margin-aware top-1 with a Wilson interval, matched detections, mask IoU, per-channel SNR).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
 from agent.spec.decoders import class_scores, decode_detections, iou
-from agent.spec.manifest import ParityThresholds, PostprocessSpec
+from agent.spec.manifest import PostprocessSpec
 
 Outputs = Mapping[str, np.ndarray]
+Check = Literal["reproduction", "fidelity", "output", "preprocessing", "latency", "placement", "fallback", "error"]
+SNR_CAP_DB = 120.0  # identical tensors: a finite figure that JSON can carry
+WILSON_Z = 1.96
 
 
 @dataclass(frozen=True)
-class SampleDistance:
-    sample: int
-    max_abs: float
-    max_rel: float
-    cosine: float
+class Finding:
+    """One reason a candidate must not serve (or, with `warning`, a loud note): metric, value, bound,
+    sample and stage, so the reader never has to guess which number broke which rule."""
+
+    check: Check
+    metric: str
+    value: float | None
+    bound: float | None
+    stage: str = "model"
+    sample: int | None = None
+    detail: str = ""
+    comparison: Literal["over", "under", ""] = ""
+
+    def text(self) -> str:
+        head = f"{self.check}: {self.metric}"
+        if self.value is not None:
+            head += f" = {_fmt(self.value)}"
+        if self.bound is not None and self.comparison:
+            head += f" {self.comparison} bound {_fmt(self.bound)}"
+        if self.sample is not None:
+            head += f" on sample {self.sample}"
+        head += f" at stage {self.stage}"
+        return head + (f" ({self.detail})" if self.detail else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "metric": self.metric, "value": finite_or_none(self.value),
+                "bound": finite_or_none(self.bound), "sample": self.sample, "stage": self.stage,
+                "detail": self.detail, "text": self.text()}
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def finite_or_none(v: float | None) -> float | None:
+    return None if v is None or not math.isfinite(float(v)) else float(v)
+
+
+# ---------------------------------------------------------------- bounds and floors
+
+ProviderClass = Literal["cpu", "gpu", "openvino"]
 
 
 @dataclass(frozen=True)
-class ParityReport:
-    samples: tuple[SampleDistance, ...]
-    agreement: Mapping[str, float] = field(default_factory=dict)
+class ReproductionBounds:
+    """|got - recorded| <= atol + rtol*|recorded| element-wise, atol = max(atol_range * range, atol_min)
+    where range is max - min of the recorded output (per channel for `raw` with a channel axis).
+    `min_agreement` bounds the decoded results' agreement (top-1, min(recall, precision), mask IoU)."""
 
-    @property
-    def worst_max_abs(self) -> SampleDistance:
-        return max(self.samples, key=lambda s: s.max_abs)
-
-    @property
-    def worst_max_rel(self) -> SampleDistance:
-        return max(self.samples, key=lambda s: s.max_rel)
-
-    @property
-    def worst_cosine(self) -> SampleDistance:
-        return min(self.samples, key=lambda s: s.cosine)
-
-    def summary(self) -> dict[str, float]:
-        out = {
-            "max_abs": self.worst_max_abs.max_abs,
-            "max_rel": self.worst_max_rel.max_rel,
-            "min_cosine": self.worst_cosine.cosine,
-        }
-        out.update(self.agreement)
-        return out
+    atol_range: float
+    rtol: float
+    atol_min: float
+    min_agreement: float
 
 
-def tensor_distance(sample: int, got: Outputs, ref: Outputs) -> SampleDistance:
-    """Distances over all outputs of one sample, concatenated."""
-    a = np.concatenate([np.asarray(got[k], dtype=np.float64).ravel() for k in ref])
-    b = np.concatenate([np.asarray(ref[k], dtype=np.float64).ravel() for k in ref])
-    if a.shape != b.shape:
-        return SampleDistance(sample, float("inf"), float("inf"), -1.0)
-    diff = np.abs(a - b)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    scale = float(np.abs(b).max()) if b.size else 0.0
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    na, nb = np.linalg.norm(a), np.linalg.norm(b)
-    cosine = float(np.dot(a, b) / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-    if not np.all(np.isfinite(a)):
-        return SampleDistance(sample, float("inf"), float("inf"), -1.0)
-    return SampleDistance(sample, max_abs, max_rel, cosine)
+# Where kernels legitimately differ (GPU TF32/FP16, OpenVINO precision hints, INT8 kernels on another
+# CPU), bounds are looser; FP32 on CPU is tight. Overridable per precision in `selftest.reproduction`.
+DEFAULT_REPRODUCTION: dict[tuple[str, ProviderClass], ReproductionBounds] = {
+    ("fp32", "cpu"): ReproductionBounds(atol_range=1e-4, rtol=1e-3, atol_min=1e-6, min_agreement=0.99),
+    ("fp32", "gpu"): ReproductionBounds(atol_range=1e-2, rtol=1e-2, atol_min=1e-5, min_agreement=0.95),
+    ("fp32", "openvino"): ReproductionBounds(atol_range=2e-2, rtol=2e-2, atol_min=1e-5, min_agreement=0.95),
+    ("fp16", "cpu"): ReproductionBounds(atol_range=2e-2, rtol=2e-2, atol_min=1e-4, min_agreement=0.95),
+    ("fp16", "gpu"): ReproductionBounds(atol_range=2e-2, rtol=2e-2, atol_min=1e-4, min_agreement=0.95),
+    ("fp16", "openvino"): ReproductionBounds(atol_range=3e-2, rtol=3e-2, atol_min=1e-4, min_agreement=0.95),
+    ("int8", "cpu"): ReproductionBounds(atol_range=3e-2, rtol=3e-2, atol_min=1e-4, min_agreement=0.95),
+    ("int8", "gpu"): ReproductionBounds(atol_range=6e-2, rtol=6e-2, atol_min=1e-4, min_agreement=0.9),
+    ("int8", "openvino"): ReproductionBounds(atol_range=6e-2, rtol=6e-2, atol_min=1e-4, min_agreement=0.9),
+}
 
 
-def classification_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs]) -> dict[str, float]:
-    top1 = topk = 0
+def provider_class(provider: str) -> ProviderClass:
+    if provider == "CPUExecutionProvider":
+        return "cpu"
+    if provider == "OpenVINOExecutionProvider":
+        return "openvino"
+    return "gpu"  # CUDA, TensorRT, DirectML, ROCm, ...: reduced-precision math is their default
+
+
+def reproduction_bounds(precision: str, provider: str,
+                        overrides: Mapping[str, Mapping[str, float]] | None = None) -> ReproductionBounds:
+    """Code default for (precision, provider class), then `selftest.reproduction.<precision>` and
+    `selftest.reproduction.<precision>@<cpu|gpu|openvino>` from the manifest, most specific last."""
+    cls = provider_class(provider)
+    b = DEFAULT_REPRODUCTION.get((precision, cls), DEFAULT_REPRODUCTION[("int8", cls)])
+    values = {"atol_range": b.atol_range, "rtol": b.rtol, "atol_min": b.atol_min, "min_agreement": b.min_agreement}
+    for key in (precision, f"{precision}@{cls}"):
+        values.update((overrides or {}).get(key, {}))
+    return ReproductionBounds(**values)
+
+
+@dataclass(frozen=True)
+class FidelityFloors:
+    """Task floors against the source model's references. Set by the bundle's author
+    (`selftest.fidelity`) or the per-task defaults; never lowered to what a build measured."""
+
+    min_top1_agreement: float | None = None
+    min_recall: float | None = None
+    min_precision: float | None = None
+    min_mask_iou: float | None = None
+    min_channel_snr_db: float | None = None
+    # classification: a flip where the reference's own top-1/top-2 probability margin is under this is
+    # not counted (the source model itself could not tell the classes apart)
+    negligible_margin: float = 0.02
+
+
+DEFAULT_FIDELITY: dict[str, FidelityFloors] = {
+    "classification": FidelityFloors(min_top1_agreement=0.98),
+    "detection": FidelityFloors(min_recall=0.9, min_precision=0.9),
+    "segmentation": FidelityFloors(min_mask_iou=0.9),
+    "raw": FidelityFloors(min_channel_snr_db=15.0),
+}
+
+
+def fidelity_floors(task: str, authored: Mapping[str, float] | None = None) -> FidelityFloors:
+    base = DEFAULT_FIDELITY.get(task, DEFAULT_FIDELITY["raw"])
+    values = {k: getattr(base, k) for k in FidelityFloors.__dataclass_fields__}
+    values.update(authored or {})
+    return FidelityFloors(**values)
+
+
+# ---------------------------------------------------------------- tensor checks
+
+def output_problems(got: Sequence[Outputs], ref: Sequence[Outputs], stage: str = "model") -> list[Finding]:
+    """Missing outputs, shape changes and non-finite values, each named as such (never as a distance)."""
+    out: list[Finding] = []
+    for i, (g, r) in enumerate(zip(got, ref)):
+        for name, b in r.items():
+            if name not in g:
+                out.append(Finding("output", f"missing output {name}", None, None, stage, i))
+                continue
+            a = np.asarray(g[name])
+            if a.shape != np.asarray(b).shape:
+                out.append(Finding("output", f"shape change of output {name}", None, None, stage, i,
+                                   f"got {list(a.shape)}, expected {list(np.asarray(b).shape)}"))
+                continue
+            if a.dtype.kind == "f":
+                nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+                if nan or inf:
+                    out.append(Finding("output", f"non-finite output {name}", float(nan + inf), 0.0, stage, i,
+                                       f"{nan} NaN, {inf} Inf of {a.size} values", "over"))
+    return out
+
+
+def _channel_view(x: np.ndarray, axis: int | None) -> np.ndarray:
+    """(channels, values) of one stacked output [S, ...]: channels along `axis` (in the batched
+    tensor's numbering, so axis 1 is the first axis after the batch), or one channel for all."""
+    if axis is None or x.ndim < 2 or not (1 <= axis < x.ndim):
+        return x.reshape(1, -1)
+    return np.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
+
+
+def channel_axis(spec: PostprocessSpec) -> int | None:
+    """The declared channel axis of raw outputs (batched numbering; 1 unless the bundle says otherwise)."""
+    return getattr(spec, "channel_axis", 1) if spec.type == "raw" else None
+
+
+@dataclass(frozen=True)
+class ToleranceResult:
+    """The worst element against its allclose bound, over all samples and outputs."""
+
+    passed: bool
+    output: str | None = None
+    sample: int | None = None
+    channel: int | None = None
+    abs_diff: float = 0.0
+    bound: float = 0.0
+    violations: int = 0
+    elements: int = 0
+    atol_by_output: Mapping[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "output": self.output, "sample": self.sample, "channel": self.channel,
+                "abs_diff": finite_or_none(self.abs_diff), "bound": finite_or_none(self.bound),
+                "violations": self.violations, "elements": self.elements,
+                "atol_by_output": {k: finite_or_none(v) for k, v in self.atol_by_output.items()}}
+
+
+def allclose_check(got: Sequence[Outputs], recorded: Sequence[Outputs], b: ReproductionBounds,
+                   axis: int | None = None) -> ToleranceResult:
+    """allclose with atol scaled to each output's range (per channel along `axis`), never a bare
+    relative error: a map whose recorded max is 1e-7 is judged against atol_min, not divided by 1e-7."""
+    worst: tuple[float, str, int, int, float, float] | None = None  # (excess, output, sample, channel, diff, bound)
+    violations = elements = 0
+    atols: dict[str, float] = {}
+    names = list(recorded[0]) if recorded else []
+    for name in names:
+        try:
+            a = np.stack([np.asarray(g[name], dtype=np.float64) for g in got])
+            r = np.stack([np.asarray(x[name], dtype=np.float64) for x in recorded])
+        except (KeyError, ValueError):
+            continue  # named by output_problems
+        if a.shape != r.shape:
+            continue
+        ca, cr = _channel_view(a, axis), _channel_view(r, axis)
+        if cr.size == 0:
+            continue
+        span = cr.max(axis=1) - cr.min(axis=1)
+        atol = np.maximum(b.atol_range * span, b.atol_min)[:, None]
+        atols[name] = float(atol.min())
+        bound = atol + b.rtol * np.abs(cr)
+        diff = np.abs(ca - cr)
+        diff = np.where(np.isfinite(diff), diff, np.inf)
+        bad = diff > bound
+        violations += int(bad.sum())
+        elements += int(diff.size)
+        excess = diff - bound
+        k = int(np.argmax(excess))
+        if worst is None or excess.flat[k] > worst[0]:
+            ch, pos = divmod(k, ca.shape[1])
+            # position inside the channel-major view back to the sample index
+            per_sample = ca.shape[1] // a.shape[0]
+            worst = (float(excess.flat[k]), name, pos // max(per_sample, 1), ch,
+                     float(diff.flat[k]), float(bound.flat[k]))
+    if worst is None:
+        return ToleranceResult(True, atol_by_output=atols)
+    return ToleranceResult(violations == 0, worst[1], worst[2], worst[3] if axis is not None else None,
+                           worst[4], worst[5], violations, elements, atols)
+
+
+def cosine(got: Sequence[Outputs], ref: Sequence[Outputs]) -> float | None:
+    """Worst per-sample cosine: reported for the reader, never a pass on its own."""
+    worst: float | None = None
     for g, r in zip(got, ref):
+        try:
+            a = np.concatenate([np.asarray(g[k], dtype=np.float64).ravel() for k in r])
+            b = np.concatenate([np.asarray(r[k], dtype=np.float64).ravel() for k in r])
+        except (KeyError, ValueError):
+            return None
+        if a.shape != b.shape or not np.all(np.isfinite(a)):
+            return None
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        c = float(np.dot(a, b) / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+        worst = c if worst is None else min(worst, c)
+    return worst
+
+
+# ---------------------------------------------------------------- task agreement
+
+def wilson_interval(successes: int, n: int, z: float = WILSON_Z) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class TaskAgreement:
+    """A task's agreement between two sets of outputs. `metrics` are the figures; `worst_sample` names
+    the sample that hurt most; `score` is the one number a bound is checked against."""
+
+    task: str
+    metrics: Mapping[str, float]
+    worst_sample: int | None = None
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task": self.task, "metrics": {k: finite_or_none(v) for k, v in self.metrics.items()},
+                "worst_sample": self.worst_sample, "detail": self.detail}
+
+
+def classification_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs],
+                             negligible_margin: float = 0.02) -> TaskAgreement:
+    flips = counted = ignored = 0
+    first_flip: int | None = None
+    for i, (g, r) in enumerate(zip(got, ref)):
         gs, rs = class_scores(spec, g), class_scores(spec, r)
-        r1 = int(np.argmax(rs))
-        top1 += int(np.argmax(gs)) == r1
-        topk += r1 in np.argsort(-gs, kind="stable")[: spec.top_k]
-    n = max(len(ref), 1)
-    return {"top1_agreement": top1 / n, "topk_agreement": topk / n}
+        order = np.argsort(-rs, kind="stable")
+        margin = float(rs[order[0]] - rs[order[1]]) if rs.size > 1 else float("inf")
+        if not np.all(np.isfinite(gs)):
+            flips, counted = flips + 1, counted + 1
+            first_flip = i if first_flip is None else first_flip
+            continue
+        same = int(np.argmax(gs)) == int(order[0])
+        if margin < negligible_margin:
+            ignored += 1
+            continue
+        counted += 1
+        if not same:
+            flips += 1
+            first_flip = i if first_flip is None else first_flip
+    agree = (counted - flips) / counted if counted else 1.0
+    lo, hi = wilson_interval(counted - flips, counted)
+    return TaskAgreement("classification", {
+        "top1_agreement": agree, "top1_flips": float(flips), "top1_counted": float(counted),
+        "top1_ignored_negligible_margin": float(ignored), "top1_wilson_low": lo, "top1_wilson_high": hi,
+    }, first_flip, f"{flips}/{counted} flips, {ignored} ignored (reference margin < {negligible_margin:g})")
 
 
-def detection_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs], min_iou: float = 0.5) -> dict[str, float]:
-    """Detections matched greedily to the reference: same class and IoU >= min_iou."""
+def match_detections(dg: Sequence[Any], dr: Sequence[Any], min_iou: float = 0.5) -> int:
+    """Reference detections matched greedily (by reference score) to distinct same-class detections."""
+    matched, used = 0, set()
+    for d in dr:
+        best, best_iou = -1, min_iou
+        for j, c in enumerate(dg):
+            if j in used or c.class_id != d.class_id:
+                continue
+            o = float(iou(np.asarray([d.box]), np.asarray([c.box]))[0, 0])
+            if o >= best_iou:
+                best, best_iou = j, o
+        if best >= 0:
+            used.add(best)
+            matched += 1
+    return matched
+
+
+def detection_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs],
+                        min_iou: float = 0.5) -> TaskAgreement:
     matched = n_ref = n_got = 0
-    for g, r in zip(got, ref):
+    worst, worst_score = None, 2.0
+    for i, (g, r) in enumerate(zip(got, ref)):
         dg, dr = decode_detections(spec, g), decode_detections(spec, r)
-        n_ref += len(dr)
-        n_got += len(dg)
-        used: set[int] = set()
-        for d in dr:
-            best, best_iou = -1, min_iou
-            for j, c in enumerate(dg):
-                if j in used or c.class_id != d.class_id:
-                    continue
-                o = float(iou(np.asarray([d.box]), np.asarray([c.box]))[0, 0])
-                if o >= best_iou:
-                    best, best_iou = j, o
-            if best >= 0:
-                used.add(best)
-                matched += 1
+        m = match_detections(dg, dr, min_iou)
+        matched, n_ref, n_got = matched + m, n_ref + len(dr), n_got + len(dg)
+        score = min(m / len(dr) if dr else 1.0, m / len(dg) if dg else (1.0 if not dr else 0.0))
+        if score < worst_score:
+            worst, worst_score = i, score
     recall = matched / n_ref if n_ref else 1.0
     precision = matched / n_got if n_got else (1.0 if n_ref == 0 else 0.0)
-    return {"recall": recall, "precision": precision, "reference_detections": float(n_ref)}
+    return TaskAgreement("detection", {"recall": recall, "precision": precision,
+                                       "reference_detections": float(n_ref), "detections": float(n_got)},
+                         worst, f"{matched} of {n_ref} reference detections matched at IoU {min_iou:g} or more")
 
 
-def compare(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs]) -> ParityReport:
-    distances = tuple(tensor_distance(i, g, r) for i, (g, r) in enumerate(zip(got, ref)))
+def mask_iou(a: np.ndarray, b: np.ndarray, threshold: float) -> float:
+    """IoU of two probability maps thresholded at `threshold`; two empty masks agree fully."""
+    ma, mb = np.asarray(a) > threshold, np.asarray(b) > threshold
+    union = int(np.logical_or(ma, mb).sum())
+    return 1.0 if union == 0 else int(np.logical_and(ma, mb).sum()) / union
+
+
+def _map_of(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:
+    """One sample's (H, W) map: the declared channel of (C, H, W), or (H, W, 1), or (H, W)."""
+    name = spec.output or next(iter(outputs))
+    x = np.asarray(outputs[name], dtype=np.float64)
+    channel = int(getattr(spec, "channel", 0) or 0)
+    while x.ndim > 3 and x.shape[0] == 1:
+        x = x[0]
+    if x.ndim == 3:
+        x = x[..., 0] if x.shape[-1] == 1 and x.shape[0] != 1 else x[min(channel, x.shape[0] - 1)]
+    return np.nan_to_num(x, nan=-np.inf)
+
+
+def segmentation_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs]) -> TaskAgreement:
+    threshold = float(getattr(spec, "threshold", 0.3))
+    ious = [mask_iou(_map_of(spec, g), _map_of(spec, r), threshold) for g, r in zip(got, ref)]
+    worst = int(np.argmin(ious)) if ious else None
+    return TaskAgreement("segmentation", {"mask_iou": float(np.mean(ious)) if ious else 1.0,
+                                          "min_mask_iou": min(ious) if ious else 1.0},
+                         worst, f"maps thresholded at {threshold:g}")
+
+
+def channel_snr(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs]) -> TaskAgreement:
+    """Worst channel's signal-to-noise ratio (dB) over the raw outputs, channels along the declared
+    axis: a score channel drowned by a coordinate channel's quantisation step shows here."""
+    axis = channel_axis(spec)
+    names = tuple(getattr(spec, "outputs", ()) or ()) or tuple(ref[0]) if ref else ()
+    worst_db, where, worst_sample = SNR_CAP_DB, "", None
+    for name in names:
+        try:
+            a = np.stack([np.asarray(g[name], dtype=np.float64) for g in got])
+            r = np.stack([np.asarray(x[name], dtype=np.float64) for x in ref])
+        except (KeyError, ValueError):
+            continue
+        if a.shape != r.shape:
+            continue
+        ca, cr = _channel_view(a, axis), _channel_view(r, axis)
+        with np.errstate(all="ignore"):
+            err = np.nan_to_num((ca - cr) ** 2, nan=np.inf).sum(axis=1)
+            # Each channel against its own energy only: a floor borrowed from louder channels would hide
+            # exactly the fault this exists for (scores under a coordinate-sized quantisation step).
+            sig = (cr ** 2).sum(axis=1)
+            db = np.where(err == 0, SNR_CAP_DB, 10 * np.log10(np.maximum(sig, 1e-300) / np.maximum(err, 1e-300)))
+        db = np.clip(np.nan_to_num(db, nan=-SNR_CAP_DB, posinf=SNR_CAP_DB, neginf=-SNR_CAP_DB), -SNR_CAP_DB, SNR_CAP_DB)
+        c = int(np.argmin(db))
+        if db[c] < worst_db:
+            worst_db = float(db[c])
+            where = f"output {name} channel {c}" if axis is not None else f"output {name}"
+            per_sample = np.moveaxis(a - r, axis, 1) if axis is not None and a.ndim > axis else (a - r)
+            sel = per_sample[:, c] if axis is not None and a.ndim > axis else per_sample
+            worst_sample = int(np.argmax(np.nan_to_num(np.abs(sel.reshape(len(a), -1)), nan=np.inf).max(axis=1)))
+    return TaskAgreement("raw", {"min_channel_snr_db": worst_db}, worst_sample,
+                         f"worst at {where}" if where else "")
+
+
+def task_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs],
+                   negligible_margin: float = 0.02) -> TaskAgreement:
     if spec.type == "classification":
-        agreement = classification_agreement(spec, got, ref)
-    elif spec.type == "detection":
-        agreement = detection_agreement(spec, got, ref)
-    else:
-        agreement = {}
-    return ParityReport(distances, agreement)
+        return classification_agreement(spec, got, ref, negligible_margin)
+    if spec.type == "detection":
+        return detection_agreement(spec, got, ref)
+    if spec.type == "segmentation":
+        return segmentation_agreement(spec, got, ref)
+    return channel_snr(spec, got, ref)
 
 
-def parity_failures(report: ParityReport, t: ParityThresholds, stage: str = "model") -> list[str]:
-    """Every threshold the report breaks, as sentences naming metric, value, threshold and sample."""
-    out: list[str] = []
-    if t.max_abs is not None and report.worst_max_abs.max_abs > t.max_abs:
-        w = report.worst_max_abs
-        out.append(f"parity max_abs = {w.max_abs:.3g} over threshold {t.max_abs:g} on sample {w.sample} at stage {stage}")
-    if t.max_rel is not None and report.worst_max_rel.max_rel > t.max_rel:
-        w = report.worst_max_rel
-        out.append(f"parity max_rel = {w.max_rel:.3g} over threshold {t.max_rel:g} on sample {w.sample} at stage {stage}")
-    if t.min_cosine is not None and report.worst_cosine.cosine < t.min_cosine:
-        w = report.worst_cosine
-        out.append(f"parity cosine = {w.cosine:.6f} under threshold {t.min_cosine:g} on sample {w.sample} at stage {stage}")
-    checks = (
-        ("top1_agreement", t.min_top1_agreement),
-        ("topk_agreement", t.min_topk_agreement),
-        ("recall", t.min_recall),
-        ("precision", t.min_precision),
-    )
-    for key, bound in checks:
-        if bound is not None and key in report.agreement and report.agreement[key] < bound:
-            out.append(f"parity {key} = {report.agreement[key]:.4f} under threshold {bound:g} at stage {stage}")
-    return out
+def agreement_score(a: TaskAgreement) -> float:
+    """The one decoded-agreement number reproduction bounds: the Wilson upper bound for top-1 (so a
+    single flip among few samples is not a cliff), min(recall, precision), mean mask IoU."""
+    m = a.metrics
+    if a.task == "classification":
+        return m["top1_wilson_high"] if m["top1_agreement"] < 1.0 else 1.0
+    if a.task == "detection":
+        return min(m["recall"], m["precision"])
+    if a.task == "segmentation":
+        return m["mask_iou"]
+    return 1.0  # raw: the tensor bound is the decoded result
+
+
+# ---------------------------------------------------------------- the two questions
+
+@dataclass(frozen=True)
+class QuestionResult:
+    """One question's answer for one candidate: what it was compared against, the figures, and the
+    findings (empty when it holds)."""
+
+    question: Literal["reproduction", "fidelity"]
+    against: str  # "variant" (its own recorded outputs) | "source" (the source model's references)
+    findings: tuple[Finding, ...]
+    agreement: TaskAgreement | None = None
+    tolerance: ToleranceResult | None = None
+    cosine: float | None = None
+    bounds: Mapping[str, float] = field(default_factory=dict)
+    warnings: tuple[Finding, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "against": self.against,
+                "metrics": self.agreement.to_dict()["metrics"] if self.agreement else {},
+                "worst_sample": self.agreement.worst_sample if self.agreement else None,
+                "detail": self.agreement.detail if self.agreement else "",
+                "tolerance": self.tolerance.to_dict() if self.tolerance else None,
+                "cosine": finite_or_none(self.cosine),
+                "bounds": {k: finite_or_none(v) for k, v in self.bounds.items()},
+                "findings": [f.to_dict() for f in self.findings],
+                "warnings": [f.to_dict() for f in self.warnings]}
+
+
+def judge_reproduction(spec: PostprocessSpec, got: Sequence[Outputs], recorded: Sequence[Outputs],
+                       b: ReproductionBounds, against: str = "variant", stage: str = "model",
+                       tensor_bound: bool = True) -> QuestionResult:
+    """Tensors within allclose bounds of the recorded outputs, and decoded results in agreement.
+    `tensor_bound=False` (a reduced-precision variant whose own outputs were never recorded, judged
+    against the source) keeps only the decoded agreement."""
+    findings = output_problems(got, recorded, stage)
+    tol = allclose_check(got, recorded, b, channel_axis(spec)) if tensor_bound else None
+    if tol is not None and not tol.passed and tol.violations:
+        where = f"output {tol.output}" + (f" channel {tol.channel}" if tol.channel is not None else "")
+        findings.append(Finding("reproduction", "max |a-b| beyond atol + rtol*|b|", tol.abs_diff, tol.bound, stage,
+                                tol.sample, f"{where}; {tol.violations}/{tol.elements} elements out of bound; "
+                                f"atol {b.atol_range:g}*range (min {b.atol_min:g}), rtol {b.rtol:g}", "over"))
+    agreement = None
+    if not any(f.check == "output" for f in findings):
+        agreement = task_agreement(spec, got, recorded)
+        score = agreement_score(agreement)
+        if score < b.min_agreement:
+            findings.append(Finding("reproduction", f"decoded {_score_name(agreement)}", score, b.min_agreement,
+                                    stage, agreement.worst_sample, agreement.detail, "under"))
+    bounds = {"atol_range": b.atol_range, "rtol": b.rtol, "atol_min": b.atol_min, "min_agreement": b.min_agreement}
+    return QuestionResult("reproduction", against, tuple(findings), agreement, tol, cosine(got, recorded), bounds)
+
+
+def _score_name(a: TaskAgreement) -> str:
+    return {"classification": "top-1 agreement (Wilson upper)", "detection": "min(recall, precision)",
+            "segmentation": "mask IoU"}.get(a.task, "agreement")
+
+
+def judge_fidelity(spec: PostprocessSpec, got: Sequence[Outputs], references: Sequence[Outputs],
+                   floors: FidelityFloors, stage: str = "model") -> QuestionResult:
+    """Task metrics against the source model's references, each checked against its floor."""
+    findings = output_problems(got, references, stage)
+    agreement = None
+    if not any(f.check == "output" for f in findings):
+        agreement = task_agreement(spec, got, references, floors.negligible_margin)
+        m = agreement.metrics
+        checks: list[tuple[str, float, float | None]] = []
+        if agreement.task == "classification":
+            # refuse only when even the interval's upper end is under the floor: 1 flip in 32 is no cliff
+            checks.append(("top-1 agreement", m["top1_agreement"], floors.min_top1_agreement))
+            if floors.min_top1_agreement is not None and m["top1_wilson_high"] >= floors.min_top1_agreement:
+                checks.pop()
+        elif agreement.task == "detection":
+            checks += [("recall", m["recall"], floors.min_recall), ("precision", m["precision"], floors.min_precision)]
+        elif agreement.task == "segmentation":
+            checks.append(("mask IoU", m["mask_iou"], floors.min_mask_iou))
+        else:
+            checks.append(("worst channel SNR dB", m["min_channel_snr_db"], floors.min_channel_snr_db))
+        for metric, value, floor in checks:
+            if floor is not None and value < floor:
+                findings.append(Finding("fidelity", metric, value, floor, stage, agreement.worst_sample,
+                                        agreement.detail, "under"))
+    bounds = {k: v for k, v in floors.__dict__.items() if v is not None}
+    return QuestionResult("fidelity", "source", tuple(findings), agreement, None, cosine(got, references), bounds)

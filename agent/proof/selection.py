@@ -2,12 +2,15 @@
 
 Pure. Providers go in the configured priority order; within a provider, the bundle's preference
 order; the winner is the fastest passing variant on the highest-priority provider that has one.
+A variant its build marked below a fidelity floor is never a candidate unless the config pins it.
+When every candidate that reproduced and kept fidelity failed only on latency, the shell measures
+again on `latency_retry_schedule`; a device that stays too slow serves per `when_too_slow`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Literal, Mapping, Sequence
 
 from agent.errors import ProviderError
 from agent.proof.terms import CPU, ProviderStatus
@@ -21,6 +24,9 @@ class SelectionPolicy:
     variant: str | None = None
     allow_cpu_fallback: bool = True
     prefer_margin: float = 0.10
+    latency_retries: int = 3
+    latency_backoff_s: float = 2.0
+    when_too_slow: Literal["degraded", "none"] = "none"
 
 
 def variants_for(manifest: Manifest, provider: str) -> list[str]:
@@ -66,7 +72,13 @@ def build_candidates(
             continue
         for n in names:
             v = manifest.variant(n)
-            out.append(Candidate(s.name, n, v.precision, dict(options.get(s.name, {}))))
+            below = getattr(v, "below_floor", None)
+            if below and policy.variant != n:
+                notes.append(f"{s.name}:{n}: not a candidate: its build marked it below a fidelity floor "
+                             f"({below}); pin it with selection.variant to serve it anyway")
+                continue
+            out.append(Candidate(s.name, n, v.precision, dict(options.get(s.name, {})),
+                                 pinned_below_floor=below or None))
     return out, notes
 
 
@@ -91,3 +103,24 @@ def choose(results: Sequence[CandidateResult], margin: float) -> CandidateResult
         if r.p50 < best.p50 * (1.0 - margin):
             best = r
     return best
+
+
+def latency_retry_schedule(retries: int, backoff_s: float, factor: float = 2.0, cap_s: float = 60.0) -> tuple[float, ...]:
+    """Seconds to wait before each renewed latency measurement: backoff_s, doubling, each capped."""
+    return tuple(min(backoff_s * factor ** i, cap_s) for i in range(max(retries, 0)))
+
+
+def should_remeasure_latency(results: Sequence[CandidateResult]) -> bool:
+    """True when nothing passed and every tested candidate that reproduced and kept fidelity failed
+    only on latency (at least one did): a busy machine may be the cause, so measure again."""
+    tested = [r for r in results if r.status == "tested"]
+    if any(r.passed for r in tested):
+        return False
+    return any(r.failed_only_on_latency for r in tested)
+
+
+def fastest_proven(results: Sequence[CandidateResult]) -> CandidateResult | None:
+    """Among candidates that failed only on latency, the fastest at p50: what a device that stays too
+    slow serves when the config says `when_too_slow: degraded`."""
+    proven = [r for r in results if r.failed_only_on_latency]
+    return min(proven, key=lambda r: r.p50) if proven else None

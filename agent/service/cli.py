@@ -215,6 +215,10 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         opts = replace(opts, latency_runs=args.latency_runs)
+    if args.latency_retries is not None:
+        from dataclasses import replace
+
+        opts = replace(opts, policy=replace(opts.policy, latency_retries=args.latency_retries))
     with bundle_dir(args.bundle) as root:
         report = run_selftest(load_bundle(root), state, opts)
     doc = report.to_dict()
@@ -223,34 +227,67 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     else:
         print(render_selftest(doc))
         print(f"report: {state / 'selftest' / 'report.json'}")
+    for w in report.warnings:
+        print(f"edge-agent: warning: {w}", file=sys.stderr)
     if report.selected is None:
         print(f"edge-agent: {report.reason}", file=sys.stderr)
         return EXIT_NOT_SELECTED
     return EXIT_OK
 
 
+def _task_metric(q: dict | None) -> str:
+    """The fidelity (or reproduction) task metric in a table cell: never only a cosine."""
+    if not q:
+        return "-"
+    m = q.get("metrics") or {}
+    if "top1_agreement" in m:
+        n, flips = int(m.get("top1_counted") or 0), int(m.get("top1_flips") or 0)
+        return f"top1 {n - flips}/{n} [{m['top1_wilson_low']:.2f},{m['top1_wilson_high']:.2f}]"
+    if "recall" in m:
+        return f"R {m['recall']:.2f} P {m['precision']:.2f}"
+    if "mask_iou" in m:
+        return f"IoU {m['mask_iou']:.3f}"
+    if m.get("min_channel_snr_db") is not None:
+        return f"SNR {m['min_channel_snr_db']:.1f} dB"
+    return "output fault" if q.get("findings") else "-"
+
+
 def render_selftest(doc: dict) -> str:
     short = lambda p: p.replace("ExecutionProvider", "")  # noqa: E731
     lines = [f"self-test of {doc['bundle']['name']} v{doc['bundle']['version']} "
              f"({'cached verdict re-checked' if doc['cached'] else 'full'}, {doc['duration_ms']:.0f} ms)",
-             f"{'candidate':22} {'runs on':14} {'nodes':18} {'parity':22} {'p50/p95 ms':14} verdict"]
+             f"{'candidate':20} {'runs on':10} {'reproduction':20} {'fidelity':26} {'p50/p95 ms':13} {'load':5} verdict"]
     for c in doc["candidates"]:
-        place = c.get("placement") or {}
-        nodes = ",".join(f"{short(k)}:{v}" for k, v in (place.get("nodes_by_provider") or {}).items()) or "-"
-        par = c.get("parity") or {}
-        parity = (f"top1 {par['top1_agreement']:.2f} cos {par['min_cosine']:.4f}" if "top1_agreement" in par
-                  else (f"cos {par['min_cosine']:.4f}" if par else "-"))
+        rep, fid = c.get("reproduction"), c.get("fidelity")
+        rep_s = "-" if not rep else f"{'ok' if rep['passed'] else 'FAIL'} vs {rep['against']}"
+        if rep and rep.get("tolerance") and rep["tolerance"].get("abs_diff") is not None:
+            rep_s += f" {rep['tolerance']['abs_diff']:.1e}"
+        fid_s = "-" if not fid else f"{'ok' if fid['passed'] else 'LOW'} {_task_metric(fid)}"
         lat = c.get("latency")
         lat_s = f"{lat['p50_ms']:.2f}/{lat['p95_ms']:.2f}" if lat else "-"
+        ctx = c.get("latency_context")
+        load_s = f"{ctx['load_after']:.1f}" if ctx else "-"
         eff = ",".join(short(p) for p in c.get("effective_providers") or []) or "-"
         verdict = "PASS" if c["passed"] else ("-" if c["status"] == "not_tried" else "FAIL")
-        lines.append(f"{short(c['provider']) + ':' + c['variant']:22} {eff:14} {nodes:18} {parity:22} {lat_s:14} {verdict}")
+        if c["passed"] and c.get("warnings"):
+            verdict = "PASS (warnings)"
+        lines.append(f"{short(c['provider']) + ':' + c['variant']:20} {eff:10} {rep_s:20} {fid_s:26} {lat_s:13} "
+                     f"{load_s:5} {verdict}")
         for r in c["reasons"]:
             lines.append(f"    {r}")
+        for w in c.get("warnings") or []:
+            lines.append(f"    warning: {w['text']}")
+    for a in doc.get("latency_attempts") or []:
+        p95 = ", ".join(f"{short(k)} {v:.2f}" for k, v in a["p95_ms"].items() if v is not None)
+        lines.append(f"latency re-measured (attempt {a['attempt']}, after {a['waited_s']:g} s, load "
+                     f"{a['load_average']}): p95 ms {p95}")
     for n in doc["notes"]:
         lines.append(f"note: {n}")
+    for w in doc.get("warnings") or []:
+        lines.append(f"WARNING: {w}")
     sel = doc["selected"]
-    lines.append(f"selected: {short(sel['provider'])}:{sel['variant']}" if sel else f"selected: nothing: {doc['reason']}")
+    lines.append(f"selected: {short(sel['provider'])}:{sel['variant']}" + (" (DEGRADED)" if doc.get("degraded") else "")
+                 if sel else f"selected: nothing: {doc['reason']}")
     return "\n".join(lines)
 
 
@@ -438,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--variant", help="pin a variant, e.g. int8")
     s.add_argument("--no-cache", action="store_true", help="ignore a cached verdict")
     s.add_argument("--latency-runs", type=int, help="override the bundle's latency run count")
+    s.add_argument("--latency-retries", type=int, default=None,
+                   help="latency re-measurements when only latency failed (config selection.latency_retries)")
     s.set_defaults(func=_cmd_selftest)
 
     r = sub.add_parser("run", help="boot, self-test and serve (no --config: the demo bundle on demo frames)")

@@ -148,6 +148,9 @@ class Variant:
     providers: tuple[str, ...]
     quality: Mapping[str, float | int | str] = field(default_factory=dict)
     quantization: Mapping[str, Any] = field(default_factory=dict)
+    # what recorded this variant's own golden outputs (`variant.<name>.<output>`): onnxruntime, provider
+    recorded: Mapping[str, str] = field(default_factory=dict)
+    below_floor: str | None = None  # set by `bundle create --keep-low-quality`: never selected unless pinned
 
 
 @dataclass(frozen=True)
@@ -163,8 +166,11 @@ class ParityThresholds:
 
 @dataclass(frozen=True)
 class SelftestSpec:
-    parity: Mapping[str, ParityThresholds]
     latency_budget_ms: Mapping[str, float]
+    parity: Mapping[str, ParityThresholds] = field(default_factory=dict)  # legacy, superseded; not judged
+    # reproduction bounds overriding the code defaults: keys `<precision>` or `<precision>@<cpu|gpu|openvino>`
+    reproduction: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    fidelity: Mapping[str, float] = field(default_factory=dict)  # the author's floors (per-task defaults otherwise)
     preprocess_max_abs: float = 1e-4
     min_accelerator_fraction: float = 0.9
     warmup_runs: int = 5
@@ -285,7 +291,9 @@ def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
 def _build(d: Mapping[str, Any]) -> Manifest:
     inp = d["input"]
     st = dict(d["selftest"])
-    parity = {k: ParityThresholds(**v) for k, v in st.pop("parity").items()}
+    parity = {k: ParityThresholds(**v) for k, v in st.pop("parity", {}).items()}
+    st["reproduction"] = {k: dict(v) for k, v in st.get("reproduction", {}).items()}
+    st["fidelity"] = dict(st.get("fidelity", {}))
     return Manifest(
         name=d["name"],
         version=int(d["version"]),
@@ -306,6 +314,8 @@ def _build(d: Mapping[str, Any]) -> Manifest:
                 providers=tuple(v["providers"]),
                 quality=dict(v.get("quality", {})),
                 quantization=dict(v.get("quantization", {})),
+                recorded=dict(v.get("recorded", {})),
+                below_floor=v.get("below_floor"),
             )
             for v in d["variants"]
         ),
@@ -326,11 +336,6 @@ def _check_semantics(m: Manifest, where: str) -> None:
     if dupes:
         raise BundleError(f"{where}: key variants: duplicate variant names {sorted(dupes)}")
     for i, v in enumerate(m.variants):
-        if v.precision not in m.selftest.parity:
-            raise BundleError(
-                f"{where}: key variants[{i}].precision: {v.precision!r} has no thresholds in "
-                f"selftest.parity (has {sorted(m.selftest.parity)})"
-            )
         if v.file not in m.files:
             raise BundleError(f"{where}: key variants[{i}].file: {v.file!r} is not listed in files")
     for provider, prefs in m.preference.items():
