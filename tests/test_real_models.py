@@ -43,7 +43,9 @@ LABELS = {
     "layout": ["Caption", "Footnote", "Formula", "List-item", "Page-footer", "Page-header", "Picture",
                "Section-header", "Table", "Text", "Title"],
 }
-CALIBRATION_LIMIT = {"orientation": 32, "textdet": 8, "layout": 16, "vad": 8}
+# layout: 15, not 16: ORT merges MinMax ranges every 16 runs (CalibMaxIntermediateOutputs) and a set of
+# exactly 16 batch-1 runs ends with "No data is collected" (reported to wip/spec).
+CALIBRATION_LIMIT = {"orientation": 32, "textdet": 8, "layout": 15, "vad": 8}
 
 # Features other branches are adding; a test that needs one is an expected failure only while it is
 # missing here (the conditions read the shipped schema and CLI, so they flip by themselves on merge).
@@ -228,6 +230,7 @@ def test_selected_variant_is_the_fastest_that_keeps_fidelity(name: str, workdir:
 def test_whole_graph_int8_of_a_real_head_is_rejected_for_fidelity(name: str, workdir: Path) -> None:
     """The issue's broken INT8s: YOLOv8 scores share a scale with box coordinates; DBNet maps collapse.
     Whatever the build measured, the self-test must not select them, and must say which task metric failed."""
+    require(name)
     request_marks(name)
     bundle = build(name, workdir)
     report = selftest(bundle, workdir / f"{name}-int8", "--variant", "int8", "--latency-runs", "3")
@@ -302,16 +305,6 @@ def _match(ours: list[list[float]], theirs: list[list[float]], ok: Any) -> int:
     return n
 
 
-def _inside(a: list[float], b: list[float]) -> bool:
-    """Our map region `a` lies in the package's box `b` (the package unclips DB regions by 1.6, so its
-    boxes are larger by design): most of a's area inside b, and a's centre inside b."""
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    area = max((a[2] - a[0]) * (a[3] - a[1]), 1e-9)
-    cx, cy = (a[0] + a[2]) / 2, (a[1] + a[3]) / 2
-    return ix * iy / area >= 0.8 and b[0] <= cx <= b[2] and b[1] <= cy <= b[3]
-
-
 def end_to_end(name: str, bundle: Path, variant: str) -> dict[str, Any]:
     """Serve every held-out frame through the agent's engine (preprocess, session, decoder) and compare
     the published result with the package's own end-to-end result for that frame."""
@@ -362,7 +355,7 @@ def end_to_end(name: str, bundle: Path, variant: str) -> dict[str, Any]:
             pkg = [[min(p[0] for p in q), min(p[1] for p in q), max(p[0] for p in q), max(p[1] for p in q)]
                    for q in theirs[i]["quads"]]
             ours = [r["box"] for r in result["regions"]]
-            m = _match(ours, pkg, _inside)
+            m = _match(ours, pkg, lambda a, c: _iou(a, c) >= 0.5)
             ok = m == len(ours) == len(pkg)
             box_totals["ours"] += len(ours); box_totals["theirs"] += len(pkg); box_totals["matched"] += m
         agree += bool(ok)
