@@ -51,11 +51,28 @@ CALIBRATION_LIMIT = {"orientation": 32, "textdet": 8, "layout": 15, "vad": 8}
 # missing here (the conditions read the shipped schema and CLI, so they flip by themselves on merge).
 _SCHEMA = (ROOT / "agent" / "schema" / "bundle.schema.json").read_text()
 _CLI = (ROOT / "agent" / "service" / "cli.py").read_text()
+
+
+def _sensor_window_as_rank2() -> bool:
+    """Silero's `input` is [B, 576]: the bundle's preprocessing must give a rank-2 tensor for a
+    one-channel window (probed on the agent itself, so the mark flips when the feature lands)."""
+    try:
+        from agent.spec.manifest import FrameSpec, preprocess_from_dict
+        from agent.spec.preprocess import Preprocessor
+
+        s = yaml.safe_load((SPECS / "vad.yaml").read_text())
+        pre = Preprocessor(preprocess_from_dict(s["preprocess"]), FrameSpec(**s["frame"]))
+        return pre(np.zeros((576, 1), np.float32)).ndim == 2
+    except Exception:
+        return False
+
+
 _SPEC_FEATURE = {
     "orientation": ("short_side_crop" in _SCHEMA and "lanczos" in _SCHEMA, "short_side_crop + lanczos"),
     "textdet": ("fit_multiple" in _SCHEMA and "segmentation" in _SCHEMA, "fit_multiple + segmentation decoder"),
     "layout": ("yolov8" in _SCHEMA, "the yolov8 detection layout"),
-    "vad": ('"inputs"' in _SCHEMA, "constant/state inputs"),
+    "vad": ('"inputs"' in _SCHEMA and _sensor_window_as_rank2(),
+            "constant/state inputs and a rank-2 [B, window] tensor for a one-channel sensor window"),
 }
 HAS_VERDICTS = "fidelity" in _SCHEMA or "floors" in _SCHEMA
 HAS_DRIFT_CHECK = "allow-preprocess-drift" in _CLI
