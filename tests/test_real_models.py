@@ -217,13 +217,23 @@ def test_fp32_passes_cold_selftest_on_the_machine_that_built_it(name: str, attem
     record(name, "fp32_cold_passes", passes)
 
 
+_FULL: dict[str, dict[str, Any]] = {}
+
+
+def full_report(name: str, workdir: Path) -> dict[str, Any]:
+    """One unpinned self-test per model, as a device boots it (every variant a candidate)."""
+    if name not in _FULL:
+        _FULL[name] = selftest(build(name, workdir), workdir / f"{name}-full", "--latency-runs", "10")
+    return _FULL[name]
+
+
 _METRIC_REASON = re.compile(r"(recall|precision|iou|top1|agreement|snr|error|max_abs|allclose|cosine)\S* = \S+ (under|over)")
 
 
 @pytest.mark.parametrize("name", params(verdicts=True))
 def test_selected_variant_is_the_fastest_that_keeps_fidelity(name: str, workdir: Path) -> None:
     bundle = build(name, workdir)
-    report = selftest(bundle, workdir / f"{name}-full", "--latency-runs", "10")
+    report = full_report(name, workdir)
     tested = [c for c in report["candidates"] if c["status"] == "tested"]
     summary = {c["variant"]: {"passed": c["passed"], "reasons": c["reasons"], "p50_ms": (c.get("latency") or {}).get("p50_ms"),
                               "parity": c.get("parity")} for c in tested}
@@ -250,18 +260,26 @@ def test_whole_graph_int8_of_a_real_head_is_rejected_for_fidelity(name: str, wor
     require(name)
     request_marks(name)
     bundle = build(name, workdir)
-    report = selftest(bundle, workdir / f"{name}-int8", "--variant", "int8", "--latency-runs", "3")
-    int8 = [c for c in report["candidates"] if c["variant"] == "int8" and c["status"] == "tested"]
+    report = full_report(name, workdir)
+    int8 = [c for c in report["candidates"] if c["variant"] == "int8"]
     if not int8:
-        pytest.skip(f"{name}: bundle create dropped the INT8 variant: {report['reason']}")
-    record(name, "int8_verdict", {"passed": int8[0]["passed"], "reasons": int8[0]["reasons"], "parity": int8[0].get("parity")})
-    if int8[0]["passed"]:
-        # Not broken on this build: then it must keep fidelity end to end, checked below.
+        pytest.skip(f"{name}: bundle create dropped the INT8 variant (refused at build): {report['reason']}")
+    c = int8[0]
+    record(name, "int8_verdict", {"status": c["status"], "passed": c["passed"], "reasons": c["reasons"], "parity": c.get("parity")})
+    selected = report["selected"]["variant"] if report["selected"] else None
+    if c["status"] == "tested" and c["passed"]:
+        # Not broken on this build: then it must really keep fidelity, end to end against the package.
         agreement = end_to_end(name, bundle, "int8")
-        assert agreement["agreement"] >= MIN_AGREEMENT, f"INT8 passed the self-test but agrees on {agreement}"
-    else:
-        assert any(re.search(r"(recall|precision|iou|snr|error)", r) for r in int8[0]["reasons"]), int8[0]["reasons"]
-        assert report["selected"] is None or report["selected"]["variant"] != "int8"
+        record(name, "end_to_end_int8", agreement)
+        assert agreement["agreement"] >= MIN_AGREEMENT, f"INT8 passed the self-test but agrees with the package on {agreement}"
+        return
+    assert selected != "int8", f"a rejected INT8 was selected: {report}"
+    if c["status"] == "tested":
+        assert any(re.search(r"(recall|precision|iou|snr|error)", r) for r in c["reasons"]), c["reasons"]
+    else:  # never tried because the build marked it under its floor: the manifest says so
+        manifest = yaml.safe_load((bundle / "bundle.yaml").read_text())
+        v = next(v for v in manifest["variants"] if v["name"] == "int8")
+        assert c["reasons"] or v.get("quality", {}).get("below_quality_bound"), (c, v)
 
 
 def request_marks(name: str) -> None:
