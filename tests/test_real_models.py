@@ -250,7 +250,9 @@ def test_selected_variant_is_the_fastest_that_keeps_fidelity(name: str, workdir:
     # The manifest's own record: a variant built under its floor is marked and never selected.
     manifest = yaml.safe_load((bundle / "bundle.yaml").read_text())
     low = [v["name"] for v in manifest["variants"] if v.get("quality", {}).get("below_quality_bound")]
-    assert report["selected"]["variant"] not in low
+    assert report["selected"]["variant"] not in low, (
+        f"selected {report['selected']['variant']}, which the build marked under its quality bound: "
+        f"{[v.get('quality', {}).get('below_quality_bound') for v in manifest['variants'] if v['name'] in low]}")
 
 
 @pytest.mark.parametrize("name", ["layout", "textdet"])
