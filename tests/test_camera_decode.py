@@ -293,3 +293,25 @@ def test_hardware_decode_requested_where_there_is_none_falls_back_to_software_an
         assert source.stats.decoder["hw_requested"] == hw
         if not Path("/dev/dri").exists():  # no GPU device node: nothing to accelerate with
             assert source.stats.decoder["hw"] == "none"
+
+
+@needs_ffmpeg
+@pytest.mark.parametrize("fmt, codec, scale", [("mpjpeg", "mjpeg", 2), ("mpegts", "libx264", 1)])
+def test_http_stream_served_by_ffmpeg_is_read_at_the_scale_its_codec_allows(fmt: str, codec: str, scale: int) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/cam"
+    enc = ["-c:v", codec, "-q:v", "5"] if codec == "mjpeg" else ["-c:v", codec, "-preset", "ultrafast", "-g", "15",
+                                                                 "-pix_fmt", "yuv420p"]
+    server = subprocess.Popen([FFMPEG, "-hide_banner", "-loglevel", "quiet", "-re", "-f", "lavfi", "-i",
+                               "testsrc2=size=640x360:rate=15", *enc, "-f", fmt, "-listen", "1", url])
+    # the source retries while ffmpeg starts listening (ffmpeg -listen 1 serves exactly one client: no probing)
+    source = open_source(SourceConfig(type="stream", url=url, open_timeout_ms=2000, read_timeout_ms=2000,
+                                      reconnect_initial_s=0.2, reconnect_max_s=0.5), RGB, SMALL_MODEL)
+    try:
+        frames = read_frames(source, 5, timeout=30)
+    finally:
+        source.close()
+        end_process(server, graceful=False)
+    assert len(frames) == 5, source.stats
+    assert frames[-1].scale == scale and frames[-1].data.shape == (360 // scale, 640 // scale, 3)
+    assert source.stats.decoder["path"] == ("jpeg" if codec == "mjpeg" else "ffmpeg")
