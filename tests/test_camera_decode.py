@@ -133,6 +133,14 @@ def test_full_hd_mjpeg_video_for_a_small_model_is_not_decoded_at_full_size(tmp_p
     assert np.abs(frames[0].data.astype(int) - shrunk).mean() < 3
 
 
+def test_auto_decode_scale_stays_within_what_the_selftest_proved(tmp_path: Path) -> None:
+    video = write_mjpeg(tmp_path / "cam.avi", 1080, 1920, 1)
+    frame = read_frames(open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL, max_scale=2), 1)[0]
+    assert frame.scale == 2 and frame.data.shape == (540, 960, 3)
+    forced = read_frames(open_source(SourceConfig(type="video", path=video, decode_scale=4), RGB, None), 1)[0]
+    assert forced.scale == 4  # a scale the user names is used as given
+
+
 def test_full_hd_h264_frame_is_not_colour_converted_in_the_capture_thread(tmp_path: Path) -> None:
     if FFMPEG is None:
         pytest.skip("Debian's ffmpeg is not installed (scripts/test.sh installs it)")

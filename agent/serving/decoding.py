@@ -96,10 +96,11 @@ def max_decode_scale(resize: Any, height: int, width: int) -> int:
     return 1
 
 
-def decode_scale(setting: str | int, resize: Any, height: int, width: int) -> int:
-    """The scale to decode a frame of this size at: `auto` picks the largest the resize allows, a number is used as given."""
+def decode_scale(setting: str | int, resize: Any, height: int, width: int, limit: int = 8) -> int:
+    """The scale to decode a frame of this size at: `auto` picks the largest the resize allows, at most `limit`
+    (the largest scale the self-test proved); a number is the user's choice and used as given."""
     if setting == "auto":
-        return max_decode_scale(resize, height, width)
+        return min(max_decode_scale(resize, height, width), max(s for s in SCALES if s <= max(limit, 1)))
     return int(setting)
 
 

@@ -126,13 +126,13 @@ class FolderSource:
 
     live = False
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None):
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         if cfg.path is None or not cfg.path.is_dir():
             raise ConfigError(f"source.path: {cfg.path} is not a directory of images")
         self.files = sorted(p for p in cfg.path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not self.files:
             raise ConfigError(f"source.path: {cfg.path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-        self.cfg, self.frame, self.resize = cfg, frame, resize
+        self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         self.name = cfg.name or f"folder:{cfg.path}"
         self.pos = 0
         self.stats = SourceStats(state="open", decoder={"path": "image", "scale": 1})
@@ -152,8 +152,8 @@ class FolderSource:
         self.pos += 1
         scale = 1
         if path.suffix.lower() in JPEG_SUFFIXES and self.frame.kind == "image":
-            data, scale = _decode_jpeg_frame(np.fromfile(path, np.uint8), self.cfg, self.frame, self.resize, self.stats,
-                                             self.name)
+            data, scale = _decode_jpeg_frame(np.fromfile(path, np.uint8), self.cfg, self.frame, self.resize,
+                                             self.max_scale, self.stats, self.name)
         else:
             data = read_image_file(str(path), self.frame)
         if data is None:
@@ -171,8 +171,8 @@ class FolderSource:
 class OpenCVSource:
     """Video files, cameras and network streams through cv2.VideoCapture, with time-outs and reconnects."""
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None):
-        self.cfg, self.frame, self.resize = cfg, frame, resize
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
+        self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         if cfg.type == "video":
             if cfg.path is None or not cfg.path.is_file():
                 raise ConfigError(f"source.path: {cfg.path} is not a video file")
@@ -290,8 +290,8 @@ class OpenCVSource:
             self.stats.last_frame_ns = ns
             self._watch_frozen(img)  # on the encoded packet when there is one: smaller than the picture
             if self.packets:
-                data, scale = _decode_jpeg_frame(img, self.cfg, self.frame, self.resize, self.stats,
-                                             self.name)
+                data, scale = _decode_jpeg_frame(img, self.cfg, self.frame, self.resize,
+                                             self.max_scale, self.stats, self.name)
                 if data is None:
                     self.stats.bad += 1
                     raise BadFrame(f"{self.name}: a JPEG frame of {img.size} bytes does not decode")
@@ -332,7 +332,7 @@ class SensorSource:
     number of samples is malformed: counted and dropped. Windows of `window` samples every `hop`.
     """
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None):
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         if frame.kind != "sensor":
             raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes {frame.kind} frames")
         self.cfg, self.frame = cfg, frame
@@ -425,14 +425,14 @@ class MqttFrameSource:
 
     live = True
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None):
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         import io
 
         import paho.mqtt.client as paho
 
         if not cfg.topic:
             raise ConfigError("source.topic: an mqtt source needs the topic frames arrive on")
-        self.cfg, self.frame, self.resize, self._io = cfg, frame, resize, io
+        self.cfg, self.frame, self.resize, self.max_scale, self._io = cfg, frame, resize, max_scale, io
         self.name = cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
         self.stats = SourceStats()
         self._buf: deque[tuple[bytes, float, int]] = deque(maxlen=8)
@@ -454,8 +454,8 @@ class MqttFrameSource:
     def _decode(self, data: bytes) -> tuple[np.ndarray, int]:
         f = self.frame
         if self.cfg.payload == "image" and f.kind == "image" and is_jpeg(np.frombuffer(data[:4], np.uint8)):
-            img, scale = _decode_jpeg_frame(np.frombuffer(data, np.uint8), self.cfg, f, self.resize, self.stats,
-                                            self.name)
+            img, scale = _decode_jpeg_frame(np.frombuffer(data, np.uint8), self.cfg, f, self.resize,
+                                            self.max_scale, self.stats, self.name)
             if img is None:
                 raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable JPEG")
             return img, scale
@@ -499,10 +499,10 @@ class MqttFrameSource:
 
 
 def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
-                       stats: SourceStats, name: str) -> tuple[np.ndarray | None, int]:
+                       max_scale: int, stats: SourceStats, name: str) -> tuple[np.ndarray | None, int]:
     """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale); (None, 1) when it does not decode."""
     size = jpeg_size(data)
-    scale = 1 if size is None else decode_scale(cfg.decode_scale, resize, *size)
+    scale = 1 if size is None else decode_scale(cfg.decode_scale, resize, *size, limit=max_scale)
     img = decode_jpeg(data, frame.color, scale)
     if img is None:
         return None, 1
@@ -527,16 +527,18 @@ SOURCES: dict[str, SourceFactory] = {
 }
 
 
-def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None) -> FrameSource:
+def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None,
+                max_scale: int = 8) -> FrameSource:
     """The source `cfg` names. `resize`, the bundle's preprocess resize, lets JPEG sources decode at reduced
-    scale (decode_scale: auto); without it they decode at full size unless decode_scale names a scale."""
+    scale (decode_scale: auto), at most `max_scale` (the largest the self-test proved); without `resize`
+    they decode at full size unless decode_scale names a scale."""
     try:
         factory = SOURCES[cfg.type]
     except KeyError:
         raise ConfigError(f"source.type: unknown source {cfg.type!r} (known: {sorted(SOURCES)})") from None
     if frame.kind == "image" and cfg.type in ("udp", "file", "stdin"):
         raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes image frames")
-    return factory(cfg, frame, resize)
+    return factory(cfg, frame, resize, max_scale)
 
 
 def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:
