@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from agent.config import SourceConfig, parse_config
-from agent.serving.decoding import (decode_jpeg, jpeg_size, max_decode_scale, reduced_decode, scaled_geometry)
+from agent.serving.decoding import jpeg_size, max_decode_scale, reduced_decode, scaled_geometry
 from agent.serving.sources import Frame, open_source
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import fit_geometry
@@ -127,6 +127,7 @@ def test_full_hd_mjpeg_video_for_a_small_model_is_not_decoded_at_full_size(tmp_p
     assert len(frames) == 4
     assert frames[0].scale == 8 and frames[0].data.shape == (135, 240, 3)
     assert source.stats.decoder["path"] == "jpeg" and source.stats.decoder["scale"] == 8
+    assert "converted=True" in repr(frames[3])  # lossless file: decoded in capture, overlapping the other stages
     # the same picture as a full decode shrunk to that size, in RGB (decoded straight into the bundle's colours)
     full = cv2.cvtColor(cv2.VideoCapture(str(video)).read()[1], cv2.COLOR_BGR2RGB)
     shrunk = cv2.resize(full, (240, 135), interpolation=cv2.INTER_AREA)
@@ -248,6 +249,8 @@ def test_http_mjpeg_stream_is_decoded_from_its_jpeg_packets_at_reduced_scale() -
         cam.kill()
         source.close()
     assert len(frames) == 5
+    # a live camera hands frames over latest-wins: decoding waits for the stage that uses the frame
+    assert all("converted=False" in repr(f) for f in frames) and source.stats.decoder["deferred"]
     assert {f.scale for f in frames} == {2} and frames[0].data.shape == (60, 80, 3)
     assert source.stats.decoder["path"] == "jpeg" and source.stats.decoder["codec"] == "MJPG"
 

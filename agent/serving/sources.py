@@ -10,6 +10,7 @@ the colour conversion left to the first reader of `Frame.data` (the preprocessin
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import socket
@@ -24,7 +25,7 @@ import cv2
 import numpy as np
 
 from agent.config import SourceConfig
-from agent.errors import ConfigError
+from agent.errors import ConfigError, PreprocessError
 from agent.logsetup import get_logger
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
 from agent.spec.manifest import FrameSpec, ResizeSpec
@@ -69,6 +70,10 @@ class Frame:
         if self._convert is not None:
             self._data, self._convert = self._convert(self._data), None
         return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data, self._convert = value, None
 
     def __repr__(self) -> str:
         return (f"Frame(index={self.index}, source={self.source!r}, shape={self._data.shape}, scale={self.scale}, "
@@ -190,6 +195,9 @@ class OpenCVSource:
         self.cap: cv2.VideoCapture | None = None
         self.packets = False  # reading encoded JPEG packets (CAP_PROP_FORMAT -1) and decoding them ourselves
         self.packets_usable = frame.kind == "image"  # cleared when the backend hands out something else
+        # live, latest-frame-wins: JPEG decoding waits for the first reader of Frame.data (the preprocessing
+        # stage), so frames dropped as stale cost no decoding; lossless: decoded here, overlapping the stages
+        self.deferred = not ((not self.live) if cfg.lossless is None else cfg.lossless)
         self.backoff = cfg.reconnect_initial_s
         self.prev: np.ndarray | None = None
         self.same = 0
@@ -220,6 +228,7 @@ class OpenCVSource:
         hw = int(cap.get(cv2.CAP_PROP_HW_ACCELERATION))
         self.stats.decoder = {
             "path": "jpeg" if self.packets else "ffmpeg", "codec": fourcc, "scale": 1,
+            "deferred": self.packets and self.deferred,
             "threads": int(cap.get(cv2.CAP_PROP_N_THREADS)),
             "hw": next((k for k, v in HW_DECODE.items() if v == hw and k != "any"), str(hw)),
             "hw_requested": self.cfg.hw_decode,
@@ -289,9 +298,13 @@ class OpenCVSource:
                 log.warning("source.stalled", source=self.name, seconds=(ns - self.stats.last_frame_ns) / 1e9)
             self.stats.last_frame_ns = ns
             self._watch_frozen(img)  # on the encoded packet when there is one: smaller than the picture
+            if self.packets and self.deferred:  # latest-frame-wins: a frame dropped as stale is never decoded
+                scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name)
+                self.stats.frames += 1
+                return Frame(self.stats.frames, img, at, ns, self.name, scale, functools.partial(self._decode, scale=scale))
             if self.packets:
                 data, scale = _decode_jpeg_frame(img, self.cfg, self.frame, self.resize,
-                                             self.max_scale, self.stats, self.name)
+                                                 self.max_scale, self.stats, self.name)
                 if data is None:
                     self.stats.bad += 1
                     raise BadFrame(f"{self.name}: a JPEG frame of {img.size} bytes does not decode")
@@ -303,6 +316,12 @@ class OpenCVSource:
 
     def _to_frame(self, img: np.ndarray) -> np.ndarray:
         return bgr_to_frame(img, self.frame)
+
+    def _decode(self, packet: np.ndarray, scale: int) -> np.ndarray:
+        img = decode_jpeg(packet, self.frame.color, scale)
+        if img is None:
+            raise PreprocessError(f"{self.name}: a JPEG frame of {packet.size} bytes does not decode")
+        return img
 
     def _watch_frozen(self, img: np.ndarray) -> None:
         if self.prev is not None and self.prev.shape == img.shape and np.array_equal(self.prev, img):
@@ -498,19 +517,25 @@ class MqttFrameSource:
         self.client.disconnect()
 
 
+def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
+                name: str) -> int:
+    """The scale to decode this JPEG at, from its header (recorded in the source's stats when it changes)."""
+    size = jpeg_size(data)
+    scale = 1 if size is None else decode_scale(cfg.decode_scale, resize, *size, limit=max_scale)
+    if stats.decoder.get("scale") != scale or stats.decoder.get("path") != "jpeg":
+        log.info("source.decode_scale", source=name, scale=scale,
+                 frame=None if size is None else f"{size[1]}x{size[0]}",
+                 decoded=None if size is None else f"{-(-size[1] // scale)}x{-(-size[0] // scale)}")
+        stats.decoder = {**stats.decoder, "path": "jpeg", "scale": scale}
+    return scale
+
+
 def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
                        max_scale: int, stats: SourceStats, name: str) -> tuple[np.ndarray | None, int]:
     """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale); (None, 1) when it does not decode."""
-    size = jpeg_size(data)
-    scale = 1 if size is None else decode_scale(cfg.decode_scale, resize, *size, limit=max_scale)
+    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name)
     img = decode_jpeg(data, frame.color, scale)
-    if img is None:
-        return None, 1
-    if stats.decoder.get("scale") != scale or stats.decoder.get("path") != "jpeg":
-        log.info("source.decode_scale", source=name, scale=scale, decoded=f"{img.shape[1]}x{img.shape[0]}",
-                 frame=None if size is None else f"{size[1]}x{size[0]}")
-        stats.decoder = {**stats.decoder, "path": "jpeg", "scale": scale}
-    return img, scale
+    return (None, 1) if img is None else (img, scale)
 
 
 SourceFactory = Callable[..., FrameSource]
