@@ -17,7 +17,7 @@ frame (from /proc, between the first and last result). The agent runs with its s
 setting the benchmark changes is printed above the table.
 
 Usage: python scripts/bench_serving.py [--bundle models/digits-classifier] [--inputs 720p-mjpeg,1080p-mjpeg,...]
-                                       [--frames 300] [--runs 1] [--variant auto|fp32|int8]
+                                       [--frames 300] [--runs 1] [--variant auto|fp32|int8] [--intra N] [--spin]
 """
 
 from __future__ import annotations
@@ -239,6 +239,9 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=300, help="frames per video")
     ap.add_argument("--runs", type=int, default=1, help="repeat each measurement; the table shows median [min-max]")
     ap.add_argument("--variant", default="auto", help="auto: the self-test's choice, then pinned for the agent")
+    ap.add_argument("--intra", type=int, default=None,
+                    help="intra-op threads for the naive loop and the agent (0: ORT's default; unset: the agent's default)")
+    ap.add_argument("--spin", action="store_true", help="let ORT pool threads spin (ORT's default; off in the agent)")
     args = ap.parse_args()
     inputs = [i.strip() for i in args.inputs.split(",") if i.strip()]
     unknown = [i for i in inputs if i not in INPUTS]
@@ -260,7 +263,13 @@ def main() -> int:
         with np.load(ROOT / "calibration" / "digits" / "heldout.npz") as z:
             raw = z["raw"]
         pre = bundle.preprocessor()
-        sess = open_session(model, "CPUExecutionProvider", settings=SessionSettings())  # the agent's settings
+        session_changes = {**({"session.intra_op_threads": args.intra} if args.intra is not None else {}),
+                           **({"session.allow_spinning": True} if args.spin else {})}
+        shipped = SessionSettings()
+        agent_session = SessionSettings(intra_op_threads=shipped.intra_op_threads if args.intra is None else args.intra,
+                                        allow_spinning=args.spin or shipped.allow_spinning)
+        sess = open_session(model, "CPUExecutionProvider", settings=agent_session)  # the naive loop: as the agent
+        sess1 = open_session(model, "CPUExecutionProvider", settings=SessionSettings(intra_op_threads=1))
         best = raw_best(model, pre(raw[0]), max(args.frames, 600))
         rows, stages = [], []
         for name in inputs:
@@ -268,13 +277,14 @@ def main() -> int:
             video = camera_video(raw, h, w, args.frames, codec, tmp)
             scale = max_decode_scale(resize, h, w) if codec == "mjpeg" else 1
             # until the daemon hands the bundle's resize to open_source, auto decodes at full size: say the scale
-            settings = {"selection.variant": variant, **({"source.decode_scale": scale} if scale > 1 else {})}
+            settings = {"selection.variant": variant, **({"source.decode_scale": scale} if scale > 1 else {}),
+                        **session_changes}
             full, dec, nai, lim, runs, cpu = [], [], [], [], [], []
             for _ in range(args.runs):
                 full.append(decode_full(video))
                 dec.append(decode_agent(video, bundle, scale))
                 nai.append(naive(video, bundle, sess))
-                cpu.append(cpu_per_frame(video, bundle, sess, scale))
+                cpu.append(cpu_per_frame(video, bundle, sess1, scale))
                 total = sum(cpu[-1].values())
                 lim.append(min(dec[-1], CORES / (total / 1000)))
                 runs.append(agent(video, args.bundle, variant, settings, args.frames, tmp))
