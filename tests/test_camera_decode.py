@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from agent.config import SourceConfig, parse_config
-from agent.serving.decoding import jpeg_size, max_decode_scale, reduced_decode, scaled_geometry
+from agent.serving.decoding import camera_sized_reduced, jpeg_size, max_decode_scale, reduced_decode, scaled_geometry
 from agent.serving.sources import Frame, open_source
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import fit_geometry
@@ -216,6 +216,25 @@ def test_reduced_decode_of_a_golden_frame_keeps_the_classifier_answer(demo_bundl
     assert reduced.shape == full.shape
     cos = float(np.dot(full.ravel(), reduced.ravel()) / np.linalg.norm(full) / np.linalg.norm(reduced))
     assert cos > 0.99, cos
+
+
+def test_golden_frames_through_the_reduced_path_keep_the_reference_answers(demo_bundle: Path) -> None:
+    """The check the self-test runs per scale: every golden frame, as a camera 2, 4 and 8 times its size
+    delivers it through the reduced path, gets the reference's top-1 class from the served variant."""
+    from agent.bundle.load import load_bundle
+    from agent.proof.session import open_session
+
+    bundle = load_bundle(demo_bundle)
+    pre = bundle.preprocessor()
+    session = open_session(bundle.path(bundle.manifest.variant("int8").file), "CPUExecutionProvider")
+    for ref in bundle.manifest.golden:
+        with np.load(demo_bundle / ref) as z:
+            key = "reference.logits" if "reference.logits" in z.files else "output.logits"  # the newer name first
+            raw, expected = z["raw"], int(np.argmax(z[key]))
+        for scale in (2, 4, 8):
+            frame = camera_sized_reduced(raw, scale)
+            assert frame.shape == raw.shape
+            assert int(np.argmax(session.run(pre(frame))["logits"])) == expected, (ref, scale)
 
 
 # -- real streams ---------------------------------------------------------------------------------------

@@ -145,3 +145,12 @@ def scaled_geometry(geometry: Any, scale: int) -> Any:
     if scale == 1:
         return geometry
     return dataclasses.replace(geometry, scale_x=geometry.scale_x / scale, scale_y=geometry.scale_y / scale)
+
+
+def camera_sized_reduced(raw: np.ndarray, scale: int, color: str = "rgb", quality: int = 95) -> np.ndarray:
+    """A golden frame as a camera `scale` times its size would deliver it through the reduced path: the frame
+    scaled up (cubic), JPEG-encoded, decoded at 1/scale. For golden frames already at the model's size, where
+    `reduced_decode` alone would never reduce: the self-test runs the model on this to prove scale `scale`."""
+    h, w = raw.shape[:2]
+    big = cv2.resize(raw, (w * scale, h * scale), interpolation=cv2.INTER_CUBIC)
+    return reduced_decode(big, scale, color, quality)
