@@ -71,6 +71,12 @@ class SourceConfig:
     payload: Literal["image", "npy", "raw"] = "image"  # mqtt: encoded image, .npy bytes, or raw frame bytes
     sample_dtype: Literal["float32", "int16", "uint8"] = "float32"  # sensor samples, little-endian
     hop: int = 0                      # sensor: samples between windows (0: the window length)
+    name: str | None = None           # how results and health name this source (default: type:target)
+    # JPEG sources (MJPEG streams and videos, .jpg folders, mqtt images): decode at 1/2, 1/4 or 1/8 of the
+    # frame; auto: the smallest the bundle's resize allows; 1: always full size
+    decode_scale: Literal["auto", 1, 2, 4, 8] = "auto"
+    decoder_threads: int = 0          # video/stream/camera through FFmpeg: decoder threads (0: OpenCV's choice)
+    hw_decode: Literal["none", "any", "vaapi", "d3d11", "mfx", "drm"] = "none"  # FFmpeg hardware decoding
 
 
 @dataclass(frozen=True)

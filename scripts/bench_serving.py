@@ -1,11 +1,23 @@
-"""Serving benchmark: one run, one table, the demo classifier, the same variant and thread settings.
+"""Serving benchmark on camera-sized inputs: one run, one table, every column measured side by side.
 
-  1. raw `InferenceSession.run` in a loop on already-preprocessed tensors (the limit)
-  2. the naive sequential loop a user would write: cv2 read -> preprocess -> run -> decode -> print
-  3. `edge-agent run` on the same video file (decode included), as a separate process
+Inputs: 720p and 1080p MJPEG videos (camera-like: the held-out digit pictures scaled up, with sensor
+noise), and the same as H.264 when Debian's ffmpeg is there to encode them. Per input:
 
-Reports fps and p50/p99 latency of each, the ratios 3/1 and 3/2, and the agent's peak RSS.
-Usage: python scripts/bench_serving.py [--repeat 4] [--variant auto|fp32|int8]
+  raw best      `session.run` on one preprocessed tensor: best of 1 caller x N intra-op threads and
+                N callers x 1 thread (N = cores); the model alone
+  decode full   `cv2.VideoCapture.read` alone (FFmpeg, full size, BGR)
+  decode agent  the agent's own source alone (JPEG at the scale the model allows; FFmpeg otherwise)
+  naive         the loop a user writes: cv2 read -> RGB -> the bundle's preprocessing -> run -> decode -> print
+  limit         the pipeline limit = min(decode agent, cores / CPU time per frame of decode + preprocessing
+                + single-thread inference + postprocessing, measured sequentially in this process)
+  agent         `edge-agent run` on the same video as a separate process, lossless, fps from first to last result
+
+and the ratios agent/limit and agent/naive, agent/decode full, the agent's peak RSS and its CPU time per
+frame (from /proc, between the first and last result). The agent runs with its shipped defaults; each
+setting the benchmark changes is printed above the table.
+
+Usage: python scripts/bench_serving.py [--bundle models/digits-classifier] [--inputs 720p-mjpeg,1080p-mjpeg,...]
+                                       [--frames 300] [--runs 1] [--variant auto|fp32|int8] [--intra N] [--spin]
 """
 
 from __future__ import annotations
@@ -13,11 +25,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import resource
+import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -26,112 +42,278 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 from agent.bundle.load import load_bundle  # noqa: E402
-from agent.config import Config  # noqa: E402
-from agent.spec.decoders import decode  # noqa: E402
+from agent.config import Config, SourceConfig  # noqa: E402
 from agent.proof.selftest import options_from_config, run_selftest  # noqa: E402
 from agent.proof.session import open_session  # noqa: E402
 from agent.proof.terms import SessionSettings  # noqa: E402
-from make_demo_frames import write_video  # noqa: E402
+from agent.serving.decoding import max_decode_scale  # noqa: E402
+from agent.serving.sources import open_source  # noqa: E402
+from agent.spec.decoders import decode  # noqa: E402
 
-BUNDLE = ROOT / "models" / "digits-classifier"
+INPUTS = {"720p-mjpeg": (720, 1280, "mjpeg"), "1080p-mjpeg": (1080, 1920, "mjpeg"),
+          "720p-h264": (720, 1280, "h264"), "1080p-h264": (1080, 1920, "h264")}
+CORES = len(os.sched_getaffinity(0))
+TICK = os.sysconf("SC_CLK_TCK")
 
 
-def pct(ms: list[float]) -> tuple[float, float]:
-    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+def camera_video(raw: np.ndarray, h: int, w: int, n: int, codec: str, tmp: Path) -> Path:
+    """n camera-like frames (a digit picture scaled to h x w, sensor noise sigma 2) as MJPEG (OpenCV's
+    writer, its default quality) or H.264 (ffmpeg libx264 veryfast, no B-frames, as cameras send)."""
+    mjpeg = tmp / f"cam-{h}p.avi"
+    if not mjpeg.exists():
+        rng = np.random.default_rng(0)
+        writer = cv2.VideoWriter(str(mjpeg), cv2.VideoWriter_fourcc(*"MJPG"), 30, (w, h))
+        if not writer.isOpened():
+            raise SystemExit(f"cannot write {mjpeg}")
+        for i in range(n):
+            big = cv2.resize(cv2.cvtColor(raw[i % len(raw)], cv2.COLOR_RGB2BGR), (w, h), interpolation=cv2.INTER_LINEAR)
+            noise = rng.normal(0, 2, big.shape).astype(np.int16)
+            writer.write(np.clip(big.astype(np.int16) + noise, 0, 255).astype(np.uint8))
+        writer.release()
+    if codec == "mjpeg":
+        return mjpeg
+    out = tmp / f"cam-{h}p.mp4"
+    subprocess.run(["ffmpeg", "-hide_banner", "-loglevel", "error", "-i", str(mjpeg), "-c:v", "libx264",
+                    "-preset", "veryfast", "-tune", "zerolatency", "-pix_fmt", "yuv420p", "-y", str(out)], check=True)
+    return out
+
+
+def raw_best(model: Path, tensor: np.ndarray, n: int) -> float:
+    """Best of 1 caller x CORES intra-op threads and CORES callers x 1 thread, on one tensor."""
+    many = open_session(model, "CPUExecutionProvider", settings=SessionSettings(intra_op_threads=CORES))
+    one = open_session(model, "CPUExecutionProvider", settings=SessionSettings(intra_op_threads=1))
+    for s in (many, one):
+        for _ in range(20):
+            s.run(tensor)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        many.run(tensor)
+    single = n / (time.perf_counter() - t0)
+
+    def loop() -> None:
+        for _ in range(n // CORES):
+            one.run(tensor)
+
+    threads = [threading.Thread(target=loop) for _ in range(CORES)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    parallel = (n // CORES) * CORES / (time.perf_counter() - t0)
+    return max(single, parallel)
+
+
+def decode_full(video: Path) -> float:
+    cap = cv2.VideoCapture(str(video), cv2.CAP_FFMPEG)
+    count, t0 = 0, time.perf_counter()
+    while cap.read()[0]:
+        count += 1
+    cap.release()
+    return count / (time.perf_counter() - t0)
+
+
+def agent_source(video: Path, bundle, scale: int):
+    return open_source(SourceConfig(type="video", path=video, decode_scale=scale), bundle.manifest.frame,
+                       bundle.manifest.preprocess.resize)
+
+
+def decode_agent(video: Path, bundle, scale: int) -> float:
+    """The agent's capture stage alone: its source, reading frames (colour conversion, where owed, is not capture's)."""
+    src = agent_source(video, bundle, scale)
+    stop = threading.Event()
+    count, t0 = 0, time.perf_counter()
+    while src.read(stop) is not None:
+        count += 1
+    src.close()
+    return count / (time.perf_counter() - t0)
+
+
+def naive(video: Path, bundle, sess) -> float:
+    pre, spec, labels = bundle.preprocessor(), bundle.manifest.postprocess, bundle.labels()
+    sink = io.StringIO()
+    cap = cv2.VideoCapture(str(video), cv2.CAP_FFMPEG)
+    count, t0 = 0, time.perf_counter()
+    while True:
+        ok, img = cap.read()
+        if not ok:
+            break
+        rgb = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+        out = sess.run(pre(rgb))
+        result = decode(spec, {k: v[0] for k, v in out.items()}, labels, pre.geometry(rgb))
+        sink.write(json.dumps({"seq": count, "result": result}) + "\n")
+        count += 1
+    cap.release()
+    return count / (time.perf_counter() - t0)
+
+
+def cpu_per_frame(video: Path, bundle, sess1, scale: int) -> dict[str, float]:
+    """Process CPU ms per frame of each stage, run one after the other in this thread with a 1-thread session
+    (FFmpeg's own decoder threads are counted: process time, not thread time)."""
+    pre, spec, labels = bundle.preprocessor(), bundle.manifest.postprocess, bundle.labels()
+    src = agent_source(video, bundle, scale)
+    stop = threading.Event()
+    acc = {"decode": 0.0, "preprocess": 0.0, "inference": 0.0, "postprocess": 0.0}
+    count = 0
+    while True:
+        t0 = time.process_time()
+        f = src.read(stop)
+        if f is None:
+            break
+        data = f.data  # the colour conversion owed (FFmpeg frames) is decoding work done elsewhere
+        t1 = time.process_time()
+        tensor = pre(data)
+        t2 = time.process_time()
+        out = sess1.run(tensor)
+        t3 = time.process_time()
+        json.dumps(decode(spec, {k: v[0] for k, v in out.items()}, labels, pre.geometry(data)))
+        t4 = time.process_time()
+        for k, a, b in (("decode", t0, t1), ("preprocess", t1, t2), ("inference", t2, t3), ("postprocess", t3, t4)):
+            acc[k] += b - a
+        count += 1
+    src.close()
+    return {k: v / count * 1000 for k, v in acc.items()}
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def _proc_hwm_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class AgentRun:
+    fps: float
+    results: int
+    cpu_ms: float
+    rss_mb: float
+
+
+def agent(video: Path, bundle_dir: Path, variant: str, settings: dict, n: int, tmp: Path) -> AgentRun:
+    cfg = {"state_dir": str(tmp / "state"), "bundle": str(bundle_dir), "source": {"type": "video", "path": str(video)}}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        cfg.setdefault(section, {})[name] = value
+    (tmp / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config",
+                             str(tmp / "agent.yaml")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    first = last = None
+    count, cpu0, cpu1, rss, last_counted = 0, 0.0, 0.0, float("nan"), 1
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        now = time.perf_counter()
+        count += 1
+        if count == 1:
+            first, cpu0 = now, _proc_cpu_s(proc.pid)
+        last = now
+        if count == n or count % 50 == 0:  # /proc on every line would take CPU from the agent
+            try:
+                cpu1, rss, last_counted = _proc_cpu_s(proc.pid), _proc_hwm_mb(proc.pid), count
+            except FileNotFoundError:
+                pass
+    proc.wait()
+    if count < 2 or first is None or last is None:
+        raise SystemExit(f"the agent published {count} results (exit {proc.returncode})")
+    return AgentRun((count - 1) / (last - first), count, (cpu1 - cpu0) / max(last_counted - 1, 1) * 1000, rss)
+
+
+def spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.0f}"
+    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=4, help="video length: held-out frames x repeat")
-    ap.add_argument("--variant", default="auto")
-    ap.add_argument("--intra", type=int, default=SessionSettings().intra_op_threads,
-                    help="intra-op threads for all three (0: ORT default; default: the agent's default)")
+    ap.add_argument("--bundle", type=Path, default=ROOT / "models" / "digits-classifier", help="the model bundle")
+    ap.add_argument("--inputs", default="720p-mjpeg,1080p-mjpeg,720p-h264,1080p-h264",
+                    help=f"comma-separated, of {', '.join(INPUTS)} (H.264 needs Debian's ffmpeg)")
+    ap.add_argument("--frames", type=int, default=300, help="frames per video")
+    ap.add_argument("--runs", type=int, default=1, help="repeat each measurement; the table shows median [min-max]")
+    ap.add_argument("--variant", default="auto", help="auto: the self-test's choice, then pinned for the agent")
+    ap.add_argument("--intra", type=int, default=None,
+                    help="intra-op threads for the naive loop and the agent (0: ORT's default; unset: the agent's default)")
     ap.add_argument("--spin", action="store_true", help="let ORT pool threads spin (ORT's default; off in the agent)")
-    ap.add_argument("--max-batch", type=int, default=1, help="agent micro-batch size")
-    ap.add_argument("--workers", type=int, default=0, help="agent inference worker threads (0: auto)")
     args = ap.parse_args()
-    bundle = load_bundle(BUNDLE)
+    inputs = [i.strip() for i in args.inputs.split(",") if i.strip()]
+    unknown = [i for i in inputs if i not in INPUTS]
+    if unknown:
+        raise SystemExit(f"--inputs: unknown {unknown} (known: {list(INPUTS)})")
+    if shutil.which("ffmpeg") is None:
+        skipped = [i for i in inputs if INPUTS[i][2] == "h264"]
+        inputs = [i for i in inputs if INPUTS[i][2] != "h264"]
+        if skipped:
+            print(f"skipping {skipped}: no ffmpeg to encode H.264 (apt-get install ffmpeg)")
+    bundle = load_bundle(args.bundle)
+    resize = bundle.manifest.preprocess.resize
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         variant = args.variant
         if variant == "auto":
-            report = run_selftest(bundle, tmp / "state", options_from_config(Config()))
-            variant = report.selected.candidate.variant
-        with np.load(ROOT / "calibration" / "digits" / "heldout.npz") as z:
-            frames = z["raw"]
-        video = write_video(frames, tmp / "bench.avi", repeat=args.repeat)
-        n = len(frames) * args.repeat
+            variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
         model = bundle.path(bundle.manifest.variant(variant).file)
-        pre, spec, labels = bundle.preprocessor(), bundle.manifest.postprocess, bundle.labels()
+        with np.load(ROOT / "calibration" / "digits" / "heldout.npz") as z:
+            raw = z["raw"]
+        pre = bundle.preprocessor()
+        session_changes = {**({"session.intra_op_threads": args.intra} if args.intra is not None else {}),
+                           **({"session.allow_spinning": True} if args.spin else {})}
+        shipped = SessionSettings()
+        agent_session = SessionSettings(intra_op_threads=shipped.intra_op_threads if args.intra is None else args.intra,
+                                        allow_spinning=args.spin or shipped.allow_spinning)
+        sess = open_session(model, "CPUExecutionProvider", settings=agent_session)  # the naive loop: as the agent
+        sess1 = open_session(model, "CPUExecutionProvider", settings=SessionSettings(intra_op_threads=1))
+        best = raw_best(model, pre(raw[0]), max(args.frames, 600))
+        rows, stages = [], []
+        for name in inputs:
+            h, w, codec = INPUTS[name]
+            video = camera_video(raw, h, w, args.frames, codec, tmp)
+            scale = max_decode_scale(resize, h, w) if codec == "mjpeg" else 1
+            # until the daemon hands the bundle's resize to open_source, auto decodes at full size: say the scale
+            settings = {"selection.variant": variant, **({"source.decode_scale": scale} if scale > 1 else {}),
+                        **session_changes}
+            full, dec, nai, lim, runs, cpu = [], [], [], [], [], []
+            for _ in range(args.runs):
+                full.append(decode_full(video))
+                dec.append(decode_agent(video, bundle, scale))
+                nai.append(naive(video, bundle, sess))
+                cpu.append(cpu_per_frame(video, bundle, sess1, scale))
+                total = sum(cpu[-1].values())
+                lim.append(min(dec[-1], CORES / (total / 1000)))
+                runs.append(agent(video, args.bundle, variant, settings, args.frames, tmp))
+            fps = [r.fps for r in runs]
+            rows.append((name, scale, best, full, dec, nai, lim, fps,
+                         statistics.median(a / b for a, b in zip(fps, lim)),
+                         statistics.median(a / b for a, b in zip(fps, nai)),
+                         statistics.median(a / b for a, b in zip(fps, full)),
+                         max(r.rss_mb for r in runs), statistics.median(r.cpu_ms for r in runs),
+                         min(r.results for r in runs), settings))
+            stages.append((name, {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}))
 
-        # 1. raw session.run on preprocessed tensors
-        settings = SessionSettings(intra_op_threads=args.intra, allow_spinning=args.spin)
-        sess = open_session(model, "CPUExecutionProvider", settings=settings)
-        tensors = [pre(f) for f in frames]
-        for t in tensors[:20]:
-            sess.run(t)
-        lat = []
-        t0 = time.perf_counter()
-        for i in range(n):
-            s = time.perf_counter_ns()
-            sess.run(tensors[i % len(tensors)])
-            lat.append((time.perf_counter_ns() - s) / 1e6)
-        raw_fps = n / (time.perf_counter() - t0)
-        raw_p = pct(lat)
-
-        # 2. naive sequential loop
-        sink = io.StringIO()
-        cap = cv2.VideoCapture(str(video))
-        lat = []
-        count = 0
-        t0 = time.perf_counter()
-        while True:
-            s = time.perf_counter_ns()
-            ok, img = cap.read()
-            if not ok:
-                break
-            rgb = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
-            out = sess.run(pre(rgb))
-            result = decode(spec, {k: v[0] for k, v in out.items()}, labels)
-            sink.write(json.dumps({"seq": count, "result": result}) + "\n")
-            lat.append((time.perf_counter_ns() - s) / 1e6)
-            count += 1
-        naive_fps = count / (time.perf_counter() - t0)
-        naive_p = pct(lat)
-        cap.release()
-
-        # 3. edge-agent run on the same video, pinned to the same variant
-        cfg = {"state_dir": str(tmp / "state"), "bundle": str(BUNDLE), "selection": {"variant": variant},
-               "session": {"intra_op_threads": args.intra, "allow_spinning": args.spin},
-               "source": {"type": "video", "path": str(video)},
-               "pipeline": {"queue_size": 4, "max_batch": args.max_batch, "batch_timeout_ms": 2.0,
-                            "inference_workers": args.workers}}
-        (tmp / "agent.yaml").write_text(yaml.safe_dump(cfg))
-        proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config",
-                                 str(tmp / "agent.yaml")], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        stamps, totals = [], []
-        for line in proc.stdout:
-            r = json.loads(line)
-            stamps.append(time.perf_counter())
-            totals.append(r["timings"]["total_ms"])
-        proc.wait()
-        rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        # throughput between the first and last result: excludes the process boot and self-test
-        agent_fps = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        agent_p = pct(totals)
-
-    print(f"demo classifier, variant {variant}, {n} frames of 160x160, intra-op threads {args.intra or 'default'}, "
-          f"spinning {'on' if args.spin else 'off'}, agent max_batch {args.max_batch}, workers {args.workers}\n")
-    print(f"{'mode':44} {'fps':>8} {'p50 ms':>8} {'p99 ms':>8}")
-    print(f"{'1. raw InferenceSession.run (preprocessed)':44} {raw_fps:>8.1f} {raw_p[0]:>8.3f} {raw_p[1]:>8.3f}")
-    print(f"{'2. naive loop: read->pre->run->print':44} {naive_fps:>8.1f} {naive_p[0]:>8.3f} {naive_p[1]:>8.3f}")
-    print(f"{'3. edge-agent run (video, decode included)':44} {agent_fps:>8.1f} {agent_p[0]:>8.3f} {agent_p[1]:>8.3f}")
-    print(f"\nratio 3/1 = {agent_fps / raw_fps:.2f}   ratio 3/2 = {agent_fps / naive_fps:.2f}   "
-          f"agent results {len(stamps)}/{n}   agent peak RSS {rss_mb:.0f} MB")
-    print("latency: 1 and 2 per call/iteration; 3 from capture to publish (includes queueing)")
+    print(f"\nmodel {bundle.manifest.name} (variant {variant}, input {resize.width if resize else '-'}x"
+          f"{resize.height if resize else '-'}), {args.frames} frames per video, {CORES} cores, "
+          f"onnxruntime CPU, runs {args.runs}")
+    print("agent settings changed from the shipped defaults: --log-level warning; per input: " + "; ".join(
+        f"{r[0]}: " + ", ".join(f"{k}={v}" for k, v in r[-1].items()) for r in rows))
+    head = (f"{'input':12} {'scale':>5} {'raw best':>8} {'dec full':>14} {'dec agent':>14} {'naive':>14} "
+            f"{'limit':>14} {'agent':>14} {'ag/lim':>6} {'ag/naive':>8} {'ag/dfull':>8} {'RSS MB':>7} {'ag CPU ms/f':>11}")
+    print(head)
+    for (name, scale, best_fps, full, dec, nai, lim, fps, r_lim, r_nai, r_full, rss, cpu_ms, results, _) in rows:
+        print(f"{name:12} {'1/' + str(scale):>5} {best_fps:>8.0f} {spread(full):>14} {spread(dec):>14} {spread(nai):>14} "
+              f"{spread(lim):>14} {spread(fps):>14} {r_lim:>6.2f} {r_nai:>8.2f} {r_full:>8.2f} {rss:>7.0f} {cpu_ms:>11.2f}"
+              + ("" if results == args.frames else f"  ({results}/{args.frames} results)"))
+    print("\nCPU ms per frame, sequential, one thread (the limit's denominator):")
+    for name, st in stages:
+        print(f"  {name:12} " + "  ".join(f"{k} {v:.2f}" for k, v in st.items()) + f"  total {sum(st.values()):.2f}")
+    print("\nfps everywhere; ratios are medians over runs; dec agent = the agent's source alone (JPEG at the scale "
+          "shown); limit = min(dec agent, cores / CPU per frame)")
     return 0
 
 

@@ -14,11 +14,12 @@ COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema 
 export PYTHONPATH=$ROOT PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$CACHE"
 
-# System packages: Debian's mosquitto (the MQTT tests start their own brokers), openssl, chromium.
+# System packages: Debian's mosquitto (the MQTT tests start their own brokers), openssl, ffmpeg, chromium.
 need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)  # H.264/MJPEG test videos (tests/test_camera_decode.py)
 command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)  # the report page is opened in a real headless browser

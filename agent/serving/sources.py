@@ -3,10 +3,14 @@
 Each source delivers frames in the bundle's frame contract (image colour order, sensor window shape),
 never blocks past its time-outs, reports its state, and turns a lost stream into a reconnect with backoff.
 A frame that cannot be decoded is raised as BadFrame: the pipeline counts it and carries on.
+JPEG frames (MJPEG streams and videos, .jpg folders, mqtt images) are decoded by libjpeg at the smallest
+scale the bundle's resize allows, straight into the bundle's colours; other codecs go through FFmpeg, with
+the colour conversion left to the first reader of `Frame.data` (the preprocessing stage, not capture).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import socket
@@ -15,33 +19,65 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import cv2
 import numpy as np
 
 from agent.config import SourceConfig
-from agent.errors import ConfigError
+from agent.errors import ConfigError, PreprocessError
 from agent.logsetup import get_logger
-from agent.spec.manifest import FrameSpec
+from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
+from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import bgr_to_frame, imread_flag, read_image_file
 
 log = get_logger("source")
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+JPEG_SUFFIXES = (".jpg", ".jpeg")
+MJPEG_FOURCCS = frozenset({"MJPG", "mjpg", "AVRn", "LJPG", "JPGL", "MJLS", "jpeg", "dmb1"})
+HW_DECODE = {"none": cv2.VIDEO_ACCELERATION_NONE, "any": cv2.VIDEO_ACCELERATION_ANY,
+             "vaapi": cv2.VIDEO_ACCELERATION_VAAPI, "d3d11": cv2.VIDEO_ACCELERATION_D3D11,
+             "mfx": cv2.VIDEO_ACCELERATION_MFX, "drm": cv2.VIDEO_ACCELERATION_DRM}
 
 
 class BadFrame(Exception):
     """One frame could not be turned into the frame the bundle expects; counted and skipped."""
 
 
-@dataclass
 class Frame:
-    index: int
-    data: np.ndarray
-    captured_at: float  # wall clock, for results
-    captured_ns: int  # monotonic, for latency
-    source: str
+    """One captured frame. `data` is in the bundle's frame contract.
+
+    `scale` > 1: decoded at 1/scale of the camera's frame (map boxes back with decoding.scaled_geometry).
+    `convert`: a colour conversion still owed, done once on the first read of `data` -- by the
+    preprocessing stage, so the capture thread never converts a full frame.
+    """
+
+    __slots__ = ("index", "_data", "captured_at", "captured_ns", "source", "scale", "_convert")
+
+    def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, source: str,
+                 scale: int = 1, convert: Callable[[np.ndarray], np.ndarray] | None = None):
+        self.index = index
+        self._data = data
+        self.captured_at = captured_at  # wall clock, for results
+        self.captured_ns = captured_ns  # monotonic, for latency
+        self.source = source
+        self.scale = scale
+        self._convert = convert
+
+    @property
+    def data(self) -> np.ndarray:
+        if self._convert is not None:
+            self._data, self._convert = self._convert(self._data), None
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data, self._convert = value, None
+
+    def __repr__(self) -> str:
+        return (f"Frame(index={self.index}, source={self.source!r}, shape={self._data.shape}, scale={self.scale}, "
+                f"converted={self._convert is None})")
 
 
 @dataclass
@@ -55,6 +91,8 @@ class SourceStats:
     last_frame_ns: int = 0
     last_error: str | None = None
     heartbeat: float = field(default_factory=time.monotonic)  # the source's loop is alive (watchdog)
+    # how frames are decoded, for health: path (jpeg | ffmpeg | image | none), codec, scale, threads, hw
+    decoder: dict[str, Any] = field(default_factory=dict)
 
     def beat(self) -> None:
         self.heartbeat = time.monotonic()
@@ -93,15 +131,16 @@ class FolderSource:
 
     live = False
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         if cfg.path is None or not cfg.path.is_dir():
             raise ConfigError(f"source.path: {cfg.path} is not a directory of images")
         self.files = sorted(p for p in cfg.path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not self.files:
             raise ConfigError(f"source.path: {cfg.path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-        self.cfg, self.frame, self.name = cfg, frame, f"folder:{cfg.path}"
+        self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
+        self.name = cfg.name or f"folder:{cfg.path}"
         self.pos = 0
-        self.stats = SourceStats(state="open")
+        self.stats = SourceStats(state="open", decoder={"path": "image", "scale": 1})
         self.pacer = _Pacer(cfg.max_fps)
 
     def read(self, stop: threading.Event) -> Frame | None:
@@ -116,14 +155,19 @@ class FolderSource:
         self.pacer.wait(stop, self.stats)
         path = self.files[self.pos]
         self.pos += 1
-        data = read_image_file(str(path), self.frame)
+        scale = 1
+        if path.suffix.lower() in JPEG_SUFFIXES and self.frame.kind == "image":
+            data, scale = _decode_jpeg_frame(np.fromfile(path, np.uint8), self.cfg, self.frame, self.resize,
+                                             self.max_scale, self.stats, self.name)
+        else:
+            data = read_image_file(str(path), self.frame)
         if data is None:
             self.stats.bad += 1
             raise BadFrame(f"{path}: cannot decode image")
         at, ns = _now()
         self.stats.frames += 1
         self.stats.last_frame_ns = ns
-        return Frame(self.stats.frames, data, at, ns, str(path.name))
+        return Frame(self.stats.frames, data, at, ns, str(path.name), scale)
 
     def close(self) -> None:
         pass
@@ -132,8 +176,8 @@ class FolderSource:
 class OpenCVSource:
     """Video files, cameras and network streams through cv2.VideoCapture, with time-outs and reconnects."""
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
-        self.cfg, self.frame = cfg, frame
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
+        self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         if cfg.type == "video":
             if cfg.path is None or not cfg.path.is_file():
                 raise ConfigError(f"source.path: {cfg.path} is not a video file")
@@ -146,9 +190,14 @@ class OpenCVSource:
                 raise ConfigError("source.url: a stream source needs a URL (http://.../mjpeg, rtsp://...)")
             self.target = cfg.url
         self.live = cfg.type != "video"
-        self.name = f"{cfg.type}:{self.target}"
+        self.name = cfg.name or f"{cfg.type}:{self.target}"
         self.stats = SourceStats()
         self.cap: cv2.VideoCapture | None = None
+        self.packets = False  # reading encoded JPEG packets (CAP_PROP_FORMAT -1) and decoding them ourselves
+        self.packets_usable = frame.kind == "image"  # cleared when the backend hands out something else
+        # live, latest-frame-wins: JPEG decoding waits for the first reader of Frame.data (the preprocessing
+        # stage), so frames dropped as stale cost no decoding; lossless: decoded here, overlapping the stages
+        self.deferred = not ((not self.live) if cfg.lossless is None else cfg.lossless)
         self.backoff = cfg.reconnect_initial_s
         self.prev: np.ndarray | None = None
         self.same = 0
@@ -157,12 +206,35 @@ class OpenCVSource:
     def _open(self) -> bool:
         params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, self.cfg.open_timeout_ms,
                   cv2.CAP_PROP_READ_TIMEOUT_MSEC, self.cfg.read_timeout_ms]
+        if self.cfg.decoder_threads:
+            params += [cv2.CAP_PROP_N_THREADS, self.cfg.decoder_threads]
         api = cv2.CAP_V4L2 if isinstance(self.target, int) else cv2.CAP_FFMPEG
-        cap = cv2.VideoCapture(self.target, api, params)
+        cap = None
+        if self.cfg.hw_decode != "none":
+            cap = cv2.VideoCapture(self.target, api, params + [cv2.CAP_PROP_HW_ACCELERATION, HW_DECODE[self.cfg.hw_decode]])
+            if not cap.isOpened():  # no such device or driver here: decode in software rather than not at all
+                cap.release()
+                cap = None
+        if cap is None:
+            cap = cv2.VideoCapture(self.target, api, params)
         if not cap.isOpened():
             cap.release()
             return False
         self.cap = cap
+        fourcc = int(cap.get(cv2.CAP_PROP_FOURCC)).to_bytes(4, "little").decode("latin-1").strip("\x00 ")
+        # MJPEG: take the encoded frame and let libjpeg decode it at reduced scale into the bundle's colours
+        self.packets = (self.packets_usable and fourcc in MJPEG_FOURCCS and api == cv2.CAP_FFMPEG
+                        and cap.set(cv2.CAP_PROP_FORMAT, -1))
+        hw = int(cap.get(cv2.CAP_PROP_HW_ACCELERATION))
+        self.stats.decoder = {
+            "path": "jpeg" if self.packets else "ffmpeg", "codec": fourcc, "scale": 1,
+            "deferred": self.packets and self.deferred,
+            "threads": int(cap.get(cv2.CAP_PROP_N_THREADS)),
+            "hw": next((k for k, v in HW_DECODE.items() if v == hw and k != "any"), str(hw)),
+            "hw_requested": self.cfg.hw_decode,
+        }
+        if self.cfg.hw_decode != "none" and hw == cv2.VIDEO_ACCELERATION_NONE:
+            log.warning("source.hw_decode_unavailable", source=self.name, requested=self.cfg.hw_decode, codec=fourcc)
         return True
 
     def _lose(self, why: str) -> None:
@@ -207,6 +279,11 @@ class OpenCVSource:
             assert self.cap is not None
             self.pacer.wait(stop, self.stats)
             ok, img = self.cap.read()
+            if ok and self.packets and not is_jpeg(img):  # the backend gave something else: decode with FFmpeg
+                log.warning("source.not_jpeg_packets", source=self.name, codec=self.stats.decoder.get("codec"))
+                self.packets_usable = False
+                self.close()
+                continue
             if not ok or img is None:
                 if not self.live:
                     if self.cfg.loop and self.stats.frames > 0:
@@ -220,10 +297,31 @@ class OpenCVSource:
             if self.live and self.stats.last_frame_ns and ns - self.stats.last_frame_ns > self.cfg.stall_timeout_s * 1e9:
                 log.warning("source.stalled", source=self.name, seconds=(ns - self.stats.last_frame_ns) / 1e9)
             self.stats.last_frame_ns = ns
-            self._watch_frozen(img)
+            self._watch_frozen(img)  # on the encoded packet when there is one: smaller than the picture
+            if self.packets and self.deferred:  # latest-frame-wins: a frame dropped as stale is never decoded
+                scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name)
+                self.stats.frames += 1
+                return Frame(self.stats.frames, img, at, ns, self.name, scale, functools.partial(self._decode, scale=scale))
+            if self.packets:
+                data, scale = _decode_jpeg_frame(img, self.cfg, self.frame, self.resize,
+                                                 self.max_scale, self.stats, self.name)
+                if data is None:
+                    self.stats.bad += 1
+                    raise BadFrame(f"{self.name}: a JPEG frame of {img.size} bytes does not decode")
+                self.stats.frames += 1
+                return Frame(self.stats.frames, data, at, ns, self.name, scale)
             self.stats.frames += 1
-            return Frame(self.stats.frames, bgr_to_frame(img, self.frame), at, ns, self.name)
+            return Frame(self.stats.frames, img, at, ns, self.name, 1, self._to_frame)
         return None
+
+    def _to_frame(self, img: np.ndarray) -> np.ndarray:
+        return bgr_to_frame(img, self.frame)
+
+    def _decode(self, packet: np.ndarray, scale: int) -> np.ndarray:
+        img = decode_jpeg(packet, self.frame.color, scale)
+        if img is None:
+            raise PreprocessError(f"{self.name}: a JPEG frame of {packet.size} bytes does not decode")
+        return img
 
     def _watch_frozen(self, img: np.ndarray) -> None:
         if self.prev is not None and self.prev.shape == img.shape and np.array_equal(self.prev, img):
@@ -253,7 +351,7 @@ class SensorSource:
     number of samples is malformed: counted and dropped. Windows of `window` samples every `hop`.
     """
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         if frame.kind != "sensor":
             raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes {frame.kind} frames")
         self.cfg, self.frame = cfg, frame
@@ -270,15 +368,15 @@ class SensorSource:
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.bind((cfg.host, cfg.port))
             self.sock.settimeout(0.2)
-            self.name = f"udp:{cfg.host}:{self.sock.getsockname()[1]}"
+            self.name = cfg.name or f"udp:{cfg.host}:{self.sock.getsockname()[1]}"
         elif cfg.type == "stdin":
             self.fd = sys.stdin.buffer.fileno()
-            self.name = "stdin"
+            self.name = cfg.name or "stdin"
         else:
             if cfg.path is None:
                 raise ConfigError("source.path: a file source needs a FIFO, character device or file")
             self.fd = os.open(cfg.path, os.O_RDONLY | os.O_NONBLOCK)
-            self.name = f"file:{cfg.path}"
+            self.name = cfg.name or f"file:{cfg.path}"
         self.stats.state = "open"
 
     @property
@@ -346,15 +444,15 @@ class MqttFrameSource:
 
     live = True
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec):
+    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         import io
 
         import paho.mqtt.client as paho
 
         if not cfg.topic:
             raise ConfigError("source.topic: an mqtt source needs the topic frames arrive on")
-        self.cfg, self.frame, self._io = cfg, frame, io
-        self.name = f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
+        self.cfg, self.frame, self.resize, self.max_scale, self._io = cfg, frame, resize, max_scale, io
+        self.name = cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
         self.stats = SourceStats()
         self._buf: deque[tuple[bytes, float, int]] = deque(maxlen=8)
         self._cond = threading.Condition()
@@ -372,23 +470,29 @@ class MqttFrameSource:
             self._buf.append((msg.payload, at, ns))  # type: ignore[attr-defined]
             self._cond.notify()
 
-    def _decode(self, data: bytes) -> np.ndarray:
+    def _decode(self, data: bytes) -> tuple[np.ndarray, int]:
         f = self.frame
+        if self.cfg.payload == "image" and f.kind == "image" and is_jpeg(np.frombuffer(data[:4], np.uint8)):
+            img, scale = _decode_jpeg_frame(np.frombuffer(data, np.uint8), self.cfg, f, self.resize,
+                                            self.max_scale, self.stats, self.name)
+            if img is None:
+                raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable JPEG")
+            return img, scale
         if self.cfg.payload == "image":
             img = cv2.imdecode(np.frombuffer(data, np.uint8), imread_flag(f))
             if img is None:
                 raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable image")
-            return bgr_to_frame(img, f)
+            return bgr_to_frame(img, f), 1
         if self.cfg.payload == "npy":
             try:
-                return np.load(self._io.BytesIO(data), allow_pickle=False)
+                return np.load(self._io.BytesIO(data), allow_pickle=False), 1
             except (ValueError, OSError, EOFError) as exc:
                 raise BadFrame(f"{self.name}: payload is not a .npy array: {exc}") from exc
         dtype = np.dtype(f.dtype if f.kind == "sensor" else np.uint8)
         expected = int(np.prod(f.shape)) * dtype.itemsize
         if len(data) != expected:
             raise BadFrame(f"{self.name}: raw payload of {len(data)} bytes, expected {expected} for {f.shape} {dtype}")
-        return np.frombuffer(data, dtype).reshape(f.shape).copy()
+        return np.frombuffer(data, dtype).reshape(f.shape).copy(), 1
 
     def read(self, stop: threading.Event) -> Frame | None:
         while not stop.is_set():
@@ -399,13 +503,13 @@ class MqttFrameSource:
                     continue
                 data, at, ns = self._buf.popleft()
             try:
-                frame = self._decode(data)
+                frame, scale = self._decode(data)
             except BadFrame:
                 self.stats.bad += 1
                 raise
             self.stats.frames += 1
             self.stats.last_frame_ns = ns
-            return Frame(self.stats.frames, frame, at, ns, self.name)
+            return Frame(self.stats.frames, frame, at, ns, self.name, scale)
         return None
 
     def close(self) -> None:
@@ -413,7 +517,28 @@ class MqttFrameSource:
         self.client.disconnect()
 
 
-SourceFactory = Callable[[SourceConfig, FrameSpec], FrameSource]
+def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
+                name: str) -> int:
+    """The scale to decode this JPEG at, from its header (recorded in the source's stats when it changes)."""
+    size = jpeg_size(data)
+    scale = 1 if size is None else decode_scale(cfg.decode_scale, resize, *size, limit=max_scale)
+    if stats.decoder.get("scale") != scale or stats.decoder.get("path") != "jpeg":
+        log.info("source.decode_scale", source=name, scale=scale,
+                 frame=None if size is None else f"{size[1]}x{size[0]}",
+                 decoded=None if size is None else f"{-(-size[1] // scale)}x{-(-size[0] // scale)}")
+        stats.decoder = {**stats.decoder, "path": "jpeg", "scale": scale}
+    return scale
+
+
+def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
+                       max_scale: int, stats: SourceStats, name: str) -> tuple[np.ndarray | None, int]:
+    """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale); (None, 1) when it does not decode."""
+    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name)
+    img = decode_jpeg(data, frame.color, scale)
+    return (None, 1) if img is None else (img, scale)
+
+
+SourceFactory = Callable[..., FrameSource]
 
 SOURCES: dict[str, SourceFactory] = {
     "folder": FolderSource,
@@ -427,14 +552,18 @@ SOURCES: dict[str, SourceFactory] = {
 }
 
 
-def open_source(cfg: SourceConfig, frame: FrameSpec) -> FrameSource:
+def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None,
+                max_scale: int = 8) -> FrameSource:
+    """The source `cfg` names. `resize`, the bundle's preprocess resize, lets JPEG sources decode at reduced
+    scale (decode_scale: auto), at most `max_scale` (the largest the self-test proved); without `resize`
+    they decode at full size unless decode_scale names a scale."""
     try:
         factory = SOURCES[cfg.type]
     except KeyError:
         raise ConfigError(f"source.type: unknown source {cfg.type!r} (known: {sorted(SOURCES)})") from None
     if frame.kind == "image" and cfg.type in ("udp", "file", "stdin"):
         raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes image frames")
-    return factory(cfg, frame)
+    return factory(cfg, frame, resize, max_scale)
 
 
 def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:
