@@ -144,7 +144,9 @@ def scaled_geometry(geometry: Any, scale: int) -> Any:
     """The geometry of a frame decoded at 1/scale, re-expressed in full-frame pixels (boxes map to the camera's frame)."""
     if scale == 1:
         return geometry
-    return dataclasses.replace(geometry, scale_x=geometry.scale_x / scale, scale_y=geometry.scale_y / scale)
+    # The frame size too: boxes are clipped to the frame, and the frame is the camera's, not the reduced one.
+    return dataclasses.replace(geometry, scale_x=geometry.scale_x / scale, scale_y=geometry.scale_y / scale,
+                               frame_w=geometry.frame_w * scale, frame_h=geometry.frame_h * scale)
 
 
 def camera_sized_reduced(raw: np.ndarray, scale: int, color: str = "rgb", quality: int = 95) -> np.ndarray:
