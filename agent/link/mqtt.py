@@ -224,6 +224,11 @@ class MqttLink:
                        {"ok": False, "error": f"malformed payload: {exc}"})
             return
         cmd = Command(name, payload, response_topic, correlation)
+        if getattr(self.on_command, "replies_later", False):  # the controller queues it and replies itself
+            result = self.on_command(cmd)
+            if result is not None:
+                self.reply(cmd, result)
+            return
         # Handlers may take seconds (a self-test): never block paho's network thread.
         threading.Thread(target=self._handle, args=(cmd,), name=f"cmd-{name}", daemon=True).start()
 

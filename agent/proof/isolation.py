@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -164,12 +165,14 @@ def bundle_digest(root: Path) -> str:
     return read_manifest(root)[1]
 
 
-def prove_in_child(root: Path, state_dir: Path, config_file: Path | None, timeout_s: float,
+def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, timeout_s: float,
                    use_cache: bool = True, extra_args: Sequence[str] = (),
                    env: Mapping[str, str] | None = None) -> ChildProof:
     """Run the self-test of the bundle at `root` in child processes until one finishes.
 
-    A child killed by a signal or the time-out costs the step it was in; the next child skips it."""
+    A child killed by a signal or the time-out costs the step it was in; the next child skips it.
+    `config` is a config file, or the parent's config object itself (handed over pickled: the same
+    selection and provider settings, even for a config built in code)."""
     directory = state_dir / "selftest"
     directory.mkdir(parents=True, exist_ok=True)
     ledger = CrashLedger(directory)
@@ -184,8 +187,11 @@ def prove_in_child(root: Path, state_dir: Path, config_file: Path | None, timeou
             out = Path(tmp) / "report.json"
             cmd = [sys.executable, "-m", CHILD_MODULE, "--bundle", str(root), "--state-dir", str(state_dir),
                    "--out", str(out), *extra_args]
-            if config_file is not None:
-                cmd += ["--config", str(config_file)]
+            if isinstance(config, Path):
+                cmd += ["--config", str(config)]
+            elif config is not None:
+                (Path(tmp) / "config.pickle").write_bytes(pickle.dumps(config))
+                cmd += ["--config-pickle", str(Path(tmp) / "config.pickle")]
             if not use_cache:
                 cmd.append("--no-cache")
             wrapper = os.environ.get("EDGE_AGENT_SELFTEST_WRAPPER")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--config", type=Path)
+    p.add_argument("--config-pickle", type=Path, help="the parent's config object (private temporary file)")
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--provider")
     p.add_argument("--variant")
@@ -55,12 +57,20 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
     from agent.proof import selftest
     from agent.proof.probe import detect_providers, provider_versions
 
-    cfg = load_config(args.config) if args.config else Config()
+    if args.config_pickle:
+        cfg = pickle.loads(args.config_pickle.read_bytes())  # written by our parent, in its private temp dir
+    else:
+        cfg = load_config(args.config) if args.config else Config()
     opts = selftest.options_from_config(cfg, provider=args.provider, variant=args.variant,
                                         use_cache=False if args.no_cache else None)
     if args.latency_runs:
         opts = dataclasses.replace(opts, latency_runs=args.latency_runs)
-    faults = parse_faults(os.environ.get(FAULT_ENV))
+    from agent.bundle.load import read_manifest
+
+    manifest = read_manifest(args.bundle)[0]
+    # "step@<version>=ACTION" hits only that bundle version (an update), "step=ACTION" every bundle
+    faults = {k.removesuffix(f"@{manifest.version}"): v for k, v in parse_faults(os.environ.get(FAULT_ENV)).items()
+              if "@" not in k or k.endswith(f"@{manifest.version}")}
     directory = args.state_dir / "selftest"
     directory.mkdir(parents=True, exist_ok=True)
     ledger = CrashLedger(directory)
