@@ -21,6 +21,7 @@ command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v strace >/dev/null 2>&1 || need+=(strace)  # the durable-switch test records fsync/rename order
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
