@@ -159,6 +159,17 @@ class ChildProof:
         return self.error
 
 
+def _die_with_parent() -> None:
+    """In the forked child before exec: SIGKILL when the parent dies, so a killed agent leaves no
+    self-test running on (a leftover marker makes the next boot skip that step, as a crash would)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the child finishes on its own
+
+
 def bundle_digest(root: Path) -> str:
     from agent.bundle.load import read_manifest
 
@@ -198,7 +209,8 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
             if wrapper:  # e.g. "nice -n 10" or "systemd-run --scope ..."
                 cmd = wrapper.split() + cmd
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                    env={**os.environ, **(env or {})}, start_new_session=True)
+                                    env={**os.environ, **(env or {})}, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
             try:
                 _, err = proc.communicate(timeout=timeout_s)
                 how = signal_name(proc.returncode) if proc.returncode < 0 else None
