@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import paho.mqtt.client as paho
 import pytest
 import yaml
 
@@ -364,6 +363,3 @@ def test_outbox_stats_in_health_while_the_link_pumps(broker: Broker, tmp_path: P
         col.close()
     assert "Traceback" not in err and proc.returncode == 0
 
-
-def test_paho_is_imported_for_the_commander() -> None:
-    assert paho.MQTTv5  # the Commander speaks MQTT 5, like the agent
