@@ -297,7 +297,7 @@ class Controller:
             return p.failed
         if p is not None and p.done.is_set():
             return "the source ended"
-        return self._operation or "not started"
+        return f"{self._operation} in progress" if self._operation else "not started"
 
     def _publish_health(self) -> dict[str, Any]:
         doc = self._last_health = self.health()
@@ -341,7 +341,8 @@ class Controller:
             self.notifier.watchdog()
         else:
             log.error("watchdog.withheld", reason=reason)
-            self.notifier.status(f"NOT serving: {reason}")
+            dead = self.pipeline is not None and self.pipeline.failed is not None
+            self.notifier.status(f"{'NOT serving' if dead else 'STALLED'}: {reason}")
 
     # -- events (controller thread) ------------------------------------------------------------------
     def _handle(self, ev: Any) -> None:
@@ -573,18 +574,28 @@ class Controller:
         self.boot_number = bump_counter(self.cfg.state_dir / "boots")
         self._start_updates()
         self._start_mqtt()  # a broker that is down never delays boot: the link connects in the background
-        with self._op_cond:
-            self._operation = "boot"  # an update that arrives now waits for it
-        try:
-            self._apply_boot(boot(self.cfg, self.store))
-        finally:
-            self._release_operation()
-        self._start_inbox()
-        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
-        self._publish_health()
+        # The boot's proof runs on a job thread like any operation: the controller answers commands and
+        # takes bundle messages meanwhile; an update that arrives now waits for the slot.
+        self._try_operation("boot")
+        self._spawn("boot", self._boot_job, release=False)
         code = self._loop()
         self._shutdown()
         return code
+
+    def _boot_job(self) -> None:
+        try:
+            outcome = boot(self.cfg, self.store)
+            self.call(lambda: self._boot_done(outcome))
+        finally:
+            self._release_operation()  # no-op when _boot_done released it already
+
+    def _boot_done(self, outcome: BootOutcome) -> None:
+        self._apply_boot(outcome)
+        self._release_operation()
+        self._start_inbox()
+        # Ready means proven: a candidate passed, or the agent settled in "not serving" and says why.
+        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
+        self._publish_health()
 
     def _loop(self) -> int:
         next_ping = 0.0
