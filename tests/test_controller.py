@@ -234,8 +234,10 @@ def test_dead_pipeline_stage_withholds_health_and_exits_with_mqtt_on(broker: Bro
                                          source={"type": "folder", "path": str(FRAMES), "loop": True,
                                                  "max_fps": 5}))
     assert out.returncode != 0, out.stderr[-2000:]  # with MQTT on too: Restart=on-failure restarts it
-    assert col.wait(lambda: any(not json.loads(m.payload)["serving"] for m in col.on(PREFIX + "health")), 10)
+    assert col.wait(lambda: "died" in (json.loads(col.on(PREFIX + "health")[-1].payload)["not_serving_reason"]
+                                        or ""), 10)
     docs = [json.loads(m.payload) for m in col.on(PREFIX + "health")]
+    docs = docs[next(i for i, d in enumerate(docs) if d["serving"]):]  # before: "boot in progress"
     dead = [d for d in docs if not d["serving"]]
     assert "publish stage died" in dead[0]["not_serving_reason"]
     assert all(d["serving"] is False for d in docs[docs.index(dead[0]):])  # never "serving" again

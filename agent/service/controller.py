@@ -175,21 +175,6 @@ class Controller:
     def request_reload(self, *_: Any) -> None:
         self._reload_signal.set()
 
-    def handle_command(self, cmd: Any) -> dict[str, Any]:
-        """For a caller that needs the answer as a return value (one thread per command)."""
-        box: list[dict[str, Any]] = []
-        done = threading.Event()
-
-        def reply(result: dict[str, Any]) -> None:
-            box.append(result)
-            done.set()
-
-        if not self.post(CommandEvent(cmd, reply)):
-            return {"ok": False, "error": f"busy: {EVENT_QUEUE_SIZE} requests are waiting; try again"}
-        if not done.wait(self.cfg.updates.selftest_timeout_s + 60):
-            return {"ok": False, "error": "no answer in time"}
-        return box[0]
-
     def command_inlet(self) -> "CommandInlet":
         return CommandInlet(self)
 
