@@ -365,3 +365,31 @@ def test_outbox_stats_in_health_while_the_link_pumps(broker: Broker, tmp_path: P
         col.close()
     assert "Traceback" not in err and proc.returncode == 0
 
+
+
+def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker, tmp_path: Path) -> None:
+    """Fault: 400 queued `selftest` commands plus a reload blocked the main loop 64 s (a watchdog gap of
+    74 s against WatchdogSec=30). Now they are events and one operation at a time: the loop keeps ticking."""
+    from test_sdnotify import NotifySocket
+
+    rx = NotifySocket(tmp_path / "n.sock")
+    proc = _start(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.5}),
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                  env={"NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": "2000000"})
+    cmd = Commander(broker.port)
+    try:
+        assert rx.wait(lambda: rx.with_key("READY"), 60)
+        start = time.monotonic()
+        for _ in range(400):
+            cmd.send("selftest")
+        proc.send_signal(signal.SIGHUP)
+        assert cmd.col.wait(lambda: len(cmd.replies("selftest")) >= 400, 120)
+        assert rx.wait(lambda: len(rx.with_key("READY")) >= 2, 60)  # the reload finished too
+        time.sleep(2)
+        pings = [float(m["_t"]) for m in rx.with_key("WATCHDOG") if float(m["_t"]) >= start]
+        gaps = [b - a for a, b in zip([start] + pings, pings + [time.monotonic()])]
+        assert max(gaps) < 2.0, f"the watchdog went {max(gaps):.1f} s without a ping (limit 2 s)"
+    finally:
+        end_process(proc)
+        cmd.close()
+        rx.close()
