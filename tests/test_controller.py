@@ -393,3 +393,18 @@ def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker,
         end_process(proc)
         cmd.close()
         rx.close()
+
+
+def test_a_full_event_queue_answers_busy_at_once(tmp_path: Path) -> None:
+    """The inlet never blocks paho's thread and never starts a thread: a full queue is an answer."""
+    from agent.config import load_config
+    from agent.link.mqtt import Command
+    from agent.service.controller import EVENT_QUEUE_SIZE, Controller
+
+    c = Controller(load_config(_config(tmp_path)))  # not running: nothing drains the queue
+    inlet = c.command_inlet()
+    threads = threading.active_count()
+    answers = [inlet(Command("status", {}, None, None)) for _ in range(EVENT_QUEUE_SIZE + 5)]
+    assert answers[:EVENT_QUEUE_SIZE] == [None] * EVENT_QUEUE_SIZE  # queued: the controller replies later
+    assert all(a is not None and a["busy"] and "busy" in a["error"] for a in answers[EVENT_QUEUE_SIZE:])
+    assert threading.active_count() == threads
