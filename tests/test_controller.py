@@ -148,6 +148,7 @@ def test_thousands_of_commands_start_no_thread_each_and_a_full_queue_answers_bus
     finally:
         end_process(proc)
         cmd.close()
+    print(f"\n3000 commands: threads {base} before, {peak} at most during the burst")
     assert peak <= base + 8, f"threads went from {base} to {peak}"
 
 
@@ -388,6 +389,7 @@ def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker,
         time.sleep(2)
         pings = [float(m["_t"]) for m in rx.with_key("WATCHDOG") if float(m["_t"]) >= start]
         gaps = [b - a for a, b in zip([start] + pings, pings + [time.monotonic()])]
+        print(f"\n400 self-tests + a reload: longest watchdog gap {max(gaps):.2f} s")
         assert max(gaps) < 2.0, f"the watchdog went {max(gaps):.1f} s without a ping (limit 2 s)"
     finally:
         end_process(proc)
