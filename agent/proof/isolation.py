@@ -76,14 +76,19 @@ def signal_name(returncode: int) -> str:
 
 
 class CrashLedger:
-    """The crash records of one state directory's self-test (`<state_dir>/selftest`)."""
+    """The crash records of one state directory's self-test (`<state_dir>/selftest`).
 
-    def __init__(self, directory: Path, ttl_s: float = CRASH_TTL_S):
+    `records_dir` (default: `directory`) holds the records: an update's proof, which runs in its own
+    state directory, records into the boot's ledger, so a step that crashed there is not retried at
+    the next boot. Markers and the skip list stay in `directory`, where the child writes and reads."""
+
+    def __init__(self, directory: Path, ttl_s: float = CRASH_TTL_S, records_dir: Path | None = None):
         self.directory, self.ttl_s = directory, ttl_s
+        self.records_file = (records_dir or directory) / RECORDS_FILE
 
     def _all(self) -> list[CrashRecord]:
         out = []
-        for d in read_json(self.directory / RECORDS_FILE, []) or []:
+        for d in read_json(self.records_file, []) or []:
             try:
                 out.append(CrashRecord.from_dict(d))
             except (KeyError, TypeError, ValueError):
@@ -110,13 +115,14 @@ class CrashLedger:
         rec = CrashRecord(step, "" if step.startswith("probe:") else bundle_sha, how, provider_versions(provider),
                           now, now + self.ttl_s)
         keep = [r for r in self._all() if r.expires > now and not (r.step == rec.step and r.bundle == rec.bundle)]
-        write_json_atomic(self.directory / RECORDS_FILE, [r.to_dict() for r in keep + [rec]])
+        write_json_atomic(self.records_file, [r.to_dict() for r in keep + [rec]])
         log.error("selftest.step_crashed", step=step, signal=how, bundle=bundle_sha[:12], versions=rec.versions)
         return rec
 
     def forget(self) -> int:
         n = len(self._all())
-        for name in (RECORDS_FILE, SKIP_FILE, STEP_FILE, INFLIGHT_FILE):
+        self.records_file.unlink(missing_ok=True)
+        for name in (SKIP_FILE, STEP_FILE, INFLIGHT_FILE):
             (self.directory / name).unlink(missing_ok=True)
         return n
 
@@ -178,7 +184,7 @@ def bundle_digest(root: Path) -> str:
 
 def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, timeout_s: float,
                    use_cache: bool = True, extra_args: Sequence[str] = (),
-                   env: Mapping[str, str] | None = None) -> ChildProof:
+                   env: Mapping[str, str] | None = None, records_dir: Path | None = None) -> ChildProof:
     """Run the self-test of the bundle at `root` in child processes until one finishes.
 
     A child killed by a signal or the time-out costs the step it was in; the next child skips it.
@@ -186,7 +192,7 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
     selection and provider settings, even for a config built in code)."""
     directory = state_dir / "selftest"
     directory.mkdir(parents=True, exist_ok=True)
-    ledger = CrashLedger(directory)
+    ledger = CrashLedger(directory, records_dir=records_dir)
     sha = bundle_digest(root)  # no onnxruntime here: the manifest's bytes
     new: list[CrashRecord] = []
     for _ in range(MAX_CHILDREN):
@@ -205,6 +211,8 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
                 cmd += ["--config-pickle", str(Path(tmp) / "config.pickle")]
             if not use_cache:
                 cmd.append("--no-cache")
+            if records_dir is not None:
+                cmd += ["--crash-records", str(records_dir)]
             wrapper = os.environ.get("EDGE_AGENT_SELFTEST_WRAPPER")
             if wrapper:  # e.g. "nice -n 10" or "systemd-run --scope ..."
                 cmd = wrapper.split() + cmd

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path)
     p.add_argument("--config-pickle", type=Path, help="the parent's config object (private temporary file)")
     p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--crash-records", type=Path, help="where the crash records live (default: the state dir's)")
     p.add_argument("--provider")
     p.add_argument("--variant")
     p.add_argument("--latency-runs", type=int)
@@ -73,7 +74,7 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
               if "@" not in k or k.endswith(f"@{manifest.version}")}
     directory = args.state_dir / "selftest"
     directory.mkdir(parents=True, exist_ok=True)
-    ledger = CrashLedger(directory)
+    ledger = CrashLedger(directory, records_dir=args.crash_records)
     sha = bundle_digest(args.bundle)
     crashed = ledger.active(sha)
 

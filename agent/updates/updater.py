@@ -175,7 +175,8 @@ class Updater:
         """The same self-test as boot, in a child process: a crashing provider cannot kill the agent;
         a step that crashes the child is recorded and skipped by the next child."""
         proof = prove_in_child(root, self.state_dir / "update-selftest", self.config_file,
-                               self.cfg.selftest_timeout_s, use_cache=False)
+                               self.cfg.selftest_timeout_s, use_cache=False,
+                               records_dir=self.state_dir / "selftest")  # the boot's ledger: one truth
         for crash in proof.crashes:
             log.error("update.selftest_step_crashed", step=crash.step, signal=crash.signal)
         if proof.report is None:
