@@ -151,3 +151,18 @@ def test_fault_hook_is_inert_without_the_variable() -> None:
             "print('agent.service.selftest_child' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_sigterm_during_a_hanging_boot_proof_exits_promptly_and_leaves_no_child(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, updates={"selftest_timeout_s": 300})
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
+                            env={**os.environ, "EDGE_AGENT_FAULT": "load=hang"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"selftest_child.*{tmp_path}"], capture_output=True, text=True).stdout
+    assert left.strip() == "", f"self-test children left running: {left}"

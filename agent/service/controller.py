@@ -202,6 +202,8 @@ class Controller:
 
     def _start_pipeline(self) -> Pipeline:
         assert self.engine is not None and self.bundle is not None
+        if self.stop_event.is_set():  # a boot or an update that finishes during shutdown serves nothing
+            raise AgentError("the agent is stopping")
         source = open_source(self.cfg.source, self.bundle.manifest.frame)
         self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline,
                                  is_lossless(self.cfg.source, source), boot=self.boot_number,
@@ -238,6 +240,8 @@ class Controller:
         engine = open_engine(bundle, candidate, self.cfg)  # the proven candidate; opened off the controller
 
         def apply() -> Swap:
+            if self.stop_event.is_set():
+                raise AgentError("the agent is stopping: the update is not switched in")
             previous = (self.bundle, self.engine, self.selftest_doc, self.not_serving_reason)
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
             if self.serving:
@@ -626,9 +630,11 @@ class Controller:
     def _shutdown(self) -> None:
         self.notifier.stopping()
         self._stop_pipeline()
-        # Jobs may be waiting on `call`: keep answering them while they wind down (bounded).
+        # An update may be waiting on `call` to restore what it switched: keep answering until it is done
+        # (bounded). A self-test child (boot, reload, command) is simply abandoned: it dies with us.
         deadline = time.monotonic() + 30
-        while any(t.is_alive() for t in self._jobs + [self._update_thread] if t) and time.monotonic() < deadline:
+        while ((self._operation or "").startswith(("update", "rollback")) or
+               (self._update_thread is not None and self._update_thread.is_alive())) and time.monotonic() < deadline:
             try:
                 self._handle(self.events.get(timeout=0.1))
             except queue.Empty:
