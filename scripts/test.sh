@@ -23,6 +23,7 @@ command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)  # H.264/MJPEG test videos (
 command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)  # the report page is opened in a real headless browser
+command -v strace >/dev/null 2>&1 || need+=(strace)  # the durable-switch test records fsync/rename order
 if [ ${#need[@]} -gt 0 ]; then
   echo "== installing ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo

@@ -4,6 +4,8 @@ publisher function here (the real broker is in test_mqtt.py)."""
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from pathlib import Path
 
 from agent.config import OutboxConfig
@@ -64,3 +66,60 @@ def test_no_disk_writes_while_the_broker_keeps_up(tmp_path: Path) -> None:
         box.pump(wire, max_inflight=50)
     assert [s for _, s in wire.sent] == list(range(100))
     assert box.spilled == 0 and box.stats()["on_disk"] == 0 and box.depth == 0
+    # SQLite's own count of rows it changed: an outbox that writes and deletes every message ends with
+    # on_disk == 0 too, but not with zero changes.
+    assert box.disk_writes == 0
+
+
+def test_no_disk_writes_check_sees_an_outbox_that_writes_and_deletes_every_message(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.sqlite", OutboxConfig(memory_messages=5))
+    box.on_connected()
+    wire = Wire()
+    box.on_disconnected()  # what a wasteful outbox does on every message: write, then delete on PUBACK
+    put(box, range(0, 10))
+    box.pump(wire, max_inflight=50)
+    box.on_connected()
+    box.pump(wire, max_inflight=50)
+    for mid, _ in wire.sent:
+        box.ack(mid)
+    box.pump(wire, max_inflight=50)
+    assert box.stats()["on_disk"] == 0 and box.depth == 0
+    assert box.disk_writes == 20  # 10 inserts and 10 deletes, all counted
+
+
+def test_outbox_stats_race_with_the_pump_thread(tmp_path: Path) -> None:
+    """stats() from the controller while the link's thread pumps, spills and deletes: one lock, no IndexError."""
+    box = Outbox(tmp_path / "o.sqlite", OutboxConfig(memory_messages=5))
+    box.on_connected()
+    wire = Wire()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def pump() -> None:
+        try:
+            n = 0
+            while not stop.is_set():
+                put(box, range(n, n + 20))
+                n += 20
+                box.pump(wire, max_inflight=10)
+                for mid, _ in wire.sent[-10:]:
+                    box.ack(mid)
+                (box.on_disconnected if n % 60 == 0 else box.on_connected)()
+                box.pump(wire, max_inflight=10)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    t = threading.Thread(target=pump)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as a loaded device would
+    t.start()
+    try:
+        for _ in range(3000):
+            box.stats()
+    except BaseException as exc:  # noqa: BLE001
+        errors.append(exc)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors

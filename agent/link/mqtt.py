@@ -245,6 +245,11 @@ class MqttLink:
                        {"ok": False, "error": f"malformed payload: {exc}"})
             return
         cmd = Command(name, payload, response_topic, correlation)
+        if getattr(self.on_command, "replies_later", False):  # the controller queues it and replies itself
+            result = self.on_command(cmd)
+            if result is not None:
+                self.reply(cmd, result)
+            return
         if not self._running.acquire(blocking=False):
             self.reply(cmd, {"ok": False, "error": f"busy: {self.cfg.max_running_commands} commands are running "
                                                    "(mqtt.max_running_commands); send it again later"})

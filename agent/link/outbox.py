@@ -5,8 +5,9 @@ the broker is away or slow, drained in order when it returns, and surviving an a
 Order is kept by one rule: while anything is on disk, new messages go to disk behind it.
 Bounded by count and age; what the policy drops is counted and reported.
 
-Threads: `put` may be called from any thread; everything else runs on the one pump thread that
-owns the broker connection (see `agent.mqtt`).
+Threads: `put` and `ack` may be called from any thread (they only append to a deque); the SQLite
+connection and the queues are used under one lock, so `stats()` from the controller and `pump()`
+from the link's thread never meet half-way.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Outbox:
     def __init__(self, path: Path, cfg: OutboxConfig = OutboxConfig()):
         self.cfg = cfg
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()  # the connection and the queues: pump thread vs stats/close callers
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         # NORMAL survives a process kill (the OS keeps written pages); power loss may lose the last commits.
@@ -99,10 +101,21 @@ class Outbox:
 
     @property
     def depth(self) -> int:
-        return len(self._incoming) + len(self.memory) + len(self.inflight) + self.disk_count
+        with self._lock:
+            return len(self._incoming) + len(self.memory) + len(self.inflight) + self.disk_count
+
+    @property
+    def disk_writes(self) -> int:
+        """Rows SQLite itself changed on this connection (inserts, deletes): wear, as the disk sees it."""
+        with self._lock:
+            return self.db.total_changes
 
     # -- pump thread -----------------------------------------------------------------------------------
     def on_connected(self) -> None:
+        with self._lock:
+            self._on_connected()
+
+    def _on_connected(self) -> None:
         self.connected = True
         self._disk_cursor = 0
         # Unacknowledged messages from memory go back to the front; a new connection sends them again.
@@ -110,12 +123,20 @@ class Outbox:
 
     def on_disconnected(self) -> None:
         """The broker is away: nothing stays only in memory from now on."""
+        with self._lock:
+            self._on_disconnected()
+
+    def _on_disconnected(self) -> None:
         self.connected = False
         self._requeue_inflight()
         self._spill()
 
     def pump(self, publish: Publisher, max_inflight: int) -> None:
         """One round: take new messages, apply acks and bounds, send what the window allows."""
+        with self._lock:
+            self._pump(publish, max_inflight)
+
+    def _pump(self, publish: Publisher, max_inflight: int) -> None:
         self._take_incoming()
         self._apply_acks()
         self._enforce_bounds()
@@ -138,13 +159,18 @@ class Outbox:
 
     def close(self) -> None:
         """Graceful stop: whatever was not acknowledged is kept on disk for the next start."""
-        self._take_incoming()
-        self._apply_acks()
-        self._requeue_inflight()
-        self._spill()
-        self.db.close()
+        with self._lock:
+            self._take_incoming()
+            self._apply_acks()
+            self._requeue_inflight()
+            self._spill()
+            self.db.close()
 
     def stats(self) -> dict[str, float | int]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, float | int]:
         oldest = None
         if self.disk_count:
             row = self.db.execute("SELECT MIN(created) FROM messages").fetchone()

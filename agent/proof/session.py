@@ -55,6 +55,18 @@ class OpenedSession:
         return dict(zip(self.output_names, outs))
 
 
+_fd_capture_allowed = True
+
+
+def forbid_fd_capture() -> None:
+    """For the serving process: fds 1 and 2 carry results and logs and are never redirected there.
+
+    Native output is captured only in the self-test child (`agent.service.selftest_child`), where a
+    redirect cannot swallow another thread's output."""
+    global _fd_capture_allowed
+    _fd_capture_allowed = False
+
+
 @contextmanager
 def capture_provider_output() -> Iterator[list[str]]:
     """Collect what ORT and provider libraries write to fds 1 and 2 inside the block.
@@ -64,6 +76,9 @@ def capture_provider_output() -> Iterator[list[str]]:
     fell back, so both are kept as log lines instead.
     """
     lines: list[str] = []
+    if not _fd_capture_allowed:
+        yield lines
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     saved = {fd: os.dup(fd) for fd in (1, 2)}

@@ -202,35 +202,40 @@ def _cmd_providers(args: argparse.Namespace) -> int:
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
-    from agent.bundle.load import load_bundle
-    from agent.proof.selftest import options_from_config, run_selftest
+    from agent.proof.isolation import CrashLedger, prove_in_child
 
     cfg = _load_cfg(args.config)
     if args.config:
         _apply_log_config(args, cfg)
     state = args.state_dir or cfg.state_dir
-    opts = options_from_config(cfg, provider=args.provider, variant=args.variant,
-                               use_cache=False if args.no_cache else None)
-    if args.latency_runs:
-        from dataclasses import replace
-
-        opts = replace(opts, latency_runs=args.latency_runs)
-    if args.latency_retries is not None:
-        from dataclasses import replace
-
-        opts = replace(opts, policy=replace(opts.policy, latency_retries=args.latency_retries))
-    with bundle_dir(args.bundle) as root:
-        report = run_selftest(load_bundle(root), state, opts)
-    doc = report.to_dict()
+    if args.forget_crashes:
+        n = CrashLedger(state / "selftest").forget()
+        print(f"forgot {n} crash record(s) in {state / 'selftest'}", file=sys.stderr)
+        if args.bundle is None:
+            return EXIT_OK
+    if args.bundle is None:
+        print("edge-agent: selftest needs --bundle DIR (or only --forget-crashes)", file=sys.stderr)
+        return EXIT_USAGE
+    extra = [a for flag, v in (("--provider", args.provider), ("--variant", args.variant),
+                               ("--latency-runs", args.latency_runs),
+                               ("--latency-retries", args.latency_retries)) if v is not None and v is not False
+             for a in (flag, str(v))]
+    with bundle_dir(args.bundle) as root:  # proven in a child: a crashing provider is a verdict, not exit 139
+        proof = prove_in_child(root, state, args.config or cfg, cfg.updates.selftest_timeout_s,
+                               use_cache=not args.no_cache, extra_args=extra)
+    if proof.report is None:
+        print(f"edge-agent: {proof.error}", file=sys.stderr)
+        return EXIT_ERROR
+    doc = proof.report
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
         print(render_selftest(doc))
         print(f"report: {state / 'selftest' / 'report.json'}")
-    for w in report.warnings:
+    for w in doc.get("warnings") or []:
         print(f"edge-agent: warning: {w}", file=sys.stderr)
-    if report.selected is None:
-        print(f"edge-agent: {report.reason}", file=sys.stderr)
+    if not proof.passed:
+        print(f"edge-agent: {proof.reason}", file=sys.stderr)
         return EXIT_NOT_SELECTED
     return EXIT_OK
 
@@ -285,6 +290,8 @@ def render_selftest(doc: dict) -> str:
         lines.append(f"note: {n}")
     for w in doc.get("warnings") or []:
         lines.append(f"WARNING: {w}")
+    for c in doc.get("crashes", []):
+        lines.append(f"crashed: {c['reason']}")
     sel = doc["selected"]
     lines.append(f"selected: {short(sel['provider'])}:{sel['variant']}" + (" (DEGRADED)" if doc.get("degraded") else "")
                  if sel else f"selected: nothing: {doc['reason']}")
@@ -467,7 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=_cmd_providers)
 
     s = sub.add_parser("selftest", help="prove a bundle on this device and select a candidate")
-    s.add_argument("--bundle", type=Path, required=True)
+    s.add_argument("--bundle", type=Path, help="bundle directory or .tar.gz (required unless --forget-crashes)")
+    s.add_argument("--forget-crashes", action="store_true",
+                   help="clear the crash records, so steps that crashed the self-test are tried again")
     s.add_argument("--config", type=Path)
     s.add_argument("--state-dir", type=Path, help="where the report, markers and cache go (default: config)")
     s.add_argument("--json", action="store_true", help="print the full JSON report")

@@ -3,6 +3,10 @@
 ORT releases the GIL in `run`, so preprocessing frame n+1 overlaps inference of frame n. Live sources
 hand over frames latest-wins (stale frames are dropped and counted); files can run lossless. A bad
 frame is counted and skipped; nothing a source delivers can stop the pipeline.
+
+Every captured frame is published or counted in `drops` with a reason. A stage that dies (a bug, a
+sink that cannot write) sets `failed` at once: the owner reports not-serving, it does not wait for a
+stall. Each engine's frames are tallied apart (`tally`), so probation judges what the new bundle served.
 """
 
 from __future__ import annotations
@@ -79,6 +83,24 @@ class Inferred:
 
 
 @dataclass
+class EngineTally:
+    """What one engine really served: the evidence probation judges."""
+
+    frames: int = 0          # frames handed to this engine's preprocessing
+    results: int = 0         # results published
+    refused: int = 0         # frames its preprocessing refused (frame-format mismatch)
+    inference_errors: int = 0
+    non_finite: int = 0      # inferences with NaN/inf outputs (never published)
+    inference_ms: list[float] = field(default_factory=list)  # bounded by MAX_TALLY_SAMPLES
+
+    MAX_SAMPLES = 4096
+
+
+class NonFiniteOutput(FloatingPointError):
+    """An output tensor holds NaN or inf."""
+
+
+@dataclass
 class PipelineStatus:
     running: bool
     source_state: str
@@ -89,15 +111,22 @@ class PipelineStatus:
 
 class Pipeline:
     def __init__(self, source: FrameSource, engine: Engine, sink: Sink, cfg: PipelineConfig, lossless: bool,
-                 boot: int = 0):
+                 boot: int = 0, first_seq: int = 1):
         self.source, self.sink, self.cfg, self.lossless = source, sink, cfg, lossless
         self.boot = boot  # with seq, identifies a result across agent restarts
+        self.failed: str | None = None  # "<stage>: <error>" once a stage died
+        self.drops: dict[str, int] = {}  # reason -> frames captured and not published
+        self._tallies: dict[int, EngineTally] = {id(engine): EngineTally()}
+        self._tally_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._close_requested = False
+        self._source_closed = False
         self._engine = engine
         self.metrics = PipelineMetrics()
         self.stop_event = threading.Event()
         self.paused = threading.Event()
         self.done = threading.Event()
-        self._seq = 0
+        self._seq = first_seq - 1  # seq never repeats within a boot: a new pipeline continues it
         self._frames_q: Any = (queue.Queue(maxsize=max(cfg.queue_size, 1)) if lossless
                                else LatestSlot(self._count_drop))
         self._prepared_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size, 1))
@@ -119,8 +148,18 @@ class Pipeline:
     def engine(self) -> Engine:
         return self._engine
 
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def tally(self, engine: Engine) -> EngineTally:
+        with self._tally_lock:
+            return self._tallies.setdefault(id(engine), EngineTally())
+
     def swap_engine(self, engine: Engine) -> None:
         """Frames preprocessed for the old engine finish on it; the next frame uses the new one."""
+        with self._tally_lock:
+            self._tallies[id(engine)] = EngineTally()  # a fresh record, even for an engine served before
         old, self._engine = self._engine, engine
         log.info("pipeline.engine_swapped", old=old.describe(), new=engine.describe())
 
@@ -132,6 +171,23 @@ class Pipeline:
     def stop(self) -> None:
         """Stop reading; frames already captured finish and are published."""
         self.stop_event.set()
+
+    def close_source(self) -> None:
+        """Release the source once the capture thread is out of `read()`: closing a VideoCapture under a
+        read in progress crashes or hangs it. If capture is still inside, it closes on its way out."""
+        with self._close_lock:
+            self._close_requested = True
+            if self._threads[0].is_alive() or self._source_closed:
+                return
+            self._source_closed = True
+        self.source.close()
+
+    def _close_source_if_requested(self) -> None:
+        with self._close_lock:
+            if not self._close_requested or self._source_closed:
+                return
+            self._source_closed = True
+        self.source.close()
 
     def join(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -160,14 +216,18 @@ class Pipeline:
         return None
 
     # -- stages ----------------------------------------------------------------------------------------
-    def _count_drop(self) -> None:
-        self.metrics.dropped += 1
+    def _count_drop(self, reason: str = "stale", n: int = 1) -> None:
+        """Frames captured and never published, by reason; `stale` is latest-frame-wins."""
+        self.drops[reason] = self.drops.get(reason, 0) + n
+        if reason == "stale":
+            self.metrics.dropped += n
 
     def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             try:
                 fn()
-            except Exception:  # a stage bug must not hang the others: end the stream downstream
+            except BaseException as exc:  # a stage bug must not hang the others: end the stream downstream
+                self.failed = f"{fn.__name__.lstrip('_')} stage died: {type(exc).__name__}: {exc}"
                 log.exception("pipeline.stage_crashed", stage=fn.__name__)
                 self.stop_event.set()
                 for q in (self._frames_q, self._prepared_q, self._results_q):
@@ -196,16 +256,21 @@ class Pipeline:
             m.last_capture = time.monotonic()
             m.rate_in.mark()
             if self.lossless:
-                while not self.stop_event.is_set():
+                # A frame read is a frame owed: after stop it still goes in (downstream drains to the
+                # end marker), unless downstream died, and then it is counted.
+                while True:
                     try:
                         self._frames_q.put(frame, timeout=0.1)
                         break
                     except queue.Full:
-                        continue
+                        if self.failed is not None:
+                            self._count_drop("pipeline_failed")
+                            break
             else:
                 self._frames_q.put(frame)
             if limit and m.frames_in >= limit:
                 break
+        self._close_source_if_requested()
         self._frames_q.put(_END)
 
     def _next_frame(self, timeout: float | None) -> Any:
@@ -235,6 +300,8 @@ class Pipeline:
                     batch.append(nxt)
             t0 = time.perf_counter_ns()
             tensors, frames, geoms = [], [], []
+            tally = self.tally(engine)
+            tally.frames += len(batch)
             for f in batch:
                 try:
                     tensors.append(engine.preprocessor(f.data))
@@ -242,6 +309,8 @@ class Pipeline:
                     frames.append(f)
                 except PreprocessError as exc:
                     m.bad_frames += 1
+                    tally.refused += 1
+                    self._count_drop("refused_by_preprocessing")
                     log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
             if not frames:
                 continue
@@ -263,9 +332,16 @@ class Pipeline:
                 outputs = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at)
                 bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
                 if bad:  # NaN/inf answers are wrong answers: counted, never published
-                    raise FloatingPointError(f"non-finite values in outputs {bad}")
+                    raise NonFiniteOutput(f"non-finite values in outputs {bad}")
             except Exception as exc:  # a runtime failure on one input is counted, not fatal
                 m.inference_errors += 1
+                tally = self.tally(p.engine)
+                if isinstance(exc, NonFiniteOutput):
+                    tally.non_finite += 1
+                else:
+                    tally.inference_errors += 1
+                self._count_drop("non_finite_output" if isinstance(exc, NonFiniteOutput) else "inference_error",
+                                 len(p.frames))
                 log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
                 outputs = None
             self._results_q.put(Inferred(p, outputs, (time.perf_counter_ns() - t0) / 1e6))
@@ -298,6 +374,7 @@ class Pipeline:
                 p: Prepared = item.prepared
                 eng = p.engine
                 n = len(p.frames)
+                tally = self.tally(eng)
                 for i, frame in enumerate(p.frames):
                     t0 = time.perf_counter_ns()
                     outs = split_batch(item.outputs, i)
@@ -334,6 +411,9 @@ class Pipeline:
                         "result": result,
                     })
                     m.frames_out += 1
+                    tally.results += 1
+                    if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:
+                        tally.inference_ms.append(item.inference_ms)
                     m.rate_out.mark()
                     m.last_progress = time.monotonic()
         finally:

@@ -8,17 +8,11 @@ logged and published on `update/status`.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
-
-import numpy as np
+from typing import Any, Callable, ContextManager, Protocol
 
 from agent import __version__
 from agent.bundle.archive import UnpackLimits, unpack_signed
@@ -28,8 +22,10 @@ from agent.errors import AgentError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.bundle.signing import verify_signature
-from agent.updates.store import BundleStore
+from agent.proof.isolation import prove_in_child
 from agent.proof.verdict import Candidate
+from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation, p95
+from agent.updates.store import BundleStore
 
 log = get_logger("updates")
 
@@ -39,13 +35,15 @@ class UpdateRejected(AgentError):
 
 
 class ServingAgent(Protocol):
-    """What the updater needs from the daemon."""
+    """What the updater needs from the controller that owns the serving state."""
 
     bundle: Bundle | None
 
+    def operation(self, name: str) -> ContextManager[None]: ...
     def swap_bundle(self, bundle: Bundle, candidate: Candidate, report: dict[str, Any]) -> Any: ...
-    def restore(self, previous: Any) -> None: ...
-    def pipeline_metrics(self) -> Any: ...
+    def restore(self, swap: Any) -> None: ...
+    def engine_tally(self, swap: Any) -> Any: ...
+    def stopping(self) -> bool: ...
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -70,7 +68,8 @@ class Updater:
 
     # -- the install flow --------------------------------------------------------------------------------
     def install(self, archive: Path, origin: str, update: str, expected_sha256: str | None = None) -> dict[str, Any]:
-        with self.lock:
+        # An update is a state of the controller: no reload (which re-reads the store) runs meanwhile.
+        with self.lock, self.agent.operation(f"update {update}"):
             work = self.store.new_staging("update-")
             try:
                 return self._install(archive, origin, update, expected_sha256, work)
@@ -97,7 +96,7 @@ class Updater:
                                   max_total_bytes=self.cfg.max_bundle_bytes), self.cfg.trusted_keys, self.cfg.allow_unsigned)
         if not sig.signed:
             log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
-        bundle = load_bundle(root)
+        bundle = load_bundle(root, check_contracts=False)  # the self-test child opens every variant
         self._check_version_and_compatibility(bundle)
         self.status(update, origin, "verified", bundle=bundle.identity, key_id=sig.key_id)
 
@@ -105,7 +104,7 @@ class Updater:
 
     def rollback(self, update: str) -> dict[str, Any]:
         """Go back to the previous committed bundle: verified and self-tested again, then switched."""
-        with self.lock:
+        with self.lock, self.agent.operation(f"rollback {update}"):
             prev = self.store.previous_committed()
             if prev is None:
                 return self.status(update, "rollback", "rejected", reason="no previous committed bundle in the store")
@@ -114,7 +113,7 @@ class Updater:
                 seeded = self.store.seed_sha256(prev)  # the operator's own seed needs no signature ...
                 if seeded is None:
                     verify_signature(root, self.cfg.trusted_keys, self.cfg.allow_unsigned)
-                bundle = load_bundle(root)
+                bundle = load_bundle(root, check_contracts=False)  # the child checks the contracts
                 if seeded is not None and bundle.manifest_sha256 != seeded:  # ... but must be what was installed
                     raise UpdateRejected(f"{root}: the seeded bundle changed on disk since it was installed")
                 self.status(update, "rollback", "verified", bundle=bundle.identity)
@@ -134,7 +133,7 @@ class Updater:
             raise UpdateRejected(f"bundle requires one of {sorted(wanted)}; usable here: {sorted(usable)}")
         sel = report["selected"]
         candidate = Candidate(sel["provider"], sel["variant"], sel["precision"],
-                              next((c["options"] for c in report["candidates"]
+                              next((c.get("options") or {} for c in report["candidates"]
                                     if c["provider"] == sel["provider"] and c["variant"] == sel["variant"]), {}))
         self.status(update, origin, "selftest_passed", selected=f"{candidate.provider}:{candidate.variant}")
 
@@ -144,19 +143,21 @@ class Updater:
         self.store.activate(bid)
         self.status(update, origin, "switched", bundle=bid)
         try:
-            previous = self.agent.swap_bundle(stored, candidate, report)
+            swap = self.agent.swap_bundle(stored, candidate, report)
         except AgentError as exc:
             self.store.revert_current()
             return self.status(update, origin, "rolled_back", reason=f"could not start serving it: {exc}")
         self.status(update, origin, "probation", seconds=self.cfg.probation_s, frames=self.cfg.probation_frames)
-        ok, detail = self._probation(stored, candidate)
-        if not ok:
-            self.agent.restore(previous)
+        verdict = self._probation(stored, candidate, swap)
+        if not verdict.passed:
+            self.agent.restore(swap)
             self.store.revert_current()
-            return self.status(update, origin, "rolled_back", reason=detail, bundle=bid)
+            return self.status(update, origin, "rolled_back", reason=verdict.summary, bundle=bid,
+                               probation=verdict.to_dict())
         self.store.commit(bid)
         removed = self.store.prune(self.cfg.keep)
-        return self.status(update, origin, "committed", bundle=bid, probation=detail, pruned=removed)
+        return self.status(update, origin, "committed", bundle=bid, probation=verdict.to_dict(),
+                           detail=verdict.summary, pruned=removed)
 
     def _check_version_and_compatibility(self, bundle: Bundle) -> None:
         """Anti-downgrade (only `rollback` goes back, and it does not come through here) and requires.agent."""
@@ -172,47 +173,28 @@ class Updater:
             raise UpdateRejected(f"bundle requires agent >= {need}, this agent is {__version__}")
 
     def _child_selftest(self, root: Path) -> dict[str, Any]:
-        """The same self-test as boot, in a child process: a crashing provider cannot kill the agent."""
-        cmd = [sys.executable, "-m", "agent", "--log-level", "warning", "selftest", "--bundle", str(root),
-               "--state-dir", str(self.state_dir / "update-selftest"), "--json", "--no-cache"]
-        if self.config_file is not None:
-            cmd += ["--config", str(self.config_file)]
-        wrapper = os.environ.get("EDGE_AGENT_SELFTEST_WRAPPER")
-        if wrapper:  # e.g. "nice -n 10" or "systemd-run --scope ..."; tests use it to crash the child
-            cmd = wrapper.split() + cmd
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.cfg.selftest_timeout_s)
-        except subprocess.TimeoutExpired as exc:
-            raise UpdateRejected(f"self-test timed out after {self.cfg.selftest_timeout_s:g} s") from exc
-        if out.returncode < 0:
-            raise UpdateRejected(f"self-test process crashed (signal {-out.returncode}); the agent kept serving")
-        if out.returncode not in (0, 3):
-            tail = " ".join(out.stderr.strip().splitlines()[-2:])[:300]
-            raise UpdateRejected(f"self-test process failed (exit {out.returncode}): {tail}")
-        try:
-            return json.loads(out.stdout)
-        except ValueError as exc:
-            raise UpdateRejected(f"self-test process printed no report: {exc}") from exc
+        """The same self-test as boot, in a child process: a crashing provider cannot kill the agent;
+        a step that crashes the child is recorded and skipped by the next child."""
+        proof = prove_in_child(root, self.state_dir / "update-selftest", self.config_file,
+                               self.cfg.selftest_timeout_s, use_cache=False,
+                               records_dir=self.state_dir / "selftest")  # the boot's ledger: one truth
+        for crash in proof.crashes:
+            log.error("update.selftest_step_crashed", step=crash.step, signal=crash.signal)
+        if proof.report is None:
+            raise UpdateRejected(f"self-test on this device: {proof.error}; the agent kept serving")
+        return proof.report
 
-    def _probation(self, bundle: Bundle, candidate: Candidate) -> tuple[bool, str]:
-        """N seconds or frames on the new bundle: no inference errors, inference p95 within budget."""
-        m = self.agent.pipeline_metrics()
-        if m is None:
-            return True, "not serving frames: committed after the self-test alone"
-        base_out, base_err = m.frames_out, m.inference_errors
-        deadline = time.monotonic() + self.cfg.probation_s
-        while time.monotonic() < deadline and m.frames_out - base_out < self.cfg.probation_frames:
-            if m.inference_errors > base_err:
-                return False, f"probation: {m.inference_errors - base_err} inference errors on the new bundle"
+    def _probation(self, bundle: Bundle, candidate: Candidate, swap: Any) -> ProbationVerdict:
+        """Watch what the new engine serves for N seconds or frames; the judging is `judge_probation`."""
+        tally = self.agent.engine_tally(swap)
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.probation_s
+        while time.monotonic() < deadline and tally.results < self.cfg.probation_frames:
+            if tally.inference_errors or tally.non_finite or self.agent.stopping():
+                break
             time.sleep(0.05)
-        if m.inference_errors > base_err:
-            return False, f"probation: {m.inference_errors - base_err} inference errors on the new bundle"
-        served = m.frames_out - base_out
-        if served == 0:
-            return True, f"no frames in {self.cfg.probation_s:g} s of probation"
-        samples = list(m.latency_ms["inference"])[-served:]
-        budget = bundle.manifest.selftest.budget_for(candidate.provider)
-        p95 = float(np.percentile(samples, 95)) if samples else 0.0
-        if budget is not None and p95 > budget:
-            return False, f"probation: inference p95 = {p95:.2f} ms over budget {budget:g} ms"
-        return True, f"{served} frames, inference p95 {p95:.2f} ms, no errors"
+        return judge_probation(ProbationEvidence(
+            seconds=round(time.monotonic() - t0, 3), frames=tally.frames, results=tally.results,
+            refused=tally.refused, inference_errors=tally.inference_errors, non_finite=tally.non_finite,
+            inference_p95_ms=p95(list(tally.inference_ms)),
+            budget_ms=bundle.manifest.selftest.budget_for(candidate.provider)))

@@ -1,0 +1,279 @@
+"""The self-test in a child process: a segfault, abort, hang or OOM kill there is a verdict, not a crash loop.
+
+The child (`agent.service.selftest_child`) writes a step marker before each step that can kill it
+(loading the bundle, which opens every variant; each provider probe; each candidate trial, cached
+winner included). When it dies, the parent reads the marker, records the step with the signal and
+the ORT, provider and driver versions, and runs a new child that skips it. A record stops applying
+when those versions change or when it expires (`edge-agent selftest --forget-crashes` clears them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from agent.fsio import read_json, write_json_atomic
+from agent.logsetup import get_logger
+from agent.proof.probe import provider_versions
+from agent.proof.terms import CPU
+
+log = get_logger("isolation")
+
+STEP_FILE = "step.json"        # written by the child before loading and before each probe
+INFLIGHT_FILE = "inflight.json"  # written by the self-test before each candidate trial (cached or full)
+SKIP_FILE = "crashed.json"     # the self-test's skip list: "<bundle sha>|<provider>:<variant>" -> when
+RECORDS_FILE = "crashes.json"  # the full crash records, with signal, versions and expiry
+CHILD_MODULE = "agent.service.selftest_child"
+CRASH_TTL_S = 7 * 24 * 3600.0
+MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing steps is a broken install
+
+
+@dataclass(frozen=True)
+class CrashRecord:
+    """One step that killed a self-test child."""
+
+    step: str               # "load", "probe:<provider>" or "candidate:<provider>:<variant>"
+    bundle: str             # manifest sha256; "" for a probe (it does not depend on the bundle)
+    signal: str             # "SIGSEGV", "SIGABRT", "SIGKILL (out of memory?)", "timeout after 60 s"
+    versions: Mapping[str, str]
+    at: float
+    expires: float
+
+    @property
+    def provider(self) -> str:
+        return self.step.split(":")[1] if ":" in self.step else CPU
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "versions": dict(self.versions)}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "CrashRecord":
+        return CrashRecord(str(d["step"]), str(d.get("bundle", "")), str(d["signal"]), dict(d.get("versions", {})),
+                           float(d["at"]), float(d["expires"]))
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))
+        return (f"{self.step} crashed the self-test process ({self.signal}) at {when}; retried when onnxruntime, "
+                f"provider or driver versions change, after expiry, or with `edge-agent selftest --forget-crashes`")
+
+
+def signal_name(returncode: int) -> str:
+    """How a child ended, named: SIGSEGV, SIGABRT, SIGKILL (what the OOM killer sends)."""
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"{name} (out of memory?)" if name == "SIGKILL" else name
+
+
+class CrashLedger:
+    """The crash records of one state directory's self-test (`<state_dir>/selftest`).
+
+    `records_dir` (default: `directory`) holds the records: an update's proof, which runs in its own
+    state directory, records into the boot's ledger, so a step that crashed there is not retried at
+    the next boot. Markers and the skip list stay in `directory`, where the child writes and reads."""
+
+    def __init__(self, directory: Path, ttl_s: float = CRASH_TTL_S, records_dir: Path | None = None):
+        self.directory, self.ttl_s = directory, ttl_s
+        self.records_file = (records_dir or directory) / RECORDS_FILE
+
+    def _all(self) -> list[CrashRecord]:
+        out = []
+        for d in read_json(self.records_file, []) or []:
+            try:
+                out.append(CrashRecord.from_dict(d))
+            except (KeyError, TypeError, ValueError):
+                continue  # a record we cannot read cannot protect anything; it is dropped on the next write
+        return out
+
+    def active(self, bundle_sha: str, now: float | None = None) -> dict[str, CrashRecord]:
+        """Records that still apply: this bundle (or any, for probes), not expired, same versions."""
+        now = time.time() if now is None else now
+        versions: dict[str, dict[str, str]] = {}
+        out: dict[str, CrashRecord] = {}
+        for r in self._all():
+            if r.expires <= now or (r.bundle and r.bundle != bundle_sha):
+                continue
+            if r.provider not in versions:
+                versions[r.provider] = provider_versions(r.provider)
+            if dict(r.versions) == versions[r.provider]:
+                out[r.step] = r
+        return out
+
+    def record(self, step: str, bundle_sha: str, how: str) -> CrashRecord:
+        provider = step.split(":")[1] if ":" in step else CPU
+        now = time.time()
+        rec = CrashRecord(step, "" if step.startswith("probe:") else bundle_sha, how, provider_versions(provider),
+                          now, now + self.ttl_s)
+        keep = [r for r in self._all() if r.expires > now and not (r.step == rec.step and r.bundle == rec.bundle)]
+        write_json_atomic(self.records_file, [r.to_dict() for r in keep + [rec]])
+        log.error("selftest.step_crashed", step=step, signal=how, bundle=bundle_sha[:12], versions=rec.versions)
+        return rec
+
+    def forget(self) -> int:
+        n = len(self._all())
+        self.records_file.unlink(missing_ok=True)
+        for name in (SKIP_FILE, STEP_FILE, INFLIGHT_FILE):
+            (self.directory / name).unlink(missing_ok=True)
+        return n
+
+    def write_skip_list(self, bundle_sha: str) -> None:
+        """What the self-test reads to skip candidates: exactly the records that still apply."""
+        skip = {f"{bundle_sha}|{step.removeprefix('candidate:')}": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.at))
+                for step, r in self.active(bundle_sha).items() if step.startswith("candidate:")}
+        write_json_atomic(self.directory / SKIP_FILE, skip)
+
+    def take_step(self) -> str | None:
+        """The step a dead child was in (its markers), removing the markers."""
+        step = None
+        inflight = read_json(self.directory / INFLIGHT_FILE)
+        marker = read_json(self.directory / STEP_FILE)
+        if inflight and inflight.get("candidate"):
+            step = "candidate:" + str(inflight["candidate"])
+        elif marker and marker.get("step"):
+            step = str(marker["step"])
+        for name in (INFLIGHT_FILE, STEP_FILE):
+            (self.directory / name).unlink(missing_ok=True)
+        return step
+
+
+@dataclass(frozen=True)
+class ChildProof:
+    """What the child self-test concluded: its report, or why there is none; and the crashes on the way."""
+
+    report: dict[str, Any] | None
+    error: str | None
+    crashes: tuple[CrashRecord, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        return self.report is not None and bool(self.report.get("passed"))
+
+    @property
+    def reason(self) -> str | None:
+        if self.report is not None:
+            return self.report.get("reason")
+        return self.error
+
+
+def _die_with_parent() -> None:
+    """In the forked child before exec: SIGKILL when the parent dies, so a killed agent leaves no
+    self-test running on (a leftover marker makes the next boot skip that step, as a crash would)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the child finishes on its own
+
+
+def bundle_digest(root: Path) -> str:
+    from agent.bundle.load import read_manifest
+
+    return read_manifest(root)[1]
+
+
+def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, timeout_s: float,
+                   use_cache: bool = True, extra_args: Sequence[str] = (),
+                   env: Mapping[str, str] | None = None, records_dir: Path | None = None) -> ChildProof:
+    """Run the self-test of the bundle at `root` in child processes until one finishes.
+
+    A child killed by a signal or the time-out costs the step it was in; the next child skips it.
+    `config` is a config file, or the parent's config object itself (handed over pickled: the same
+    selection and provider settings, even for a config built in code)."""
+    directory = state_dir / "selftest"
+    directory.mkdir(parents=True, exist_ok=True)
+    ledger = CrashLedger(directory, records_dir=records_dir)
+    sha = bundle_digest(root)  # no onnxruntime here: the manifest's bytes
+    new: list[CrashRecord] = []
+    for _ in range(MAX_CHILDREN):
+        active = ledger.active(sha)
+        if "load" in active:
+            return ChildProof(None, f"loading the bundle: {active['load'].describe()}", tuple(new))
+        ledger.write_skip_list(sha)
+        with tempfile.TemporaryDirectory(prefix="selftest-") as tmp:
+            out = Path(tmp) / "report.json"
+            cmd = [sys.executable, "-m", CHILD_MODULE, "--bundle", str(root), "--state-dir", str(state_dir),
+                   "--out", str(out), *extra_args]
+            if isinstance(config, Path):
+                cmd += ["--config", str(config)]
+            elif config is not None:
+                (Path(tmp) / "config.pickle").write_bytes(pickle.dumps(config))
+                cmd += ["--config-pickle", str(Path(tmp) / "config.pickle")]
+            if not use_cache:
+                cmd.append("--no-cache")
+            if records_dir is not None:
+                cmd += ["--crash-records", str(records_dir)]
+            wrapper = os.environ.get("EDGE_AGENT_SELFTEST_WRAPPER")
+            if wrapper:  # e.g. "nice -n 10" or "systemd-run --scope ..."
+                cmd = wrapper.split() + cmd
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, **(env or {})}, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+            try:
+                _, err = proc.communicate(timeout=timeout_s)
+                how = signal_name(proc.returncode) if proc.returncode < 0 else None
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, err = proc.communicate()
+                how = f"timeout after {timeout_s:g} s"
+            if how is not None:
+                step = ledger.take_step()
+                if step is None:
+                    return ChildProof(None, f"self-test process died ({how}) outside any step", tuple(new))
+                new.append(ledger.record(step, sha, how))
+                continue
+            doc = read_json(out)
+            if not isinstance(doc, dict):
+                tail = " ".join((err or "").strip().splitlines()[-2:])[:300]
+                return ChildProof(None, f"self-test process failed (exit {proc.returncode}) with no report: {tail}",
+                                  tuple(new))
+            if doc.get("error"):
+                return ChildProof(None, str(doc["error"]), tuple(new))
+            report = doc["report"]
+            report["crashes"] = [r.to_dict() | {"reason": r.describe()} for r in ledger.active(sha).values()]
+            return ChildProof(report, None, tuple(new))
+    return ChildProof(None, f"{MAX_CHILDREN} self-test processes crashed in a row", tuple(new))
+
+
+def parse_faults(spec: str | None) -> dict[str, str]:
+    """`EDGE_AGENT_FAULT`: "step=ACTION[;step=ACTION]", ACTION one of SIGSEGV, SIGABRT, SIGKILL, hang."""
+    out: dict[str, str] = {}
+    for part in (spec or "").split(";"):
+        if "=" in part:
+            step, action = part.rsplit("=", 1)
+            out[step.strip()] = action.strip()
+    return out
+
+
+def inject_fault(step: str, faults: Mapping[str, str]) -> None:
+    """Die at `step` as a broken driver would. Called only in the self-test child, only when the variable is set."""
+    action = faults.get(step)
+    if action is None:
+        return
+    sys.stderr.flush()
+    if action == "hang":
+        time.sleep(10**6)
+    os.kill(os.getpid(), getattr(signal, action))
+    time.sleep(10)  # a signal that is caught or ignored must still not let the step pass
+
+
+def mark_step(directory: Path, step: str | None) -> None:
+    """The child's marker before a step that may kill it (None: between steps)."""
+    if step is None:
+        (directory / STEP_FILE).unlink(missing_ok=True)
+    else:
+        write_json_atomic(directory / STEP_FILE, {"step": step, "pid": os.getpid(), "at": time.time()})
+
+
+def report_json(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, indent=2)

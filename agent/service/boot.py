@@ -1,0 +1,87 @@
+"""Boot work: which bundle serves, proven in a child process, then the one proven session opened here.
+
+Runs on the controller's thread at start and on a job thread for a reload; it returns a `BootOutcome`
+and changes no state: the controller applies the outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.bundle.load import Bundle, load_bundle
+from agent.config import Config
+from agent.errors import AgentError
+from agent.logsetup import get_logger
+from agent.proof.isolation import ChildProof, prove_in_child
+from agent.proof.verdict import Candidate
+from agent.serving.engine import Engine, build_engine
+
+log = get_logger("boot")
+
+
+@dataclass(frozen=True)
+class BootOutcome:
+    bundle: Bundle | None
+    engine: Engine | None
+    report: dict[str, Any] | None  # the self-test report that proved (or refused) it
+    reason: str | None             # why nothing serves; None when `engine` is ready
+
+
+def serving_root(cfg: Config, store: Any) -> Path | None:
+    """With updates: the store's committed bundle (seeded from `bundle` once); else `bundle` itself."""
+    if store is None:
+        return cfg.bundle
+    bid = store.serving_id()
+    if bid is None and cfg.bundle is not None:
+        bid = store.import_bundle(cfg.bundle)
+        log.info("store.seeded", bundle=bid, source=str(cfg.bundle))
+    return store.path(bid) if bid is not None else None
+
+
+def candidate_from_report(report: dict[str, Any]) -> Candidate:
+    sel = report["selected"]
+    options = next((c.get("options") or {} for c in report.get("candidates", [])
+                    if c["provider"] == sel["provider"] and c["variant"] == sel["variant"]), {})
+    return Candidate(sel["provider"], sel["variant"], sel["precision"], options)
+
+
+def open_engine(bundle: Bundle, candidate: Candidate, cfg: Config) -> Engine:
+    """The serving session of a proven candidate; it must run on the provider that was proven."""
+    engine = build_engine(bundle, candidate, cfg.session)
+    if candidate.provider not in engine.opened.effective:
+        raise AgentError(f"the serving session for {candidate.key} runs on {list(engine.opened.effective)}, "
+                         "not the proven provider")
+    return engine
+
+
+def prove(root: Path, cfg: Config, use_cache: bool = True) -> ChildProof:
+    return prove_in_child(root, cfg.state_dir, cfg, cfg.updates.selftest_timeout_s, use_cache=use_cache)
+
+
+def boot(cfg: Config, store: Any) -> BootOutcome:
+    """Prove the serving bundle in a child and open its winner; any failure is a reason, never a raise."""
+    try:
+        root = serving_root(cfg, store)
+    except AgentError as exc:
+        return BootOutcome(None, None, None, str(exc))
+    if root is None:
+        return BootOutcome(None, None, None, "no bundle configured (key bundle) and none in the store")
+    proof = prove(root, cfg)
+    for crash in proof.crashes:
+        log.error("boot.step_crashed", step=crash.step, signal=crash.signal)
+    if proof.report is None:
+        return BootOutcome(None, None, None, proof.error)
+    try:
+        # the child checked every variant's contract; here only the files are read and their hashes checked
+        bundle = load_bundle(root, check_contracts=False)
+    except AgentError as exc:
+        return BootOutcome(None, None, proof.report, str(exc))
+    if not proof.passed:
+        return BootOutcome(bundle, None, proof.report, proof.reason or "no candidate passed")
+    try:
+        engine = open_engine(bundle, candidate_from_report(proof.report), cfg)
+    except AgentError as exc:
+        return BootOutcome(bundle, None, proof.report, str(exc))
+    return BootOutcome(bundle, engine, proof.report, None)

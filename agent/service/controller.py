@@ -1,0 +1,668 @@
+"""The controller: one thread owns the agent's state and everything else posts events to it.
+
+Bundle, engine, pipeline, store, updater and outbox belong to the controller. MQTT callbacks, signals,
+commands, the inbox and timers reach it through one bounded queue (full: "busy", never a new thread).
+Slow work (a self-test child, a reload's proof, an update) runs on one job thread at a time that
+holds the *operation* slot, and changes state only through `call`, which runs on the controller's
+thread. Reload, self-test and update are operations, so they never interleave; a second request
+of the same kind while one runs is answered "already running".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from agent.bundle.load import Bundle
+from agent.config import Config, load_config
+from agent.errors import AgentError, ConfigError
+from agent.fsio import bump_counter
+from agent.link.health import ProcessProbe
+from agent.logsetup import configure_logging, get_logger
+from agent.proof.session import forbid_fd_capture
+from agent.serving.engine import Engine
+from agent.serving.pipeline import Pipeline, Sink
+from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
+from agent.serving.sources import is_lossless, open_source
+from agent.service.boot import BootOutcome, boot, open_engine, prove
+from agent.service.health_view import health_document, status_line, watchdog_withheld
+from agent.service.sdnotify import Notifier
+
+log = get_logger("controller")
+
+COMMANDS = ("status", "selftest", "reload", "pause", "resume", "update", "rollback")
+EVENT_QUEUE_SIZE = 64
+EXIT_PIPELINE_FAILED = 1  # a dead stage: exit non-zero so systemd (Restart=on-failure) restarts us
+Reply = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class CommandEvent:
+    cmd: Any
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class BundleMessage:
+    topic: str
+    payload: bytes
+
+
+@dataclass
+class Call:
+    """Run `fn` on the controller's thread; the poster waits for `done`."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Swap:
+    """An update's switch: what `restore` puts back, and the engine probation watches."""
+
+    previous: tuple[Any, ...]
+    engine: Engine
+    pipeline: Pipeline
+
+
+class Busy(AgentError):
+    """The controller's queue is full."""
+
+
+class Controller:
+    """Owns the serving state; runs `run()` on the main thread."""
+
+    def __init__(self, cfg: Config, sink: Sink | None = None):
+        self.cfg = cfg
+        self.extra_sink = sink
+        self.events: queue.Queue[Any] = queue.Queue(maxsize=EVENT_QUEUE_SIZE)
+        self.stop_event = threading.Event()
+        self._reload_signal = threading.Event()
+        self._thread: threading.Thread | None = None  # the controller's own thread, once run() starts
+        self._loop_done = threading.Event()
+        self._op_cond = threading.Condition()
+        self._operation: str | None = None
+        self._jobs: list[threading.Thread] = []
+        self._reload_pending = False
+        self._reload_replies: list[Reply] = []
+        self._update_thread: threading.Thread | None = None
+        self.bundle: Bundle | None = None
+        self.engine: Engine | None = None
+        self.pipeline: Pipeline | None = None
+        self.selftest_doc: dict[str, Any] | None = None
+        self.not_serving_reason: str | None = None
+        self.store: Any = None
+        self.updater: Any = None
+        self.receiver: Any = None
+        self.downloader: Any = None
+        self.metrics_server: Any = None
+        self.link: Any = None
+        self.outbox: Any = None
+        self.started = time.monotonic()
+        self.probe = ProcessProbe()
+        self.notifier = Notifier()
+        self.boot_number = 0
+        self._next_seq = 1  # seq never repeats within a boot, across reloads and updates
+        self._last_update: dict[str, Any] | None = None
+        self._last_health: dict[str, Any] | None = None
+        self._last_health_key: Any = None
+
+    # -- any thread ----------------------------------------------------------------------------------
+    def post(self, event: Any, timeout: float | None = None) -> bool:
+        """Queue an event for the controller; False when the queue stayed full."""
+        try:
+            if timeout is None:
+                self.events.put_nowait(event)
+            else:
+                self.events.put(event, timeout=timeout)
+            return True
+        except queue.Full:
+            return False
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the controller's thread and return its result (from a job thread)."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        c = Call(fn)
+        while not self.post(c, timeout=0.5):
+            if self._loop_done.is_set():
+                raise AgentError("the agent is stopping")
+        while not c.done.wait(0.1):
+            if self._loop_done.is_set() and not c.done.is_set():
+                raise AgentError("the agent is stopping")
+        if c.error is not None:
+            raise c.error
+        return c.result
+
+    @contextmanager
+    def operation(self, name: str) -> Iterator[None]:
+        """Hold the operation slot (waits for the one in progress): reload, self-test, update, boot."""
+        with self._op_cond:
+            while self._operation is not None:
+                self._op_cond.wait(0.5)
+            self._operation = name
+        try:
+            yield
+        finally:
+            self._release_operation()
+
+    def _try_operation(self, name: str) -> str | None:
+        """Take the slot now, or return who holds it."""
+        with self._op_cond:
+            if self._operation is not None:
+                return self._operation
+            self._operation = name
+            return None
+
+    def _release_operation(self) -> None:
+        with self._op_cond:
+            self._operation = None
+            self._op_cond.notify_all()
+
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    def request_stop(self, *_: Any) -> None:
+        self.stop_event.set()
+
+    def request_reload(self, *_: Any) -> None:
+        self._reload_signal.set()
+
+    def command_inlet(self) -> "CommandInlet":
+        return CommandInlet(self)
+
+    def on_bundle_message(self, topic: str, payload: bytes) -> None:
+        """paho's thread: a bundle transfer message. Waits a moment for room (back-pressure on the broker)."""
+        if not self.post(BundleMessage(topic, payload), timeout=5):
+            log.error("bundle.message_dropped", topic=topic, reason="controller queue full for 5 s")
+
+    # -- state (controller thread) ---------------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        p = self.pipeline
+        return p is not None and not p.done.is_set() and p.failed is None
+
+    def _sink(self) -> Sink:
+        sinks: list[Any] = []
+        if self.cfg.output.stdout:
+            sinks.append(JsonLinesSink())
+        if self.outbox is not None and self.link is not None:
+            sinks.append(OutboxSink(self.outbox, self.link.topics.predictions, self.cfg.mqtt.qos,
+                                    self.cfg.mqtt.batch_predictions))
+        if self.extra_sink is not None:
+            sinks.append(self.extra_sink)
+        return FanOutSink(*sinks) if sinks else NullSink()
+
+    def _start_pipeline(self) -> Pipeline:
+        assert self.engine is not None and self.bundle is not None
+        if self.stop_event.is_set():  # a boot or an update that finishes during shutdown serves nothing
+            raise AgentError("the agent is stopping")
+        source = open_source(self.cfg.source, self.bundle.manifest.frame)
+        self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline,
+                                 is_lossless(self.cfg.source, source), boot=self.boot_number,
+                                 first_seq=self._next_seq)
+        self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
+        log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
+        return self.pipeline.start()
+
+    def _stop_pipeline(self) -> None:
+        p = self.pipeline
+        if p is None:
+            return
+        p.stop()
+        p.join(timeout=30)
+        p.close_source()  # after capture left read(); if it is still inside, capture closes it on its way out
+        self._next_seq = max(self._next_seq, p.last_seq + 1)
+
+    def _apply_boot(self, o: BootOutcome) -> None:
+        self.bundle, self.engine, self.not_serving_reason = o.bundle, o.engine, o.reason
+        if o.report is not None:
+            self.selftest_doc = o.report
+        if o.engine is not None:
+            try:
+                self._start_pipeline()
+            except AgentError as exc:
+                self.engine, self.not_serving_reason = None, str(exc)
+        if self.not_serving_reason is not None:
+            log.error("boot.not_serving", reason=self.not_serving_reason)
+        else:
+            log.info("boot.ready", **self.engine.describe())
+        self._publish_selftest()
+
+    # -- updates (called by the updater, on its thread) --------------------------------------------------
+    def swap_bundle(self, bundle: Bundle, candidate: Any, report: dict[str, Any]) -> Swap:
+        engine = open_engine(bundle, candidate, self.cfg)  # the proven candidate; opened off the controller
+
+        def apply() -> Swap:
+            if self.stop_event.is_set():
+                raise AgentError("the agent is stopping: the update is not switched in")
+            previous = (self.bundle, self.engine, self.selftest_doc, self.not_serving_reason)
+            self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
+            if self.serving:
+                self.pipeline.swap_engine(engine)
+            else:
+                self._stop_pipeline()
+                self._start_pipeline()
+            self._publish_selftest()
+            self._publish_health()
+            return Swap(previous, engine, self.pipeline)
+
+        return self.call(apply)
+
+    def restore(self, swap: Swap) -> None:
+        def apply() -> None:
+            self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = swap.previous
+            if self.engine is not None and self.serving:
+                self.pipeline.swap_engine(self.engine)
+            elif self.engine is None:
+                self._stop_pipeline()
+                self.pipeline = None
+            self._publish_selftest()
+            self._publish_health()
+
+        self.call(apply)
+
+    def engine_tally(self, swap: Swap) -> Any:
+        return swap.pipeline.tally(swap.engine)
+
+    # -- health ----------------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        return health_document(
+            device_id=self.cfg.device_id, started=self.started, session=self.link.session if self.link else 0,
+            interval_s=self.cfg.output.health_interval_s, serving=self.serving,
+            not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
+            engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
+            probe=self.probe, operation=self._operation,
+            mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update)
+
+    def _idle_reason(self) -> str:
+        p = self.pipeline
+        if p is not None and p.failed is not None:
+            return p.failed
+        if p is not None and p.done.is_set():
+            return "the source ended"
+        return f"{self._operation} in progress" if self._operation else "not started"
+
+    def _publish_health(self) -> dict[str, Any]:
+        doc = self._last_health = self.health()
+        if self.link is not None:
+            self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
+        return doc
+
+    def _health_key(self) -> Any:
+        p = self.pipeline
+        return (self.serving, self.not_serving_reason, self.engine.describe()["variant"] if self.engine else None,
+                p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None)
+
+    def _publish_selftest(self) -> None:
+        if self.link is not None and self.selftest_doc is not None:
+            self.link.publish_retained(self.link.topics.selftest, json.dumps(self.selftest_doc).encode())
+
+    def _retained(self) -> dict[str, bytes]:
+        """paho's thread, on connect: the last documents the controller published (never its live state)."""
+        out = {}
+        if self._last_health is not None:
+            out[self.link.topics.health] = json.dumps(self._last_health).encode()
+        if self.selftest_doc is not None:
+            out[self.link.topics.selftest] = json.dumps(self.selftest_doc).encode()
+        if self._last_update is not None:
+            out[self.link.topics.update_status] = json.dumps(self._last_update).encode()
+        if self.cfg.mqtt.homeassistant:
+            from agent.link.discovery import discovery_messages
+
+            out.update(discovery_messages(self.cfg, self.link.topics))
+        return out
+
+    def _publish_update(self, doc: dict[str, Any]) -> None:
+        self._last_update = doc
+        if self.link is not None:
+            self.link.publish_retained(self.link.topics.update_status, json.dumps(doc).encode())
+
+    def _watchdog(self) -> None:
+        """Feed only while frames really flow, or while not serving by design; a dead or hung stage misses it."""
+        reason = watchdog_withheld(self.pipeline, max(self.notifier.watchdog_s / 2, 1.0))
+        if reason is None:
+            self.notifier.watchdog()
+        else:
+            log.error("watchdog.withheld", reason=reason)
+            dead = self.pipeline is not None and self.pipeline.failed is not None
+            self.notifier.status(f"{'NOT serving' if dead else 'STALLED'}: {reason}")
+
+    # -- events (controller thread) ------------------------------------------------------------------
+    def _handle(self, ev: Any) -> None:
+        if isinstance(ev, Call):
+            try:
+                ev.result = ev.fn()
+            except BaseException as exc:  # handed back to the poster, who raises it
+                ev.error = exc
+            ev.done.set()
+        elif isinstance(ev, CommandEvent):
+            try:
+                self._on_command(ev.cmd, ev.reply)
+            except Exception as exc:  # a failing command is an error reply, never a dead controller
+                log.exception("command.failed", command=ev.cmd.name)
+                ev.reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        elif isinstance(ev, BundleMessage):
+            self._on_bundle(ev.topic, ev.payload)
+
+    def _on_bundle(self, topic: str, payload: bytes) -> None:
+        if self.receiver is None:
+            log.error("bundle.message_ignored", topic=topic, reason="updates are not enabled")
+            return
+        self.receiver.on_message(topic[len(self.link.topics.prefix):], payload)
+
+    def _on_command(self, cmd: Any, reply: Reply) -> None:
+        name = cmd.name
+        if name == "status":
+            reply({"ok": True, "health": self.health()})
+        elif name in ("pause", "resume"):
+            if self.pipeline is None:
+                reply({"ok": False, "error": f"not serving: {self.not_serving_reason}"})
+                return
+            (self.pipeline.paused.set if name == "pause" else self.pipeline.paused.clear)()
+            self._publish_health()
+            reply({"ok": True, "paused": self.pipeline.paused.is_set()})
+        elif name == "selftest":
+            if self.bundle is None:
+                reply({"ok": False, "error": f"no bundle loaded: {self.not_serving_reason}"})
+                return
+            holder = self._try_operation("selftest")
+            if holder == "selftest":
+                reply({"ok": False, "already_running": True, "error": "already running: a self-test is in progress"})
+            elif holder is not None:
+                reply({"ok": False, "busy": True, "error": f"busy: {holder} in progress; try again after it"})
+            else:
+                self._spawn("selftest", self._selftest_job, self.bundle, reply)
+        elif name == "reload":
+            self._request_reload(reply)
+        elif name in ("update", "rollback"):
+            self._update_command(cmd, reply)
+        else:
+            reply({"ok": False, "error": f"unknown command {name!r} (known: {', '.join(COMMANDS)})"})
+
+    def _spawn(self, name: str, fn: Callable[..., None], *args: Any, release: bool = True) -> None:
+        """A job thread for an operation whose slot is already held; it releases the slot when done
+        (or `fn` does, on the controller's thread, when `release` is False)."""
+        def run() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("job.failed", job=name)
+            finally:
+                if release:
+                    self._release_operation()
+
+        t = threading.Thread(target=run, name=f"job-{name}", daemon=True)
+        self._jobs = [j for j in self._jobs if j.is_alive()] + [t]
+        t.start()
+
+    def _selftest_job(self, bundle: Bundle, reply: Reply) -> None:
+        proof = prove(bundle.root, self.cfg, use_cache=False)
+
+        def apply() -> None:
+            if proof.report is not None:
+                self.selftest_doc = proof.report
+                self._publish_selftest()
+
+        self.call(apply)
+        doc = proof.report or {}
+        reply({"ok": proof.report is not None, "passed": proof.passed, "selected": doc.get("selected"),
+               "reason": proof.reason, "crashes": [c["step"] + ": " + c["signal"] for c in doc.get("crashes", [])]})
+
+    # -- reload ------------------------------------------------------------------------------------------
+    def _request_reload(self, reply: Reply | None) -> None:
+        if reply is not None:
+            self._reload_replies.append(reply)
+        holder = self._try_operation("reload")
+        if holder == "reload":
+            log.info("reload.coalesced", detail="a reload is already running; this request is answered by it")
+        elif holder is not None:
+            self._reload_pending = True  # after the operation in progress: never interleaved with an update
+            log.info("reload.deferred", behind=holder)
+        else:
+            self._reload_pending = False
+            self.notifier.reloading()
+            self._spawn("reload", self._reload_job, release=False)
+
+    def _reload_job(self) -> None:
+        try:
+            new = self._read_config()
+            if new is not None:
+                self.call(lambda: self._stop_for_reload(new))
+                outcome = boot(self.cfg, self.store)
+                self.call(lambda: self._apply_boot(outcome))
+        finally:
+            try:
+                self.call(self._reload_done)
+            finally:
+                self._release_operation()  # no-op when _reload_done released it already
+
+    def _read_config(self) -> Config | None:
+        if self.cfg.source_file is None:
+            return self.cfg
+        try:
+            new = load_config(self.cfg.source_file)
+        except ConfigError as exc:
+            log.error("reload.refused", reason=str(exc))  # keep serving what we had
+            return None
+        if new.mqtt != self.cfg.mqtt:
+            log.warning("reload.mqtt_unchanged", detail="mqtt settings apply at the next restart")
+            new = dataclasses.replace(new, mqtt=self.cfg.mqtt)
+        return new
+
+    def _stop_for_reload(self, new: Config) -> None:
+        log.info("reload.start", config=str(new.source_file))
+        self.cfg = new
+        configure_logging(new.log.level, new.log.json)
+        self._stop_pipeline()
+        self.pipeline = None
+        self.engine, self.not_serving_reason = None, "reloading"
+
+    def _reload_done(self) -> None:
+        # Released here, on the controller's thread: a reload request handled after this line starts a
+        # new reload instead of joining one whose answers were already sent.
+        self._release_operation()
+        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
+        self._publish_health()
+        replies, self._reload_replies = self._reload_replies, []
+        for reply in replies:
+            reply({"ok": self.not_serving_reason is None, "serving": self.serving,
+                   "reason": self.not_serving_reason, "config": str(self.cfg.source_file)})
+
+    # -- updates by command --------------------------------------------------------------------------------
+    def _update_command(self, cmd: Any, reply: Reply) -> None:
+        if self.updater is None:
+            reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
+            return
+        if self._update_thread is not None and self._update_thread.is_alive():
+            reply({"ok": False, "already_running": True, "error": "already running: an update command is in progress"})
+            return
+        if cmd.name == "update":
+            url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
+            if not isinstance(url, str) or not isinstance(sha, str):
+                reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
+                return
+
+        def run() -> None:
+            try:
+                if cmd.name == "rollback":
+                    result = self.updater.rollback(str(cmd.payload.get("id", "rollback")))
+                else:
+                    url = cmd.payload["url"]
+                    result = self.downloader.fetch(url, cmd.payload["sha256"],
+                                                   str(cmd.payload.get("id", url.rsplit("/", 1)[-1])))
+                reply({"ok": result["state"] == "committed", "update": result})
+            except Exception as exc:
+                log.exception("update.command_failed")
+                reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+
+        self._update_thread = threading.Thread(target=run, name=f"job-{cmd.name}", daemon=True)
+        self._update_thread.start()
+
+    # -- start -----------------------------------------------------------------------------------------
+    def _start_updates(self) -> None:
+        """Before MQTT starts: bundle messages the broker kept for us arrive on connect and need a receiver."""
+        if not self.cfg.updates.enabled:
+            return
+        from agent.updates.delivery import ChunkReceiver, Downloader
+        from agent.updates.store import BundleStore
+        from agent.updates.updater import Updater
+
+        self.store = BundleStore(self.cfg.state_dir / "store")
+        self.store.recover()  # only here, before anything can stage: a reload never touches staging
+        self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, self.cfg.source_file,
+                               self._publish_update)
+        self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
+        threading.Thread(target=self.receiver.run_sweeper, args=(self.stop_event,), name="sweeper", daemon=True).start()
+
+    def _start_mqtt(self) -> None:
+        if not self.cfg.mqtt.enabled:
+            return
+        from agent.link.mqtt import MqttLink
+        from agent.link.outbox import Outbox
+
+        self.outbox = Outbox(self.cfg.state_dir / "outbox.sqlite", self.cfg.outbox)
+        self.link = MqttLink(self.cfg.mqtt, self.cfg.device_id, self.cfg.state_dir, self.outbox,
+                             self.command_inlet(), self._retained,
+                             on_bundle=self.on_bundle_message if self.cfg.updates.enabled else None)
+        self.link.start()
+
+    def _start_inbox(self) -> None:
+        if self.updater is not None and self.cfg.updates.inbox is not None:
+            from agent.updates.delivery import watch_inbox
+
+            threading.Thread(target=watch_inbox, args=(self.updater, self.stop_event), name="inbox",
+                             daemon=True).start()
+
+    # -- main loop -------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Boot, serve until stopped; 0 on a clean stop or a finite source's end, non-zero on a dead stage."""
+        self._thread = threading.current_thread()
+        forbid_fd_capture()  # native output is captured only in the self-test child
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        # results carry (boot, seq): unique across restarts, so a subscriber can prove nothing was lost
+        self.boot_number = bump_counter(self.cfg.state_dir / "boots")
+        self._start_updates()
+        self._start_mqtt()  # a broker that is down never delays boot: the link connects in the background
+        from agent.link.prometheus import start_metrics_server
+
+        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self)  # None unless metrics.listen
+        # The boot's proof runs on a job thread like any operation: the controller answers commands and
+        # takes bundle messages meanwhile; an update that arrives now waits for the slot.
+        self._try_operation("boot")
+        self._spawn("boot", self._boot_job, release=False)
+        code = self._loop()
+        self._shutdown()
+        return code
+
+    def _boot_job(self) -> None:
+        try:
+            outcome = boot(self.cfg, self.store)
+            self.call(lambda: self._boot_done(outcome))
+        finally:
+            self._release_operation()  # no-op when _boot_done released it already
+
+    def _boot_done(self, outcome: BootOutcome) -> None:
+        self._apply_boot(outcome)
+        self._release_operation()
+        self._start_inbox()
+        # Ready means proven: a candidate passed, or the agent settled in "not serving" and says why.
+        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
+        self._publish_health()
+
+    def _loop(self) -> int:
+        next_ping = 0.0
+        interval = self.cfg.output.health_interval_s
+        next_health = time.monotonic() + interval
+        while not self.stop_event.is_set():
+            try:
+                self._handle(self.events.get(timeout=0.1))
+                for _ in range(EVENT_QUEUE_SIZE):  # what else waits, without sleeping between
+                    self._handle(self.events.get_nowait())
+            except queue.Empty:
+                pass
+            if self._reload_signal.is_set():
+                self._reload_signal.clear()
+                self._request_reload(None)
+            if self._reload_pending and self._operation is None:
+                self._request_reload(None)
+            p = self.pipeline
+            if p is not None and p.failed is not None:
+                self.not_serving_reason = p.failed
+                self.notifier.status(f"NOT serving: {p.failed}")
+                doc = self._publish_health()
+                log.error("pipeline.failed", reason=p.failed, exit_code=EXIT_PIPELINE_FAILED,
+                          **{k: doc["pipeline"][k] for k in ("frames_in", "frames_out")})
+                return EXIT_PIPELINE_FAILED  # the watchdog is never fed again; systemd restarts us
+            if (p is not None and p.done.is_set() and not self.cfg.mqtt.enabled and self._operation is None
+                    and not self._reload_pending):
+                return 0  # a finite source ended and nothing else can reach us
+            if self.notifier.watchdog_s and time.monotonic() >= next_ping:
+                self._watchdog()
+                next_ping = time.monotonic() + self.notifier.watchdog_s / 4
+            key = self._health_key()
+            if time.monotonic() >= next_health or key != self._last_health_key:
+                doc = self._publish_health()
+                if key != self._last_health_key:
+                    self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
+                self._last_health_key = key
+                log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
+                         **{k: v for k, v in (doc["pipeline"] or {}).items() if k != "latency_ms"})
+                next_health = time.monotonic() + interval
+        return 0
+
+    def _shutdown(self) -> None:
+        self.notifier.stopping()
+        self._stop_pipeline()
+        # An update may be waiting on `call` to restore what it switched: keep answering until it is done
+        # (bounded). A self-test child (boot, reload, command) is simply abandoned: it dies with us.
+        deadline = time.monotonic() + 30
+        while ((self._operation or "").startswith(("update", "rollback")) or
+               (self._update_thread is not None and self._update_thread.is_alive())) and time.monotonic() < deadline:
+            try:
+                self._handle(self.events.get(timeout=0.1))
+            except queue.Empty:
+                pass
+        self._loop_done.set()
+        doc = self.health()
+        p = doc["pipeline"] or {}
+        log.info("shutdown", serving=doc["serving"], **{k: v for k, v in p.items() if k != "latency_ms"})
+        if self.link is not None:
+            self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
+            self.link.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+
+
+class CommandInlet:
+    """What the MQTT link calls for a command, on its network thread: post and return at once.
+
+    The controller replies through the link when it has the answer; a full queue is answered "busy"
+    here, so no thread is ever started per command."""
+
+    replies_later = True
+
+    def __init__(self, controller: Controller):
+        self.controller = controller
+
+    def __call__(self, cmd: Any) -> dict[str, Any] | None:
+        c = self.controller
+
+        def reply(result: dict[str, Any]) -> None:
+            c.link.reply(cmd, result)
+
+        if not c.post(CommandEvent(cmd, reply)):
+            return {"ok": False, "busy": True, "error": f"busy: {EVENT_QUEUE_SIZE} requests are waiting; try again"}
+        return None

@@ -1,0 +1,65 @@
+"""What the controller tells the world about itself: the health document, systemd's STATUS line, and
+whether the watchdog may be fed. Plain functions over the controller's state, read on its thread."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agent.link.health import ProcessProbe, build_health
+from agent.serving.engine import Engine
+from agent.serving.pipeline import Pipeline
+
+
+def health_document(*, device_id: str, started: float, session: int, interval_s: float, serving: bool,
+                    not_serving_reason: str | None, engine: Engine | None, pipeline: Pipeline | None,
+                    selftest_doc: dict[str, Any] | None, outbox: Any, probe: ProcessProbe,
+                    operation: str | None, mqtt_connected: bool | None = None,
+                    update: dict[str, Any] | None = None) -> dict[str, Any]:
+    status = pipeline.status() if pipeline is not None else None
+    source = None
+    metrics = None
+    if pipeline is not None and status is not None:
+        st = pipeline.source.stats
+        source = {"name": pipeline.source.name, "state": st.state, "last_frame_age_s": status.last_frame_age_s,
+                  "frames": st.frames, "bad": st.bad, "reconnects": st.reconnects, "losses": st.losses,
+                  "frozen_events": st.frozen_events}
+        metrics = {**status.metrics, "dropped_by_reason": dict(pipeline.drops), "last_seq": pipeline.last_seq}
+    doc = build_health(
+        device_id=device_id,
+        uptime_s=time.monotonic() - started,
+        session=session,
+        interval_s=interval_s,
+        serving=serving,
+        not_serving_reason=not_serving_reason,
+        engine=engine.describe() if engine else None,
+        placement=dict(engine.opened.placement.nodes_by_provider) if engine else None,
+        selftest=selftest_doc,  # health_selftest(): the same figures /metrics and the report page show
+        pipeline=metrics,
+        source=source,
+        outbox=outbox.stats() if outbox is not None else None,
+        process=probe.sample(),
+        paused=bool(pipeline and pipeline.paused.is_set()),
+        mqtt_connected=mqtt_connected,
+        update=update,
+    )
+    doc["operation"] = operation  # "reload", "selftest", "update <id>" while one runs
+    return doc
+
+
+def status_line(serving: bool, engine: Engine | None, not_serving_reason: str | None) -> str:
+    """systemd's STATUS=: what serves, or why nothing does."""
+    if serving and engine is not None:
+        d = engine.describe()
+        return f"serving {d['bundle']} v{d['version']} {d['variant']} on {d['provider']}"
+    return f"NOT serving: {not_serving_reason}"
+
+
+def watchdog_withheld(pipeline: Pipeline | None, horizon_s: float) -> str | None:
+    """Why the watchdog must not be fed, or None. A dead stage withholds it at once; a hung one after
+    `horizon_s`. Not serving by design (no bundle proven) is not a hang: the agent still answers."""
+    if pipeline is None:
+        return None
+    if pipeline.failed is not None:
+        return pipeline.failed
+    return pipeline.stalled(horizon_s=horizon_s)

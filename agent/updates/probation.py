@@ -1,0 +1,71 @@
+"""Probation: a pure judge over the frames a new bundle really served after the switch.
+
+The updater watches (the shell); this module decides, from counts and latencies only. No results is
+a failure, not a pass: a bundle that refuses every frame (a frame-format mismatch) served nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ProbationEvidence:
+    """What the new engine did on probation."""
+
+    seconds: float
+    frames: int            # frames handed to the new engine's preprocessing
+    results: int           # results published from the new engine
+    refused: int           # frames its preprocessing refused
+    inference_errors: int
+    non_finite: int        # inferences with NaN/inf outputs
+    inference_p95_ms: float | None
+    budget_ms: float | None  # the bundle's latency budget for the provider; None: no budget
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProbationVerdict:
+    passed: bool
+    reasons: tuple[str, ...]
+    evidence: ProbationEvidence
+
+    @property
+    def summary(self) -> str:
+        e = self.evidence
+        if not self.passed:
+            return "probation: " + "; ".join(self.reasons)
+        p95 = "-" if e.inference_p95_ms is None else f"{e.inference_p95_ms:.2f} ms"
+        return f"{e.results} results from {e.frames} frames, inference p95 {p95}, no errors"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "reasons": list(self.reasons), "evidence": self.evidence.to_dict()}
+
+
+def p95(samples: Sequence[float]) -> float | None:
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), 95)) if len(samples) else None
+
+
+def judge_probation(e: ProbationEvidence) -> ProbationVerdict:
+    """Every rule that fails is a reason; passed only when none does."""
+    reasons = []
+    if e.results == 0:
+        why = (f"all {e.frames} frames refused by its preprocessing (frame-format mismatch)"
+               if e.frames and e.refused == e.frames else f"{e.frames} frames in, none served")
+        reasons.append(f"zero results in {e.seconds:.1f} s: {why}")
+    elif e.refused:
+        reasons.append(f"{e.refused} of {e.frames} frames refused by its preprocessing (frame-format mismatch)")
+    if e.inference_errors:
+        reasons.append(f"{e.inference_errors} inference errors")
+    if e.non_finite:
+        reasons.append(f"{e.non_finite} inferences with non-finite outputs")
+    if e.budget_ms is not None and e.inference_p95_ms is not None and (
+            not math.isfinite(e.inference_p95_ms) or e.inference_p95_ms > e.budget_ms):
+        reasons.append(f"inference p95 = {e.inference_p95_ms:.2f} ms over budget {e.budget_ms:g} ms")
+    return ProbationVerdict(not reasons, tuple(reasons), e)

@@ -1,0 +1,412 @@
+"""The fault catalogue of the controller: races, side effects, and health that must tell the truth.
+Real agent processes, a real Mosquitto broker, real signals; each test is named after the fault."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from brokers import Broker, Collector
+from waiting import end_process, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "dev-c"
+PREFIX = f"edge/{DEVICE}/"
+FRAMES = ROOT / "models" / "demo-frames" / "digits"
+
+pytestmark = pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).exists() and not os.environ.get("CI"),
+                                reason="mosquitto is not installed (scripts/test.sh installs it)")
+
+
+def _config(tmp_path: Path, port: int | None = None, **overrides) -> Path:
+    cfg = {
+        "device_id": DEVICE,
+        "state_dir": str(tmp_path / "state"),
+        "bundle": str(ROOT / "models" / "digits-classifier"),
+        "source": {"type": "folder", "path": str(FRAMES), "loop": True, "max_fps": 200},
+        "output": {"health_interval_s": 0.5},
+        **overrides,
+    }
+    if port is not None:
+        cfg["mqtt"] = {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1}
+    p = tmp_path / "agent.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def _start(cfg: Path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
+                            stdout=stdout, stderr=stderr, text=True, env={**os.environ, **(env or {})})
+
+
+def _events(err: str) -> list[dict]:
+    out = []
+    for x in err.splitlines():
+        if x.startswith("{"):
+            try:
+                out.append(json.loads(x))
+            except ValueError:
+                pass
+    return out
+
+
+class Commander:
+    """Publishes commands and collects replies (one subscriber for all of them)."""
+
+    def __init__(self, port: int):
+        self.col = Collector(port, [PREFIX + "cmd/+/reply"])
+        assert self.col.wait(lambda: self.col.connects >= 1)
+
+    def send(self, name: str, payload: dict | None = None) -> None:
+        self.col.c.publish(PREFIX + f"cmd/{name}", json.dumps(payload or {}), qos=1)
+
+    def replies(self, name: str) -> list[dict]:
+        return [json.loads(m.payload) for m in self.col.on(PREFIX + f"cmd/{name}/reply")]
+
+    def close(self) -> None:
+        self.col.close()
+
+
+@pytest.fixture
+def broker(tmp_path: Path):
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
+
+
+def _read_lines(proc: subprocess.Popen, sink: list[str]) -> threading.Thread:
+    t = threading.Thread(target=lambda: sink.extend(iter(proc.stdout.readline, "")), daemon=True)
+    t.start()
+    return t
+
+
+def test_selftest_command_while_serving_swallows_no_result_lines(broker: Broker, tmp_path: Path) -> None:
+    """Fault: capturing ORT's native output redirected fds 1 and 2 of the serving process; a self-test
+    command while serving swallowed 46 of 396 result lines. Now the self-test runs in a child, and a
+    second request while one runs is answered "already running"."""
+    proc = _start(_config(tmp_path, broker.port, selection={"use_cache": False}))
+    lines: list[str] = []
+    reader = _read_lines(proc, lines)
+    cmd = Commander(broker.port)
+    try:
+        assert wait_until(lambda: len(lines) >= 50, 60)
+        for _ in range(3):
+            cmd.send("selftest")
+        assert cmd.col.wait(lambda: len(cmd.replies("selftest")) >= 3, 60)
+        replies = cmd.replies("selftest")
+        assert sum(r["ok"] for r in replies) == 1 and sum(bool(r.get("already_running")) for r in replies) == 2
+        n = len(lines)
+        assert wait_until(lambda: len(lines) > n + 100, 30)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(10)
+        err = proc.stderr.read()
+    finally:
+        end_process(proc)
+        cmd.close()
+    assert proc.returncode == 0
+    results = [json.loads(x) for x in lines]  # every line is whole JSON
+    seqs = [r["seq"] for r in results]
+    assert seqs == list(range(1, len(seqs) + 1))
+    shutdown = [e for e in _events(err) if e["event"] == "shutdown"][0]
+    assert shutdown["frames_out"] == len(seqs)
+
+
+def test_thousands_of_commands_start_no_thread_each_and_a_full_queue_answers_busy(broker: Broker,
+                                                                                  tmp_path: Path) -> None:
+    """Fault: one thread per command (3,000 commands made 2,999 threads); queued self-tests blocked the
+    main loop for a minute. Now commands are events in a bounded queue; a full queue answers busy."""
+    proc = _start(_config(tmp_path, broker.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = Commander(broker.port)
+    peak = 0
+    try:
+        health = Collector(broker.port, [PREFIX + "health"])
+        assert health.wait(lambda: any(json.loads(m.payload)["serving"] for m in health.on(PREFIX + "health")), 60)
+        threads = lambda: len(os.listdir(f"/proc/{proc.pid}/task"))  # noqa: E731
+        base = threads()
+        for i in range(3000):
+            cmd.send("selftest" if i % 2 else "status")
+            if i % 100 == 0:
+                peak = max(peak, threads())
+        assert cmd.col.wait(lambda: len(cmd.replies("status")) + len(cmd.replies("selftest")) >= 3000, 120)
+        peak = max(peak, threads())
+        sel = cmd.replies("selftest")
+        assert any(r.get("already_running") or r.get("busy") for r in sel)
+        assert all(r["ok"] for r in cmd.replies("status") if not r.get("busy"))
+        n = len(health.on(PREFIX + "health"))
+        assert health.wait(lambda: len(health.on(PREFIX + "health")) > n + 2, 10)  # the loop still ticks
+        health.close()
+    finally:
+        end_process(proc)
+        cmd.close()
+    print(f"\n3000 commands: threads {base} before, {peak} at most during the burst")
+    assert peak <= base + 8, f"threads went from {base} to {peak}"
+
+
+def test_seq_never_repeats_within_a_boot_across_reloads(tmp_path: Path) -> None:
+    """Fault: after a reload `seq` restarted at 1 under the same `boot`: (boot, seq) repeated."""
+    proc = _start(_config(tmp_path))
+    lines: list[str] = []
+    reader = _read_lines(proc, lines)
+    try:
+        for _ in range(2):
+            n = len(lines)
+            assert wait_until(lambda: len(lines) >= n + 60, 60)
+            proc.send_signal(signal.SIGHUP)
+        n = len(lines)
+        assert wait_until(lambda: len(lines) >= n + 60, 60)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(10)
+        err = proc.stderr.read()
+    finally:
+        end_process(proc)
+    results = [json.loads(x) for x in lines]
+    keys = [(r["boot"], r["seq"]) for r in results]
+    assert len(set(keys)) == len(keys) and len({b for b, _ in keys}) == 1
+    assert [s for _, s in keys] == list(range(1, len(keys) + 1))
+    assert sum(e["event"] == "reload.start" for e in _events(err)) == 2
+
+
+def test_sigterm_loses_no_captured_frame_uncounted(tmp_path: Path) -> None:
+    """Fault: on SIGTERM one captured frame disappeared uncounted. Every frame in is published or
+    counted as dropped with a reason."""
+    for _ in range(3):
+        proc = _start(_config(tmp_path, pipeline={"queue_size": 1}))
+        lines: list[str] = []
+        reader = _read_lines(proc, lines)
+        assert wait_until(lambda: len(lines) >= 100, 60)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(10)
+        err = proc.stderr.read()
+        shutdown = [e for e in _events(err) if e["event"] == "shutdown"][0]
+        dropped = sum(shutdown["dropped_by_reason"].values())
+        assert shutdown["frames_in"] == shutdown["frames_out"] + dropped, shutdown
+        assert shutdown["frames_out"] == len(lines)
+
+
+# A sink that fails the way a full disk does, after some results: the publish stage dies for real.
+FAILING_SINK_RUN = """
+import errno, sys
+from agent.config import load_config
+from agent.service.controller import Controller
+
+class DiskFullSink:
+    def __init__(self):
+        self.n = 0
+    def write(self, result):
+        self.n += 1
+        if self.n > 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+    def close(self):
+        pass
+
+sys.exit(Controller(load_config(sys.argv[1]), sink=DiskFullSink()).run())
+"""
+
+
+def _run_with_failing_sink(cfg: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", FAILING_SINK_RUN, str(cfg)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_dead_pipeline_stage_is_not_serving_and_run_exits_non_zero(tmp_path: Path) -> None:
+    """Fault: when a pipeline thread died, run() returned 0 (no systemd restart) and health said serving."""
+    out = _run_with_failing_sink(_config(tmp_path, output={"stdout": False, "health_interval_s": 0.5}))
+    assert out.returncode != 0, out.stderr[-2000:]
+    failed = [e for e in _events(out.stderr) if e["event"] == "pipeline.failed"]
+    assert failed and "publish stage died: OSError" in failed[0]["reason"]
+
+
+def test_dead_pipeline_stage_withholds_health_and_exits_with_mqtt_on(broker: Broker, tmp_path: Path) -> None:
+    col = Collector(broker.port, [PREFIX + "health"])
+    assert col.wait(lambda: col.connects >= 1)
+    out = _run_with_failing_sink(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.5},
+                                         source={"type": "folder", "path": str(FRAMES), "loop": True,
+                                                 "max_fps": 5}))
+    assert out.returncode != 0, out.stderr[-2000:]  # with MQTT on too: Restart=on-failure restarts it
+    assert col.wait(lambda: "died" in (json.loads(col.on(PREFIX + "health")[-1].payload)["not_serving_reason"]
+                                        or ""), 10)
+    docs = [json.loads(m.payload) for m in col.on(PREFIX + "health")]
+    docs = docs[next(i for i, d in enumerate(docs) if d["serving"]):]  # before: "boot in progress"
+    dead = [d for d in docs if not d["serving"]]
+    assert "publish stage died" in dead[0]["not_serving_reason"]
+    assert all(d["serving"] is False for d in docs[docs.index(dead[0]):])  # never "serving" again
+    col.close()
+
+
+def test_bundle_messages_queued_while_the_agent_was_down_are_not_lost(broker: Broker, tmp_path: Path,
+                                                                       tiny_bundle_master: Path) -> None:
+    """Fault: bundle messages the broker kept for the agent's session arrived before the receiver
+    existed and were acknowledged and lost. Now the receiver exists before the link connects."""
+    from agent.bundle.archive import pack
+    from agent.bundle.signing import keygen, sign_bundle
+    from agent.link.push import push
+    from agent.testing import rewrite_manifest
+    import shutil
+
+    keygen(tmp_path / "k.pem", tmp_path / "k.pub")
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for d, version in ((v1, 1), (v2, 2)):
+        shutil.copytree(tiny_bundle_master, d)
+        rewrite_manifest(d, lambda m, v=version: m.update(version=v))
+        sign_bundle(d, tmp_path / "k.pem")
+    archive = pack(v2, tmp_path / "v2.tar.gz")
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    import cv2
+
+    from agent.testing import structured_frames
+
+    for i, f in enumerate(structured_frames(8, 40, seed=3)):
+        cv2.imwrite(str(frames / f"{i:02d}.png"), f)
+    cfg = _config(tmp_path, broker.port, bundle=str(v1), output={"stdout": False, "health_interval_s": 0.5},
+                  source={"type": "folder", "path": str(frames), "loop": True, "max_fps": 60},
+                  updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 1.0,
+                           "probation_frames": 20})
+    log = open(tmp_path / "agent.log", "a")
+    proc = _start(cfg, stdout=subprocess.DEVNULL, stderr=log)
+    col = Collector(broker.port, [PREFIX + "health"])
+    try:  # a first run creates the persistent session with its bundle/# subscription
+        assert col.wait(lambda: any(json.loads(m.payload)["serving"] for m in col.on(PREFIX + "health")), 60)
+        end_process(proc)
+        time.sleep(0.5)
+        result: dict = {}
+        pusher = threading.Thread(target=lambda: result.update(
+            push(archive, DEVICE, "127.0.0.1", broker.port, chunk_size=2048, timeout_s=90)), daemon=True)
+        pusher.start()  # offer, chunks and done are queued by the broker for the absent agent
+        time.sleep(3)
+        proc = _start(cfg, stdout=subprocess.DEVNULL, stderr=log)
+        pusher.join(100)
+        assert result.get("state") == "committed", (result, (tmp_path / "agent.log").read_text()[-3000:])
+    finally:
+        end_process(proc)
+        col.close()
+
+
+def test_sighup_reload_under_an_update_waits_and_keeps_the_update(broker: Broker, tmp_path: Path,
+                                                                  tiny_bundle_master: Path) -> None:
+    """Fault: a SIGHUP reload ran store.recover() under an update in flight, deleted its staging and
+    reverted `current`; the updater then committed a bundle that was not served."""
+    from agent.bundle.archive import pack
+    from agent.bundle.signing import keygen, sign_bundle
+    from agent.link.push import push
+    from agent.testing import rewrite_manifest, structured_frames
+    import shutil
+
+    import cv2
+
+    keygen(tmp_path / "k.pem", tmp_path / "k.pub")
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for d, version in ((v1, 1), (v2, 2)):
+        shutil.copytree(tiny_bundle_master, d)
+        rewrite_manifest(d, lambda m, v=version: m.update(version=v))
+        sign_bundle(d, tmp_path / "k.pem")
+    archive = pack(v2, tmp_path / "v2.tar.gz")
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for i, f in enumerate(structured_frames(8, 40, seed=3)):
+        cv2.imwrite(str(frames / f"{i:02d}.png"), f)
+    cfg = _config(tmp_path, broker.port, bundle=str(v1), output={"stdout": False, "health_interval_s": 0.5},
+                  source={"type": "folder", "path": str(frames), "loop": True, "max_fps": 60},
+                  updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 3.0,
+                           "probation_frames": 100000})
+    col = Collector(broker.port, [PREFIX + "predictions", PREFIX + "update/status"])
+    proc = _start(cfg, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "a"))
+    try:
+        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 5, 60)
+        result: dict = {}
+        pusher = threading.Thread(target=lambda: result.update(
+            push(archive, DEVICE, "127.0.0.1", broker.port, chunk_size=4096, timeout_s=90)), daemon=True)
+        pusher.start()
+        on_probation = lambda: any(json.loads(m.payload)["state"] == "probation"  # noqa: E731
+                                   for m in col.on(PREFIX + "update/status"))
+        assert col.wait(on_probation, 60)
+        proc.send_signal(signal.SIGHUP)  # a reload while the update is on probation
+        pusher.join(100)
+        assert result.get("state") == "committed", result
+        n = len(col.on(PREFIX + "predictions"))
+        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) > n + 20, 30)
+        last = json.loads(col.on(PREFIX + "predictions")[-1].payload)
+        assert last["bundle"]["version"] == 2  # what was committed is what serves, after the reload too
+        store = tmp_path / "state" / "store"
+        assert os.readlink(store / "current") == os.readlink(store / "committed")
+        assert "v2" in os.readlink(store / "committed")
+        events = _events((tmp_path / "agent.log").read_text())
+        names = [e["event"] for e in events]
+        assert "reload.deferred" in names
+        assert names.index("reload.start") > names.index("update.committed")
+    finally:
+        end_process(proc)
+        col.close()
+
+
+def test_outbox_stats_in_health_while_the_link_pumps(broker: Broker, tmp_path: Path) -> None:
+    """Fault: the outbox's SQLite connection and queues were used from three threads without a lock
+    (`stats()` could raise IndexError in the main loop). Health at 20 Hz while the link pumps."""
+    proc = _start(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.05}),
+                  stdout=subprocess.DEVNULL)
+    col = Collector(broker.port, [PREFIX + "health"])
+    try:
+        assert col.wait(lambda: len(col.on(PREFIX + "health")) >= 60, 60)
+        assert proc.poll() is None
+    finally:
+        end_process(proc)
+        err = proc.stderr.read()
+        col.close()
+    assert "Traceback" not in err and proc.returncode == 0
+
+
+
+def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker, tmp_path: Path) -> None:
+    """Fault: 400 queued `selftest` commands plus a reload blocked the main loop 64 s (a watchdog gap of
+    74 s against WatchdogSec=30). Now they are events and one operation at a time: the loop keeps ticking."""
+    from test_sdnotify import NotifySocket
+
+    rx = NotifySocket(tmp_path / "n.sock")
+    proc = _start(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.5}),
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                  env={"NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": "2000000"})
+    cmd = Commander(broker.port)
+    try:
+        assert rx.wait(lambda: rx.with_key("READY"), 60)
+        start = time.monotonic()
+        for _ in range(400):
+            cmd.send("selftest")
+        proc.send_signal(signal.SIGHUP)
+        assert cmd.col.wait(lambda: len(cmd.replies("selftest")) >= 400, 120)
+        assert rx.wait(lambda: len(rx.with_key("READY")) >= 2, 60)  # the reload finished too
+        time.sleep(2)
+        pings = [float(m["_t"]) for m in rx.with_key("WATCHDOG") if float(m["_t"]) >= start]
+        gaps = [b - a for a, b in zip([start] + pings, pings + [time.monotonic()])]
+        print(f"\n400 self-tests + a reload: longest watchdog gap {max(gaps):.2f} s")
+        assert max(gaps) < 2.0, f"the watchdog went {max(gaps):.1f} s without a ping (limit 2 s)"
+    finally:
+        end_process(proc)
+        cmd.close()
+        rx.close()
+
+
+def test_a_full_event_queue_answers_busy_at_once(tmp_path: Path) -> None:
+    """The inlet never blocks paho's thread and never starts a thread: a full queue is an answer."""
+    from agent.config import load_config
+    from agent.link.mqtt import Command
+    from agent.service.controller import EVENT_QUEUE_SIZE, Controller
+
+    c = Controller(load_config(_config(tmp_path)))  # not running: nothing drains the queue
+    inlet = c.command_inlet()
+    threads = threading.active_count()
+    answers = [inlet(Command("status", {}, None, None)) for _ in range(EVENT_QUEUE_SIZE + 5)]
+    assert answers[:EVENT_QUEUE_SIZE] == [None] * EVENT_QUEUE_SIZE  # queued: the controller replies later
+    assert all(a is not None and a["busy"] and "busy" in a["error"] for a in answers[EVENT_QUEUE_SIZE:])
+    assert threading.active_count() == threads
