@@ -104,14 +104,16 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
 
     # The self-test probes and evaluates through these module functions: the child gives it the probes
     # it already made (one step each), and the fault hook in front of each trial.
-    evaluate = selftest.evaluate
-
-    def evaluate_with_fault(bundle: Any, c: Any, *a: Any, **kw: Any) -> Any:
-        inject_fault(f"candidate:{c.key}", faults)
-        return evaluate(bundle, c, *a, **kw)
+    # `prove` opens and checks a candidate on a full run, `evaluate` re-checks a cached winner.
+    def with_fault(step_fn: Any) -> Any:
+        def run(bundle: Any, c: Any, *a: Any, **kw: Any) -> Any:
+            inject_fault(f"candidate:{c.key}", faults)
+            return step_fn(bundle, c, *a, **kw)
+        return run
 
     selftest.detect_providers = lambda *a, **kw: list(statuses)  # type: ignore[assignment]
-    selftest.evaluate = evaluate_with_fault  # type: ignore[assignment]
+    selftest.prove = with_fault(selftest.prove)  # type: ignore[assignment]
+    selftest.evaluate = with_fault(selftest.evaluate)  # type: ignore[assignment]
     report = selftest.run_selftest(bundle, args.state_dir, opts)
     return report.to_dict()
 
