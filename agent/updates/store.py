@@ -201,22 +201,3 @@ class BundleStore:
                 self.commit(bid)
             return bid
         return None
-
-    def load_serving(self) -> tuple[Bundle, str] | None:
-        """The committed bundle, else (corrupt on disk) the newest earlier one that still loads."""
-        candidates = [self.committed_id] + list(reversed(self.history()))
-        seen: set[str] = set()
-        for bid in candidates:
-            if bid is None or bid in seen:
-                continue
-            seen.add(bid)
-            try:
-                bundle = load_bundle(self.path(bid))
-            except BundleError as exc:
-                log.error("store.bundle_unloadable", bundle=bid, reason=str(exc))
-                continue
-            if bid != self.committed_id:
-                log.warning("store.fell_back", to=bid, committed=self.committed_id)
-                self.commit(bid)
-            return bundle, bid
-        return None
