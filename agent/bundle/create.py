@@ -496,6 +496,9 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs],
              extra_inputs=[x.name for x in extra_inputs])
     feeder = InputFeeder(input_spec["name"], extra_inputs)
+    if pre.spec.dtype != input_spec["dtype"]:
+        raise BundleError(f"{opts.spec}: key preprocess.dtype: {pre.spec.dtype}, but the model's input "
+                          f"{input_spec['name']!r} takes {input_spec['dtype']}")
 
     def prepare(raw: np.ndarray) -> np.ndarray:
         """A frame -> [1, ...]; a stateful model's sequence -> [T, 1, ...]."""

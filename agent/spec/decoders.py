@@ -251,8 +251,10 @@ def layout_problems(spec: PostprocessSpec, shapes: Mapping[str, Sequence[int | s
             return out
         if len(a) != 3:
             out.append(f"postprocess.output {p.output!r} has shape {list(a)}; layout {p.layout} wants a rank-3 tensor")
-        elif p.layout == "yolov5" and known(a[2]) and a[2] < 6:
-            out.append(f"postprocess.output {p.output!r} has shape {list(a)}; yolov5 wants (batch, anchors, 5 + classes)")
+        elif p.layout == "yolov5" and known(a[2]) and (a[2] < 6 or (known(a[1]) and a[2] > a[1])):
+            out.append(f"postprocess.output {p.output!r} has shape {list(a)}; yolov5 wants (batch, anchors, 5 + classes)"
+                       + (" — this looks transposed (anchors last): that is layout yolov8" if known(a[1]) and a[2] > a[1]
+                          else ""))
         elif p.layout == "yolov8" and known(a[1]) and (a[1] < 5 or (known(a[2]) and a[1] > a[2])):
             out.append(f"postprocess.output {p.output!r} has shape {list(a)}; yolov8 wants (batch, 4 + classes, anchors)"
                        + (" — this looks transposed (anchors first): layout yolov5 has objectness, or transpose the "

@@ -375,6 +375,11 @@ def _check_semantics(m: Manifest, where: str) -> None:
         if pre.resize is not None or pre.color is not None:
             raise BundleError(f"{where}: key preprocess: resize and color apply to images, not sensor windows")
         channels = frame.channels
+    if pre.dtype in ("uint8", "int8") and (pre.scale != 1.0 or any(v != 0 for v in pre.mean)
+                                            or any(v != 1 for v in pre.std)):
+        # the float result would be truncated to integers (1/255 scaling makes every pixel 0)
+        raise BundleError(f"{where}: key preprocess.dtype: a {pre.dtype} input takes raw pixels; scale, mean and std "
+                          "must be left out (normalise inside the model, or use dtype float32)")
     for key in ("mean", "std"):
         vals = getattr(pre, key)
         if vals and len(vals) not in (1, channels):

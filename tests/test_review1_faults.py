@@ -1,0 +1,124 @@
+"""Faults found by reviewing issues 10 and 11 (verdicts, spec): each test failed on the code before its fix."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from agent.errors import BundleError, ContractError
+from agent.proof.parity import fidelity_floors, judge_fidelity
+from agent.spec.decoders import layout_problems
+from agent.spec.manifest import PostprocessSpec
+from agent.testing import _save_checked, rewrite_manifest, structured_frames
+
+SIZE = 16
+
+
+def test_a_variant_picking_a_far_class_on_a_near_tied_reference_is_a_counted_flip() -> None:
+    # The reference cannot tell class 0 from class 1; the variant answers class 2, which the reference
+    # scored far below both: that is no tie, it is a wrong answer.
+    spec = PostprocessSpec(type="classification", output="p")
+    ref = [{"p": np.r_[5.0, 4.99, np.zeros(8)].astype(np.float32)} for _ in range(32)]
+    got = [{"p": np.r_[0.0, 0.0, 9.0, np.zeros(7)].astype(np.float32)} for _ in range(32)]
+    r = judge_fidelity(spec, got, ref, fidelity_floors("classification"))
+    assert not r.passed
+    assert r.agreement is not None and r.agreement.metrics["top1_flips"] == 32
+    assert "top-1 agreement" in r.findings[0].text()
+
+
+def test_when_every_reference_margin_is_negligible_flips_are_counted_not_all_ignored() -> None:
+    # Probabilities declared with apply_softmax (the default): after a second softmax every margin of a
+    # 1000-class output is under 0.002, so ignoring near-ties ignored every sample and a variant that
+    # answers another class on every frame kept "agreement 1.0 of 0 counted".
+    spec = PostprocessSpec(type="classification", output="p")
+    classes = 1000
+    ref = [{"p": (np.eye(classes)[i] * 0.9 + 0.1 / classes).astype(np.float32)} for i in range(32)]
+    got = [{"p": np.eye(classes)[(i + 300) % classes].astype(np.float32)} for i in range(32)]
+    r = judge_fidelity(spec, got, ref, fidelity_floors("classification"))
+    assert not r.passed
+    assert r.agreement is not None and r.agreement.metrics["top1_counted"] == 32
+
+
+def test_fidelity_still_ignores_a_flip_between_the_references_own_tied_classes() -> None:
+    spec = PostprocessSpec(type="classification", output="p")
+    ref = [{"p": np.r_[5.0, 4.99, np.zeros(8)].astype(np.float32)}] + \
+          [{"p": np.r_[9.0, 0.0, np.zeros(8)].astype(np.float32)} for _ in range(31)]
+    got = [{"p": np.r_[4.99, 5.0, np.zeros(8)].astype(np.float32)}] + ref[1:]
+    r = judge_fidelity(spec, got, ref, fidelity_floors("classification"))
+    assert r.passed
+    assert r.agreement is not None and r.agreement.metrics["top1_ignored_negligible_margin"] == 1
+
+
+def test_yolov5_layout_declared_on_a_yolov8_shaped_output_is_refused() -> None:
+    # [1, 84, 8400] is YOLOv8's (4 + classes, anchors); read as yolov5 it decodes 84 "anchors" of 8395 classes
+    p = PostprocessSpec(type="detection", layout="yolov5", output="out")
+    problems = layout_problems(p, {"out": [1, 84, 8400]})
+    assert problems and "yolov8" in problems[0]
+    assert layout_problems(p, {"out": [1, 25200, 85]}) == []
+
+
+# ------------------------------------------------------------------ uint8 models
+
+def _uint8_model(path: Path) -> Path:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((4, 3, 3, 3)) * 0.01).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "fw"),
+             numpy_helper.from_array(np.zeros(3, np.float32), "fb")]
+    nodes = [helper.make_node("Cast", ["input"], ["x"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "fw", "fb"], ["logits"], transB=1, name="fc")]
+    graph = helper.make_graph(nodes, "u8", [helper.make_tensor_value_info("input", TensorProto.UINT8, ["batch", 3, SIZE, SIZE])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])], initializer=inits)
+    return _save_checked(graph, path, 17)
+
+
+def _u8_inputs(d: Path, preprocess: dict) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(d / "calib.npz", raw=structured_frames(8, SIZE, 1))
+    np.savez_compressed(d / "golden.npz", raw=structured_frames(4, SIZE, 2))
+    spec = {"name": "u8", "version": 1, "task": "classification",
+            "frame": {"kind": "image", "height": SIZE, "width": SIZE, "channels": 3, "color": "rgb"},
+            "preprocess": {"layout": "nchw", **preprocess},
+            "postprocess": {"type": "classification", "output": "logits", "top_k": 1},
+            "selftest": {"latency_budget_ms": {"default": 1000}}}
+    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return {"model": _uint8_model(d / "m.onnx"), "spec": d / "spec.yaml", "calibration": d / "calib.npz",
+            "golden": d / "golden.npz", "int8": False}
+
+
+def test_uint8_input_with_a_scale_is_refused_instead_of_truncating_every_pixel_to_zero(tmp_path: Path) -> None:
+    from agent.bundle.create import CreateOptions, create_bundle
+
+    args = _u8_inputs(tmp_path, {"dtype": "uint8", "scale": 1 / 255})
+    with pytest.raises(BundleError, match="preprocess"):
+        create_bundle(CreateOptions(out=tmp_path / "b", **args))
+    assert not (tmp_path / "b").exists()
+
+
+def test_preprocess_dtype_that_is_not_the_models_input_dtype_breaks_the_contract_at_load(tmp_path: Path) -> None:
+    from agent.bundle.create import CreateOptions, create_bundle
+    from agent.bundle.load import load_bundle
+
+    b = create_bundle(CreateOptions(out=tmp_path / "b", **_u8_inputs(tmp_path / "in", {"dtype": "uint8"})))
+    load_bundle(b)
+    bad = tmp_path / "bad"
+    shutil.copytree(b, bad)
+    rewrite_manifest(bad, lambda m: m["preprocess"].__setitem__("dtype", "float32"))
+    with pytest.raises(ContractError, match="preprocess.dtype"):
+        load_bundle(bad)
+
+
+def test_bundle_create_names_preprocess_dtype_when_it_is_not_the_models_input_dtype(tmp_path: Path) -> None:
+    from agent.bundle.create import CreateOptions, create_bundle
+
+    args = _u8_inputs(tmp_path, {"dtype": "float32"})
+    with pytest.raises(BundleError, match="preprocess.dtype"):
+        create_bundle(CreateOptions(out=tmp_path / "b", **args))
