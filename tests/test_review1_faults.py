@@ -122,3 +122,38 @@ def test_bundle_create_names_preprocess_dtype_when_it_is_not_the_models_input_dt
     args = _u8_inputs(tmp_path, {"dtype": "float32"})
     with pytest.raises(BundleError, match="preprocess.dtype"):
         create_bundle(CreateOptions(out=tmp_path / "b", **args))
+
+
+# ------------------------------------------------------------------ raw outputs, channels last
+
+def _drowned_scores(n: int = 8) -> tuple[list[dict], list[dict]]:
+    """[anchors, 4 + 2] channels last: coordinates 0..330, scores 0..1 crushed to 0 / 1.26 in `got`."""
+    rng = np.random.default_rng(0)
+    ref, got = [], []
+    for _ in range(n):
+        r = np.concatenate([rng.uniform(0, 330, (100, 4)), rng.uniform(0, 1, (100, 2))], 1).astype(np.float32)
+        g = r.copy()
+        g[:, 4:] = np.where(r[:, 4:] > 0.6, 1.26, 0.0)
+        ref.append({"o": r})
+        got.append({"o": g})
+    return got, ref
+
+
+def test_channel_axis_minus_one_judges_each_channel_instead_of_the_whole_tensor() -> None:
+    got, ref = _drowned_scores()
+    spec = PostprocessSpec(type="raw", outputs=("o",), channel_axis=-1)
+    r = judge_fidelity(spec, got, ref, fidelity_floors("raw"))
+    assert not r.passed
+    assert "channel 4" in r.findings[0].detail or "channel 5" in r.findings[0].detail
+
+
+def test_channel_axis_zero_the_batch_axis_is_refused_by_the_manifest(tiny_bundle: Path) -> None:
+    from agent.bundle.load import load_bundle
+
+    def raw_on_batch_axis(m: dict) -> None:
+        m["task"] = "raw"
+        m["postprocess"] = {"type": "raw", "channel_axis": 0}
+
+    rewrite_manifest(tiny_bundle, raw_on_batch_axis)
+    with pytest.raises(BundleError, match="channel_axis"):
+        load_bundle(tiny_bundle)

@@ -362,6 +362,9 @@ def _check_semantics(m: Manifest, where: str) -> None:
         if ref not in outs:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
+    if m.postprocess.type == "raw" and m.postprocess.channel_axis == 0:
+        raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
+                          "later (-1: the last)")
     check_inputs(m, where)
     if pre_resize_problem := resize_problem(m.preprocess.resize):
         raise BundleError(f"{where}: key preprocess.resize: {pre_resize_problem}")
