@@ -147,7 +147,8 @@ def candidates(spec: PostprocessSpec, outputs: Outputs) -> tuple[np.ndarray, np.
 def decode_detections(spec: PostprocessSpec, outputs: Outputs, geometry: Geometry = IDENTITY) -> list[Detection]:
     """One sample's outputs in the declared layout -> thresholded, NMS'd detections in frame pixels."""
     boxes, best, cls = candidates(spec, outputs)
-    mask = best >= spec.score_threshold
+    # a non-finite box or score is no detection (and would make the result invalid JSON)
+    mask = (best >= spec.score_threshold) & np.isfinite(best) & np.isfinite(boxes).all(axis=1)
     boxes, cls, best = boxes[mask], cls[mask], best[mask]
     if spec.layout == "end2end":
         keep = list(np.argsort(-best, kind="stable"))
@@ -306,7 +307,8 @@ def _segmentation(spec: PostprocessSpec, outputs: Outputs, labels: Sequence[str]
     regions, mask = segment_regions(spec, probability_map(spec, outputs), geometry)
     result: dict[str, Any] = {
         "type": "segmentation",
-        "regions": [{"box": [round(v, 2) for v in r.box], "score": round(r.score, 6), "area": r.area} for r in regions],
+        "regions": [{"box": [_finite(v, 2) for v in r.box], "score": _finite(r.score, 6), "area": r.area}
+                    for r in regions],
     }
     if spec.mask == "rle":
         result["mask"] = rle(mask)
