@@ -190,3 +190,29 @@ def test_an_infinite_probability_map_decodes_to_a_strict_json_result_not_an_exce
     m[0, 0, 20:30, 20:30] = np.inf
     result = _strict(decode(p, {"m": m}))
     assert len(result["regions"]) == 2
+
+
+# ------------------------------------------------------------------ the spec's floors at build time
+
+@pytest.mark.parametrize("fidelity, message", [
+    ({"min_top1_agreemnt": 0.5}, "min_top1_agreemnt"),  # was a bare TypeError from FidelityFloors
+    ({"min_top1_agreement": 1.5}, "min_top1_agreement: 1.5 is greater than the maximum of 1"),  # was a quality refusal of fp32
+])
+def test_a_misspelt_or_out_of_range_floor_in_the_spec_is_a_spec_error_naming_the_key(
+        tmp_path: Path, fidelity: dict, message: str) -> None:
+    from agent.bundle.create import CreateOptions, create_bundle
+    from agent.testing import make_tiny_classifier
+
+    np.savez_compressed(tmp_path / "calib.npz", raw=structured_frames(8, 32, 1))
+    np.savez_compressed(tmp_path / "golden.npz", raw=structured_frames(4, 32, 2))
+    spec = {"name": "t", "version": 1, "task": "classification",
+            "frame": {"kind": "image", "height": 32, "width": 32, "channels": 3, "color": "rgb"},
+            "preprocess": {"layout": "nchw", "dtype": "float32", "scale": 1 / 255},
+            "postprocess": {"type": "classification", "output": "logits", "top_k": 1},
+            "selftest": {"fidelity": fidelity}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(BundleError, match="key selftest.fidelity") as err:
+        create_bundle(CreateOptions(model=make_tiny_classifier(tmp_path / "m.onnx"), spec=tmp_path / "spec.yaml",
+                                    calibration=tmp_path / "calib.npz", golden=tmp_path / "golden.npz",
+                                    out=tmp_path / "b", int8=False))
+    assert message in str(err.value)

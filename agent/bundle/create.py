@@ -114,7 +114,25 @@ def read_spec(path: Path) -> dict[str, Any]:
     for key in ("name", "version", "task", "frame", "preprocess", "postprocess"):
         if key not in spec:
             raise BundleError(f"{path}: key {key}: required")
+    _check_selftest_block(spec.get("selftest"), path)
     return spec
+
+
+def _check_selftest_block(selftest: Any, path: Path) -> None:
+    """The spec's selftest block against the manifest schema before the build judges with its floors:
+    a misspelt or out-of-range floor is a spec error, not a TypeError or a quality refusal."""
+    import jsonschema
+
+    from agent.spec.manifest import manifest_schema
+
+    if selftest is None:
+        return
+    schema = dict(manifest_schema()["properties"]["selftest"])
+    schema.pop("required", None)  # the build supplies a default latency budget
+    schema["$defs"] = manifest_schema().get("$defs", {})  # for references
+    for err in jsonschema.Draft202012Validator(schema).iter_errors(selftest):
+        where = ".".join(str(p) for p in err.absolute_path)
+        raise BundleError(f"{path}: key selftest{'.' + where if where else ''}: {err.message}")
 
 
 def _dims(value_info: Any) -> list[int | str]:
