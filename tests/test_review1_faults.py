@@ -14,6 +14,7 @@ from agent.proof.parity import fidelity_floors, judge_fidelity
 from agent.spec.decoders import layout_problems
 from agent.spec.manifest import PostprocessSpec
 from agent.testing import _save_checked, rewrite_manifest, structured_frames
+from tests.test_stateful import stateful_bundle  # noqa: F401  (fixture)
 
 SIZE = 16
 
@@ -216,3 +217,23 @@ def test_a_misspelt_or_out_of_range_floor_in_the_spec_is_a_spec_error_naming_the
                                     calibration=tmp_path / "calib.npz", golden=tmp_path / "golden.npz",
                                     out=tmp_path / "b", int8=False))
     assert message in str(err.value)
+
+
+# ------------------------------------------------------------------ stateful models: reasons name real samples
+
+def test_a_stateful_rejection_names_the_golden_sequence_and_its_step_not_a_flattened_row(
+        stateful_bundle: Path, tmp_path: Path) -> None:
+    # 6 golden sequences of 12 steps: the reason said "on sample 22", a sample that does not exist
+    from agent.bundle.load import load_bundle
+    from agent.proof.selftest import SelftestOptions, run_selftest
+
+    b = tmp_path / "b"
+    shutil.copytree(stateful_bundle, b)
+    rewrite_manifest(b, lambda m: m["inputs"][0].__setitem__("value", 8000))  # the constant sr, tampered
+    report = run_selftest(load_bundle(b), None, SelftestOptions(latency_runs=5, use_cache=False))
+    assert report.selected is None
+    n = len(load_bundle(b).manifest.golden)
+    for r in report.results:
+        for f in r.findings:
+            assert f.sample is not None and 0 <= f.sample < n, f.text()
+            assert "step " in f.detail and "of its sequence" in f.detail
