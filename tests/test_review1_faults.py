@@ -237,3 +237,19 @@ def test_a_stateful_rejection_names_the_golden_sequence_and_its_step_not_a_flatt
         for f in r.findings:
             assert f.sample is not None and 0 <= f.sample < n, f.text()
             assert "step " in f.detail and "of its sequence" in f.detail
+
+
+# ------------------------------------------------------------------ fit_multiple on odd frames
+
+def test_fit_multiple_min_refuses_a_skinny_frame_instead_of_allocating_a_gigantic_input() -> None:
+    from agent.errors import PreprocessError
+    from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
+    from agent.spec.preprocess import Preprocessor
+
+    r = ResizeSpec(mode="fit_multiple", limit_side=960, limit_type="min", multiple=32)
+    pre = Preprocessor(PreprocessSpec(layout="nchw", dtype="float32", resize=r, scale=1 / 255),
+                       FrameSpec("image", 0, 0, 3, "rgb"))
+    with pytest.raises(PreprocessError, match="aspect too extreme"):
+        pre(np.zeros((3, 700, 3), np.uint8))  # was a 960x224000 float tensor (2.5 GB)
+    assert pre(np.zeros((1, 1, 3), np.uint8)).shape == (1, 3, 960, 960)  # a tiny frame still fits
+    assert pre(np.zeros((720, 1280, 3), np.uint8)).shape == (1, 3, 960, 1696)
