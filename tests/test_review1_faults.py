@@ -253,3 +253,12 @@ def test_fit_multiple_min_refuses_a_skinny_frame_instead_of_allocating_a_giganti
         pre(np.zeros((3, 700, 3), np.uint8))  # was a 960x224000 float tensor (2.5 GB)
     assert pre(np.zeros((1, 1, 3), np.uint8)).shape == (1, 3, 960, 960)  # a tiny frame still fits
     assert pre(np.zeros((720, 1280, 3), np.uint8)).shape == (1, 3, 960, 1696)
+
+
+def test_short_side_crop_wider_than_the_short_side_is_refused() -> None:
+    # a portrait frame made a (224, 22) tensor from the last 22 columns: the crop offset went negative
+    from agent.spec.manifest import ResizeSpec, resize_problem
+
+    assert "short_side 256" in (resize_problem(ResizeSpec(mode="short_side_crop", width=300, height=224,
+                                                          short_side=256)) or "")
+    assert resize_problem(ResizeSpec(mode="short_side_crop", width=224, height=224, short_side=256)) is None

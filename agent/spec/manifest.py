@@ -400,8 +400,9 @@ def resize_problem(r: ResizeSpec | None) -> str | None:
     if r.mode == "short_side_crop":
         if r.short_side is None:
             return "mode short_side_crop needs short_side (the short side after resizing, before the crop)"
-        if r.short_side < min(r.width, r.height):
-            return f"short_side {r.short_side} is smaller than the {r.width}x{r.height} crop"
+        if r.short_side < max(r.width, r.height):
+            # a frame of either orientation has `short_side` pixels across its short side, so the crop must fit it
+            return f"short_side {r.short_side} is smaller than a side of the {r.width}x{r.height} crop"
     if r.mode == "fit_multiple" and (r.limit_side is None or r.multiple < 1):
         return "mode fit_multiple needs limit_side and a multiple >= 1"
     return None
