@@ -262,3 +262,17 @@ def test_short_side_crop_wider_than_the_short_side_is_refused() -> None:
     assert "short_side 256" in (resize_problem(ResizeSpec(mode="short_side_crop", width=300, height=224,
                                                           short_side=256)) or "")
     assert resize_problem(ResizeSpec(mode="short_side_crop", width=224, height=224, short_side=256)) is None
+
+
+@pytest.mark.parametrize("arrays, key", [
+    ({"reference.logits": np.zeros((4, 4), np.float32)}, "'reference.logits' has 4 samples"),  # was IndexError
+    ({"label": np.zeros(3, np.int64)}, "'label' has 3 samples"),  # was a numpy broadcast ValueError
+])
+def test_a_sample_set_whose_references_or_labels_miss_rows_is_refused_naming_the_key(
+        tmp_path: Path, arrays: dict, key: str) -> None:
+    from agent.bundle.samples import load_samples
+    from agent.spec.manifest import FrameSpec
+
+    np.savez_compressed(tmp_path / "set.npz", raw=structured_frames(6, 32, 2), **arrays)
+    with pytest.raises(BundleError, match=key):
+        load_samples(tmp_path / "set.npz", FrameSpec("image", 32, 32, 3, "rgb"))
