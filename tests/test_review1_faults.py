@@ -276,3 +276,12 @@ def test_a_sample_set_whose_references_or_labels_miss_rows_is_refused_naming_the
     np.savez_compressed(tmp_path / "set.npz", raw=structured_frames(6, 32, 2), **arrays)
     with pytest.raises(BundleError, match=key):
         load_samples(tmp_path / "set.npz", FrameSpec("image", 32, 32, 3, "rgb"))
+
+
+def test_a_metadata_input_without_a_default_is_refused_instead_of_feeding_nan(tiny_bundle: Path) -> None:
+    from agent.bundle.load import load_bundle
+
+    rewrite_manifest(tiny_bundle, lambda m: m.__setitem__(
+        "inputs", [{"name": "gain", "kind": "metadata", "dtype": "float32", "shape": [1]}]))
+    with pytest.raises(BundleError, match=r"inputs\[0\]\.default"):
+        load_bundle(tiny_bundle)

@@ -431,6 +431,10 @@ def check_inputs(m: Manifest, where: str) -> None:
         seen.add(x.name)
         if x.kind == "constant" and x.value is None:
             raise BundleError(f"{where}: key {key}.value: a constant input needs a value")
+        if x.kind == "metadata" and x.default is None:
+            # fed when a frame carries none: without it a float input got NaN, an integer one a TypeError
+            raise BundleError(f"{where}: key {key}.default: a metadata input needs a default (fed when a frame "
+                              "carries no value)")
         if x.kind == "state":
             if x.from_output is None:
                 raise BundleError(f"{where}: key {key}.from_output: a state input names the output that feeds it")
