@@ -285,3 +285,20 @@ def test_a_metadata_input_without_a_default_is_refused_instead_of_feeding_nan(ti
         "inputs", [{"name": "gain", "kind": "metadata", "dtype": "float32", "shape": [1]}]))
     with pytest.raises(BundleError, match=r"inputs\[0\]\.default"):
         load_bundle(tiny_bundle)
+
+
+# ------------------------------------------------------------------ one-output (binary) classifiers
+
+def test_a_one_logit_classifier_is_binary_so_an_inverted_variant_fails_fidelity() -> None:
+    # softmax of one value is always 1.0: every frame was "class 0, score 1.0" and any variant agreed
+    from agent.spec.decoders import decode
+
+    spec = PostprocessSpec(type="classification", output="p")
+    x = np.random.default_rng(0).normal(0, 3, 32).astype(np.float32)
+    ref = [{"p": np.array([v], np.float32)} for v in x]
+    got = [{"p": -r["p"]} for r in ref]
+    r = judge_fidelity(spec, got, ref, fidelity_floors("classification"))
+    assert not r.passed
+    assert decode(spec, {"p": np.array([4.0], np.float32)})["top"][0]["class_id"] == 1
+    assert decode(spec, {"p": np.array([-4.0], np.float32)})["top"][0]["class_id"] == 0
+    assert decode(spec, {"p": np.array([-4.0], np.float32)})["top"][0]["score"] == pytest.approx(0.982, abs=1e-3)

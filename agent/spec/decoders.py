@@ -50,6 +50,9 @@ def class_scores(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:
     """(classes,) scores of one sample: softmax of logits unless the bundle says they are scores."""
     name = spec.output or next(iter(outputs))
     logits = np.asarray(outputs[name], dtype=np.float32).reshape(-1)
+    if logits.size == 1:  # one output is a binary classifier's logit (or probability): classes 0 and 1
+        p = 1.0 / (1.0 + np.exp(-logits)) if spec.apply_softmax else logits
+        return np.concatenate([1.0 - p, p]).astype(np.float32)
     return softmax(logits) if spec.apply_softmax else logits
 
 
