@@ -114,7 +114,25 @@ def read_spec(path: Path) -> dict[str, Any]:
     for key in ("name", "version", "task", "frame", "preprocess", "postprocess"):
         if key not in spec:
             raise BundleError(f"{path}: key {key}: required")
+    _check_selftest_block(spec.get("selftest"), path)
     return spec
+
+
+def _check_selftest_block(selftest: Any, path: Path) -> None:
+    """The spec's selftest block against the manifest schema before the build judges with its floors:
+    a misspelt or out-of-range floor is a spec error, not a TypeError or a quality refusal."""
+    import jsonschema
+
+    from agent.spec.manifest import manifest_schema
+
+    if selftest is None:
+        return
+    schema = dict(manifest_schema()["properties"]["selftest"])
+    schema.pop("required", None)  # the build supplies a default latency budget
+    schema["$defs"] = manifest_schema().get("$defs", {})  # for references
+    for err in jsonschema.Draft202012Validator(schema).iter_errors(selftest):
+        where = ".".join(str(p) for p in err.absolute_path)
+        raise BundleError(f"{path}: key selftest{'.' + where if where else ''}: {err.message}")
 
 
 def _dims(value_info: Any) -> list[int | str]:
@@ -496,6 +514,9 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs],
              extra_inputs=[x.name for x in extra_inputs])
     feeder = InputFeeder(input_spec["name"], extra_inputs)
+    if pre.spec.dtype != input_spec["dtype"]:
+        raise BundleError(f"{opts.spec}: key preprocess.dtype: {pre.spec.dtype}, but the model's input "
+                          f"{input_spec['name']!r} takes {input_spec['dtype']}")
 
     def prepare(raw: np.ndarray) -> np.ndarray:
         """A frame -> [1, ...]; a stateful model's sequence -> [T, 1, ...]."""

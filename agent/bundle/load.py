@@ -186,6 +186,9 @@ def check_contract(root: Path, manifest: Manifest) -> None:
                 i = inputs[name]
                 if name == manifest.input.name:
                     problems += _contract_problems("input", spec, name, _ORT_DTYPES.get(i.type, i.type), list(i.shape))
+                    if manifest.preprocess.dtype != _ORT_DTYPES.get(i.type, i.type):
+                        problems.append(f"preprocess.dtype {manifest.preprocess.dtype} is not the model's input dtype "
+                                        f"{_ORT_DTYPES.get(i.type, i.type)}")
                 else:
                     problems += _extra_input_problems(spec, _ORT_DTYPES.get(i.type, i.type), list(i.shape))
         outputs = {o.name: o for o in sess.get_outputs()}

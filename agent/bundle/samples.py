@@ -76,6 +76,9 @@ def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None, l
             raise BundleError(f"{path}: cannot read sample set: {exc}") from exc
         if inputs is not None and len(inputs) != n:
             raise BundleError(f"{path}: 'input' has {len(inputs)} samples, 'raw' has {n}: one framework tensor per sample")
+        for key, arr in [("label", labels), *((f"reference.{k}", v) for k, v in refs.items())]:
+            if arr is not None and len(arr) != n:
+                raise BundleError(f"{path}: {key!r} has {len(arr)} samples, 'raw' has {n}: one row per sample")
         return SampleSet(path, frames, labels, refs, inputs)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))

@@ -172,9 +172,15 @@ def output_problems(got: Sequence[Outputs], ref: Sequence[Outputs], stage: str =
 def _channel_view(x: np.ndarray, axis: int | None) -> np.ndarray:
     """(channels, values) of one stacked output [S, ...]: channels along `axis` (in the batched
     tensor's numbering, so axis 1 is the first axis after the batch), or one channel for all."""
+    axis = _batched_axis(axis, x.ndim)
     if axis is None or x.ndim < 2 or not (1 <= axis < x.ndim):
         return x.reshape(1, -1)
     return np.moveaxis(x, axis, 0).reshape(x.shape[axis], -1)
+
+
+def _batched_axis(axis: int | None, ndim: int) -> int | None:
+    """A declared axis in the stacked tensor's numbering; negative counts from the end (-1: channels last)."""
+    return axis + ndim if axis is not None and axis < 0 else axis
 
 
 def channel_axis(spec: PostprocessSpec) -> int | None:
@@ -301,12 +307,15 @@ def classification_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref:
             flips, counted = flips + 1, counted + 1
             first_flip = i if first_flip is None else first_flip
             continue
-        same = int(np.argmax(gs)) == int(order[0])
-        if margin < negligible_margin:
+        pick = int(np.argmax(gs))
+        # Only a swap of the reference's own top-1 and top-2 is ignored when their margin is negligible:
+        # any other pick is a wrong answer, however close the reference's top-2 was (and after a second
+        # softmax over probabilities every margin is negligible).
+        if margin < negligible_margin and pick == int(order[1]):
             ignored += 1
             continue
         counted += 1
-        if not same:
+        if pick != int(order[0]):
             flips += 1
             first_flip = i if first_flip is None else first_flip
     agree = (counted - flips) / counted if counted else 1.0
@@ -395,6 +404,8 @@ def channel_snr(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Out
         if a.shape != r.shape:
             continue
         ca, cr = _channel_view(a, axis), _channel_view(r, axis)
+        ax = _batched_axis(axis, a.ndim)
+        ax = ax if ax is not None and 1 <= ax < a.ndim else None
         with np.errstate(all="ignore"):
             err = np.nan_to_num((ca - cr) ** 2, nan=np.inf).sum(axis=1)
             # Each channel against its own energy only: a floor borrowed from louder channels would hide
@@ -405,9 +416,9 @@ def channel_snr(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Out
         c = int(np.argmin(db))
         if db[c] < worst_db:
             worst_db = float(db[c])
-            where = f"output {name} channel {c}" if axis is not None else f"output {name}"
-            per_sample = np.moveaxis(a - r, axis, 1) if axis is not None and a.ndim > axis else (a - r)
-            sel = per_sample[:, c] if axis is not None and a.ndim > axis else per_sample
+            where = f"output {name} channel {c}" if ax is not None else f"output {name}"
+            per_sample = np.moveaxis(a - r, ax, 1) if ax is not None else (a - r)
+            sel = per_sample[:, c] if ax is not None else per_sample
             worst_sample = int(np.argmax(np.nan_to_num(np.abs(sel.reshape(len(a), -1)), nan=np.inf).max(axis=1)))
     return TaskAgreement("raw", {"min_channel_snr_db": worst_db}, worst_sample,
                          f"worst at {where}" if where else "")

@@ -192,8 +192,11 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         use_device = pre_check.max_abs <= m.selftest.preprocess_max_abs
         own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant)
         got, refs, own = [], [], []
+        origin: list[tuple[int, int | None]] = []  # per judged row: (golden sample, step of its sequence)
         for i, (t, g) in enumerate(zip(tensors, golden)):
-            got += [split_batch(o, 0) for o in _run_golden(opened, m, t if use_device else g.input, _is_sequence(g))]
+            rows = [split_batch(o, 0) for o in _run_golden(opened, m, t if use_device else g.input, _is_sequence(g))]
+            origin += [(g.index, s if _is_sequence(g) else None) for s in range(len(rows))]
+            got += rows
             refs += _steps(g.outputs, _is_sequence(g))
             if own_batched is not None:
                 own += _steps(own_batched[i], _is_sequence(g))
@@ -206,12 +209,25 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             rep = judge_reproduction(m.postprocess, got, refs, bounds, "source",
                                      tensor_bound=c.precision == "fp32")
         fid = judge_fidelity(m.postprocess, got, refs, fidelity_floors(m.task, m.selftest.fidelity))
+        rep, fid = _locate(rep, origin), _locate(fid, origin)
     except Exception as exc:
         return _Trial(c, Evidence(c, error=f"inference error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}",
                                   effective=opened.effective, placement=opened.placement))
     ev = Evidence(c, None, opened.effective, opened.placement, pre_check, rep, fid, None, None, opened.create_ms,
                   tuple(opened.ort_log))
     return _Trial(c, ev, opened)
+
+
+def _locate(q: Any, origin: Sequence[tuple[int, int | None]]) -> Any:
+    """Findings of a stateful model name the golden sample and the step of its sequence, not the row
+    of all steps flattened (which names no sample that exists)."""
+    def fix(f: Any) -> Any:
+        if f.sample is None or not 0 <= f.sample < len(origin) or origin[f.sample][1] is None:
+            return f
+        index, step = origin[f.sample]
+        return replace(f, sample=index, detail=f"step {step} of its sequence" + (f"; {f.detail}" if f.detail else ""))
+
+    return replace(q, findings=tuple(fix(f) for f in q.findings))
 
 
 def _is_sequence(g: GoldenSample) -> bool:

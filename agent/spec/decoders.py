@@ -50,6 +50,9 @@ def class_scores(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:
     """(classes,) scores of one sample: softmax of logits unless the bundle says they are scores."""
     name = spec.output or next(iter(outputs))
     logits = np.asarray(outputs[name], dtype=np.float32).reshape(-1)
+    if logits.size == 1:  # one output is a binary classifier's logit (or probability): classes 0 and 1
+        p = 1.0 / (1.0 + np.exp(-logits)) if spec.apply_softmax else logits
+        return np.concatenate([1.0 - p, p]).astype(np.float32)
     return softmax(logits) if spec.apply_softmax else logits
 
 
@@ -147,7 +150,8 @@ def candidates(spec: PostprocessSpec, outputs: Outputs) -> tuple[np.ndarray, np.
 def decode_detections(spec: PostprocessSpec, outputs: Outputs, geometry: Geometry = IDENTITY) -> list[Detection]:
     """One sample's outputs in the declared layout -> thresholded, NMS'd detections in frame pixels."""
     boxes, best, cls = candidates(spec, outputs)
-    mask = best >= spec.score_threshold
+    # a non-finite box or score is no detection (and would make the result invalid JSON)
+    mask = (best >= spec.score_threshold) & np.isfinite(best) & np.isfinite(boxes).all(axis=1)
     boxes, cls, best = boxes[mask], cls[mask], best[mask]
     if spec.layout == "end2end":
         keep = list(np.argsort(-best, kind="stable"))
@@ -251,8 +255,10 @@ def layout_problems(spec: PostprocessSpec, shapes: Mapping[str, Sequence[int | s
             return out
         if len(a) != 3:
             out.append(f"postprocess.output {p.output!r} has shape {list(a)}; layout {p.layout} wants a rank-3 tensor")
-        elif p.layout == "yolov5" and known(a[2]) and a[2] < 6:
-            out.append(f"postprocess.output {p.output!r} has shape {list(a)}; yolov5 wants (batch, anchors, 5 + classes)")
+        elif p.layout == "yolov5" and known(a[2]) and (a[2] < 6 or (known(a[1]) and a[2] > a[1])):
+            out.append(f"postprocess.output {p.output!r} has shape {list(a)}; yolov5 wants (batch, anchors, 5 + classes)"
+                       + (" — this looks transposed (anchors last): that is layout yolov8" if known(a[1]) and a[2] > a[1]
+                          else ""))
         elif p.layout == "yolov8" and known(a[1]) and (a[1] < 5 or (known(a[2]) and a[1] > a[2])):
             out.append(f"postprocess.output {p.output!r} has shape {list(a)}; yolov8 wants (batch, 4 + classes, anchors)"
                        + (" — this looks transposed (anchors first): layout yolov5 has objectness, or transpose the "
@@ -304,7 +310,8 @@ def _segmentation(spec: PostprocessSpec, outputs: Outputs, labels: Sequence[str]
     regions, mask = segment_regions(spec, probability_map(spec, outputs), geometry)
     result: dict[str, Any] = {
         "type": "segmentation",
-        "regions": [{"box": [round(v, 2) for v in r.box], "score": round(r.score, 6), "area": r.area} for r in regions],
+        "regions": [{"box": [_finite(v, 2) for v in r.box], "score": _finite(r.score, 6), "area": r.area}
+                    for r in regions],
     }
     if spec.mask == "rle":
         result["mask"] = rle(mask)

@@ -362,6 +362,9 @@ def _check_semantics(m: Manifest, where: str) -> None:
         if ref not in outs:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
+    if m.postprocess.type == "raw" and m.postprocess.channel_axis == 0:
+        raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
+                          "later (-1: the last)")
     check_inputs(m, where)
     if pre_resize_problem := resize_problem(m.preprocess.resize):
         raise BundleError(f"{where}: key preprocess.resize: {pre_resize_problem}")
@@ -375,6 +378,11 @@ def _check_semantics(m: Manifest, where: str) -> None:
         if pre.resize is not None or pre.color is not None:
             raise BundleError(f"{where}: key preprocess: resize and color apply to images, not sensor windows")
         channels = frame.channels
+    if pre.dtype in ("uint8", "int8") and (pre.scale != 1.0 or any(v != 0 for v in pre.mean)
+                                            or any(v != 1 for v in pre.std)):
+        # the float result would be truncated to integers (1/255 scaling makes every pixel 0)
+        raise BundleError(f"{where}: key preprocess.dtype: a {pre.dtype} input takes raw pixels; scale, mean and std "
+                          "must be left out (normalise inside the model, or use dtype float32)")
     for key in ("mean", "std"):
         vals = getattr(pre, key)
         if vals and len(vals) not in (1, channels):
@@ -392,8 +400,9 @@ def resize_problem(r: ResizeSpec | None) -> str | None:
     if r.mode == "short_side_crop":
         if r.short_side is None:
             return "mode short_side_crop needs short_side (the short side after resizing, before the crop)"
-        if r.short_side < min(r.width, r.height):
-            return f"short_side {r.short_side} is smaller than the {r.width}x{r.height} crop"
+        if r.short_side < max(r.width, r.height):
+            # a frame of either orientation has `short_side` pixels across its short side, so the crop must fit it
+            return f"short_side {r.short_side} is smaller than a side of the {r.width}x{r.height} crop"
     if r.mode == "fit_multiple" and (r.limit_side is None or r.multiple < 1):
         return "mode fit_multiple needs limit_side and a multiple >= 1"
     return None
@@ -422,6 +431,10 @@ def check_inputs(m: Manifest, where: str) -> None:
         seen.add(x.name)
         if x.kind == "constant" and x.value is None:
             raise BundleError(f"{where}: key {key}.value: a constant input needs a value")
+        if x.kind == "metadata" and x.default is None:
+            # fed when a frame carries none: without it a float input got NaN, an integer one a TypeError
+            raise BundleError(f"{where}: key {key}.default: a metadata input needs a default (fed when a frame "
+                              "carries no value)")
         if x.kind == "state":
             if x.from_output is None:
                 raise BundleError(f"{where}: key {key}.from_output: a state input names the output that feeds it")

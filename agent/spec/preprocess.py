@@ -65,6 +65,9 @@ class Geometry:
 
 
 Letterbox = Geometry  # the name before crops and dynamic sizes existed
+# fit_multiple input area bound, in limit_side squares: limit_type min grows a 3x700 frame to 960x224000
+# (2.5 GB as float32) otherwise; 8 allows aspect ratios up to 8:1.
+MAX_FIT_AREA_FACTOR = 8
 IDENTITY = Geometry(1.0, 1.0, 0.0, 0.0)
 
 
@@ -171,6 +174,12 @@ class Preprocessor:
                 )
             if raw.shape[0] == 0 or raw.shape[1] == 0:
                 raise PreprocessError(f"empty image frame {raw.shape}")
+            r = self.spec.resize
+            if r is not None and r.mode == "fit_multiple" and r.limit_side is not None:
+                g = fit_geometry(raw.shape[0], raw.shape[1], r)
+                if g.input_w * g.input_h > MAX_FIT_AREA_FACTOR * max(r.limit_side, r.multiple) ** 2:
+                    raise PreprocessError(f"image frame {raw.shape[1]}x{raw.shape[0]} would become a {g.input_w}x"
+                                          f"{g.input_h} input (fit_multiple, limit_side {r.limit_side}): aspect too extreme")
         else:
             if raw.shape != (f.window, f.channels):
                 raise PreprocessError(f"sensor window shape {raw.shape} is not ({f.window}, {f.channels})")
