@@ -264,3 +264,13 @@ def test_a_calibration_directory_is_decoded_as_it_is_used_not_loaded_whole(tmp_p
     assert isinstance(s.raw, LazyFrames) and len(s.raw) == 5
     assert int(s.raw[3][0, 0, 0]) == 30 and [int(f[0, 0, 0]) for f in s.raw[1:3]] == [10, 20]
     assert isinstance(load_samples(d, FrameSpec(**TINY_SPEC["frame"])).raw, list)
+
+
+def test_build_never_derives_a_latency_budget_from_its_own_timing(tiny_bundle_master: Path) -> None:
+    """Fault: without the author's budget, `bundle create` wrote max(50, 10 x the build's p95): a build on a
+    loaded machine shipped a looser gate. Now nothing is written and the device applies a fixed default."""
+    from agent.spec.manifest import DEFAULT_LATENCY_BUDGET_MS
+
+    b = load_bundle(tiny_bundle_master)
+    assert "latency_budget_ms" not in b.manifest.raw["selftest"]
+    assert b.manifest.selftest.budget_for("CPUExecutionProvider") == DEFAULT_LATENCY_BUDGET_MS

@@ -621,11 +621,9 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     if labels_rel:
         postprocess["labels"] = labels_rel
     # The author's floors and bounds pass through unchanged: a build never writes a gate from what it measured.
+    # No latency budget is derived from the build machine's timing either: without the author's
+    # `latency_budget_ms` the device applies DEFAULT_LATENCY_BUDGET_MS (spec/manifest.py).
     selftest = dict(spec.get("selftest", {}))
-    slowest = max(b.quality["cpu_p95_ms"] for b in builds)
-    # A budget relative to the build machine: generous enough for a slower device, tight enough to
-    # catch a model that silently runs on the wrong provider. Bundles for known devices should set it.
-    selftest.setdefault("latency_budget_ms", {"default": round(max(50.0, 10 * slowest), 1)})
     preference = spec.get("preference") or {CPU: [b.name for b in builds if CPU in PROVIDERS_BY_PRECISION[b.precision]]}
     manifest: dict[str, Any] = {
         "format": 1,

@@ -20,6 +20,9 @@ from agent.errors import BundleError
 MANIFEST_NAME = "bundle.yaml"
 SIGNATURE_NAME = "bundle.sig"
 FORMAT = 1
+# p95 budget when a bundle states none: a fixed default, never one derived from a build machine's timing
+# (a gate that follows what was measured cannot fail). Authors of bundles for known devices set theirs.
+DEFAULT_LATENCY_BUDGET_MS = 1000.0
 
 Precision = Literal["fp32", "fp16", "int8"]
 Task = Literal["classification", "detection", "segmentation", "raw"]
@@ -166,7 +169,7 @@ class ParityThresholds:
 
 @dataclass(frozen=True)
 class SelftestSpec:
-    latency_budget_ms: Mapping[str, float]
+    latency_budget_ms: Mapping[str, float] = field(default_factory=dict)  # the author's; else the default
     parity: Mapping[str, ParityThresholds] = field(default_factory=dict)  # legacy, superseded; not judged
     # reproduction bounds overriding the code defaults: keys `<precision>` or `<precision>@<cpu|gpu|openvino>`
     reproduction: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
@@ -176,8 +179,9 @@ class SelftestSpec:
     warmup_runs: int = 5
     latency_runs: int = 50
 
-    def budget_for(self, provider: str) -> float | None:
-        return self.latency_budget_ms.get(provider, self.latency_budget_ms.get("default"))
+    def budget_for(self, provider: str) -> float:
+        """The author's p95 budget for this provider, else theirs for the rest, else the default."""
+        return self.latency_budget_ms.get(provider, self.latency_budget_ms.get("default", DEFAULT_LATENCY_BUDGET_MS))
 
 
 @dataclass(frozen=True)
