@@ -264,3 +264,32 @@ def test_a_calibration_directory_is_decoded_as_it_is_used_not_loaded_whole(tmp_p
     assert isinstance(s.raw, LazyFrames) and len(s.raw) == 5
     assert int(s.raw[3][0, 0, 0]) == 30 and [int(f[0, 0, 0]) for f in s.raw[1:3]] == [10, 20]
     assert isinstance(load_samples(d, FrameSpec(**TINY_SPEC["frame"])).raw, list)
+
+
+# --- calibration runs every sample (found on the real YOLOv8 layout model) ---------------------------
+
+def test_calibration_with_exactly_16_batch_1_runs_builds_not_no_data_is_collected(
+        tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    # ORT's MinMax with CalibMaxIntermediateOutputs 16 cleared its runs every 16 without merging them:
+    # 16 runs left nothing ("No data is collected.") and 20 runs were calibrated on the last 4.
+    out = create_bundle(_opts(tiny_inputs, tmp_path / "b16", calibration_batch=1, calibration_limit=16))
+    assert load_bundle(out).manifest.variant("int8").quantization["calibration_samples"] == 16
+
+
+def test_calibration_ranges_cover_the_first_samples_not_only_the_tail(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    from onnx import numpy_helper
+
+    from agent.bundle.create import quantize_int8
+
+    pre = _tiny_pre()
+    # one bright frame first, then 19 mid-grey ones: the input's range must reach the bright one
+    frames = [np.full((40, 40, 3), 255, np.uint8)] + [np.full((40, 40, 3), 128, np.uint8)] * 19
+    feeds = CalibrationFeeds(frames, pre, InputFeeder("input"), batch=1)
+    out = tmp_path / "int8.onnx"
+    quantize_int8(tiny_inputs["model"], out, feeds, CreateOptions(out=tmp_path / "x", **tiny_inputs))
+    model = onnx.load(str(out))
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "input")
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    scale = float(inits[q.input[1]])
+    bright = float(pre(frames[0]).max())  # (1 - 0.5) / 0.25 = 2.0
+    assert scale * 255 >= bright - 1e-3, f"input range {scale * 255:.4f} misses the first frame's {bright}"
