@@ -304,10 +304,19 @@ def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOp
     with tempfile.TemporaryDirectory() as tmp:
         pre = Path(tmp) / "pre.onnx"
         t0 = time.perf_counter()
+        shape_inference = "symbolic"
         try:
             quant_pre_process(str(fp32), str(pre), auto_merge=True)
         except Exception as exc:
-            raise BundleError(f"{fp32}: ORT quantization pre-processing failed: {_reason(exc)}") from exc
+            # ORT's symbolic shape inference asserts on some control flow (Silero VAD's If branches on the
+            # sample rate); ONNX's own shape inference handles them, so try it before giving up.
+            log.warning("bundle.create.symbolic_shape_inference_failed", reason=_reason(exc), fallback="onnx")
+            try:
+                quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
+                shape_inference = "onnx"
+            except Exception as exc2:
+                raise BundleError(f"{fp32}: ORT quantization pre-processing failed: {_reason(exc)}; "
+                                  f"without symbolic shape inference: {_reason(exc2)}") from exc2
         exclude = resolve_exclusions(onnx.load(str(pre)).graph, onnx.load(str(fp32)).graph, opts)
         method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                   "percentile": CalibrationMethod.Percentile}[opts.method]
@@ -334,6 +343,7 @@ def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOp
             raise BundleError(f"{fp32}: INT8 quantization failed: {_reason(exc)}") from exc
     return {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": opts.per_channel,
             "method": opts.method, "calibration_samples": calib.done, "excluded_nodes": exclude,
+            "shape_inference": shape_inference,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
