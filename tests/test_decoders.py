@@ -181,3 +181,16 @@ def test_region_score_box_mean_scores_the_box_like_dbnet_and_drops_a_sparse_blob
     assert segment_regions(box, prob)[0] == []  # mean over the 22x20 box: 60 * 0.9 / 440 = 0.12
     (full,), _ = segment_regions(PostprocessSpec(type="segmentation", output="maps", min_area=16, region_score="box_mean"), prob)
     assert full.score == pytest.approx(60 * 0.9 / (22 * 20), rel=1e-5)
+
+
+def test_dilation_grows_the_mask_before_regions_like_dbnet_and_its_box_score_counts_the_border() -> None:
+    # The held-out text frame the agent kept and the package dropped: DBNet dilates the mask 2x2, so the
+    # box takes in a row and a column of background and its mean falls under box_thresh (0.489 < 0.5).
+    prob = np.zeros((50, 50), np.float32)
+    prob[10:16, 10:20] = 0.6  # 10x6 at 0.6: box mean 0.6; dilated to 11x7: 0.6 * 60 / 77 = 0.47
+    common = dict(type="segmentation", output="maps", threshold=0.3, min_area=16, min_score=0.5, region_score="box_mean")
+    (r,), _ = segment_regions(PostprocessSpec(**common), prob)
+    assert r.box == (10.0, 10.0, 20.0, 16.0) and round(r.score, 3) == 0.6
+    assert segment_regions(PostprocessSpec(**common, dilation=2), prob)[0] == []
+    (d,), _ = segment_regions(PostprocessSpec(**{**common, "min_score": 0.0}, dilation=2), prob)
+    assert d.box == (10.0, 10.0, 21.0, 17.0) and d.score == pytest.approx(0.6 * 60 / 77, rel=1e-5)

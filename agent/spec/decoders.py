@@ -177,6 +177,8 @@ def probability_map(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:
 def segment_regions(spec: PostprocessSpec, prob: np.ndarray, geometry: Geometry = IDENTITY) -> tuple[list[Region], np.ndarray]:
     """Threshold a map, find 8-connected regions; boxes in frame pixels, best-scoring first. Also the mask."""
     mask = (prob > spec.threshold).astype(np.uint8)
+    if spec.dilation > 1:
+        mask = cv2.dilate(mask, np.ones((spec.dilation, spec.dilation), np.uint8))
     n, labels, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)
     if n <= 1:
         return [], mask

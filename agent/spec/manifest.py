@@ -128,6 +128,7 @@ class PostprocessSpec:
     # segmentation: a region's score is the map's mean over its own pixels, or over its bounding box
     # (DBNet's box_score_fast, which counts the low-probability pixels a box encloses)
     region_score: Literal["pixel_mean", "box_mean"] = "pixel_mean"
+    dilation: int = 0  # segmentation: dilate the thresholded mask with a k x k kernel first (DBNet's use_dilation: 2)
     max_values: int = 64
     channel_axis: int = 1
 
