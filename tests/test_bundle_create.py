@@ -293,3 +293,24 @@ def test_calibration_ranges_cover_the_first_samples_not_only_the_tail(tiny_input
     scale = float(inits[q.input[1]])
     bright = float(pre(frames[0]).max())  # (1 - 0.5) / 0.25 = 2.0
     assert scale * 255 >= bright - 1e-3, f"input range {scale * 255:.4f} misses the first frame's {bright}"
+
+
+def test_quantisation_falls_back_to_onnx_shape_inference_when_symbolic_inference_asserts(
+        tiny_inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Silero VAD: ORT's symbolic shape inference asserts inside its If branches (an empty AssertionError);
+    # ONNX's own shape inference handles them, and the INT8 builds.
+    import onnxruntime.quantization.shape_inference as si
+
+    real = si.quant_pre_process
+    calls: list[bool] = []
+
+    def symbolic_asserts(*args, skip_symbolic_shape: bool = False, **kwargs):
+        calls.append(skip_symbolic_shape)
+        if not skip_symbolic_shape:
+            raise AssertionError()
+        return real(*args, skip_symbolic_shape=skip_symbolic_shape, **kwargs)
+
+    monkeypatch.setattr(si, "quant_pre_process", symbolic_asserts)
+    out = create_bundle(_opts(tiny_inputs, tmp_path / "fallback"))
+    assert calls == [False, True]
+    assert load_bundle(out).manifest.variant("int8").quantization["shape_inference"] == "onnx"

@@ -227,3 +227,17 @@ def test_a_one_channel_sensor_window_in_layout_nw_is_a_rank_2_batch_by_window_te
     pre = Preprocessor(PreprocessSpec(layout="nw", dtype="float32"), FrameSpec(kind="sensor", window=576, channels=1))
     x = pre(window)
     assert x.shape == (1, 576) and np.array_equal(x[0], window[:, 0])
+
+
+def test_layout_nw_on_a_multi_channel_window_is_refused_naming_the_key(tiny_sensor_bundle, tmp_path) -> None:
+    import shutil
+
+    from agent.bundle.load import load_bundle
+    from agent.errors import BundleError
+    from agent.testing import rewrite_manifest
+
+    root = tmp_path / "b"
+    shutil.copytree(tiny_sensor_bundle, root)
+    rewrite_manifest(root, lambda d: d["preprocess"].update(layout="nw"))  # the tiny sensor has 3 channels
+    with pytest.raises(BundleError, match=r"preprocess\.layout: nw .* one-channel window, the frame has 3 channels"):
+        load_bundle(root)
