@@ -314,3 +314,33 @@ def test_quantisation_falls_back_to_onnx_shape_inference_when_symbolic_inference
     out = create_bundle(_opts(tiny_inputs, tmp_path / "fallback"))
     assert calls == [False, True]
     assert load_bundle(out).manifest.variant("int8").quantization["shape_inference"] == "onnx"
+
+
+def test_an_int8_in_which_nothing_was_quantized_is_refused_not_shipped_as_int8(
+        tiny_inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Silero VAD: every Conv and LSTM sits in an If branch the quantizer skips; the "int8" was the float
+    # model (larger, identical outputs) and passed every check as if it were INT8.
+    import shutil
+
+    import onnxruntime.quantization as q
+
+    monkeypatch.setattr(q, "quantize_static", lambda src, dst, *a, **k: shutil.copyfile(src, dst))
+    out = tmp_path / "none"
+    with pytest.raises(BundleError, match=r"INT8 quantization quantized no node .*--no-int8"):
+        create_bundle(_opts(tiny_inputs, out))
+    assert not out.exists()
+
+
+def test_quantized_nodes_are_counted_inside_if_branches() -> None:
+    from onnx import helper
+
+    from agent.bundle.create import count_quantized_nodes
+
+    qdq = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    branch = helper.make_graph(qdq, "then", [], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "else", [],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    top = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=other)], "top",
+                            [helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+                            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    assert count_quantized_nodes(top) == 2 and count_quantized_nodes(other) == 0

@@ -341,10 +341,29 @@ def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOp
             raise
         except Exception as exc:
             raise BundleError(f"{fp32}: INT8 quantization failed: {_reason(exc)}") from exc
+        quantized = count_quantized_nodes(onnx.load(str(out)).graph)
+        if quantized == 0:
+            # Silero VAD: its Conv and LSTM nodes sit inside If branches, which ORT's quantizer does not
+            # enter; a float model named int8 would pass every check and tell the device nothing.
+            raise BundleError(f"{fp32}: INT8 quantization quantized no node (no QuantizeLinear/DequantizeLinear in "
+                              "the result; ORT's quantizer does not enter If/Loop subgraphs): build without it (--no-int8)")
     return {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": opts.per_channel,
             "method": opts.method, "calibration_samples": calib.done, "excluded_nodes": exclude,
-            "shape_inference": shape_inference,
+            "shape_inference": shape_inference, "quantized_nodes": quantized,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def count_quantized_nodes(graph: Any) -> int:
+    """QuantizeLinear/DequantizeLinear nodes in a graph and its subgraphs."""
+    n = 0
+    for node in graph.node:
+        n += node.op_type in ("QuantizeLinear", "DequantizeLinear")
+        for a in node.attribute:
+            if a.g is not None and a.g.node:
+                n += count_quantized_nodes(a.g)
+            for g in a.graphs:
+                n += count_quantized_nodes(g)
+    return n
 
 
 def convert_fp16(fp32: Path, out: Path) -> dict[str, Any]:
