@@ -30,7 +30,10 @@ CACHE = Path(os.environ.get("EDGE_AGENT_CACHE", Path.home() / ".cache" / "edge-a
 SPECS = ROOT / "scripts" / "specs" / "real"
 REPEATS = int(os.environ.get("EDGE_AGENT_REAL_REPEATS", "20"))  # cold FP32 self-tests per model (issue: 20 of 20)
 MIN_AGREEMENT = 0.98
-RESULTS = CACHE / "results.json"  # the measured figures, for the README and the report
+# The measured figures of this run, for the README and the report: written in this run's own folder
+# (other checkouts may run this file at the same time) and copied to CACHE/results.json at the end.
+RESULTS_COPY = CACHE / "results.json"
+RESULTS = RESULTS_COPY  # set per run by the `results` fixture
 
 _spec = importlib.util.spec_from_file_location("real_models", ROOT / "scripts" / "real_models.py")
 real_models = importlib.util.module_from_spec(_spec)
@@ -88,16 +91,22 @@ def record(name: str, key: str, value: Any) -> None:
     RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fresh_results() -> None:
-    """Figures from this run only."""
-    if RESULTS.parent.exists():
-        RESULTS.unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("real")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def results(workdir: Path) -> Any:
+    """Figures from this run only, in its own folder; copied (atomically) into the cache at the end."""
+    global RESULTS
+    RESULTS = workdir / "results.json"
+    yield RESULTS
+    if RESULTS.exists() and RESULTS_COPY.parent.exists():
+        tmp = RESULTS_COPY.with_suffix(f".{os.getpid()}.part")
+        tmp.write_text(RESULTS.read_text())
+        tmp.replace(RESULTS_COPY)
+        print(f"\nreal-model figures: {RESULTS_COPY}")
 
 
 class Bundles:
