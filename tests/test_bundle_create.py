@@ -274,3 +274,83 @@ def test_build_never_derives_a_latency_budget_from_its_own_timing(tiny_bundle_ma
     b = load_bundle(tiny_bundle_master)
     assert "latency_budget_ms" not in b.manifest.raw["selftest"]
     assert b.manifest.selftest.budget_for("CPUExecutionProvider") == DEFAULT_LATENCY_BUDGET_MS
+
+
+# --- calibration runs every sample (found on the real YOLOv8 layout model) ---------------------------
+
+def test_calibration_with_exactly_16_batch_1_runs_builds_not_no_data_is_collected(
+        tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    # ORT's MinMax with CalibMaxIntermediateOutputs 16 cleared its runs every 16 without merging them:
+    # 16 runs left nothing ("No data is collected.") and 20 runs were calibrated on the last 4.
+    out = create_bundle(_opts(tiny_inputs, tmp_path / "b16", calibration_batch=1, calibration_limit=16))
+    assert load_bundle(out).manifest.variant("int8").quantization["calibration_samples"] == 16
+
+
+def test_calibration_ranges_cover_the_first_samples_not_only_the_tail(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
+    from onnx import numpy_helper
+
+    from agent.bundle.create import quantize_int8
+
+    pre = _tiny_pre()
+    # one bright frame first, then 19 mid-grey ones: the input's range must reach the bright one
+    frames = [np.full((40, 40, 3), 255, np.uint8)] + [np.full((40, 40, 3), 128, np.uint8)] * 19
+    feeds = CalibrationFeeds(frames, pre, InputFeeder("input"), batch=1)
+    out = tmp_path / "int8.onnx"
+    quantize_int8(tiny_inputs["model"], out, feeds, CreateOptions(out=tmp_path / "x", **tiny_inputs))
+    model = onnx.load(str(out))
+    q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "input")
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    scale = float(inits[q.input[1]])
+    bright = float(pre(frames[0]).max())  # (1 - 0.5) / 0.25 = 2.0
+    assert scale * 255 >= bright - 1e-3, f"input range {scale * 255:.4f} misses the first frame's {bright}"
+
+
+def test_quantisation_falls_back_to_onnx_shape_inference_when_symbolic_inference_asserts(
+        tiny_inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Silero VAD: ORT's symbolic shape inference asserts inside its If branches (an empty AssertionError);
+    # ONNX's own shape inference handles them, and the INT8 builds.
+    import onnxruntime.quantization.shape_inference as si
+
+    real = si.quant_pre_process
+    calls: list[bool] = []
+
+    def symbolic_asserts(*args, skip_symbolic_shape: bool = False, **kwargs):
+        calls.append(skip_symbolic_shape)
+        if not skip_symbolic_shape:
+            raise AssertionError()
+        return real(*args, skip_symbolic_shape=skip_symbolic_shape, **kwargs)
+
+    monkeypatch.setattr(si, "quant_pre_process", symbolic_asserts)
+    out = create_bundle(_opts(tiny_inputs, tmp_path / "fallback"))
+    assert calls == [False, True]
+    assert load_bundle(out).manifest.variant("int8").quantization["shape_inference"] == "onnx"
+
+
+def test_an_int8_in_which_nothing_was_quantized_is_refused_not_shipped_as_int8(
+        tiny_inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Silero VAD: every Conv and LSTM sits in an If branch the quantizer skips; the "int8" was the float
+    # model (larger, identical outputs) and passed every check as if it were INT8.
+    import shutil
+
+    import onnxruntime.quantization as q
+
+    monkeypatch.setattr(q, "quantize_static", lambda src, dst, *a, **k: shutil.copyfile(src, dst))
+    out = tmp_path / "none"
+    with pytest.raises(BundleError, match=r"INT8 quantization quantized no node .*--no-int8"):
+        create_bundle(_opts(tiny_inputs, out))
+    assert not out.exists()
+
+
+def test_quantized_nodes_are_counted_inside_if_branches() -> None:
+    from onnx import helper
+
+    from agent.bundle.create import count_quantized_nodes
+
+    qdq = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    branch = helper.make_graph(qdq, "then", [], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "else", [],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    top = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=other)], "top",
+                            [helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [])],
+                            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    assert count_quantized_nodes(top) == 2 and count_quantized_nodes(other) == 0

@@ -165,3 +165,32 @@ def test_dbnet_style_box_threshold_and_unclip_grow_shrunk_text_kernels() -> None
     (r,), _ = segment_regions(spec, prob)
     d = 100 * 10 * 1.5 / (2 * 110)  # area * ratio / perimeter
     assert np.allclose(r.box, [50 - d, 40 - d, 150 + d, 50 + d], atol=1e-4)
+
+
+def test_region_score_box_mean_scores_the_box_like_dbnet_and_drops_a_sparse_blob() -> None:
+    # A diagonal stroke: its own pixels score 0.9, but its bounding box is mostly background, as in the
+    # held-out text frame where the package (box_score_fast, box_thresh 0.5) dropped a blob the agent kept.
+    prob = np.zeros((100, 100), np.float32)
+    for i in range(20):
+        prob[40 + i, 40 + i:43 + i] = 0.9
+    pixel = PostprocessSpec(type="segmentation", output="maps", threshold=0.3, min_area=16, min_score=0.5)
+    box = PostprocessSpec(type="segmentation", output="maps", threshold=0.3, min_area=16, min_score=0.5,
+                          region_score="box_mean")
+    (r,), _ = segment_regions(pixel, prob)
+    assert round(r.score, 3) == 0.9
+    assert segment_regions(box, prob)[0] == []  # mean over the 22x20 box: 60 * 0.9 / 440 = 0.12
+    (full,), _ = segment_regions(PostprocessSpec(type="segmentation", output="maps", min_area=16, region_score="box_mean"), prob)
+    assert full.score == pytest.approx(60 * 0.9 / (22 * 20), rel=1e-5)
+
+
+def test_dilation_grows_the_mask_before_regions_like_dbnet_and_its_box_score_counts_the_border() -> None:
+    # The held-out text frame the agent kept and the package dropped: DBNet dilates the mask 2x2, so the
+    # box takes in a row and a column of background and its mean falls under box_thresh (0.489 < 0.5).
+    prob = np.zeros((50, 50), np.float32)
+    prob[10:16, 10:20] = 0.6  # 10x6 at 0.6: box mean 0.6; dilated to 11x7: 0.6 * 60 / 77 = 0.47
+    common = dict(type="segmentation", output="maps", threshold=0.3, min_area=16, min_score=0.5, region_score="box_mean")
+    (r,), _ = segment_regions(PostprocessSpec(**common), prob)
+    assert r.box == (10.0, 10.0, 20.0, 16.0) and round(r.score, 3) == 0.6
+    assert segment_regions(PostprocessSpec(**common, dilation=2), prob)[0] == []
+    (d,), _ = segment_regions(PostprocessSpec(**{**common, "min_score": 0.0}, dilation=2), prob)
+    assert d.box == (10.0, 10.0, 21.0, 17.0) and d.score == pytest.approx(0.6 * 60 / 77, rel=1e-5)

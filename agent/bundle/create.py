@@ -322,15 +322,27 @@ def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOp
     with tempfile.TemporaryDirectory() as tmp:
         pre = Path(tmp) / "pre.onnx"
         t0 = time.perf_counter()
+        shape_inference = "symbolic"
         try:
             quant_pre_process(str(fp32), str(pre), auto_merge=True)
         except Exception as exc:
-            raise BundleError(f"{fp32}: ORT quantization pre-processing failed: {_reason(exc)}") from exc
+            # ORT's symbolic shape inference asserts on some control flow (Silero VAD's If branches on the
+            # sample rate); ONNX's own shape inference handles them, so try it before giving up.
+            log.warning("bundle.create.symbolic_shape_inference_failed", reason=_reason(exc), fallback="onnx")
+            try:
+                quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
+                shape_inference = "onnx"
+            except Exception as exc2:
+                raise BundleError(f"{fp32}: ORT quantization pre-processing failed: {_reason(exc)}; "
+                                  f"without symbolic shape inference: {_reason(exc2)}") from exc2
         exclude = resolve_exclusions(onnx.load(str(pre)).graph, onnx.load(str(fp32)).graph, opts)
         method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                   "percentile": CalibrationMethod.Percentile}[opts.method]
-        # MinMax merges ranges every few runs instead of holding every intermediate output of the set
-        extra = {"CalibMaxIntermediateOutputs": 16} if opts.method == "minmax" else {}
+        # No CalibMaxIntermediateOutputs: ORT's MinMax collect_data *discards* the collected runs each time
+        # that count is reached (it clears without merging), so a set of exactly 16 batch-1 runs ended in
+        # "No data is collected." and 20 runs were calibrated on the last 4. MinMax keeps only each tensor's
+        # ReduceMin/ReduceMax per run (the model's own outputs are dropped), so memory stays small anyway.
+        extra: dict[str, Any] = {}
         # uint8 activations with int8 weights: the S8S8 default is not fused on x86 and runs slower than FP32.
         try:
             quantize_static(
@@ -347,9 +359,29 @@ def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOp
             raise
         except Exception as exc:
             raise BundleError(f"{fp32}: INT8 quantization failed: {_reason(exc)}") from exc
+        quantized = count_quantized_nodes(onnx.load(str(out)).graph)
+        if quantized == 0:
+            # Silero VAD: its Conv and LSTM nodes sit inside If branches, which ORT's quantizer does not
+            # enter; a float model named int8 would pass every check and tell the device nothing.
+            raise BundleError(f"{fp32}: INT8 quantization quantized no node (no QuantizeLinear/DequantizeLinear in "
+                              "the result; ORT's quantizer does not enter If/Loop subgraphs): build without it (--no-int8)")
     return {"format": "QDQ", "activations": "uint8", "weights": "int8", "per_channel": opts.per_channel,
             "method": opts.method, "calibration_samples": calib.done, "excluded_nodes": exclude,
+            "shape_inference": shape_inference, "quantized_nodes": quantized,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def count_quantized_nodes(graph: Any) -> int:
+    """QuantizeLinear/DequantizeLinear nodes in a graph and its subgraphs."""
+    n = 0
+    for node in graph.node:
+        n += node.op_type in ("QuantizeLinear", "DequantizeLinear")
+        for a in node.attribute:
+            if a.g is not None and a.g.node:
+                n += count_quantized_nodes(a.g)
+            for g in a.graphs:
+                n += count_quantized_nodes(g)
+    return n
 
 
 def convert_fp16(fp32: Path, out: Path) -> dict[str, Any]:

@@ -83,6 +83,10 @@ class ResizeSpec:
     limit_type: Literal["max", "min"] = "max"
     multiple: int = 32
     resampler: Literal["opencv", "pil"] = "opencv"
+    # short_side_crop conventions: torchvision (long side floor, crop offset round) is the default;
+    # PaddleClas' ResizeImage/CropImage round the long side and floor the crop offset.
+    size_rounding: Literal["floor", "round"] = "floor"
+    crop_offset: Literal["round", "floor"] = "round"
 
     @property
     def fixed_size(self) -> bool:
@@ -124,6 +128,10 @@ class PostprocessSpec:
     mask: Literal["none", "rle"] = "none"
     min_score: float = 0.0  # segmentation: drop regions whose mean probability is lower (DBNet's box_thresh)
     unclip_ratio: float = 0.0  # segmentation: grow each box by area * ratio / perimeter (DBNet's unclip; 0 = off)
+    # segmentation: a region's score is the map's mean over its own pixels, or over its bounding box
+    # (DBNet's box_score_fast, which counts the low-probability pixels a box encloses)
+    region_score: Literal["pixel_mean", "box_mean"] = "pixel_mean"
+    dilation: int = 0  # segmentation: dilate the thresholded mask with a k x k kernel first (DBNet's use_dilation: 2)
     max_values: int = 64
     channel_axis: int = 1
 
@@ -377,8 +385,11 @@ def _check_semantics(m: Manifest, where: str) -> None:
             raise BundleError(f"{where}: key preprocess.layout: image frames need nchw or nhwc, found {pre.layout!r}")
         channels = 1 if (pre.color or frame.color) == "gray" else 3
     else:
-        if pre.layout not in ("ncw", "nwc"):
-            raise BundleError(f"{where}: key preprocess.layout: sensor frames need ncw or nwc, found {pre.layout!r}")
+        if pre.layout not in ("ncw", "nwc", "nw"):
+            raise BundleError(f"{where}: key preprocess.layout: sensor frames need ncw, nwc or nw, found {pre.layout!r}")
+        if pre.layout == "nw" and frame.channels != 1:
+            raise BundleError(f"{where}: key preprocess.layout: nw ([batch, window], no channel axis) needs a "
+                              f"one-channel window, the frame has {frame.channels} channels: use ncw or nwc")
         if pre.resize is not None or pre.color is not None:
             raise BundleError(f"{where}: key preprocess: resize and color apply to images, not sensor windows")
         channels = frame.channels

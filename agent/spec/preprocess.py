@@ -109,13 +109,18 @@ def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Geometry
         return Geometry(s, s, pad_x, pad_y, frame_w=width, frame_h=height, input_w=r.width, input_h=r.height)
     if r.mode == "short_side_crop":
         assert r.short_side is not None
-        # torchvision Resize(int): the short side becomes short_side, the long side int(short_side * long / short)
+        # torchvision Resize(int): the short side becomes short_side, the long side int(short_side * long / short);
+        # size_rounding round: PaddleClas ResizeImage's int(round(long * short_side / short))
+        to_int = (lambda v: int(round(v))) if r.size_rounding == "round" else int
         if width <= height:
-            new_w, new_h = r.short_side, int(r.short_side * height / width)
+            new_w, new_h = r.short_side, to_int(r.short_side * height / width)
         else:
-            new_w, new_h = int(r.short_side * width / height), r.short_side
-        # torchvision CenterCrop: offset int(round((size - crop) / 2))
-        crop_x, crop_y = int(round((new_w - r.width) / 2.0)), int(round((new_h - r.height) / 2.0))
+            new_w, new_h = to_int(r.short_side * width / height), r.short_side
+        # torchvision CenterCrop: offset int(round((size - crop) / 2)); crop_offset floor: PaddleClas' (size - crop) // 2
+        if r.crop_offset == "floor":
+            crop_x, crop_y = (new_w - r.width) // 2, (new_h - r.height) // 2
+        else:
+            crop_x, crop_y = int(round((new_w - r.width) / 2.0)), int(round((new_h - r.height) / 2.0))
         return Geometry(new_w / width, new_h / height, 0.0, 0.0, crop_x, crop_y, frame_w=width, frame_h=height,
                         input_w=r.width, input_h=r.height)
     # fit_multiple (PaddleOCR DetResizeForTest, limit_type max/min)
@@ -202,6 +207,8 @@ class Preprocessor:
         layout = self.spec.layout
         if layout == "nchw" or layout == "ncw":
             x = np.moveaxis(x, -1, 0)
+        elif layout == "nw":  # a one-channel window as the model's [B, W] (e.g. Silero VAD's `input`)
+            x = x[:, 0]
         return np.ascontiguousarray(x[np.newaxis], dtype=self._dtype)
 
     def _image(self, raw: np.ndarray) -> np.ndarray:
