@@ -54,3 +54,89 @@ def test_report_from_a_state_dir_after_an_update_shows_the_serving_bundles_selft
     # no store (updates off): the boot's report, as before
     shutil.rmtree(state / "store")
     assert load_report(state)["created"] == boot["created"]
+
+
+# -- a real agent, a real broker --------------------------------------------------------------------------
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from brokers import Broker, Collector  # noqa: E402
+from waiting import end_process, wait_until  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "dev-seams"
+PREFIX = f"edge/{DEVICE}/"
+
+
+@pytest.fixture(scope="module")
+def seam_kit(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_master: Path) -> dict:
+    import cv2
+
+    from agent.bundle.archive import pack
+    from agent.bundle.signing import keygen, sign_bundle
+    from agent.testing import rewrite_manifest, structured_frames
+
+    d = tmp_path_factory.mktemp("seam-kit")
+    keygen(d / "k.pem", d / "k.pub")
+    frames = d / "frames"
+    frames.mkdir()
+    for i, f in enumerate(structured_frames(12, 40, seed=9)):
+        cv2.imwrite(str(frames / f"{i:02d}.png"), f)
+    shutil.copytree(tiny_bundle_master, d / "v1")  # the operator's seed, unsigned
+    shutil.copytree(tiny_bundle_master, d / "v2")
+    rewrite_manifest(d / "v2", lambda m: m.update(version=2))
+    sign_bundle(d / "v2", d / "k.pem")
+    return {"dir": d, "frames": frames, "pub": d / "k.pub", "v1": d / "v1", "v2": pack(d / "v2", d / "v2.tar.gz")}
+
+
+def _agent(tmp: Path, kit: dict, port: int, **updates) -> subprocess.Popen:
+    cfg = {
+        "device_id": DEVICE, "state_dir": str(tmp / "state"), "bundle": str(kit["v1"]),
+        "source": {"type": "folder", "path": str(kit["frames"]), "loop": True, "max_fps": 30},
+        "output": {"stdout": False, "health_interval_s": 0.5},
+        "mqtt": {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1},
+        "updates": {"enabled": True, "trusted_keys": [str(kit["pub"])], "max_bundle_bytes": 2 * 2**20, **updates},
+    }
+    (tmp / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    return subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp / "agent.yaml")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "agent.log", "a"),
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _statuses(col: Collector) -> list[dict]:
+    return [json.loads(m.payload) for m in col.on(PREFIX + "update/status")]
+
+
+def test_sigterm_during_probation_does_not_commit_a_bundle_probation_never_watched(
+        tmp_path: Path, seam_kit: dict) -> None:
+    """Probation stops watching when the agent stops; the judge then saw a few clean frames and the
+    updater committed the bundle after 0.1 s and 2 frames of a 3 s / 30 frame probation."""
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    agent = _agent(tmp_path, seam_kit, broker.port, probation_s=60.0, probation_frames=100000)
+    pusher = None
+    try:
+        assert col.wait(lambda: col.on(PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-3000:]
+        pusher = subprocess.Popen([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
+                                   str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
+                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert col.wait(lambda: any(s["state"] == "probation" for s in _statuses(col)), 90), \
+            (tmp_path / "agent.log").read_text()[-3000:]
+        end_process(agent)
+        assert agent.returncode == 0
+        final = _statuses(col)[-1]
+        assert final["state"] == "rolled_back", final
+        assert "shutdown" in final["reason"]
+        store = tmp_path / "state" / "store"
+        assert os.readlink(store / "committed") == os.readlink(store / "current")
+        assert "-v1-" in os.readlink(store / "committed")
+    finally:
+        end_process(pusher, graceful=False)
+        end_process(agent, graceful=False)
+        col.c.loop_stop()
+        broker.stop()
