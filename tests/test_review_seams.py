@@ -140,3 +140,30 @@ def test_sigterm_during_probation_does_not_commit_a_bundle_probation_never_watch
         end_process(agent, graceful=False)
         col.c.loop_stop()
         broker.stop()
+
+
+def test_update_while_paused_is_refused_as_paused_not_blamed_on_the_bundle(tmp_path: Path, seam_kit: dict) -> None:
+    """`pause` stops frames; an update switched in then served nothing on probation and was rolled back as
+    "zero results ... none served", blaming a good bundle for the operator's pause."""
+    import paho.mqtt.publish as publish
+
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    agent = _agent(tmp_path, seam_kit, broker.port, probation_s=2.0, probation_frames=20)
+    try:
+        assert col.wait(lambda: col.on(PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-3000:]
+        publish.single(PREFIX + "cmd/pause", b"{}", qos=1, hostname="127.0.0.1", port=broker.port)
+        assert col.wait(lambda: col.on(PREFIX + "cmd/pause/reply"), 20)
+        out = subprocess.run([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
+                              str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        final = json.loads(out.stdout.strip().splitlines()[-1])
+        assert final["state"] != "committed", final
+        assert "paused" in final["reason"] and "zero results" not in final["reason"], final
+        assert agent.poll() is None
+        store = tmp_path / "state" / "store"
+        assert "-v1-" in os.readlink(store / "current") and "-v1-" in os.readlink(store / "committed")
+    finally:
+        end_process(agent)
+        col.c.loop_stop()
+        broker.stop()

@@ -245,6 +245,9 @@ class Controller:
         def apply() -> Swap:
             if self.stop_event.is_set():
                 raise AgentError("the agent is stopping: the update is not switched in")
+            if self.pipeline is not None and self.pipeline.paused.is_set():
+                # probation judges served frames: a paused pipeline serves none, whatever the bundle
+                raise AgentError("serving is paused (pause command): send resume, then offer the update again")
             previous = (self.bundle, self.engine, self.selftest_doc, self.not_serving_reason)
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
             if self.serving:
