@@ -167,3 +167,36 @@ def test_update_while_paused_is_refused_as_paused_not_blamed_on_the_bundle(tmp_p
         end_process(agent)
         col.c.loop_stop()
         broker.stop()
+
+
+def test_a_key_removed_from_trusted_keys_by_reload_no_longer_verifies_updates(tmp_path: Path, seam_kit: dict) -> None:
+    """SIGHUP re-read the config but the updater kept the updates settings it started with: a signing key
+    the operator removed from updates.trusted_keys (a revocation) still verified pushed bundles."""
+    import signal
+
+    from agent.bundle.signing import keygen
+
+    keygen(tmp_path / "new.pem", tmp_path / "new.pub")
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    agent = _agent(tmp_path, seam_kit, broker.port, probation_s=1.0, probation_frames=10)
+    try:
+        assert col.wait(lambda: col.on(PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-3000:]
+        cfg = yaml.safe_load((tmp_path / "agent.yaml").read_text())
+        cfg["updates"]["trusted_keys"] = [str(tmp_path / "new.pub")]  # the old key is revoked
+        (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+        agent.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: '"reload.start"' in (tmp_path / "agent.log").read_text(), 30)
+        n = len(col.on(PREFIX + "health"))
+        assert col.wait(lambda: len(col.on(PREFIX + "health")) > n + 2
+                        and json.loads(col.on(PREFIX + "health")[-1].payload)["serving"], 60)
+        out = subprocess.run([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
+                              str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        final = json.loads(out.stdout.strip().splitlines()[-1])
+        assert final["state"] == "rejected", final
+        assert "-v1-" in os.readlink(tmp_path / "state" / "store" / "committed")
+    finally:
+        end_process(agent)
+        col.c.loop_stop()
+        broker.stop()

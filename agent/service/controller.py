@@ -460,11 +460,20 @@ class Controller:
         if new.mqtt != self.cfg.mqtt:
             log.warning("reload.mqtt_unchanged", detail="mqtt settings apply at the next restart")
             new = dataclasses.replace(new, mqtt=self.cfg.mqtt)
+        u = self.cfg.updates
+        if (new.updates.enabled, new.updates.inbox) != (u.enabled, u.inbox) or new.metrics != self.cfg.metrics:
+            log.warning("reload.restart_needed", detail="updates.enabled, updates.inbox and metrics apply at the next "
+                        "restart; the other updates settings (trusted_keys, limits, probation) apply now")
+            new = dataclasses.replace(new, updates=dataclasses.replace(new.updates, enabled=u.enabled, inbox=u.inbox),
+                                      metrics=self.cfg.metrics)
         return new
 
     def _stop_for_reload(self, new: Config) -> None:
         log.info("reload.start", config=str(new.source_file))
         self.cfg = new
+        for holder in (self.updater, self.receiver, self.downloader):  # a revoked key stops verifying now
+            if holder is not None:
+                holder.cfg = new.updates
         configure_logging(new.log.level, new.log.json)
         self._stop_pipeline()
         self.pipeline = None
