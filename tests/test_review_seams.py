@@ -200,3 +200,13 @@ def test_a_key_removed_from_trusted_keys_by_reload_no_longer_verifies_updates(tm
         end_process(agent)
         col.c.loop_stop()
         broker.stop()
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "https://[fe80::1%zz/x", "http://127.0.0.1:port/x"])
+def test_a_malformed_url_is_refused_with_a_reason_not_a_traceback(url: str) -> None:
+    """urlsplit's ValueError (an unclosed IPv6 bracket) escaped check_url: the update command logged a
+    traceback, replied "ValueError: Invalid IPv6 URL" and published no update status."""
+    from agent.updates.delivery import UrlRefused, check_url
+
+    with pytest.raises(UrlRefused, match="malformed URL"):
+        check_url(url, allow_http=False)
