@@ -496,7 +496,9 @@ class Controller:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
             return
         if self._update_thread is not None and self._update_thread.is_alive():
-            reply({"ok": False, "already_running": True, "error": "already running: an update command is in progress"})
+            # the delivery's word for a second update while one runs (README "Hostile inputs"): busy
+            reply({"ok": False, "already_running": True, "busy": True,
+                   "error": "busy: an update command is already running; send it again after its verdict"})
             return
         if cmd.name == "update":
             url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
