@@ -210,3 +210,32 @@ def test_a_malformed_url_is_refused_with_a_reason_not_a_traceback(url: str) -> N
 
     with pytest.raises(UrlRefused, match="malformed URL"):
         check_url(url, allow_http=False)
+
+
+def test_pause_during_probation_is_busy_not_a_rollback_of_a_good_bundle(tmp_path: Path, seam_kit: dict) -> None:
+    """A `pause` accepted while an update was on probation starved the judge: the good bundle was rolled
+    back as "zero results". While an update or rollback runs, pause answers busy."""
+    import paho.mqtt.publish as publish
+
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    agent = _agent(tmp_path, seam_kit, broker.port, probation_s=4.0, probation_frames=100000)
+    pusher = None
+    try:
+        assert col.wait(lambda: col.on(PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-3000:]
+        pusher = subprocess.Popen([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
+                                   str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
+                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert col.wait(lambda: any(s["state"] == "probation" for s in _statuses(col)), 90)
+        publish.single(PREFIX + "cmd/pause", b"{}", qos=1, hostname="127.0.0.1", port=broker.port)
+        assert col.wait(lambda: col.on(PREFIX + "cmd/pause/reply"), 20)
+        reply = json.loads(col.on(PREFIX + "cmd/pause/reply")[-1].payload)
+        assert reply["ok"] is False and reply.get("busy"), reply
+        assert col.wait(lambda: _statuses(col)[-1]["state"] in ("committed", "rolled_back"), 30)
+        assert _statuses(col)[-1]["state"] == "committed", _statuses(col)[-1]
+    finally:
+        end_process(pusher, graceful=False)
+        end_process(agent)
+        col.c.loop_stop()
+        broker.stop()

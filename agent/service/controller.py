@@ -371,6 +371,10 @@ class Controller:
             if self.pipeline is None:
                 reply({"ok": False, "error": f"not serving: {self.not_serving_reason}"})
                 return
+            if name == "pause" and (self._operation or "").startswith(("update", "rollback")):
+                # probation judges the frames the new bundle serves: a pause now would fail a good bundle
+                reply({"ok": False, "busy": True, "error": f"busy: {self._operation} in progress; pause after its verdict"})
+                return
             (self.pipeline.paused.set if name == "pause" else self.pipeline.paused.clear)()
             self._publish_health()
             reply({"ok": True, "paused": self.pipeline.paused.is_set()})
