@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -23,8 +24,35 @@ def _parse(data: bytes | str, where: str) -> dict[str, Any]:
     return doc
 
 
+def _serving_report(state: Path) -> dict[str, Any] | None:
+    """In a state directory whose store serves a bundle: the newest report of that bundle. An update's or
+    rollback's proof runs in update-selftest/ (the controller serves that report, and health and /metrics
+    show it), so the boot's selftest/report.json may describe a bundle that no longer serves."""
+    current = state / "store" / "current"
+    try:
+        sha = hashlib.sha256((current / "bundle.yaml").read_bytes()).hexdigest()
+    except OSError:
+        return None
+    best: dict[str, Any] | None = None
+    for p in (state / "selftest" / "report.json", state / "update-selftest" / "selftest" / "report.json"):
+        if not p.is_file():
+            continue
+        doc = _parse(p.read_bytes(), str(p))
+        b = doc.get("bundle") if isinstance(doc.get("bundle"), dict) else {}
+        if b.get("manifest_sha256") == sha and (best is None or str(doc.get("created", "")) > str(best.get("created", ""))):
+            best = doc
+    if best is not None and not Path(str(best["bundle"].get("path", ""))).is_dir():
+        best["bundle"] = {**best["bundle"], "path": str(current.resolve())}  # proven in staging, now in the store
+    return best
+
+
 def load_report(path: Path) -> dict[str, Any]:
-    """A report.json, or a state directory holding selftest/report.json."""
+    """A report.json, or a state directory holding selftest/report.json (or, with a bundle store, the
+    report of the bundle the store serves)."""
+    if path.is_dir():
+        served = _serving_report(path)
+        if served is not None:
+            return served
     candidates = [path] if path.is_file() else [path / "selftest" / "report.json", path / "report.json"]
     for p in candidates:
         if p.is_file():

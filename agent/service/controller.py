@@ -245,6 +245,9 @@ class Controller:
         def apply() -> Swap:
             if self.stop_event.is_set():
                 raise AgentError("the agent is stopping: the update is not switched in")
+            if self.pipeline is not None and self.pipeline.paused.is_set():
+                # probation judges served frames: a paused pipeline serves none, whatever the bundle
+                raise AgentError("serving is paused (pause command): send resume, then offer the update again")
             previous = (self.bundle, self.engine, self.selftest_doc, self.not_serving_reason)
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
             if self.serving:
@@ -368,6 +371,10 @@ class Controller:
             if self.pipeline is None:
                 reply({"ok": False, "error": f"not serving: {self.not_serving_reason}"})
                 return
+            if name == "pause" and (self._operation or "").startswith(("update", "rollback")):
+                # probation judges the frames the new bundle serves: a pause now would fail a good bundle
+                reply({"ok": False, "busy": True, "error": f"busy: {self._operation} in progress; pause after its verdict"})
+                return
             (self.pipeline.paused.set if name == "pause" else self.pipeline.paused.clear)()
             self._publish_health()
             reply({"ok": True, "paused": self.pipeline.paused.is_set()})
@@ -457,11 +464,20 @@ class Controller:
         if new.mqtt != self.cfg.mqtt:
             log.warning("reload.mqtt_unchanged", detail="mqtt settings apply at the next restart")
             new = dataclasses.replace(new, mqtt=self.cfg.mqtt)
+        u = self.cfg.updates
+        if (new.updates.enabled, new.updates.inbox) != (u.enabled, u.inbox) or new.metrics != self.cfg.metrics:
+            log.warning("reload.restart_needed", detail="updates.enabled, updates.inbox and metrics apply at the next "
+                        "restart; the other updates settings (trusted_keys, limits, probation) apply now")
+            new = dataclasses.replace(new, updates=dataclasses.replace(new.updates, enabled=u.enabled, inbox=u.inbox),
+                                      metrics=self.cfg.metrics)
         return new
 
     def _stop_for_reload(self, new: Config) -> None:
         log.info("reload.start", config=str(new.source_file))
         self.cfg = new
+        for holder in (self.updater, self.receiver, self.downloader):  # a revoked key stops verifying now
+            if holder is not None:
+                holder.cfg = new.updates
         configure_logging(new.log.level, new.log.json)
         self._stop_pipeline()
         self.pipeline = None
@@ -484,7 +500,9 @@ class Controller:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
             return
         if self._update_thread is not None and self._update_thread.is_alive():
-            reply({"ok": False, "already_running": True, "error": "already running: an update command is in progress"})
+            # the delivery's word for a second update while one runs (README "Hostile inputs"): busy
+            reply({"ok": False, "already_running": True, "busy": True,
+                   "error": "busy: an update command is already running; send it again after its verdict"})
             return
         if cmd.name == "update":
             url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")

@@ -283,7 +283,11 @@ def check_url(url: str, allow_http: bool) -> urllib.parse.SplitResult:
         raise UrlRefused(f"URL is {len(url)} characters (at most 2048)")
     if any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):
         raise UrlRefused("URL contains spaces or control characters (header injection is refused)")
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as exc:
+        raise UrlRefused(f"malformed URL {url[:200]!r}: {exc}") from exc
     if parts.scheme not in ("https", "http") or not parts.hostname:
         raise UrlRefused(f"only https URLs are fetched (http with updates.allow_http), not {url[:200]!r}")
     if parts.scheme == "http" and not allow_http and parts.hostname not in LOOPBACK:

@@ -149,10 +149,17 @@ class Updater:
             return self.status(update, origin, "rolled_back", reason=f"could not start serving it: {exc}")
         self.status(update, origin, "probation", seconds=self.cfg.probation_s, frames=self.cfg.probation_frames)
         verdict = self._probation(stored, candidate, swap)
-        if not verdict.passed:
+        e = verdict.evidence
+        cut_short = (self.agent.stopping() and e.results < self.cfg.probation_frames
+                     and e.seconds < self.cfg.probation_s)
+        if not verdict.passed or cut_short:
+            # a probation the shutdown cut short proved nothing: the committed bundle serves at the next start
+            reason = (verdict.summary if not verdict.passed else
+                      f"probation cut short by shutdown after {e.seconds:.1f} s and {e.results} results "
+                      f"(needs {self.cfg.probation_s:g} s or {self.cfg.probation_frames} results): not committed")
             self.agent.restore(swap)
             self.store.revert_current()
-            return self.status(update, origin, "rolled_back", reason=verdict.summary, bundle=bid,
+            return self.status(update, origin, "rolled_back", reason=reason, bundle=bid,
                                probation=verdict.to_dict())
         self.store.commit(bid)
         removed = self.store.prune(self.cfg.keep)
