@@ -33,12 +33,29 @@ def test_openvino_cpu_is_usable_and_takes_the_probe_nodes() -> None:
 
 @openvino
 def test_selftest_selects_openvino_for_real_with_nodes_placed_on_it(tiny_bundle: Path, tmp_path: Path) -> None:
-    cfg = Config(providers=ProvidersConfig(order=(OPENVINO, CPU), options={OPENVINO: {"device_type": "CPU"}}))
+    cfg = Config(state_dir=tmp_path, providers=ProvidersConfig(order=(OPENVINO, CPU), options={OPENVINO: {"device_type": "CPU"}}))
     report = run_selftest(load_bundle(tiny_bundle), tmp_path, options_from_config(cfg))
     assert report.selected is not None
     assert report.selected.candidate.provider == OPENVINO
     placement = report.selected.evidence.placement
     assert placement.fraction(OPENVINO) >= 0.9, placement
+
+
+@openvino
+def test_the_serving_session_opens_the_proven_candidate_with_the_childs_compile_cache(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Issue 13: the child proves, the serving process opens only the proven candidate, pointed at the
+    same provider compile cache under the state dir (TensorRT engines, OpenVINO blobs). Measured with
+    this ORT build, OpenVINO on CPU rewrites its blob on every session and gains nothing: the test pins
+    that both processes share the cache, not a speed-up."""
+    from agent.serving.engine import build_engine
+
+    cfg = Config(state_dir=tmp_path, providers=ProvidersConfig(order=(OPENVINO, CPU), options={OPENVINO: {"device_type": "CPU"}}))
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path, options_from_config(cfg))
+    cand = report.selected.candidate
+    assert cand.provider == OPENVINO and cand.options["cache_dir"] == str(tmp_path / "cache" / "openvino")
+    assert sorted((tmp_path / "cache" / "openvino").glob("*.blob")), "the self-test wrote nothing to the cache"
+    engine = build_engine(load_bundle(tiny_bundle), cand, cfg.session)
+    assert engine.opened.effective[0] == OPENVINO
 
 
 @openvino
@@ -48,7 +65,7 @@ def test_openvino_gpu_on_a_machine_without_one_is_a_silent_fallback_and_cpu_is_s
     s = probe_provider(OPENVINO, {"device_type": "GPU"})
     assert not s.usable
     assert s.reason.startswith("silent fallback") and "GPU" in s.reason
-    cfg = Config(providers=ProvidersConfig(order=(OPENVINO, CPU), options={OPENVINO: {"device_type": "GPU"}}))
+    cfg = Config(state_dir=tmp_path, providers=ProvidersConfig(order=(OPENVINO, CPU), options={OPENVINO: {"device_type": "GPU"}}))
     report = run_selftest(load_bundle(tiny_bundle), tmp_path, options_from_config(cfg))
     assert report.selected.candidate.provider == CPU
     assert all(r.candidate.provider != OPENVINO for r in report.results)

@@ -168,3 +168,11 @@ def test_a_session_that_cannot_be_created_is_a_verdict_not_a_crash(tiny_bundle: 
     fp32 = _by_key(report)["CPUExecutionProvider:fp32"]
     assert not fp32.passed and fp32.reasons[0].startswith("session creation error: ")
     assert report.selected.candidate.variant == "int8"
+
+
+def test_compile_caches_live_under_the_state_dir_and_the_users_own_options_win() -> None:
+    from agent.proof.terms import OPENVINO, TENSORRT, with_compile_caches
+
+    out = with_compile_caches({OPENVINO: {"device_type": "GPU", "cache_dir": "/mine"}}, "/var/lib/edge-agent/cache")
+    assert out[OPENVINO] == {"device_type": "GPU", "cache_dir": "/mine"}
+    assert out[TENSORRT] == {"trt_engine_cache_enable": "True", "trt_engine_cache_path": "/var/lib/edge-agent/cache/tensorrt"}

@@ -35,7 +35,7 @@ from agent.proof.selection import (
     should_remeasure_latency,
 )
 from agent.proof.session import open_session
-from agent.proof.terms import DEFAULT_ORDER, LatencyStats, ProviderStatus, SessionSettings
+from agent.proof.terms import DEFAULT_ORDER, LatencyStats, ProviderStatus, SessionSettings, with_compile_caches
 from agent.proof.verdict import (
     Candidate,
     CandidateResult,
@@ -493,5 +493,5 @@ def options_from_config(cfg: Any, provider: str | None = None, variant: str | No
     if policy.provider and policy.provider not in order:
         order = (policy.provider,) + order
     return SelftestOptions(policy=policy, settings=cfg.session, provider_order=order,
-                           provider_options=cfg.providers.options,
+                           provider_options=with_compile_caches(cfg.providers.options, str(cfg.state_dir / "cache")),
                            use_cache=sel.use_cache if use_cache is None else use_cache)

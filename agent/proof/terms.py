@@ -121,3 +121,15 @@ class LatencyStats:
         p50, p95, p99 = np.percentile(ms, [50, 95, 99])
         return cls(len(ms), round(float(p50), 4), round(float(p95), 4), round(float(p99), 4), round(float(ms.mean()), 4),
                    tuple(round(float(x), 4) for x in ms))
+
+
+def with_compile_caches(options: Mapping[str, Mapping[str, Any]], cache_dir: str) -> dict[str, dict[str, Any]]:
+    """Provider options with compile caches under `cache_dir`: TensorRT engines and OpenVINO compiled
+    blobs built while the self-test child proved a candidate are reused when the serving process opens
+    it (and on the next boot), instead of compiling again. Options the user set win."""
+    out = {name: dict(opts) for name, opts in options.items()}
+    trt = out.setdefault(TENSORRT, {})
+    trt.setdefault("trt_engine_cache_enable", "True")
+    trt.setdefault("trt_engine_cache_path", f"{cache_dir}/tensorrt")
+    out.setdefault(OPENVINO, {}).setdefault("cache_dir", f"{cache_dir}/openvino")
+    return out
