@@ -69,6 +69,10 @@ def test_device_that_stays_too_slow_serves_nothing_or_degraded_as_configured(tin
     doc = json.loads((tmp_path / "deg" / "selftest" / "report.json").read_text())
     assert doc["degraded"].startswith(f"serving {fastest.candidate.key} degraded")
     assert doc["warnings"] == [doc["degraded"]] and doc["too_slow"] is True
+    from agent.link.health import health_selftest
+
+    loud = health_selftest(doc)  # what every health message carries: a degraded device is never quiet
+    assert loud["degraded"] == doc["degraded"] and loud["too_slow"] is True and loud["warnings"] == doc["warnings"]
     ctx = doc["candidates"][0]["latency_context"]
     assert ctx["cpus"] >= 1 and ctx["load_before"] >= 0 and ctx["interleaved"] is True
     # a degraded pick is never cached as a proven winner

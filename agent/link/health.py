@@ -151,6 +151,11 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         "bundle": {"name": bundle.get("name"), "version": bundle.get("version")} if bundle else None,
         "selected": None if not sel else {k: sel.get(k) for k in ("provider", "variant", "precision")},
         "candidates": [candidate_figures(c) for c in report_candidates(doc)],
+        # loud states an operator must see: serving below the author's floor (pinned), or a too-slow device
+        "degraded": doc.get("degraded"),
+        "too_slow": doc.get("too_slow"),
+        "pinned_below_floor": doc.get("pinned_below_floor"),
+        "warnings": [str(w) for w in doc.get("warnings") or []][:10],
         # steps that killed a self-test child (a bad driver), as "step: signal"
         "crashes": [f"{c.get('step')}: {c.get('signal')}" if isinstance(c, Mapping) else str(c)
                     for c in (doc.get("crashes") if isinstance(doc.get("crashes"), list) else ())],
