@@ -286,6 +286,11 @@ def render_selftest(doc: dict) -> str:
         p95 = ", ".join(f"{short(k)} {v:.2f}" for k, v in a["p95_ms"].items() if v is not None)
         lines.append(f"latency re-measured (attempt {a['attempt']}, after {a['waited_s']:g} s, load "
                      f"{a['load_average']}): p95 ms {p95}")
+    dec = doc.get("decode")
+    if dec:
+        tried = ", ".join(f"1/{d['scale']} {'ok' if d['passed'] else 'FAIL'}" for d in dec.get("scales") or [])
+        lines.append(f"reduced JPEG decode: max scale 1/{dec['max_scale']}" + (f" ({tried})" if tried else "")
+                     + (f": {dec['reason']}" if dec.get("reason") else ""))
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     for w in doc.get("warnings") or []:

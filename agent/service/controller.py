@@ -30,7 +30,7 @@ from agent.proof.session import forbid_fd_capture
 from agent.serving.engine import Engine
 from agent.serving.pipeline import Pipeline, Sink
 from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
-from agent.serving.sources import is_lossless, open_source
+from agent.serving.sources import is_lossless, open_source, retarget_decode
 from agent.service.boot import BootOutcome, boot, open_engine, prove
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
@@ -78,6 +78,24 @@ class Busy(AgentError):
     """The controller's queue is full."""
 
 
+def proven_decode(cfg: Any, report: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+    """The source settings to open with, and the decode limit: the largest JPEG scale the self-test proved
+    on the serving candidate (1 when the report proves none). A forced `source.decode_scale` above it is
+    capped, with a warning: a scale the golden samples never saw is not served."""
+    dec = (report or {}).get("decode") or {}
+    proven = int(dec.get("max_scale", 1)) if isinstance(dec, dict) else 1
+    limit: dict[str, Any] = {"max_scale": proven, "proven": proven, "reason": dec.get("reason") if dec else
+                             "the self-test report has no reduced-decode check", "forced": None}
+    forced = getattr(cfg, "decode_scale", "auto")
+    if forced != "auto":
+        limit["forced"] = int(forced)
+        if int(forced) > proven:
+            log.warning("source.decode_scale_capped", configured=int(forced), proven=proven, reason=limit["reason"])
+            limit["capped"] = f"source.decode_scale {forced} is above the proven {proven}: decoding at 1/{proven}"
+            cfg = dataclasses.replace(cfg, decode_scale=proven)
+    return cfg, limit
+
+
 class Controller:
     """Owns the serving state; runs `run()` on the main thread."""
 
@@ -99,6 +117,7 @@ class Controller:
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         self.selftest_doc: dict[str, Any] | None = None
+        self.decode_limit: dict[str, Any] | None = None  # the proven JPEG decode scale the source runs under
         self.not_serving_reason: str | None = None
         self.store: Any = None
         self.updater: Any = None
@@ -206,13 +225,22 @@ class Controller:
         assert self.engine is not None and self.bundle is not None
         if self.stop_event.is_set():  # a boot or an update that finishes during shutdown serves nothing
             raise AgentError("the agent is stopping")
-        source = open_source(self.cfg.source, self.bundle.manifest.frame)
+        m = self.bundle.manifest
+        src_cfg, self.decode_limit = proven_decode(self.cfg.source, self.selftest_doc)
+        source = open_source(src_cfg, m.frame, m.preprocess.resize, max_scale=self.decode_limit["max_scale"])
         self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline,
                                  is_lossless(self.cfg.source, source), boot=self.boot_number,
                                  first_seq=self._next_seq)
         self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
         return self.pipeline.start()
+
+    def _retarget_decode(self) -> None:
+        """A swapped bundle brings its own resize and proven decode scale: the running source takes them for
+        the next frame (a frame in flight carries the scale it was decoded at, so its boxes still map back)."""
+        assert self.pipeline is not None and self.bundle is not None
+        _, self.decode_limit = proven_decode(self.cfg.source, self.selftest_doc)
+        retarget_decode(self.pipeline.source, self.bundle.manifest.preprocess.resize, self.decode_limit["max_scale"])
 
     def _stop_pipeline(self) -> None:
         p = self.pipeline
@@ -249,6 +277,7 @@ class Controller:
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
             if self.serving:
                 self.pipeline.swap_engine(engine)
+                self._retarget_decode()
             else:
                 self._stop_pipeline()
                 self._start_pipeline()
@@ -263,6 +292,7 @@ class Controller:
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = swap.previous
             if self.engine is not None and self.serving:
                 self.pipeline.swap_engine(self.engine)
+                self._retarget_decode()
             elif self.engine is None:
                 self._stop_pipeline()
                 self.pipeline = None
@@ -281,7 +311,7 @@ class Controller:
             interval_s=self.cfg.output.health_interval_s, serving=self.serving,
             not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
             engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
-            probe=self.probe, operation=self._operation,
+            probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update)
 
     def _idle_reason(self) -> str:
@@ -619,7 +649,8 @@ class Controller:
                     self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
-                         **{k: v for k, v in (doc["pipeline"] or {}).items() if k != "latency_ms"})
+                         **{k: v for k, v in (doc["pipeline"] or {}).items() if k != "latency_ms"},
+                         decoder=(doc["source"] or {}).get("decoder"))
                 next_health = time.monotonic() + interval
         return 0
 

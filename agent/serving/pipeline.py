@@ -26,6 +26,7 @@ from agent.errors import PreprocessError, ResultTooLargeError
 from agent.logsetup import get_logger
 from agent.serving.metrics import PipelineMetrics
 from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, decode, split_batch
+from agent.serving.decoding import scaled_geometry
 from agent.serving.sources import BadFrame, Frame, FrameSource
 
 log = get_logger("pipeline")
@@ -304,8 +305,10 @@ class Pipeline:
             tally.frames += len(batch)
             for f in batch:
                 try:
-                    tensors.append(engine.preprocessor(f.data))
-                    geoms.append(engine.preprocessor.geometry(f.data))
+                    data = f.data  # a deferred decode or colour conversion happens here, once
+                    tensors.append(engine.preprocessor(data))
+                    # a frame decoded at 1/scale: boxes are mapped back to the camera's pixels
+                    geoms.append(scaled_geometry(engine.preprocessor.geometry(data), f.scale))
                     frames.append(f)
                 except PreprocessError as exc:
                     m.bad_frames += 1

@@ -566,5 +566,11 @@ def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None =
     return factory(cfg, frame, resize, max_scale)
 
 
+def retarget_decode(source: FrameSource, resize: ResizeSpec | None, max_scale: int) -> None:
+    """A new bundle's resize and proven decode scale, taken by a running source from its next frame on."""
+    if hasattr(source, "max_scale"):
+        source.resize, source.max_scale = resize, max_scale  # type: ignore[attr-defined]
+
+
 def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:
     return (not source.live) if cfg.lossless is None else cfg.lossless
