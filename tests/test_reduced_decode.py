@@ -59,8 +59,10 @@ def run_agent(tmp_path: Path, bundle: Path, source: dict, name: str) -> tuple[li
 
 
 def decoders_in_health(events: list[dict]) -> list[dict]:
-    """The source's decoder stats from each health event once the source has opened."""
-    return [e["decoder"] for e in events if e.get("event") == "health" and (e.get("decoder") or {}).get("path")]
+    """The source's decoder stats (as health reports them) in each health event once the source has opened,
+    and last in the shutdown event: a short video may end before the first periodic health."""
+    return [e["decoder"] for e in events if e.get("event") in ("health", "shutdown")
+            and (e.get("decoder") or {}).get("path")]
 
 
 def test_selftest_proves_the_demo_classifier_at_every_reduced_scale(tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ from agent.proof.session import forbid_fd_capture
 from agent.serving.engine import Engine
 from agent.serving.pipeline import Pipeline, Sink
 from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
-from agent.serving.sources import is_lossless, open_source, retarget_decode
+from agent.serving.multisource import MultiSource
+from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode
 from agent.service.boot import BootOutcome, boot, open_engine, prove
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
@@ -76,6 +77,14 @@ class Swap:
 
 class Busy(AgentError):
     """The controller's queue is full."""
+
+
+def sources_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """Many sources: each one's state and counts, for the health and shutdown log lines."""
+    if not doc.get("sources"):
+        return {}
+    keep = ("state", "frames", "served", "stale", "left_at_stop", "decoder")
+    return {"sources": {n: {k: v[k] for k in keep} for n, v in doc["sources"].items()}}
 
 
 def proven_decode(cfg: Any, report: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
@@ -215,8 +224,9 @@ class Controller:
         if self.cfg.output.stdout:
             sinks.append(JsonLinesSink())
         if self.outbox is not None and self.link is not None:
-            sinks.append(OutboxSink(self.outbox, self.link.topics.predictions, self.cfg.mqtt.qos,
-                                    self.cfg.mqtt.batch_predictions))
+            topics = self.link.topics
+            sinks.append(OutboxSink(self.outbox, topics.predictions, self.cfg.mqtt.qos, self.cfg.mqtt.batch_predictions,
+                                    topic_for=topics.source_predictions if self.cfg.sources else None))
         if self.extra_sink is not None:
             sinks.append(self.extra_sink)
         return FanOutSink(*sinks) if sinks else NullSink()
@@ -226,11 +236,23 @@ class Controller:
         if self.stop_event.is_set():  # a boot or an update that finishes during shutdown serves nothing
             raise AgentError("the agent is stopping")
         m = self.bundle.manifest
-        src_cfg, self.decode_limit = proven_decode(self.cfg.source, self.selftest_doc)
-        source = open_source(src_cfg, m.frame, m.preprocess.resize, max_scale=self.decode_limit["max_scale"])
-        self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline,
-                                 is_lossless(self.cfg.source, source), boot=self.boot_number,
-                                 first_seq=self._next_seq)
+        opened: list[tuple[Any, FrameSource]] = []
+        try:
+            for cfg in self.cfg.source_list:
+                src_cfg, self.decode_limit = proven_decode(cfg, self.selftest_doc)
+                opened.append((cfg, open_source(src_cfg, m.frame, m.preprocess.resize,
+                                                max_scale=self.decode_limit["max_scale"])))
+        except AgentError:
+            for _, src in opened:
+                src.close()
+            raise
+        if self.cfg.sources:  # many sources, one session: each source keeps its own policy inside
+            source: FrameSource = MultiSource(opened, capacity=self.cfg.pipeline.queue_size)
+            lossless = True
+        else:
+            source, lossless = opened[0][1], is_lossless(self.cfg.source, opened[0][1])
+        self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline, lossless,
+                                 boot=self.boot_number, first_seq=self._next_seq)
         self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
         return self.pipeline.start()
@@ -239,8 +261,10 @@ class Controller:
         """A swapped bundle brings its own resize and proven decode scale: the running source takes them for
         the next frame (a frame in flight carries the scale it was decoded at, so its boxes still map back)."""
         assert self.pipeline is not None and self.bundle is not None
-        _, self.decode_limit = proven_decode(self.cfg.source, self.selftest_doc)
-        retarget_decode(self.pipeline.source, self.bundle.manifest.preprocess.resize, self.decode_limit["max_scale"])
+        _, self.decode_limit = proven_decode(self.cfg.source_list[0], self.selftest_doc)
+        src = self.pipeline.source
+        for s in ([f.source for f in src.feeds] if isinstance(src, MultiSource) else [src]):
+            retarget_decode(s, self.bundle.manifest.preprocess.resize, self.decode_limit["max_scale"])
 
     def _stop_pipeline(self) -> None:
         p = self.pipeline
@@ -326,6 +350,9 @@ class Controller:
         doc = self._last_health = self.health()
         if self.link is not None:
             self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
+            for name, one in (doc.get("sources") or {}).items():
+                self.link.publish_retained(self.link.topics.source_health(name),
+                                           json.dumps({"ts": doc["ts"], "source": name, **one}).encode())
         return doc
 
     def _health_key(self) -> Any:
@@ -650,7 +677,8 @@ class Controller:
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
                          **{k: v for k, v in (doc["pipeline"] or {}).items() if k != "latency_ms"},
-                         decoder=(doc["source"] or {}).get("decoder"))
+                         decoder=(doc["source"] or {}).get("decoder"),
+                         **sources_summary(doc))
                 next_health = time.monotonic() + interval
         return 0
 
@@ -669,9 +697,13 @@ class Controller:
         self._loop_done.set()
         doc = self.health()
         p = doc["pipeline"] or {}
-        log.info("shutdown", serving=doc["serving"], **{k: v for k, v in p.items() if k != "latency_ms"})
+        log.info("shutdown", serving=doc["serving"], **{k: v for k, v in p.items() if k != "latency_ms"},
+                 decoder=(doc["source"] or {}).get("decoder"), **sources_summary(doc))
         if self.link is not None:
             self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
+            for name, one in (doc.get("sources") or {}).items():
+                self.link.publish_retained(self.link.topics.source_health(name),
+                                           json.dumps({"ts": doc["ts"], "source": name, **one}).encode())
             self.link.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()

@@ -47,6 +47,8 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
         update=update,
     )
     doc["operation"] = operation  # "reload", "selftest", "update <id>" while one runs
+    per_source = getattr(pipeline.source, "per_source", None) if pipeline is not None else None
+    doc["sources"] = per_source() if per_source is not None else None  # many sources: each one's own health
     return doc
 
 
