@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import cv2
+import numpy as np
 import pytest
 import yaml
 
@@ -260,3 +261,50 @@ def test_an_agent_with_two_sources_publishes_predictions_and_health_per_source(t
         col.close()
         end_process(proc)
         broker.stop()
+
+
+def test_a_stateful_model_keeps_its_state_per_source(tmp_path: Path) -> None:
+    """Two sensor streams through one stateful session: each source's answers follow its own recurrence,
+    as if it were served alone (state mixed across sources would follow neither)."""
+    from test_stateful import SPEC, C, T, _sequences, make_stateful_model, numpy_reference
+    from agent.bundle.create import CreateOptions, create_bundle
+
+    d = tmp_path / "stateful"
+    d.mkdir()
+    (d / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    for name, seed in (("calib", 1), ("golden", 2)):
+        np.savez(d / f"{name}.npz", raw=_sequences(seed))
+    bundle = create_bundle(CreateOptions(model=make_stateful_model(d / "model.onnx"), spec=d / "spec.yaml",
+                                         calibration=d / "calib.npz", golden=d / "golden.npz", out=d / "bundle",
+                                         int8=False))
+    b = load_bundle(bundle)
+    engine = build_engine(b, Candidate("CPUExecutionProvider", "fp32", "fp32"), SessionSettings())
+    seqs = {"left": _sequences(7)[0], "right": _sequences(8)[3]}
+    cfgs = []
+    for name, seq in seqs.items():
+        (tmp_path / f"{name}.f32").write_bytes(seq.reshape(-1, C).astype("<f4").tobytes())
+        cfgs.append(SourceConfig(name=name, type="file", path=tmp_path / f"{name}.f32"))
+    multi = MultiSource([(c, open_source(c, b.manifest.frame)) for c in cfgs])
+    sink = ListSink()
+    p = Pipeline(multi, engine, sink, PipelineConfig(max_batch=8), True).start()
+    assert p.done.wait(30)
+    multi.close()
+    for name, seq in seqs.items():
+        got = [r for r in sink.results if r["source"] == name]
+        want = numpy_reference(seq)
+        assert len(got) == T
+        assert [r["result"]["top"][0]["class_id"] for r in got] == list(want.argmax(1)), name
+        assert np.allclose([r["result"]["top"][0]["score"] for r in got], want.max(1), atol=1e-4), name
+
+
+def test_home_assistant_announces_entities_per_source() -> None:
+    from agent.link.discovery import discovery_messages
+
+    cfg = parse_config(yaml.safe_dump({"device_id": "dev", "sources": [{"name": "door"}, {"name": "yard"}]}),
+                       "agent.yaml")
+    msgs = {k.split("/")[-2]: json.loads(v) for k, v in discovery_messages(cfg, Topics("edge/dev/")).items()}
+    assert msgs["last_prediction_door"]["state_topic"] == "edge/dev/predictions/door"
+    assert msgs["source_state_yard"]["state_topic"] == "edge/dev/health/yard"
+    assert "last_prediction" not in msgs and "fps" in msgs  # the device-wide sensors stay
+    one = discovery_messages(parse_config("device_id: dev", "agent.yaml"), Topics("edge/dev/"))
+    assert any(k.endswith("/last_prediction/config") for k in one)
