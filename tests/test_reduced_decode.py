@@ -149,3 +149,51 @@ def test_a_forced_decode_scale_is_never_above_the_proven_one() -> None:
     assert cfg.decode_scale == 1 and "capped" not in limit
     _, limit = proven_decode(SourceConfig(type="video"), {"passed": True})  # a report without the check
     assert limit["max_scale"] == 1
+
+
+def test_regions_of_a_frame_decoded_at_reduced_scale_are_in_camera_pixels(tmp_path: Path) -> None:
+    """The pipeline maps geometry back with the frame's decode scale: regions found on a 1280x720 (1/4)
+    and a 2560x1440 (1/8) JPEG land on the boxes drawn in the camera's pixels."""
+    import time
+
+    from agent.bundle.create import CreateOptions, create_bundle
+    from agent.config import PipelineConfig
+    from agent.proof.terms import SessionSettings
+    from agent.proof.verdict import Candidate
+    from agent.serving.engine import build_engine
+    from agent.serving.pipeline import Pipeline
+    from agent.serving.sources import open_source
+    from agent.testing import ListSink
+    from test_map_model import FRAMES, SPEC, _frame, _write, make_map_model
+
+    d = tmp_path / "map"
+    d.mkdir()
+    (d / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    _write(d / "calib", FRAMES, seed=10)
+    _write(d / "golden", FRAMES, seed=20)
+    bundle = load_bundle(create_bundle(CreateOptions(model=make_map_model(d / "map.onnx"), spec=d / "spec.yaml",
+                                                     calibration=d / "calib", golden=d / "golden", out=d / "bundle",
+                                                     int8=False)))
+    camera = [((720, 1280), [(200, 100, 700, 160), (800, 400, 1200, 600)]),
+              ((1440, 2560), [(400, 200, 1400, 320)])]
+    (tmp_path / "frames").mkdir()
+    for i, ((h, w), boxes) in enumerate(camera):
+        cv2.imwrite(str(tmp_path / "frames" / f"{i:03d}.jpg"), cv2.cvtColor(_frame(h, w, boxes, 40 + i), cv2.COLOR_RGB2BGR),
+                    [cv2.IMWRITE_JPEG_QUALITY, 95])
+    engine = build_engine(bundle, Candidate("CPUExecutionProvider", "fp32", "fp32"), SessionSettings())
+    m = bundle.manifest
+    source = open_source(SourceConfig(type="folder", path=tmp_path / "frames"), m.frame, m.preprocess.resize)
+    sink = ListSink()
+    p = Pipeline(source, engine, sink, PipelineConfig(), True).start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not p.done.is_set():
+        time.sleep(0.02)
+    p.stop()
+    assert p.join(timeout=15)
+    assert source.stats.decoder["scale"] == 8  # the last frame, 2560x1440, decoded at 320x180
+    assert len(sink.results) == 2
+    for r, (_, boxes) in zip(sink.results, camera):
+        got = sorted(reg["box"] for reg in r["result"]["regions"])
+        assert len(got) == len(boxes), got
+        for g, want in zip(got, sorted(boxes)):
+            assert np.allclose(g, want, atol=2 * 2560 / 320), (g, want)  # two model pixels, in camera pixels
