@@ -308,3 +308,15 @@ def test_home_assistant_announces_entities_per_source() -> None:
     assert "last_prediction" not in msgs and "fps" in msgs  # the device-wide sensors stay
     one = discovery_messages(parse_config("device_id: dev", "agent.yaml"), Topics("edge/dev/"))
     assert any(k.endswith("/last_prediction/config") for k in one)
+
+
+def test_config_check_checks_every_listed_source(tmp_path: Path) -> None:
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"bundle": str(DEMO), "sources": [
+        {"name": "door", "type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits")},
+        {"name": "yard", "type": "video", "path": "missing.avi"}]}))
+    out = subprocess.run([sys.executable, "-m", "agent", "config", "check", str(cfg)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"key sources[1].path: {tmp_path / 'missing.avi'} does not exist" in out.stderr
+    assert "sources[0]" not in out.stderr
