@@ -197,3 +197,11 @@ def test_regions_of_a_frame_decoded_at_reduced_scale_are_in_camera_pixels(tmp_pa
         assert len(got) == len(boxes), got
         for g, want in zip(got, sorted(boxes)):
             assert np.allclose(g, want, atol=2 * 2560 / 320), (g, want)  # two model pixels, in camera pixels
+
+
+def test_a_cached_verdict_keeps_the_proven_decode_scale(tmp_path: Path) -> None:
+    bundle = load_bundle(DEMO)
+    first = run_selftest(bundle, tmp_path, SelftestOptions(latency_runs=5))
+    again = run_selftest(bundle, tmp_path, SelftestOptions(latency_runs=5))
+    assert again.cached and again.decode_max_scale == first.decode_max_scale == 8
+    assert again.to_dict()["decode"] == first.to_dict()["decode"]

@@ -399,9 +399,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
 
     def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
                attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
-               opened: Any = None) -> SelftestReport:
-        decode = None
-        if selected is not None:
+               opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
+        if selected is not None and decode is None:
             decode = _guarded(markers, bundle, selected.candidate,
                               lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden, opened))
         report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
@@ -429,7 +428,9 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                                                         preprocessed=preprocessed))
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
-                    return finish([quick], quick, cached=True)
+                    # the reduced-decode check depends on what the cache key covers: reused, not re-run
+                    proven = (cached.get("report") or {}).get("decode")
+                    return finish([quick], quick, cached=True, decode=proven if isinstance(proven, dict) else None)
                 log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
 
     recorded = {v.name: recorded_outputs(bundle, v.name) for v in m.variants}
