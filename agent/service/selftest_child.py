@@ -110,8 +110,15 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         inject_fault(f"candidate:{c.key}", faults)
         return evaluate(bundle, c, *a, **kw)
 
+    prove = selftest.prove
+
+    def prove_with_fault(bundle: Any, c: Any, *a: Any, **kw: Any) -> Any:  # the full self-test's trials
+        inject_fault(f"candidate:{c.key}", faults)
+        return prove(bundle, c, *a, **kw)
+
     selftest.detect_providers = lambda *a, **kw: list(statuses)  # type: ignore[assignment]
     selftest.evaluate = evaluate_with_fault  # type: ignore[assignment]
+    selftest.prove = prove_with_fault  # type: ignore[assignment]
     report = selftest.run_selftest(bundle, args.state_dir, opts)
     return report.to_dict()
 
