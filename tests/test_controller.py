@@ -353,8 +353,8 @@ def test_sighup_reload_under_an_update_waits_and_keeps_the_update(broker: Broker
 
 def test_outbox_stats_in_health_while_the_link_pumps(broker: Broker, tmp_path: Path) -> None:
     """Fault: the outbox's SQLite connection and queues were used from three threads without a lock
-    (`stats()` could raise IndexError in the main loop). Health at 20 Hz while the link pumps."""
-    proc = _start(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.05}),
+    (`stats()` could raise IndexError in the main loop). Health at 10 Hz (the lowest interval config allows) while the link pumps."""
+    proc = _start(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.1}),
                   stdout=subprocess.DEVNULL)
     col = Collector(broker.port, [PREFIX + "health"])
     try:
