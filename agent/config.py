@@ -10,6 +10,7 @@ import collections.abc
 import dataclasses
 import json
 import os
+import re
 import socket
 import types
 import typing
@@ -86,6 +87,7 @@ class PipelineConfig:
     queue_size: int = 2               # bounded queues between stages
     inference_workers: int = 0        # threads calling run() on the one session; 0: one per available CPU, at most 4
     max_frames: int = 0               # stop after this many frames (0: run until stopped)
+    batch_across_sources: bool = True  # many sources, dynamic batch: batch up to one frame per source
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,9 @@ class Config:
     selection: SelectionConfig = SelectionConfig()
     session: SessionSettings = SessionSettings()
     source: SourceConfig = SourceConfig()
+    # many sources served by one proven session: each with its own name (results, topics, health), type,
+    # rate limit, lossless policy and reconnect state; `source:` is the one-source form of the same thing
+    sources: tuple[SourceConfig, ...] = ()
     pipeline: PipelineConfig = PipelineConfig()
     output: OutputConfig = OutputConfig()
     mqtt: MqttConfig = MqttConfig()
@@ -207,6 +212,11 @@ class Config:
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
     source_file: Path | None = None
+
+    @property
+    def source_list(self) -> tuple[SourceConfig, ...]:
+        """Every source this agent serves: the `sources:` list, or the one `source:`."""
+        return self.sources or (self.source,)
 
 
 def _type_name(tp: Any) -> str:
@@ -294,6 +304,8 @@ def parse_config(text: str, where: str) -> Config:
         raise ConfigError(f"{where}: expected a mapping at the top level, found {type(data).__name__}")
     if "source_file" in data:
         raise ConfigError(f"{where}: key source_file: unknown key")
+    if "source" in data and "sources" in data:
+        raise ConfigError(f"{where}: keys source and sources: give one source (source:) or a list (sources:), not both")
     cfg = build_dataclass(Config, data, where)
     base = Path(where).parent
 
@@ -306,6 +318,7 @@ def parse_config(text: str, where: str) -> Config:
         state_dir=anchored(cfg.state_dir),
         bundle=anchored(cfg.bundle),
         source=dataclasses.replace(cfg.source, path=anchored(cfg.source.path)),
+        sources=tuple(dataclasses.replace(c, path=anchored(c.path)) for c in cfg.sources),
         mqtt=dataclasses.replace(
             cfg.mqtt,
             password_file=anchored(cfg.mqtt.password_file),
@@ -348,16 +361,39 @@ _MAXIMUMS: tuple[tuple[str, str, float], ...] = (
 )
 
 
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # one MQTT topic level: no / + # or spaces
+
+
+def check_sources(cfg: Config, where: str) -> None:
+    """`sources:` entries each need a name that is unique and usable as a topic level (predictions/<name>)."""
+    seen: set[str] = set()
+    for i, s in enumerate(cfg.sources):
+        if not s.name:
+            raise ConfigError(f"{where}: key sources[{i}].name: every listed source needs a name "
+                              f"(it tags results and names its topic predictions/<name>)")
+        if not SOURCE_NAME.fullmatch(s.name):
+            raise ConfigError(f"{where}: key sources[{i}].name: {s.name!r} is not a topic level "
+                              f"(letters, digits, _ . -; at most 64; no / + # or spaces)")
+        if s.name in seen:
+            raise ConfigError(f"{where}: key sources[{i}].name: {s.name!r} names two sources")
+        seen.add(s.name)
+
+
 def check_ranges(cfg: Config, where: str) -> None:
     """Refuse values that parse but cannot work (inference_workers: -3 would start no inference thread)."""
+    sections = lambda section: ([(section, getattr(cfg, section))] if section != "source" else  # noqa: E731
+                                [("source", cfg.source)] + [(f"sources[{i}]", s) for i, s in enumerate(cfg.sources)])
     for section, key, low in _MINIMUMS:
-        value = getattr(getattr(cfg, section), key)
-        if value < low:
-            raise ConfigError(f"{where}: key {section}.{key}: expected >= {low:g}, found {value!r}")
+        for label, obj in sections(section):
+            value = getattr(obj, key)
+            if value < low:
+                raise ConfigError(f"{where}: key {label}.{key}: expected >= {low:g}, found {value!r}")
     for section, key, high in _MAXIMUMS:
-        value = getattr(getattr(cfg, section), key)
-        if value > high:
-            raise ConfigError(f"{where}: key {section}.{key}: expected <= {high:g}, found {value!r}")
+        for label, obj in sections(section):
+            value = getattr(obj, key)
+            if value > high:
+                raise ConfigError(f"{where}: key {label}.{key}: expected <= {high:g}, found {value!r}")
+    check_sources(cfg, where)
     if cfg.updates.min_chunk_bytes > cfg.updates.max_chunk_bytes:
         raise ConfigError(f"{where}: key updates.min_chunk_bytes: {cfg.updates.min_chunk_bytes} is over "
                           f"updates.max_chunk_bytes {cfg.updates.max_chunk_bytes}")

@@ -18,6 +18,9 @@ setting the benchmark changes is printed above the table.
 
 Usage: python scripts/bench_serving.py [--bundle models/digits-classifier] [--inputs 720p-mjpeg,1080p-mjpeg,...]
                                        [--frames 300] [--runs 1] [--variant auto|fp32|int8] [--intra N] [--spin]
+       python scripts/bench_serving.py --sources 4 [--camera-fps 15] [--frames 150]   (the many-sources row:
+           4 MJPEG cameras at 15 fps each through one agent, against one camera: fps per source, p95 capture to
+           publish, peak RSS)
 """
 
 from __future__ import annotations
@@ -225,6 +228,72 @@ def agent(video: Path, bundle_dir: Path, variant: str, settings: dict, n: int, t
     return AgentRun((count - 1) / (last - first), count, (cpu1 - cpu0) / max(last_counted - 1, 1) * 1000, rss)
 
 
+@dataclass
+class MultiRun:
+    sources: int
+    fps: dict[str, float]      # results/s per source, first to last result of that source
+    results: dict[str, int]
+    p95_ms: float              # capture -> publish (the result's total_ms), all sources together
+    rss_mb: float
+    cpu_ms: float              # the agent's CPU time per result
+    load: tuple[float, float]  # 1-minute load average before and after
+
+
+def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float, tmp: Path) -> MultiRun:
+    """`edge-agent run` with one `sources:` entry per video, each paced at `fps` (a camera's rate), lossless."""
+    cfg: dict = {"state_dir": str(tmp / "state"), "bundle": str(bundle_dir),
+                 "sources": [{"name": f"cam{i}", "type": "video", "path": str(v), "max_fps": fps}
+                             for i, v in enumerate(videos)]}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        cfg.setdefault(section, {})[name] = value
+    path = tmp / f"agent-{len(videos)}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    load0 = os.getloadavg()[0]
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config", str(path)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
+    totals: list[float] = []
+    cpu0 = cpu1 = 0.0
+    rss = float("nan")
+    n = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        now = time.perf_counter()
+        r = json.loads(line)
+        src = r["source"]
+        first.setdefault(src, now)
+        last[src] = now
+        count[src] = count.get(src, 0) + 1
+        totals.append(r["timings"]["total_ms"])
+        n += 1
+        if n == 1:
+            cpu0 = _proc_cpu_s(proc.pid)
+        if n % 50 == 0:
+            try:
+                cpu1, rss, counted = _proc_cpu_s(proc.pid), _proc_hwm_mb(proc.pid), n
+            except FileNotFoundError:
+                pass
+    proc.wait()
+    if n < 2:
+        raise SystemExit(f"the agent published {n} results (exit {proc.returncode})")
+    return MultiRun(len(videos), {k: (count[k] - 1) / max(last[k] - first[k], 1e-9) for k in count}, count,
+                    float(np.percentile(totals, 95)), rss, (cpu1 - cpu0) / max(counted - 1, 1) * 1000,
+                    (round(load0, 2), round(os.getloadavg()[0], 2)))
+
+
+def camera_videos(raw: np.ndarray, h: int, w: int, n: int, k: int, tmp: Path) -> list[Path]:
+    """k distinct MJPEG camera videos (each starts at another held-out picture)."""
+    out = []
+    for j in range(k):
+        d = tmp / f"cam{j}"
+        d.mkdir(exist_ok=True)
+        out.append(camera_video(np.roll(raw, -j * 17, axis=0), h, w, n, "mjpeg", d))
+    return out
+
+
 def spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.0f}"
@@ -242,7 +311,14 @@ def main() -> int:
     ap.add_argument("--intra", type=int, default=None,
                     help="intra-op threads for the naive loop and the agent (0: ORT's default; unset: the agent's default)")
     ap.add_argument("--spin", action="store_true", help="let ORT pool threads spin (ORT's default; off in the agent)")
+    ap.add_argument("--sources", type=int, default=0,
+                    help="the many-sources row instead: this many 720p MJPEG cameras (--camera-fps each) served by "
+                         "one agent, against the same agent with one of them")
+    ap.add_argument("--camera-fps", type=float, default=15.0, help="each camera's frame rate in the many-sources row")
+    ap.add_argument("--camera-input", default="720p-mjpeg", help="the many-sources row's camera input")
     args = ap.parse_args()
+    if args.sources:
+        return many_sources(args)
     inputs = [i.strip() for i in args.inputs.split(",") if i.strip()]
     unknown = [i for i in inputs if i not in INPUTS]
     if unknown:
@@ -276,9 +352,8 @@ def main() -> int:
             h, w, codec = INPUTS[name]
             video = camera_video(raw, h, w, args.frames, codec, tmp)
             scale = max_decode_scale(resize, h, w) if codec == "mjpeg" else 1
-            # until the daemon hands the bundle's resize to open_source, auto decodes at full size: say the scale
-            settings = {"selection.variant": variant, **({"source.decode_scale": scale} if scale > 1 else {}),
-                        **session_changes}
+            # the daemon decodes at the scale the bundle's resize allows and the self-test proved (auto)
+            settings = {"selection.variant": variant, **session_changes}
             full, dec, nai, lim, runs, cpu = [], [], [], [], [], []
             for _ in range(args.runs):
                 full.append(decode_full(video))
@@ -314,6 +389,41 @@ def main() -> int:
         print(f"  {name:12} " + "  ".join(f"{k} {v:.2f}" for k, v in st.items()) + f"  total {sum(st.values()):.2f}")
     print("\nfps everywhere; ratios are medians over runs; dec agent = the agent's source alone (JPEG at the scale "
           "shown); limit = min(dec agent, cores / CPU per frame)")
+    return 0
+
+
+def many_sources(args: argparse.Namespace) -> int:
+    """N cameras at --camera-fps each through one agent: every camera served at its full rate? p95 capture to
+    publish, peak RSS against the same agent serving one camera."""
+    h, w, codec = INPUTS[args.camera_input]
+    if codec != "mjpeg":
+        raise SystemExit("--camera-input: the many-sources row uses MJPEG cameras")
+    bundle = load_bundle(args.bundle)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        variant = args.variant
+        if variant == "auto":
+            variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
+        with np.load(ROOT / "calibration" / "digits" / "heldout.npz") as z:
+            raw = z["raw"]
+        videos = camera_videos(raw, h, w, args.frames, args.sources, tmp)
+        settings = {"selection.variant": variant,
+                    **({"session.intra_op_threads": args.intra} if args.intra is not None else {})}
+        rows = []
+        for _ in range(args.runs):
+            rows.append((multi_agent(videos[:1], args.bundle, settings, args.camera_fps, tmp),
+                         multi_agent(videos, args.bundle, settings, args.camera_fps, tmp)))
+    print(f"\nmodel {bundle.manifest.name} (variant {variant}), {args.sources} x {args.camera_input} at "
+          f"{args.camera_fps:g} fps each, {args.frames} frames per camera, {CORES} cores, runs {args.runs}")
+    print("agent settings changed from the shipped defaults: --log-level warning, " +
+          ", ".join(f"{k}={v}" for k, v in settings.items()) + f"; sources[].max_fps={args.camera_fps:g} (the camera rate)")
+    print(f"{'sources':>7} {'fps per source (min..max)':>26} {'results':>9} {'p95 capture->publish ms':>24} "
+          f"{'peak RSS MB':>11} {'RSS vs 1':>8} {'CPU ms/result':>13} {'load before/after':>17}")
+    for one, many in rows:
+        for r in (one, many):
+            f = list(r.fps.values())
+            print(f"{r.sources:>7} {f'{min(f):.1f}..{max(f):.1f}':>26} {sum(r.results.values()):>9} {r.p95_ms:>24.1f} "
+                  f"{r.rss_mb:>11.0f} {r.rss_mb / one.rss_mb:>8.2f} {r.cpu_ms:>13.2f} {f'{r.load[0]}/{r.load[1]}':>17}")
     return 0
 
 

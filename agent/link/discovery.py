@@ -1,5 +1,6 @@
 """Home Assistant MQTT discovery: one device with sensors for fps, latency, provider, verdict and the
-last prediction, all read from the agent's own health and predictions topics."""
+last prediction (per source, with its state and frame age, when the config lists `sources:`), all read
+from the agent's own health and predictions topics."""
 
 from __future__ import annotations
 
@@ -27,10 +28,26 @@ def discovery_messages(cfg: Config, topics: Topics) -> dict[str, bytes]:
         "verdict": {"name": "Self-test", "state_topic": topics.health,
                     "value_template": "{{ 'pass' if value_json.selftest.passed else 'fail' }}"},
         "last_prediction": {"name": "Last prediction", "state_topic": topics.predictions,
-                            "value_template": "{{ (value_json.result.top[0].label) if value_json.result.top is defined else value_json.result.type }}"},
+                            "value_template": _last_prediction_template()},
     }
+    if cfg.sources:  # many sources: results go to predictions/<source>; entities per source
+        sensors.pop("last_prediction")
+        for src in cfg.sources:
+            name = str(src.name)
+            sensors[f"last_prediction_{name}"] = {
+                "name": f"{name} last prediction", "state_topic": topics.source_predictions(name),
+                "value_template": _last_prediction_template()}
+            sensors[f"source_state_{name}"] = {"name": f"{name} state", "state_topic": topics.source_health(name),
+                                               "value_template": "{{ value_json.state }}"}
+            sensors[f"frame_age_{name}"] = {"name": f"{name} last frame age", "state_topic": topics.source_health(name),
+                                            "unit_of_measurement": "s",
+                                            "value_template": "{{ value_json.last_frame_age_s }}"}
     out = {}
     for key, s in sensors.items():
         config = {**s, "unique_id": f"edge_agent_{dev_id}_{key}", "device": device, "availability": [availability]}
         out[f"{cfg.mqtt.homeassistant_prefix}/sensor/edge_agent_{dev_id}/{key}/config"] = json.dumps(config).encode()
     return out
+
+
+def _last_prediction_template() -> str:
+    return "{{ (value_json.result.top[0].label) if value_json.result.top is defined else value_json.result.type }}"

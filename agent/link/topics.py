@@ -38,6 +38,13 @@ class Topics:
     def predictions(self) -> str:
         return self.prefix + "predictions"
 
+    def source_predictions(self, source: str) -> str:
+        """With many sources (`sources:`), each source's results on its own topic."""
+        return self.prefix + f"predictions/{source}"
+
+    def source_health(self, source: str) -> str:
+        return self.prefix + f"health/{source}"
+
     @property
     def bundle_offer(self) -> str:
         return self.prefix + "bundle/offer"
@@ -83,7 +90,9 @@ class Topics:
             "availability": "retained JSON {state: online|stopped|offline, session}; offline is the last will",
             "health": "retained JSON, every output.health_interval_s and on change",
             "selftest": "retained JSON: the full self-test report",
-            "predictions": "one JSON result per message (QoS 1 by default), or a list when batching",
+            "predictions": "one JSON result per message (QoS 1 by default), or a list when batching (one source)",
+            "predictions/<source>": "the same, per source, when the config lists `sources:`",
+            "health/<source>": "retained JSON: one listed source's state, counters, frame age and decoder",
             "cmd/<name>": "commands: status, selftest, reload, pause, resume",
             "cmd/<name>/reply": "command replies (MQTT 5 response topic + correlation data are honoured too)",
             "bundle/offer": "a pushed bundle's offer: transfer id, name, version, size, sha256, chunk size",

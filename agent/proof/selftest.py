@@ -46,6 +46,7 @@ from agent.proof.verdict import (
     json_safe,
 )
 from agent.spec.decoders import split_batch
+from agent.spec.jpeg import camera_sized_reduced
 
 from agent.proof.replay import replay, session_runner
 from agent.spec.inputs import InputFeeder
@@ -81,6 +82,12 @@ class SelftestReport:
     fingerprint: Mapping[str, str]
     latency_attempts: tuple[Mapping[str, Any], ...] = ()
     degraded: str | None = None
+    decode: Mapping[str, Any] | None = None  # the reduced-scale decode check of the selected candidate
+
+    @property
+    def decode_max_scale(self) -> int:
+        """The largest JPEG decode scale the winning candidate was proven at (1: full-size decode only)."""
+        return int((self.decode or {}).get("max_scale", 1))
 
     @property
     def warnings(self) -> list[str]:
@@ -130,6 +137,7 @@ class SelftestReport:
             "too_slow": self.too_slow,
             "pinned_below_floor": sel.candidate.pinned_below_floor if sel else None,
             "latency_attempts": [dict(a) for a in self.latency_attempts],
+            "decode": dict(self.decode) if self.decode is not None else None,
             "cached": self.cached,
             "cache_key": self.cache_key,
             "duration_ms": round(self.duration_ms, 1),
@@ -299,6 +307,55 @@ def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Se
     return judge(trial.evidence, m)
 
 
+REDUCED_SCALES = (2, 4, 8)
+
+
+def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
+                         opened: Any = None) -> dict[str, Any]:
+    """Prove the reduced-scale JPEG path on the winning candidate: each golden raw frame as a camera `s`
+    times its size sends it, decoded at 1/s (decoding.camera_sized_reduced), then the bundle's preprocessing
+    and the model, judged by the fidelity question's task metric and floors against the references.
+    Scales 2, 4, 8 in turn, stopping at the first failure; `max_scale` is the largest that passed."""
+    m = bundle.manifest
+    resize = m.preprocess.resize
+    if m.frame.kind != "image" or resize is None:
+        return {"max_scale": 1, "reason": "not an image bundle with a resize: frames are decoded at full size",
+                "scales": []}
+    if any(_is_sequence(g) for g in golden):
+        return {"max_scale": 1, "reason": "stateful golden sequences: reduced decode not proven", "scales": []}
+    if opened is None:
+        try:
+            opened = open_session(bundle.path(m.variant(c.variant).file), c.provider, c.options, settings,
+                                  sample=golden[0].input)
+        except Exception as exc:
+            return {"max_scale": 1, "reason": f"session creation error: {type(exc).__name__}: {exc}"[:400],
+                    "scales": []}
+    pre = bundle.preprocessor()
+    floors = fidelity_floors(m.task, m.selftest.fidelity)
+    refs = [r for g in golden for r in _steps(g.outputs, False)]
+    best, reason, scales = 1, None, []
+    for s in REDUCED_SCALES:
+        try:
+            got = []
+            for g in golden:
+                frame = camera_sized_reduced(g.raw, s, m.frame.color)
+                got += [split_batch(o, 0) for o in _run_golden(opened, m, pre(frame), False)]
+            fid = judge_fidelity(m.postprocess, got, refs, floors, stage=f"decode 1/{s}")
+        except Exception as exc:
+            reason = f"decode 1/{s}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            scales.append({"scale": s, "passed": False, "reason": reason})
+            break
+        scales.append({"scale": s, "passed": fid.passed, "fidelity": fid.to_dict()})
+        if not fid.passed:
+            reason = f"decode 1/{s}: " + "; ".join(f.text() for f in fid.findings)
+            break
+        best = s
+    if best == 1 and reason is None:
+        reason = "no reduced scale passed"
+    log.info("selftest.reduced_decode", candidate=c.key, max_scale=best, reason=reason)
+    return {"max_scale": best, "reason": reason, "scales": scales}
+
+
 class CrashMarkers:
     """A marker written before each candidate; one found at start means that candidate killed us."""
 
@@ -357,9 +414,14 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     crashed = markers.recover() if markers else {}
 
     def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
-               attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None) -> SelftestReport:
+               attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
+               opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
+        if selected is not None and decode is None:
+            decode = _guarded(markers, bundle, selected.candidate,
+                              lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden, opened))
         report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
-                                (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded)
+                                (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
+                                decode)
         if selected is not None and selected.warnings:
             log.warning("selftest.selected_with_warnings", candidate=selected.candidate.key,
                         warnings=[w.text() for w in selected.warnings])
@@ -382,7 +444,9 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                                                         preprocessed=preprocessed))
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
-                    return finish([quick], quick, cached=True)
+                    # the reduced-decode check depends on what the cache key covers: reused, not re-run
+                    proven = (cached.get("report") or {}).get("decode")
+                    return finish([quick], quick, cached=True, decode=proven if isinstance(proven, dict) else None)
                 log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
 
     recorded = {v.name: recorded_outputs(bundle, v.name) for v in m.variants}
@@ -461,7 +525,9 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                             f"latency re-measurements (selection.when_too_slow: degraded)")
                 selected = best
                 log.warning("selftest.degraded", candidate=best.candidate.key, reason=degraded)
-    return finish(results, selected, cached=False, attempts=attempts, degraded=degraded)
+    won = trials.get(selected.candidate.key) if selected is not None else None
+    return finish(results, selected, cached=False, attempts=attempts, degraded=degraded,
+                  opened=won.opened if won is not None else None)
 
 
 def _log_result(r: CandidateResult) -> None:

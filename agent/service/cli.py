@@ -286,6 +286,11 @@ def render_selftest(doc: dict) -> str:
         p95 = ", ".join(f"{short(k)} {v:.2f}" for k, v in a["p95_ms"].items() if v is not None)
         lines.append(f"latency re-measured (attempt {a['attempt']}, after {a['waited_s']:g} s, load "
                      f"{a['load_average']}): p95 ms {p95}")
+    dec = doc.get("decode")
+    if dec:
+        tried = ", ".join(f"1/{d['scale']} {'ok' if d['passed'] else 'FAIL'}" for d in dec.get("scales") or [])
+        lines.append(f"reduced JPEG decode: max scale 1/{dec['max_scale']}" + (f" ({tried})" if tried else "")
+                     + (f": {dec['reason']}" if dec.get("reason") else ""))
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     for w in doc.get("warnings") or []:
@@ -364,25 +369,26 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
             notes.append(f"bundle {b.identity} loads: schema, file hashes and contracts verified")
         except AgentError as exc:
             problems.append(f"key bundle: {exc}")
-    src = cfg.source
-    if src.type in ("folder", "video", "file"):
-        if src.path is None:
-            problems.append(f"key source.path: source type {src.type} needs a path")
-        elif not src.path.exists():
-            if template and not args.prefix:
-                notes.append(f"source.path {src.path}: not installed here")
-            else:
-                problems.append(f"key source.path: {src.path} does not exist")
-        elif src.type == "folder" and not src.path.is_dir():
-            problems.append(f"key source.path: {src.path} is not a directory")
-        elif not os.access(src.path, os.R_OK):
-            problems.append(f"key source.path: {src.path} is not readable by this user")
-    elif src.type == "stream" and not src.url:
-        problems.append("key source.url: source type stream needs a url")
-    elif src.type == "mqtt" and not src.topic:
-        problems.append("key source.topic: source type mqtt needs a topic")
-    else:
-        notes.append(f"source {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
+    for i, src in enumerate(cfg.source_list):
+        key = f"sources[{i}]" if cfg.sources else "source"
+        if src.type in ("folder", "video", "file"):
+            if src.path is None:
+                problems.append(f"key {key}.path: source type {src.type} needs a path")
+            elif not src.path.exists():
+                if template and not args.prefix:
+                    notes.append(f"{key}.path {src.path}: not installed here")
+                else:
+                    problems.append(f"key {key}.path: {src.path} does not exist")
+            elif src.type == "folder" and not src.path.is_dir():
+                problems.append(f"key {key}.path: {src.path} is not a directory")
+            elif not os.access(src.path, os.R_OK):
+                problems.append(f"key {key}.path: {src.path} is not readable by this user")
+        elif src.type == "stream" and not src.url:
+            problems.append(f"key {key}.url: source type stream needs a url")
+        elif src.type == "mqtt" and not src.topic:
+            problems.append(f"key {key}.topic: source type mqtt needs a topic")
+        else:
+            notes.append(f"{key} {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
     for k in cfg.updates.trusted_keys:
         if not k.exists() and not (template and not args.prefix):
             problems.append(f"key updates.trusted_keys: {k} does not exist")

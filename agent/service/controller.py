@@ -30,7 +30,8 @@ from agent.proof.session import forbid_fd_capture
 from agent.serving.engine import Engine
 from agent.serving.pipeline import Pipeline, Sink
 from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
-from agent.serving.sources import is_lossless, open_source
+from agent.serving.multisource import MultiSource
+from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode
 from agent.service.boot import BootOutcome, boot, open_engine, prove
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
@@ -78,6 +79,32 @@ class Busy(AgentError):
     """The controller's queue is full."""
 
 
+def sources_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """Many sources: each one's state and counts, for the health and shutdown log lines."""
+    if not doc.get("sources"):
+        return {}
+    keep = ("state", "frames", "served", "stale", "left_at_stop", "decoder")
+    return {"sources": {n: {k: v[k] for k in keep} for n, v in doc["sources"].items()}}
+
+
+def proven_decode(cfg: Any, report: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+    """The source settings to open with, and the decode limit: the largest JPEG scale the self-test proved
+    on the serving candidate (1 when the report proves none). A forced `source.decode_scale` above it is
+    capped, with a warning: a scale the golden samples never saw is not served."""
+    dec = (report or {}).get("decode") or {}
+    proven = int(dec.get("max_scale", 1)) if isinstance(dec, dict) else 1
+    limit: dict[str, Any] = {"max_scale": proven, "proven": proven, "reason": dec.get("reason") if dec else
+                             "the self-test report has no reduced-decode check", "forced": None}
+    forced = getattr(cfg, "decode_scale", "auto")
+    if forced != "auto":
+        limit["forced"] = int(forced)
+        if int(forced) > proven:
+            log.warning("source.decode_scale_capped", configured=int(forced), proven=proven, reason=limit["reason"])
+            limit["capped"] = f"source.decode_scale {forced} is above the proven {proven}: decoding at 1/{proven}"
+            cfg = dataclasses.replace(cfg, decode_scale=proven)
+    return cfg, limit
+
+
 class Controller:
     """Owns the serving state; runs `run()` on the main thread."""
 
@@ -99,6 +126,7 @@ class Controller:
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         self.selftest_doc: dict[str, Any] | None = None
+        self.decode_limit: dict[str, Any] | None = None  # the proven JPEG decode scale the source runs under
         self.not_serving_reason: str | None = None
         self.store: Any = None
         self.updater: Any = None
@@ -196,8 +224,9 @@ class Controller:
         if self.cfg.output.stdout:
             sinks.append(JsonLinesSink())
         if self.outbox is not None and self.link is not None:
-            sinks.append(OutboxSink(self.outbox, self.link.topics.predictions, self.cfg.mqtt.qos,
-                                    self.cfg.mqtt.batch_predictions))
+            topics = self.link.topics
+            sinks.append(OutboxSink(self.outbox, topics.predictions, self.cfg.mqtt.qos, self.cfg.mqtt.batch_predictions,
+                                    topic_for=topics.source_predictions if self.cfg.sources else None))
         if self.extra_sink is not None:
             sinks.append(self.extra_sink)
         return FanOutSink(*sinks) if sinks else NullSink()
@@ -206,13 +235,36 @@ class Controller:
         assert self.engine is not None and self.bundle is not None
         if self.stop_event.is_set():  # a boot or an update that finishes during shutdown serves nothing
             raise AgentError("the agent is stopping")
-        source = open_source(self.cfg.source, self.bundle.manifest.frame)
-        self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline,
-                                 is_lossless(self.cfg.source, source), boot=self.boot_number,
-                                 first_seq=self._next_seq)
+        m = self.bundle.manifest
+        opened: list[tuple[Any, FrameSource]] = []
+        try:
+            for cfg in self.cfg.source_list:
+                src_cfg, self.decode_limit = proven_decode(cfg, self.selftest_doc)
+                opened.append((cfg, open_source(src_cfg, m.frame, m.preprocess.resize,
+                                                max_scale=self.decode_limit["max_scale"])))
+        except AgentError:
+            for _, src in opened:
+                src.close()
+            raise
+        if self.cfg.sources:  # many sources, one session: each source keeps its own policy inside
+            source: FrameSource = MultiSource(opened, capacity=self.cfg.pipeline.queue_size)
+            lossless = True
+        else:
+            source, lossless = opened[0][1], is_lossless(self.cfg.source, opened[0][1])
+        self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline, lossless,
+                                 boot=self.boot_number, first_seq=self._next_seq)
         self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
         return self.pipeline.start()
+
+    def _retarget_decode(self) -> None:
+        """A swapped bundle brings its own resize and proven decode scale: the running source takes them for
+        the next frame (a frame in flight carries the scale it was decoded at, so its boxes still map back)."""
+        assert self.pipeline is not None and self.bundle is not None
+        _, self.decode_limit = proven_decode(self.cfg.source_list[0], self.selftest_doc)
+        src = self.pipeline.source
+        for s in ([f.source for f in src.feeds] if isinstance(src, MultiSource) else [src]):
+            retarget_decode(s, self.bundle.manifest.preprocess.resize, self.decode_limit["max_scale"])
 
     def _stop_pipeline(self) -> None:
         p = self.pipeline
@@ -252,6 +304,7 @@ class Controller:
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
             if self.serving:
                 self.pipeline.swap_engine(engine)
+                self._retarget_decode()
             else:
                 self._stop_pipeline()
                 self._start_pipeline()
@@ -266,6 +319,7 @@ class Controller:
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = swap.previous
             if self.engine is not None and self.serving:
                 self.pipeline.swap_engine(self.engine)
+                self._retarget_decode()
             elif self.engine is None:
                 self._stop_pipeline()
                 self.pipeline = None
@@ -284,7 +338,7 @@ class Controller:
             interval_s=self.cfg.output.health_interval_s, serving=self.serving,
             not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
             engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
-            probe=self.probe, operation=self._operation,
+            probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update)
 
     def _idle_reason(self) -> str:
@@ -299,6 +353,9 @@ class Controller:
         doc = self._last_health = self.health()
         if self.link is not None:
             self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
+            for name, one in (doc.get("sources") or {}).items():
+                self.link.publish_retained(self.link.topics.source_health(name),
+                                           json.dumps({"ts": doc["ts"], "source": name, **one}).encode())
         return doc
 
     def _health_key(self) -> Any:
@@ -637,7 +694,9 @@ class Controller:
                     self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
-                         **{k: v for k, v in (doc["pipeline"] or {}).items() if k != "latency_ms"})
+                         **{k: v for k, v in (doc["pipeline"] or {}).items() if k != "latency_ms"},
+                         decoder=(doc["source"] or {}).get("decoder"),
+                         **sources_summary(doc))
                 next_health = time.monotonic() + interval
         return 0
 
@@ -656,9 +715,13 @@ class Controller:
         self._loop_done.set()
         doc = self.health()
         p = doc["pipeline"] or {}
-        log.info("shutdown", serving=doc["serving"], **{k: v for k, v in p.items() if k != "latency_ms"})
+        log.info("shutdown", serving=doc["serving"], **{k: v for k, v in p.items() if k != "latency_ms"},
+                 decoder=(doc["source"] or {}).get("decoder"), **sources_summary(doc))
         if self.link is not None:
             self.link.publish_retained(self.link.topics.health, json.dumps(doc).encode())
+            for name, one in (doc.get("sources") or {}).items():
+                self.link.publish_retained(self.link.topics.source_health(name),
+                                           json.dumps({"ts": doc["ts"], "source": name, **one}).encode())
             self.link.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()

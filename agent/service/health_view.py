@@ -15,7 +15,8 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
                     not_serving_reason: str | None, engine: Engine | None, pipeline: Pipeline | None,
                     selftest_doc: dict[str, Any] | None, outbox: Any, probe: ProcessProbe,
                     operation: str | None, mqtt_connected: bool | None = None,
-                    update: dict[str, Any] | None = None) -> dict[str, Any]:
+                    update: dict[str, Any] | None = None,
+                    decode_limit: dict[str, Any] | None = None) -> dict[str, Any]:
     status = pipeline.status() if pipeline is not None else None
     source = None
     metrics = None
@@ -23,7 +24,9 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
         st = pipeline.source.stats
         source = {"name": pipeline.source.name, "state": st.state, "last_frame_age_s": status.last_frame_age_s,
                   "frames": st.frames, "bad": st.bad, "reconnects": st.reconnects, "losses": st.losses,
-                  "frozen_events": st.frozen_events}
+                  "frozen_events": st.frozen_events,
+                  # how frames are decoded (path, codec, scale, threads, hw) and the scale the self-test proved
+                  "decoder": {**st.decoder, "limit": dict(decode_limit) if decode_limit else None}}
         metrics = {**status.metrics, "dropped_by_reason": dict(pipeline.drops), "last_seq": pipeline.last_seq}
     doc = build_health(
         device_id=device_id,
@@ -44,6 +47,8 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
         update=update,
     )
     doc["operation"] = operation  # "reload", "selftest", "update <id>" while one runs
+    per_source = getattr(pipeline.source, "per_source", None) if pipeline is not None else None
+    doc["sources"] = per_source() if per_source is not None else None  # many sources: each one's own health
     return doc
 
 

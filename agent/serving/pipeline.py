@@ -26,6 +26,7 @@ from agent.errors import PreprocessError, ResultTooLargeError
 from agent.logsetup import get_logger
 from agent.serving.metrics import PipelineMetrics
 from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, decode, split_batch
+from agent.serving.decoding import scaled_geometry
 from agent.serving.sources import BadFrame, Frame, FrameSource
 
 log = get_logger("pipeline")
@@ -122,6 +123,12 @@ class Pipeline:
         self._close_requested = False
         self._source_closed = False
         self._engine = engine
+        if hasattr(source, "on_drop"):  # many sources: a live source's stale frames are dropped before capture
+            source.on_drop = self._count_drop
+        # many sources and a dynamic batch: up to one frame of each source per inference
+        self._batch = cfg.max_batch
+        if getattr(cfg, "batch_across_sources", True):
+            self._batch = max(self._batch, len(getattr(source, "feeds", ())))
         self.metrics = PipelineMetrics()
         self.stop_event = threading.Event()
         self.paused = threading.Event()
@@ -288,9 +295,9 @@ class Pipeline:
                 break
             batch = [first]
             engine = self._engine
-            if self.cfg.max_batch > 1 and engine.dynamic_batch:
+            if self._batch > 1 and engine.dynamic_batch:
                 deadline = time.monotonic() + self.cfg.batch_timeout_ms / 1000
-                while len(batch) < self.cfg.max_batch:
+                while len(batch) < self._batch:
                     nxt = self._next_frame(max(0.0, deadline - time.monotonic()))
                     if nxt is None:
                         break
@@ -304,8 +311,10 @@ class Pipeline:
             tally.frames += len(batch)
             for f in batch:
                 try:
-                    tensors.append(engine.preprocessor(f.data))
-                    geoms.append(engine.preprocessor.geometry(f.data))
+                    data = f.data  # a deferred decode or colour conversion happens here, once
+                    tensors.append(engine.preprocessor(data))
+                    # a frame decoded at 1/scale: boxes are mapped back to the camera's pixels
+                    geoms.append(scaled_geometry(engine.preprocessor.geometry(data), f.scale))
                     frames.append(f)
                 except PreprocessError as exc:
                     m.bad_frames += 1
@@ -402,6 +411,7 @@ class Pipeline:
                         "seq": self._seq,
                         "captured_at": round(frame.captured_at, 6),
                         "source": frame.source,
+                        **({"item": frame.item} if frame.item is not None else {}),
                         "frame_index": frame.index,
                         "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
                         "variant": eng.candidate.variant,

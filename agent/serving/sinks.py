@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 
 class JsonLinesSink:
@@ -56,27 +56,32 @@ class OutboxSink:
     """Predictions into the store-and-forward outbox: one message per result, or `batch` results per
     message (a JSON list) for high rates. A partial batch is flushed after `max_wait_s` or on close."""
 
-    def __init__(self, outbox: Any, topic: str, qos: int = 1, batch: int = 1, max_wait_s: float = 0.2):
+    def __init__(self, outbox: Any, topic: str, qos: int = 1, batch: int = 1, max_wait_s: float = 0.2,
+                 topic_for: Callable[[str], str] | None = None):
         self.outbox, self.topic, self.qos, self.batch, self.max_wait_s = outbox, topic, qos, max(batch, 1), max_wait_s
-        self._pending: list[dict[str, Any]] = []
+        self.topic_for = topic_for  # many sources: the topic of a result's source (predictions/<source>)
+        self._pending: dict[str, list[dict[str, Any]]] = {}
         self._since = 0.0
 
     def write(self, result: dict[str, Any]) -> None:
         import time
 
+        topic = self.topic if self.topic_for is None else self.topic_for(str(result.get("source")))
         if self.batch == 1:
-            self.outbox.put(self.topic, json.dumps(result, separators=(",", ":")).encode(), self.qos)
+            self.outbox.put(topic, json.dumps(result, separators=(",", ":")).encode(), self.qos)
             return
         if not self._pending:
             self._since = time.monotonic()
-        self._pending.append(result)
-        if len(self._pending) >= self.batch or time.monotonic() - self._since >= self.max_wait_s:
+        pending = self._pending.setdefault(topic, [])
+        pending.append(result)
+        if len(pending) >= self.batch or time.monotonic() - self._since >= self.max_wait_s:
             self._flush()
 
     def _flush(self) -> None:
-        if self._pending:
-            self.outbox.put(self.topic, json.dumps(self._pending, separators=(",", ":")).encode(), self.qos)
-            self._pending = []
+        for topic, pending in self._pending.items():
+            if pending:
+                self.outbox.put(topic, json.dumps(pending, separators=(",", ":")).encode(), self.qos)
+        self._pending = {}
 
     def close(self) -> None:
         self._flush()

@@ -49,11 +49,12 @@ class Frame:
     """One captured frame. `data` is in the bundle's frame contract.
 
     `scale` > 1: decoded at 1/scale of the camera's frame (map boxes back with decoding.scaled_geometry).
+    `item`: with many sources, `source` is the source's name and `item` what that source called the frame.
     `convert`: a colour conversion still owed, done once on the first read of `data` -- by the
     preprocessing stage, so the capture thread never converts a full frame.
     """
 
-    __slots__ = ("index", "_data", "captured_at", "captured_ns", "source", "scale", "_convert")
+    __slots__ = ("index", "_data", "captured_at", "captured_ns", "source", "scale", "_convert", "item")
 
     def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, source: str,
                  scale: int = 1, convert: Callable[[np.ndarray], np.ndarray] | None = None):
@@ -64,6 +65,7 @@ class Frame:
         self.source = source
         self.scale = scale
         self._convert = convert
+        self.item: str | None = None  # within a named source of many: the file the frame came from
 
     @property
     def data(self) -> np.ndarray:
@@ -564,6 +566,12 @@ def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None =
     if frame.kind == "image" and cfg.type in ("udp", "file", "stdin"):
         raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes image frames")
     return factory(cfg, frame, resize, max_scale)
+
+
+def retarget_decode(source: FrameSource, resize: ResizeSpec | None, max_scale: int) -> None:
+    """A new bundle's resize and proven decode scale, taken by a running source from its next frame on."""
+    if hasattr(source, "max_scale"):
+        source.resize, source.max_scale = resize, max_scale  # type: ignore[attr-defined]
 
 
 def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:
