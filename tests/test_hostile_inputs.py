@@ -21,7 +21,7 @@ import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from brokers import MOSQUITTO, Broker, Collector
+from brokers import MOSQUITTO, Broker, Collector, demo_mqtt_config
 from waiting import end_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,13 +51,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("hostile")
     broker = Broker(tmp / "broker").start()
     cfg = {
-        "device_id": DEVICE,
-        "state_dir": str(tmp / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": 30},
-        "output": {"stdout": False, "health_interval_s": 0.5},
-        "mqtt": {"enabled": True, "port": broker.port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1},
+        **demo_mqtt_config(DEVICE, tmp / "state", broker.port, max_fps=30),
         "updates": {"enabled": True, "max_bundle_bytes": 512 * 2**20, "transfer_idle_s": IDLE_S,
                     "download_timeout_s": 1.0, "download_deadline_s": 3.0, "min_free_bytes": 0},
     }

@@ -18,7 +18,7 @@ import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from brokers import Broker, Collector, free_port, make_tls_material
+from brokers import Broker, Collector, demo_mqtt_config, free_port, make_tls_material
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-1"
@@ -37,16 +37,7 @@ def broker(tmp_path: Path):
 
 
 def agent_config(tmp_path: Path, port: int, **mqtt) -> Path:
-    cfg = {
-        "device_id": DEVICE,
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": 40},
-        "output": {"stdout": False, "health_interval_s": 0.5},
-        "mqtt": {"enabled": True, "host": "127.0.0.1", "port": port, "keepalive": 5, "reconnect_min_s": 1,
-                 "reconnect_max_s": 1, **mqtt},
-    }
+    cfg = demo_mqtt_config(DEVICE, tmp_path / "state", port, **mqtt)
     p = tmp_path / "agent.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from brokers import Broker, Collector
+from brokers import Broker, Collector, demo_mqtt_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-nl"
@@ -33,17 +33,8 @@ pytestmark = pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).exists
 
 
 def _config(tmp_path: Path, port: int) -> Path:
-    cfg = {
-        "device_id": DEVICE,
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": 40},
-        "output": {"stdout": True, "health_interval_s": 0.5},
-        "mqtt": {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1,
-                 "max_inflight": MAX_INFLIGHT},
-        "outbox": {"memory_messages": MEMORY_MESSAGES},
-    }
+    cfg = {**demo_mqtt_config(DEVICE, tmp_path / "state", port, stdout=True, max_inflight=MAX_INFLIGHT),
+           "outbox": {"memory_messages": MEMORY_MESSAGES}}
     p = tmp_path / "agent.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
