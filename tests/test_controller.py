@@ -245,31 +245,37 @@ def test_dead_pipeline_stage_withholds_health_and_exits_with_mqtt_on(broker: Bro
     col.close()
 
 
-def test_bundle_messages_queued_while_the_agent_was_down_are_not_lost(broker: Broker, tmp_path: Path,
-                                                                       tiny_bundle_master: Path) -> None:
-    """Fault: bundle messages the broker kept for the agent's session arrived before the receiver
-    existed and were acknowledged and lost. Now the receiver exists before the link connects."""
+def _signed_v1_v2_and_frames(tmp_path: Path, master: Path) -> tuple[Path, Path, Path]:
+    """Bundle v1 to serve, v2 packed as an update (both signed by a fresh key), and a folder of frames."""
+    import shutil
+
+    import cv2
+
     from agent.bundle.archive import pack
     from agent.bundle.signing import keygen, sign_bundle
-    from agent.link.push import push
-    from agent.testing import rewrite_manifest
-    import shutil
+    from agent.testing import rewrite_manifest, structured_frames
 
     keygen(tmp_path / "k.pem", tmp_path / "k.pub")
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     for d, version in ((v1, 1), (v2, 2)):
-        shutil.copytree(tiny_bundle_master, d)
+        shutil.copytree(master, d)
         rewrite_manifest(d, lambda m, v=version: m.update(version=v))
         sign_bundle(d, tmp_path / "k.pem")
     archive = pack(v2, tmp_path / "v2.tar.gz")
     frames = tmp_path / "frames"
     frames.mkdir()
-    import cv2
-
-    from agent.testing import structured_frames
-
     for i, f in enumerate(structured_frames(8, 40, seed=3)):
         cv2.imwrite(str(frames / f"{i:02d}.png"), f)
+    return v1, archive, frames
+
+
+def test_bundle_messages_queued_while_the_agent_was_down_are_not_lost(broker: Broker, tmp_path: Path,
+                                                                       tiny_bundle_master: Path) -> None:
+    """Fault: bundle messages the broker kept for the agent's session arrived before the receiver
+    existed and were acknowledged and lost. Now the receiver exists before the link connects."""
+    from agent.link.push import push
+
+    v1, archive, frames = _signed_v1_v2_and_frames(tmp_path, tiny_bundle_master)
     cfg = _config(tmp_path, broker.port, bundle=str(v1), output={"stdout": False, "health_interval_s": 0.5},
                   source={"type": "folder", "path": str(frames), "loop": True, "max_fps": 60},
                   updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 1.0,
@@ -298,25 +304,9 @@ def test_sighup_reload_under_an_update_waits_and_keeps_the_update(broker: Broker
                                                                   tiny_bundle_master: Path) -> None:
     """Fault: a SIGHUP reload ran store.recover() under an update in flight, deleted its staging and
     reverted `current`; the updater then committed a bundle that was not served."""
-    from agent.bundle.archive import pack
-    from agent.bundle.signing import keygen, sign_bundle
     from agent.link.push import push
-    from agent.testing import rewrite_manifest, structured_frames
-    import shutil
 
-    import cv2
-
-    keygen(tmp_path / "k.pem", tmp_path / "k.pub")
-    v1, v2 = tmp_path / "v1", tmp_path / "v2"
-    for d, version in ((v1, 1), (v2, 2)):
-        shutil.copytree(tiny_bundle_master, d)
-        rewrite_manifest(d, lambda m, v=version: m.update(version=v))
-        sign_bundle(d, tmp_path / "k.pem")
-    archive = pack(v2, tmp_path / "v2.tar.gz")
-    frames = tmp_path / "frames"
-    frames.mkdir()
-    for i, f in enumerate(structured_frames(8, 40, seed=3)):
-        cv2.imwrite(str(frames / f"{i:02d}.png"), f)
+    v1, archive, frames = _signed_v1_v2_and_frames(tmp_path, tiny_bundle_master)
     cfg = _config(tmp_path, broker.port, bundle=str(v1), output={"stdout": False, "health_interval_s": 0.5},
                   source={"type": "folder", "path": str(frames), "loop": True, "max_fps": 60},
                   updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 3.0,
