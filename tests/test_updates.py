@@ -182,6 +182,8 @@ def test_signed_newer_bundle_pushed_over_mqtt_is_self_tested_switched_and_commit
     col = env["col"]
     result = send_archive(kit["bundles"]["v2"], env["broker"].port, drop={1, 3})  # two chunks lost: resumed
     assert result["state"] == "committed", result
+    # the pusher saw `committed` on its own subscription; this collector may get it a moment later
+    assert col.wait(lambda: "committed" in [s["state"] for s in statuses(col, result["update"])], 10)
     states = [s["state"] for s in statuses(col, result["update"])]
     for step in ("receiving", "missing", "verifying", "unpacking", "verified", "selftest", "selftest_passed",
                  "switched", "probation", "committed"):
