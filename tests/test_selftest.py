@@ -136,9 +136,23 @@ def test_crash_marker_skips_the_candidate_that_killed_the_process(tiny_bundle: P
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the self-test never wrote its in-flight marker"
-    crashed = json.loads(marker.read_text())["candidate"]
+    # The marker moves from candidate to candidate until the long latency loop; kill inside that loop
+    # (the marker unchanged for a second), then read what the dead process left, not what it once said.
+    def read() -> bytes:
+        try:
+            return marker.read_bytes()
+        except FileNotFoundError:  # between two candidates
+            return b""
+    seen, since = read(), time.monotonic()
+    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = read()
+        if now != seen:
+            seen, since = now, time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert marker.exists(), "the self-test was killed between two candidates"
+    crashed = json.loads(marker.read_text())["candidate"]
 
     out = subprocess.run(cmd + ["--latency-runs", "20"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

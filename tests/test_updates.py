@@ -354,7 +354,8 @@ def test_inbox_and_url_delivery_each_work_end_to_end(tmp_path: Path, kit: dict) 
         shutil.copy(kit["bundles"]["v2"], inbox / "v2.tar.gz.part")
         os.replace(inbox / "v2.tar.gz.part", inbox / "v2.tar.gz")  # appear whole
         assert col.wait(lambda: any(s["state"] == "committed" for s in statuses(col, "v2.tar.gz")), 60)
-        assert (inbox / "done" / "v2.tar.gz").exists()
+        # "committed" is published by the update before delivery files the bundle away: wait for the move
+        assert col.wait(lambda: (inbox / "done" / "v2.tar.gz").exists(), 10)
         assert col.wait(lambda: serving_version(col) == 2, 10)
 
         from brokers import Collector as C
