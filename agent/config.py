@@ -85,7 +85,8 @@ class PipelineConfig:
     max_batch: int = 1                # micro-batching where the model has a dynamic batch dimension
     batch_timeout_ms: float = 2.0
     queue_size: int = 2               # bounded queues between stages
-    inference_workers: int = 0        # threads calling run() on the one session; 0: one per available CPU, at most 4
+    inference_workers: int = 0        # threads calling run() on the one session; 0: sized at start (at most 4)
+    preprocess_workers: int = 0       # threads decoding deferred JPEGs and preprocessing; 0: sized at start
     max_frames: int = 0               # stop after this many frames (0: run until stopped)
     batch_across_sources: bool = True  # many sources, dynamic batch: batch up to one frame per source
 
@@ -341,7 +342,7 @@ def _checked(cfg: Config, where: str) -> Config:
 # (section, key, lowest allowed value): a value below it is refused at load, naming the key.
 _MINIMUMS: tuple[tuple[str, str, float], ...] = (
     ("pipeline", "max_batch", 1), ("pipeline", "batch_timeout_ms", 0), ("pipeline", "queue_size", 1),
-    ("pipeline", "inference_workers", 0), ("pipeline", "max_frames", 0),
+    ("pipeline", "inference_workers", 0), ("pipeline", "preprocess_workers", 0), ("pipeline", "max_frames", 0),
     ("output", "health_interval_s", 0.1),
     ("source", "max_fps", 0), ("source", "open_timeout_ms", 1), ("source", "read_timeout_ms", 1),
     ("source", "stall_timeout_s", 0.1), ("source", "frozen_after", 1), ("source", "reconnect_initial_s", 0),
@@ -357,6 +358,7 @@ _MINIMUMS: tuple[tuple[str, str, float], ...] = (
 )
 _MAXIMUMS: tuple[tuple[str, str, float], ...] = (
     ("mqtt", "port", 65535), ("source", "port", 65535), ("pipeline", "inference_workers", 64),
+    ("pipeline", "preprocess_workers", 64),
     ("selection", "prefer_margin", 10.0),
 )
 

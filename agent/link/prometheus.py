@@ -77,6 +77,24 @@ def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
             g = GaugeMetricFamily(f"{NS}_source_last_frame_age_seconds", "Seconds since the last frame", labels=["source"])
             g.add_metric([src], st["last_frame_age_s"])
             yield g
+    stages = pipe.get("stages") or {}
+    if stages:  # how the pipeline sized its pools, and what each stage measurably costs per frame
+        w = GaugeMetricFamily(f"{NS}_stage_threads", "Threads the pipeline gave each pool", labels=["stage"])
+        for stage in ("preprocess", "inference"):
+            w.add_metric([stage], stages.get(f"{stage}_workers", 0))
+        yield w
+        costs = stages.get("costs") or {}
+        c = GaugeMetricFamily(f"{NS}_stage_cpu_seconds_per_frame", "CPU time per frame of each stage, measured at start",
+                              labels=["stage"])
+        for stage in ("capture", "preprocess", "inference", "publish"):
+            if _num(costs.get(f"{stage}_ms")) is not None:
+                c.add_metric([stage], costs[f"{stage}_ms"] / 1000)
+        yield c
+        if _num(stages.get("pace_fps")) is not None:
+            g = GaugeMetricFamily(f"{NS}_pipeline_pace_fps", "Frames per second the slowest stage allows",
+                                  labels=["bottleneck"])
+            g.add_metric([str(stages.get("bottleneck"))], stages["pace_fps"])
+            yield g
     if pipeline is not None:
         h = HistogramMetricFamily(f"{NS}_stage_latency_seconds", "Per-frame latency of each pipeline stage",
                                   labels=["stage"])

@@ -7,6 +7,8 @@ engine finish on it, so the stream never stops. A new engine starts every source
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -58,6 +60,12 @@ class Engine:
             outs = dict(zip(names, self.opened.session.run(None, feeds)))
             self.feeder.advance(source, outs)
         return outs
+
+    @functools.cached_property
+    def intra_op_threads(self) -> int:
+        """Threads one `run` uses on the CPU provider (ORT's 0 means one per core)."""
+        n = self.opened.session.get_session_options().intra_op_num_threads
+        return n if n > 0 else len(os.sched_getaffinity(0))
 
     def reset_source(self, source: str) -> None:
         """A new stream on this source (a reconnect, a new file): its state starts again."""

@@ -68,8 +68,12 @@ class MultiSource:
     def _capture(self, feed: Feed) -> None:
         try:
             while not self._stop.is_set():
+                t_cpu = time.thread_time_ns()
                 try:
                     item: Any = feed.source.read(self._stop)
+                    if isinstance(item, Frame):
+                        feed.source.stats.cpu_ns += time.thread_time_ns() - t_cpu
+                        feed.source.stats.cpu_frames += 1
                 except BadFrame as exc:
                     item = exc  # handed on, so the pipeline counts it as it does for one source
                 except Exception as exc:  # one source's bug ends that source, never the others
@@ -143,6 +147,11 @@ class MultiSource:
                            frozen_events=sum(s.frozen_events for s in st),
                            last_frame_ns=max(s.last_frame_ns for s in st),
                            heartbeat=min([s.heartbeat for s in running] or [self._own.heartbeat]))
+
+    def capture_cpu_ms(self) -> float:
+        """CPU per frame of the costliest source's capture thread: each source has one, so the slowest bounds."""
+        per = [f.source.stats.cpu_ns / 1e6 / f.source.stats.cpu_frames for f in self.feeds if f.source.stats.cpu_frames]
+        return max(per, default=0.0)
 
     def per_source(self) -> dict[str, dict[str, Any]]:
         """Each source's own health: state, counters, frame age, decoder, and what the multiplexer did."""

@@ -1,6 +1,9 @@
 """capture -> preprocess -> infer -> postprocess/publish, as threads joined by bounded queues.
 
-ORT releases the GIL in `run`, so preprocessing frame n+1 overlaps inference of frame n. Live sources
+ORT releases the GIL in `run`, and OpenCV in decoding and resizing, so the stages overlap. Preprocessing
+(with any deferred JPEG decode) and inference are pools; after its first frames the pipeline measures
+the CPU each stage costs per frame and sizes the pools so the slowest stage sets the pace
+(`agent/serving/sizing.py`); results are still published in the order frames were taken. Live sources
 hand over frames latest-wins (stale frames are dropped and counted); files can run lossless. A bad
 frame is counted and skipped; nothing a source delivers can stop the pipeline.
 
@@ -15,7 +18,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -27,12 +30,18 @@ from agent.logsetup import get_logger
 from agent.serving.metrics import PipelineMetrics
 from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, decode, split_batch
 from agent.serving.decoding import scaled_geometry
-from agent.serving.sources import BadFrame, Frame, FrameSource
+from agent.serving.sizing import StageCosts, StagePlan, initial_plan, plan_stages
+from agent.serving.sources import BadFrame, Frame, FrameSource, UndecodableFrame
 
 log = get_logger("pipeline")
 
 _END = object()
 _WORKER_DONE = object()
+
+# Stage costs are measured over results SIZING_WARMUP+1 .. SIZING_WARMUP+SIZING_FRAMES of each engine
+# (the first runs of a session are slow and would oversize the pools).
+SIZING_WARMUP = 8
+SIZING_FRAMES = 48
 
 
 class Sink(Protocol):
@@ -97,6 +106,39 @@ class EngineTally:
     MAX_SAMPLES = 4096
 
 
+class _CostMeter:
+    """CPU nanoseconds and frames per stage, summed by the stages' threads (a pool has several writers)."""
+
+    STAGES = ("capture", "preprocess", "inference", "publish")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.ns = dict.fromkeys(self.STAGES, 0)
+            self.frames = dict.fromkeys(self.STAGES, 0)
+
+    def add(self, stage: str, ns: int, frames: int = 1) -> None:
+        with self._lock:
+            self.ns[stage] += ns
+            self.frames[stage] += frames
+
+    def per_frame_ms(self, stage: str) -> float:
+        with self._lock:
+            return self.ns[stage] / 1e6 / self.frames[stage] if self.frames[stage] else 0.0
+
+
+def _inference_cost(engine: Engine, wall_ns: int, cpu_ns: int) -> int:
+    """What one run costs the stage: on the CPU provider with one intra-op thread the run happens on the
+    calling thread (its CPU time is exact); with more, they run beside it; on an accelerator the device's
+    time is the cost, and the caller mostly waits."""
+    if engine.candidate.provider != "CPUExecutionProvider":
+        return wall_ns
+    return cpu_ns if engine.intra_op_threads == 1 else wall_ns * engine.intra_op_threads
+
+
 class NonFiniteOutput(FloatingPointError):
     """An output tensor holds NaN or inf."""
 
@@ -138,14 +180,27 @@ class Pipeline:
                                else LatestSlot(self._count_drop))
         self._prepared_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size, 1))
         self._results_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size * 4, 8))
-        self._workers = cfg.inference_workers or min(len(os.sched_getaffinity(0)), 4)
-        if engine.max_workers:  # a stateful model's steps run in frame order
-            self._workers = min(self._workers, engine.max_workers)
+        self.cores = len(os.sched_getaffinity(0))
+        # Pools: a configured size is fixed; 0 means up to the cores (inference at most 4), sized at start.
+        self._pre_fixed = getattr(cfg, "preprocess_workers", 0)
+        self._inf_fixed = cfg.inference_workers
+        self._pre_max = self._pre_fixed or min(self.cores, 4)
+        self._workers = self._inf_fixed or min(self.cores, 4)
+        self.plan: StagePlan = initial_plan(self.cores, self._pre_max, self._workers)
+        self._pre_active, self._inf_active = self._pre_max, self._workers
+        self._costs = _CostMeter()
+        self._sized_results = 0  # results of the current engine counted towards its sizing
+        self._take_lock = threading.Lock()  # frames are taken and numbered in capture order
+        self._number = 0
+        self._pre_left = self._pre_max  # preprocessing threads still running; the last one ends inference
+        self._pre_closing = threading.Event()
+        self._inf_closing = threading.Event()
         self.max_result_bytes = DEFAULT_MAX_RESULT_BYTES  # the daemon sets output.max_result_bytes
         self._threads = [
             threading.Thread(target=self._guard(self._capture), name="capture", daemon=True),
-            threading.Thread(target=self._guard(self._preprocess), name="preprocess", daemon=True),
-            *(threading.Thread(target=self._guard(self._infer), name=f"infer-{i}", daemon=True)
+            *(threading.Thread(target=self._guard(self._preprocess), args=(i,), name=f"preprocess-{i}", daemon=True)
+              for i in range(self._pre_max)),
+            *(threading.Thread(target=self._guard(self._infer), args=(i,), name=f"infer-{i}", daemon=True)
               for i in range(self._workers)),
             threading.Thread(target=self._guard(self._publish), name="publish", daemon=True),
         ]
@@ -168,6 +223,7 @@ class Pipeline:
         with self._tally_lock:
             self._tallies[id(engine)] = EngineTally()  # a fresh record, even for an engine served before
         old, self._engine = self._engine, engine
+        self._sized_results = 0  # a new model costs what it costs: measured and sized again
         log.info("pipeline.engine_swapped", old=old.describe(), new=engine.describe())
 
     def start(self) -> "Pipeline":
@@ -206,7 +262,7 @@ class Pipeline:
         st = self.source.stats
         age = (time.perf_counter_ns() - st.last_frame_ns) / 1e9 if st.last_frame_ns else None
         return PipelineStatus(not self.done.is_set(), st.state, None if age is None else round(age, 3),
-                              self._engine.describe(), self.metrics.snapshot())
+                              self._engine.describe(), {**self.metrics.snapshot(), "stages": self.plan.to_dict()})
 
     def stalled(self, horizon_s: float) -> str | None:
         """Why the pipeline is hung, or None. An idle source (no frames) is not hung; a source stuck
@@ -229,10 +285,10 @@ class Pipeline:
         if reason == "stale":
             self.metrics.dropped += n
 
-    def _guard(self, fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
+    def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any) -> None:
             try:
-                fn()
+                fn(*args)
             except BaseException as exc:  # a stage bug must not hang the others: end the stream downstream
                 self.failed = f"{fn.__name__.lstrip('_')} stage died: {type(exc).__name__}: {exc}"
                 log.exception("pipeline.stage_crashed", stage=fn.__name__)
@@ -251,6 +307,7 @@ class Pipeline:
             if self.paused.is_set():
                 self.stop_event.wait(0.05)
                 continue
+            t_cpu = time.thread_time_ns()
             try:
                 frame = src.read(self.stop_event)
             except BadFrame as exc:
@@ -259,6 +316,7 @@ class Pipeline:
                 continue
             if frame is None:
                 break
+            self._costs.add("capture", time.thread_time_ns() - t_cpu)
             m.frames_in += 1
             m.last_capture = time.monotonic()
             m.rate_in.mark()
@@ -286,75 +344,140 @@ class Pipeline:
         except queue.Empty:
             return None
 
-    def _preprocess(self) -> None:
-        m = self.metrics
-        number = 0
-        while True:
+    def _take(self) -> tuple[int, list[Any]] | None:
+        """The next frame, or a batch of frames across sources, numbered in the order taken; None at the end."""
+        with self._take_lock:
             first = self._next_frame(None)
             if first is _END:
-                break
+                self._frames_q.put(_END)  # every preprocessing thread must see the end
+                return None
             batch = [first]
-            engine = self._engine
-            if self._batch > 1 and engine.dynamic_batch:
+            if self._batch > 1 and self._engine.dynamic_batch:
                 deadline = time.monotonic() + self.cfg.batch_timeout_ms / 1000
                 while len(batch) < self._batch:
                     nxt = self._next_frame(max(0.0, deadline - time.monotonic()))
                     if nxt is None:
                         break
                     if nxt is _END:
-                        self._frames_q.put(_END)  # let the outer loop see the end too
+                        self._frames_q.put(_END)  # taken again on the next call
                         break
                     batch.append(nxt)
-            t0 = time.perf_counter_ns()
-            tensors, frames, geoms = [], [], []
-            tally = self.tally(engine)
-            tally.frames += len(batch)
-            for f in batch:
-                try:
-                    data = f.data  # a deferred decode or colour conversion happens here, once
-                    tensors.append(engine.preprocessor(data))
-                    # a frame decoded at 1/scale: boxes are mapped back to the camera's pixels
-                    geoms.append(scaled_geometry(engine.preprocessor.geometry(data), f.scale))
-                    frames.append(f)
-                except PreprocessError as exc:
-                    m.bad_frames += 1
+            self._number += 1
+            return self._number, batch
+
+    def _in_order_only(self) -> bool:
+        """A stateful model's frames must reach it one at a time in the order they came."""
+        return self._engine.max_workers == 1
+
+    def _preprocess(self, index: int = 0) -> None:
+        try:
+            while not self._pre_closing.is_set():
+                if index >= self._pre_active or (index > 0 and self._in_order_only()):
+                    self._pre_closing.wait(0.05)  # not needed at the planned size: idle, not gone
+                    continue
+                taken = self._take()
+                if taken is None:
+                    self._pre_closing.set()
+                    break
+                self._prepare(*taken)
+        finally:
+            with self._take_lock:
+                self._pre_left -= 1
+                last = self._pre_left == 0
+            if last:
+                self._prepared_q.put(_END)
+
+    def _prepare(self, number: int, batch: list[Frame]) -> None:
+        m = self.metrics
+        engine = self._engine
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        tensors, frames, geoms = [], [], []
+        tally = self.tally(engine)
+        tally.frames += len(batch)
+        for f in batch:
+            try:
+                data = f.data  # a deferred decode or colour conversion happens here, once
+                tensors.append(engine.preprocessor(data))
+                # a frame decoded at 1/scale: boxes are mapped back to the camera's pixels
+                geoms.append(scaled_geometry(engine.preprocessor.geometry(data), f.scale))
+                frames.append(f)
+            except PreprocessError as exc:
+                m.bad_frames += 1
+                if isinstance(exc, UndecodableFrame):
+                    self._count_drop("bad_frame")
+                else:
                     tally.refused += 1
                     self._count_drop("refused_by_preprocessing")
-                    log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
-            if not frames:
-                continue
-            t1 = time.perf_counter_ns()
-            tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
-            number += 1
-            self._prepared_q.put(Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6))
-        self._prepared_q.put(_END)
+                log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
+        if not frames:  # the number is spent: tell the publisher so it does not wait for it
+            self._results_q.put(Inferred(Prepared(number, [], np.empty(0), engine, [], t0, 0.0), None, 0.0))
+            return
+        tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
+        t1 = time.perf_counter_ns()
+        self._costs.add("preprocess", time.thread_time_ns() - c0, len(frames))
+        self._prepared_q.put(Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6))
 
-    def _infer(self) -> None:
+    def _infer(self, index: int = 0) -> None:
         m = self.metrics
-        while True:
-            p = self._prepared_q.get()
-            if p is _END:
-                self._prepared_q.put(_END)  # the other workers need to see it too
-                break
-            t0 = time.perf_counter_ns()
-            try:
-                outputs = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at)
-                bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
-                if bad:  # NaN/inf answers are wrong answers: counted, never published
-                    raise NonFiniteOutput(f"non-finite values in outputs {bad}")
-            except Exception as exc:  # a runtime failure on one input is counted, not fatal
-                m.inference_errors += 1
-                tally = self.tally(p.engine)
-                if isinstance(exc, NonFiniteOutput):
-                    tally.non_finite += 1
-                else:
-                    tally.inference_errors += 1
-                self._count_drop("non_finite_output" if isinstance(exc, NonFiniteOutput) else "inference_error",
-                                 len(p.frames))
-                log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
-                outputs = None
-            self._results_q.put(Inferred(p, outputs, (time.perf_counter_ns() - t0) / 1e6))
-        self._results_q.put(_WORKER_DONE)
+        try:
+            while not self._inf_closing.is_set():
+                if index >= self._inf_active or (index > 0 and self._in_order_only()):
+                    self._inf_closing.wait(0.05)
+                    continue
+                try:
+                    p = self._prepared_q.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if p is _END:
+                    self._prepared_q.put(_END)  # the other workers need to see it too
+                    self._inf_closing.set()
+                    break
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                try:
+                    outputs = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at)
+                    bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+                    if bad:  # NaN/inf answers are wrong answers: counted, never published
+                        raise NonFiniteOutput(f"non-finite values in outputs {bad}")
+                except Exception as exc:  # a runtime failure on one input is counted, not fatal
+                    m.inference_errors += 1
+                    tally = self.tally(p.engine)
+                    if isinstance(exc, NonFiniteOutput):
+                        tally.non_finite += 1
+                    else:
+                        tally.inference_errors += 1
+                    self._count_drop("non_finite_output" if isinstance(exc, NonFiniteOutput) else "inference_error",
+                                     len(p.frames))
+                    log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
+                    outputs = None
+                wall_ns, cpu_ns = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+                self._costs.add("inference", _inference_cost(p.engine, wall_ns, cpu_ns), len(p.frames))
+                self._results_q.put(Inferred(p, outputs, wall_ns / 1e6))
+        finally:
+            self._results_q.put(_WORKER_DONE)
+
+    def _size_stages(self) -> None:
+        """Called by the publisher after each result: measure over the first frames, then size the pools."""
+        self._sized_results += 1
+        if self._sized_results == SIZING_WARMUP:
+            self._costs.reset()
+            return
+        if self._sized_results != SIZING_WARMUP + SIZING_FRAMES:
+            return
+        src = self.source
+        capture = src.capture_cpu_ms() if hasattr(src, "capture_cpu_ms") else self._costs.per_frame_ms("capture")
+        costs = StageCosts(capture, self._costs.per_frame_ms("preprocess"), self._costs.per_frame_ms("inference"),
+                           self._costs.per_frame_ms("publish"), SIZING_FRAMES)
+        plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
+                           preprocess_max=self._pre_max, inference_max=self._workers, in_order=self._in_order_only())
+        if self._pre_fixed:
+            plan = replace(plan, preprocess_workers=self._pre_fixed)
+        if self._inf_fixed:
+            plan = replace(plan, inference_workers=self._inf_fixed)
+        self.plan = plan
+        self._pre_active, self._inf_active = plan.preprocess_workers, plan.inference_workers
+        log.info("pipeline.stages_sized", preprocess_workers=plan.preprocess_workers,
+                 inference_workers=plan.inference_workers, bottleneck=plan.bottleneck,
+                 pace_fps=round(plan.pace_fps, 1), reason=plan.reason)
 
     def _in_order(self) -> Any:
         """Results from all inference workers, re-ordered by preparation number."""
@@ -385,7 +508,7 @@ class Pipeline:
                 n = len(p.frames)
                 tally = self.tally(eng)
                 for i, frame in enumerate(p.frames):
-                    t0 = time.perf_counter_ns()
+                    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                     outs = split_batch(item.outputs, i)
                     try:
                         result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i],
@@ -426,6 +549,8 @@ class Pipeline:
                         tally.inference_ms.append(item.inference_ms)
                     m.rate_out.mark()
                     m.last_progress = time.monotonic()
+                    self._costs.add("publish", time.thread_time_ns() - c0)
+                    self._size_stages()
         finally:
             self.sink.close()
             self.done.set()

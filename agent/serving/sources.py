@@ -82,6 +82,10 @@ class Frame:
                 f"converted={self._convert is None})")
 
 
+class UndecodableFrame(PreprocessError):
+    """A frame whose decoding was deferred to the preprocessing stage turned out not to decode."""
+
+
 @dataclass
 class SourceStats:
     state: str = "starting"  # starting | open | lost | frozen | ended
@@ -95,6 +99,8 @@ class SourceStats:
     heartbeat: float = field(default_factory=time.monotonic)  # the source's loop is alive (watchdog)
     # how frames are decoded, for health: path (jpeg | ffmpeg | image | none), codec, scale, threads, hw
     decoder: dict[str, Any] = field(default_factory=dict)
+    cpu_ns: int = 0      # CPU time of the reads that delivered frames (the pipeline sizes its stages by it)
+    cpu_frames: int = 0
 
     def beat(self) -> None:
         self.heartbeat = time.monotonic()
@@ -197,9 +203,6 @@ class OpenCVSource:
         self.cap: cv2.VideoCapture | None = None
         self.packets = False  # reading encoded JPEG packets (CAP_PROP_FORMAT -1) and decoding them ourselves
         self.packets_usable = frame.kind == "image"  # cleared when the backend hands out something else
-        # live, latest-frame-wins: JPEG decoding waits for the first reader of Frame.data (the preprocessing
-        # stage), so frames dropped as stale cost no decoding; lossless: decoded here, overlapping the stages
-        self.deferred = not ((not self.live) if cfg.lossless is None else cfg.lossless)
         self.backoff = cfg.reconnect_initial_s
         self.prev: np.ndarray | None = None
         self.same = 0
@@ -230,7 +233,9 @@ class OpenCVSource:
         hw = int(cap.get(cv2.CAP_PROP_HW_ACCELERATION))
         self.stats.decoder = {
             "path": "jpeg" if self.packets else "ffmpeg", "codec": fourcc, "scale": 1,
-            "deferred": self.packets and self.deferred,
+            # JPEG decoding waits for the first reader of Frame.data: the preprocessing pool, which decodes
+            # on as many cores as the pipeline sizes it to (capture is one thread per source)
+            "deferred": self.packets,
             "threads": int(cap.get(cv2.CAP_PROP_N_THREADS)),
             "hw": next((k for k, v in HW_DECODE.items() if v == hw and k != "any"), str(hw)),
             "hw_requested": self.cfg.hw_decode,
@@ -300,18 +305,10 @@ class OpenCVSource:
                 log.warning("source.stalled", source=self.name, seconds=(ns - self.stats.last_frame_ns) / 1e9)
             self.stats.last_frame_ns = ns
             self._watch_frozen(img)  # on the encoded packet when there is one: smaller than the picture
-            if self.packets and self.deferred:  # latest-frame-wins: a frame dropped as stale is never decoded
+            if self.packets:  # decoded by the preprocessing pool (a frame dropped as stale never is)
                 scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name)
                 self.stats.frames += 1
                 return Frame(self.stats.frames, img, at, ns, self.name, scale, functools.partial(self._decode, scale=scale))
-            if self.packets:
-                data, scale = _decode_jpeg_frame(img, self.cfg, self.frame, self.resize,
-                                                 self.max_scale, self.stats, self.name)
-                if data is None:
-                    self.stats.bad += 1
-                    raise BadFrame(f"{self.name}: a JPEG frame of {img.size} bytes does not decode")
-                self.stats.frames += 1
-                return Frame(self.stats.frames, data, at, ns, self.name, scale)
             self.stats.frames += 1
             return Frame(self.stats.frames, img, at, ns, self.name, 1, self._to_frame)
         return None
@@ -322,7 +319,8 @@ class OpenCVSource:
     def _decode(self, packet: np.ndarray, scale: int) -> np.ndarray:
         img = decode_jpeg(packet, self.frame.color, scale)
         if img is None:
-            raise PreprocessError(f"{self.name}: a JPEG frame of {packet.size} bytes does not decode")
+            self.stats.bad += 1
+            raise UndecodableFrame(f"{self.name}: a JPEG frame of {packet.size} bytes does not decode")
         return img
 
     def _watch_frozen(self, img: np.ndarray) -> None:
