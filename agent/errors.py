@@ -10,6 +10,10 @@ class AgentError(Exception):
     """Base of all deliberate agent errors; the CLI prints these as one line and exits non-zero."""
 
 
+class UsageError(AgentError):
+    """The command line asks for something refused as given (exit 2)."""
+
+
 class ConfigError(AgentError):
     """A config file is malformed: the message names the file and the key."""
 

@@ -294,3 +294,14 @@ def test_sensor_bundle_report_shows_each_golden_window_as_a_sparkline(tiny_senso
     page = render_report(doc, bundle_root=tiny_sensor_bundle)
     assert page.count("src='data:image/svg+xml;base64,") == 6  # one per golden window, no JPEG of noise
     assert "id='latency-plot'" in page
+
+
+def test_report_command_line_mistakes_exit_2_naming_the_flag(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Found in review: no source exited 1, a bad --broker port was an internal error, and a --bundle that
+    does not exist was silently ignored (a page without thumbnails and bounds)."""
+    nothing = edge_agent("report")
+    assert nothing.returncode == 2 and "give a report.json" in nothing.stderr
+    port = edge_agent("report", "--broker", "127.0.0.1:abc", "--device", "d1")
+    assert port.returncode == 2 and "--broker" in port.stderr and "internal error" not in port.stderr
+    missing = edge_agent("report", str(tmp_path), "--bundle", str(tmp_path / "missing"))
+    assert missing.returncode == 2 and "--bundle" in missing.stderr and "not a bundle directory" in missing.stderr

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.errors import AgentError
+from agent.errors import UsageError
 
 
 def _load(spec: str | None, args: argparse.Namespace, what: str) -> dict[str, Any]:
@@ -17,15 +17,20 @@ def _load(spec: str | None, args: argparse.Namespace, what: str) -> dict[str, An
         return load_report(Path(spec))
     if args.broker and args.device:
         host, _, port = args.broker.partition(":")
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise UsageError(f"--broker: expected HOST[:PORT] with a port of 1-65535, found {args.broker!r}")
         password = Path(args.password_file).read_text().strip() if args.password_file else None
         return fetch_retained(host, int(port or (8883 if args.tls_ca else 1883)), args.device, args.prefix,
                               args.wait, args.username, password, args.tls_ca)
-    raise AgentError(f"{what}: give a report.json or state directory, or --broker HOST[:PORT] --device ID")
+    raise UsageError(f"{what}: give a report.json or state directory, or --broker HOST[:PORT] --device ID")
 
 
 def run_report(args: argparse.Namespace) -> int:
     from agent.report.page import render_report, write_report
 
+    for flag, path in (("--bundle", args.bundle), ("--compare-bundle", args.compare_bundle)):
+        if path is not None and not path.is_dir():  # asked for thumbnails and bounds: never silently without
+            raise UsageError(f"{flag}: {path} is not a bundle directory")
     doc = _load(args.source, args, "edge-agent report")
     old = _load(args.compare, args, "--compare") if args.compare else None
     page = render_report(doc, bundle_root=args.bundle, compare=old, compare_bundle_root=args.compare_bundle)

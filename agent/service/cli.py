@@ -14,13 +14,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from agent import __version__
-from agent.errors import AgentError
+from agent.errors import AgentError, UsageError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_SELECTED = 0, 1, 2, 3
-
-
-class UsageError(AgentError):
-    """The command line asks for something refused as given (exit 2)."""
 
 
 @contextmanager
