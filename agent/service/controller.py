@@ -43,6 +43,13 @@ EVENT_QUEUE_SIZE = 64
 EXIT_PIPELINE_FAILED = 1  # a dead stage: exit non-zero so systemd (Restart=on-failure) restarts us
 Reply = Callable[[dict[str, Any]], None]
 
+MAX_OPERATION_CHARS = 160  # an update is named by its URL or file: health and busy replies carry only this much
+
+
+def _bounded_name(name: str) -> str:
+    """An operation's name as health shows it: a 60 KB URL must not ride along in every health message."""
+    return name if len(name) <= MAX_OPERATION_CHARS else name[:MAX_OPERATION_CHARS - 1] + "…"
+
 
 @dataclass(frozen=True)
 class CommandEvent:
@@ -177,7 +184,7 @@ class Controller:
         with self._op_cond:
             while self._operation is not None:
                 self._op_cond.wait(0.5)
-            self._operation = name
+            self._operation = _bounded_name(name)
         try:
             yield
         finally:
@@ -188,7 +195,7 @@ class Controller:
         with self._op_cond:
             if self._operation is not None:
                 return self._operation
-            self._operation = name
+            self._operation = _bounded_name(name)
             return None
 
     def _release_operation(self) -> None:
