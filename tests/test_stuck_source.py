@@ -29,7 +29,8 @@ from agent.bundle.load import load_bundle
 from agent.config import PipelineConfig, SourceConfig
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
-from agent.service.health_view import watchdog_withheld
+from agent.link.health import ProcessProbe
+from agent.service.health_view import health_document, watchdog_withheld
 from agent.serving.engine import build_engine
 from agent.serving.multisource import MultiSource
 from agent.serving.pipeline import Pipeline
@@ -173,8 +174,12 @@ def test_one_stuck_source_of_two_keeps_the_watchdog_fed_and_is_reported_stuck(tm
                 time.sleep(0.1)
             assert withheld and all(w is None for w in withheld), [w for w in withheld if w][:3]
             assert wait_until(lambda: _served(sink, "door") >= door_before + 20, timeout=30)
-            health = multi.per_source()
+            doc = health_document(device_id="d", started=time.monotonic(), session=1, interval_s=1, serving=True,
+                                  not_serving_reason=None, engine=engine, pipeline=p, selftest_doc=None,
+                                  outbox=None, probe=ProcessProbe(), operation=None)
+        health = doc["sources"]  # what health/<source> publishes, one per source
         assert health["cam"]["state"] == "stuck" and health["cam"]["stuck_s"] > 2 * HORIZON_S
+        assert set(doc["source"]["stuck"]) == {"cam"} and doc["source"]["state"] == "open"
         assert health["cam"]["stuck_episodes"] == 1
         assert "stuck inside a read" in health["cam"]["last_error"]
         assert health["door"]["state"] == "open" and health["door"]["stuck_s"] is None
@@ -200,14 +205,16 @@ def test_every_running_source_stuck_withholds_the_watchdog_naming_them(tmp_path:
         stuck_camera_config("cam1", cams[0].url), stuck_camera_config("cam2", cams[1].url)])
     try:
         # a source that ended is not running: with both cameras stuck, nothing serves
-        assert wait_until(lambda: (watchdog_withheld(p, HORIZON_S) or "").startswith("capture stuck in"),
-                          timeout=60), multi.per_source()
-        reason = watchdog_withheld(p, HORIZON_S)
-        assert "cam1 for" in reason and "cam2 for" in reason and "door" not in reason, reason
+        reasons: list[str | None] = []
+        assert wait_until(lambda: reasons.append(watchdog_withheld(p, HORIZON_S)) or
+                          "cam1 for" in (reasons[-1] or "") and "cam2 for" in reasons[-1], timeout=60), reasons[-3:]
+        reason = reasons[-1]
+        assert reason.startswith("capture stuck in ") and "door" not in reason, reason
         health = multi.per_source()
         assert health["cam1"]["state"] == health["cam2"]["state"] == "stuck"
         assert health["door"]["state"] == "ended" and health["door"]["served"] == 4
         assert multi.stats.state == "stuck"
+        assert set(multi.stuck()) == {"cam1", "cam2"}
         assert _stop(p, multi) < 3
     finally:
         _cleanup(p, multi)
