@@ -246,6 +246,7 @@ class MultiSource:
         """Stop every capture thread and release its source. One shared 10 s wait for reads honouring their
         time-outs, a short grace for a source already stuck; a source still inside its read is released by
         its own thread when the read comes back (closing a VideoCapture under a read crashes or hangs it)."""
+        self._check_stuck(force=True)  # a source past its time-outs now gets only the grace
         self._stop.set()
         with self._cond:
             self._closing = True
