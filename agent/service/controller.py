@@ -368,7 +368,8 @@ class Controller:
     def _health_key(self) -> Any:
         p = self.pipeline
         return (self.serving, self.not_serving_reason, self.engine.describe()["variant"] if self.engine else None,
-                p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None)
+                p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None,
+                getattr(p.source, "state_key", lambda: None)() if p else None)  # many sources: one turns stuck
 
     def _publish_selftest(self) -> None:
         if self.link is not None and self.selftest_doc is not None:

@@ -27,6 +27,9 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
                   "frozen_events": st.frozen_events,
                   # how frames are decoded (path, codec, scale, threads, hw) and the scale the self-test proved
                   "decoder": {**st.decoder, "limit": dict(decode_limit) if decode_limit else None}}
+        stuck = getattr(pipeline.source, "stuck", None)
+        if stuck is not None:  # many sources: which are stuck inside a read (seconds), while the others serve
+            source["stuck"] = stuck()
         metrics = {**status.metrics, "dropped_by_reason": dict(pipeline.drops), "last_seq": pipeline.last_seq}
     doc = build_health(
         device_id=device_id,
@@ -62,7 +65,8 @@ def status_line(serving: bool, engine: Engine | None, not_serving_reason: str | 
 
 def watchdog_withheld(pipeline: Pipeline | None, horizon_s: float) -> str | None:
     """Why the watchdog must not be fed, or None. A dead stage withholds it at once; a hung one after
-    `horizon_s`. Not serving by design (no bundle proven) is not a hang: the agent still answers."""
+    `horizon_s`. Not serving by design (no bundle proven) is not a hang: the agent still answers. With
+    many sources, one stuck inside a read is not a hang of the agent while another still serves."""
     if pipeline is None:
         return None
     if pipeline.failed is not None:

@@ -3,7 +3,8 @@
 Each source keeps its own policy: a lossless one waits in a bounded queue (back-pressure on that source
 only), a live one keeps only its latest frame (the stale one is counted against that source). The pipeline
 sees one lossless source whose frames carry their source's name; a stalled or reconnecting source delays
-nobody else.
+nobody else, and one stuck inside a read past its time-outs is reported as stuck in its own health while
+the others serve: the multiplexer counts as alive while any of its sources is.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from agent.serving.sources import BadFrame, Frame, FrameSource, SourceStats, is_
 log = get_logger("sources")
 
 _ENDED = object()
+STUCK_MARGIN_S = 1.0  # beyond a source's own time-outs: Python-side work between two heartbeats
+SHUTDOWN_GRACE_S = 0.2  # how long close() still waits for a source already known stuck
+
+
+def stuck_bound_s(cfg: SourceConfig) -> float:
+    """How long a source's loop may go without a heartbeat while honouring its time-outs: a reopen may try
+    twice (hardware decoding, then software), each up to the open time-out, then one read."""
+    return (2 * cfg.open_timeout_ms + cfg.read_timeout_ms) / 1000 + STUCK_MARGIN_S
 
 
 @dataclass
@@ -35,6 +44,11 @@ class Feed:
     taken: int = 0        # frames handed to the pipeline
     stale: int = 0        # live source: frames replaced by a newer one before the pipeline took them
     left_at_stop: int = 0  # frames read but still waiting when the agent stopped
+    bound_s: float = 14.0  # quiet for longer than this (or the watchdog's horizon): stuck inside its read
+    stuck_beat: float | None = None  # the heartbeat the source went quiet at, while stuck
+    stuck_episodes: int = 0
+    last_stuck_s: float | None = None  # how long the last finished episode lasted
+    closed: bool = False
 
     @property
     def name(self) -> str:
@@ -49,14 +63,18 @@ class MultiSource:
     def __init__(self, sources: list[tuple[SourceConfig, FrameSource]], capacity: int = 2):
         if not sources:
             raise ValueError("MultiSource needs at least one source")
-        self.feeds = [Feed(src, is_lossless(cfg, src), max(capacity, 1)) for cfg, src in sources]
+        self.feeds = [Feed(src, is_lossless(cfg, src), max(capacity, 1), bound_s=stuck_bound_s(cfg))
+                      for cfg, src in sources]
         self.name = "+".join(f.name for f in self.feeds)
         self.on_drop: Callable[[str, int], None] | None = None  # the pipeline's drop counter
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._next = 0
         self._threads: list[threading.Thread] = []
+        self._closing = False
         self._own = SourceStats()
+        self._horizon_s: float | None = None  # the watchdog's horizon, once the owner asked (see `stuck`)
+        self._next_check = 0.0
 
     # -- the capture thread of each source ------------------------------------------------------------
     def _start(self) -> None:
@@ -80,6 +98,7 @@ class MultiSource:
                     log.exception("source.crashed", source=feed.name)
                     feed.source.stats.state, feed.source.stats.last_error = "ended", f"{type(exc).__name__}: {exc}"
                     item = None
+                feed.source.stats.beat()  # the read came back: a stuck episode is over
                 if item is None:
                     break
                 self._offer(feed, item)
@@ -87,6 +106,10 @@ class MultiSource:
             with self._cond:
                 feed.ended = True
                 self._cond.notify_all()
+                close_now = self._stop.is_set() and self._closing and not feed.closed
+                feed.closed = feed.closed or close_now
+            if close_now:  # close() gave up waiting for this read: the source is released on its way out
+                feed.source.close()
 
     def _offer(self, feed: Feed, item: Any) -> None:
         with self._cond:
@@ -114,6 +137,7 @@ class MultiSource:
         with self._cond:
             while not stop.is_set():
                 self._own.beat()
+                self._check_stuck()
                 n = len(self.feeds)
                 for k in range(n):
                     feed = self.feeds[(self._next + k) % n]
@@ -133,20 +157,72 @@ class MultiSource:
                 self._cond.wait(0.1)
         return None
 
+    # -- stuck sources -----------------------------------------------------------------------------------
+    def _check_stuck(self, force: bool = False) -> None:
+        """Start or end each source's stuck episode: quiet for longer than its time-outs allow (or the
+        watchdog's horizon, the shorter), and over when its read comes back. Logged once per episode."""
+        now = time.monotonic()
+        with self._cond:
+            if not force and now < self._next_check:
+                return
+            self._next_check = now + 0.2
+            for f in self.feeds:
+                s = f.source.stats
+                if f.stuck_beat is not None:
+                    if f.ended or s.heartbeat != f.stuck_beat:
+                        f.last_stuck_s = round(max(s.heartbeat, f.stuck_beat) - f.stuck_beat, 3) if not f.ended \
+                            else round(now - f.stuck_beat, 3)
+                        f.stuck_beat = None
+                        log.info("source.unstuck", source=f.name, stuck_s=f.last_stuck_s, ended=f.ended)
+                    continue
+                quiet = now - s.heartbeat
+                if not f.ended and quiet > self._stuck_after(f):
+                    f.stuck_beat = s.heartbeat
+                    f.stuck_episodes += 1
+                    s.last_error = f"stuck inside a read for more than {self._stuck_after(f):.1f} s"
+                    alive = [g.name for g in self.feeds if g is not f and not g.ended and g.stuck_beat is None]
+                    log.warning("source.stuck", source=f.name, quiet_s=round(quiet, 1),
+                                stuck_after_s=round(self._stuck_after(f), 1), episodes=f.stuck_episodes,
+                                still_serving=alive)
+
+    def _stuck_after(self, f: Feed) -> float:
+        return f.bound_s if self._horizon_s is None else min(f.bound_s, self._horizon_s)
+
+    def stuck(self, horizon_s: float | None = None) -> dict[str, float]:
+        """The running sources stuck inside a read, with the seconds since each was last alive. `horizon_s`
+        (the watchdog's) caps how long a source may be quiet from now on, whatever its own time-outs."""
+        if horizon_s is not None:
+            self._horizon_s = horizon_s
+        self._check_stuck(force=True)
+        now = time.monotonic()
+        with self._cond:
+            return {f.name: round(now - f.stuck_beat, 1) for f in self.feeds if f.stuck_beat is not None}
+
+    def state_key(self) -> tuple[str, ...]:
+        """Each source's state, cheap: a change is worth publishing health at once."""
+        self._check_stuck()
+        return tuple(self._state(f) for f in self.feeds)
+
+    @staticmethod
+    def _state(f: Feed) -> str:
+        return "stuck" if f.stuck_beat is not None else f.source.stats.state
+
     @property
     def stats(self) -> SourceStats:
-        """All sources as one, for the pipeline's own checks: the oldest heartbeat of a source still running
-        (a source stuck inside a read is still found), the newest frame of any."""
+        """All sources as one, for the pipeline's own checks: alive while any running source is (its newest
+        heartbeat), so one source stuck inside a read does not stop the watchdog for all -- `stuck` and
+        `per_source` name it; the newest frame of any."""
+        self._check_stuck()
         st = [f.source.stats for f in self.feeds]
-        running = [s for f, s in zip(self.feeds, st) if not f.ended]
-        states = {s.state for s in st}
-        state = ("ended" if all(f.ended for f in self.feeds) else
-                 "open" if "open" in states else "lost" if "lost" in states else next(iter(states)))
+        running = [f for f in self.feeds if not f.ended]
+        states = {self._state(f) for f in running}
+        state = ("ended" if not running else "open" if "open" in states else "lost" if "lost" in states
+                 else next(iter(sorted(states))))
         return SourceStats(state=state, frames=sum(s.frames for s in st), bad=sum(s.bad for s in st),
                            reconnects=sum(s.reconnects for s in st), losses=sum(s.losses for s in st),
                            frozen_events=sum(s.frozen_events for s in st),
                            last_frame_ns=max(s.last_frame_ns for s in st),
-                           heartbeat=min([s.heartbeat for s in running] or [self._own.heartbeat]))
+                           heartbeat=max([f.source.stats.heartbeat for f in running] or [self._own.heartbeat]))
 
     def capture_cpu_ms(self) -> float:
         """CPU per frame of the costliest source's capture thread: each source has one, so the slowest bounds."""
@@ -155,12 +231,18 @@ class MultiSource:
 
     def per_source(self) -> dict[str, dict[str, Any]]:
         """Each source's own health: state, counters, frame age, decoder, and what the multiplexer did."""
+        self._check_stuck(force=True)
         now = time.perf_counter_ns()
+        mono = time.monotonic()
         out = {}
         for f in self.feeds:
             s = f.source.stats
+            beat = f.stuck_beat
             out[f.name] = {
-                "type": getattr(getattr(f.source, "cfg", None), "type", None), "state": s.state,
+                "type": getattr(getattr(f.source, "cfg", None), "type", None), "state": self._state(f),
+                "stuck_s": None if beat is None else round(mono - beat, 1),  # inside one read, this long
+                "stuck_episodes": f.stuck_episodes, "last_stuck_s": f.last_stuck_s,
+                "stuck_after_s": round(self._stuck_after(f), 1),
                 "lossless": f.lossless, "frames": s.frames, "served": f.taken, "stale": f.stale,
                 "waiting": len(f.waiting), "left_at_stop": f.left_at_stop, "bad": s.bad,
                 "reconnects": s.reconnects, "losses": s.losses, "frozen_events": s.frozen_events,
@@ -170,17 +252,27 @@ class MultiSource:
         return out
 
     def close(self) -> None:
+        """Stop every capture thread and release its source. One shared 10 s wait for reads honouring their
+        time-outs, a short grace for a source already stuck; a source still inside its read is released by
+        its own thread when the read comes back (closing a VideoCapture under a read crashes or hangs it)."""
+        self._check_stuck(force=True)  # a source past its time-outs now gets only the grace
         self._stop.set()
         with self._cond:
+            self._closing = True
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=10)  # each source's read honours its time-outs and the stop event
+        deadline = time.monotonic() + 10
+        for f, t in zip(self.feeds, self._threads):
+            wait = max(0.0, deadline - time.monotonic())
+            t.join(timeout=min(wait, SHUTDOWN_GRACE_S) if f.stuck_beat is not None else wait)
         for f in self.feeds:
             with self._cond:
                 f.left_at_stop += sum(isinstance(x, Frame) for x in f.waiting)
                 f.waiting.clear()
-            if any(t.is_alive() for t in self._threads if t.name == f"capture:{f.name}"):
-                log.warning("source.close_while_reading", source=f.name)  # closed on its thread's way out
+                still_reading = bool(self._threads) and not f.ended
+                close_now = not still_reading and not f.closed
+                f.closed = f.closed or close_now
+            if still_reading:
+                log.warning("source.close_while_reading", source=f.name, stuck=f.stuck_beat is not None)
                 continue
-            f.source.close()
-
+            if close_now:
+                f.source.close()

@@ -266,13 +266,19 @@ class Pipeline:
 
     def stalled(self, horizon_s: float) -> str | None:
         """Why the pipeline is hung, or None. An idle source (no frames) is not hung; a source stuck
-        inside a read, or frames captured with no result coming out, is."""
+        inside a read, or frames captured with no result coming out, is. With many sources the capture is
+        hung only when every running source is stuck (nothing serves): one stuck among serving ones is
+        reported in its own health, and the watchdog stays fed for the others."""
         if self.done.is_set() or self.paused.is_set():
             return None
         now = time.monotonic()
-        quiet = now - self.source.stats.heartbeat
+        judge = getattr(self.source, "stuck", None)  # many sources: each judged on its own, named here
+        stuck = judge(horizon_s) if judge is not None else {}
+        quiet = now - self.source.stats.heartbeat  # many sources: the newest heartbeat of any running one
         if quiet > horizon_s:
-            return f"capture stuck in {self.source.name} for {quiet:.0f} s"
+            where = (", ".join(f"{name} for {s:.0f} s" for name, s in stuck.items()) if stuck
+                     else f"{self.source.name} for {quiet:.0f} s")
+            return f"capture stuck in {where}"
         m = self.metrics
         if m.last_capture > m.last_progress and now - m.last_progress > horizon_s:
             return f"frames captured but no result for {now - m.last_progress:.0f} s"
