@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,10 +72,9 @@ def head_constants(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _need_onnx():
     try:
-        import onnx  # noqa: F401
+        import onnx
     except ImportError:
-        raise SystemExit("yolo_resize.py needs the onnx package: pip install '.[build]'")
-    import onnx
+        raise SystemExit("yolo_resize.py needs the onnx package: pip install '.[build]'") from None
     return onnx
 
 
@@ -298,9 +298,8 @@ def cmd_bundle(args: argparse.Namespace) -> int:
         if r.returncode:
             return r.returncode
         if out.exists():
-            import shutil
             shutil.rmtree(out)
-        staged.rename(out) if staged.stat().st_dev == out.parent.stat().st_dev else __import__("shutil").move(staged, out)
+        shutil.move(staged, out)
     print(f"{out}: built")
     return 0
 
