@@ -283,7 +283,16 @@ def cmd_bundle(args: argparse.Namespace) -> int:
                 np.savez(tmp / f"{split}.npz", raw=z["raw"])
             sets[split] = tmp / f"{split}.npz"
         staged = tmp / "bundle"
-        cmd = [sys.executable, "-m", "agent", "bundle", "create", "--model", str(model), "--spec", str(SPEC_320),
+        spec = SPEC_320
+        if args.size != 320:  # the same spec with the letterbox at the derived model's side
+            import yaml
+
+            d = yaml.safe_load(SPEC_320.read_text())
+            d["preprocess"]["resize"].update(width=args.size, height=args.size)
+            d["name"], d["label"] = f"real-layout-{args.size}", f"1.1.1-s{args.size}"
+            spec = tmp / f"layout{args.size}.yaml"
+            spec.write_text(yaml.safe_dump(d, sort_keys=False))
+        cmd = [sys.executable, "-m", "agent", "bundle", "create", "--model", str(model), "--spec", str(spec),
                "--calibration", str(sets["calibration"]), "--golden", str(sets["golden"]),
                "--heldout", str(sets["heldout"]), "--out", str(staged)]
         if args.no_int8:
