@@ -20,7 +20,12 @@ Usage: python scripts/bench_serving.py [--bundle models/digits-classifier] [--in
                                        [--frames 300] [--runs 1] [--variant auto|fp32|int8] [--intra N] [--spin]
        python scripts/bench_serving.py --sources 4 [--camera-fps 15] [--frames 150]   (the many-sources row:
            4 MJPEG cameras at 15 fps each through one agent, against one camera: fps per source, p95 capture to
-           publish, peak RSS)
+           publish, peak RSS, agent CPU per result)
+
+The many-sources row serves the issue's YOLO-class detector when the real-model cache holds the layout model
+(scripts/real_models.py fetch layout): the YOLOv8n DocLayNet model re-sized to a 320x320 input and bundled by
+scripts/yolo_resize.py (FP32; a throughput model, not an accuracy claim), on camera videos of the suite's
+synthetic document pages. Without it (or with --bundle) it serves the given bundle, the demo classifier by default.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+CACHE = Path(os.environ.get("EDGE_AGENT_CACHE", Path.home() / ".cache" / "edge-agent"))
+LAYOUT = CACHE / "real-models" / "layout"
+DEMO_BUNDLE = ROOT / "models" / "digits-classifier"
 
 from agent.bundle.load import load_bundle  # noqa: E402
 from agent.config import Config, SourceConfig  # noqa: E402
@@ -233,13 +241,14 @@ class MultiRun:
     sources: int
     fps: dict[str, float]      # results/s per source, first to last result of that source
     results: dict[str, int]
-    p95_ms: float              # capture -> publish (the result's total_ms), all sources together
+    p50_ms: float              # capture -> publish (the result's total_ms), all sources together
+    p95_ms: float
     rss_mb: float
     cpu_ms: float              # the agent's CPU time per result
     load: tuple[float, float]  # 1-minute load average before and after
 
 
-def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float, tmp: Path) -> MultiRun:
+def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float, tmp: Path, frames: int) -> MultiRun:
     """`edge-agent run` with one `sources:` entry per video, each paced at `fps` (a camera's rate), lossless."""
     cfg: dict = {"state_dir": str(tmp / "state"), "bundle": str(bundle_dir),
                  "sources": [{"name": f"cam{i}", "type": "video", "path": str(v), "max_fps": fps}
@@ -250,6 +259,7 @@ def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float
     path = tmp / f"agent-{len(videos)}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     load0 = os.getloadavg()[0]
+    expected = frames * len(videos)
     proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config", str(path)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     first: dict[str, float] = {}
@@ -258,7 +268,7 @@ def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float
     totals: list[float] = []
     cpu0 = cpu1 = 0.0
     rss = float("nan")
-    n = 0
+    n = counted = 0
     assert proc.stdout is not None
     for line in proc.stdout:
         now = time.perf_counter()
@@ -271,7 +281,7 @@ def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float
         n += 1
         if n == 1:
             cpu0 = _proc_cpu_s(proc.pid)
-        if n % 50 == 0:
+        if n % 50 == 0 or n == expected:  # /proc on every line would take CPU from the agent
             try:
                 cpu1, rss, counted = _proc_cpu_s(proc.pid), _proc_hwm_mb(proc.pid), n
             except FileNotFoundError:
@@ -280,7 +290,7 @@ def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float
     if n < 2:
         raise SystemExit(f"the agent published {n} results (exit {proc.returncode})")
     return MultiRun(len(videos), {k: (count[k] - 1) / max(last[k] - first[k], 1e-9) for k in count}, count,
-                    float(np.percentile(totals, 95)), rss, (cpu1 - cpu0) / max(counted - 1, 1) * 1000,
+                    float(np.percentile(totals, 50)), float(np.percentile(totals, 95)), rss, (cpu1 - cpu0) / max(counted - 1, 1) * 1000,
                     (round(load0, 2), round(os.getloadavg()[0], 2)))
 
 
@@ -302,7 +312,9 @@ def spread(values: list[float]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", type=Path, default=ROOT / "models" / "digits-classifier", help="the model bundle")
+    ap.add_argument("--bundle", type=Path, default=None,
+                    help="the model bundle (default: the demo classifier; for --sources, the YOLO-320 layout bundle "
+                         "when the real-model cache holds the layout model)")
     ap.add_argument("--inputs", default="720p-mjpeg,1080p-mjpeg,720p-h264,1080p-h264",
                     help=f"comma-separated, of {', '.join(INPUTS)} (H.264 needs Debian's ffmpeg)")
     ap.add_argument("--frames", type=int, default=300, help="frames per video")
@@ -319,6 +331,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.sources:
         return many_sources(args)
+    args.bundle = args.bundle or DEMO_BUNDLE
     inputs = [i.strip() for i in args.inputs.split(",") if i.strip()]
     unknown = [i for i in inputs if i not in INPUTS]
     if unknown:
@@ -398,33 +411,66 @@ def many_sources(args: argparse.Namespace) -> int:
     h, w, codec = INPUTS[args.camera_input]
     if codec != "mjpeg":
         raise SystemExit("--camera-input: the many-sources row uses MJPEG cameras")
+    if args.bundle is None:
+        args.bundle, frames_from = yolo_bundle()
+    else:
+        frames_from = ROOT / "calibration" / "digits" / "heldout.npz"
     bundle = load_bundle(args.bundle)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         variant = args.variant
         if variant == "auto":
             variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
-        with np.load(ROOT / "calibration" / "digits" / "heldout.npz") as z:
+        with np.load(frames_from) as z:
             raw = z["raw"]
         videos = camera_videos(raw, h, w, args.frames, args.sources, tmp)
         settings = {"selection.variant": variant,
                     **({"session.intra_op_threads": args.intra} if args.intra is not None else {})}
         rows = []
         for _ in range(args.runs):
-            rows.append((multi_agent(videos[:1], args.bundle, settings, args.camera_fps, tmp),
-                         multi_agent(videos, args.bundle, settings, args.camera_fps, tmp)))
-    print(f"\nmodel {bundle.manifest.name} (variant {variant}), {args.sources} x {args.camera_input} at "
-          f"{args.camera_fps:g} fps each, {args.frames} frames per camera, {CORES} cores, runs {args.runs}")
+            rows.append((multi_agent(videos[:1], args.bundle, settings, args.camera_fps, tmp, args.frames),
+                         multi_agent(videos, args.bundle, settings, args.camera_fps, tmp, args.frames)))
+    resize = bundle.manifest.preprocess.resize
+    print(f"\nmodel {bundle.manifest.name} (variant {variant}, input {resize.width if resize else '-'}x"
+          f"{resize.height if resize else '-'}), {args.sources} x {args.camera_input} at {args.camera_fps:g} fps each "
+          f"(frames from {frames_from.name}), {args.frames} frames per camera, {CORES} cores, runs {args.runs}")
     print("agent settings changed from the shipped defaults: --log-level warning, " +
           ", ".join(f"{k}={v}" for k, v in settings.items()) + f"; sources[].max_fps={args.camera_fps:g} (the camera rate)")
-    print(f"{'sources':>7} {'fps per source (min..max)':>26} {'results':>9} {'p95 capture->publish ms':>24} "
+    print(f"{'sources':>7} {'fps per source (min..max)':>26} {'results':>9} {'capture->publish p50/p95 ms':>27} "
           f"{'peak RSS MB':>11} {'RSS vs 1':>8} {'CPU ms/result':>13} {'load before/after':>17}")
     for one, many in rows:
         for r in (one, many):
             f = list(r.fps.values())
-            print(f"{r.sources:>7} {f'{min(f):.1f}..{max(f):.1f}':>26} {sum(r.results.values()):>9} {r.p95_ms:>24.1f} "
+            print(f"{r.sources:>7} {f'{min(f):.1f}..{max(f):.1f}':>26} {sum(r.results.values()):>9} {f'{r.p50_ms:.1f} / {r.p95_ms:.1f}':>27} "
                   f"{r.rss_mb:>11.0f} {r.rss_mb / one.rss_mb:>8.2f} {r.cpu_ms:>13.2f} {f'{r.load[0]}/{r.load[1]}':>17}")
+    # The issue's targets, each beside what was measured (the bounds are the issue's, never derived from a run).
+    for one, many in rows:
+        f = list(many.fps.values())
+        served = min(many.results.values()) if len(many.results) == args.sources else 0
+        print(f"targets ({args.sources} sources): every source at full rate: slowest {min(f):.2f} fps of "
+              f"{args.camera_fps:g}, {served}/{args.frames} results from the least served -> "
+              f"{'met' if served == args.frames and min(f) >= 0.97 * args.camera_fps else 'NOT met'}; "
+              f"p95 capture->publish {many.p95_ms:.1f} ms < 150 -> {'met' if many.p95_ms < 150 else 'NOT met'}; "
+              f"RSS {many.rss_mb / one.rss_mb:.2f} x one source < 1.3 -> "
+              f"{'met' if many.rss_mb / one.rss_mb < 1.3 else 'NOT met'}")
     return 0
+
+
+def yolo_bundle() -> tuple[Path, Path]:
+    """The many-sources row's default: the YOLO-320 layout bundle (built once into the cache by
+    scripts/yolo_resize.py) and the document frames its cameras show; the demo classifier when the cache lacks it."""
+    bundle = LAYOUT / "bundle_320"
+    frames = LAYOUT / "heldout.npz"
+    if not (LAYOUT / "model.onnx").exists() or not frames.exists():
+        print(f"note: no cached layout model ({LAYOUT}; python scripts/real_models.py fetch layout && "
+              f"python scripts/real_models.py references layout): the many-sources row serves the demo classifier, "
+              f"not the issue's YOLO-class detector")
+        return DEMO_BUNDLE, ROOT / "calibration" / "digits" / "heldout.npz"
+    if not (bundle / "bundle.yaml").exists():
+        print(f"building {bundle} (scripts/yolo_resize.py bundle --size 320) ...", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "yolo_resize.py"), "bundle", "--size", "320"],
+                       check=True, cwd=ROOT)
+    return bundle, frames
 
 
 if __name__ == "__main__":
