@@ -79,13 +79,29 @@ class Broker:
         return conf
 
     def start(self) -> "Broker":
-        conf = self.write_config()
-        log = open(self.workdir / f"mosquitto-{self.starts}.log", "w")
-        self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
-        self.starts += 1
-        wait_port(self.port)
-        if self.tls_port:
-            wait_port(self.tls_port)
+        for attempt in range(3):
+            conf = self.write_config()
+            log_path = self.workdir / f"mosquitto-{self.starts}.log"
+            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=open(log_path, "w"),
+                                         stderr=subprocess.STDOUT)
+            self.starts += 1
+            try:
+                wait_port(self.port, 30)
+                if self.tls_port:
+                    wait_port(self.tls_port, 30)
+            except TimeoutError:
+                if self.proc.poll() is None:
+                    raise
+            # Something else answering on the port is not our broker: free_port() only picked a port that
+            # was free a moment before mosquitto bound it. On a first start, take other ports and retry.
+            time.sleep(0.2)
+            if self.proc.poll() is None:
+                return self
+            if self.starts - attempt > 1 or attempt == 2:  # a restart must keep its port: say why it failed
+                raise RuntimeError(f"mosquitto exited ({self.proc.returncode}): {log_path.read_text()[-1000:]}")
+            self.port = free_port()
+            if self.tls_port:
+                self.tls_port = free_port()
         return self
 
     def kill(self) -> None:
