@@ -154,20 +154,26 @@ def test_thousands_of_commands_start_no_thread_each_and_a_full_queue_answers_bus
 
 def test_seq_never_repeats_within_a_boot_across_reloads(tmp_path: Path) -> None:
     """Fault: after a reload `seq` restarted at 1 under the same `boot`: (boot, seq) repeated."""
-    proc = _start(_config(tmp_path))
+    log = tmp_path / "agent.log"
+    proc = _start(_config(tmp_path), stderr=open(log, "w"))
     lines: list[str] = []
     reader = _read_lines(proc, lines)
+    ready = lambda: sum(e["event"] == "boot.ready" for e in _events(log.read_text()))  # noqa: E731
     try:
-        for _ in range(2):
+        # Each SIGHUP only once the previous reload serves again (boot.ready): 60 results alone could be
+        # the old pipeline's, and a second SIGHUP during the first reload is coalesced into it.
+        for i in range(2):
+            assert wait_until(lambda: ready() >= i + 1, 120), log.read_text()[-3000:]
             n = len(lines)
             assert wait_until(lambda: len(lines) >= n + 60, 60)
             proc.send_signal(signal.SIGHUP)
+        assert wait_until(lambda: ready() >= 3, 120), log.read_text()[-3000:]
         n = len(lines)
         assert wait_until(lambda: len(lines) >= n + 60, 60)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         reader.join(10)
-        err = proc.stderr.read()
+        err = log.read_text()
     finally:
         end_process(proc)
     results = [json.loads(x) for x in lines]
