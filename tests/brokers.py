@@ -79,17 +79,39 @@ class Broker:
         return conf
 
     def start(self) -> "Broker":
-        conf = self.write_config()
-        log = open(self.workdir / f"mosquitto-{self.starts}.log", "w")
-        self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
-        self.starts += 1
-        wait_port(self.port)
-        if self.tls_port:
-            wait_port(self.tls_port)
+        for attempt in range(3):
+            conf = self.write_config()
+            log_path = self.workdir / f"mosquitto-{self.starts}.log"
+            self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=open(log_path, "w"),
+                                         stderr=subprocess.STDOUT)
+            self.starts += 1
+            try:
+                wait_port(self.port, 30)
+                if self.tls_port:
+                    wait_port(self.tls_port, 30)
+            except TimeoutError:
+                if self.proc.poll() is None:
+                    raise
+            # Something else answering on the port is not our broker: free_port() only picked a port that
+            # was free a moment before mosquitto bound it. On a first start, take other ports and retry.
+            time.sleep(0.2)
+            if self.proc.poll() is None:
+                return self
+            if self.starts - attempt > 1 or attempt == 2:  # a restart must keep its port: say why it failed
+                raise RuntimeError(f"mosquitto exited ({self.proc.returncode}): {log_path.read_text()[-1000:]}")
+            self.port = free_port()
+            if self.tls_port:
+                self.tls_port = free_port()
         return self
 
     def kill(self) -> None:
         end_process(self.proc, graceful=False)
+
+    def wait_saved(self, after: float, timeout: float = 30.0) -> bool:
+        """Wait until the broker has autosaved its state (sessions, subscriptions) at or after wall time
+        `after`, so that a SIGKILL from then on keeps what it held at `after`."""
+        db = self.workdir / "data" / "mosquitto.db"
+        return wait_until(lambda: db.exists() and db.stat().st_mtime > after, timeout)
 
     def stop(self) -> None:
         end_process(self.proc, timeout=10)
@@ -124,7 +146,11 @@ def make_tls_material(d: Path) -> dict:
 
 
 class Collector:
-    """A real subscriber; persistent (clean_start false, session expiry) when given a client id."""
+    """A real subscriber; persistent (clean_start false, session expiry) when given a client id.
+
+    `connects` counts connections whose subscriptions the broker has acknowledged (SUBACK), so a test
+    that waits for it and then makes something publish cannot publish before the subscription exists.
+    """
 
     def __init__(self, port: int, topics: list[str], client_id: str = "", persistent: bool = False,
                  tls: dict | None = None, username: str | None = None, password: str | None = None,
@@ -142,6 +168,7 @@ class Collector:
             self.c.username_pw_set(username, password)
         self.c.on_message = lambda c, u, m: self.messages.append(m)
         self.c.on_connect = self._on_connect
+        self.c.on_subscribe = self._on_subscribe
         self.c.reconnect_delay_set(0.1, 0.5)
         props = None
         if persistent:
@@ -155,9 +182,13 @@ class Collector:
         self.last_reason = reason
         if reason.is_failure:
             return
+        if not self.topics:
+            self.connects += 1
+            return
+        c.subscribe([(t, 1) for t in self.topics])  # one SUBACK for all of them
+
+    def _on_subscribe(self, c, u, mid, reason_codes, props) -> None:
         self.connects += 1
-        for t in self.topics:
-            c.subscribe(t, qos=1)
 
     def on(self, topic: str) -> list[paho.MQTTMessage]:
         return [m for m in list(self.messages) if m.topic == topic]

@@ -168,16 +168,17 @@ def test_fuzzed_commands_and_bundle_messages_keep_the_agent_serving_bounded_and_
                     out.add(c)
             return out
 
-        assert wait_until(lambda: answered() == expect_error, 30), f"{len(expect_error - answered())} unanswered"
+        assert wait_until(lambda: answered() == expect_error, 120), f"{len(expect_error - answered())} unanswered"
         assert agent.poll() is None, log.read_text()[-3000:]
-        fuzz.publish(PREFIX + "cmd/resume", b"{}", qos=1).wait_for_publish(5)
+        fuzz.publish(PREFIX + "cmd/resume", b"{}", qos=1).wait_for_publish(30)
         k = len(preds())
-        assert col.wait(lambda: len(preds()) > k + 5, 20), "stopped serving"
+        assert col.wait(lambda: len(preds()) > k + 5, 60), "stopped serving"
         assert not col.on("edge/other/cmd/pause")
         peak = vm_hwm_mb(agent.pid)
         staging = tmp_path / "state" / "store" / "staging"
         t0 = time.monotonic()
-        assert wait_until(lambda: not any(staging.iterdir()), IDLE_S * 3), sorted(p.name for p in staging.iterdir())
+        # the sweep runs some seconds after transfer_idle_s; room for a loaded machine (never empty: fails)
+        assert wait_until(lambda: not any(staging.iterdir()), IDLE_S + 30), sorted(p.name for p in staging.iterdir())
         print(f"fuzz seed {SEED}: {n} messages in {SEND_S:g} s ({sent}); {len(expect_error)} malformed commands "
               f"all answered; peak RSS {peak:.0f} MB (bound {PEAK_RSS_BOUND_MB} MB); staging empty after "
               f"{time.monotonic() - t0:.1f} s")

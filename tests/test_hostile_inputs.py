@@ -79,7 +79,7 @@ class Client:
         self.c.loop_start()
 
     def pub(self, topic: str, payload: bytes | str, props: Properties | None = None) -> None:
-        self.c.publish(topic, payload, qos=1, properties=props).wait_for_publish(10)
+        self.c.publish(topic, payload, qos=1, properties=props).wait_for_publish(30)
 
     def close(self) -> None:
         self.c.loop_stop()
@@ -103,7 +103,7 @@ def replies(col: Collector, name: str) -> list[dict]:
 
 def still_serving(agent: dict) -> bool:
     n = len(agent["col"].on(PREFIX + "predictions"))
-    return agent["proc"].poll() is None and agent["col"].wait(lambda: len(agent["col"].on(PREFIX + "predictions")) > n + 2, 10)
+    return agent["proc"].poll() is None and agent["col"].wait(lambda: len(agent["col"].on(PREFIX + "predictions")) > n + 2, 30)
 
 
 def test_offer_of_512_mib_in_1_byte_chunks_is_refused_and_memory_stays_bounded(agent: dict, client: Client) -> None:
@@ -112,7 +112,7 @@ def test_offer_of_512_mib_in_1_byte_chunks_is_refused_and_memory_stays_bounded(a
     offer = {"transfer": tid, "size": 512 * 2**20, "sha256": "0" * 64, "chunk_size": 1}
     client.pub(PREFIX + "bundle/offer", json.dumps(offer))
     client.pub(PREFIX + "bundle/done", json.dumps({"transfer": tid}))
-    assert col.wait(lambda: any(s["state"] == "rejected" for s in statuses(col, tid)), 20)
+    assert col.wait(lambda: any(s["state"] == "rejected" for s in statuses(col, tid)), 30)
     assert "chunk_size 1 is outside" in statuses(col, tid)[0]["reason"]
     # the smallest chunk size allowed: accepted, and `done` answers with a bounded list of what is missing
     tid = "huge2"
@@ -135,7 +135,7 @@ def test_response_topic_of_another_device_is_refused_and_nothing_is_published_th
         props.CorrelationData = b"x"
         n = len(replies(col, "status"))
         client.pub(PREFIX + "cmd/status", b"{}", props)
-        assert col.wait(lambda: len(replies(col, "status")) > n, 10)
+        assert col.wait(lambda: len(replies(col, "status")) > n, 30)
         body = replies(col, "status")[-1]
         assert body["ok"] is False and "outside this device's reply namespace" in body["error"]
     time.sleep(0.5)
@@ -145,7 +145,7 @@ def test_response_topic_of_another_device_is_refused_and_nothing_is_published_th
     props = Properties(PacketTypes.PUBLISH)
     props.ResponseTopic = PREFIX + "reply/op-7"
     client.pub(PREFIX + "cmd/status", b'{"id": 3}', props)
-    assert col.wait(lambda: col.on(PREFIX + "reply/op-7"), 10)
+    assert col.wait(lambda: col.on(PREFIX + "reply/op-7"), 30)
     assert json.loads(col.on(PREFIX + "reply/op-7")[0].payload)["ok"] is True
 
 
@@ -156,7 +156,7 @@ def test_deeply_nested_or_huge_command_gets_an_error_reply(agent: dict, client: 
     n = len(replies(col, "status"))
     t0 = time.monotonic()
     client.pub(PREFIX + "cmd/status", payload)
-    assert col.wait(lambda: len(replies(col, "status")) > n, 10), "no reply"
+    assert col.wait(lambda: len(replies(col, "status")) > n, 30), "no reply"
     print(f"{len(payload)} byte payload answered in {(time.monotonic() - t0) * 1000:.0f} ms: {replies(col, 'status')[-1]['error']}")
     body = replies(col, "status")[-1]
     assert body["ok"] is False and body["error"].startswith("malformed payload")
@@ -175,15 +175,16 @@ def test_abandoned_transfers_expire_and_staging_is_swept(agent: dict, client: Cl
                                                          "chunk_size": 4096}))
         for i in range(4):
             client.pub(PREFIX + f"bundle/chunk/{tid}/{i}", os.urandom(4096))
-    assert col.wait(lambda: any(s["state"] == "receiving" for s in statuses(col, tids[-1])), 10)
+    assert col.wait(lambda: any(s["state"] == "receiving" for s in statuses(col, tids[-1])), 30)
     # newest wins: every earlier one was ended at once, with a reason
     for tid in tids[:-1]:
         assert any("superseded" in s.get("reason", "") for s in statuses(col, tid)), statuses(col, tid)
     assert len(staged(agent)) <= 1
     t0 = time.monotonic()
-    assert wait_until(lambda: staged(agent) == [], IDLE_S * 3), staged(agent)
+    # the sweep removes it some seconds after transfer_idle_s; a loaded machine needs room (never: fails)
+    assert wait_until(lambda: staged(agent) == [], IDLE_S + 30), staged(agent)
     print(f"staging empty {time.monotonic() - t0:.1f} s after the last chunk (transfer_idle_s {IDLE_S:g})")
-    assert col.wait(lambda: any("expired" in s.get("reason", "") for s in statuses(col, tids[-1])), 5)
+    assert col.wait(lambda: any("expired" in s.get("reason", "") for s in statuses(col, tids[-1])), 30)
 
 
 def test_same_transfer_offered_twice_leaves_no_orphan(agent: dict, client: Client) -> None:
@@ -192,13 +193,13 @@ def test_same_transfer_offered_twice_leaves_no_orphan(agent: dict, client: Clien
     for _ in range(2):
         client.pub(PREFIX + "bundle/offer", json.dumps(offer))
         client.pub(PREFIX + "bundle/chunk/twice/0", os.urandom(4096))
-    assert col.wait(lambda: sum(s["state"] == "receiving" for s in statuses(col, "twice")) == 2, 10)
+    assert col.wait(lambda: sum(s["state"] == "receiving" for s in statuses(col, "twice")) == 2, 30)
     time.sleep(0.3)
     assert len(staged(agent)) == 1
     for _ in range(3):
         client.pub(PREFIX + "bundle/done", json.dumps({"transfer": "twice"}))
-    assert col.wait(lambda: any(s["state"] == "rejected" for s in statuses(col, "twice")), 10)
-    assert wait_until(lambda: staged(agent) == [], 5)
+    assert col.wait(lambda: any(s["state"] == "rejected" for s in statuses(col, "twice")), 30)
+    assert wait_until(lambda: staged(agent) == [], 30)
 
 
 # -- URL delivery -------------------------------------------------------------------------------------------
@@ -251,7 +252,7 @@ def _update(agent: dict, client: Client, url: str, uid: str) -> dict:
     col = agent["col"]
     n = len(replies(col, "update"))
     client.pub(PREFIX + "cmd/update", json.dumps({"url": url, "sha256": "0" * 64, "id": uid}))
-    assert col.wait(lambda: len(replies(col, "update")) > n, 30), "no reply to update"
+    assert col.wait(lambda: len(replies(col, "update")) > n, 60), "no reply to update"
     return replies(col, "update")[-1]
 
 
@@ -275,7 +276,7 @@ def test_oversized_download_is_stopped_while_streaming_and_leaves_no_staging(age
     r = _update(agent, client, web.base + "/big", "big")
     assert r["ok"] is False
     assert "over updates.max_bundle_bytes" in r["update"]["reason"] or "download_deadline_s" in r["update"]["reason"]
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 45  # stopped early: not the 2 GiB (generous for a loaded machine)
     print(f"oversized download refused in {time.monotonic() - t0:.1f} s: {r['update']['reason']}")
     assert staged(agent) == []
 
@@ -285,7 +286,9 @@ def test_slow_server_hits_the_total_deadline_not_a_per_read_timeout(agent: dict,
     r = _update(agent, client, web.base + "/slow", "slow")
     took = time.monotonic() - t0
     assert r["ok"] is False and "download_deadline_s 3" in r["update"]["reason"], r
-    assert took < 3.0 + 1.0 + 2.0, took  # the deadline, one read timeout at most, and the reply's trip
+    # The server would trickle for 100 s, and every read succeeds within the 1 s read timeout: only the
+    # total deadline ends it. Well under 100 s proves that; the exact 3 s + overhead is a loaded machine's.
+    assert took < 30, took
     print(f"slow server cut off after {took:.1f} s (deadline 3 s)")
     assert staged(agent) == []
 
@@ -304,13 +307,13 @@ def test_five_url_updates_at_once_download_one_at_a_time(agent: dict, client: Cl
         client.pub(PREFIX + "cmd/update", json.dumps({"url": web.base + "/slow", "sha256": "0" * 64, "id": f"five{i}"}))
     time.sleep(1.0)
     assert len([p for p in staged(agent) if p.startswith("download-")]) <= 1
-    assert col.wait(lambda: len(replies(col, "update")) >= n + 5, 20), replies(col, "update")[n:]
+    assert col.wait(lambda: len(replies(col, "update")) >= n + 5, 60), replies(col, "update")[n:]
     got = replies(col, "update")[n:]
     # one update at a time: the controller answers the other four "already running" (or the downloader "busy")
     busy = [r for r in got if r.get("already_running")
             or "busy" in (r.get("error") or r.get("update", {}).get("reason", ""))]
     assert len(busy) == 4 and sum(not r["ok"] for r in got) == 5, got
-    assert wait_until(lambda: staged(agent) == [], 5)
+    assert wait_until(lambda: staged(agent) == [], 30)
 
 
 def test_message_over_the_packet_bound_never_reaches_the_agent(agent: dict, client: Client) -> None:
@@ -320,7 +323,7 @@ def test_message_over_the_packet_bound_never_reaches_the_agent(agent: dict, clie
     for _ in range(3):
         client.pub(PREFIX + "cmd/status", b"{" + b" " * (50 * 2**20) + b"}")
     client.pub(PREFIX + "cmd/status", b'{"id": "after"}')
-    assert col.wait(lambda: any(r.get("id") == "after" for r in replies(col, "status")[n:]), 20)
+    assert col.wait(lambda: any(r.get("id") == "after" for r in replies(col, "status")[n:]), 60)
     assert [r.get("id") for r in replies(col, "status")[n:]] == ["after"]  # the big ones were dropped unseen
     peak = vm_hwm_mb(agent["proc"].pid)
     print(f"three 50 MB commands: peak RSS {before:.0f} -> {peak:.0f} MB")

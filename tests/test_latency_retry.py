@@ -111,7 +111,9 @@ def test_cold_selftest_under_two_busy_loops_selects_within_the_retry_schedule_af
     elapsed = time.monotonic() - t0
     assert report.selected is not None, report.reason
     assert report.degraded is None
-    assert len(waited) <= 4 and elapsed < 60
+    # at most 4 renewed measurements (the schedule sleeps 30 s at most); the rest is measuring on a machine
+    # CI shares, so the wall-clock bound only catches a retry loop that ignores its schedule
+    assert len(waited) <= 4 and elapsed < 150
     first = report.to_dict()["candidates"][0]["latency_context"]
     assert first is not None and first["load_before"] >= 0
     # whether the first, loaded, measurement failed depends on the machine (test_device_that_stays_too_slow

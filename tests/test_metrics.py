@@ -68,7 +68,9 @@ def test_metrics_counters_move_with_served_frames_and_agree_with_the_selftest_re
         count = _value(second, "edge_agent_stage_latency_seconds", "edge_agent_stage_latency_seconds_count", stage="total")
         inf = _value(second, "edge_agent_stage_latency_seconds", "edge_agent_stage_latency_seconds_bucket",
                      stage="inference", le="+Inf")
-        assert count >= out1 - 1 and inf >= count - 4  # scraped a moment apart, never backwards
+        # read a moment apart within one scrape (inference's histogram before total's, while frames flow at
+        # 100 fps): a scrape thread that loses the GIL between them sees a few more totals, never fewer
+        assert count >= out1 - 1 and inf >= count - 10
         assert _value(second, "edge_agent_serving") == 1
         assert _value(second, "edge_agent_selected_candidate", bundle="digits-classifier", variant="int8",
                       provider="CPUExecutionProvider") == 1

@@ -56,10 +56,14 @@ def test_availability_health_selftest_predictions_then_stopped_and_offline(broke
     col = Collector(broker.port, [PREFIX + "#"])
     agent = start_agent(agent_config(tmp_path, broker.port), tmp_path / "agent.log")
     try:
-        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 5), (tmp_path / "agent.log").read_text()[-3000:]
+        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 5, 60), (tmp_path / "agent.log").read_text()[-3000:]
+        # health goes out every 0.5 s from its own timer: the last one may predate serving, so wait for one
+        # that says serving (and for the retained self-test) rather than read whatever came last
+        assert col.wait(lambda: any(p["serving"] for p in payloads(col, PREFIX + "health"))
+                        and payloads(col, PREFIX + "selftest"), 30)
         online = payloads(col, PREFIX + "availability")[-1]
         assert online["state"] == "online" and online["session"] >= 1
-        health = payloads(col, PREFIX + "health")[-1]
+        health = [p for p in payloads(col, PREFIX + "health") if p["serving"]][-1]
         assert health["serving"] is True and health["bundle"]["bundle"] == "digits-classifier"
         assert health["provider"]["effective"][0] == "CPUExecutionProvider"
         assert health["nodes_by_provider"]["CPUExecutionProvider"] > 0
@@ -71,21 +75,22 @@ def test_availability_health_selftest_predictions_then_stopped_and_offline(broke
 
         # a late subscriber gets the retained state at once
         late = Collector(broker.port, [PREFIX + "availability", PREFIX + "health", PREFIX + "selftest"])
-        assert late.wait(lambda: all(late.on(PREFIX + t) for t in ("availability", "health", "selftest")), 10)
-        assert all(m.retain for m in late.messages)
+        assert late.wait(lambda: all(late.on(PREFIX + t) for t in ("availability", "health", "selftest")), 30)
+        # the first of each is the retained copy; a live health published after subscribing comes unflagged
+        assert all(late.on(PREFIX + t)[0].retain for t in ("availability", "health", "selftest"))
         late.close()
 
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
-        assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "stopped")
+        assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "stopped", 30)
 
         agent = start_agent(agent_config(tmp_path, broker.port), tmp_path / "agent.log")
-        assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "online")
+        assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "online", 60)
         session = payloads(col, PREFIX + "availability")[-1]["session"]
         assert session > online["session"]
         agent.send_signal(signal.SIGKILL)
         agent.wait()
-        assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "offline")
+        assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "offline", 30)
         will = payloads(col, PREFIX + "availability")[-1]
         assert will["session"] == session  # the will names the session it belongs to
     finally:
@@ -97,8 +102,9 @@ def test_availability_health_selftest_predictions_then_stopped_and_offline(broke
 def test_no_result_is_lost_across_broker_kills_and_an_agent_kill(tmp_path: Path) -> None:
     broker = Broker(tmp_path / "broker").start()
     sub = Collector(broker.port, [PREFIX + "predictions"], client_id="fleet-recorder", persistent=True)
-    assert sub.wait(lambda: sub.connects >= 1)
-    time.sleep(1.5)  # let the broker autosave the persistent subscription
+    assert sub.wait(lambda: sub.connects >= 1, 30)
+    # the persistent subscription must be on disk before the first broker SIGKILL
+    assert broker.wait_saved(after=time.time()), "mosquitto never autosaved the persistent subscription"
     cfg = agent_config(tmp_path, broker.port)
     log = tmp_path / "agent.log"
     agent = start_agent(cfg, log)
@@ -123,7 +129,15 @@ def test_no_result_is_lost_across_broker_kills_and_an_agent_kill(tmp_path: Path)
             time.sleep(1.5)
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=30) == 0
-        time.sleep(2)
+        # the agent's outbox had the broker's ack for its last result; the broker forwards it to this
+        # subscriber a moment later: wait for it (it arrives last: one publisher, one topic, in order)
+        events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+        final = [e for e in events if e["event"] == "shutdown"][-1]
+        def last_arrived() -> bool:
+            ps = payloads(sub, PREFIX + "predictions")
+            last_boot = max(ps, key=lambda p: p["captured_at"])["boot"]
+            return any(p["boot"] == last_boot and p["seq"] == final["frames_out"] for p in ps)
+        assert sub.wait(last_arrived, 60), f"the last result (seq {final['frames_out']}) never arrived"
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -132,8 +146,6 @@ def test_no_result_is_lost_across_broker_kills_and_an_agent_kill(tmp_path: Path)
     seen = Counter((p["boot"], p["seq"]) for p in payloads(sub, PREFIX + "predictions"))
     boots = sorted({b for b, _ in seen})
     assert len(boots) == 2
-    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
-    final = [e for e in events if e["event"] == "shutdown"][-1]
     for boot in boots:
         seqs = sorted(s for b, s in seen if b == boot)
         missing = sorted(set(range(1, seqs[-1] + 1)) - set(seqs))
@@ -159,13 +171,13 @@ def test_outbox_bound_drops_oldest_counts_it_and_drains_the_newest_in_order(brok
     box = Outbox(tmp_path / "outbox.sqlite", OutboxConfig(max_messages=50))  # survives a restart
     assert box.depth == 50 and box.dropped == 150
     col = Collector(broker.port, [PREFIX + "predictions"])
-    assert col.wait(lambda: col.connects >= 1)
+    assert col.wait(lambda: col.connects >= 1, 30)
     link = MqttLink(MqttConfig(enabled=True, port=broker.port), DEVICE, tmp_path, box, lambda c: {"ok": True},
                     lambda: {}).start()
     try:
-        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 50)
+        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 50, 30)
         assert [p["seq"] for p in payloads(col, PREFIX + "predictions")] == list(range(150, 200))
-        assert col.wait(lambda: box.depth == 0)
+        assert col.wait(lambda: box.depth == 0, 30)
     finally:
         link.stop()
         col.close()
@@ -173,7 +185,7 @@ def test_outbox_bound_drops_oldest_counts_it_and_drains_the_newest_in_order(brok
 
 def _command(port: int, name: str, payload: bytes, props: Properties | None = None, **kw) -> dict:
     col = Collector(port, [PREFIX + f"cmd/{name}/reply", PREFIX + "reply/#"], **kw)
-    assert col.wait(lambda: col.connects >= 1)
+    assert col.wait(lambda: col.connects >= 1, 30)  # subscribed (SUBACK) before the command goes out
     col.c.publish(PREFIX + f"cmd/{name}", payload, qos=1, properties=props)
     assert col.wait(lambda: col.messages, 60), f"no reply to {name}"
     msg = col.messages[0]
@@ -190,7 +202,7 @@ def test_commands_reply_and_bad_ones_get_an_error(broker: Broker, tmp_path: Path
         assert r["body"]["ok"] and r["body"]["id"] == 7 and r["body"]["health"]["serving"]
         r = _command(broker.port, "pause", b"{}")
         assert r["body"] == {"command": "pause", "ok": True, "paused": True}
-        assert col.wait(lambda: payloads(col, PREFIX + "health")[-1]["paused"])
+        assert col.wait(lambda: payloads(col, PREFIX + "health")[-1]["paused"], 30)
         r = _command(broker.port, "resume", b"")
         assert r["body"]["paused"] is False
         r = _command(broker.port, "selftest", b"{}")
@@ -217,7 +229,13 @@ def test_commands_reply_and_bad_ones_get_an_error(broker: Broker, tmp_path: Path
 
 
 def test_broker_down_at_boot_does_not_stop_serving_and_results_arrive_later(tmp_path: Path) -> None:
-    broker = Broker(tmp_path / "broker")  # configured, not started
+    # A persistent subscriber registered on this broker and saved (a graceful stop writes the session), so
+    # the results the agent drains the moment the broker comes up are queued for it even if it reconnects
+    # after the agent does; a subscriber that connected after the agent could miss seq 1 for good.
+    broker = Broker(tmp_path / "broker").start()
+    sub = Collector(broker.port, [PREFIX + "predictions"], client_id="late-recorder", persistent=True)
+    assert sub.wait(lambda: sub.connects >= 1, 30)
+    broker.stop()
     cfg = agent_config(tmp_path, broker.port)
     data = yaml.safe_load(cfg.read_text())
     data["output"]["stdout"] = True
@@ -228,10 +246,9 @@ def test_broker_down_at_boot_does_not_stop_serving_and_results_arrive_later(tmp_
         first = [agent.stdout.readline() for _ in range(10)]  # serving with no broker at all
         assert all(json.loads(x)["seq"] for x in first)
         broker.start()
-        sub = Collector(broker.port, [PREFIX + "predictions"])
-        assert sub.wait(lambda: any(p["seq"] == 1 for p in payloads(sub, PREFIX + "predictions")), 30)
-        sub.close()
+        assert sub.wait(lambda: any(p["seq"] == 1 for p in payloads(sub, PREFIX + "predictions")), 60)
     finally:
+        sub.close()
         agent.send_signal(signal.SIGTERM)
         agent.communicate(timeout=30)
         broker.stop()
@@ -259,14 +276,14 @@ def test_tls_with_password_and_acl(tls_material: dict, tmp_path: Path) -> None:
         # a client without ACL rights to publish commands gets no command through
         viewer = Collector(broker.port, [PREFIX + "cmd/status/reply"], username="viewer", password="viewer-secret",
                            **common)
-        assert viewer.wait(lambda: viewer.connects >= 1)
+        assert viewer.wait(lambda: viewer.connects >= 1, 30)
         viewer.c.publish(PREFIX + "cmd/status", b"{}", qos=1)
         time.sleep(2)
         assert viewer.on(PREFIX + "cmd/status/reply") == []
         viewer.close()
         # a wrong password is refused
         bad = Collector(broker.port, [], username="operator", password="wrong", **common)
-        assert bad.wait(lambda: bad.last_reason is not None)
+        assert bad.wait(lambda: bad.last_reason is not None, 30)
         assert bad.last_reason.is_failure and bad.connects == 0
         bad.close()
         op.close()
@@ -277,7 +294,13 @@ def test_tls_with_password_and_acl(tls_material: dict, tmp_path: Path) -> None:
 
 
 def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: Path) -> None:
-    agent = start_agent(agent_config(tmp_path, broker.port), tmp_path / "agent.log")
+    # Stale means health older than 3 intervals: at the demo's 0.5 s an agent starved of CPU for 1.5 s
+    # on a loaded machine would read stale; 5 s leaves the ghost (600 s old) stale and the live one not.
+    cfg = agent_config(tmp_path, broker.port)
+    data = yaml.safe_load(cfg.read_text())
+    data["output"]["health_interval_s"] = 5
+    cfg.write_text(yaml.safe_dump(data))
+    agent = start_agent(cfg, tmp_path / "agent.log")
     pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
     pub.connect("127.0.0.1", broker.port)
     pub.loop_start()
@@ -290,7 +313,7 @@ def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: 
         assert col.wait(lambda: any(p["serving"] for p in payloads(col, PREFIX + "health")), 60)
         col.close()
         out = subprocess.run([sys.executable, "-m", "agent", "monitor", "--broker", f"127.0.0.1:{broker.port}",
-                              "--once", "--wait", "2", "--json"], capture_output=True, text=True, timeout=60)
+                              "--once", "--wait", "5", "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rows = {r["device"]: r for r in json.loads(out.stdout)}
         assert rows[DEVICE]["availability"] == "online" and not rows[DEVICE]["stale"]
@@ -298,7 +321,7 @@ def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: 
         assert rows[DEVICE]["verdict"] == "pass"
         assert rows["ghost"]["stale"] is True
         table = subprocess.run([sys.executable, "-m", "agent", "monitor", "--broker", f"127.0.0.1:{broker.port}",
-                                "--once", "--wait", "2"], capture_output=True, text=True, timeout=60).stdout
+                                "--once", "--wait", "5"], capture_output=True, text=True, timeout=60).stdout
         assert DEVICE in table and "STALE" in table
     finally:
         pub.loop_stop()
@@ -322,7 +345,7 @@ def test_mqtt_311_and_home_assistant_discovery_reannounced_on_ha_restart(broker:
         pub.connect("127.0.0.1", broker.port)
         pub.loop_start()
         pub.publish("homeassistant/status", b"online", qos=1).wait_for_publish(5)
-        assert col.wait(lambda: len(configs()) >= before + 5, 10)
+        assert col.wait(lambda: len(configs()) >= before + 5, 30)
         pub.loop_stop()
     finally:
         agent.send_signal(signal.SIGTERM)
@@ -335,7 +358,7 @@ def test_unreachable_broker_is_a_structured_event_and_the_log_stays_json(tmp_pat
     agent = start_agent(agent_config(tmp_path, port), tmp_path / "agent.log")
     try:
         log = tmp_path / "agent.log"
-        assert wait_until_text(log, '"mqtt.connect_failed"', 30), log.read_text()[-2000:]
+        assert wait_until_text(log, '"mqtt.connect_failed"', 60), log.read_text()[-2000:]
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)

@@ -165,7 +165,7 @@ def test_a_stalled_source_does_not_starve_the_others(tmp_path: Path) -> None:
             assert p.join(timeout=20)
             t0 = time.monotonic()
             multi.close()
-            assert time.monotonic() - t0 < 15
+            assert time.monotonic() - t0 < 25  # not stuck in the stalled read (room for a loaded machine)
         health = multi.per_source()
         assert health["a"]["served"] == health["b"]["served"] == 20
         cam = [r for r in sink.results if r["source"] == "cam"]
@@ -189,7 +189,13 @@ def test_sources_are_taken_in_turn_so_a_fast_one_cannot_starve_a_slow_one(tmp_pa
     multi.close()
     order = [r["source"] for r in sink.results]
     assert Counter(order) == {"big": 42, "small": 5}
-    assert max(i for i, s in enumerate(order) if s == "small") < 15  # the 5 small frames interleave early
+    # Once the small source has frames waiting they are taken in turn with the big one's, not after it:
+    # the 5 small frames interleave (spread over a few turns, all before the big source's last frame).
+    # Where they start depends on when its capture thread first read a file, which a loaded machine
+    # delays, so the start is not pinned (it was: index < 15, and the small thread can start late).
+    small = [i for i, s in enumerate(order) if s == "small"]
+    last_big = max(i for i, s in enumerate(order) if s == "big")
+    assert small[-1] - small[0] < 15 and small[-1] < last_big, order
 
 
 # -- MQTT topics ---------------------------------------------------------------------------------------
@@ -249,8 +255,10 @@ def test_an_agent_with_two_sources_publishes_predictions_and_health_per_source(t
                                  str(tmp_path / "agent.yaml")], cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         topic = "edge/dev-m/"
+        # the aggregate health is its own message on its own topic: wait for it too, not only health/yard
         assert col.wait(lambda: len(col.on(topic + "predictions/door")) >= 10 and
-                        len(col.on(topic + "predictions/yard")) >= 5 and col.on(topic + "health/yard"), 90)
+                        len(col.on(topic + "predictions/yard")) >= 5 and col.on(topic + "health/yard")
+                        and col.on(topic + "health"), 90)
         door = [json.loads(m.payload) for m in col.on(topic + "predictions/door")]
         assert {r["source"] for r in door} == {"door"} and not col.on(topic + "predictions")
         yard = json.loads(col.on(topic + "health/yard")[-1].payload)

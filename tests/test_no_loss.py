@@ -68,8 +68,9 @@ class Boot:
 def test_no_result_lost_across_broker_kills_agent_kills_and_the_end_of_the_run(tmp_path: Path) -> None:
     broker = Broker(tmp_path / "broker").start()
     sub = Collector(broker.port, [PREFIX + "predictions"], client_id="fleet-recorder-nl", persistent=True)
-    assert sub.wait(lambda: sub.connects >= 1)
-    time.sleep(1.5)  # let the broker autosave the persistent subscription
+    assert sub.wait(lambda: sub.connects >= 1, 30)
+    # the persistent subscription must be on disk before the first broker SIGKILL
+    assert broker.wait_saved(after=time.time()), "mosquitto never autosaved the persistent subscription"
     cfg = _config(tmp_path, broker.port)
     boots = [Boot(cfg, tmp_path, 0)]
     got = lambda: len(sub.on(PREFIX + "predictions"))  # noqa: E731
@@ -97,7 +98,15 @@ def test_no_result_lost_across_broker_kills_agent_kills_and_the_end_of_the_run(t
         # 4. the end of the run: a graceful stop delivers everything, up to the last result
         boots[-1].end(signal.SIGTERM, "stopped")
         assert boots[-1].proc.returncode == 0
-        time.sleep(2)
+        # the broker acknowledged all of it before the agent exited; forwarding to this subscriber
+        # follows a moment later, so wait for the stopped boot's record to be in (or time out: lost)
+        last = boots[-1]
+        def stopped_boot_delivered() -> bool:
+            produced = last.produced()
+            got = {json.loads(m.payload)["seq"] for m in sub.on(PREFIX + "predictions")
+                   if json.loads(m.payload)["boot"] == produced[0][0]}
+            return {s for _, s in produced} <= got
+        sub.wait(stopped_boot_delivered, 60)  # the assertions below say what is missing
     finally:
         for b in boots:
             if b.proc.poll() is None:

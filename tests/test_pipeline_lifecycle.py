@@ -33,13 +33,16 @@ class StuckCamera:
         self.closed_during_read = False
         self.closed = False
         self.n = 0
+        self.release = threading.Event()  # the hung read returns only when the test says so
 
     def read(self, stop: threading.Event) -> Frame | None:
         self.reading.set()
         try:
             self.n += 1
             if self.n > 3:
-                time.sleep(2.0)  # a read that does not notice stop: the network stream hangs
+                # a read that does not notice stop: the network stream hangs (until the test lets it go;
+                # a fixed 2 s could end before the asserts below on a loaded machine)
+                self.release.wait(60)
             return Frame(self.n, np.zeros((28, 28), np.uint8), time.time(), time.perf_counter_ns(), self.name)
         finally:
             self.reading.clear()
@@ -65,5 +68,6 @@ def test_stop_pipeline_never_releases_the_capture_while_read_is_in_progress() ->
     assert not p.join(timeout=0.2)  # the controller's join gave up: capture is still inside read()
     p.close_source()
     assert not cam.closed  # deferred, not done under the read
+    cam.release.set()  # the stream answers at last
     assert p.join(timeout=10)
     assert cam.closed and not cam.closed_during_read  # capture released it on its way out

@@ -168,13 +168,13 @@ def test_http_mjpeg_stream_lost_is_reported_and_reopened_when_it_returns(tiny_bu
     try:
         wait = wait_until
 
-        assert wait(lambda: len(sink.results) >= 10), "no frames from the stream"
+        assert wait(lambda: len(sink.results) >= 10, 60), "no frames from the stream"
         assert source.stats.state == "open"
         cam.kill()
-        assert wait(lambda: source.stats.state == "lost"), f"state {source.stats.state}"
+        assert wait(lambda: source.stats.state == "lost", 60), f"state {source.stats.state}"
         served_while_down = len(sink.results)
         cam = _Camera(port).start()
-        assert wait(lambda: source.stats.reconnects >= 1 and len(sink.results) > served_while_down + 10), \
+        assert wait(lambda: source.stats.reconnects >= 1 and len(sink.results) > served_while_down + 10, 60), \
             f"not reopened: {source.stats}"
         assert source.stats.state == "open"
     finally:
@@ -191,12 +191,13 @@ def test_frozen_http_stream_times_out_instead_of_hanging(tiny_bundle: Path) -> N
                        read_timeout_ms=1000, reconnect_initial_s=0.2, reconnect_max_s=0.5)
     try:
         t0 = time.monotonic()
-        p, sink = _serve(tiny_bundle, cfg, until=lambda p, s: p.source.stats.losses >= 1, timeout=20)
+        p, sink = _serve(tiny_bundle, cfg, until=lambda p, s: p.source.stats.losses >= 1, timeout=60)
         elapsed = time.monotonic() - t0
         assert p.source.stats.losses >= 1
         assert p.source.stats.last_error == "read failed or timed out"
         assert 10 <= len(sink.results) <= 30  # the 15 frames before the freeze (and any after a reopen)
-        assert elapsed < 10  # the 1 s read time-out fired; nothing waited OpenCV's 30 s default
+        # the 1 s read time-out fired; nothing waited OpenCV's 30 s default (25: room for a loaded machine)
+        assert elapsed < 25
     finally:
         cam.kill()
 
@@ -206,7 +207,7 @@ def test_identical_camera_pictures_are_reported_frozen(tiny_bundle: Path) -> Non
     cam = _Camera(port, "--same", "--fps", "100").start()
     cfg = SourceConfig(type="stream", url=f"http://127.0.0.1:{port}/s.mjpg", frozen_after=10)
     try:
-        p, sink = _serve(tiny_bundle, cfg, until=lambda p, s: p.source.stats.frozen_events >= 1, timeout=20)
+        p, sink = _serve(tiny_bundle, cfg, until=lambda p, s: p.source.stats.frozen_events >= 1, timeout=60)
         assert p.source.stats.frozen_events == 1 and p.source.stats.state == "frozen"
     finally:
         cam.kill()
@@ -231,7 +232,7 @@ def test_udp_sensor_stream_with_malformed_packets(tiny_sensor_bundle: Path) -> N
             time.sleep(0.005)
         tx.close()
         expected = (good - 64) // 32 + 1  # windows of 64, hop 32
-        end = time.monotonic() + 10
+        end = time.monotonic() + 30
         while len(sink.results) < expected and time.monotonic() < end:
             time.sleep(0.02)
     finally:
@@ -264,7 +265,7 @@ def test_sensor_windows_from_a_fifo(tiny_sensor_bundle: Path, tmp_path: Path) ->
     t.start()
     sink = ListSink()
     p = Pipeline(source, engine, sink, PipelineConfig(), lossless=True).start()
-    assert p.done.wait(15)
+    assert p.done.wait(60)
     t.join()
     source.close()
     assert len(sink.results) == 5 and p.metrics.bad_frames == 0
@@ -285,13 +286,16 @@ def test_frames_arriving_on_an_mqtt_topic_as_images_and_arrays(tiny_bundle: Path
         for payload in ("image", "npy"):
             cfg = SourceConfig(type="mqtt", host="127.0.0.1", port=broker.port, topic=f"cams/{payload}", payload=payload,
                                lossless=True)
-            source = open_source(cfg, engine.bundle.manifest.frame)
-            p = Pipeline(source, engine, sink, PipelineConfig(), lossless=True).start()
             pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
             pub.connect("127.0.0.1", broker.port)
             pub.loop_start()
-            assert wait_until(lambda: source.client.is_connected(), 10)
-            time.sleep(0.3)  # the subscription settles
+            # A retained bad payload reaches the source through its subscription and nothing else: once it
+            # is counted, the subscription is live (a fixed pause after connecting could precede the SUBACK,
+            # and frames published then were dropped by the broker unseen).
+            pub.publish(cfg.topic, b"not a frame (retained)", qos=1, retain=True).wait_for_publish(30)
+            source = open_source(cfg, engine.bundle.manifest.frame)
+            p = Pipeline(source, engine, sink, PipelineConfig(), lossless=True).start()
+            assert wait_until(lambda: p.metrics.bad_frames >= 1, 30), "the source never subscribed"
             before = len(sink.results)
             for f in structured_frames(4, 40):
                 if payload == "image":
@@ -300,14 +304,14 @@ def test_frames_arriving_on_an_mqtt_topic_as_images_and_arrays(tiny_bundle: Path
                     buf = io.BytesIO()
                     np.save(buf, f)
                     data = buf.getvalue()
-                pub.publish(cfg.topic, data, qos=1).wait_for_publish(5)
+                pub.publish(cfg.topic, data, qos=1).wait_for_publish(30)
                 time.sleep(0.05)
-            pub.publish(cfg.topic, b"not a frame", qos=1).wait_for_publish(5)
-            assert wait_until(lambda: len(sink.results) >= before + 4 and p.metrics.bad_frames >= 1, 10)
+            pub.publish(cfg.topic, b"not a frame", qos=1).wait_for_publish(30)
+            assert wait_until(lambda: len(sink.results) >= before + 4 and p.metrics.bad_frames >= 2, 30)
             pub.loop_stop()
             p.stop()
             assert p.join(10)
             source.close()
-            assert p.metrics.bad_frames == 1 and len(sink.results) == before + 4
+            assert p.metrics.bad_frames == 2 and len(sink.results) == before + 4  # the retained one and this
     finally:
         broker.stop()
