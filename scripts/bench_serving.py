@@ -6,9 +6,12 @@ noise), and the same as H.264 when Debian's ffmpeg is there to encode them. Per 
   raw best      `session.run` on one preprocessed tensor: best of 1 caller x N intra-op threads and
                 N callers x 1 thread (N = cores); the model alone
   decode full   `cv2.VideoCapture.read` alone (FFmpeg, full size, BGR)
-  decode agent  the agent's own source alone (JPEG at the scale the model allows; FFmpeg otherwise)
+  decode agent  the agent's own source and decoding alone, one thread (JPEG at the scale the model allows;
+                FFmpeg otherwise)
+  capture       the agent's capture stage alone: what must run in one thread per source (for MJPEG, reading
+                the JPEG packets: the agent decodes them in its preprocessing pool; FFmpeg decoding otherwise)
   naive         the loop a user writes: cv2 read -> RGB -> the bundle's preprocessing -> run -> decode -> print
-  limit         the pipeline limit = min(decode agent, cores / CPU time per frame of decode + preprocessing
+  limit         the pipeline limit = min(capture, cores / CPU time per frame of decode + preprocessing
                 + single-thread inference + postprocessing, measured sequentially in this process)
   agent         `edge-agent run` on the same video as a separate process, lossless, fps from first to last result
 
@@ -131,12 +134,15 @@ def agent_source(video: Path, bundle, scale: int):
                        bundle.manifest.preprocess.resize)
 
 
-def decode_agent(video: Path, bundle, scale: int) -> float:
-    """The agent's capture stage alone: its source, reading frames (colour conversion, where owed, is not capture's)."""
+def decode_agent(video: Path, bundle, scale: int, decode: bool = True) -> float:
+    """The agent's source alone, one thread: with `decode`, each frame's deferred decoding and colour
+    conversion too (what the preprocessing pool does first); without, the capture stage alone."""
     src = agent_source(video, bundle, scale)
     stop = threading.Event()
     count, t0 = 0, time.perf_counter()
-    while src.read(stop) is not None:
+    while (f := src.read(stop)) is not None:
+        if decode:
+            _ = f.data  # the decode the preprocessing pool does first
         count += 1
     src.close()
     return count / (time.perf_counter() - t0)
@@ -367,17 +373,18 @@ def main() -> int:
             scale = max_decode_scale(resize, h, w) if codec == "mjpeg" else 1
             # the daemon decodes at the scale the bundle's resize allows and the self-test proved (auto)
             settings = {"selection.variant": variant, **session_changes}
-            full, dec, nai, lim, runs, cpu = [], [], [], [], [], []
+            full, dec, cap, nai, lim, runs, cpu = [], [], [], [], [], [], []
             for _ in range(args.runs):
                 full.append(decode_full(video))
                 dec.append(decode_agent(video, bundle, scale))
+                cap.append(decode_agent(video, bundle, scale, decode=False))
                 nai.append(naive(video, bundle, sess))
                 cpu.append(cpu_per_frame(video, bundle, sess1, scale))
                 total = sum(cpu[-1].values())
-                lim.append(min(dec[-1], CORES / (total / 1000)))
+                lim.append(min(cap[-1], CORES / (total / 1000)))
                 runs.append(agent(video, args.bundle, variant, settings, args.frames, tmp))
             fps = [r.fps for r in runs]
-            rows.append((name, scale, best, full, dec, nai, lim, fps,
+            rows.append((name, scale, best, full, dec, cap, nai, lim, fps,
                          statistics.median(a / b for a, b in zip(fps, lim)),
                          statistics.median(a / b for a, b in zip(fps, nai)),
                          statistics.median(a / b for a, b in zip(fps, full)),
@@ -390,18 +397,19 @@ def main() -> int:
           f"onnxruntime CPU, runs {args.runs}")
     print("agent settings changed from the shipped defaults: --log-level warning; per input: " + "; ".join(
         f"{r[0]}: " + ", ".join(f"{k}={v}" for k, v in r[-1].items()) for r in rows))
-    head = (f"{'input':12} {'scale':>5} {'raw best':>8} {'dec full':>14} {'dec agent':>14} {'naive':>14} "
+    head = (f"{'input':12} {'scale':>5} {'raw best':>8} {'dec full':>14} {'dec agent':>14} {'capture':>14} {'naive':>14} "
             f"{'limit':>14} {'agent':>14} {'ag/lim':>6} {'ag/naive':>8} {'ag/dfull':>8} {'RSS MB':>7} {'ag CPU ms/f':>11}")
     print(head)
-    for (name, scale, best_fps, full, dec, nai, lim, fps, r_lim, r_nai, r_full, rss, cpu_ms, results, _) in rows:
-        print(f"{name:12} {'1/' + str(scale):>5} {best_fps:>8.0f} {spread(full):>14} {spread(dec):>14} {spread(nai):>14} "
+    for (name, scale, best_fps, full, dec, cap, nai, lim, fps, r_lim, r_nai, r_full, rss, cpu_ms, results, _) in rows:
+        print(f"{name:12} {'1/' + str(scale):>5} {best_fps:>8.0f} {spread(full):>14} {spread(dec):>14} {spread(cap):>14} {spread(nai):>14} "
               f"{spread(lim):>14} {spread(fps):>14} {r_lim:>6.2f} {r_nai:>8.2f} {r_full:>8.2f} {rss:>7.0f} {cpu_ms:>11.2f}"
               + ("" if results == args.frames else f"  ({results}/{args.frames} results)"))
     print("\nCPU ms per frame, sequential, one thread (the limit's denominator):")
     for name, st in stages:
         print(f"  {name:12} " + "  ".join(f"{k} {v:.2f}" for k, v in st.items()) + f"  total {sum(st.values()):.2f}")
-    print("\nfps everywhere; ratios are medians over runs; dec agent = the agent's source alone (JPEG at the scale "
-          "shown); limit = min(dec agent, cores / CPU per frame)")
+    print("\nfps everywhere; ratios are medians over runs; dec agent = the agent's source and decoding alone, one "
+          "thread (JPEG at the scale shown); capture = its capture stage alone (MJPEG: packets; the pool decodes); "
+          "limit = min(capture, cores / CPU per frame)")
     return 0
 
 
