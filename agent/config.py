@@ -87,6 +87,7 @@ class PipelineConfig:
     queue_size: int = 2               # bounded queues between stages
     inference_workers: int = 0        # threads calling run() on the one session; 0: sized at start (at most 4)
     preprocess_workers: int = 0       # threads decoding deferred JPEGs and preprocessing; 0: sized at start
+    stage_layout: Literal["auto", "fused", "pools"] = "auto"  # fused: a worker preprocesses and runs the model
     max_frames: int = 0               # stop after this many frames (0: run until stopped)
     batch_across_sources: bool = True  # many sources, dynamic batch: batch up to one frame per source
 

@@ -175,3 +175,27 @@ def test_metrics_export_the_stage_plan() -> None:
     assert 'edge_agent_stage_threads{stage="inference"} 1.0' in text
     assert 'edge_agent_stage_cpu_seconds_per_frame{stage="preprocess"} 0.003' in text
     assert 'edge_agent_pipeline_pace_fps{bottleneck="cpu"} 563.4' in text
+
+
+def test_fused_workers_are_sized_on_preprocessing_plus_inference() -> None:
+    plan = plan_stages(StageCosts(0.06, 1.1, 0.95, 0.1, 48), cores=2, sources=1, preprocess_max=2, inference_max=2,
+                       fused=True)
+    assert plan.fused and plan.bottleneck == "cpu"
+    assert (plan.preprocess_workers, plan.inference_workers) == (2, 1)  # 1: the drain for frames prepared before
+    assert plan.limits_fps["workers"] == pytest.approx(2000 / 2.05)
+    light = plan_stages(StageCosts(0.06, 0.1, 0.1, 0.5, 48), cores=4, sources=1, preprocess_max=4, inference_max=4,
+                        fused=True)
+    assert light.bottleneck == "publish" and light.preprocess_workers == 1
+
+
+def test_on_the_cpu_provider_workers_preprocess_and_run_the_model_unless_pools_are_asked_for(tmp_path: Path) -> None:
+    n = SIZING_WARMUP + SIZING_FRAMES + 8
+    video = _mjpeg(tmp_path / "cam.avi", n, 240, 320)
+    fused, sink = _run(video, PipelineConfig())
+    assert fused.status().metrics["stages"]["fused"] is True and len(sink.results) == n
+    assert [r["frame_index"] for r in sink.results] == list(range(1, n + 1))
+    pools, sink2 = _run(video, PipelineConfig(stage_layout="pools"))
+    stages = pools.status().metrics["stages"]
+    assert stages["fused"] is False and "workers" not in stages["limits_fps"] and len(sink2.results) == n
+    # the same answers either way
+    assert [r["result"] for r in sink.results] == [r["result"] for r in sink2.results]

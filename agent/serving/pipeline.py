@@ -186,8 +186,10 @@ class Pipeline:
         self._inf_fixed = cfg.inference_workers
         self._pre_max = self._pre_fixed or min(self.cores, 4)
         self._workers = self._inf_fixed or min(self.cores, 4)
-        self.plan: StagePlan = initial_plan(self.cores, self._pre_max, self._workers)
-        self._pre_active, self._inf_active = self._pre_max, self._workers
+        self._layout = getattr(cfg, "stage_layout", "auto")
+        self._fused = self._fuse_for(engine)
+        self.plan: StagePlan = initial_plan(self.cores, self._pre_max, self._workers, self._fused)
+        self._pre_active, self._inf_active = self.plan.preprocess_workers, self.plan.inference_workers
         self._costs = _CostMeter()
         self._sized_results = 0  # results of the current engine counted towards its sizing
         self._take_lock = threading.Lock()  # frames are taken and numbered in capture order
@@ -224,6 +226,10 @@ class Pipeline:
             self._tallies[id(engine)] = EngineTally()  # a fresh record, even for an engine served before
         old, self._engine = self._engine, engine
         self._sized_results = 0  # a new model costs what it costs: measured and sized again
+        if self._fuse_for(engine) != self._fused:  # another provider: the other layout, all threads until sized
+            self._fused = self._fuse_for(engine)
+            self.plan = initial_plan(self.cores, self._pre_max, self._workers, self._fused)
+            self._pre_active, self._inf_active = self.plan.preprocess_workers, self.plan.inference_workers
         log.info("pipeline.engine_swapped", old=old.describe(), new=engine.describe())
 
     def start(self) -> "Pipeline":
@@ -371,6 +377,13 @@ class Pipeline:
             self._number += 1
             return self._number, batch
 
+    def _fuse_for(self, engine: Engine) -> bool:
+        """Preprocess and run the model in one worker: on the CPU provider, unless pools were asked for
+        (`stage_layout: pools`, or a fixed `inference_workers`)."""
+        if self._layout != "auto":
+            return self._layout == "fused"
+        return engine.candidate.provider == "CPUExecutionProvider" and not self._inf_fixed
+
     def _in_order_only(self) -> bool:
         """A stateful model's frames must reach it one at a time in the order they came."""
         return self._engine.max_workers == 1
@@ -421,10 +434,13 @@ class Pipeline:
         tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
         t1 = time.perf_counter_ns()
         self._costs.add("preprocess", time.thread_time_ns() - c0, len(frames))
-        self._prepared_q.put(Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6))
+        prepared = Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6)
+        if self._fused:  # this thread runs the model too: one hand-over less, no core waiting on another
+            self._results_q.put(self._run_model(prepared))
+        else:
+            self._prepared_q.put(prepared)
 
     def _infer(self, index: int = 0) -> None:
-        m = self.metrics
         try:
             while not self._inf_closing.is_set():
                 if index >= self._inf_active or (index > 0 and self._in_order_only()):
@@ -438,28 +454,32 @@ class Pipeline:
                     self._prepared_q.put(_END)  # the other workers need to see it too
                     self._inf_closing.set()
                     break
-                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                try:
-                    outputs = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at)
-                    bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
-                    if bad:  # NaN/inf answers are wrong answers: counted, never published
-                        raise NonFiniteOutput(f"non-finite values in outputs {bad}")
-                except Exception as exc:  # a runtime failure on one input is counted, not fatal
-                    m.inference_errors += 1
-                    tally = self.tally(p.engine)
-                    if isinstance(exc, NonFiniteOutput):
-                        tally.non_finite += 1
-                    else:
-                        tally.inference_errors += 1
-                    self._count_drop("non_finite_output" if isinstance(exc, NonFiniteOutput) else "inference_error",
-                                     len(p.frames))
-                    log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
-                    outputs = None
-                wall_ns, cpu_ns = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
-                self._costs.add("inference", _inference_cost(p.engine, wall_ns, cpu_ns), len(p.frames))
-                self._results_q.put(Inferred(p, outputs, wall_ns / 1e6))
+                self._results_q.put(self._run_model(p))
         finally:
             self._results_q.put(_WORKER_DONE)
+
+    def _run_model(self, p: Prepared) -> Inferred:
+        m = self.metrics
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at)
+            bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+            if bad:  # NaN/inf answers are wrong answers: counted, never published
+                raise NonFiniteOutput(f"non-finite values in outputs {bad}")
+        except Exception as exc:  # a runtime failure on one input is counted, not fatal
+            m.inference_errors += 1
+            tally = self.tally(p.engine)
+            if isinstance(exc, NonFiniteOutput):
+                tally.non_finite += 1
+            else:
+                tally.inference_errors += 1
+            self._count_drop("non_finite_output" if isinstance(exc, NonFiniteOutput) else "inference_error",
+                             len(p.frames))
+            log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
+            outputs = None
+        wall_ns, cpu_ns = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+        self._costs.add("inference", _inference_cost(p.engine, wall_ns, cpu_ns), len(p.frames))
+        return Inferred(p, outputs, wall_ns / 1e6)
 
     def _size_stages(self) -> None:
         """Called by the publisher after each result: measure over the first frames, then size the pools."""
@@ -474,10 +494,11 @@ class Pipeline:
         costs = StageCosts(capture, self._costs.per_frame_ms("preprocess"), self._costs.per_frame_ms("inference"),
                            self._costs.per_frame_ms("publish"), SIZING_FRAMES)
         plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
-                           preprocess_max=self._pre_max, inference_max=self._workers, in_order=self._in_order_only())
+                           preprocess_max=self._pre_max, inference_max=self._workers, in_order=self._in_order_only(),
+                           fused=self._fused)
         if self._pre_fixed:
             plan = replace(plan, preprocess_workers=self._pre_fixed)
-        if self._inf_fixed:
+        if self._inf_fixed and not self._fused:
             plan = replace(plan, inference_workers=self._inf_fixed)
         self.plan = plan
         self._pre_active, self._inf_active = plan.preprocess_workers, plan.inference_workers
