@@ -199,3 +199,14 @@ def test_on_the_cpu_provider_workers_preprocess_and_run_the_model_unless_pools_a
     assert stages["fused"] is False and "workers" not in stages["limits_fps"] and len(sink2.results) == n
     # the same answers either way
     assert [r["result"] for r in sink.results] == [r["result"] for r in sink2.results]
+
+
+def test_cpu_spent_outside_the_stages_threads_counts_against_the_cores() -> None:
+    """Found measuring H.264: FFmpeg decodes in its own threads, so the capture thread's CPU time (1.8 ms)
+    hid 7 ms per frame and the plan promised 459 fps where the process could do about 170."""
+    hidden = StageCosts(1.84, 1.17, 1.14, 0.16, 48)
+    seen = StageCosts(1.84, 1.17, 1.14, 0.16, 48, other_ms=7.18)
+    assert plan_stages(hidden, cores=2, sources=1, preprocess_max=2, inference_max=2, fused=True).pace_fps > 400
+    plan = plan_stages(seen, cores=2, sources=1, preprocess_max=2, inference_max=2, fused=True)
+    assert plan.bottleneck == "cpu" and plan.pace_fps == pytest.approx(2000 / 11.49)
+    assert "other threads 7.18 ms" in plan.reason

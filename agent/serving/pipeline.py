@@ -192,6 +192,7 @@ class Pipeline:
         self._pre_active, self._inf_active = self.plan.preprocess_workers, self.plan.inference_workers
         self._costs = _CostMeter()
         self._sized_results = 0  # results of the current engine counted towards its sizing
+        self._process_ns0 = 0
         self._take_lock = threading.Lock()  # frames are taken and numbered in capture order
         self._number = 0
         self._pre_left = self._pre_max  # preprocessing threads still running; the last one ends inference
@@ -486,13 +487,16 @@ class Pipeline:
         self._sized_results += 1
         if self._sized_results == SIZING_WARMUP:
             self._costs.reset()
+            self._process_ns0 = time.process_time_ns()
             return
         if self._sized_results != SIZING_WARMUP + SIZING_FRAMES:
             return
         src = self.source
         capture = src.capture_cpu_ms() if hasattr(src, "capture_cpu_ms") else self._costs.per_frame_ms("capture")
-        costs = StageCosts(capture, self._costs.per_frame_ms("preprocess"), self._costs.per_frame_ms("inference"),
-                           self._costs.per_frame_ms("publish"), SIZING_FRAMES)
+        own = [self._costs.per_frame_ms(s) for s in ("preprocess", "inference", "publish")]
+        process_ms = (time.process_time_ns() - self._process_ns0) / 1e6 / SIZING_FRAMES
+        other = max(0.0, process_ms - capture * max(len(getattr(src, "feeds", ())), 1) - sum(own))
+        costs = StageCosts(capture, *own, SIZING_FRAMES, other)
         plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
                            preprocess_max=self._pre_max, inference_max=self._workers, in_order=self._in_order_only(),
                            fused=self._fused)

@@ -29,10 +29,13 @@ class StageCosts:
     inference_ms: float
     publish_ms: float
     frames: int  # how many frames the figures are averaged over
+    # the process's CPU per frame beyond the stages' own threads: FFmpeg's decoder threads, the runtime's
+    # intra-op threads, the agent's other threads. Counted in the cores' limit, not in any one stage's.
+    other_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
-        return self.capture_ms + self.preprocess_ms + self.inference_ms + self.publish_ms
+        return self.capture_ms + self.preprocess_ms + self.inference_ms + self.publish_ms + self.other_ms
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def plan_stages(costs: StageCosts, *, cores: int, sources: int, preprocess_max: 
         limits = {**fixed, "preprocess": _rate(pre, costs.preprocess_ms), "inference": _rate(inf, costs.inference_ms)}
     reason = (f"{bottleneck} sets the pace at {pace:.0f} fps "
               f"(CPU per frame: capture {costs.capture_ms:.2f} ms, preprocess {costs.preprocess_ms:.2f} ms, "
-              f"inference {costs.inference_ms:.2f} ms, publish {costs.publish_ms:.2f} ms over {costs.frames} "
+              f"inference {costs.inference_ms:.2f} ms, publish {costs.publish_ms:.2f} ms, other threads "
+              f"{costs.other_ms:.2f} ms over {costs.frames} "
               f"frames; {cores} cores, {sources} source{'s' if sources > 1 else ''})"
               + (f"; {pre} workers each preprocess and run the model" if fused else "")
               + ("; frames in order (stateful model): one thread each" if in_order else ""))
