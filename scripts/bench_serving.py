@@ -352,8 +352,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         variant = args.variant
+        proof = run_selftest(bundle, tmp / "state", options_from_config(Config(), variant=None if variant == "auto"
+                                                                         else variant))
         if variant == "auto":
-            variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
+            variant = proof.selected.candidate.variant
+        proven_scale = proof.decode_max_scale  # the agent never decodes below what its self-test proved
         model = bundle.path(bundle.manifest.variant(variant).file)
         with np.load(ROOT / "calibration" / "digits" / "heldout.npz") as z:
             raw = z["raw"]
@@ -370,7 +373,7 @@ def main() -> int:
         for name in inputs:
             h, w, codec = INPUTS[name]
             video = camera_video(raw, h, w, args.frames, codec, tmp)
-            scale = max_decode_scale(resize, h, w) if codec == "mjpeg" else 1
+            scale = min(max_decode_scale(resize, h, w), proven_scale) if codec == "mjpeg" else 1
             # the daemon decodes at the scale the bundle's resize allows and the self-test proved (auto)
             settings = {"selection.variant": variant, **session_changes}
             full, dec, cap, nai, lim, runs, cpu = [], [], [], [], [], [], []
