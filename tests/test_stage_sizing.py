@@ -8,7 +8,6 @@ their order with a preprocessing pool, and a JPEG that does not decode is counte
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import cv2

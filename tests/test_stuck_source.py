@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +35,7 @@ from agent.serving.multisource import MultiSource
 from agent.serving.pipeline import Pipeline
 from agent.serving.sources import open_source
 from agent.testing import ListSink
+from test_multisource import folder_of
 from test_sdnotify import NotifySocket
 from waiting import end_process, wait_until
 
@@ -115,14 +115,6 @@ def stuck_camera_config(name: str, url: str) -> SourceConfig:
                         reconnect_initial_s=0.2)
 
 
-def folder_of(tmp_path: Path, name: str, files: list[Path]) -> Path:
-    d = tmp_path / name
-    d.mkdir()
-    for f in files:
-        shutil.copy(f, d / f.name)
-    return d
-
-
 def _engine():
     return build_engine(load_bundle(DEMO), Candidate("CPUExecutionProvider", "int8", "int8"), SessionSettings())
 
@@ -154,13 +146,18 @@ def _cleanup(p: Pipeline, multi: MultiSource) -> None:
     multi.close()
 
 
-def test_one_stuck_source_of_two_keeps_the_watchdog_fed_and_is_reported_stuck(tmp_path: Path) -> None:
+def _door_and_silent_cam(tmp_path: Path) -> tuple["SilentCamera", MultiSource, Pipeline, ListSink]:
+    """A looping folder camera that keeps serving beside an HTTP camera that goes silent after 5 frames."""
     cam = SilentCamera(first=5)
-    engine = _engine()
-    multi, p, sink = _serve(engine, [
+    multi, p, sink = _serve(_engine(), [
         SourceConfig(name="door", type="folder", path=folder_of(tmp_path, "door", DIGITS[:10]), loop=True,
                      max_fps=20),
         stuck_camera_config("cam", cam.url)])
+    return cam, multi, p, sink
+
+
+def test_one_stuck_source_of_two_keeps_the_watchdog_fed_and_is_reported_stuck(tmp_path: Path) -> None:
+    cam, multi, p, sink = _door_and_silent_cam(tmp_path)
     try:
         with structlog.testing.capture_logs() as logs:
             assert wait_until(lambda: cam.sent >= 5 and _served(sink, "cam") >= 1, timeout=60)
@@ -175,7 +172,7 @@ def test_one_stuck_source_of_two_keeps_the_watchdog_fed_and_is_reported_stuck(tm
             assert withheld and all(w is None for w in withheld), [w for w in withheld if w][:3]
             assert wait_until(lambda: _served(sink, "door") >= door_before + 20, timeout=30)
             doc = health_document(device_id="d", started=time.monotonic(), session=1, interval_s=1, serving=True,
-                                  not_serving_reason=None, engine=engine, pipeline=p, selftest_doc=None,
+                                  not_serving_reason=None, engine=p.engine, pipeline=p, selftest_doc=None,
                                   outbox=None, probe=ProcessProbe(), operation=None)
         health = doc["sources"]  # what health/<source> publishes, one per source
         assert health["cam"]["state"] == "stuck" and health["cam"]["stuck_s"] > 2 * HORIZON_S
@@ -223,12 +220,7 @@ def test_every_running_source_stuck_withholds_the_watchdog_naming_them(tmp_path:
 
 
 def test_a_stuck_source_whose_read_comes_back_is_normal_again(tmp_path: Path) -> None:
-    cam = SilentCamera(first=5)
-    engine = _engine()
-    multi, p, sink = _serve(engine, [
-        SourceConfig(name="door", type="folder", path=folder_of(tmp_path, "door", DIGITS[:10]), loop=True,
-                     max_fps=20),
-        stuck_camera_config("cam", cam.url)])
+    cam, multi, p, sink = _door_and_silent_cam(tmp_path)
     try:
         with structlog.testing.capture_logs() as logs:
             assert wait_until(lambda: watchdog_withheld(p, HORIZON_S) is None and
