@@ -702,7 +702,8 @@ class Controller:
                     self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
-                         **{k: v for k, v in (doc["pipeline"] or {}).items() if k != "latency_ms"},
+                         # the stage plan is logged once, as pipeline.stages_sized: not on every health line
+                         **{k: v for k, v in (doc["pipeline"] or {}).items() if k not in ("latency_ms", "stages")},
                          decoder=(doc["source"] or {}).get("decoder"),
                          **sources_summary(doc))
                 next_health = time.monotonic() + interval
