@@ -207,6 +207,9 @@ class Pipeline:
               for i in range(self._workers)),
             threading.Thread(target=self._guard(self._publish), name="publish", daemon=True),
         ]
+        pre, inf = self._threads[1:1 + self._pre_max], self._threads[1 + self._pre_max:-1]
+        # who takes from each queue: a hand-over gives up only when the pipeline failed and none of them lives
+        self._takers = {id(self._frames_q): pre, id(self._prepared_q): inf, id(self._results_q): self._threads[-1:]}
 
     # -- control ---------------------------------------------------------------------------------------
     @property
@@ -313,6 +316,20 @@ class Pipeline:
                         pass
         return run
 
+    def _hand_over(self, q: queue.Queue, item: Any, frames: int = 0) -> bool:
+        """Put into a bounded queue, waiting while anything may still take from it. Once the pipeline failed
+        and every thread that takes from `q` is gone, nothing ever will: the item is given up (its `frames`
+        counted) instead of blocking this thread for ever."""
+        while True:
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                if self.failed is not None and not any(t.is_alive() for t in self._takers[id(q)]):
+                    if frames:
+                        self._count_drop("pipeline_failed", frames)
+                    return False
+
     def _capture(self) -> None:
         src, m = self.source, self.metrics
         limit = self.cfg.max_frames
@@ -349,7 +366,10 @@ class Pipeline:
             if limit and m.frames_in >= limit:
                 break
         self._close_source_if_requested()
-        self._frames_q.put(_END)
+        if isinstance(self._frames_q, LatestSlot):
+            self._frames_q.put(_END)
+        else:
+            self._hand_over(self._frames_q, _END)
 
     def _next_frame(self, timeout: float | None) -> Any:
         try:
@@ -357,12 +377,20 @@ class Pipeline:
         except queue.Empty:
             return None
 
+    def _put_back_end(self) -> None:
+        """Every preprocessing thread must see the end. Under the take lock: a blocking put here would hold
+        the others off the queue; if it is full, what fills it is another end marker (a crashed stage's)."""
+        try:
+            self._frames_q.put(_END) if isinstance(self._frames_q, LatestSlot) else self._frames_q.put_nowait(_END)
+        except queue.Full:
+            pass
+
     def _take(self) -> tuple[int, list[Any]] | None:
         """The next frame, or a batch of frames across sources, numbered in the order taken; None at the end."""
         with self._take_lock:
             first = self._next_frame(None)
             if first is _END:
-                self._frames_q.put(_END)  # every preprocessing thread must see the end
+                self._put_back_end()
                 return None
             batch = [first]
             if self._batch > 1 and self._engine.dynamic_batch:
@@ -372,7 +400,7 @@ class Pipeline:
                     if nxt is None:
                         break
                     if nxt is _END:
-                        self._frames_q.put(_END)  # taken again on the next call
+                        self._put_back_end()  # taken again on the next call
                         break
                     batch.append(nxt)
             self._number += 1
@@ -405,7 +433,7 @@ class Pipeline:
                 self._pre_left -= 1
                 last = self._pre_left == 0
             if last:
-                self._prepared_q.put(_END)
+                self._hand_over(self._prepared_q, _END)
 
     def _prepare(self, number: int, batch: list[Frame]) -> None:
         m = self.metrics
@@ -430,16 +458,16 @@ class Pipeline:
                     self._count_drop("refused_by_preprocessing")
                 log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
         if not frames:  # the number is spent: tell the publisher so it does not wait for it
-            self._results_q.put(Inferred(Prepared(number, [], np.empty(0), engine, [], t0, 0.0), None, 0.0))
+            self._hand_over(self._results_q, Inferred(Prepared(number, [], np.empty(0), engine, [], t0, 0.0), None, 0.0))
             return
         tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
         t1 = time.perf_counter_ns()
         self._costs.add("preprocess", time.thread_time_ns() - c0, len(frames))
         prepared = Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6)
         if self._fused:  # this thread runs the model too: one hand-over less, no core waiting on another
-            self._results_q.put(self._run_model(prepared))
+            self._hand_over_result(self._run_model(prepared))
         else:
-            self._prepared_q.put(prepared)
+            self._hand_over(self._prepared_q, prepared, len(frames))
 
     def _infer(self, index: int = 0) -> None:
         try:
@@ -452,12 +480,16 @@ class Pipeline:
                 except queue.Empty:
                     continue
                 if p is _END:
-                    self._prepared_q.put(_END)  # the other workers need to see it too
+                    self._hand_over(self._prepared_q, _END)  # the other workers need to see it too
                     self._inf_closing.set()
                     break
-                self._results_q.put(self._run_model(p))
+                self._hand_over_result(self._run_model(p))
         finally:
-            self._results_q.put(_WORKER_DONE)
+            self._hand_over(self._results_q, _WORKER_DONE)
+
+    def _hand_over_result(self, item: Inferred) -> None:
+        """To the publisher; a failed inference was counted already."""
+        self._hand_over(self._results_q, item, 0 if item.outputs is None else len(item.prepared.frames))
 
     def _run_model(self, p: Prepared) -> Inferred:
         m = self.metrics
@@ -546,6 +578,7 @@ class Pipeline:
                                         self.max_result_bytes)
                     except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
                         m.result_errors += 1
+                        self._count_drop("result_too_large")
                         log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
                                   result_errors=m.result_errors)
                         continue

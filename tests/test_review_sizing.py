@@ -1,0 +1,118 @@
+"""Faults found reviewing stage sizing and the fused workers: each test failed on the code before its fix.
+
+Real parts: the demo classifier in a real ORT session, MJPEG videos written by cv2.VideoWriter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from agent.bundle.load import load_bundle
+from agent.config import PipelineConfig, SourceConfig
+from agent.proof.terms import SessionSettings
+from agent.proof.verdict import Candidate
+from agent.serving.engine import Engine, build_engine
+from agent.serving.pipeline import Pipeline
+from agent.serving.sources import is_lossless, open_source
+from agent.testing import ListSink
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "digits-classifier"
+
+
+def _mjpeg(path: Path, n: int, h: int = 240, w: int = 320) -> Path:
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 30, (w, h))
+    assert writer.isOpened()
+    for i in range(n):
+        img = np.full((h, w, 3), 40, np.uint8)
+        cv2.putText(img, str(i % 10), (w // 3, 2 * h // 3), cv2.FONT_HERSHEY_SIMPLEX, h / 60, (255, 255, 255), h // 30)
+        writer.write(img)
+    writer.release()
+    return path
+
+
+def _engine() -> Engine:
+    b = load_bundle(DEMO)
+    variant = b.manifest.variants[0]
+    return build_engine(b, Candidate("CPUExecutionProvider", variant.name, variant.precision), SessionSettings())
+
+
+def _pipeline(video: Path, cfg: PipelineConfig, sink: Any, engine: Engine | None = None) -> Pipeline:
+    engine = engine or _engine()
+    scfg = SourceConfig(type="video", path=video)
+    source = open_source(scfg, engine.bundle.manifest.frame, engine.bundle.manifest.preprocess.resize)
+    assert is_lossless(scfg, source)
+    return Pipeline(source, engine, sink, cfg, True)
+
+
+class _SlowSinkThatBreaks(ListSink):
+    """A sink slower than the workers (the results queue fills), whose write then fails."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def write(self, result: dict[str, Any]) -> None:
+        time.sleep(0.02)
+        if len(self.results) + 1 >= self.fail_at:
+            raise OSError("disk full")
+        super().write(result)
+
+
+def test_a_sink_that_fails_behind_a_full_results_queue_ends_every_thread(tmp_path: Path) -> None:
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", 200), PipelineConfig(), _SlowSinkThatBreaks(20))
+    p.start()
+    try:
+        assert p.done.wait(30)
+        assert p.join(timeout=20), f"threads left: {[t.name for t in p._threads if t.is_alive()]}"
+        assert p.failed is not None and "OSError" in p.failed
+    finally:
+        p.stop()
+        p.source.close()
+
+
+class _BrokenPreprocessor:
+    """A preprocessing bug (not a PreprocessError): every frame raises."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.fixed_size = inner.fixed_size
+
+    def __call__(self, data: Any) -> Any:
+        raise RuntimeError("preprocessor bug")
+
+    def geometry(self, data: Any) -> Any:
+        return self.inner.geometry(data)
+
+
+def test_a_preprocessor_bug_in_every_worker_ends_every_thread(tmp_path: Path) -> None:
+    engine = _engine()
+    broken = dataclasses.replace(engine, preprocessor=_BrokenPreprocessor(engine.preprocessor))
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", 200), PipelineConfig(preprocess_workers=2), ListSink(), broken)
+    p.start()
+    try:
+        assert p.join(timeout=20), f"threads left: {[t.name for t in p._threads if t.is_alive()]}"
+        assert p.failed is not None and "preprocessor bug" in p.failed and p.done.is_set()
+    finally:
+        p.stop()
+        p.source.close()
+
+
+def test_a_result_too_large_is_counted_in_drops(tmp_path: Path) -> None:
+    n = 12
+    sink = ListSink()
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", n), PipelineConfig(), sink)
+    p.max_result_bytes = 8  # no result fits
+    p.start()
+    try:
+        assert p.done.wait(30) and p.join(timeout=15)
+        assert p.failed is None and not sink.results and p.metrics.result_errors == n
+        assert p.metrics.frames_in == n
+        assert sum(p.drops.values()) == n and p.drops.get("result_too_large") == n, p.drops
+    finally:
+        p.source.close()
