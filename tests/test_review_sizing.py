@@ -12,6 +12,7 @@ from typing import Any
 
 import cv2
 import numpy as np
+import pytest
 
 from agent.bundle.load import load_bundle
 from agent.config import PipelineConfig, SourceConfig
@@ -114,5 +115,51 @@ def test_a_result_too_large_is_counted_in_drops(tmp_path: Path) -> None:
         assert p.failed is None and not sink.results and p.metrics.result_errors == n
         assert p.metrics.frames_in == n
         assert sum(p.drops.values()) == n and p.drops.get("result_too_large") == n, p.drops
+    finally:
+        p.source.close()
+
+
+class _OrderedEngine(Engine):
+    """Stands in for a stateful bundle (one frame at a time, in order): records the frames it runs and any
+    two runs that overlap."""
+
+    @property
+    def max_workers(self) -> int | None:
+        return 1
+
+    def run(self, tensor: np.ndarray, source: str = "", at: float | None = None, metadata: Any = None) -> Any:
+        log = self.__dict__.setdefault("_log", {"order": [], "running": 0, "overlaps": 0})
+        log["running"] += 1
+        if log["running"] > 1:
+            log["overlaps"] += 1
+        log["order"].append(at)
+        time.sleep(0.02)  # slower than a frame comes: a second worker would start the next one meanwhile
+        log["running"] -= 1
+        return super().run(tensor, source, at, metadata)
+
+
+@pytest.mark.parametrize("layout", ["fused", "pools"])
+def test_after_a_swap_to_a_stateful_engine_frames_run_one_at_a_time_in_order(tmp_path: Path, layout: str) -> None:
+    stateless = _engine()
+    stateful = _OrderedEngine(**{f.name: getattr(stateless, f.name) for f in dataclasses.fields(stateless)})
+    sink = ListSink()
+    cfg = PipelineConfig(preprocess_workers=2, inference_workers=2, stage_layout=layout)  # type: ignore[arg-type]
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", 60), cfg, sink, stateless)
+    read = p.source.read
+
+    def slow_read(stop: Any) -> Any:  # a camera's pace: the workers wait inside the take for the next frame
+        time.sleep(0.005)
+        return read(stop)
+
+    p.source.read = slow_read  # type: ignore[method-assign]
+    p.start()
+    try:
+        time.sleep(0.1)
+        p.swap_engine(stateful)
+        assert p.done.wait(30) and p.join(timeout=15)
+        log = stateful.__dict__["_log"]
+        assert log["overlaps"] == 0, f"{log['overlaps']} runs of the stateful engine overlapped"
+        assert log["order"] == sorted(log["order"]), "the stateful engine saw frames out of order"
+        assert [r["frame_index"] for r in sink.results] == list(range(1, 61)) and p.failed is None
     finally:
         p.source.close()

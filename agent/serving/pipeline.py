@@ -83,6 +83,40 @@ class Prepared:
     geometry: list[Any]
     dequeued_ns: int
     preprocess_ms: float
+    turn: int | None = None  # a stateful engine's frames: their place in its order (see _Turns)
+
+
+class _Turns:
+    """A stateful engine's frames in the order they were taken, whichever threads carry them: a ticket is
+    issued as a frame is taken, and each step (the hand-over to inference, the run) waits for its ticket.
+    Checking the engine before taking a frame is not enough: a worker may wait inside the take across an
+    engine swap and come out holding a frame for a stateful engine while another worker takes the next."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued: dict[int, int] = {}
+        self._done: dict[tuple[int, str], int] = {}
+
+    def issue(self, engine: Engine) -> int:
+        with self._cond:
+            n = self._issued.get(id(engine), 0)
+            self._issued[id(engine)] = n + 1
+            return n
+
+    def wait(self, engine: Engine, step: str, ticket: int, give_up: Callable[[], bool]) -> bool:
+        with self._cond:
+            while self._done.get((id(engine), step), 0) != ticket:
+                if give_up():
+                    return False
+                self._cond.wait(0.1)
+            return True
+
+    def finish(self, engine: Engine, ticket: int, *steps: str) -> None:
+        with self._cond:
+            for step in steps:
+                key = (id(engine), step)
+                self._done[key] = max(self._done.get(key, 0), ticket + 1)
+            self._cond.notify_all()
 
 
 @dataclass
@@ -194,6 +228,7 @@ class Pipeline:
         self._sized_results = 0  # results of the current engine counted towards its sizing
         self._process_ns0 = 0
         self._take_lock = threading.Lock()  # frames are taken and numbered in capture order
+        self._turns = _Turns()
         self._number = 0
         self._pre_left = self._pre_max  # preprocessing threads still running; the last one ends inference
         self._pre_closing = threading.Event()
@@ -385,8 +420,9 @@ class Pipeline:
         except queue.Full:
             pass
 
-    def _take(self) -> tuple[int, list[Any]] | None:
-        """The next frame, or a batch of frames across sources, numbered in the order taken; None at the end."""
+    def _take(self) -> tuple[int, list[Any], Engine, int | None] | None:
+        """The next frame, or a batch of frames across sources, numbered in the order taken, with the engine
+        that serves it (and, a stateful one, its turn); None at the end."""
         with self._take_lock:
             first = self._next_frame(None)
             if first is _END:
@@ -404,7 +440,8 @@ class Pipeline:
                         break
                     batch.append(nxt)
             self._number += 1
-            return self._number, batch
+            engine = self._engine  # bound with the frame, under the lock: a swap falls between two frames
+            return self._number, batch, engine, (self._turns.issue(engine) if engine.max_workers == 1 else None)
 
     def _fuse_for(self, engine: Engine) -> bool:
         """Preprocess and run the model in one worker: on the CPU provider, unless pools were asked for
@@ -435,9 +472,8 @@ class Pipeline:
             if last:
                 self._hand_over(self._prepared_q, _END)
 
-    def _prepare(self, number: int, batch: list[Frame]) -> None:
+    def _prepare(self, number: int, batch: list[Frame], engine: Engine, turn: int | None = None) -> None:
         m = self.metrics
-        engine = self._engine
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         tensors, frames, geoms = [], [], []
         tally = self.tally(engine)
@@ -458,16 +494,25 @@ class Pipeline:
                     self._count_drop("refused_by_preprocessing")
                 log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
         if not frames:  # the number is spent: tell the publisher so it does not wait for it
+            if turn is not None:
+                self._turns.finish(engine, turn, "hand_over", "run")
             self._hand_over(self._results_q, Inferred(Prepared(number, [], np.empty(0), engine, [], t0, 0.0), None, 0.0))
             return
         tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
         t1 = time.perf_counter_ns()
         self._costs.add("preprocess", time.thread_time_ns() - c0, len(frames))
-        prepared = Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6)
-        if self._fused:  # this thread runs the model too: one hand-over less, no core waiting on another
+        prepared = Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6, turn)
+        if self._fuse_for(engine):  # this thread runs the model too: one hand-over less, no core waiting on another
             self._hand_over_result(self._run_model(prepared))
-        else:
+            return
+        if turn is not None and not self._turns.wait(engine, "hand_over", turn, self._has_failed):
+            self._count_drop("pipeline_failed", len(frames))
+            return
+        try:
             self._hand_over(self._prepared_q, prepared, len(frames))
+        finally:
+            if turn is not None:
+                self._turns.finish(engine, turn, "hand_over")
 
     def _infer(self, index: int = 0) -> None:
         try:
@@ -491,7 +536,21 @@ class Pipeline:
         """To the publisher; a failed inference was counted already."""
         self._hand_over(self._results_q, item, 0 if item.outputs is None else len(item.prepared.frames))
 
+    def _has_failed(self) -> bool:
+        return self.failed is not None
+
     def _run_model(self, p: Prepared) -> Inferred:
+        if p.turn is None:
+            return self._run_model_now(p)
+        if not self._turns.wait(p.engine, "run", p.turn, self._has_failed):
+            self._count_drop("pipeline_failed", len(p.frames))
+            return Inferred(p, None, 0.0)
+        try:
+            return self._run_model_now(p)
+        finally:
+            self._turns.finish(p.engine, p.turn, "run")
+
+    def _run_model_now(self, p: Prepared) -> Inferred:
         m = self.metrics
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
