@@ -163,3 +163,31 @@ def test_after_a_swap_to_a_stateful_engine_frames_run_one_at_a_time_in_order(tmp
         assert [r["frame_index"] for r in sink.results] == list(range(1, 61)) and p.failed is None
     finally:
         p.source.close()
+
+
+def test_configured_pool_sizes_do_not_hide_that_a_stateful_model_runs_one_thread(tmp_path: Path) -> None:
+    """The plan's thread counts are exported as gauges: with a stateful model one thread runs each stage,
+    whatever the configured sizes, and the plan must say so (its reason already did)."""
+    from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP
+
+    stateless = _engine()
+    fields = {f.name: getattr(stateless, f.name) for f in dataclasses.fields(stateless)}
+
+    class Stateful(Engine):
+        @property
+        def max_workers(self) -> int | None:
+            return 1
+
+    n = SIZING_WARMUP + SIZING_FRAMES + 4
+    sink = ListSink()
+    cfg = PipelineConfig(preprocess_workers=2, inference_workers=2, stage_layout="pools")
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", n), cfg, sink, Stateful(**fields))
+    p.start()
+    try:
+        assert p.done.wait(60) and p.join(timeout=15)
+        stages = p.status().metrics["stages"]
+        assert stages["costs"] is not None and "stateful" in stages["reason"]
+        assert (stages["preprocess_workers"], stages["inference_workers"]) == (1, 1), stages
+        assert len(sink.results) == n
+    finally:
+        p.source.close()

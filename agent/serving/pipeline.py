@@ -588,12 +588,15 @@ class Pipeline:
         process_ms = (time.process_time_ns() - self._process_ns0) / 1e6 / SIZING_FRAMES
         other = max(0.0, process_ms - capture * max(len(getattr(src, "feeds", ())), 1) - sum(own))
         costs = StageCosts(capture, *own, SIZING_FRAMES, other)
+        in_order = self._in_order_only()
         plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
-                           preprocess_max=self._pre_max, inference_max=self._workers, in_order=self._in_order_only(),
+                           preprocess_max=self._pre_max, inference_max=self._workers, in_order=in_order,
                            fused=self._fused)
-        if self._pre_fixed:
+        # configured sizes are kept, except that a stateful model's frames go one at a time (only the first
+        # thread of each pool serves them): the plan, exported as gauges, says what really runs
+        if self._pre_fixed and not in_order:
             plan = replace(plan, preprocess_workers=self._pre_fixed)
-        if self._inf_fixed and not self._fused:
+        if self._inf_fixed and not self._fused and not in_order:
             plan = replace(plan, inference_workers=self._inf_fixed)
         self.plan = plan
         self._pre_active, self._inf_active = plan.preprocess_workers, plan.inference_workers
