@@ -127,8 +127,13 @@ class _OrderedEngine(Engine):
     def max_workers(self) -> int | None:
         return 1
 
+    @property
+    def dynamic_batch(self) -> bool:
+        return False
+
     def run(self, tensor: np.ndarray, source: str = "", at: float | None = None, metadata: Any = None) -> Any:
-        log = self.__dict__.setdefault("_log", {"order": [], "running": 0, "overlaps": 0})
+        log = self.__dict__.setdefault("_log", {"order": [], "running": 0, "overlaps": 0, "batches": []})
+        log["batches"].append(tensor.shape[0])
         log["running"] += 1
         if log["running"] > 1:
             log["overlaps"] += 1
@@ -189,5 +194,31 @@ def test_configured_pool_sizes_do_not_hide_that_a_stateful_model_runs_one_thread
         assert stages["costs"] is not None and "stateful" in stages["reason"]
         assert (stages["preprocess_workers"], stages["inference_workers"]) == (1, 1), stages
         assert len(sink.results) == n
+    finally:
+        p.source.close()
+
+
+def test_a_batch_gathered_for_a_batching_engine_never_reaches_a_stateful_one_swapped_in_meanwhile(
+        tmp_path: Path) -> None:
+    stateless = _engine()
+    assert stateless.dynamic_batch
+    stateful = _OrderedEngine(**{f.name: getattr(stateless, f.name) for f in dataclasses.fields(stateless)})
+    sink = ListSink()
+    cfg = PipelineConfig(max_batch=8, batch_timeout_ms=200)
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", 40), cfg, sink, stateless)
+    read = p.source.read
+
+    def slow_read(stop: Any) -> Any:  # a take spends its batch time-out gathering frames
+        time.sleep(0.01)
+        return read(stop)
+
+    p.source.read = slow_read  # type: ignore[method-assign]
+    p.start()
+    try:
+        time.sleep(0.1)  # inside the first gathering
+        p.swap_engine(stateful)
+        assert p.done.wait(30) and p.join(timeout=15)
+        assert set(stateful.__dict__["_log"]["batches"]) == {1}, stateful.__dict__["_log"]["batches"]
+        assert [r["frame_index"] for r in sink.results] == list(range(1, 41)) and p.failed is None
     finally:
         p.source.close()

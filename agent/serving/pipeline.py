@@ -428,8 +428,9 @@ class Pipeline:
             if first is _END:
                 self._put_back_end()
                 return None
+            engine = self._engine  # bound with the frame, under the lock: a swap falls between two takes
             batch = [first]
-            if self._batch > 1 and self._engine.dynamic_batch:
+            if self._batch > 1 and engine.dynamic_batch:  # the engine that runs the batch decides
                 deadline = time.monotonic() + self.cfg.batch_timeout_ms / 1000
                 while len(batch) < self._batch:
                     nxt = self._next_frame(max(0.0, deadline - time.monotonic()))
@@ -440,7 +441,6 @@ class Pipeline:
                         break
                     batch.append(nxt)
             self._number += 1
-            engine = self._engine  # bound with the frame, under the lock: a swap falls between two frames
             return self._number, batch, engine, (self._turns.issue(engine) if engine.max_workers == 1 else None)
 
     def _fuse_for(self, engine: Engine) -> bool:
