@@ -222,3 +222,19 @@ def test_a_batch_gathered_for_a_batching_engine_never_reaches_a_stateful_one_swa
         assert [r["frame_index"] for r in sink.results] == list(range(1, 41)) and p.failed is None
     finally:
         p.source.close()
+
+
+def test_frames_lost_to_a_failed_stage_are_counted_as_pipeline_failed(tmp_path: Path) -> None:
+    video = _mjpeg(tmp_path / "cam.avi", 200)
+    engine = _engine()
+    broken = dataclasses.replace(engine, preprocessor=_BrokenPreprocessor(engine.preprocessor))
+    for sink, eng in ((_SlowSinkThatBreaks(20), engine), (ListSink(), broken)):
+        p = _pipeline(video, PipelineConfig(preprocess_workers=2), sink, eng)
+        p.start()
+        try:
+            assert p.join(timeout=30) and p.failed is not None
+            assert p.metrics.frames_in == len(sink.results) + sum(p.drops.values()), (p.metrics.frames_in,
+                                                                                       len(sink.results), p.drops)
+        finally:
+            p.stop()
+            p.source.close()

@@ -199,8 +199,10 @@ class Pipeline:
         self._close_requested = False
         self._source_closed = False
         self._engine = engine
+        self._drops_lock = threading.Lock()
+        self._captured_drops = 0  # drops of frames this pipeline captured (not a source's own stale frames)
         if hasattr(source, "on_drop"):  # many sources: a live source's stale frames are dropped before capture
-            source.on_drop = self._count_drop
+            source.on_drop = self._count_source_drop
         # many sources and a dynamic batch: up to one frame of each source per inference
         self._batch = cfg.max_batch
         if getattr(cfg, "batch_across_sources", True):
@@ -272,6 +274,7 @@ class Pipeline:
         log.info("pipeline.engine_swapped", old=old.describe(), new=engine.describe())
 
     def start(self) -> "Pipeline":
+        self._running = len(self._threads)
         for t in self._threads:
             t.start()
         return self
@@ -330,14 +333,39 @@ class Pipeline:
         return None
 
     # -- stages ----------------------------------------------------------------------------------------
-    def _count_drop(self, reason: str = "stale", n: int = 1) -> None:
-        """Frames captured and never published, by reason; `stale` is latest-frame-wins."""
-        self.drops[reason] = self.drops.get(reason, 0) + n
-        if reason == "stale":
-            self.metrics.dropped += n
+    def _count_drop(self, reason: str = "stale", n: int = 1, captured: bool = True) -> None:
+        """Frames captured and never published, by reason; `stale` is latest-frame-wins. Pool threads count
+        at once: under a lock."""
+        with self._drops_lock:
+            self.drops[reason] = self.drops.get(reason, 0) + n
+            if captured:
+                self._captured_drops += n
+            if reason == "stale":
+                self.metrics.dropped += n
+
+    def _count_source_drop(self, reason: str = "stale", n: int = 1) -> None:
+        """Many sources: frames a source dropped before the capture thread took them."""
+        self._count_drop(reason, n, captured=False)
+
+    def _count_lost_to_failure(self) -> None:
+        """Once every thread of a failed pipeline ended: the frames it captured and neither published nor
+        counted (in a queue, in the hands of the thread that died) were lost to the failure."""
+        lost = self.metrics.frames_in - self.metrics.frames_out - self._captured_drops
+        if lost > 0:
+            self._count_drop("pipeline_failed", lost)
 
     def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
         def run(*args: Any) -> None:
+            try:
+                guarded(*args)
+            finally:
+                with self._drops_lock:
+                    self._running -= 1
+                    last = self._running == 0
+                if last and self.failed is not None:
+                    self._count_lost_to_failure()
+
+        def guarded(*args: Any) -> None:
             try:
                 fn(*args)
             except BaseException as exc:  # a stage bug must not hang the others: end the stream downstream
