@@ -238,3 +238,41 @@ def test_frames_lost_to_a_failed_stage_are_counted_as_pipeline_failed(tmp_path: 
         finally:
             p.stop()
             p.source.close()
+
+
+def test_a_sink_whose_close_fails_still_ends_the_pipeline_as_done_and_failed(tmp_path: Path) -> None:
+    class CloseFails(ListSink):
+        def close(self) -> None:
+            raise OSError("cannot flush")
+
+    sink = CloseFails()
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", 10), PipelineConfig(), sink)
+    p.start()
+    try:
+        assert p.join(timeout=30)
+        assert len(sink.results) == 10 and p.failed is not None and "cannot flush" in p.failed
+        assert p.done.is_set() and not p.status().running
+    finally:
+        p.source.close()
+
+
+def test_a_failed_publisher_says_so_before_it_says_done(tmp_path: Path) -> None:
+    """The owner reads `failed`, then `done`: done with no failure is a finite source that ended (exit 0),
+    so a pipeline that died must never show done before failed."""
+    import threading
+
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", 30), PipelineConfig(), _SlowSinkThatBreaks(5))
+    seen: list[str | None] = []
+
+    class Witness(threading.Event):
+        def set(self) -> None:
+            seen.append(p.failed)
+            super().set()
+
+    p.done = Witness()
+    p.start()
+    try:
+        assert p.join(timeout=30) and p.failed is not None
+        assert seen and seen[0] is not None, "done was set while failed was still None"
+    finally:
+        p.source.close()

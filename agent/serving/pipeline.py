@@ -354,6 +354,12 @@ class Pipeline:
         if lost > 0:
             self._count_drop("pipeline_failed", lost)
 
+    def _record_failure(self, stage: str, exc: BaseException) -> None:
+        """The first failure is the one reported (what follows from it is not news)."""
+        with self._drops_lock:
+            if self.failed is None:
+                self.failed = f"{stage} stage died: {type(exc).__name__}: {exc}"
+
     def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
         def run(*args: Any) -> None:
             try:
@@ -369,7 +375,7 @@ class Pipeline:
             try:
                 fn(*args)
             except BaseException as exc:  # a stage bug must not hang the others: end the stream downstream
-                self.failed = f"{fn.__name__.lstrip('_')} stage died: {type(exc).__name__}: {exc}"
+                self._record_failure(fn.__name__.lstrip('_'), exc)
                 log.exception("pipeline.stage_crashed", stage=fn.__name__)
                 self.stop_event.set()
                 for q in (self._frames_q, self._prepared_q, self._results_q):
@@ -651,60 +657,74 @@ class Pipeline:
             yield pending[number]
 
     def _publish(self) -> None:
-        m = self.metrics
+        """Results in order to the sink. A failure is recorded before `done` is set: the owner takes done
+        without a failure for a source that ended."""
         try:
-            for item in self._in_order():
-                if item.outputs is None:
-                    continue
-                p: Prepared = item.prepared
-                eng = p.engine
-                n = len(p.frames)
-                tally = self.tally(eng)
-                for i, frame in enumerate(p.frames):
-                    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                    outs = split_batch(item.outputs, i)
-                    try:
-                        result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i],
-                                        self.max_result_bytes)
-                    except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
-                        m.result_errors += 1
-                        self._count_drop("result_too_large")
-                        log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
-                                  result_errors=m.result_errors)
-                        continue
-                    t1 = time.perf_counter_ns()
-                    self._seq += 1
-                    timings = {
-                        "queue_ms": round((p.dequeued_ns - frame.captured_ns) / 1e6, 3),
-                        "preprocess_ms": round(p.preprocess_ms / n, 3),
-                        "inference_ms": round(item.inference_ms, 3),
-                        "postprocess_ms": round((t1 - t0) / 1e6, 3),
-                        "total_ms": round((t1 - frame.captured_ns) / 1e6, 3),
-                    }
-                    for key in ("queue", "preprocess", "inference", "postprocess", "total"):
-                        m.observe(key, timings[f"{key}_ms"])
-                    self.sink.write({
-                        "boot": self.boot,
-                        "seq": self._seq,
-                        "captured_at": round(frame.captured_at, 6),
-                        "source": frame.source,
-                        **({"item": frame.item} if frame.item is not None else {}),
-                        "frame_index": frame.index,
-                        "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
-                        "variant": eng.candidate.variant,
-                        "provider": eng.candidate.provider,  # verified against the session's effective list
-                        "batch": n,
-                        "timings": timings,
-                        "result": result,
-                    })
-                    m.frames_out += 1
-                    tally.results += 1
-                    if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:
-                        tally.inference_ms.append(item.inference_ms)
-                    m.rate_out.mark()
-                    m.last_progress = time.monotonic()
-                    self._costs.add("publish", time.thread_time_ns() - c0)
-                    self._size_stages()
+            self._publish_results()
+        except BaseException as exc:
+            self._record_failure("publish", exc)
+            raise
         finally:
-            self.sink.close()
-            self.done.set()
+            try:
+                self.sink.close()
+            except BaseException as exc:
+                self._record_failure("publish", exc)
+                raise
+            finally:  # a sink that cannot close fails the pipeline; it still ended
+                self.done.set()
+
+    def _publish_results(self) -> None:
+        m = self.metrics
+        for item in self._in_order():
+            if item.outputs is None:
+                continue
+            p: Prepared = item.prepared
+            eng = p.engine
+            n = len(p.frames)
+            tally = self.tally(eng)
+            for i, frame in enumerate(p.frames):
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                outs = split_batch(item.outputs, i)
+                try:
+                    result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i],
+                                    self.max_result_bytes)
+                except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
+                    m.result_errors += 1
+                    self._count_drop("result_too_large")
+                    log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
+                              result_errors=m.result_errors)
+                    continue
+                t1 = time.perf_counter_ns()
+                self._seq += 1
+                timings = {
+                    "queue_ms": round((p.dequeued_ns - frame.captured_ns) / 1e6, 3),
+                    "preprocess_ms": round(p.preprocess_ms / n, 3),
+                    "inference_ms": round(item.inference_ms, 3),
+                    "postprocess_ms": round((t1 - t0) / 1e6, 3),
+                    "total_ms": round((t1 - frame.captured_ns) / 1e6, 3),
+                }
+                for key in ("queue", "preprocess", "inference", "postprocess", "total"):
+                    m.observe(key, timings[f"{key}_ms"])
+                self.sink.write({
+                    "boot": self.boot,
+                    "seq": self._seq,
+                    "captured_at": round(frame.captured_at, 6),
+                    "source": frame.source,
+                    **({"item": frame.item} if frame.item is not None else {}),
+                    "frame_index": frame.index,
+                    "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
+                    "variant": eng.candidate.variant,
+                    "provider": eng.candidate.provider,  # verified against the session's effective list
+                    "batch": n,
+                    "timings": timings,
+                    "result": result,
+                })
+                m.frames_out += 1
+                tally.results += 1
+                if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:
+                    tally.inference_ms.append(item.inference_ms)
+                m.rate_out.mark()
+                m.last_progress = time.monotonic()
+                self._costs.add("publish", time.thread_time_ns() - c0)
+                self._size_stages()
+
