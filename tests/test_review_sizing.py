@@ -276,3 +276,56 @@ def test_a_failed_publisher_says_so_before_it_says_done(tmp_path: Path) -> None:
         assert seen and seen[0] is not None, "done was set while failed was still None"
     finally:
         p.source.close()
+
+
+def _burn(ms: float) -> None:
+    end = time.thread_time_ns() + ms * 1e6
+    while time.thread_time_ns() < end:
+        pass
+
+
+class _DecoderWithHelperThreads:
+    """A source that, like FFmpeg decoding H.264, spends CPU in its read thread and as much again in
+    helper threads that the read thread's own CPU clock does not see."""
+
+    def __init__(self, inner: Any, ms: float) -> None:
+        self._inner, self._ms = inner, ms
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def read(self, stop: Any) -> Any:
+        import threading
+
+        helper = threading.Thread(target=_burn, args=(self._ms,))
+        helper.start()
+        _burn(self._ms)
+        helper.join()
+        return self._inner.read(stop)
+
+
+def test_cpu_of_helper_threads_is_seen_with_many_sources(tmp_path: Path) -> None:
+    """Each frame is captured once, by one source's thread: the stages' own CPU per frame counts capture
+    once, not once per source (4 sources hid the helper threads' 4 ms per frame entirely)."""
+    from agent.serving.multisource import MultiSource
+    from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP
+
+    engine = _engine()
+    per = (SIZING_WARMUP + SIZING_FRAMES) // 4 + 4
+    sources = []
+    for k in range(4):
+        scfg = SourceConfig(type="video", path=_mjpeg(tmp_path / f"cam{k}.avi", per), name=f"cam{k}")
+        src = open_source(scfg, engine.bundle.manifest.frame, engine.bundle.manifest.preprocess.resize)
+        sources.append((scfg, _DecoderWithHelperThreads(src, 4.0)))
+    multi = MultiSource(sources)
+    sink = ListSink()
+    p = Pipeline(multi, engine, sink, PipelineConfig(), True)
+    p.start()
+    try:
+        assert p.done.wait(60) and p.join(timeout=15)
+        assert len(sink.results) == 4 * per
+        costs = p.status().metrics["stages"]["costs"]
+        assert costs["capture_ms"] >= 3.5
+        assert costs["other_ms"] >= 2.0, costs  # the helper threads' 4 ms per frame, less noise
+    finally:
+        multi.close()

@@ -620,7 +620,8 @@ class Pipeline:
         capture = src.capture_cpu_ms() if hasattr(src, "capture_cpu_ms") else self._costs.per_frame_ms("capture")
         own = [self._costs.per_frame_ms(s) for s in ("preprocess", "inference", "publish")]
         process_ms = (time.process_time_ns() - self._process_ns0) / 1e6 / SIZING_FRAMES
-        other = max(0.0, process_ms - capture * max(len(getattr(src, "feeds", ())), 1) - sum(own))
+        # each frame was captured once, by one source's thread: its capture counts once, however many sources
+        other = max(0.0, process_ms - capture - sum(own))
         costs = StageCosts(capture, *own, SIZING_FRAMES, other)
         in_order = self._in_order_only()
         plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
