@@ -329,3 +329,15 @@ def test_cpu_of_helper_threads_is_seen_with_many_sources(tmp_path: Path) -> None
         assert costs["other_ms"] >= 2.0, costs  # the helper threads' 4 ms per frame, less noise
     finally:
         multi.close()
+
+
+def test_inference_workers_with_the_fused_layout_is_refused_naming_both_keys(tmp_path: Path) -> None:
+    from agent.config import load_config
+    from agent.errors import ConfigError
+
+    path = tmp_path / "agent.yaml"
+    path.write_text("pipeline:\n  stage_layout: fused\n  inference_workers: 3\n")
+    with pytest.raises(ConfigError, match=r"pipeline\.inference_workers: 3 has no effect with pipeline\.stage_layout: fused"):
+        load_config(path)
+    path.write_text("pipeline:\n  stage_layout: fused\n  preprocess_workers: 3\n")
+    assert load_config(path).pipeline.preprocess_workers == 3
