@@ -341,3 +341,43 @@ def test_inference_workers_with_the_fused_layout_is_refused_naming_both_keys(tmp
         load_config(path)
     path.write_text("pipeline:\n  stage_layout: fused\n  preprocess_workers: 3\n")
     assert load_config(path).pipeline.preprocess_workers == 3
+
+
+class _ColdStartEngine(Engine):
+    """Its first runs are slow (a session's first runs allocate and tune): what the warm-up skips."""
+
+    def run(self, tensor: np.ndarray, source: str = "", at: float | None = None, metadata: Any = None) -> Any:
+        runs = self.__dict__.setdefault("_runs", [0])
+        runs[0] += 1
+        if runs[0] <= 8:
+            _burn(100.0)
+        return super().run(tensor, source, at, metadata)
+
+
+def test_a_new_engine_is_sized_on_its_own_warm_results_not_the_old_engines_in_flight(tmp_path: Path) -> None:
+    from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP
+
+    old = _engine()
+    new = _ColdStartEngine(**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)})
+
+    class SlowSink(ListSink):
+        def write(self, result: dict[str, Any]) -> None:
+            time.sleep(0.002)  # the results queue stays full of the old engine's results
+            super().write(result)
+
+    sink = SlowSink()
+    n = 300
+    p = _pipeline(_mjpeg(tmp_path / "cam.avi", n), PipelineConfig(), sink, old)
+    p.start()
+    try:
+        while len(sink.results) < 20:
+            time.sleep(0.005)
+        p.swap_engine(new)
+        assert p.done.wait(60) and p.join(timeout=15)
+        assert sum(r["provider"] == "CPUExecutionProvider" for r in sink.results) == n
+        assert new.__dict__["_runs"][0] >= SIZING_WARMUP + SIZING_FRAMES
+        costs = p.status().metrics["stages"]["costs"]
+        # warm runs of the demo classifier cost about 2 ms; its 8 cold ones 100 ms each (17 ms a frame over 48)
+        assert costs["inference_ms"] < 8, costs
+    finally:
+        p.source.close()

@@ -727,5 +727,6 @@ class Pipeline:
                 m.rate_out.mark()
                 m.last_progress = time.monotonic()
                 self._costs.add("publish", time.thread_time_ns() - c0)
-                self._size_stages()
+                if eng is self._engine:  # after a swap, the old engine's results still in flight are not the new one's
+                    self._size_stages()
 
