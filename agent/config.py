@@ -404,6 +404,10 @@ def check_ranges(cfg: Config, where: str) -> None:
         raise ConfigError(f"{where}: key mqtt.max_packet_bytes: {cfg.mqtt.max_packet_bytes} cannot carry a chunk of "
                           f"updates.max_chunk_bytes {cfg.updates.max_chunk_bytes} (or a command of "
                           f"mqtt.max_payload_bytes) plus 1024 bytes of headers")
+    if cfg.pipeline.stage_layout == "fused" and cfg.pipeline.inference_workers:
+        raise ConfigError(f"{where}: key pipeline.inference_workers: {cfg.pipeline.inference_workers} has no effect "
+                          f"with pipeline.stage_layout: fused (each worker runs the model: size them with "
+                          f"pipeline.preprocess_workers, or use stage_layout: pools)")
     if cfg.selection.prefer_margin < 0:
         raise ConfigError(f"{where}: key selection.prefer_margin: expected >= 0, found {cfg.selection.prefer_margin!r}")
 

@@ -83,6 +83,40 @@ class Prepared:
     geometry: list[Any]
     dequeued_ns: int
     preprocess_ms: float
+    turn: int | None = None  # a stateful engine's frames: their place in its order (see _Turns)
+
+
+class _Turns:
+    """A stateful engine's frames in the order they were taken, whichever threads carry them: a ticket is
+    issued as a frame is taken, and each step (the hand-over to inference, the run) waits for its ticket.
+    Checking the engine before taking a frame is not enough: a worker may wait inside the take across an
+    engine swap and come out holding a frame for a stateful engine while another worker takes the next."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued: dict[int, int] = {}
+        self._done: dict[tuple[int, str], int] = {}
+
+    def issue(self, engine: Engine) -> int:
+        with self._cond:
+            n = self._issued.get(id(engine), 0)
+            self._issued[id(engine)] = n + 1
+            return n
+
+    def wait(self, engine: Engine, step: str, ticket: int, give_up: Callable[[], bool]) -> bool:
+        with self._cond:
+            while self._done.get((id(engine), step), 0) != ticket:
+                if give_up():
+                    return False
+                self._cond.wait(0.1)
+            return True
+
+    def finish(self, engine: Engine, ticket: int, *steps: str) -> None:
+        with self._cond:
+            for step in steps:
+                key = (id(engine), step)
+                self._done[key] = max(self._done.get(key, 0), ticket + 1)
+            self._cond.notify_all()
 
 
 @dataclass
@@ -165,8 +199,10 @@ class Pipeline:
         self._close_requested = False
         self._source_closed = False
         self._engine = engine
+        self._drops_lock = threading.Lock()
+        self._captured_drops = 0  # drops of frames this pipeline captured (not a source's own stale frames)
         if hasattr(source, "on_drop"):  # many sources: a live source's stale frames are dropped before capture
-            source.on_drop = self._count_drop
+            source.on_drop = self._count_source_drop
         # many sources and a dynamic batch: up to one frame of each source per inference
         self._batch = cfg.max_batch
         if getattr(cfg, "batch_across_sources", True):
@@ -194,6 +230,7 @@ class Pipeline:
         self._sized_results = 0  # results of the current engine counted towards its sizing
         self._process_ns0 = 0
         self._take_lock = threading.Lock()  # frames are taken and numbered in capture order
+        self._turns = _Turns()
         self._number = 0
         self._pre_left = self._pre_max  # preprocessing threads still running; the last one ends inference
         self._pre_closing = threading.Event()
@@ -207,6 +244,9 @@ class Pipeline:
               for i in range(self._workers)),
             threading.Thread(target=self._guard(self._publish), name="publish", daemon=True),
         ]
+        pre, inf = self._threads[1:1 + self._pre_max], self._threads[1 + self._pre_max:-1]
+        # who takes from each queue: a hand-over gives up only when the pipeline failed and none of them lives
+        self._takers = {id(self._frames_q): pre, id(self._prepared_q): inf, id(self._results_q): self._threads[-1:]}
 
     # -- control ---------------------------------------------------------------------------------------
     @property
@@ -234,6 +274,7 @@ class Pipeline:
         log.info("pipeline.engine_swapped", old=old.describe(), new=engine.describe())
 
     def start(self) -> "Pipeline":
+        self._running = len(self._threads)
         for t in self._threads:
             t.start()
         return self
@@ -292,18 +333,49 @@ class Pipeline:
         return None
 
     # -- stages ----------------------------------------------------------------------------------------
-    def _count_drop(self, reason: str = "stale", n: int = 1) -> None:
-        """Frames captured and never published, by reason; `stale` is latest-frame-wins."""
-        self.drops[reason] = self.drops.get(reason, 0) + n
-        if reason == "stale":
-            self.metrics.dropped += n
+    def _count_drop(self, reason: str = "stale", n: int = 1, captured: bool = True) -> None:
+        """Frames captured and never published, by reason; `stale` is latest-frame-wins. Pool threads count
+        at once: under a lock."""
+        with self._drops_lock:
+            self.drops[reason] = self.drops.get(reason, 0) + n
+            if captured:
+                self._captured_drops += n
+            if reason == "stale":
+                self.metrics.dropped += n
+
+    def _count_source_drop(self, reason: str = "stale", n: int = 1) -> None:
+        """Many sources: frames a source dropped before the capture thread took them."""
+        self._count_drop(reason, n, captured=False)
+
+    def _count_lost_to_failure(self) -> None:
+        """Once every thread of a failed pipeline ended: the frames it captured and neither published nor
+        counted (in a queue, in the hands of the thread that died) were lost to the failure."""
+        lost = self.metrics.frames_in - self.metrics.frames_out - self._captured_drops
+        if lost > 0:
+            self._count_drop("pipeline_failed", lost)
+
+    def _record_failure(self, stage: str, exc: BaseException) -> None:
+        """The first failure is the one reported (what follows from it is not news)."""
+        with self._drops_lock:
+            if self.failed is None:
+                self.failed = f"{stage} stage died: {type(exc).__name__}: {exc}"
 
     def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
         def run(*args: Any) -> None:
             try:
+                guarded(*args)
+            finally:
+                with self._drops_lock:
+                    self._running -= 1
+                    last = self._running == 0
+                if last and self.failed is not None:
+                    self._count_lost_to_failure()
+
+        def guarded(*args: Any) -> None:
+            try:
                 fn(*args)
             except BaseException as exc:  # a stage bug must not hang the others: end the stream downstream
-                self.failed = f"{fn.__name__.lstrip('_')} stage died: {type(exc).__name__}: {exc}"
+                self._record_failure(fn.__name__.lstrip('_'), exc)
                 log.exception("pipeline.stage_crashed", stage=fn.__name__)
                 self.stop_event.set()
                 for q in (self._frames_q, self._prepared_q, self._results_q):
@@ -312,6 +384,20 @@ class Pipeline:
                     except queue.Full:
                         pass
         return run
+
+    def _hand_over(self, q: queue.Queue, item: Any, frames: int = 0) -> bool:
+        """Put into a bounded queue, waiting while anything may still take from it. Once the pipeline failed
+        and every thread that takes from `q` is gone, nothing ever will: the item is given up (its `frames`
+        counted) instead of blocking this thread for ever."""
+        while True:
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                if self.failed is not None and not any(t.is_alive() for t in self._takers[id(q)]):
+                    if frames:
+                        self._count_drop("pipeline_failed", frames)
+                    return False
 
     def _capture(self) -> None:
         src, m = self.source, self.metrics
@@ -349,7 +435,10 @@ class Pipeline:
             if limit and m.frames_in >= limit:
                 break
         self._close_source_if_requested()
-        self._frames_q.put(_END)
+        if isinstance(self._frames_q, LatestSlot):
+            self._frames_q.put(_END)
+        else:
+            self._hand_over(self._frames_q, _END)
 
     def _next_frame(self, timeout: float | None) -> Any:
         try:
@@ -357,26 +446,36 @@ class Pipeline:
         except queue.Empty:
             return None
 
-    def _take(self) -> tuple[int, list[Any]] | None:
-        """The next frame, or a batch of frames across sources, numbered in the order taken; None at the end."""
+    def _put_back_end(self) -> None:
+        """Every preprocessing thread must see the end. Under the take lock: a blocking put here would hold
+        the others off the queue; if it is full, what fills it is another end marker (a crashed stage's)."""
+        try:
+            self._frames_q.put(_END) if isinstance(self._frames_q, LatestSlot) else self._frames_q.put_nowait(_END)
+        except queue.Full:
+            pass
+
+    def _take(self) -> tuple[int, list[Any], Engine, int | None] | None:
+        """The next frame, or a batch of frames across sources, numbered in the order taken, with the engine
+        that serves it (and, a stateful one, its turn); None at the end."""
         with self._take_lock:
             first = self._next_frame(None)
             if first is _END:
-                self._frames_q.put(_END)  # every preprocessing thread must see the end
+                self._put_back_end()
                 return None
+            engine = self._engine  # bound with the frame, under the lock: a swap falls between two takes
             batch = [first]
-            if self._batch > 1 and self._engine.dynamic_batch:
+            if self._batch > 1 and engine.dynamic_batch:  # the engine that runs the batch decides
                 deadline = time.monotonic() + self.cfg.batch_timeout_ms / 1000
                 while len(batch) < self._batch:
                     nxt = self._next_frame(max(0.0, deadline - time.monotonic()))
                     if nxt is None:
                         break
                     if nxt is _END:
-                        self._frames_q.put(_END)  # taken again on the next call
+                        self._put_back_end()  # taken again on the next call
                         break
                     batch.append(nxt)
             self._number += 1
-            return self._number, batch
+            return self._number, batch, engine, (self._turns.issue(engine) if engine.max_workers == 1 else None)
 
     def _fuse_for(self, engine: Engine) -> bool:
         """Preprocess and run the model in one worker: on the CPU provider, unless pools were asked for
@@ -405,11 +504,10 @@ class Pipeline:
                 self._pre_left -= 1
                 last = self._pre_left == 0
             if last:
-                self._prepared_q.put(_END)
+                self._hand_over(self._prepared_q, _END)
 
-    def _prepare(self, number: int, batch: list[Frame]) -> None:
+    def _prepare(self, number: int, batch: list[Frame], engine: Engine, turn: int | None = None) -> None:
         m = self.metrics
-        engine = self._engine
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         tensors, frames, geoms = [], [], []
         tally = self.tally(engine)
@@ -430,16 +528,25 @@ class Pipeline:
                     self._count_drop("refused_by_preprocessing")
                 log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
         if not frames:  # the number is spent: tell the publisher so it does not wait for it
-            self._results_q.put(Inferred(Prepared(number, [], np.empty(0), engine, [], t0, 0.0), None, 0.0))
+            if turn is not None:
+                self._turns.finish(engine, turn, "hand_over", "run")
+            self._hand_over(self._results_q, Inferred(Prepared(number, [], np.empty(0), engine, [], t0, 0.0), None, 0.0))
             return
         tensor = tensors[0] if len(tensors) == 1 else np.concatenate(tensors)
         t1 = time.perf_counter_ns()
         self._costs.add("preprocess", time.thread_time_ns() - c0, len(frames))
-        prepared = Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6)
-        if self._fused:  # this thread runs the model too: one hand-over less, no core waiting on another
-            self._results_q.put(self._run_model(prepared))
-        else:
-            self._prepared_q.put(prepared)
+        prepared = Prepared(number, frames, tensor, engine, geoms, t0, (t1 - t0) / 1e6, turn)
+        if self._fuse_for(engine):  # this thread runs the model too: one hand-over less, no core waiting on another
+            self._hand_over_result(self._run_model(prepared))
+            return
+        if turn is not None and not self._turns.wait(engine, "hand_over", turn, self._has_failed):
+            self._count_drop("pipeline_failed", len(frames))
+            return
+        try:
+            self._hand_over(self._prepared_q, prepared, len(frames))
+        finally:
+            if turn is not None:
+                self._turns.finish(engine, turn, "hand_over")
 
     def _infer(self, index: int = 0) -> None:
         try:
@@ -452,14 +559,32 @@ class Pipeline:
                 except queue.Empty:
                     continue
                 if p is _END:
-                    self._prepared_q.put(_END)  # the other workers need to see it too
+                    self._hand_over(self._prepared_q, _END)  # the other workers need to see it too
                     self._inf_closing.set()
                     break
-                self._results_q.put(self._run_model(p))
+                self._hand_over_result(self._run_model(p))
         finally:
-            self._results_q.put(_WORKER_DONE)
+            self._hand_over(self._results_q, _WORKER_DONE)
+
+    def _hand_over_result(self, item: Inferred) -> None:
+        """To the publisher; a failed inference was counted already."""
+        self._hand_over(self._results_q, item, 0 if item.outputs is None else len(item.prepared.frames))
+
+    def _has_failed(self) -> bool:
+        return self.failed is not None
 
     def _run_model(self, p: Prepared) -> Inferred:
+        if p.turn is None:
+            return self._run_model_now(p)
+        if not self._turns.wait(p.engine, "run", p.turn, self._has_failed):
+            self._count_drop("pipeline_failed", len(p.frames))
+            return Inferred(p, None, 0.0)
+        try:
+            return self._run_model_now(p)
+        finally:
+            self._turns.finish(p.engine, p.turn, "run")
+
+    def _run_model_now(self, p: Prepared) -> Inferred:
         m = self.metrics
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
@@ -495,14 +620,18 @@ class Pipeline:
         capture = src.capture_cpu_ms() if hasattr(src, "capture_cpu_ms") else self._costs.per_frame_ms("capture")
         own = [self._costs.per_frame_ms(s) for s in ("preprocess", "inference", "publish")]
         process_ms = (time.process_time_ns() - self._process_ns0) / 1e6 / SIZING_FRAMES
-        other = max(0.0, process_ms - capture * max(len(getattr(src, "feeds", ())), 1) - sum(own))
+        # each frame was captured once, by one source's thread: its capture counts once, however many sources
+        other = max(0.0, process_ms - capture - sum(own))
         costs = StageCosts(capture, *own, SIZING_FRAMES, other)
+        in_order = self._in_order_only()
         plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
-                           preprocess_max=self._pre_max, inference_max=self._workers, in_order=self._in_order_only(),
+                           preprocess_max=self._pre_max, inference_max=self._workers, in_order=in_order,
                            fused=self._fused)
-        if self._pre_fixed:
+        # configured sizes are kept, except that a stateful model's frames go one at a time (only the first
+        # thread of each pool serves them): the plan, exported as gauges, says what really runs
+        if self._pre_fixed and not in_order:
             plan = replace(plan, preprocess_workers=self._pre_fixed)
-        if self._inf_fixed and not self._fused:
+        if self._inf_fixed and not self._fused and not in_order:
             plan = replace(plan, inference_workers=self._inf_fixed)
         self.plan = plan
         self._pre_active, self._inf_active = plan.preprocess_workers, plan.inference_workers
@@ -529,59 +658,75 @@ class Pipeline:
             yield pending[number]
 
     def _publish(self) -> None:
-        m = self.metrics
+        """Results in order to the sink. A failure is recorded before `done` is set: the owner takes done
+        without a failure for a source that ended."""
         try:
-            for item in self._in_order():
-                if item.outputs is None:
-                    continue
-                p: Prepared = item.prepared
-                eng = p.engine
-                n = len(p.frames)
-                tally = self.tally(eng)
-                for i, frame in enumerate(p.frames):
-                    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                    outs = split_batch(item.outputs, i)
-                    try:
-                        result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i],
-                                        self.max_result_bytes)
-                    except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
-                        m.result_errors += 1
-                        log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
-                                  result_errors=m.result_errors)
-                        continue
-                    t1 = time.perf_counter_ns()
-                    self._seq += 1
-                    timings = {
-                        "queue_ms": round((p.dequeued_ns - frame.captured_ns) / 1e6, 3),
-                        "preprocess_ms": round(p.preprocess_ms / n, 3),
-                        "inference_ms": round(item.inference_ms, 3),
-                        "postprocess_ms": round((t1 - t0) / 1e6, 3),
-                        "total_ms": round((t1 - frame.captured_ns) / 1e6, 3),
-                    }
-                    for key in ("queue", "preprocess", "inference", "postprocess", "total"):
-                        m.observe(key, timings[f"{key}_ms"])
-                    self.sink.write({
-                        "boot": self.boot,
-                        "seq": self._seq,
-                        "captured_at": round(frame.captured_at, 6),
-                        "source": frame.source,
-                        **({"item": frame.item} if frame.item is not None else {}),
-                        "frame_index": frame.index,
-                        "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
-                        "variant": eng.candidate.variant,
-                        "provider": eng.candidate.provider,  # verified against the session's effective list
-                        "batch": n,
-                        "timings": timings,
-                        "result": result,
-                    })
-                    m.frames_out += 1
-                    tally.results += 1
-                    if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:
-                        tally.inference_ms.append(item.inference_ms)
-                    m.rate_out.mark()
-                    m.last_progress = time.monotonic()
-                    self._costs.add("publish", time.thread_time_ns() - c0)
-                    self._size_stages()
+            self._publish_results()
+        except BaseException as exc:
+            self._record_failure("publish", exc)
+            raise
         finally:
-            self.sink.close()
-            self.done.set()
+            try:
+                self.sink.close()
+            except BaseException as exc:
+                self._record_failure("publish", exc)
+                raise
+            finally:  # a sink that cannot close fails the pipeline; it still ended
+                self.done.set()
+
+    def _publish_results(self) -> None:
+        m = self.metrics
+        for item in self._in_order():
+            if item.outputs is None:
+                continue
+            p: Prepared = item.prepared
+            eng = p.engine
+            n = len(p.frames)
+            tally = self.tally(eng)
+            for i, frame in enumerate(p.frames):
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                outs = split_batch(item.outputs, i)
+                try:
+                    result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i],
+                                    self.max_result_bytes)
+                except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
+                    m.result_errors += 1
+                    self._count_drop("result_too_large")
+                    log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
+                              result_errors=m.result_errors)
+                    continue
+                t1 = time.perf_counter_ns()
+                self._seq += 1
+                timings = {
+                    "queue_ms": round((p.dequeued_ns - frame.captured_ns) / 1e6, 3),
+                    "preprocess_ms": round(p.preprocess_ms / n, 3),
+                    "inference_ms": round(item.inference_ms, 3),
+                    "postprocess_ms": round((t1 - t0) / 1e6, 3),
+                    "total_ms": round((t1 - frame.captured_ns) / 1e6, 3),
+                }
+                for key in ("queue", "preprocess", "inference", "postprocess", "total"):
+                    m.observe(key, timings[f"{key}_ms"])
+                self.sink.write({
+                    "boot": self.boot,
+                    "seq": self._seq,
+                    "captured_at": round(frame.captured_at, 6),
+                    "source": frame.source,
+                    **({"item": frame.item} if frame.item is not None else {}),
+                    "frame_index": frame.index,
+                    "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
+                    "variant": eng.candidate.variant,
+                    "provider": eng.candidate.provider,  # verified against the session's effective list
+                    "batch": n,
+                    "timings": timings,
+                    "result": result,
+                })
+                m.frames_out += 1
+                tally.results += 1
+                if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:
+                    tally.inference_ms.append(item.inference_ms)
+                m.rate_out.mark()
+                m.last_progress = time.monotonic()
+                self._costs.add("publish", time.thread_time_ns() - c0)
+                if eng is self._engine:  # after a swap, the old engine's results still in flight are not the new one's
+                    self._size_stages()
+
