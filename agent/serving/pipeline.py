@@ -511,7 +511,8 @@ class Pipeline:
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         tensors, frames, geoms = [], [], []
         tally = self.tally(engine)
-        tally.frames += len(batch)
+        with self._tally_lock:  # several pool threads count at once
+            tally.frames += len(batch)
         for f in batch:
             try:
                 data = f.data  # a deferred decode or colour conversion happens here, once
@@ -520,12 +521,11 @@ class Pipeline:
                 geoms.append(scaled_geometry(engine.preprocessor.geometry(data), f.scale))
                 frames.append(f)
             except PreprocessError as exc:
-                m.bad_frames += 1
-                if isinstance(exc, UndecodableFrame):
-                    self._count_drop("bad_frame")
-                else:
-                    tally.refused += 1
-                    self._count_drop("refused_by_preprocessing")
+                with self._tally_lock:
+                    m.bad_frames += 1
+                    if not isinstance(exc, UndecodableFrame):
+                        tally.refused += 1
+                self._count_drop("bad_frame" if isinstance(exc, UndecodableFrame) else "refused_by_preprocessing")
                 log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
         if not frames:  # the number is spent: tell the publisher so it does not wait for it
             if turn is not None:
@@ -593,12 +593,13 @@ class Pipeline:
             if bad:  # NaN/inf answers are wrong answers: counted, never published
                 raise NonFiniteOutput(f"non-finite values in outputs {bad}")
         except Exception as exc:  # a runtime failure on one input is counted, not fatal
-            m.inference_errors += 1
             tally = self.tally(p.engine)
-            if isinstance(exc, NonFiniteOutput):
-                tally.non_finite += 1
-            else:
-                tally.inference_errors += 1
+            with self._tally_lock:  # several workers count at once
+                m.inference_errors += 1
+                if isinstance(exc, NonFiniteOutput):
+                    tally.non_finite += 1
+                else:
+                    tally.inference_errors += 1
             self._count_drop("non_finite_output" if isinstance(exc, NonFiniteOutput) else "inference_error",
                              len(p.frames))
             log.error("inference.error", error=f"{type(exc).__name__}: {exc}", errors=m.inference_errors)
