@@ -107,6 +107,15 @@ def _agent(tmp: Path, kit: dict, port: int, **updates) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+PUSH_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _push_v2(seam_kit: dict, port: int) -> list[str]:
+    """`edge-agent push` of the kit's v2 bundle to the test device (prints each status, then exits)."""
+    return [sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle", str(seam_kit["v2"]),
+            "--broker", f"127.0.0.1:{port}", "--timeout", "90"]
+
+
 def _statuses(col: Collector) -> list[dict]:
     return [json.loads(m.payload) for m in col.on(PREFIX + "update/status")]
 
@@ -121,10 +130,8 @@ def test_sigterm_during_probation_does_not_commit_a_bundle_probation_never_watch
     pusher = None
     try:
         assert col.wait(lambda: col.on(PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-3000:]
-        pusher = subprocess.Popen([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
-                                   str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
-                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        pusher = subprocess.Popen(_push_v2(seam_kit, broker.port), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=PUSH_ENV)
         assert col.wait(lambda: any(s["state"] == "probation" for s in _statuses(col)), 90), \
             (tmp_path / "agent.log").read_text()[-3000:]
         end_process(agent)
@@ -156,9 +163,8 @@ def test_update_while_paused_is_refused_as_paused_not_blamed_on_the_bundle(tmp_p
         assert col.wait(lambda: col.on(PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-3000:]
         publish.single(PREFIX + "cmd/pause", b"{}", qos=1, hostname="127.0.0.1", port=broker.port)
         assert col.wait(lambda: col.on(PREFIX + "cmd/pause/reply"), 30)
-        out = subprocess.run([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
-                              str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out = subprocess.run(_push_v2(seam_kit, broker.port), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=PUSH_ENV)
         final = json.loads(out.stdout.strip().splitlines()[-1])
         assert final["state"] != "committed", final
         assert "paused" in final["reason"] and "zero results" not in final["reason"], final
@@ -192,9 +198,8 @@ def test_a_key_removed_from_trusted_keys_by_reload_no_longer_verifies_updates(tm
         n = len(col.on(PREFIX + "health"))
         assert col.wait(lambda: len(col.on(PREFIX + "health")) > n + 2
                         and json.loads(col.on(PREFIX + "health")[-1].payload)["serving"], 60)
-        out = subprocess.run([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
-                              str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out = subprocess.run(_push_v2(seam_kit, broker.port), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=PUSH_ENV)
         final = json.loads(out.stdout.strip().splitlines()[-1])
         assert final["state"] == "rejected", final
         assert "-v1-" in os.readlink(tmp_path / "state" / "store" / "committed")
@@ -225,10 +230,8 @@ def test_pause_during_probation_is_busy_not_a_rollback_of_a_good_bundle(tmp_path
     pusher = None
     try:
         assert col.wait(lambda: col.on(PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-3000:]
-        pusher = subprocess.Popen([sys.executable, "-m", "agent", "push", "--device", DEVICE, "--bundle",
-                                   str(seam_kit["v2"]), "--broker", f"127.0.0.1:{broker.port}", "--timeout", "90"],
-                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        pusher = subprocess.Popen(_push_v2(seam_kit, broker.port), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=PUSH_ENV)
         assert col.wait(lambda: any(s["state"] == "probation" for s in _statuses(col)), 90)
         publish.single(PREFIX + "cmd/pause", b"{}", qos=1, hostname="127.0.0.1", port=broker.port)
         assert col.wait(lambda: col.on(PREFIX + "cmd/pause/reply"), 30)
