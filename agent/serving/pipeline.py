@@ -187,6 +187,9 @@ class PipelineStatus:
 
 
 class Pipeline:
+    plan: StagePlan  # how the pools are sized now (health, /metrics)
+    _fused: bool     # preprocessing and inference in one worker (the CPU provider)
+
     def __init__(self, source: FrameSource, engine: Engine, sink: Sink, cfg: PipelineConfig, lossless: bool,
                  boot: int = 0, first_seq: int = 1):
         self.source, self.sink, self.cfg, self.lossless = source, sink, cfg, lossless
@@ -218,14 +221,12 @@ class Pipeline:
         self._results_q: queue.Queue = queue.Queue(maxsize=max(cfg.queue_size * 4, 8))
         self.cores = len(os.sched_getaffinity(0))
         # Pools: a configured size is fixed; 0 means up to the cores (inference at most 4), sized at start.
-        self._pre_fixed = getattr(cfg, "preprocess_workers", 0)
+        self._pre_fixed = cfg.preprocess_workers
         self._inf_fixed = cfg.inference_workers
         self._pre_max = self._pre_fixed or min(self.cores, 4)
         self._workers = self._inf_fixed or min(self.cores, 4)
-        self._layout = getattr(cfg, "stage_layout", "auto")
-        self._fused = self._fuse_for(engine)
-        self.plan: StagePlan = initial_plan(self.cores, self._pre_max, self._workers, self._fused)
-        self._pre_active, self._inf_active = self.plan.preprocess_workers, self.plan.inference_workers
+        self._layout = cfg.stage_layout
+        self._start_layout(engine)
         self._costs = _CostMeter()
         self._sized_results = 0  # results of the current engine counted towards its sizing
         self._process_ns0 = 0
@@ -268,9 +269,7 @@ class Pipeline:
         old, self._engine = self._engine, engine
         self._sized_results = 0  # a new model costs what it costs: measured and sized again
         if self._fuse_for(engine) != self._fused:  # another provider: the other layout, all threads until sized
-            self._fused = self._fuse_for(engine)
-            self.plan = initial_plan(self.cores, self._pre_max, self._workers, self._fused)
-            self._pre_active, self._inf_active = self.plan.preprocess_workers, self.plan.inference_workers
+            self._start_layout(engine)
         log.info("pipeline.engine_swapped", old=old.describe(), new=engine.describe())
 
     def start(self) -> "Pipeline":
@@ -476,6 +475,12 @@ class Pipeline:
                     batch.append(nxt)
             self._number += 1
             return self._number, batch, engine, (self._turns.issue(engine) if engine.max_workers == 1 else None)
+
+    def _start_layout(self, engine: Engine) -> None:
+        """The layout `engine` runs in, every pool at its largest until its costs are measured."""
+        self._fused = self._fuse_for(engine)
+        self.plan = initial_plan(self.cores, self._pre_max, self._workers, self._fused)
+        self._pre_active, self._inf_active = self.plan.preprocess_workers, self.plan.inference_workers
 
     def _fuse_for(self, engine: Engine) -> bool:
         """Preprocess and run the model in one worker: on the CPU provider, unless pools were asked for
