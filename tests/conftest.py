@@ -98,6 +98,26 @@ def tiny_sensor_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def agent_process(tmp_path: Path):
+    """A factory of real agent processes (tests/agentproc.py), each stopped at the end of the test.
+
+    `agent_process(config=None, name="agent", env=None, args=())`: config defaults to the demo config in
+    this test's tmp_path; call `.start()` on what it returns."""
+    from agentproc import AgentProcess
+
+    made: list[AgentProcess] = []
+
+    def make(config=None, name: str = "agent", env=None, args=()) -> AgentProcess:
+        a = AgentProcess(tmp_path, config, env=env, args=args, name=name)
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.stop()
+
+
+@pytest.fixture
 def demo_bundle() -> Path:
     if not (DEMO / "bundle.yaml").exists():
         pytest.fail(f"{DEMO} is missing: run scripts/build_demo_classifier.py")

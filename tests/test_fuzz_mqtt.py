@@ -36,8 +36,9 @@ IDLE_S = 3.0
 COMMANDS = ["status", "pause", "resume", "update", "rollback", "selftest", "reload"]
 CHEAP = ["status", "pause", "resume", "update", "rollback"]
 
-pytestmark = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
-                                reason="mosquitto is not installed (scripts/test.sh installs it)")
+pytestmark = [pytest.mark.slow,  # 2,000 fuzzed commands: a storm, outside the fast lane
+              pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
+                                 reason="mosquitto is not installed (scripts/test.sh installs it)")]
 
 
 def rand_json(rng: random.Random, depth: int = 0) -> object:

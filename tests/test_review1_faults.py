@@ -222,7 +222,7 @@ def test_a_misspelt_or_out_of_range_floor_in_the_spec_is_a_spec_error_naming_the
 # ------------------------------------------------------------------ stateful models: reasons name real samples
 
 def test_a_stateful_rejection_names_the_golden_sequence_and_its_step_not_a_flattened_row(
-        stateful_bundle: Path, tmp_path: Path) -> None:
+        stateful_bundle: Path, tmp_path: Path) -> None:  # noqa: F811
     # 6 golden sequences of 12 steps: the reason said "on sample 22", a sample that does not exist
     from agent.bundle.load import load_bundle
     from agent.proof.selftest import SelftestOptions, run_selftest

@@ -27,6 +27,7 @@ PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-venv,mosquitto,mosquitto-c
 HAVE = os.geteuid() == 0 and shutil.which("systemd-nspawn") and shutil.which("debootstrap") and shutil.which("nsenter")
 pytestmark = [
     pytest.mark.nspawn,
+    pytest.mark.slow,
     pytest.mark.skipif(not HAVE and not os.environ.get("CI"),
                        reason="needs root, systemd-nspawn and debootstrap (scripts/test.sh installs them)"),
 ]

@@ -1,0 +1,180 @@
+"""One real `edge-agent run` process for a test: config, events, results, and a clean end.
+
+Every test that starts an agent process uses this instead of a private `_config/_start/_events`:
+stderr and stdout go to files (a pipe nobody reads fills at 64 KB and blocks the agent's logging),
+events are read back as JSON lines, and waiting is a bounded poll on what the agent wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_BUNDLE = ROOT / "models" / "digits-classifier"
+DEMO_FRAMES = ROOT / "models" / "demo-frames" / "digits"
+
+
+def demo_config(tmp: Path, *, port: int | None = None, device_id: str = "dev-test", **overrides: Any) -> dict[str, Any]:
+    """The demo bundle on the demo frames, looping at 200 fps, health every 0.5 s; MQTT on `port`."""
+    cfg: dict[str, Any] = {
+        "device_id": device_id,
+        "state_dir": str(tmp / "state"),
+        "bundle": str(DEMO_BUNDLE),
+        "source": {"type": "folder", "path": str(DEMO_FRAMES), "loop": True, "max_fps": 200},
+        "output": {"health_interval_s": 0.5},
+    }
+    if port is not None:
+        cfg["mqtt"] = {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1}
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(cfg.get(key), Mapping):
+            cfg[key] = {**cfg[key], **value}  # e.g. source={"loop": False} keeps the demo folder
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def parse_events(text: str) -> list[dict[str, Any]]:
+    """JSON-line events of a log (a line being written, or a non-JSON line, is skipped)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+class AgentProcess:
+    """`python -m agent --log-json run --config <tmp>/agent.yaml`, stdout and stderr in files under `tmp`."""
+
+    def __init__(self, tmp: Path, config: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
+                 args: Iterable[str] = (), name: str = "agent"):
+        self.tmp = Path(tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.config = dict(config if config is not None else demo_config(self.tmp))
+        self.config_path = self.tmp / f"{name}.yaml"
+        self.log_path = self.tmp / f"{name}.log"
+        self.out_path = self.tmp / f"{name}.out"
+        self.env = dict(env or {})
+        self.args = list(args)
+        self.proc: subprocess.Popen[str] | None = None
+        self.starts = 0
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.config["state_dir"])
+
+    def write_config(self) -> Path:
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        return self.config_path
+
+    def start(self) -> "AgentProcess":
+        """Start (or restart after it ended); logs of every start are kept, appended in order."""
+        assert self.proc is None or self.proc.poll() is not None, "the agent is still running"
+        self.write_config()
+        cmd = [sys.executable, "-m", "agent", "--log-json", "run", "--config", str(self.config_path), *self.args]
+        with self.log_path.open("a") as err, self.out_path.open("a") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True,
+                                         env={**os.environ, **self.env})
+        self.starts += 1
+        return self
+
+    # -- what it wrote ---------------------------------------------------------------------------------
+    def log_text(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        evs = parse_events(self.log_text())
+        return evs if name is None else [e for e in evs if e.get("event") == name]
+
+    def results(self) -> list[dict[str, Any]]:
+        text = self.out_path.read_text() if self.out_path.exists() else ""
+        return parse_events(text)
+
+    # -- waiting ---------------------------------------------------------------------------------------
+    def wait_event(self, name: str, pred: Callable[[dict[str, Any]], bool] | None = None,
+                   timeout: float = 60.0, count: int = 1) -> dict[str, Any]:
+        """The `count`-th event called `name` (matching `pred`); fails naming what was seen instead."""
+        found: list[dict[str, Any]] = []
+
+        def seen() -> bool:
+            found[:] = [e for e in self.events(name) if pred is None or pred(e)]
+            return len(found) >= count
+
+        if not self._poll(seen, timeout):
+            names = [e.get("event") for e in self.events()][-15:]
+            raise AssertionError(f"{self.name}: no {count} x {name!r} within {timeout:g} s (exit "
+                                 f"{self.returncode}); last events: {names}\n{self.log_text()[-3000:]}")
+        return found[count - 1]
+
+    def wait_results(self, n: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+        if not self._poll(lambda: len(self.results()) >= n, timeout):
+            raise AssertionError(f"{self.name}: {len(self.results())} of {n} results within {timeout:g} s (exit "
+                                 f"{self.returncode})\n{self.log_text()[-3000:]}")
+        return self.results()
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name}: still running after {timeout:g} s\n{self.log_text()[-3000:]}")
+
+    def _poll(self, pred: Callable[[], bool], timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred():
+                return True
+            if self.proc is not None and self.proc.poll() is not None:
+                return pred()  # it ended: what it wrote is all there will be
+            time.sleep(0.05)
+        return pred()
+
+    # -- ending ----------------------------------------------------------------------------------------
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM and wait (SIGKILL if it hangs past `timeout`); the exit code, None if never started."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "AgentProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
