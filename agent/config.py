@@ -1,189 +1,226 @@
 """The agent's YAML config -> typed, validated settings.
 
-Every error names the file, the key path, what was expected and what was found. Unknown keys are
-errors, not silently ignored: a typo in `allow_cpu_falback` must not change what the agent does.
+The dataclasses below are the one definition of every key: its type, default, range and meaning
+(`Key`). `agent.config_schema` makes the JSON Schema the YAML is validated with from them, and the
+reference table in docs/reference/config.md is generated from the same schema. Every error names the
+file, the key path, what was expected and what was found; unknown keys are errors, never ignored
+(a typo in `allow_cpu_falback` must not change what the agent does).
 """
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 import json
 import os
 import re
 import socket
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 
+from agent.config_schema import build, validate
 from agent.errors import ConfigError
+from agent.keydoc import Key
+from agent.proof.selection import SelectionPolicy
 from agent.proof.terms import DEFAULT_ORDER, SessionSettings
 
 
 @dataclass(frozen=True)
 class ProvidersConfig:
-    order: tuple[str, ...] = DEFAULT_ORDER
-    options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    order: Annotated[tuple[str, ...], Key("providers in priority order; any provider name works")] = DEFAULT_ORDER
+    options: Annotated[Mapping[str, Mapping[str, str]], Key(
+        "per provider, its options, e.g. {OpenVINOExecutionProvider: {device_type: CPU}}")] = field(default_factory=dict)
+
+
+_POLICY = SelectionPolicy()  # the selection defaults are the proof's own: defined once, in SelectionPolicy
 
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    provider: str | None = None
-    variant: str | None = None
-    allow_cpu_fallback: bool = True
-    # The bundle's preferred variant wins unless another passing one is at least this much faster (p50).
-    prefer_margin: float = 0.10
-    use_cache: bool = True
-    # Latency that fails only because the machine is busy is measured again after backoff_s, doubling,
-    # `latency_retries` times; a device that stays too slow then serves its fastest proven candidate,
-    # loudly (`degraded`), or nothing (`none`).
-    latency_retries: int = 3
-    latency_backoff_s: float = 2.0
-    when_too_slow: Literal["degraded", "none"] = "none"
+    provider: Annotated[str | None, Key("pin a provider")] = None
+    variant: Annotated[str | None, Key("pin a variant")] = None
+    allow_cpu_fallback: Annotated[bool, Key("false: refuse to serve on the CPU provider")] = _POLICY.allow_cpu_fallback
+    prefer_margin: Annotated[float, Key("the bundle's preferred variant wins unless another passing one is at least "
+                                        "this much faster (p50)", ge=0, le=10)] = _POLICY.prefer_margin
+    use_cache: Annotated[bool, Key("reuse a cached verdict (reproduction and fidelity re-checked)")] = True
+    latency_retries: Annotated[int, Key("renewed latency measurements when only latency failed (a busy machine)",
+                                        ge=0)] = _POLICY.latency_retries
+    latency_backoff_s: Annotated[float, Key("the first wait before a latency re-measurement; it doubles each time "
+                                            "(capped at 60 s)", ge=0)] = _POLICY.latency_backoff_s
+    when_too_slow: Annotated[Literal["degraded", "none"], Key(
+        "after the retries: none serves nothing, degraded serves the fastest proven candidate, loudly")] = \
+        _POLICY.when_too_slow
 
 
 SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin", "mqtt"]
+IMAGE_SOURCES = ("folder", "video", "camera", "stream", "mqtt")
+FFMPEG_SOURCES = ("video", "camera", "stream")
+SENSOR_SOURCES = ("udp", "file", "stdin", "mqtt")
 
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """Where frames come from. `type` picks the source from the registry in `agent.sources`."""
+    """Where frames come from. `type` picks the source from the registry in `agent.serving.sources`; a key
+    that the type does not use is refused (a `url` on a folder source is a mistake, never ignored)."""
 
-    type: SourceType = "folder"
-    path: Path | None = None          # folder: images; video: file; file: FIFO / character device
-    url: str | None = None            # stream: http(s) MJPEG, rtsp://...
-    device: str | None = None         # camera: index ("0") or /dev/videoN
-    loop: bool = False                # folder/video: start again at the end
-    lossless: bool | None = None      # None: lossless for folder/video/file, latest-frame-wins for live sources
-    max_fps: float = 0.0              # folder/video: pace reading (0: as fast as the pipeline takes frames)
-    open_timeout_ms: int = 5000
-    read_timeout_ms: int = 3000
-    stall_timeout_s: float = 5.0      # no new frame for this long: the stream is lost, reopen
-    frozen_after: int = 30            # this many identical consecutive frames: report a frozen picture
-    reconnect_initial_s: float = 0.5
-    reconnect_max_s: float = 30.0
-    host: str = "127.0.0.1"           # udp: bind address; mqtt: the broker
-    port: int = 0                     # udp: bind port; mqtt: the broker's port (0: 1883)
-    topic: str | None = None          # mqtt: where frames arrive
-    payload: Literal["image", "npy", "raw"] = "image"  # mqtt: encoded image, .npy bytes, or raw frame bytes
-    sample_dtype: Literal["float32", "int16", "uint8"] = "float32"  # sensor samples, little-endian
-    hop: int = 0                      # sensor: samples between windows (0: the window length)
-    name: str | None = None           # how results and health name this source (default: type:target)
-    # JPEG sources (MJPEG streams and videos, .jpg folders, mqtt images): decode at 1/2, 1/4 or 1/8 of the
-    # frame; auto: the smallest the bundle's resize allows; 1: always full size
-    decode_scale: Literal["auto", 1, 2, 4, 8] = "auto"
-    decoder_threads: int = 0          # video/stream/camera through FFmpeg: decoder threads (0: OpenCV's choice)
-    hw_decode: Literal["none", "any", "vaapi", "d3d11", "mfx", "drm"] = "none"  # FFmpeg hardware decoding
+    type: Annotated[SourceType, Key("folder, video, camera, stream (http MJPEG, rtsp), udp, file (FIFO, device), "
+                                    "stdin, mqtt")] = "folder"
+    path: Annotated[Path | None, Key("folder: images; video: a file; file: a FIFO or character device",
+                                     used_by=("folder", "video", "file"))] = None
+    url: Annotated[str | None, Key("http(s) MJPEG or rtsp:// stream", used_by=("stream",))] = None
+    device: Annotated[str | None, Key("camera index (\"0\") or /dev/videoN", used_by=("camera",))] = None
+    loop: Annotated[bool, Key("start again at the end", used_by=("folder", "video"))] = False
+    lossless: Annotated[bool | None, Key("false: latest-frame-wins; default: lossless for folder/video/file, "
+                                         "latest-frame-wins for live sources", default_doc="by type")] = None
+    max_fps: Annotated[float, Key("pace reading (0: as fast as the pipeline takes frames)", ge=0,
+                                  used_by=("folder", "video"))] = 0.0
+    open_timeout_ms: Annotated[int, Key("OpenCV open time-out", ge=1, used_by=FFMPEG_SOURCES)] = 5000
+    read_timeout_ms: Annotated[int, Key("OpenCV read time-out", ge=1, used_by=FFMPEG_SOURCES)] = 3000
+    stall_timeout_s: Annotated[float, Key("no new frame for this long: the stream is lost, reopen", ge=0.1)] = 5.0
+    frozen_after: Annotated[int, Key("this many identical consecutive frames: report a frozen picture", ge=1)] = 30
+    reconnect_initial_s: Annotated[float, Key("first reconnect wait (doubles, with jitter)", ge=0)] = 0.5
+    reconnect_max_s: Annotated[float, Key("longest reconnect wait", ge=0)] = 30.0
+    host: Annotated[str, Key("udp: bind address; mqtt: the frames' broker", used_by=("udp", "mqtt"))] = "127.0.0.1"
+    port: Annotated[int, Key("udp: bind port; mqtt: the broker's port (0: 1883)", ge=0, le=65535,
+                             used_by=("udp", "mqtt"))] = 0
+    topic: Annotated[str | None, Key("mqtt: where frames arrive", used_by=("mqtt",))] = None
+    payload: Annotated[Literal["image", "npy", "raw"], Key("mqtt: an encoded image, .npy bytes, or raw frame bytes",
+                                                           used_by=("mqtt",))] = "image"
+    sample_dtype: Annotated[Literal["float32", "int16", "uint8"], Key("sensor samples, little-endian",
+                                                                      used_by=SENSOR_SOURCES)] = "float32"
+    hop: Annotated[int, Key("sensor: samples between windows (0: the window length)", ge=0,
+                            used_by=SENSOR_SOURCES)] = 0
+    name: Annotated[str | None, Key("how results, topics and health name this source (required in sources:)",
+                                    default_doc="type:target")] = None
+    decode_scale: Annotated[Literal["auto", 1, 2, 4, 8], Key(
+        "JPEG frames: decode at 1/2, 1/4 or 1/8; auto: the smallest the bundle's resize allows and the self-test "
+        "proved; 1: full size", used_by=IMAGE_SOURCES)] = "auto"
+    decoder_threads: Annotated[int, Key("FFmpeg decoder threads (0: OpenCV's choice)", ge=0,
+                                        used_by=FFMPEG_SOURCES)] = 0
+    hw_decode: Annotated[Literal["none", "any", "vaapi", "d3d11", "mfx", "drm"], Key(
+        "FFmpeg hardware decoding; falls back to software, reported in health", used_by=FFMPEG_SOURCES)] = "none"
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    max_batch: int = 1                # micro-batching where the model has a dynamic batch dimension
-    batch_timeout_ms: float = 2.0
-    queue_size: int = 2               # bounded queues between stages
-    inference_workers: int = 0        # threads calling run() on the one session; 0: sized at start (at most 4)
-    preprocess_workers: int = 0       # threads decoding deferred JPEGs and preprocessing; 0: sized at start
-    stage_layout: Literal["auto", "fused", "pools"] = "auto"  # fused: a worker preprocesses and runs the model
-    max_frames: int = 0               # stop after this many frames (0: run until stopped)
-    batch_across_sources: bool = True  # many sources, dynamic batch: batch up to one frame per source
+    max_batch: Annotated[int, Key("micro-batching where the model has a dynamic batch dimension", ge=1)] = 1
+    batch_timeout_ms: Annotated[float, Key("how long a batch waits to fill", ge=0)] = 2.0
+    queue_size: Annotated[int, Key("bounded queues between stages", ge=1)] = 2
+    inference_workers: Annotated[int, Key("threads calling run() on the one session; 0: sized at start from measured "
+                                          "costs (at most the cores, and 4)", ge=0, le=64)] = 0
+    preprocess_workers: Annotated[int, Key("threads decoding deferred JPEGs and preprocessing (fused: and running the "
+                                           "model); 0: sized at start", ge=0, le=64)] = 0
+    stage_layout: Annotated[Literal["auto", "fused", "pools"], Key(
+        "fused: each worker preprocesses and runs the model; pools: separate pools; auto: fused on the CPU "
+        "provider unless inference_workers is set")] = "auto"
+    max_frames: Annotated[int, Key("stop after this many frames (0: run until stopped)", ge=0)] = 0
+    batch_across_sources: Annotated[bool, Key("many sources, dynamic batch: batch up to one frame per source")] = True
 
 
 @dataclass(frozen=True)
 class OutputConfig:
-    stdout: bool = True               # results as JSON lines on stdout
-    health_interval_s: float = 10.0   # how often health is logged (and published, with MQTT)
-    max_result_bytes: int = 65536     # a decoded result over this is counted as an error, never published (0: no cap)
+    stdout: Annotated[bool, Key("results as JSON lines on stdout")] = True
+    health_interval_s: Annotated[float, Key("how often health is logged (and published, with MQTT)", ge=0.1)] = 10.0
+    max_result_bytes: Annotated[int, Key("a decoded result over this many bytes of JSON is counted in result_errors "
+                                         "and not published (0: no cap)", ge=0)] = 65536
 
 
 @dataclass(frozen=True)
 class TlsConfig:
-    ca_file: Path | None = None       # CA that signed the broker's certificate (verification is always on
-    cert_file: Path | None = None     # unless insecure: true, for development only)
-    key_file: Path | None = None
-    insecure: bool = False
+    ca_file: Annotated[Path | None, Key("CA that signed the broker's certificate (verification is always on unless "
+                                        "insecure)")] = None
+    cert_file: Annotated[Path | None, Key("client certificate")] = None
+    key_file: Annotated[Path | None, Key("client key")] = None
+    insecure: Annotated[bool, Key("skip certificate verification: development only")] = False
 
 
 @dataclass(frozen=True)
 class MqttConfig:
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = 1883
-    protocol: Literal["5", "3.1.1"] = "5"
-    client_id: str | None = None      # default: edge-agent-<device_id>
-    keepalive: int = 30
-    clean_start: bool = False
-    session_expiry_s: int = 3600      # MQTT 5: how long the broker keeps our session while we are away
-    qos: Literal[0, 1] = 1            # predictions
-    prefix: str | None = None         # default: edge/<device_id>/
-    username: str | None = None
-    password: str | None = None       # or, better, one of:
-    password_file: Path | None = None
-    password_env: str | None = None
-    tls: TlsConfig | None = None
-    reconnect_min_s: int = 1
-    reconnect_max_s: int = 30
-    max_inflight: int = 500           # QoS 1 messages awaiting PUBACK at once
-    batch_predictions: int = 1        # results per predictions message (1: one message per result)
-    homeassistant: bool = False       # Home Assistant MQTT discovery
-    homeassistant_prefix: str = "homeassistant"
-    # What one message may cost before it is parsed: commands larger or deeper are answered with an error.
-    max_payload_bytes: int = 64 * 1024
-    max_json_depth: int = 32
-    # Replies go to <prefix>cmd/<name>/reply, or to an MQTT 5 response topic under <prefix>reply/;
-    # any other response topic must match one of these filters (e.g. "operators/+/replies/#").
-    reply_topics: tuple[str, ...] = ()
-    max_running_commands: int = 4     # commands handled at once; beyond, the reply is "busy"
-    # MQTT 5: the broker must not send us a packet bigger than this (it drops it): bounds what one message
-    # can cost before any check of ours runs. Must hold a bundle chunk (updates.max_chunk_bytes) and its topic.
-    max_packet_bytes: int = 5 * 2**20
+    enabled: Annotated[bool, Key("connect to a broker: predictions, health, commands, updates")] = False
+    host: Annotated[str, Key("the broker")] = "127.0.0.1"
+    port: Annotated[int, Key("the broker's port", ge=1, le=65535)] = 1883
+    protocol: Annotated[Literal["5", "3.1.1"], Key("MQTT protocol version")] = "5"
+    client_id: Annotated[str | None, Key("the MQTT client id", default_doc="edge-agent-<device_id>")] = None
+    keepalive: Annotated[int, Key("seconds", ge=1)] = 30
+    clean_start: Annotated[bool, Key("start a new session at every connect")] = False
+    session_expiry_s: Annotated[int, Key("MQTT 5: how long the broker keeps our session while we are away",
+                                         ge=0)] = 3600
+    qos: Annotated[Literal[0, 1], Key("QoS of predictions")] = 1
+    prefix: Annotated[str | None, Key("topic prefix", default_doc="edge/<device_id>/")] = None
+    username: Annotated[str | None, Key("broker user name")] = None
+    password: Annotated[str | None, Key("broker password (prefer password_file or password_env)", secret=True)] = None
+    password_file: Annotated[Path | None, Key("a file holding the password")] = None
+    password_env: Annotated[str | None, Key("an environment variable holding the password")] = None
+    tls: Annotated[TlsConfig | None, Key("TLS to the broker")] = None
+    reconnect_min_s: Annotated[int, Key("first reconnect wait", ge=1)] = 1
+    reconnect_max_s: Annotated[int, Key("longest reconnect wait", ge=1)] = 30
+    max_inflight: Annotated[int, Key("QoS 1 messages awaiting PUBACK at once", ge=1)] = 500
+    batch_predictions: Annotated[int, Key("results per predictions message (1: one message per result)", ge=1)] = 1
+    homeassistant: Annotated[bool, Key("Home Assistant MQTT discovery")] = False
+    homeassistant_prefix: Annotated[str, Key("Home Assistant's discovery prefix")] = "homeassistant"
+    max_payload_bytes: Annotated[int, Key("a command larger than this gets an error reply, unparsed", ge=256)] = \
+        64 * 1024
+    max_json_depth: Annotated[int, Key("a command nested deeper than this gets an error reply, unparsed", ge=2)] = 32
+    reply_topics: Annotated[tuple[str, ...], Key("MQTT filters an MQTT 5 response topic may match besides "
+                                                 "<prefix>reply/#")] = ()
+    max_running_commands: Annotated[int, Key("commands handled at once; beyond, the reply is busy", ge=1)] = 4
+    max_packet_bytes: Annotated[int, Key("MQTT 5 Maximum Packet Size: the broker drops bigger messages before they "
+                                         "reach the agent; must hold a bundle chunk and its topic", ge=1024)] = \
+        5 * 2**20
 
 
 @dataclass(frozen=True)
 class OutboxConfig:
-    memory_messages: int = 5000       # held in memory while the broker keeps up; beyond, spill to disk
-    max_messages: int = 1_000_000     # memory + disk; beyond, the policy drops (counted in health)
-    max_age_s: float = 7 * 86400.0
-    policy: Literal["drop_oldest", "drop_newest"] = "drop_oldest"
+    memory_messages: Annotated[int, Key("held in memory while the broker keeps up; beyond, spill to disk", ge=1)] = 5000
+    max_messages: Annotated[int, Key("memory + disk; beyond, the policy drops (counted in health)", ge=1)] = 1_000_000
+    max_age_s: Annotated[float, Key("older messages are dropped (counted)", ge=1)] = 7 * 86400.0
+    policy: Annotated[Literal["drop_oldest", "drop_newest"], Key("what a full outbox drops")] = "drop_oldest"
 
 
 @dataclass(frozen=True)
 class UpdatesConfig:
     """Pushed bundles: verified, self-tested in a child process, switched, on probation, committed."""
 
-    enabled: bool = False             # serve from the bundle store (state_dir/store); `bundle` seeds it
-    trusted_keys: tuple[Path, ...] = ()  # Ed25519 public keys (PEM); several for key rotation
-    allow_unsigned: bool = False      # development only: logged loudly
-    keep: int = 3                     # committed bundles kept for rollback
-    probation_s: float = 20.0         # a new bundle serves this long ...
-    probation_frames: int = 100       # ... or this many frames with no errors, latency in budget
-    max_bundle_bytes: int = 512 * 2**20
-    selftest_timeout_s: float = 300.0
-    inbox: Path | None = None         # a directory watched for dropped .tar.gz bundles
-    download_timeout_s: float = 60.0  # one read may wait this long ...
-    download_deadline_s: float = 600.0  # ... and the whole download must finish within this
-    allow_http: bool = False          # http beyond loopback (127.0.0.1, ::1, localhost); https always
-    min_chunk_bytes: int = 1024       # an offer's chunk_size must lie in [min, max]: bounds the chunk count
-    max_chunk_bytes: int = 4 * 2**20
-    min_free_bytes: int = 64 * 2**20  # an offer must leave this much disk free (after 2x its size)
-    transfer_idle_s: float = 60.0     # a transfer with no message for this long expires; staging is swept
+    enabled: Annotated[bool, Key("serve from the bundle store (state_dir/store) and accept updates; bundle seeds "
+                                 "it")] = False
+    trusted_keys: Annotated[tuple[Path, ...], Key("Ed25519 public keys (PEM); several for key rotation")] = ()
+    allow_unsigned: Annotated[bool, Key("accept unsigned bundles: development only, logged loudly")] = False
+    keep: Annotated[int, Key("committed bundles kept for rollback", ge=1)] = 3
+    probation_s: Annotated[float, Key("a new bundle serves this long ...", ge=0)] = 20.0
+    probation_frames: Annotated[int, Key("... or this many frames with no errors and latency in budget", ge=0)] = 100
+    max_bundle_bytes: Annotated[int, Key("archive and unpacked size limit", ge=1024)] = 512 * 2**20
+    selftest_timeout_s: Annotated[float, Key("the child self-test's time limit", ge=1)] = 300.0
+    inbox: Annotated[Path | None, Key("a directory watched for dropped .tar.gz bundles")] = None
+    download_timeout_s: Annotated[float, Key("URL delivery: one read may wait this long", ge=1)] = 60.0
+    download_deadline_s: Annotated[float, Key("URL delivery: the whole download must finish within this",
+                                              ge=1)] = 600.0
+    allow_http: Annotated[bool, Key("http beyond loopback (127.0.0.1, ::1, localhost); https always")] = False
+    min_chunk_bytes: Annotated[int, Key("an offer's chunk_size must lie in [min, max]: bounds the chunk count",
+                                        ge=1)] = 1024
+    max_chunk_bytes: Annotated[int, Key("the largest chunk an offer may announce", ge=1)] = 4 * 2**20
+    min_free_bytes: Annotated[int, Key("an offer must leave this much disk free (after 2x its size)", ge=0)] = \
+        64 * 2**20
+    transfer_idle_s: Annotated[float, Key("a transfer with no message for this long expires; staging is swept",
+                                          ge=1)] = 60.0
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    listen: str | None = None         # "127.0.0.1:9108": Prometheus /metrics (needs the extra `metrics`); off when unset
+    listen: Annotated[str | None, Key("HOST:PORT for Prometheus /metrics, e.g. 127.0.0.1:9108 (needs the extra "
+                                      "metrics); off when unset")] = None
 
 
 @dataclass(frozen=True)
 class LogConfig:
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    json: bool | None = None
+    level: Annotated[Literal["debug", "info", "warning", "error"], Key("log level")] = "info"
+    json: Annotated[bool | None, Key("JSON lines (true) or key=value (false)", default_doc="auto: JSON unless "
+                                     "stderr is a terminal")] = None
 
 
 SERVICE_STATE_DIR = Path("/var/lib/edge-agent")
+TOPIC_LEVEL = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # one MQTT topic level: no / + # or spaces
 
 
 def user_state_dir() -> Path:
@@ -196,16 +233,23 @@ def user_state_dir() -> Path:
 
 @dataclass(frozen=True)
 class Config:
-    device_id: str = field(default_factory=socket.gethostname)
-    state_dir: Path = field(default_factory=user_state_dir)
-    bundle: Path | None = None
+    device_id: Annotated[str, Key("this device's name: one MQTT topic level, the client id, results (letters, digits, "
+                                  "_ . -; at most 64: no / + # that would widen a topic filter)",
+                                  default_doc="host name", pattern=TOPIC_LEVEL)] = \
+        field(default_factory=socket.gethostname)
+    state_dir: Annotated[Path, Key("self-test report, crash ledger, verdict cache, store, outbox; --state-dir "
+                                   "overrides it for one command",
+                                   default_doc="$XDG_STATE_HOME/edge-agent (else ~/.local/state/edge-agent)")] = \
+        field(default_factory=user_state_dir)
+    bundle: Annotated[Path | None, Key("the bundle directory to serve (with updates: seeds the store)")] = None
     providers: ProvidersConfig = ProvidersConfig()
     selection: SelectionConfig = SelectionConfig()
     session: SessionSettings = SessionSettings()
-    source: SourceConfig = SourceConfig()
+    source: Annotated[SourceConfig, Key("the one source (or sources:)")] = SourceConfig()
     # many sources served by one proven session: each with its own name (results, topics, health), type,
     # rate limit, lossless policy and reconnect state; `source:` is the one-source form of the same thing
-    sources: tuple[SourceConfig, ...] = ()
+    sources: Annotated[tuple[SourceConfig, ...], Key("many sources served by one proven session, each a source: "
+                                                     "mapping with a unique name; instead of source")] = ()
     pipeline: PipelineConfig = PipelineConfig()
     output: OutputConfig = OutputConfig()
     mqtt: MqttConfig = MqttConfig()
@@ -213,86 +257,12 @@ class Config:
     updates: UpdatesConfig = UpdatesConfig()
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
-    source_file: Path | None = None
+    source_file: Annotated[Path | None, Key("(set by the loader: the file this config came from)")] = None
 
     @property
     def source_list(self) -> tuple[SourceConfig, ...]:
         """Every source this agent serves: the `sources:` list, or the one `source:`."""
         return self.sources or (self.source,)
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
-def _convert(tp: Any, value: Any, where: str, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(arg, value, where, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: key {key}: {value!r} does not fit {tp}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: key {key}: expected one of {list(args)}, found {value!r}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: key {key}: expected a list, found {type(value).__name__}")
-        item = args[0]
-        return tuple(_convert(item, v, where, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin in (collections.abc.Mapping, dict) or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: key {key}: expected a mapping, found {type(value).__name__}")
-        kt, vt = args if args else (str, Any)
-        return {str(k): _convert(vt, v, where, f"{key}.{k}") for k, v in value.items()}
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: key {key}: expected a mapping, found {type(value).__name__}")
-        return build_dataclass(tp, value, where, key)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: key {key}: expected true or false, found {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: key {key}: expected an integer, found {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: key {key}: expected a number, found {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where}: key {key}: expected a string, found {value!r}")
-        return str(value)
-    if tp is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where}: key {key}: expected a path, found {value!r}")
-        return Path(value)
-    raise ConfigError(f"{where}: key {key}: unsupported setting type {_type_name(tp)}")
-
-
-def build_dataclass(cls: Any, data: Mapping[str, Any], where: str, prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        path = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"{where}: key {path}: unknown key (known here: {sorted(names)})")
-    kwargs = {}
-    for name, value in data.items():
-        path = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _convert(hints[name], value, where, path)
-    return cls(**kwargs)
 
 
 def parse_config(text: str, where: str) -> Config:
@@ -308,7 +278,8 @@ def parse_config(text: str, where: str) -> Config:
         raise ConfigError(f"{where}: key source_file: unknown key")
     if "source" in data and "sources" in data:
         raise ConfigError(f"{where}: keys source and sources: give one source (source:) or a list (sources:), not both")
-    cfg = build_dataclass(Config, data, where)
+    validate(data, where)
+    cfg = build(Config, data)
     base = Path(where).parent
 
     def anchored(p: Path | None) -> Path | None:
@@ -336,35 +307,11 @@ def parse_config(text: str, where: str) -> Config:
 
 
 def _checked(cfg: Config, where: str) -> Config:
-    check_ranges(cfg, where)
+    check_semantics(cfg, where)
     return cfg
 
 
-# (section, key, lowest allowed value): a value below it is refused at load, naming the key.
-_MINIMUMS: tuple[tuple[str, str, float], ...] = (
-    ("pipeline", "max_batch", 1), ("pipeline", "batch_timeout_ms", 0), ("pipeline", "queue_size", 1),
-    ("pipeline", "inference_workers", 0), ("pipeline", "preprocess_workers", 0), ("pipeline", "max_frames", 0),
-    ("output", "health_interval_s", 0.1),
-    ("source", "max_fps", 0), ("source", "open_timeout_ms", 1), ("source", "read_timeout_ms", 1),
-    ("source", "stall_timeout_s", 0.1), ("source", "frozen_after", 1), ("source", "reconnect_initial_s", 0),
-    ("source", "reconnect_max_s", 0), ("source", "port", 0), ("source", "hop", 0),
-    ("mqtt", "port", 1), ("mqtt", "keepalive", 1), ("mqtt", "session_expiry_s", 0), ("mqtt", "reconnect_min_s", 1),
-    ("mqtt", "reconnect_max_s", 1), ("mqtt", "max_inflight", 1), ("mqtt", "batch_predictions", 1),
-    ("mqtt", "max_payload_bytes", 256), ("mqtt", "max_json_depth", 2), ("mqtt", "max_running_commands", 1),
-    ("outbox", "memory_messages", 1), ("outbox", "max_messages", 1), ("outbox", "max_age_s", 1),
-    ("updates", "keep", 1), ("updates", "probation_s", 0), ("updates", "probation_frames", 0),
-    ("updates", "max_bundle_bytes", 1024), ("updates", "selftest_timeout_s", 1), ("updates", "download_timeout_s", 1),
-    ("updates", "download_deadline_s", 1), ("updates", "min_chunk_bytes", 1), ("updates", "max_chunk_bytes", 1),
-    ("updates", "min_free_bytes", 0), ("updates", "transfer_idle_s", 1),
-)
-_MAXIMUMS: tuple[tuple[str, str, float], ...] = (
-    ("mqtt", "port", 65535), ("source", "port", 65535), ("pipeline", "inference_workers", 64),
-    ("pipeline", "preprocess_workers", 64),
-    ("selection", "prefer_margin", 10.0),
-)
-
-
-SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # one MQTT topic level: no / + # or spaces
+SOURCE_NAME = re.compile(TOPIC_LEVEL)
 
 
 def check_sources(cfg: Config, where: str) -> None:
@@ -382,20 +329,8 @@ def check_sources(cfg: Config, where: str) -> None:
         seen.add(s.name)
 
 
-def check_ranges(cfg: Config, where: str) -> None:
-    """Refuse values that parse but cannot work (inference_workers: -3 would start no inference thread)."""
-    sections = lambda section: ([(section, getattr(cfg, section))] if section != "source" else  # noqa: E731
-                                [("source", cfg.source)] + [(f"sources[{i}]", s) for i, s in enumerate(cfg.sources)])
-    for section, key, low in _MINIMUMS:
-        for label, obj in sections(section):
-            value = getattr(obj, key)
-            if value < low:
-                raise ConfigError(f"{where}: key {label}.{key}: expected >= {low:g}, found {value!r}")
-    for section, key, high in _MAXIMUMS:
-        for label, obj in sections(section):
-            value = getattr(obj, key)
-            if value > high:
-                raise ConfigError(f"{where}: key {label}.{key}: expected <= {high:g}, found {value!r}")
+def check_semantics(cfg: Config, where: str) -> None:
+    """What a schema cannot say: keys that must agree with each other (ranges are on the fields)."""
     check_sources(cfg, where)
     if cfg.updates.min_chunk_bytes > cfg.updates.max_chunk_bytes:
         raise ConfigError(f"{where}: key updates.min_chunk_bytes: {cfg.updates.min_chunk_bytes} is over "
@@ -408,8 +343,6 @@ def check_ranges(cfg: Config, where: str) -> None:
         raise ConfigError(f"{where}: key pipeline.inference_workers: {cfg.pipeline.inference_workers} has no effect "
                           f"with pipeline.stage_layout: fused (each worker runs the model: size them with "
                           f"pipeline.preprocess_workers, or use stage_layout: pools)")
-    if cfg.selection.prefer_margin < 0:
-        raise ConfigError(f"{where}: key selection.prefer_margin: expected >= 0, found {cfg.selection.prefer_margin!r}")
 
 
 def load_config(path: Path | str) -> Config:

@@ -1,38 +1,41 @@
-"""One place for each fact: README's tables are checked against the code that defines the facts."""
+"""One place for each fact: the reference tables in docs/reference/ are generated from the code that
+defines the facts (scripts/gen_docs.py), and a stale one fails here."""
 
 from __future__ import annotations
 
-import dataclasses
-import typing
+import subprocess
+import sys
 from pathlib import Path
 
-from agent.config import Config
-from agent.link.topics import Topics
-
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _keys(cls: type, prefix: str = "") -> list[str]:
-    out = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init or f.name == "source_file":
-            continue
-        tp = hints[f.name]
-        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
-        target = tp if dataclasses.is_dataclass(tp) else (inner[0] if inner else None)
-        if target is not None:
-            out += _keys(target, f"{prefix}{f.name}.")
-        else:
-            out.append(prefix + f.name)
-    return out
+def test_generated_reference_docs_are_current() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_docs.py"), "--check"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
 
 
-def test_every_config_key_is_documented_in_the_readme() -> None:
-    missing = [k for k in _keys(Config) if f"`{k}`" not in README]
-    assert not missing, f"README's config table lacks {missing}"
+def test_every_config_key_and_topic_is_in_the_generated_reference() -> None:
+    from agent.config import Config
+    from agent.link.topics import Topics
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gen_docs
+
+    config = (ROOT / "docs" / "reference" / "config.md").read_text()
+    assert all(f"| `{k}` |" in config for k, *_ in gen_docs.config_rows(Config))
+    assert "| `pipeline.max_batch` | int | `1` | >= 1 |" in config  # type, default and range, not only the name
+    topics = (ROOT / "docs" / "reference" / "topics.md").read_text()
+    assert all(f"`{t}`" in topics for t in Topics.documented())
 
 
-def test_every_topic_is_documented_in_the_readme() -> None:
-    missing = [t for t in Topics.documented() if f"`{t}`" not in README]
-    assert not missing, f"README's topic table lacks {missing}"
+def test_a_stale_generated_table_is_caught(tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "reference"
+    shutil.copytree(ROOT / "docs" / "reference", copy)
+    (copy / "topics.md").write_text((copy / "topics.md").read_text().replace("availability", "availabilty", 1))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_docs.py"), "--check", "--dir", str(copy)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and "topics.md" in r.stderr and "config.md" not in r.stderr

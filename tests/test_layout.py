@@ -13,8 +13,8 @@ AGENT = Path(__file__).resolve().parents[1] / "agent"
 # Foundation modules (errors, fsio, hashing, logsetup) sit under everything; `testing` and
 # `__main__` over everything. Packages on one floor (serving, link, updates) do not import each other.
 FLOOR = {
-    "__init__": 0, "errors": 0, "fsio": 0, "hashing": 0, "logsetup": 0,
-    "spec": 1, "bundle": 2, "proof": 3, "config": 4,
+    "__init__": 0, "errors": 0, "fsio": 0, "hashing": 0, "logsetup": 0, "keydoc": 0,
+    "spec": 1, "bundle": 2, "proof": 3, "config": 4, "config_schema": 4,
     "serving": 5, "link": 5, "updates": 5,
     "report": 6, "service": 6, "testing": 7, "__main__": 7,
 }
@@ -23,6 +23,7 @@ ALLOWED_UP = {("bundle/create.py", "proof")}
 PURE = [
     "agent.spec.manifest", "agent.spec.preprocess", "agent.spec.decoders",
     "agent.proof.terms", "agent.proof.parity", "agent.proof.verdict", "agent.proof.selection", "agent.config",
+    "agent.config_schema",
 ]
 
 

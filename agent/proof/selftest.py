@@ -552,9 +552,8 @@ def options_from_config(cfg: Any, provider: str | None = None, variant: str | No
     sel = cfg.selection
     policy = SelectionPolicy(provider=provider or sel.provider, variant=variant or sel.variant,
                              allow_cpu_fallback=sel.allow_cpu_fallback, prefer_margin=sel.prefer_margin,
-                             latency_retries=getattr(sel, "latency_retries", 3),
-                             latency_backoff_s=getattr(sel, "latency_backoff_s", 2.0),
-                             when_too_slow=getattr(sel, "when_too_slow", "none"))
+                             latency_retries=sel.latency_retries, latency_backoff_s=sel.latency_backoff_s,
+                             when_too_slow=sel.when_too_slow)
     order = tuple(cfg.providers.order)
     if policy.provider and policy.provider not in order:
         order = (policy.provider,) + order

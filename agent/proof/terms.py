@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Annotated, Any, Literal, Mapping, Sequence
 
 import numpy as np
+
+from agent.keydoc import Key
 
 CPU = "CPUExecutionProvider"
 TENSORRT = "TensorrtExecutionProvider"
@@ -27,10 +29,10 @@ class SessionSettings:
     and no spinning (spinning pool threads starve capture and preprocessing; measured in
     scripts/bench_serving.py). 0 threads means ORT's own default."""
 
-    graph_optimization: GraphOptimization = "all"
-    intra_op_threads: int = 1
-    inter_op_threads: int = 0
-    allow_spinning: bool = False
+    graph_optimization: Annotated[GraphOptimization, Key("ORT graph optimisation level")] = "all"
+    intra_op_threads: Annotated[int, Key("per inference worker; 0: ORT's default (all cores)", ge=0)] = 1
+    inter_op_threads: Annotated[int, Key("0: ORT's default", ge=0)] = 0
+    allow_spinning: Annotated[bool, Key("ORT's default spins, which starves capture and preprocessing")] = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,261 @@
+"""The config's JSON Schema, made from the settings dataclasses, and the checks that use it.
+
+One validation mechanism for config and manifest: both are checked by a JSON Schema with
+`jsonschema` (the manifest's is a file, `agent/schema/bundle.schema.json`; the config's is made
+here from the dataclasses' type hints and their `Key` annotations, so each default and range is
+defined once, on its field). JSON Schema rather than pydantic or msgspec: the manifest already uses
+it, it adds no dependency with a compiled core to a device daemon, and the same schema documents
+the keys (docs/reference/config.md is generated from it). Errors name the file and the key path.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import jsonschema
+
+from agent.errors import ConfigError
+from agent.keydoc import Key
+
+JSON_TYPE_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
+                   "array": "a list", "object": "a mapping", "null": "nothing"}
+
+
+def key_of(hint: Any) -> Key:
+    """The `Key` annotation of a field's type hint (an empty one when it has none)."""
+    if typing.get_origin(hint) is typing.Annotated:
+        for extra in hint.__metadata__:
+            if isinstance(extra, Key):
+                return extra
+    return Key()
+
+
+def bare(hint: Any) -> Any:
+    """The type inside `Annotated[...]`."""
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Annotated else hint
+
+
+def field_hints(cls: Any) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _type_schema(tp: Any) -> dict[str, Any]:
+    tp = bare(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            return {"anyOf": [_type_schema(a) for a in args]}
+        sub = _type_schema(inner[0])
+        if type(None) in args:
+            if "type" in sub:
+                kinds = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
+                sub = {**sub, "type": kinds + ["null"]}
+            elif "enum" in sub:
+                sub = {**sub, "enum": [*sub["enum"], None]}
+            else:
+                sub = {"anyOf": [sub, {"type": "null"}]}
+        return sub
+    if origin is Literal:
+        return {"enum": list(args)}
+    if origin in (tuple, list):
+        return {"type": "array", "items": _type_schema(args[0])}
+    if origin in (collections.abc.Mapping, dict) or tp is dict:
+        return {"type": "object", "additionalProperties": _type_schema(args[1]) if args else {}}
+    if dataclasses.is_dataclass(tp):
+        return dataclass_schema(tp)
+    if tp is bool:
+        return {"type": "boolean"}
+    if tp is int:
+        return {"type": "integer"}
+    if tp is float:
+        return {"type": "number"}
+    if tp is str:
+        return {"type": ["string", "number"]}  # `device: 0`, `device_id: 7`: read as text
+    if tp is Path:
+        return {"type": "string", "minLength": 1}
+    if tp is Any:
+        return {}
+    raise TypeError(f"no JSON Schema for setting type {tp!r}")
+
+
+def dataclass_schema(cls: Any) -> dict[str, Any]:
+    hints = field_hints(cls)
+    props: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name == "source_file":
+            continue
+        key = key_of(hints[f.name])
+        sub = _type_schema(hints[f.name])
+        if key.ge is not None:
+            sub["minimum"] = key.ge
+        if key.le is not None:
+            sub["maximum"] = key.le
+        if key.pattern is not None:
+            sub["pattern"] = f"^(?:{key.pattern})$"
+        if key.doc:
+            sub["description"] = key.doc
+        props[f.name] = sub
+    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    by_type = _used_by(cls, hints)
+    if by_type:
+        schema["allOf"] = by_type
+    return schema
+
+
+def _used_by(cls: Any, hints: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A source's keys by type: a key that its `type` does not use is refused (a discriminated union)."""
+    if "type" not in hints or not any(key_of(h).used_by for h in hints.values()):
+        return []
+    types_ = typing.get_args(bare(hints["type"]))
+    default = next(f.default for f in dataclasses.fields(cls) if f.name == "type")
+    rules = []
+    for t in types_:
+        unused = {name: False for name, h in hints.items() if key_of(h).used_by and t not in key_of(h).used_by}
+        if not unused:
+            continue
+        cond: dict[str, Any] = {"properties": {"type": {"const": t}}, "required": ["type"]}
+        if t == default:  # no `type` key means the default type
+            cond = {"anyOf": [cond, {"not": {"required": ["type"]}}]}
+        rules.append({"if": cond, "then": {"properties": unused}})
+    return rules
+
+
+@functools.cache
+def config_schema() -> dict[str, Any]:
+    from agent.config import Config
+
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "edge-agent config",
+            **dataclass_schema(Config)}
+
+
+def _path(parts: Any) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(top level)"
+
+
+def _words(kinds: Any) -> str:
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "string" in kinds and "number" in kinds:
+        kinds = [k for k in kinds if k != "number"]
+    words = [JSON_TYPE_WORDS.get(k, k) for k in kinds if k != "null"]
+    if "minLength" in kinds:
+        words = ["a path"]
+    return " or ".join(words) + (" (or nothing)" if "null" in kinds else "")
+
+
+def _unused_source_key(data: Any, path: list[Any]) -> str | None:
+    """A false schema's error (a key the source's type does not read) points at the source mapping:
+    name the key itself, and the types that do read it."""
+    from agent.config import SourceConfig
+
+    node = data
+    for p in path:
+        try:
+            node = node[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    if not isinstance(node, dict):
+        return None
+    kind = node.get("type", "folder")
+    hints = field_hints(SourceConfig)
+    for name in sorted(node):
+        used = key_of(hints[name]).used_by if name in hints else ()
+        if used and kind not in used:
+            return (f"key {_path([*path, name])}: not used by a {kind!r} source (read by: {', '.join(used)}); "
+                    f"remove it or change the type")
+    return None
+
+
+def describe(error: jsonschema.ValidationError, data: Any = None) -> str:
+    """One schema error in the agent's words: the key path, what was expected, what was found."""
+    where = _path(error.absolute_path)
+    v, found = error.validator, error.instance
+    if v is None:  # a `false` schema: a source key its type does not read
+        return _unused_source_key(data, list(error.absolute_path)) or f"key {where}: {error.message}"
+    if v == "additionalProperties" and isinstance(found, dict):
+        known = sorted((error.schema.get("properties") or {}))
+        extra = sorted(k for k in found if k not in known)
+        name = extra[0] if extra else "?"
+        path = _path([*error.absolute_path, name])
+        close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"key {path}: unknown key{hint} (known here: {known})"
+    if v == "type":
+        if error.validator_value == "string" and error.schema.get("minLength"):
+            return f"key {where}: expected a path, found {found!r}"
+        return f"key {where}: expected {_words(error.validator_value)}, found {found!r}"
+    if v == "minimum":
+        return f"key {where}: expected >= {error.validator_value:g}, found {found!r}"
+    if v == "maximum":
+        return f"key {where}: expected <= {error.validator_value:g}, found {found!r}"
+    if v == "enum":
+        return f"key {where}: expected one of {list(error.validator_value)}, found {found!r}"
+    if v == "pattern":
+        return f"key {where}: {found!r} is not allowed here ({error.schema.get('description', error.message)})"
+    if v == "minLength":
+        return f"key {where}: expected a path, found {found!r}"
+    return f"key {where}: {error.message}"
+
+
+@functools.cache
+def _validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(config_schema())
+
+
+def _false_schema_errors(errors: list[jsonschema.ValidationError]) -> list[jsonschema.ValidationError]:
+    """if/then failures point at the `then`; the useful error is the key whose schema is `false`."""
+    out = []
+    for e in errors:
+        if e.validator == "if" or e.validator == "allOf":
+            out += _false_schema_errors(list(e.context or [])) or [e]
+        else:
+            out.append(e)
+    return out
+
+
+def validate(data: Mapping[str, Any], where: str) -> None:
+    """Raise ConfigError naming `where` and the first bad key (sorted by key path: stable across runs)."""
+    errors = _false_schema_errors(list(_validator().iter_errors(data)))
+    if not errors:
+        return
+    errors.sort(key=lambda e: [str(p) for p in e.absolute_path])
+    raise ConfigError(f"{where}: {describe(errors[0], data)}")
+
+
+def build(cls: Any, data: Mapping[str, Any]) -> Any:
+    """Typed settings from data the schema accepted (lists become tuples, strings paths)."""
+    hints = field_hints(cls)
+    return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+
+
+def _value(tp: Any, value: Any) -> Any:
+    tp = bare(tp)
+    if value is None:
+        return None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _value(inner[0], value) if len(inner) == 1 else value
+    if origin in (tuple, list):
+        return tuple(_value(args[0], v) for v in value)
+    if origin in (collections.abc.Mapping, dict):
+        return {str(k): _value(args[1], v) if args else v for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value)
+    if tp is float:
+        return float(value)
+    if tp is str:
+        return str(value)
+    if tp is Path:
+        return Path(value)
+    return value
