@@ -1,6 +1,6 @@
 """Every MQTT topic the agent and its operators use, defined once.
 
-Prefix default `edge/<device_id>/`; README's topic table is checked against `Topics.documented()`.
+Prefix default `edge/<device_id>/`; docs/reference/topics.md is generated from `Topics.documented()`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Topics:
 
     @staticmethod
     def documented() -> dict[str, str]:
-        """Topic suffixes and their meaning, as README lists them."""
+        """Topic suffixes and their meaning, as docs/reference/topics.md lists them."""
         return {
             "availability": "retained JSON {state: online|stopped|offline, session}; offline is the last will",
             "health": "retained JSON, every output.health_interval_s and on change",

@@ -565,7 +565,7 @@ class Controller:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
             return
         if self._update_thread is not None and self._update_thread.is_alive():
-            # the delivery's word for a second update while one runs (README "Hostile inputs"): busy
+            # the delivery's word for a second update while one runs (docs/updates.md "Hostile inputs"): busy
             reply({"ok": False, "already_running": True, "busy": True,
                    "error": "busy: an update command is already running; send it again after its verdict"})
             return

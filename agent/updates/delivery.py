@@ -1,7 +1,7 @@
 """How bundles reach the updater: MQTT chunks (`ChunkReceiver`), a URL with its sha256 (`Downloader`),
 or a `.tar.gz` dropped into an inbox (`watch_inbox`). Every input here is bounded before it costs anything.
 
-Bounds and policy (each a config key under `updates`, see README "Hostile inputs"):
+Bounds and policy (each a config key under `updates`, see docs/updates.md "Hostile inputs"):
 - an offer is refused unless size <= max_bundle_bytes, fits the free disk, and its chunk size lies in
   [min_chunk_bytes, max_chunk_bytes]; received chunks are one byte each in a bitmap, data goes to a file;
 - one transfer at a time, newest wins: a new offer (or the same id offered again) ends the unfinished
