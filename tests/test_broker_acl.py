@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,26 +63,35 @@ def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: P
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "w"))
     operator = Collector(broker.port, ["edge/#"], username="operator", password=USERS["operator"])
     # dev-a, a device with a valid account, tries to listen to dev-b's commands and to pause it
-    rogue = Collector(broker.port, ["edge/dev-b/cmd/#", "edge/dev-b/#"], username="dev-a", password=USERS["dev-a"])
+    rogue = Collector(broker.port, ["edge/dev-b/cmd/#", "edge/dev-b/#", "edge/dev-a/cmd/+"], username="dev-a", password=USERS["dev-a"])
     try:
         health = lambda: [json.loads(m.payload) for m in operator.on("edge/dev-b/health")]  # noqa: E731
         assert operator.wait(lambda: any(h["serving"] for h in health()), 90), (tmp_path / "agent.log").read_text()[-2000:]
         assert rogue.wait(lambda: rogue.connects >= 1, 30)
         attempt(rogue, "edge/dev-b/cmd/pause", b"{}")
         attempt(rogue, "edge/dev-b/bundle/offer", b'{"transfer": "x"}')
-        time.sleep(1.5)
+        # Barrier: a status command sent after the broker answered dev-a's publishes reaches dev-b after
+        # them (one broker, one subscription, commands handled in order): once it is answered, a pause
+        # that got through would have been answered first.
+        operator.c.publish("edge/dev-b/cmd/status", b'{"id": "witness"}', qos=1).wait_for_publish(5)
+        assert operator.wait(lambda: operator.on("edge/dev-b/cmd/status/reply"), 30)
         assert operator.on("edge/dev-b/cmd/pause/reply") == [], "dev-b obeyed dev-a"
-        assert not health()[-1]["paused"]
+        assert not json.loads(operator.on("edge/dev-b/cmd/status/reply")[0].payload)["health"]["paused"]
         # the operator commands dev-b: it obeys, and dev-a sees neither the command nor the reply
         operator.c.publish("edge/dev-b/cmd/pause", b'{"id": "op"}', qos=1).wait_for_publish(5)
         assert operator.wait(lambda: operator.on("edge/dev-b/cmd/pause/reply"), 30)
         assert json.loads(operator.on("edge/dev-b/cmd/pause/reply")[0].payload)["paused"] is True
-        time.sleep(0.5)
-        assert rogue.messages == [], [m.topic for m in rogue.messages]
-        # and dev-a cannot speak for dev-b: its forged health never reaches the operator
+        # Barrier: a message on a topic dev-a may read, published after the reply was seen, reaches dev-a
+        # after anything the broker would have forwarded to it before.
+        operator.c.publish("edge/dev-a/cmd/witness", b"{}", qos=1).wait_for_publish(5)
+        assert rogue.wait(lambda: rogue.on("edge/dev-a/cmd/witness"), 30), "the witness never reached dev-a"
+        assert [m.topic for m in rogue.messages] == ["edge/dev-a/cmd/witness"]
+        # and dev-a cannot speak for dev-b: its forged health never reaches the operator (barrier: the
+        # operator's own message, published after the broker answered dev-a, comes back after it would)
         n = len(health())
         attempt(rogue, "edge/dev-b/health", b'{"serving": false, "forged": true}')
-        time.sleep(1.0)
+        operator.c.publish("edge/dev-b/witness", b"{}", qos=1).wait_for_publish(5)
+        assert operator.wait(lambda: operator.on("edge/dev-b/witness"), 30)
         assert not any(h.get("forged") for h in health()[n:])
     finally:
         end_process(agent)

@@ -138,7 +138,11 @@ def test_response_topic_of_another_device_is_refused_and_nothing_is_published_th
         assert col.wait(lambda: len(replies(col, "status")) > n, 30)
         body = replies(col, "status")[-1]
         assert body["ok"] is False and "outside this device's reply namespace" in body["error"]
-    time.sleep(0.5)
+    # Barrier: the agent publishes in order on one connection; once the reply to one more command is
+    # here, a reply it had sent to a refused response topic would have arrived first.
+    n = len(replies(col, "status"))
+    client.pub(PREFIX + "cmd/status", b"{}")
+    assert col.wait(lambda: len(replies(col, "status")) > n, 30)
     assert col.on(f"edge/{OTHER}/cmd/pause") == []
     assert all("command" not in json.loads(m.payload) for m in col.on(PREFIX + "predictions"))
     # the device's own reply namespace is honoured

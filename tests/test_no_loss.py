@@ -65,6 +65,7 @@ class Boot:
         self.how = how
 
 
+@pytest.mark.slow  # broker and agent killed in turn: a storm, outside the fast lane
 def test_no_result_lost_across_broker_kills_agent_kills_and_the_end_of_the_run(tmp_path: Path) -> None:
     broker = Broker(tmp_path / "broker").start()
     sub = Collector(broker.port, [PREFIX + "predictions"], client_id="fleet-recorder-nl", persistent=True)

@@ -7,12 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import yaml
 
-from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,85 +31,38 @@ def test_demo_run_without_config_prints_correct_predictions(tmp_path: Path) -> N
     assert (tmp_path / "edge-agent" / "selftest" / "report.json").exists()
 
 
-def _config(tmp_path: Path, **overrides) -> Path:
-    cfg = {
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": 200},
-        "output": {"health_interval_s": 0.5},
-        **overrides,
-    }
-    p = tmp_path / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-def _events(text: str) -> list[dict]:
-    out = []
-    for x in text.splitlines():
-        if x.startswith("{"):
-            try:
-                out.append(json.loads(x))
-            except ValueError:
-                pass  # a line being written
-    return out
-
-
-def test_sigterm_finishes_in_flight_frames_and_exits_cleanly(tmp_path: Path) -> None:
-    log = tmp_path / "agent.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(_config(tmp_path))],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-    # Health is logged by its own timer: 200 results (1 s at 200 fps) did not always span a serving
-    # health on a loaded machine, so read results until one was logged too (the pipe never fills).
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break  # the agent died: the assertions below say how
-        lines.append(line)
-        if len(lines) >= 200 and len(lines) % 50 == 0 and any(
-                e["event"] == "health" and e["serving"] for e in _events(log.read_text())):
-            break
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=30)
-    err = log.read_text()
-    assert proc.returncode == 0, err
-    results = [json.loads(x) for x in lines + rest.splitlines() if x.strip()]  # every line is whole JSON
-    seqs = [r["seq"] for r in results]
+def test_sigterm_finishes_in_flight_frames_and_exits_cleanly(agent_process) -> None:
+    agent = agent_process().start()
+    # Health is logged by its own timer: wait for a serving health, then for 200 results
+    agent.wait_event("health", lambda e: e["serving"], timeout=120)
+    agent.wait_results(200, timeout=120)
+    assert agent.stop() == 0, agent.log_text()[-3000:]
+    seqs = [r["seq"] for r in agent.results()]  # every line is whole JSON (results() parses each)
     assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 200
-    events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
-    shutdown = [e for e in events if e["event"] == "shutdown"]
-    assert shutdown and shutdown[0]["frames_out"] == len(seqs)
-    assert any(e["event"] == "health" and e["serving"] for e in events)
+    assert agent.wait_event("shutdown")["frames_out"] == len(seqs)
 
 
-def test_bundle_that_fails_selftest_is_not_served_but_the_agent_stays_up(tiny_bundle: Path, tmp_path: Path) -> None:
+def test_bundle_that_fails_selftest_is_not_served_but_the_agent_stays_up(tiny_bundle: Path, tmp_path: Path,
+                                                                        agent_process) -> None:
+    from agentproc import demo_config
+
     from agent.testing import rewrite_manifest
 
     rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 0.0001}))
-    cfg = _config(tmp_path, bundle=str(tiny_bundle), selection={"latency_retries": 0})
-    log = tmp_path / "agent.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-    # wait for the verdict and a health that carries it (a fixed 4 s let SIGINT come first under load)
-    said = wait_until(lambda: any(e["event"] == "boot.not_serving" for e in _events(log.read_text())) and any(
-        e["event"] == "health" and "latency p95" in (e.get("not_serving_reason") or "")
-        for e in _events(log.read_text())), 120)
-    time.sleep(1.0)  # ... and it stays up after saying so
-    assert proc.poll() is None, "the agent exited instead of staying up, not serving"
-    assert said, log.read_text()[-2000:]
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    err = log.read_text()
-    assert proc.returncode == 0
-    assert out == ""  # nothing served from an unproven setup
-    events = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
-    not_serving = [e for e in events if e["event"] == "boot.not_serving"]
-    assert not_serving and "latency p95" in not_serving[0]["reason"]
-    health = [e for e in events if e["event"] == "health"]
-    assert health and health[-1]["serving"] is False and "latency p95" in health[-1]["not_serving_reason"]
+    agent = agent_process(demo_config(tmp_path, bundle=str(tiny_bundle), selection={"latency_retries": 0})).start()
+    said = agent.wait_event("boot.not_serving", timeout=120)
+    assert "latency p95" in said["reason"]
+    # ... and it stays up after saying so: two more health periods pass with the process alive
+    first = agent.wait_event("health", lambda e: "latency p95" in (e.get("not_serving_reason") or ""), timeout=60)
+    count = len(agent.events("health"))
+    agent.wait_event("health", count=count + 2, timeout=60)
+    assert agent.returncode is None, "the agent exited instead of staying up, not serving"
+    assert first["serving"] is False
+    agent.signal(signal.SIGINT)
+    assert agent.wait_exit(30) == 0
+    assert agent.results() == []  # nothing served from an unproven setup
+    health = agent.events("health")
+    assert health[-1]["serving"] is False and "latency p95" in health[-1]["not_serving_reason"]
 
 
 def test_sensor_demo_from_stdin_classifies_each_simulated_state(tmp_path: Path) -> None:
