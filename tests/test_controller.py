@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agentproc import demo_config
 from brokers import Broker, Collector
 from waiting import end_process, wait_until
 
@@ -83,55 +84,44 @@ def broker(tmp_path: Path):
     b.stop()
 
 
-def _read_lines(proc: subprocess.Popen, sink: list[str]) -> threading.Thread:
-    t = threading.Thread(target=lambda: sink.extend(iter(proc.stdout.readline, "")), daemon=True)
-    t.start()
-    return t
+def _agent(agent_process, tmp_path: Path, port: int | None = None, **overrides):
+    return agent_process(demo_config(tmp_path, port=port, device_id=DEVICE, **overrides)).start()
 
 
-def test_selftest_command_while_serving_swallows_no_result_lines(broker: Broker, tmp_path: Path) -> None:
+def test_selftest_command_while_serving_swallows_no_result_lines(broker: Broker, tmp_path: Path,
+                                                                 agent_process) -> None:
     """Fault: capturing ORT's native output redirected fds 1 and 2 of the serving process; a self-test
     command while serving swallowed 46 of 396 result lines. Now the self-test runs in a child, and a
     second request while one runs is answered "already running"."""
-    proc = _start(_config(tmp_path, broker.port, selection={"use_cache": False}))
-    lines: list[str] = []
-    reader = _read_lines(proc, lines)
+    agent = _agent(agent_process, tmp_path, broker.port, selection={"use_cache": False})
     cmd = Commander(broker.port)
     try:
-        assert wait_until(lambda: len(lines) >= 50, 60)
+        agent.wait_results(50, 60)
         for _ in range(3):
             cmd.send("selftest")
         assert cmd.col.wait(lambda: len(cmd.replies("selftest")) >= 3, 60)
         replies = cmd.replies("selftest")
         assert sum(r["ok"] for r in replies) == 1 and sum(bool(r.get("already_running")) for r in replies) == 2
-        n = len(lines)
-        assert wait_until(lambda: len(lines) > n + 100, 60)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        reader.join(10)
-        err = proc.stderr.read()
+        agent.wait_results(len(agent.results()) + 100, 60)
+        assert agent.stop() == 0
     finally:
-        end_process(proc)
         cmd.close()
-    assert proc.returncode == 0
-    results = [json.loads(x) for x in lines]  # every line is whole JSON
-    seqs = [r["seq"] for r in results]
+    seqs = [r["seq"] for r in agent.results()]  # every line is whole JSON
     assert seqs == list(range(1, len(seqs) + 1))
-    shutdown = [e for e in _events(err) if e["event"] == "shutdown"][0]
-    assert shutdown["frames_out"] == len(seqs)
+    assert agent.wait_event("shutdown")["frames_out"] == len(seqs)
 
 
-def test_thousands_of_commands_start_no_thread_each_and_a_full_queue_answers_busy(broker: Broker,
-                                                                                  tmp_path: Path) -> None:
+def test_thousands_of_commands_start_no_thread_each_and_a_full_queue_answers_busy(broker: Broker, tmp_path: Path,
+                                                                                  agent_process) -> None:
     """Fault: one thread per command (3,000 commands made 2,999 threads); queued self-tests blocked the
     main loop for a minute. Now commands are events in a bounded queue; a full queue answers busy."""
-    proc = _start(_config(tmp_path, broker.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = _agent(agent_process, tmp_path, broker.port, output={"stdout": False})
     cmd = Commander(broker.port)
     peak = 0
     try:
         health = Collector(broker.port, [PREFIX + "health"])
         assert health.wait(lambda: any(json.loads(m.payload)["serving"] for m in health.on(PREFIX + "health")), 60)
-        threads = lambda: len(os.listdir(f"/proc/{proc.pid}/task"))  # noqa: E731
+        threads = lambda: len(os.listdir(f"/proc/{agent.pid}/task"))  # noqa: E731
         base = threads()
         for i in range(3000):
             cmd.send("selftest" if i % 2 else "status")
@@ -146,59 +136,41 @@ def test_thousands_of_commands_start_no_thread_each_and_a_full_queue_answers_bus
         assert health.wait(lambda: len(health.on(PREFIX + "health")) > n + 2, 30)  # the loop still ticks
         health.close()
     finally:
-        end_process(proc)
         cmd.close()
     print(f"\n3000 commands: threads {base} before, {peak} at most during the burst")
     assert peak <= base + 8, f"threads went from {base} to {peak}"
 
 
-def test_seq_never_repeats_within_a_boot_across_reloads(tmp_path: Path) -> None:
+def test_seq_never_repeats_within_a_boot_across_reloads(tmp_path: Path, agent_process) -> None:
     """Fault: after a reload `seq` restarted at 1 under the same `boot`: (boot, seq) repeated."""
-    log = tmp_path / "agent.log"
-    proc = _start(_config(tmp_path), stderr=open(log, "w"))
-    lines: list[str] = []
-    reader = _read_lines(proc, lines)
-    ready = lambda: sum(e["event"] == "boot.ready" for e in _events(log.read_text()))  # noqa: E731
-    try:
-        # Each SIGHUP only once the previous reload serves again (boot.ready): 60 results alone could be
-        # the old pipeline's, and a second SIGHUP during the first reload is coalesced into it.
-        for i in range(2):
-            assert wait_until(lambda: ready() >= i + 1, 120), log.read_text()[-3000:]
-            n = len(lines)
-            assert wait_until(lambda: len(lines) >= n + 60, 60)
-            proc.send_signal(signal.SIGHUP)
-        assert wait_until(lambda: ready() >= 3, 120), log.read_text()[-3000:]
-        n = len(lines)
-        assert wait_until(lambda: len(lines) >= n + 60, 60)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        reader.join(10)
-        err = log.read_text()
-    finally:
-        end_process(proc)
-    results = [json.loads(x) for x in lines]
-    keys = [(r["boot"], r["seq"]) for r in results]
+    agent = _agent(agent_process, tmp_path)
+    # Each SIGHUP only once the previous reload serves again (boot.ready): 60 results alone could be
+    # the old pipeline's, and a second SIGHUP during the first reload is coalesced into it.
+    for i in range(2):
+        agent.wait_event("boot.ready", count=i + 1, timeout=120)
+        agent.wait_results(len(agent.results()) + 60, 60)
+        agent.signal(signal.SIGHUP)
+    agent.wait_event("boot.ready", count=3, timeout=120)
+    agent.wait_results(len(agent.results()) + 60, 60)
+    assert agent.stop() == 0
+    keys = [(r["boot"], r["seq"]) for r in agent.results()]
     assert len(set(keys)) == len(keys) and len({b for b, _ in keys}) == 1
     assert [s for _, s in keys] == list(range(1, len(keys) + 1))
-    assert sum(e["event"] == "reload.start" for e in _events(err)) == 2
+    assert len(agent.events("reload.start")) == 2
 
 
-def test_sigterm_loses_no_captured_frame_uncounted(tmp_path: Path) -> None:
+def test_sigterm_loses_no_captured_frame_uncounted(tmp_path: Path, agent_process) -> None:
     """Fault: on SIGTERM one captured frame disappeared uncounted. Every frame in is published or
     counted as dropped with a reason."""
-    for _ in range(3):
-        proc = _start(_config(tmp_path, pipeline={"queue_size": 1}))
-        lines: list[str] = []
-        reader = _read_lines(proc, lines)
-        assert wait_until(lambda: len(lines) >= 100, 60)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        reader.join(10)
-        err = proc.stderr.read()
-        shutdown = [e for e in _events(err) if e["event"] == "shutdown"][0]
+    for i in range(3):
+        agent = agent_process(demo_config(tmp_path / f"run{i}", device_id=DEVICE, pipeline={"queue_size": 1}),
+                              name=f"agent{i}").start()
+        agent.wait_results(100, 60)
+        assert agent.stop() == 0
+        shutdown = agent.wait_event("shutdown")
         dropped = sum(shutdown["dropped_by_reason"].values())
         assert shutdown["frames_in"] == shutdown["frames_out"] + dropped, shutdown
-        assert shutdown["frames_out"] == len(lines)
+        assert shutdown["frames_out"] == len(agent.results())
 
 
 # A sink that fails the way a full disk does, after some results: the publish stage dies for real.
