@@ -349,6 +349,7 @@ def test_outbox_stats_in_health_while_the_link_pumps(broker: Broker, tmp_path: P
 
 
 
+@pytest.mark.slow  # 400 queued self-tests: a storm
 def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker, tmp_path: Path) -> None:
     """Fault: 400 queued `selftest` commands plus a reload blocked the main loop 64 s (a watchdog gap of
     74 s against WatchdogSec=30). Now they are events and one operation at a time: the loop keeps ticking."""
