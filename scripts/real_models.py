@@ -190,7 +190,9 @@ def ensure_venv_real() -> Path:
     missing = [p for p in pins if p.lower().replace("-", "_") not in have.replace("-", "_")]
     if missing:
         # silero-vad's OnnxWrapper needs torch (CPU use only); the rest need opencv, pyclipper, shapely, pymupdf.
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins])
+        # PYTHONPATH dropped: the checkout's edge_agent.egg-info would look installed to this venv's pip
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins], env=env)
         if r.returncode != 0:
             raise Unavailable(f"pip install {' '.join(pins)} into {VENV_REAL} failed (rc {r.returncode})")
     return py

@@ -56,7 +56,9 @@ make_venv() {  # make_venv NAME "PACKAGES" -> path of its python; pip only when 
     phase "pip install into $dir"
     # Each venv gets exactly one onnxruntime distribution: two would overwrite each other's module.
     # shellcheck disable=SC2086
-    "$dir/bin/python" -m pip install -q $2 >&2
+    # PYTHONPATH unset: the checkout's edge_agent.egg-info would look installed to pip, which then warns
+    # that its requirements are missing ("ERROR: pip's dependency resolver ...") in venvs that never hold it.
+    env -u PYTHONPATH "$dir/bin/python" -m pip install -q $2 >&2
     echo "$stamp" > "$dir/.edge-agent-deps"
   fi
   echo "$dir/bin/python"
