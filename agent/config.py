@@ -213,6 +213,8 @@ class Config:
     updates: UpdatesConfig = UpdatesConfig()
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
+    # what a fleet rollout targets on (site, camera, group): published in the retained `facts` topic
+    labels: Mapping[str, str] = field(default_factory=dict)
     source_file: Path | None = None
 
     @property
