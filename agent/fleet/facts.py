@@ -62,7 +62,7 @@ def reproduction_margin(reproduction: Mapping[str, Any] | None) -> float | None:
     return round(1.0 - diff / bound, 6)
 
 
-def candidate_proof(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def candidate_proof(report: Mapping[str, Any] | None, budget_ms: float | None = None) -> dict[str, Any] | None:
     """The self-test figures of the selected candidate: reproduction margin, fidelity metric, floor and
     margin, p95 vs budget, the fraction of nodes on its provider."""
     if not isinstance(report, Mapping):
@@ -74,7 +74,8 @@ def candidate_proof(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
     c = next((c for c in cands if c.get("provider") == sel.get("provider") and c.get("variant") == sel.get("variant")), {})
     fig = candidate_figures(c) if c else {}
     fid = c.get("fidelity") if isinstance(c.get("fidelity"), Mapping) else {}
-    p95, budget = fig.get("p95_ms"), fig.get("budget_ms")
+    # a passing candidate's report may not carry its budget: then the bundle author's, from the manifest
+    p95, budget = fig.get("p95_ms"), fig.get("budget_ms") if fig.get("budget_ms") is not None else budget_ms
     return {
         "passed": bool(report.get("passed")),
         "provider": sel.get("provider"), "variant": sel.get("variant"),
@@ -90,7 +91,7 @@ def candidate_proof(report: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def device_facts(*, device_id: str, session: int, labels: Mapping[str, str], versions: Mapping[str, str],
                  report: Mapping[str, Any] | None, effective: list[str] | None, current: str | None,
                  committed: str | None, active: Mapping[str, Any] | None, last_failure: Mapping[str, Any] | None,
-                 ts: float | None = None) -> dict[str, Any]:
+                 budget_ms: float | None = None, ts: float | None = None) -> dict[str, Any]:
     """The retained facts document. `current`/`committed` are store ids; without a store, `active`
     ({name, version, sha}) stands for both. `last_failure` is the last rejected or rolled-back update status."""
     usable = [str(p.get("name")) for p in (report or {}).get("providers") or [] if isinstance(p, Mapping) and p.get("usable")]
@@ -109,7 +110,7 @@ def device_facts(*, device_id: str, session: int, labels: Mapping[str, str], ver
         "bundle": {"current": cur, "committed": com},
         "last_failure": None if not last_failure else {
             k: last_failure.get(k) for k in ("update", "state", "reason", "ts") if k in last_failure},
-        "proof": candidate_proof(report),
+        "proof": candidate_proof(report, budget_ms),
     }
 
 

@@ -206,9 +206,6 @@ class Operator:
         assert plan is not None
         self._apply_control()
         self._observe(now)
-        status = self.state.get("status")
-        if status == "running":
-            self._check_abort()
         if self.state.get("status") == "running":
             self._advance(now)
         if self.state.get("status") == "running":
@@ -251,6 +248,8 @@ class Operator:
             (log.info if o.state == "committed" else log.warning)("fleet.device_" + o.kind, rollout=plan.id,
                                                                   device=d, reason=o.reason[:200])
             self._dirty = True
+            if self.state.get("status") == "running":
+                self._check_abort()  # after each outcome: the decision carries the counts that crossed the line
 
     def _check_abort(self) -> None:
         c = self.counts()

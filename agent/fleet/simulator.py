@@ -248,7 +248,7 @@ class SimDevice:
         if self.store.committed_id is None:  # seed: hard links of the operator's bundle (never modified)
             dest = self.store.path(bid)
             if not dest.exists():
-                shutil.copytree(fleet.seed_bundle.root, dest, copy_function=os.link)
+                shutil.copytree(fleet.seed_copy, dest, copy_function=os.link)
             self.store.commit(bid)
             seeds = read_json(self.store.root / "seeds.json", {}) or {}
             write_json_atomic(self.store.root / "seeds.json", {**seeds, bid: fleet.seed_bundle.manifest_sha256})
@@ -413,6 +413,9 @@ class SimFleet:
         self.connected: set[str] = set()
         self.seed_bundle = load_bundle(seed_bundle, check_contracts=False)
         self.seed_id = bundle_id(self.seed_bundle)
+        self.seed_copy = state_root / "_seed" / self.seed_id  # one copy on the state root's filesystem, then links
+        if not self.seed_copy.exists():
+            shutil.copytree(seed_bundle, self.seed_copy)
         self.updates = UpdatesConfig(enabled=True, trusted_keys=tuple(trusted_keys), probation_s=1.0,
                                      probation_frames=40, keep=3)
         self.devices = [SimDevice(self, d, g, f, slow, fall) for d, g, f, slow, fall in assign_fates(groups, seed)]

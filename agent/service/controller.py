@@ -391,7 +391,8 @@ class Controller:
             committed=self.store.committed_id if self.store else None,
             active=None if b is None else {"name": b.manifest.name, "version": b.manifest.version,
                                            "sha": b.manifest_sha256[:12]},
-            last_failure=self._last_failure)
+            last_failure=self._last_failure,
+            budget_ms=b.manifest.selftest.budget_for(self.engine.describe()["provider"]) if b and self.engine else None)
 
     def _publish_facts(self) -> None:
         if self.link is not None:
