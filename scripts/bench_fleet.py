@@ -30,9 +30,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.bundle.archive import pack  # noqa: E402
-from agent.bundle.signing import keygen, sign_bundle  # noqa: E402
-from agent.testing import rewrite_manifest  # noqa: E402
+from agent.bundle.archive import pack
+from agent.bundle.signing import keygen, sign_bundle
+from agent.testing import rewrite_manifest
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -139,7 +139,7 @@ def raw_rate(port: int, count: int, size: int) -> float:
     sub = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
     subscribed = threading.Event()
 
-    def on_msg(c, u, m):  # noqa: ANN001
+    def on_msg(c, u, m):
         n[0] += 1
         if n[0] >= count:
             got.set()
@@ -189,7 +189,7 @@ def main() -> int:
         procs.append(broker)
         time.sleep(0.5)
         web = archive.parent
-        handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)  # noqa: E731
+        handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
         http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
         srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=srv.serve_forever, daemon=True).start()

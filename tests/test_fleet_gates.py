@@ -5,9 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from agent.fleet.facts import FactsRow, device_facts, fidelity_margin, parse_bundle_id, parse_where
+from agent.fleet.facts import (
+    FactsRow,
+    device_facts,
+    fidelity_margin,
+    parse_bundle_id,
+    parse_where,
+)
 from agent.fleet.gates import abort_reason, judge_phase, observe, percentile
-from agent.fleet.plan import Artifact, Gates, Plan, phase_ends, select_targets, start_order
+from agent.fleet.plan import (
+    Artifact,
+    Gates,
+    Plan,
+    phase_ends,
+    select_targets,
+    start_order,
+)
 
 ART = Artifact("http://127.0.0.1:1/v2.tar.gz", "ab" * 32, "digits", 2)
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from brokers import Broker, Collector
+from waiting import end_process, wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
 from agent.fleet.simulator import GroupProfile, SimFleet
 from agent.testing import rewrite_manifest
-from brokers import Broker, Collector
-from waiting import end_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         rewrite_manifest(src, lambda m, v=v: m.update(version=v))
         sign_bundle(src, t / "k.pem")
         archives[v] = pack(src, web / f"v{v}.tar.gz")
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)  # noqa: E731
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
     http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()

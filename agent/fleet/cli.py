@@ -18,8 +18,21 @@ from typing import Any
 
 from agent.errors import AgentError
 from agent.fleet.facts import parse_where
-from agent.fleet.operator import DeviceCache, FleetRollback, Operator, RolloutError, status_table
-from agent.fleet.plan import Artifact, Gates, Plan, phase_ends, select_targets, start_order
+from agent.fleet.operator import (
+    DeviceCache,
+    FleetRollback,
+    Operator,
+    RolloutError,
+    status_table,
+)
+from agent.fleet.plan import (
+    Artifact,
+    Gates,
+    Plan,
+    phase_ends,
+    select_targets,
+    start_order,
+)
 from agent.fleet.state import Connection, FleetClient, RolloutTopics, parse_broker
 from agent.link.topics import ROOT
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from agent.link.health import candidate_figures  # pure: the figures health and /metrics show
+from agent.link.health import (
+    candidate_figures,  # pure: the figures health and /metrics show
+)
 
 FACTS_SCHEMA = 1
 ACCELERATORS = ("CUDAExecutionProvider", "TensorrtExecutionProvider", "OpenVINOExecutionProvider",
@@ -38,16 +41,17 @@ def fidelity_margin(fidelity: Mapping[str, Any] | None) -> float | None:
     `min_X` bounds give metric - bound, `max_X` bounds give bound - metric. Negative: under the floor."""
     if not isinstance(fidelity, Mapping):
         return None
-    metrics = fidelity.get("metrics") if isinstance(fidelity.get("metrics"), Mapping) else {}
-    bounds = fidelity.get("bounds") if isinstance(fidelity.get("bounds"), Mapping) else {}
+    m, b = fidelity.get("metrics"), fidelity.get("bounds")
+    metrics: Mapping[str, Any] = m if isinstance(m, Mapping) else {}
+    bounds: Mapping[str, Any] = b if isinstance(b, Mapping) else {}
     margins = []
     for key, bound in bounds.items():
-        b = _num(bound)
+        floor = _num(bound)
         for prefix, sign in (("min_", 1.0), ("max_", -1.0)):
-            if b is not None and str(key).startswith(prefix):
-                m = _num(metrics.get(str(key)[len(prefix):]))
-                if m is not None:
-                    margins.append(sign * (m - b))
+            if floor is not None and str(key).startswith(prefix):
+                metric = _num(metrics.get(str(key)[len(prefix):]))
+                if metric is not None:
+                    margins.append(sign * (metric - floor))
     return round(min(margins), 6) if margins else None
 
 

@@ -8,8 +8,9 @@ switch. Failures: rejected (by its self-test, or earlier), rolled back, timed ou
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from agent.fleet.plan import Plan
 

@@ -12,13 +12,20 @@ import queue
 import socket
 import sys
 import time
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from agent.errors import AgentError
 from agent.fleet.facts import FactsRow
 from agent.fleet.gates import abort_reason, downloading, judge_phase, observe
 from agent.fleet.plan import Plan
-from agent.fleet.state import MAX_DECISIONS, STATE_SCHEMA, FleetClient, RolloutTopics, decode
+from agent.fleet.state import (
+    MAX_DECISIONS,
+    STATE_SCHEMA,
+    FleetClient,
+    RolloutTopics,
+    decode,
+)
 from agent.logsetup import get_logger
 
 log = get_logger("fleet")
@@ -182,7 +189,7 @@ class Operator:
         if not self.state.get("status"):
             self.state.update(status="running", phase=0, started=round(self.clock(), 3))
             self.decide("started", targets=len(self.plan.targets), phases=list(self.plan.phases))
-        self._handled_control = float((self.state.get("control_ts") or 0))
+        self._handled_control = float(self.state.get("control_ts") or 0)
         end = None if max_s is None else time.monotonic() + max_s
         while True:
             self.drain()
@@ -417,7 +424,7 @@ def status_table(state: dict[str, Any], records: dict[str, dict[str, Any]]) -> s
         g = state["gate"]
         lines.append(f"  gate after phase {g['phase']}: {'passed' if g['passed'] else 'FAILED'}")
         for ch in g["checks"]:
-            lines.append(f"    {ch['name']:24} {str(ch['measured']):>10} vs {ch['bound']}  {'ok' if ch['passed'] else 'FAILED'}")
+            lines.append(f"    {ch['name']:24} {ch['measured']!s:>10} vs {ch['bound']}  {'ok' if ch['passed'] else 'FAILED'}")
     for d in (state.get("decisions") or [])[-8:]:
         lines.append(f"  {time.strftime('%H:%M:%S', time.gmtime(d['ts']))} {d['event']} "
                      + json.dumps({k: v for k, v in d.items() if k not in ('ts', 'event')})[:200])

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from agent.fleet.facts import FactsRow
 
@@ -64,7 +65,7 @@ class Plan:
         return d
 
     @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> "Plan":
+    def from_dict(d: Mapping[str, Any]) -> Plan:
         return Plan(id=str(d["id"]), artifact=Artifact(**d["artifact"]), targets=tuple(d["targets"]),
                     phases=tuple(int(x) for x in d["phases"]), rate_per_min=float(d["rate_per_min"]),
                     max_downloads=int(d["max_downloads"]), device_timeout_s=float(d["device_timeout_s"]),

@@ -21,10 +21,11 @@ import selectors
 import shutil
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
@@ -73,12 +74,12 @@ class GroupProfile:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> "GroupProfile":
+    def from_dict(d: Mapping[str, Any]) -> GroupProfile:
         known = set(GroupProfile.__dataclass_fields__)
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"group {d.get('name')!r}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
         return GroupProfile(**kw)
 
 
@@ -169,25 +170,26 @@ class _Serving:
 class SimAgent:
     """The ServingAgent the real Updater drives: no engine, only which bundle and report serve."""
 
-    def __init__(self, device: "SimDevice", bundle: Bundle, report: dict[str, Any]):
+    def __init__(self, device: SimDevice, bundle: Bundle, report: dict[str, Any]):
         self.device = device
         self.serving = _Serving(bundle, report)
+        self.bundle: Bundle | None = bundle  # what the updater's anti-downgrade check reads
 
-    @property
-    def bundle(self) -> Bundle:
-        return self.serving.bundle
+    def serve(self, serving: _Serving) -> None:
+        self.serving, self.bundle = serving, serving.bundle
 
     @contextlib.contextmanager
     def operation(self, name: str) -> Iterator[None]:
         yield
 
     def swap_bundle(self, bundle: Bundle, candidate: Any, report: dict[str, Any]) -> _Serving:
-        previous, self.serving = self.serving, _Serving(bundle, report)
+        previous = self.serving
+        self.serve(_Serving(bundle, report))
         self.device.publish_facts()
         return previous
 
     def restore(self, swap: _Serving) -> None:
-        self.serving = swap
+        self.serve(swap)
         self.device.publish_facts()
 
     def engine_tally(self, swap: Any) -> None:
@@ -201,7 +203,7 @@ class SimUpdater(Updater):
     """The agent's Updater with the two device-bound steps drawn instead of run: the self-test child
     and the frames watched on probation. Every other step is the agent's own code."""
 
-    device: "SimDevice"
+    device: SimDevice
 
     def _child_selftest(self, root: Path) -> dict[str, Any]:
         d = self.device
@@ -231,7 +233,7 @@ class SimUpdater(Updater):
 
 
 class SimDevice:
-    def __init__(self, fleet: "SimFleet", device_id: str, group: GroupProfile, fate: str, slow: bool, fallback: bool):
+    def __init__(self, fleet: SimFleet, device_id: str, group: GroupProfile, fate: str, slow: bool, fallback: bool):
         self.fleet, self.id, self.group, self.fate, self.slow, self.fallback = fleet, device_id, group, fate, slow, fallback
         self.rng = random.Random(f"{fleet.seed}/{device_id}")
         self.topics = Topics(default_prefix(device_id) if fleet.root == "edge" else f"{fleet.root}/{device_id}/")
@@ -252,7 +254,7 @@ class SimDevice:
             self.store.commit(bid)
             seeds = read_json(self.store.root / "seeds.json", {}) or {}
             write_json_atomic(self.store.root / "seeds.json", {**seeds, bid: fleet.seed_bundle.manifest_sha256})
-        active = load_bundle(self.store.path(self.store.committed_id), check_contracts=False)
+        active = load_bundle(self.store.path(self.store.committed_id or bid), check_contracts=False)
         self.agent = SimAgent(self, active, self.report(active.root, provider=group.provider))
         self.updater = SimUpdater(self.agent, self.store, fleet.updates, fleet.state_root / device_id, None,
                                   self._publish_update)
@@ -338,8 +340,8 @@ class SimDevice:
             if self.fleet.stop.wait(self.group.crash_down_s):
                 return
             self.store.recover()
-            active = load_bundle(self.store.path(self.store.committed_id), check_contracts=False)
-            self.agent.serving = _Serving(active, self.report(active.root))
+            active = load_bundle(self.store.path(self.store.committed_id or self.fleet.seed_id), check_contracts=False)
+            self.agent.serve(_Serving(active, self.report(active.root)))
             self.crashed.clear()
             self.connect()
 
@@ -348,13 +350,13 @@ class SimDevice:
     # -- commands ----------------------------------------------------------------------------------------
     def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
         if msg.topic.startswith(self.topics.prefix + "bundle/"):
-            self.receiver.on_message(msg.topic[len(self.topics.prefix):], msg.payload)
+            self.receiver.on_message(msg.topic[len(self.topics.prefix):], bytes(msg.payload))
             return
         name = self.topics.command_name(msg.topic)
         if name is None:
             return
         try:
-            payload = parse_json_object(msg.payload, 64 * 1024)
+            payload = parse_json_object(bytes(msg.payload), 64 * 1024)
         except PayloadError as exc:
             self.reply(name, payload={}, result={"ok": False, "error": f"malformed payload: {exc}"})
             return
@@ -420,7 +422,7 @@ class SimFleet:
                                      probation_frames=40, keep=3)
         self.devices = [SimDevice(self, d, g, f, slow, fall) for d, g, f, slow, fall in assign_fates(groups, seed)]
 
-    def start(self, timeout: float = 120.0) -> "SimFleet":
+    def start(self, timeout: float = 120.0) -> SimFleet:
         self.loop.thread.start()
         for d in self.devices:
             d.connect()
@@ -458,10 +460,13 @@ def load_groups(spec: str | Path, default_count: int | None = None) -> list[Grou
     separated by ';', e.g. `a:50;b:50:reject_pct=30`."""
     p = Path(str(spec))
     if p.exists():
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         data = yaml.safe_load(p.read_text())
-        return [GroupProfile.from_dict(g) for g in (data.get("groups") if isinstance(data, dict) else data)]
+        items = data.get("groups") if isinstance(data, dict) else data
+        if not isinstance(items, list):
+            raise ValueError(f"{p}: expected a list of groups (or {{groups: [...]}}), found {type(items).__name__}")
+        return [GroupProfile.from_dict(g) for g in items]
     groups = []
     for item in str(spec).split(";"):
         parts = item.strip().split(":")

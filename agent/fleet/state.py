@@ -90,11 +90,11 @@ class FleetClient:
             self.client.username_pw_set(conn.username, conn.password)
         self.client.max_inflight_messages_set(200)
         self.client.on_connect = self._on_connect
-        self.client.on_message = lambda c, u, m: self.inbox.put((m.topic, m.payload, bool(m.retain)))
+        self.client.on_message = lambda c, u, m: self.inbox.put((m.topic, bytes(m.payload), bool(m.retain)))
         self.client.on_disconnect = lambda *a: self.connected.clear()
-        self.client.reconnect_delay_set(0.5, 5)
+        self.client.reconnect_delay_set(1, 5)
 
-    def start(self, topics: list[str], timeout: float = 15.0) -> "FleetClient":
+    def start(self, topics: list[str], timeout: float = 15.0) -> FleetClient:
         self._subs = topics
         self.client.connect(self.conn.host, self.conn.port, 30)
         self.client.loop_start()
