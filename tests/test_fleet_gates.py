@@ -134,3 +134,17 @@ def test_where_filters_labels_and_providers_and_targets_skip_earlier_rejections(
 
 def test_percentile_is_nearest_rank() -> None:
     assert percentile([5, 1, 3, 2, 4], 10) == 1 and percentile([5, 1, 3, 2, 4], 95) == 5 and percentile([], 50) is None
+
+
+def test_a_late_last_will_of_the_previous_connection_does_not_hide_the_live_session() -> None:
+    from agent.fleet.operator import DeviceCache
+
+    cache = DeviceCache("edge")
+    cache.take("edge/d/availability", {"state": "online", "session": 6})
+    cache.take("edge/d/availability", {"state": "offline", "session": 6})  # session 5's will (it names 5 + 1)
+    assert cache.online("d")
+    cache.take("edge/d/availability", {"state": "offline", "session": 7})  # session 6's own will
+    assert not cache.online("d")
+    cache.take("edge/d/facts", {"session": 7, "bundle": {"committed": {"version": 2}}})
+    cache.take("edge/d/facts", {"session": 6, "bundle": {"committed": {"version": 1}}})
+    assert cache.facts["d"]["bundle"]["committed"]["version"] == 2

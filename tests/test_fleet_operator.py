@@ -151,3 +151,55 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
             op.client.stop()
         sims.close()
         srv.shutdown()
+
+
+def test_pause_stops_new_starts_and_resume_continues(broker: Broker) -> None:
+    devices = [f"dev{i}" for i in range(6)]
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    for d in devices:
+        fake_device(c, d)
+    plan = Plan(id="pz", artifact=ART, targets=tuple(devices), phases=(6,), rate_per_min=6000, max_downloads=2)
+    publish_plan(broker.port, plan)
+    op = operator(broker.port, "pz")
+    stop = threading.Event()
+    t = threading.Thread(target=op.run, kwargs={"until": stop.is_set}, daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: len(op.records) == 2, 20)
+        c.publish(RolloutTopics("pz").control, {"action": "pause", "ts": time.time(), "by": "test"})
+        assert wait_until(lambda: op.state.get("status") == "paused", 20)
+        for d in sorted(op.records):  # both past their download: the cap no longer holds anything back
+            c.publish(f"edge/{d}/update/status", {"update": "pz", "state": "selftest", "ts": time.time()})
+        assert wait_until(lambda: all(op.devices.status.get(d) for d in op.records), 20)
+        time.sleep(1.0)
+        assert len(op.records) == 2, "paused: nothing new starts"
+        c.publish(RolloutTopics("pz").control, {"action": "resume", "ts": time.time() + 0.001, "by": "test"})
+        assert wait_until(lambda: len(op.records) == 4, 20)
+        events = [d["event"] for d in op.state["decisions"]]
+        assert events == ["started", "paused", "unpaused"], events
+    finally:
+        stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_an_operator_that_was_taken_over_steps_aside(broker: Broker) -> None:
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    fake_device(c, "dev0")
+    publish_plan(broker.port, Plan(id="two-ops", artifact=ART, targets=("dev0",), phases=(1,), rate_per_min=60))
+    first = operator(broker.port, "two-ops")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(first.run(max_s=60)), daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: first.state.get("rev", 0) >= 1, 20)
+        second = operator(broker.port, "two-ops")
+        second.take_over(force=True)
+        second.save_state()
+        t.join(20)
+        assert not t.is_alive() and first.taken_over == second.owner
+        second.client.stop()
+    finally:
+        first.client.stop()
+        c.stop()

@@ -35,12 +35,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits-classifier"
 FRAMES = ROOT / "models" / "demo-frames" / "digits"
-REAL_AGENTS = int(os.environ.get("FLEET_TEST_REAL_AGENTS", "2"))  # 2 cores shared: see docs/fleet.md
-
-
-def _cli(port: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "agent", "--log-json", "fleet", *args[:1], *args[1:2],
-            *(a for a in args[2:]), "--broker", f"127.0.0.1:{port}"]
+REAL_AGENTS = int(os.environ.get("FLEET_TEST_REAL_AGENTS", "3"))  # fewer on a busier machine: docs/fleet.md
 
 
 def fleet(port: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -161,6 +156,14 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
         assert events.count("phase_advanced") == 3 and "resumed" in events and events[-1] == "done", events
         assert state["gate"]["passed"] and all(c["passed"] for c in state["gate"]["checks"]), state["gate"]
 
+        r = fleet(world["port"], "rollout", "status", "one", "--json")
+        doc = json.loads(r.stdout)
+        assert doc["state"]["status"] == "done" and len(doc["devices"]) == len(targets), r.stderr[-1000:]
+        r = fleet(world["port"], "ls", "--where", "group=real", "--where", "provider=CPUExecutionProvider", "--json")
+        rows = json.loads(r.stdout)
+        assert sorted(x["device"] for x in rows) == [f"real-{i}" for i in range(REAL_AGENTS)], rows
+        assert all(x["committed"] == "digits-classifier@2" and x["fidelity_margin"] is not None for x in rows), rows
+
         facts = retained(world["port"], "edge/+/facts")
         committed = {k.split("/")[1]: (f["bundle"]["committed"] or {}).get("version") for k, f in facts.items()}
         assert all(committed[d] == 2 for d in targets), {d: committed[d] for d in targets if committed[d] != 2}
@@ -170,6 +173,7 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
         assert {d for d in targets} == set(seen) and max(seen.values()) == 1, {d: n for d, n in seen.items() if n != 1}
     finally:
         sims.close()
+        shutil.rmtree(sims.state_root, ignore_errors=True)
 
 
 def test_a_group_at_30_percent_rejections_aborts_at_the_threshold_and_fleet_rollback_restores_it(world: dict) -> None:
@@ -218,3 +222,4 @@ def test_a_group_at_30_percent_rejections_aborts_at_the_threshold_and_fleet_roll
         assert not set(rejected) & set(again) and len(again) == 200 - len(rejected), r.stderr[-1500:]
     finally:
         sims.close()
+        shutil.rmtree(sims.state_root, ignore_errors=True)

@@ -39,6 +39,13 @@ class RolloutError(AgentError):
     """A rollout command that cannot go on; the message says why and what to do."""
 
 
+def _session(doc: Any) -> int:
+    try:
+        return int((doc or {}).get("session") or 0)
+    except (TypeError, ValueError, AttributeError):
+        return 0
+
+
 class DeviceCache:
     """The newest retained documents of every device, by device id, from `edge/<id>/...` topics."""
 
@@ -63,8 +70,14 @@ class DeviceCache:
                  "cmd/update/reply": self.replies, "cmd/rollback/reply": self.replies}.get(rest)
         if table is None:
             return None
-        if rest == "facts" and int(doc.get("session") or 0) < int((self.facts.get(device) or {}).get("session") or 0):
+        if rest == "facts" and _session(doc) < _session(self.facts.get(device)):
             return device  # an older session's facts never overwrite a newer session's
+        if rest == "availability" and doc.get("state") == "offline":
+            # a last will carries the number of the session after its own: a will numbered at or below the
+            # live session we saw is the previous connection's, delivered late (Sparkplug's bdSeq idea)
+            held = self.availability.get(device) or {}
+            if held.get("state") == "online" and _session(doc) <= _session(held):
+                return device
         table[device] = doc
         return device
 
@@ -96,6 +109,8 @@ class Operator:
         self._beat = 0.0
         self._dirty = False
         self._soak_until: float | None = None
+        self._running = False
+        self.taken_over: str | None = None
 
     # -- loading ---------------------------------------------------------------------------------------
     def topics(self) -> list[str]:
@@ -110,6 +125,9 @@ class Operator:
                 self.index = {d: i for i, d in enumerate(self.plan.targets)}
             elif rest == "state" and doc and int(doc.get("rev", 0)) >= int(self.state.get("rev", 0)):
                 if doc.get("owner") != self.owner:
+                    if self._running:  # another operator took over (resume --force): this one steps aside
+                        self.taken_over = str(doc.get("owner"))
+                        return
                     self.state = doc
             elif rest == "control" and doc:
                 self.control = doc
@@ -191,8 +209,13 @@ class Operator:
             self.decide("started", targets=len(self.plan.targets), phases=list(self.plan.phases))
         self._handled_control = float(self.state.get("control_ts") or 0)
         end = None if max_s is None else time.monotonic() + max_s
+        self._running = True
         while True:
             self.drain()
+            if self.taken_over is not None:
+                log.warning("fleet.taken_over", rollout=self.t.id, by=self.taken_over)
+                print(f"rollout {self.t.id} was taken over by {self.taken_over}; this operator stops", file=self.out)
+                return self.state
             self.step()
             if self._dirty or self.clock() - self._beat >= HEARTBEAT_S:
                 self.save_state()

@@ -136,7 +136,7 @@ class SocketLoop:
             self.sel.modify(sock, selectors.EVENT_READ, client)
 
     def _run(self) -> None:
-        next_misc = 0.0
+        next_misc = next_ping = 0.0
         while not self.stop.is_set():
             with self.lock:
                 empty = not self.sel.get_map()
@@ -149,12 +149,20 @@ class SocketLoop:
                     c.loop_read()
                 if mask & selectors.EVENT_WRITE:
                     c.loop_write()
-            if time.monotonic() >= next_misc:  # keep-alive pings and retries, once a second for everyone
+            if time.monotonic() >= next_misc:
                 with self.lock:
                     clients = list(self.clients)
+                ping = time.monotonic() >= next_ping
                 for c in clients:
-                    c.loop_misc()
-                next_misc = time.monotonic() + 1.0
+                    # paho unregisters the write interest after draining, racing a publisher thread that queued
+                    # a packet just then (the interest is registered once, not per packet): flush strays here
+                    if c.want_write():
+                        c.loop_write()
+                    if ping:  # keep-alive pings and retries
+                        c.loop_misc()
+                if ping:
+                    next_ping = time.monotonic() + 1.0
+                next_misc = time.monotonic() + 0.25
 
 
 class SimulatedCrash(Exception):
