@@ -1,7 +1,7 @@
 """Fleet rollout at scale: N simulated devices (default 1000) against one real Mosquitto, one operator.
 
 Measures: time to roll out to all, peak RSS and CPU of the broker, the operator and the simulator
-(from /proc), MQTT messages per device (the broker's own $SYS counters), the rate cap (most devices
+(from /proc), MQTT messages per device (every application message, counted by a subscriber on `#`), the rate cap (most devices
 started in any 60 s window, from the rollout's retained device records) and, as the physical limit
 for the same number of messages, the raw broker rate: one publisher -> one subscriber, QoS 1.
 
@@ -76,23 +76,35 @@ class Sampler(threading.Thread):
                 last[k] = (now, cpu)
 
 
-class SysCounters:
-    """The broker's own message counters ($SYS, every sys_interval)."""
+class MessageCounter:
+    """Every application message the broker carries (a subscriber on `#`), by kind: what a rollout costs."""
 
     def __init__(self, port: int):
-        self.values: dict[str, float] = {}
+        self.lock = threading.Lock()
+        self.by_kind: dict[str, int] = {}
+        self.bytes = 0
+        self.counting = False
         self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
-        self.c.on_message = lambda c, u, m: self.values.__setitem__(m.topic, float(m.payload or 0))
-        self.c.on_connect = lambda c, u, f, r, p: c.subscribe([("$SYS/broker/messages/received", 0),
-                                                               ("$SYS/broker/messages/sent", 0),
-                                                               ("$SYS/broker/publish/messages/received", 0),
-                                                               ("$SYS/broker/publish/messages/sent", 0)])
+        self.c.on_message = self._on_message
+        self.subscribed = threading.Event()
+        self.c.on_subscribe = lambda *a: self.subscribed.set()
+        self.c.on_connect = lambda c, u, f, r, p: c.subscribe("#", qos=0)
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
+        self.subscribed.wait(10)
 
-    def snapshot(self, settle: float = 2.5) -> dict[str, float]:
-        time.sleep(settle)  # sys_interval 1: the next report includes everything before this call
-        return dict(self.values)
+    def _on_message(self, c: paho.Client, u: object, m: paho.MQTTMessage) -> None:
+        if not self.counting or m.retain:  # retained copies replayed on subscribe are not traffic
+            return
+        parts = m.topic.split("/")
+        kind = parts[0] + "/" + ("/".join(parts[2:]) if parts[0] == "edge" else "/".join(parts[3:4]))
+        with self.lock:
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+            self.bytes += len(m.payload)
+
+    def total(self) -> int:
+        with self.lock:
+            return sum(self.by_kind.values())
 
 
 def tiny_bundles(d: Path) -> tuple[Path, Path, Path]:
@@ -132,38 +144,54 @@ def demo_bundles(d: Path) -> tuple[Path, Path, Path]:
     return demo, pack(d / "v2", d / "web" / "v2.tar.gz"), d / "k.pub"
 
 
-def raw_rate(port: int, count: int, size: int) -> float:
-    """Seconds for one publisher -> broker -> one subscriber to move `count` QoS 1 messages of `size` bytes."""
+def raw_rate(port: int, count: int, size: int) -> tuple[float, str]:
+    """Seconds for the broker to carry `count` QoS 1 messages of `size` bytes from one publisher to one
+    subscriber: mosquitto_pub -l / mosquitto_sub -C (C clients, so the broker is what is measured), else paho."""
+    pub_bin, sub_bin = shutil.which("mosquitto_pub"), shutil.which("mosquitto_sub")
+    if pub_bin and sub_bin:
+        sub = subprocess.Popen([sub_bin, "-p", str(port), "-t", "bench/raw", "-q", "1", "-C", str(count)],
+                               stdout=subprocess.DEVNULL)
+        time.sleep(1.0)  # subscribed
+        line = ("x" * max(1, size - 1) + "\n").encode()
+        t0 = time.monotonic()
+        pub = subprocess.Popen([pub_bin, "-p", str(port), "-t", "bench/raw", "-q", "1", "-l"], stdin=subprocess.PIPE)
+        assert pub.stdin is not None
+        pub.stdin.write(line * count)
+        pub.stdin.close()
+        sub.wait(600)
+        dt = time.monotonic() - t0
+        pub.wait(30)
+        return dt, "mosquitto_pub -l -> mosquitto -> mosquitto_sub, QoS 1"
     got = threading.Event()
     n = [0]
-    sub = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+    subc = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
     subscribed = threading.Event()
 
-    def on_msg(c, u, m):
+    def on_msg(c, u, m):  # noqa: ANN001
         n[0] += 1
         if n[0] >= count:
             got.set()
 
-    sub.on_message = on_msg
-    sub.on_subscribe = lambda *a: subscribed.set()
-    sub.on_connect = lambda c, u, f, r, p: c.subscribe("bench/raw", qos=1)
-    sub.connect("127.0.0.1", port)
-    sub.loop_start()
+    subc.on_message = on_msg
+    subc.on_subscribe = lambda *a: subscribed.set()
+    subc.on_connect = lambda c, u, f, r, p: c.subscribe("bench/raw", qos=1)
+    subc.connect("127.0.0.1", port)
+    subc.loop_start()
     subscribed.wait(10)
-    pub = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
-    pub.max_inflight_messages_set(200)
-    pub.connect("127.0.0.1", port)
-    pub.loop_start()
+    pubc = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+    pubc.max_inflight_messages_set(200)
+    pubc.connect("127.0.0.1", port)
+    pubc.loop_start()
     payload = b"x" * size
     t0 = time.monotonic()
     for _ in range(count):
-        pub.publish("bench/raw", payload, qos=1)
+        pubc.publish("bench/raw", payload, qos=1)
     got.wait(600)
     dt = time.monotonic() - t0
-    for c in (pub, sub):
+    for c in (pubc, subc):
         c.loop_stop()
         c.disconnect()
-    return dt
+    return dt, "paho -> mosquitto -> paho, QoS 1"
 
 
 def main() -> int:
@@ -174,6 +202,9 @@ def main() -> int:
     ap.add_argument("--bundle", choices=["tiny", "demo"], default="tiny")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    from agent.logsetup import configure_logging
+
+    configure_logging("warning", True)
     load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     shm = Path(tempfile.mkdtemp(prefix="bench-fleet-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -181,7 +212,7 @@ def main() -> int:
     try:
         seed, archive, pub = (tiny_bundles if args.bundle == "tiny" else demo_bundles)(work / "bundles")
         port = free_port()
-        (work / "mosquitto.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nsys_interval 1\n"
+        (work / "mosquitto.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n"
                                              "max_queued_messages 0\nmax_inflight_messages 0\npersistence false\n"
                                              + ("user root\n" if os.geteuid() == 0 else ""))
         broker = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(work / "mosquitto.conf")],
@@ -205,7 +236,7 @@ def main() -> int:
         t_setup = time.monotonic()
         ready = json.loads(sim.stdout.readline())  # {"event": "sim.ready", ...} once every device connected
         setup_s = time.monotonic() - t_setup
-        counters = SysCounters(port)
+        counter = MessageCounter(port)
         plan = work / "plan.json"
         r = subprocess.run(cli + ["rollout", "plan", "--bundle", str(archive), "--url", url, "--id", "bench",
                                   "--canary", "10", "--steps", "10,50", "--rate", str(args.rate),
@@ -213,7 +244,7 @@ def main() -> int:
                                   "--out", str(plan), "--broker", f"127.0.0.1:{port}"],
                            cwd=ROOT, env=env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        before = counters.snapshot()
+        counter.counting = True
         load_start = os.getloadavg()
         t0 = time.monotonic()
         op = subprocess.Popen(cli + ["rollout", "start", str(plan), "--broker", f"127.0.0.1:{port}"], cwd=ROOT, env=env,
@@ -225,9 +256,10 @@ def main() -> int:
         rollout_s = time.monotonic() - t0
         sampler.stop.set()
         load_end = os.getloadavg()
-        after = counters.snapshot()
-        received = after.get("$SYS/broker/publish/messages/received", 0) - before.get("$SYS/broker/publish/messages/received", 0)
-        sent = after.get("$SYS/broker/publish/messages/sent", 0) - before.get("$SYS/broker/publish/messages/sent", 0)
+        time.sleep(1.0)  # the last verdicts' facts and replies
+        counter.counting = False
+        received = counter.total()
+        avg_size = counter.bytes // max(received, 1)
         # the rollout's own record of when each device started: the rate cap, measured
         from agent.fleet.state import Connection, FleetClient, decode
 
@@ -242,7 +274,9 @@ def main() -> int:
                 j += 1
             max_per_min = max(max_per_min, i - j + 1)
         committed = sum(1 for t, d in docs.items() if "/device/" in t and d and d.get("state") == "committed")
-        raw_s = raw_rate(port, int(received), 600)
+        counter.c.loop_stop()
+        counter.c.disconnect()  # the raw run has one subscriber only
+        raw_s, raw_how = raw_rate(port, int(received), avg_size)
         sim.terminate()
         res = {
             "devices": args.devices, "bundle": args.bundle, "archive_bytes": archive.stat().st_size,
@@ -250,9 +284,9 @@ def main() -> int:
             "sim_connect_s": ready.get("connect_s"), "sim_setup_s": round(setup_s, 1),
             "rollout_s": round(rollout_s, 1), "status": state.get("status"), "committed": committed,
             "phases": state.get("counts"), "max_started_in_60s": max_per_min,
-            "msgs_into_broker": int(received), "msgs_out_of_broker": int(sent),
-            "msgs_per_device_in": round(received / args.devices, 1), "msgs_per_device_out": round(sent / args.devices, 1),
-            "raw_broker_s_same_count": round(raw_s, 2), "raw_broker_msgs_per_s": round(received / raw_s) if raw_s else None,
+            "msgs_published": int(received), "msgs_per_device": round(received / args.devices, 1),
+            "msgs_by_kind": dict(sorted(counter.by_kind.items())), "avg_payload_bytes": avg_size,
+            "raw_broker_s_same_count": round(raw_s, 2), "raw_broker_path": raw_how, "raw_broker_msgs_per_s": round(received / raw_s) if raw_s else None,
             "rollout_msgs_per_s": round(received / rollout_s),
             "ratio_raw_to_rollout_time": round(raw_s / rollout_s, 4),
             "ideal_rollout_s_at_rate_cap": round(60.0 * args.devices / args.rate, 1),
