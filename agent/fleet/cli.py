@@ -14,38 +14,32 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.errors import AgentError
-from agent.fleet.facts import parse_where
-from agent.fleet.operator import (
-    DeviceCache,
-    FleetRollback,
-    Operator,
-    RolloutError,
-    status_table,
-)
-from agent.fleet.plan import (
-    Artifact,
-    Gates,
-    Plan,
-    phase_ends,
-    select_targets,
-    start_order,
-)
-from agent.fleet.state import Connection, FleetClient, RolloutTopics, parse_broker
 from agent.link.topics import ROOT
+
+# Every `edge-agent` command builds this parser: the fleet's modules (paho, the operator) load only
+# when a fleet command runs.
+if TYPE_CHECKING:
+    from agent.fleet.operator import DeviceCache, Operator
+    from agent.fleet.plan import Artifact
+    from agent.fleet.state import Connection, FleetClient
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def _conn(args: argparse.Namespace) -> Connection:
+    from agent.fleet.state import Connection, parse_broker
+
     host, port = parse_broker(args.broker)
     pw = Path(args.password_file).read_text().strip() if getattr(args, "password_file", None) else None
     return Connection(host, port, args.tls_ca, args.username, pw, args.root)
 
 
 def _where(args: argparse.Namespace) -> list[tuple[str, str]]:
+    from agent.fleet.facts import parse_where
+
     try:
         return parse_where(args.where or [])
     except ValueError as exc:
@@ -53,6 +47,9 @@ def _where(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _fleet_view(conn: Connection) -> DeviceCache:
+    from agent.fleet.operator import DeviceCache
+    from agent.fleet.state import FleetClient
+
     cache = DeviceCache(conn.device_root)
     client = FleetClient(conn).start(cache.topics())
     try:
@@ -82,6 +79,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _earlier_rejections(client_conn: Connection, artifact: Artifact) -> dict[str, str]:
     """Devices whose self-test rejected this same bundle (sha) in an earlier rollout, and the provider."""
+    from agent.fleet.state import FleetClient
+
     client = FleetClient(client_conn).start(["fleet/rollout/+/plan", "fleet/rollout/+/device/+"])
     plans: dict[str, str] = {}
     recs: list[tuple[str, str, dict[str, Any]]] = []
@@ -104,6 +103,15 @@ def _earlier_rejections(client_conn: Connection, artifact: Artifact) -> dict[str
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from agent.fleet.facts import parse_where
+    from agent.fleet.plan import (
+        Artifact,
+        Gates,
+        Plan,
+        phase_ends,
+        select_targets,
+        start_order,
+    )
     from agent.hashing import sha256_file
     from agent.link.push import _manifest_summary
 
@@ -142,6 +150,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _operator(args: argparse.Namespace, rid: str) -> tuple[Operator, FleetClient]:
+    from agent.fleet.operator import Operator
+    from agent.fleet.state import FleetClient
+
     conn = _conn(args)
     op = Operator(FleetClient(conn), rid, conn.device_root)
     op.client.start(op.topics())
@@ -150,6 +161,8 @@ def _operator(args: argparse.Namespace, rid: str) -> tuple[Operator, FleetClient
 
 
 def _run(op: Operator, args: argparse.Namespace) -> int:
+    from agent.fleet.operator import status_table
+
     try:
         state = op.run(max_s=args.max_s)
     finally:
@@ -159,6 +172,10 @@ def _run(op: Operator, args: argparse.Namespace) -> int:
 
 
 def _cmd_start(args: argparse.Namespace) -> int:
+    from agent.fleet.operator import RolloutError
+    from agent.fleet.plan import Plan
+    from agent.fleet.state import FleetClient, RolloutTopics
+
     plan = Plan.from_dict(json.loads(args.plan.read_text()))
     conn = _conn(args)
     client = FleetClient(conn).start([RolloutTopics(plan.id).plan])
@@ -178,6 +195,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
+    from agent.fleet.operator import RolloutError
+
     op, _ = _operator(args, args.id)
     if op.state.get("status") == "paused":
         _control(args, "resume")
@@ -198,6 +217,8 @@ def _who() -> str:
 
 
 def _control(args: argparse.Namespace, action: str) -> None:
+    from agent.fleet.state import FleetClient, RolloutTopics
+
     client = FleetClient(_conn(args)).start([])
     try:
         client.publish(RolloutTopics(args.id).control, {"action": action, "ts": round(time.time(), 3), "by": _who()})
@@ -213,6 +234,8 @@ def _cmd_control(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from agent.fleet.operator import status_table
+
     while True:
         op, client = _operator(args, args.id)
         client.stop()
@@ -226,6 +249,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollback(args: argparse.Namespace) -> int:
+    from agent.fleet.operator import FleetRollback, status_table
+
     op, client = _operator(args, args.id)
     try:
         op.take_over(force=args.force)
@@ -242,6 +267,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     import tempfile
 
     from agent.fleet.simulator import SimFleet, load_groups, split_devices
+    from agent.fleet.state import parse_broker
 
     groups = load_groups(args.groups)
     if args.devices:
