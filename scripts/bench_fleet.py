@@ -283,7 +283,7 @@ def main() -> int:
             "rate_cap_per_min": args.rate, "max_downloads": args.max_downloads,
             "sim_connect_s": ready.get("connect_s"), "sim_setup_s": round(setup_s, 1),
             "rollout_s": round(rollout_s, 1), "status": state.get("status"), "committed": committed,
-            "phases": state.get("counts"), "max_started_in_60s": max_per_min,
+            "counts": state.get("counts"), "max_started_in_60s": max_per_min,
             "msgs_published": int(received), "msgs_per_device": round(received / args.devices, 1),
             "msgs_by_kind": dict(sorted(counter.by_kind.items())), "avg_payload_bytes": avg_size,
             "raw_broker_s_same_count": round(raw_s, 2), "raw_broker_path": raw_how, "raw_broker_msgs_per_s": round(received / raw_s) if raw_s else None,
