@@ -257,6 +257,8 @@ class Config:
     updates: UpdatesConfig = UpdatesConfig()
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
+    labels: Annotated[Mapping[str, str], Key("what a fleet rollout targets on (site, camera, group): published in "
+                                             "the retained facts topic")] = field(default_factory=dict)
     source_file: Annotated[Path | None, Key("(set by the loader: the file this config came from)")] = None
 
     @property

@@ -62,6 +62,11 @@ class Topics:
         return self.prefix + "bundle/#"
 
     @property
+    def facts(self) -> str:
+        """Retained: what a fleet rollout targets on and gates with (agent.fleet.facts)."""
+        return self.prefix + "facts"
+
+    @property
     def update_status(self) -> str:
         return self.prefix + "update/status"
 
@@ -99,4 +104,5 @@ class Topics:
             "bundle/chunk/<transfer>/<index>": "the bundle's bytes, in chunks",
             "bundle/done": "the pusher has sent every chunk; the agent answers missing chunks or goes on",
             "update/status": "retained JSON: each step of an update, its final verdict and reason",
+            "facts": "retained JSON: versions, providers, current/committed bundle, last rollback, proof figures, labels",
         }

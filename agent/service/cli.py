@@ -522,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.report.command import add_report_parser
 
     add_report_parser(sub)
+    from agent.fleet.cli import add_fleet_parser  # `edge-agent fleet ...`: agent/fleet/cli.py
+
+    add_fleet_parser(sub)
 
     cf = sub.add_parser("config", help="validate a config file")
     csub = _Sub(cf.add_subparsers(dest="config_command", required=True, metavar="ACTION"))

@@ -148,6 +148,7 @@ class Controller:
         self.boot_number = 0
         self._next_seq = 1  # seq never repeats within a boot, across reloads and updates
         self._last_update: dict[str, Any] | None = None
+        self._last_failure: dict[str, Any] | None = None  # the last rejected / rolled-back update, for the facts
         self._last_health: dict[str, Any] | None = None
         self._last_health_key: Any = None
 
@@ -374,6 +375,28 @@ class Controller:
     def _publish_selftest(self) -> None:
         if self.link is not None and self.selftest_doc is not None:
             self.link.publish_retained(self.link.topics.selftest, json.dumps(self.selftest_doc).encode())
+        self._publish_facts()
+
+    def _facts(self) -> dict[str, Any]:
+        """The retained facts a fleet rollout targets on and gates with (agent/fleet/facts.py)."""
+        from agent.fleet.facts import device_facts
+        from agent.link.health import versions
+
+        b = self.bundle
+        return device_facts(
+            device_id=self.cfg.device_id, session=self.link.session if self.link else 0, labels=self.cfg.labels,
+            versions=versions(), report=self.selftest_doc,
+            effective=list(self.engine.describe()["effective_providers"]) if self.engine else None,
+            current=self.store.current_id if self.store else None,
+            committed=self.store.committed_id if self.store else None,
+            active=None if b is None else {"name": b.manifest.name, "version": b.manifest.version,
+                                           "sha": b.manifest_sha256[:12]},
+            last_failure=self._last_failure,
+            budget_ms=b.manifest.selftest.budget_for(self.engine.describe()["provider"]) if b and self.engine else None)
+
+    def _publish_facts(self) -> None:
+        if self.link is not None:
+            self.link.publish_retained(self.link.topics.facts, json.dumps(self._facts()).encode())
 
     def _retained(self) -> dict[str, bytes]:
         """paho's thread, on connect: the last documents the controller published (never its live state)."""
@@ -384,6 +407,7 @@ class Controller:
             out[self.link.topics.selftest] = json.dumps(self.selftest_doc).encode()
         if self._last_update is not None:
             out[self.link.topics.update_status] = json.dumps(self._last_update).encode()
+        out[self.link.topics.facts] = json.dumps(self._facts()).encode()
         if self.cfg.mqtt.homeassistant:
             from agent.link.discovery import discovery_messages
 
@@ -394,6 +418,10 @@ class Controller:
         self._last_update = doc
         if self.link is not None:
             self.link.publish_retained(self.link.topics.update_status, json.dumps(doc).encode())
+        if doc.get("state") in ("committed", "rejected", "rolled_back"):
+            if doc["state"] != "committed":
+                self._last_failure = doc
+            self._publish_facts()  # after the verdict: a rollout counts a commit once the facts show it
 
     def _watchdog(self) -> None:
         """Feed only while frames really flow, or while not serving by design; a dead or hung stage misses it."""

@@ -1,0 +1,454 @@
+"""The operator's loop: starts devices phase by phase under the rate and download caps, watches what
+they report, records every outcome and decision in the rollout's retained documents, and gates each
+phase on what the devices proved. `resume` is the same loop started from the documents on the broker.
+
+The loop owns all of its state on one thread; paho's thread only puts messages on a queue.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from agent.errors import AgentError
+from agent.fleet.facts import FactsRow
+from agent.fleet.gates import abort_reason, downloading, judge_phase, observe
+from agent.fleet.plan import Plan
+from agent.fleet.state import (
+    MAX_DECISIONS,
+    STATE_SCHEMA,
+    FleetClient,
+    RolloutTopics,
+    decode,
+)
+from agent.logsetup import get_logger
+
+log = get_logger("fleet")
+
+TERMINAL = ("done", "aborted", "rolled_back")
+HEARTBEAT_S = 2.0
+LEASE_S = 10.0  # a state whose heartbeat is older than this has no live operator: resume may take it
+
+
+class RolloutError(AgentError):
+    """A rollout command that cannot go on; the message says why and what to do."""
+
+
+def _session(doc: Any) -> int:
+    try:
+        return int((doc or {}).get("session") or 0)
+    except (TypeError, ValueError, AttributeError):
+        return 0
+
+
+class DeviceCache:
+    """The newest retained documents of every device, by device id, from `edge/<id>/...` topics."""
+
+    def __init__(self, root: str):
+        self.root = root.rstrip("/") + "/"
+        self.facts: dict[str, dict[str, Any]] = {}
+        self.availability: dict[str, dict[str, Any]] = {}
+        self.status: dict[str, dict[str, Any]] = {}
+        self.replies: dict[str, dict[str, Any]] = {}
+
+    def topics(self) -> list[str]:
+        r = self.root
+        return [r + "+/facts", r + "+/availability", r + "+/update/status", r + "+/cmd/update/reply",
+                r + "+/cmd/rollback/reply"]
+
+    def take(self, topic: str, doc: Any) -> str | None:
+        """Store a device message; returns the device id, or None when the topic is not a device's."""
+        if not topic.startswith(self.root) or not isinstance(doc, dict):
+            return None
+        device, _, rest = topic[len(self.root):].partition("/")
+        table = {"facts": self.facts, "availability": self.availability, "update/status": self.status,
+                 "cmd/update/reply": self.replies, "cmd/rollback/reply": self.replies}.get(rest)
+        if table is None:
+            return None
+        if rest == "facts" and _session(doc) < _session(self.facts.get(device)):
+            return device  # an older session's facts never overwrite a newer session's
+        if rest == "availability" and doc.get("state") == "offline":
+            # a last will carries the number of the session after its own: a will numbered at or below the
+            # live session we saw is the previous connection's, delivered late (Sparkplug's bdSeq idea)
+            held = self.availability.get(device) or {}
+            if held.get("state") == "online" and _session(doc) <= _session(held):
+                return device
+        table[device] = doc
+        return device
+
+    def rows(self) -> dict[str, FactsRow]:
+        return {d: FactsRow(d, f, self.availability.get(d, {})) for d, f in self.facts.items()}
+
+    def online(self, device: str) -> bool:
+        return (self.availability.get(device) or {}).get("state") == "online"
+
+
+class Operator:
+    """Runs one rollout (or its fleet rollback) from its retained documents."""
+
+    def __init__(self, client: FleetClient, rollout_id: str, device_root: str, out: TextIO | None = None,
+                 clock: Callable[[], float] = time.time, tick_s: float = 0.1):
+        self.client, self.t = client, RolloutTopics(rollout_id)
+        self.devices = DeviceCache(device_root)
+        self.out = out or sys.stderr
+        self.clock, self.tick_s = clock, tick_s
+        self.owner = f"{socket.gethostname()}:{id(self):x}"
+        self.plan: Plan | None = None
+        self.state: dict[str, Any] = {}
+        self.records: dict[str, dict[str, Any]] = {}
+        self.control: dict[str, Any] | None = None
+        self.index: dict[str, int] = {}
+        self._starts: list[float] = []  # start times in the last minute: the rate cap
+        self._tokens = 1.0
+        self._tokens_at = clock()
+        self._beat = 0.0
+        self._dirty = False
+        self._soak_until: float | None = None
+        self._running = False
+        self.taken_over: str | None = None
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def topics(self) -> list[str]:
+        return self.devices.topics() + [self.t.all]
+
+    def ingest(self, topic: str, payload: bytes) -> None:
+        doc = decode(payload)
+        if topic.startswith(self.t.base):
+            rest = topic[len(self.t.base):]
+            if rest == "plan" and doc:
+                self.plan = Plan.from_dict(doc)
+                self.index = {d: i for i, d in enumerate(self.plan.targets)}
+            elif rest == "state" and doc and int(doc.get("rev", 0)) >= int(self.state.get("rev", 0)):
+                if doc.get("owner") != self.owner:
+                    if self._running:  # another operator took over (resume --force): this one steps aside
+                        self.taken_over = str(doc.get("owner"))
+                        return
+                    self.state = doc
+            elif rest == "control" and doc:
+                self.control = doc
+            elif rest.startswith("device/") and doc:
+                d = rest[len("device/"):]
+                if int(doc.get("rev", 0)) >= int((self.records.get(d) or {}).get("rev", 0)):
+                    self.records[d] = doc
+            return
+        self.devices.take(topic, doc)
+
+    def load(self) -> None:
+        for topic, payload, _ in self.client.sync():
+            self.ingest(topic, payload)
+        if self.plan is None:
+            raise RolloutError(f"no rollout {self.t.id!r} on the broker ({self.t.plan} is empty): "
+                               "start it with `edge-agent fleet rollout start PLAN.json`")
+
+    def drain(self) -> None:
+        while True:
+            try:
+                topic, payload, _ = self.client.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.ingest(topic, payload)
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def decide(self, event: str, **detail: Any) -> None:
+        """A decision: logged, printed, and kept (timestamped) in the state document."""
+        rec = {"ts": round(self.clock(), 3), "event": event, **detail}
+        self.state.setdefault("decisions", []).append(rec)
+        self.state["decisions"] = self.state["decisions"][-MAX_DECISIONS:]
+        log.info("fleet." + event, rollout=self.t.id, **detail)
+        print(f"{time.strftime('%H:%M:%S', time.gmtime(rec['ts']))} {event} "
+              + " ".join(f"{k}={v}" for k, v in detail.items()), file=self.out, flush=True)
+        self._dirty = True
+
+    def save_state(self) -> None:
+        self.state.update(schema=STATE_SCHEMA, id=self.t.id, rev=int(self.state.get("rev", 0)) + 1, owner=self.owner,
+                          heartbeat=round(self.clock(), 3), counts=self.counts())
+        self.client.publish(self.t.state, self.state)
+        self._beat, self._dirty = self.clock(), False
+
+    def save_record(self, device: str, **changes: Any) -> dict[str, Any]:
+        rec = {**(self.records.get(device) or {"device": device}), **changes}
+        rec["rev"] = int(rec.get("rev", 0)) + 1
+        self.client.publish(self.t.device(device), rec)  # acknowledged before anything is sent to the device
+        self.records[device] = rec
+        return rec
+
+    def counts(self) -> dict[str, int]:
+        c: dict[str, int] = {"targets": len(self.plan.targets) if self.plan else 0, "started": 0, "committed": 0,
+                             "failed": 0, "in_flight": 0, "rolled_back_by_fleet": 0}
+        for r in self.records.values():
+            c["started"] += 1
+            c[r.get("state", "started") if r.get("state") in ("committed", "failed") else "in_flight"] += 1
+            if (r.get("rollback") or {}).get("state") == "done":
+                c["rolled_back_by_fleet"] += 1
+        return c
+
+    # -- taking over ---------------------------------------------------------------------------------------
+    def take_over(self, force: bool = False) -> None:
+        st = self.state
+        if st.get("status") in TERMINAL and not force:
+            return
+        age = self.clock() - float(st.get("heartbeat") or 0)
+        if st.get("owner") and st.get("owner") != self.owner and age < LEASE_S and not force:
+            raise RolloutError(f"rollout {self.t.id} is being run by {st['owner']} (heartbeat {age:.1f} s ago); "
+                               f"wait {LEASE_S:g} s after it stopped, or pass --force")
+        if st.get("owner"):
+            self.decide("resumed", previous_owner=st.get("owner"), heartbeat_age_s=round(age, 1),
+                        started=self.counts()["started"])
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def run(self, until: Callable[[], bool] | None = None, max_s: float | None = None) -> dict[str, Any]:
+        """Run the rollout until it is terminal with nothing in flight (or `until`, or `max_s`)."""
+        assert self.plan is not None
+        if not self.state.get("status"):
+            self.state.update(status="running", phase=0, started=round(self.clock(), 3))
+            self.decide("started", targets=len(self.plan.targets), phases=list(self.plan.phases))
+        self._handled_control = float(self.state.get("control_ts") or 0)
+        end = None if max_s is None else time.monotonic() + max_s
+        self._running = True
+        while True:
+            self.drain()
+            if self.taken_over is not None:
+                log.warning("fleet.taken_over", rollout=self.t.id, by=self.taken_over)
+                print(f"rollout {self.t.id} was taken over by {self.taken_over}; this operator stops", file=self.out)
+                return self.state
+            self.step()
+            if self._dirty or self.clock() - self._beat >= HEARTBEAT_S:
+                self.save_state()
+            if self.finished() or (until is not None and until()) or (end is not None and time.monotonic() > end):
+                self.save_state()
+                return self.state
+            time.sleep(self.tick_s)
+
+    def finished(self) -> bool:
+        st = self.state.get("status")
+        in_flight = self.counts()["in_flight"]
+        if st in ("done", "rolled_back"):
+            return True
+        return st == "aborted" and in_flight == 0
+
+    def step(self) -> None:
+        plan, now = self.plan, self.clock()
+        assert plan is not None
+        self._apply_control()
+        self._observe(now)
+        if self.state.get("status") == "running":
+            self._advance(now)
+        if self.state.get("status") == "running":
+            self._start_devices(now)
+
+    def _apply_control(self) -> None:
+        c = self.control
+        if not c or float(c.get("ts") or 0) <= self._handled_control:
+            return
+        self._handled_control = float(c["ts"])
+        self.state["control_ts"] = self._handled_control
+        action, st = c.get("action"), self.state.get("status")
+        if action == "pause" and st == "running":
+            self.state["status"] = "paused"
+            self.decide("paused", by=c.get("by"), reason="operator request")
+        elif action == "resume" and st == "paused":
+            self.state["status"] = "running"
+            self.decide("unpaused", by=c.get("by"))
+        elif action == "abort" and st not in TERMINAL:
+            self.state["status"] = "aborted"
+            self.decide("aborted", by=c.get("by"), reason="operator request")
+        elif action == "approve" and st in ("awaiting_approval", "held"):
+            self._next_phase(f"approved by {c.get('by')}" + (" over a failed gate" if st == "held" else ""))
+        else:
+            self.decide("control_ignored", action=action, status=st)
+
+    def _observe(self, now: float) -> None:
+        plan = self.plan
+        assert plan is not None
+        dv = self.devices
+        for d, rec in list(self.records.items()):
+            if rec.get("state") != "started":
+                continue
+            o = observe(plan, float(rec["started"]), now, dv.status.get(d), dv.facts.get(d), dv.availability.get(d),
+                        dv.replies.get(d) if (dv.replies.get(d) or {}).get("command") == "update" else None)
+            if o is None:
+                continue
+            self.save_record(d, state=o.state, kind=o.kind, reason=o.reason[:300], finished=round(now, 3),
+                             **({"provider": o.provider} if o.provider else {}))
+            (log.info if o.state == "committed" else log.warning)("fleet.device_" + o.kind, rollout=plan.id,
+                                                                  device=d, reason=o.reason[:200])
+            self._dirty = True
+            if self.state.get("status") == "running":
+                self._check_abort()  # after each outcome: the decision carries the counts that crossed the line
+
+    def _check_abort(self) -> None:
+        c = self.counts()
+        reason = abort_reason(c["committed"] + c["failed"], c["failed"], self.plan)  # type: ignore[arg-type]
+        if reason is not None:
+            self.state["status"] = "aborted"
+            kinds: dict[str, int] = {}
+            for r in self.records.values():
+                if r.get("state") == "failed":
+                    kinds[r.get("kind", "?")] = kinds.get(r.get("kind", "?"), 0) + 1
+            self.decide("aborted", reason=reason, failures=kinds, phase=self.state.get("phase"),
+                        finished=c["committed"] + c["failed"], failed=c["failed"])
+
+    def _advance(self, now: float) -> None:
+        plan = self.plan
+        assert plan is not None
+        phase = int(self.state.get("phase", 0))
+        end = plan.phases[phase]
+        if any((self.records.get(d) or {}).get("state") in (None, "started") for d in plan.targets[:end]):
+            return
+        if self._soak_until is None:
+            self._soak_until = now + plan.soak_s
+            if plan.soak_s:
+                self.decide("soaking", phase=phase, seconds=plan.soak_s)
+        if now < self._soak_until:
+            return
+        online = {d: self.devices.online(d) for d in plan.targets[:end]}
+        gate = judge_phase(plan, phase, self.records, self.devices.facts, online)
+        self.state["gate"] = gate.to_dict()
+        if not gate.passed:
+            self.state["status"] = "held"
+            self.decide("held", phase=phase, reason="gate failed: " + gate.summary())
+            return
+        if phase == len(plan.phases) - 1:
+            self.state["status"] = "done"
+            self.decide("done", phase=phase, gate=gate.summary())
+        elif plan.human_gate:
+            self.state["status"] = "awaiting_approval"
+            self.decide("awaiting_approval", phase=phase, gate=gate.summary())
+        else:
+            self._next_phase("gate passed: " + gate.summary())
+
+    def _next_phase(self, why: str) -> None:
+        phase = int(self.state.get("phase", 0)) + 1
+        self.state.update(phase=phase, status="running")
+        self._soak_until = None
+        self.decide("phase_advanced", phase=phase, devices=self.plan.phases[phase], reason=why)  # type: ignore[union-attr]
+
+    def _start_devices(self, now: float) -> None:
+        plan = self.plan
+        assert plan is not None
+        end = plan.phases[int(self.state.get("phase", 0))]
+        self._starts = [t for t in self._starts if now - t < 60.0]
+        rate = plan.rate_per_min / 60.0
+        self._tokens = min(max(1.0, rate), self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        in_download = sum(1 for d, r in self.records.items()
+                          if r.get("state") == "started" and downloading(plan, self.devices.status.get(d)))
+        for d in plan.targets[:end]:
+            if d in self.records:
+                continue
+            if self._tokens < 1.0 or len(self._starts) >= plan.rate_per_min or in_download >= plan.max_downloads:
+                return
+            if not self.devices.online(d):  # a command to an offline device would wait for nobody
+                self.save_record(d, state="failed", kind="went_offline", phase=int(self.state.get("phase", 0)),
+                                 started=round(now, 3), finished=round(now, 3), reason="offline when its turn came")
+                self._dirty = True
+                continue
+            self._tokens -= 1.0
+            self._starts.append(now)
+            in_download += 1
+            self._start_one(d, now)
+
+    def _start_one(self, device: str, now: float) -> None:
+        plan = self.plan
+        assert plan is not None
+        com = FactsRow(device, self.devices.facts.get(device) or {}, {}).committed()
+        self.save_record(device, state="started", phase=int(self.state.get("phase", 0)), started=round(now, 3),
+                         previous={"name": com.get("name"), "version": com.get("version")} if com else None)
+        a = plan.artifact
+        self.devices.replies.pop(device, None)
+        self.client.publish(f"{self.devices.root}{device}/cmd/update",
+                            {"url": a.url, "sha256": a.sha256, "id": plan.id}, retain=False, wait=False)
+        self._dirty = True
+
+
+class FleetRollback:
+    """`fleet rollback`: every device the rollout committed goes back to its previous committed bundle
+    with the device's own `rollback` command (kept locally: no download), at the plan's rate cap."""
+
+    def __init__(self, op: Operator):
+        self.op = op
+        self.update_id = f"{op.t.id}-rollback"
+
+    def run(self, max_s: float | None = None) -> dict[str, Any]:
+        op, plan = self.op, self.op.plan
+        assert plan is not None
+        if op.state.get("status") not in ("aborted", "done", "held", "awaiting_approval", "paused", "rolling_back"):
+            raise RolloutError(f"rollout {plan.id} is {op.state.get('status')}: pause or abort it before a fleet rollback")
+        if op.state.get("status") == "aborted" and op.counts()["in_flight"]:
+            raise RolloutError(f"rollout {plan.id} still has {op.counts()['in_flight']} devices in flight; "
+                               "wait for their verdicts (fleet rollout status) before rolling back")
+        op.state["status"] = "rolling_back"
+        todo = [d for d, r in op.records.items() if r.get("state") == "committed"]
+        op.decide("rollback_started", devices=len(todo))
+        op.save_state()
+        end = None if max_s is None else time.monotonic() + max_s
+        interval = 60.0 / plan.rate_per_min
+        last = 0.0
+        while True:
+            op.drain()
+            now = op.clock()
+            pending = False
+            for d in todo:
+                rb = (op.records[d].get("rollback") or {})
+                st = rb.get("state")
+                if st is None:
+                    pending = True
+                    if now - last >= interval:
+                        op.save_record(d, rollback={"state": "started", "started": round(now, 3)})
+                        op.devices.replies.pop(d, None)
+                        op.client.publish(f"{op.devices.root}{d}/cmd/rollback", {"id": self.update_id}, retain=False,
+                                          wait=False)
+                        last = now
+                elif st == "started":
+                    pending = True
+                    self._observe(d, rb, now)
+            if op._dirty or now - op._beat >= HEARTBEAT_S:
+                op.save_state()
+            if not pending or (end is not None and time.monotonic() > end):
+                break
+            time.sleep(op.tick_s)
+        done = sum(1 for d in todo if (op.records[d].get("rollback") or {}).get("state") == "done")
+        op.state["status"] = "rolled_back"
+        op.decide("rolled_back", devices=len(todo), returned=done, failed=len(todo) - done)
+        op.save_state()
+        return op.state
+
+    def _observe(self, d: str, rb: dict[str, Any], now: float) -> None:
+        op = self.op
+        st = op.devices.status.get(d) or {}
+        prev = op.records[d].get("previous") or {}
+        com = ((op.devices.facts.get(d) or {}).get("bundle") or {}).get("committed") or {}
+        if st.get("update") == self.update_id and st.get("state") == "committed":
+            if (com.get("name"), com.get("version")) == (prev.get("name"), prev.get("version")):
+                op.save_record(d, rollback={**rb, "state": "done", "finished": round(now, 3)})
+        elif st.get("update") == self.update_id and st.get("state") in ("rejected", "rolled_back"):
+            op.save_record(d, rollback={**rb, "state": "failed", "reason": str(st.get("reason"))[:300]})
+        elif now - float(rb["started"]) > op.plan.device_timeout_s:  # type: ignore[union-attr]
+            op.save_record(d, rollback={**rb, "state": "failed", "reason": "timed out"})
+
+
+def status_table(state: dict[str, Any], records: dict[str, dict[str, Any]]) -> str:
+    c = state.get("counts") or {}
+    lines = [f"rollout {state.get('id')}: {state.get('status')} phase {state.get('phase')} rev {state.get('rev')} "
+             f"owner {state.get('owner')}",
+             "  " + "  ".join(f"{k}={v}" for k, v in c.items())]
+    kinds: dict[str, int] = {}
+    for r in records.values():
+        if r.get("state") == "failed":
+            kinds[r.get("kind", "?")] = kinds.get(r.get("kind", "?"), 0) + 1
+    if kinds:
+        lines.append("  failures: " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
+    if state.get("gate"):
+        g = state["gate"]
+        lines.append(f"  gate after phase {g['phase']}: {'passed' if g['passed'] else 'FAILED'}")
+        for ch in g["checks"]:
+            lines.append(f"    {ch['name']:24} {ch['measured']!s:>10} vs {ch['bound']}  {'ok' if ch['passed'] else 'FAILED'}")
+    for d in (state.get("decisions") or [])[-8:]:
+        lines.append(f"  {time.strftime('%H:%M:%S', time.gmtime(d['ts']))} {d['event']} "
+                     + json.dumps({k: v for k, v in d.items() if k not in ('ts', 'event')})[:200])
+    return "\n".join(lines)

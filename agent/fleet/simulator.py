@@ -1,0 +1,499 @@
+"""Simulated devices: each a real MQTT client on the agent's own topics, running the agent's own update
+code (Updater, Downloader, ChunkReceiver, BundleStore, judge_probation) with a model-free engine whose
+self-test verdict, figures, timing and failures are drawn from a declared per-group distribution.
+
+What is the agent's code: fetching, hashing, signature check, safe unpack, anti-downgrade, the store
+and its symlinks, commit, prune, rollback to the previous committed bundle, the probation judge, the
+facts document. What is simulated: the self-test child (a drawn report instead of ONNX Runtime), the
+frames on probation (drawn evidence), and the MQTT link's command dispatch (this module: MqttLink runs
+two threads and an SQLite outbox per device, which hundreds of devices on two cores cannot afford), on
+the same topics and payloads as agent/link/mqtt.py. All clients share one epoll loop thread and one
+worker pool, so a thousand devices fit in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import selectors
+import shutil
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as paho
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
+
+from agent import __version__
+from agent.bundle.load import Bundle, load_bundle
+from agent.config import PayloadError, UpdatesConfig, parse_json_object
+from agent.fleet.facts import device_facts
+from agent.fsio import read_json, write_json_atomic
+from agent.link.topics import Topics, default_prefix
+from agent.logsetup import get_logger
+from agent.spec.manifest import MANIFEST_NAME, parse_manifest
+from agent.updates.delivery import ChunkReceiver, Downloader
+from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation
+from agent.updates.store import BundleStore, bundle_id
+from agent.updates.updater import Updater, UpdateRejected
+
+log = get_logger("fleet.sim")
+
+FATES = ("ok", "reject", "rollback", "crash", "hang")
+
+
+@dataclass(frozen=True)
+class GroupProfile:
+    """One group's declared distribution. Percentages are exact per group (a seeded shuffle picks
+    which devices), so a test's threshold is crossed by design, not by luck."""
+
+    name: str
+    count: int
+    reject_pct: float = 0.0      # self-test rejects the bundle
+    rollback_pct: float = 0.0    # probation fails (inference errors): rolled back
+    crash_pct: float = 0.0       # the device drops (last will) during the self-test, back after crash_down_s
+    hang_pct: float = 0.0        # the self-test never ends within the rollout's time-out
+    slow_pct: float = 0.0        # the self-test takes slow_factor times longer (still passes)
+    selftest_s: tuple[float, float] = (0.2, 0.6)
+    probation_s: float = 0.3
+    slow_factor: float = 5.0
+    crash_down_s: float = 2.0
+    hang_s: float = 3600.0
+    provider: str = "CPUExecutionProvider"
+    fallback_pct: float = 0.0    # the new bundle's self-test selects CPU although the old one ran on `provider`
+    p95_ms: tuple[float, float] = (4.0, 8.0)
+    budget_ms: float = 50.0
+    fidelity_margin: tuple[float, float] = (0.01, 0.02)  # top-1 agreement above the floor
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> GroupProfile:
+        known = set(GroupProfile.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"group {d.get('name')!r}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        return GroupProfile(**kw)
+
+
+def assign_fates(groups: list[GroupProfile], seed: int) -> list[tuple[str, GroupProfile, str, bool, bool]]:
+    """(device id, group, fate, slow, fallback) for every simulated device, deterministic for a seed."""
+    out = []
+    rng = random.Random(seed)
+    for g in groups:
+        ids = [f"sim-{g.name}-{i:04d}" for i in range(g.count)]
+        fates = []
+        for fate, pct in (("reject", g.reject_pct), ("rollback", g.rollback_pct), ("crash", g.crash_pct),
+                          ("hang", g.hang_pct)):
+            fates += [fate] * round(g.count * pct / 100.0)
+        fates += ["ok"] * (g.count - len(fates))
+        rng.shuffle(fates)
+        slow = set(rng.sample(range(g.count), round(g.count * g.slow_pct / 100.0)))
+        fall = set(rng.sample(range(g.count), round(g.count * g.fallback_pct / 100.0)))
+        out += [(d, g, f, i in slow, i in fall) for i, (d, f) in enumerate(zip(ids, fates[:g.count]))]
+    return out
+
+
+class SocketLoop:
+    """One epoll loop for many paho clients (paho's external-loop callbacks): one thread, not one per client."""
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.lock = threading.Lock()
+        self.clients: list[paho.Client] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sim-loop", daemon=True)
+
+    def attach(self, client: paho.Client) -> None:
+        client.on_socket_open = self._open
+        client.on_socket_close = self._close
+        client.on_socket_register_write = self._want_write
+        client.on_socket_unregister_write = self._done_write
+        with self.lock:
+            self.clients.append(client)
+
+    def _open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        with self.lock:
+            self.sel.register(sock, selectors.EVENT_READ, client)
+
+    def _close(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        with self.lock, contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(sock)
+
+    def _want_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        with self.lock, contextlib.suppress(KeyError, ValueError):
+            self.sel.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, client)
+
+    def _done_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        with self.lock, contextlib.suppress(KeyError, ValueError):
+            self.sel.modify(sock, selectors.EVENT_READ, client)
+
+    def _run(self) -> None:
+        next_misc = next_ping = 0.0
+        while not self.stop.is_set():
+            with self.lock:
+                empty = not self.sel.get_map()
+            events = [] if empty else self.sel.select(0.1)
+            if empty:
+                time.sleep(0.05)
+            for key, mask in events:
+                c: paho.Client = key.data
+                if mask & selectors.EVENT_READ:
+                    c.loop_read()
+                if mask & selectors.EVENT_WRITE:
+                    c.loop_write()
+            if time.monotonic() >= next_misc:
+                with self.lock:
+                    clients = list(self.clients)
+                ping = time.monotonic() >= next_ping
+                for c in clients:
+                    # paho unregisters the write interest after draining, racing a publisher thread that queued
+                    # a packet just then (the interest is registered once, not per packet): flush strays here
+                    if c.want_write():
+                        c.loop_write()
+                    if ping:  # keep-alive pings and retries
+                        c.loop_misc()
+                if ping:
+                    next_ping = time.monotonic() + 1.0
+                next_misc = time.monotonic() + 0.25
+
+
+class SimulatedCrash(Exception):
+    """The simulated process died in the middle of an update (not an AgentError: nothing catches it)."""
+
+
+@dataclass
+class _Serving:
+    bundle: Bundle
+    report: dict[str, Any]
+
+
+class SimAgent:
+    """The ServingAgent the real Updater drives: no engine, only which bundle and report serve."""
+
+    def __init__(self, device: SimDevice, bundle: Bundle, report: dict[str, Any]):
+        self.device = device
+        self.serving = _Serving(bundle, report)
+        self.bundle: Bundle | None = bundle  # what the updater's anti-downgrade check reads
+
+    def serve(self, serving: _Serving) -> None:
+        self.serving, self.bundle = serving, serving.bundle
+
+    @contextlib.contextmanager
+    def operation(self, name: str) -> Iterator[None]:
+        yield
+
+    def swap_bundle(self, bundle: Bundle, candidate: Any, report: dict[str, Any]) -> _Serving:
+        previous = self.serving
+        self.serve(_Serving(bundle, report))
+        self.device.publish_facts()
+        return previous
+
+    def restore(self, swap: _Serving) -> None:
+        self.serve(swap)
+        self.device.publish_facts()
+
+    def engine_tally(self, swap: Any) -> None:
+        return None
+
+    def stopping(self) -> bool:
+        return self.device.fleet.stop.is_set()
+
+
+class SimUpdater(Updater):
+    """The agent's Updater with the two device-bound steps drawn instead of run: the self-test child
+    and the frames watched on probation. Every other step is the agent's own code."""
+
+    device: SimDevice
+
+    def _child_selftest(self, root: Path) -> dict[str, Any]:
+        d = self.device
+        g = d.group
+        lo, hi = g.selftest_s
+        seconds = d.rng.uniform(lo, hi) * (g.slow_factor if d.slow else 1.0)
+        if d.fate == "crash":
+            time.sleep(seconds / 2)
+            d.crash()
+            raise SimulatedCrash(d.id)
+        if d.fate == "hang":
+            d.fleet.stop.wait(g.hang_s)
+            raise UpdateRejected("self-test child hung (simulated) and was abandoned")
+        time.sleep(seconds)
+        if d.fate == "reject":
+            return {**d.report(root), "passed": False, "selected": None,
+                    "reason": "no candidate passed: fidelity top1_agreement 0.91 under the floor 0.98 (simulated)"}
+        return d.report(root, provider="CPUExecutionProvider" if d.fallback else None)
+
+    def _probation(self, bundle: Bundle, candidate: Any, swap: Any) -> ProbationVerdict:
+        d = self.device
+        time.sleep(d.group.probation_s)
+        bad = d.fate == "rollback"
+        return judge_probation(ProbationEvidence(
+            seconds=d.group.probation_s, frames=40, results=40, refused=0, inference_errors=3 if bad else 0,
+            non_finite=0, inference_p95_ms=d.p95, budget_ms=bundle.manifest.selftest.budget_for(candidate.provider)))
+
+
+class SimDevice:
+    def __init__(self, fleet: SimFleet, device_id: str, group: GroupProfile, fate: str, slow: bool, fallback: bool):
+        self.fleet, self.id, self.group, self.fate, self.slow, self.fallback = fleet, device_id, group, fate, slow, fallback
+        self.rng = random.Random(f"{fleet.seed}/{device_id}")
+        self.topics = Topics(default_prefix(device_id) if fleet.root == "edge" else f"{fleet.root}/{device_id}/")
+        self.p95 = round(self.rng.uniform(*group.p95_ms), 3)
+        self.margin = round(self.rng.uniform(*group.fidelity_margin), 4)
+        self.session = 0
+        self.update_commands = 0
+        self.rollback_commands = 0
+        self.crashed = threading.Event()
+        self.last_update: dict[str, Any] | None = None
+        self.last_failure: dict[str, Any] | None = None
+        self.store = BundleStore(fleet.state_root / device_id / "store")
+        bid = fleet.seed_id
+        if self.store.committed_id is None:  # seed: hard links of the operator's bundle (never modified)
+            dest = self.store.path(bid)
+            if not dest.exists():
+                shutil.copytree(fleet.seed_copy, dest, copy_function=os.link)
+            self.store.commit(bid)
+            seeds = read_json(self.store.root / "seeds.json", {}) or {}
+            write_json_atomic(self.store.root / "seeds.json", {**seeds, bid: fleet.seed_bundle.manifest_sha256})
+        active = load_bundle(self.store.path(self.store.committed_id or bid), check_contracts=False)
+        self.agent = SimAgent(self, active, self.report(active.root, provider=group.provider))
+        self.updater = SimUpdater(self.agent, self.store, fleet.updates, fleet.state_root / device_id, None,
+                                  self._publish_update)
+        self.updater.device = self
+        self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"edge-agent-{device_id}",
+                                  protocol=paho.MQTTv5)
+        self.client.suppress_exceptions = True
+        self.client.on_connect = self._on_connect
+        self.client.on_message = self._on_message
+        fleet.loop.attach(self.client)
+
+    # -- what a device reports -----------------------------------------------------------------------------
+    def report(self, root: Path, provider: str | None = None) -> dict[str, Any]:
+        """A model-free self-test report in the agent's schema, with this device's drawn figures."""
+        g = self.group
+        prov = provider or g.provider
+        m = parse_manifest((root / MANIFEST_NAME).read_text(), str(root))  # the staged bundle's own manifest
+        variant = m.variants[0]
+        floor = 0.98
+        return {
+            "schema": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "passed": True,
+            "reason": None, "simulated": True,
+            "bundle": {"name": m.name, "version": m.version},
+            "providers": [{"name": p, "usable": True} for p in dict.fromkeys([g.provider, "CPUExecutionProvider"])],
+            "selected": {"provider": prov, "variant": variant.name, "precision": variant.precision},
+            "candidates": [{
+                "provider": prov, "variant": variant.name, "precision": variant.precision, "options": {},
+                "status": "tested", "passed": True, "reasons": [],
+                "latency": {"runs": 50, "p50_ms": round(self.p95 / 2, 3), "p95_ms": self.p95, "budget_ms": g.budget_ms},
+                "placement": {"nodes_by_provider": {prov: 40}, "partitions": 1},
+                "reproduction": {"passed": True, "tolerance": {"abs_diff": 2e-7, "bound": 1e-3}},
+                "fidelity": {"passed": True, "metrics": {"top1_agreement": round(min(1.0, floor + self.margin), 4)},
+                             "bounds": {"min_top1_agreement": floor}},
+            }],
+        }
+
+    def facts(self) -> dict[str, Any]:
+        s = self.agent.serving
+        prov = (s.report.get("selected") or {}).get("provider")
+        return device_facts(device_id=self.id, session=self.session, labels={"group": self.group.name, **self.group.labels},
+                            versions={"agent": __version__, "onnxruntime": "simulated"}, report=s.report,
+                            effective=[prov] if prov else [], current=self.store.current_id,
+                            committed=self.store.committed_id, active=None, last_failure=self.last_failure)
+
+    def publish_facts(self) -> None:
+        self.client.publish(self.topics.facts, json.dumps(self.facts()), qos=1, retain=True)
+
+    def _publish_update(self, doc: dict[str, Any]) -> None:
+        if self.crashed.is_set():
+            return  # a dead process publishes nothing
+        self.last_update = doc
+        self.client.publish(self.topics.update_status, json.dumps(doc), qos=1, retain=True)
+        if doc.get("state") in ("committed", "rejected", "rolled_back"):
+            if doc["state"] != "committed":
+                self.last_failure = doc
+            self.publish_facts()
+
+    def _availability(self, state: str, session: int) -> bytes:
+        return json.dumps({"state": state, "session": session, "ts": round(time.time(), 3)}).encode()
+
+    # -- connection --------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        self.client.will_set(self.topics.availability, self._availability("offline", self.session + 1), qos=1, retain=True)
+        self.client.connect(self.fleet.host, self.fleet.port, keepalive=60)
+
+    def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        if reason.is_failure:
+            return
+        self.session += 1
+        client.publish(self.topics.availability, self._availability("online", self.session), qos=1, retain=True)
+        self.publish_facts()
+        client.subscribe([(self.topics.commands, 1), (self.topics.bundle_all, 1)])
+        self.fleet.connected.add(self.id)
+
+    def crash(self) -> None:
+        """Die mid-update: the broker publishes the last will; back after crash_down_s, booted into the
+        committed bundle (the store's recover, as the agent's boot does)."""
+        self.crashed.set()
+        self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))  # with will message
+
+        def reboot() -> None:
+            if self.fleet.stop.wait(self.group.crash_down_s):
+                return
+            self.store.recover()
+            active = load_bundle(self.store.path(self.store.committed_id or self.fleet.seed_id), check_contracts=False)
+            self.agent.serve(_Serving(active, self.report(active.root)))
+            self.crashed.clear()
+            self.connect()
+
+        threading.Thread(target=reboot, name=f"reboot-{self.id}", daemon=True).start()
+
+    # -- commands ----------------------------------------------------------------------------------------
+    def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        if msg.topic.startswith(self.topics.prefix + "bundle/"):
+            self.receiver.on_message(msg.topic[len(self.topics.prefix):], bytes(msg.payload))
+            return
+        name = self.topics.command_name(msg.topic)
+        if name is None:
+            return
+        try:
+            payload = parse_json_object(bytes(msg.payload), 64 * 1024)
+        except PayloadError as exc:
+            self.reply(name, payload={}, result={"ok": False, "error": f"malformed payload: {exc}"})
+            return
+        if name == "update":
+            self.update_commands += 1
+            url, sha = payload.get("url"), payload.get("sha256")
+            if not isinstance(url, str) or not isinstance(sha, str):
+                self.reply(name, payload, {"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
+                return
+            self._job(name, payload, lambda: self.downloader.fetch(url, sha, str(payload.get("id", url.rsplit("/", 1)[-1]))))
+        elif name == "rollback":
+            self.rollback_commands += 1
+            self._job(name, payload, lambda: self.updater.rollback(str(payload.get("id", "rollback"))))
+        elif name == "status":
+            self.reply(name, payload, {"ok": True, "facts": self.facts()})
+        else:
+            self.reply(name, payload, {"ok": False, "error": f"unknown command {name!r} (simulated device: update, "
+                                                             "rollback, status)"})
+
+    def _job(self, name: str, payload: dict[str, Any], fn: Any) -> None:
+        if self.updater.lock.locked():
+            self.reply(name, payload, {"ok": False, "already_running": True, "busy": True,
+                                       "error": f"busy: an {name} command is already running; send it again after its verdict"})
+            return
+
+        def run() -> None:
+            try:
+                result = fn()
+            except SimulatedCrash:
+                return
+            except Exception as exc:  # a bug in the simulation must cost one device, never the loop
+                log.exception("sim.job_failed", device=self.id)
+                result = {"state": "rejected", "reason": f"{type(exc).__name__}: {exc}"}
+            self.reply(name, payload, {"ok": result.get("state") == "committed", "update": result})
+
+        self.fleet.pool.submit(run)
+
+    def reply(self, name: str, payload: dict[str, Any], result: dict[str, Any]) -> None:
+        if self.crashed.is_set():
+            return
+        cid = payload.get("id")
+        body = {"command": name, **({"id": cid} if isinstance(cid, (str, int, float)) else {}), **result}
+        self.client.publish(self.topics.reply(name), json.dumps(body), qos=1)
+
+
+class SimFleet:
+    """N simulated devices in this process: one socket loop, one worker pool, one state root."""
+
+    def __init__(self, host: str, port: int, groups: list[GroupProfile], seed_bundle: Path, trusted_keys: list[Path],
+                 state_root: Path, seed: int = 1, root: str = "edge", workers: int = 64):
+        self.host, self.port, self.seed, self.root = host, port, seed, root
+        self.state_root = state_root
+        self.stop = threading.Event()
+        self.loop = SocketLoop()
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sim-job")
+        self.connected: set[str] = set()
+        self.seed_bundle = load_bundle(seed_bundle, check_contracts=False)
+        self.seed_id = bundle_id(self.seed_bundle)
+        self.seed_copy = state_root / "_seed" / self.seed_id  # one copy on the state root's filesystem, then links
+        if not self.seed_copy.exists():
+            shutil.copytree(seed_bundle, self.seed_copy)
+        self.updates = UpdatesConfig(enabled=True, trusted_keys=tuple(trusted_keys), probation_s=1.0,
+                                     probation_frames=40, keep=3)
+        self.devices = [SimDevice(self, d, g, f, slow, fall) for d, g, f, slow, fall in assign_fates(groups, seed)]
+
+    def start(self, timeout: float = 120.0) -> SimFleet:
+        self.loop.thread.start()
+        for d in self.devices:
+            d.connect()
+        deadline = time.monotonic() + timeout
+        while len(self.connected) < len(self.devices):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.connected)} of {len(self.devices)} simulated devices connected "
+                                   f"within {timeout:g} s")
+            time.sleep(0.05)
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        for d in self.devices:
+            with contextlib.suppress(Exception):
+                d.client.publish(d.topics.availability, d._availability("stopped", d.session), qos=1, retain=True)
+                d.client.disconnect()
+        time.sleep(0.5)
+        self.loop.stop.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def summary(self) -> dict[str, Any]:
+        by: dict[str, dict[str, int]] = {}
+        for d in self.devices:
+            com = d.store.committed_id or "?"
+            g = by.setdefault(d.group.name, {})
+            g[com] = g.get(com, 0) + 1
+        return {"devices": len(self.devices), "committed_by_group": by,
+                "update_commands": {d.id: d.update_commands for d in self.devices if d.update_commands},
+                "rollback_commands": {d.id: d.rollback_commands for d in self.devices if d.rollback_commands}}
+
+
+def load_groups(spec: str | Path, default_count: int | None = None) -> list[GroupProfile]:
+    """Groups from a YAML/JSON file (a list of GroupProfile mappings) or `name:count[:key=val,...]` items
+    separated by ';', e.g. `a:50;b:50:reject_pct=30`."""
+    p = Path(str(spec))
+    if p.exists():
+        import yaml  # type: ignore[import-untyped]
+
+        data = yaml.safe_load(p.read_text())
+        items = data.get("groups") if isinstance(data, dict) else data
+        if not isinstance(items, list):
+            raise ValueError(f"{p}: expected a list of groups (or {{groups: [...]}}), found {type(items).__name__}")
+        return [GroupProfile.from_dict(g) for g in items]
+    groups = []
+    for item in str(spec).split(";"):
+        parts = item.strip().split(":")
+        if not parts[0]:
+            continue
+        kw: dict[str, Any] = {"name": parts[0], "count": int(parts[1]) if len(parts) > 1 else (default_count or 1)}
+        for kv in (parts[2].split(",") if len(parts) > 2 else []):
+            k, _, v = kv.partition("=")
+            kw[k] = float(v) if k.endswith(("_pct", "_s", "_ms", "_factor")) else v
+        groups.append(GroupProfile.from_dict(kw))
+    return groups
+
+
+def split_devices(total: int, groups: list[GroupProfile]) -> list[GroupProfile]:
+    """`--devices N` over the declared groups' shares (their counts as weights)."""
+    weight = sum(g.count for g in groups) or 1
+    out, left = [], total
+    for i, g in enumerate(groups):
+        n = left if i == len(groups) - 1 else round(total * g.count / weight)
+        out.append(replace(g, count=n))
+        left -= n
+    return out

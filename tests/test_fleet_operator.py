@@ -1,0 +1,205 @@
+"""The operator against a real Mosquitto: the fleet-wide download cap, the lease that keeps two operators
+off one rollout, the human gate, and the failure kinds a simulated fleet injects (crash, hang)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.bundle.archive import pack
+from agent.bundle.signing import keygen, sign_bundle
+from agent.fleet.operator import Operator, RolloutError
+from agent.fleet.plan import Artifact, Gates, Plan, start_order
+from agent.fleet.simulator import GroupProfile, SimFleet
+from agent.fleet.state import Connection, FleetClient, RolloutTopics
+from agent.hashing import sha256_file
+from agent.testing import rewrite_manifest
+from brokers import Broker
+from waiting import wait_until
+
+ART = Artifact("http://127.0.0.1:9/none.tar.gz", "cd" * 32, "tiny-classifier", 2)
+
+
+@pytest.fixture
+def broker(tmp_path: Path):
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
+
+
+def publish_plan(port: int, plan: Plan) -> None:
+    c = FleetClient(Connection("127.0.0.1", port)).start([])
+    c.publish(RolloutTopics(plan.id).plan, plan.to_dict())
+    c.stop()
+
+
+def operator(port: int, rid: str) -> Operator:
+    op = Operator(FleetClient(Connection("127.0.0.1", port)), rid, "edge", tick_s=0.05)
+    op.client.start(op.topics())
+    op.load()
+    return op
+
+
+def fake_device(c: FleetClient, d: str) -> None:
+    """A device as the operator sees it: retained availability and facts (it never answers commands)."""
+    c.publish(f"edge/{d}/availability", {"state": "online", "session": 1, "ts": time.time()})
+    c.publish(f"edge/{d}/facts", {"session": 1, "labels": {}, "bundle": {"committed": {"name": "tiny-classifier", "version": 1}}})
+
+
+def test_download_cap_holds_new_starts_until_a_device_is_past_its_download(broker: Broker) -> None:
+    devices = [f"dev{i}" for i in range(8)]
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start(["edge/+/cmd/update"])
+    for d in devices:
+        fake_device(c, d)
+    plan = Plan(id="cap", artifact=ART, targets=tuple(devices), phases=(8,), rate_per_min=6000, max_downloads=3)
+    publish_plan(broker.port, plan)
+    op = operator(broker.port, "cap")
+    stop = threading.Event()
+    t = threading.Thread(target=op.run, kwargs={"until": stop.is_set}, daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: len(op.records) == 3, 20)
+        first = sorted(op.records)
+        # barrier: the broker carried the three commands (so the loop ran well past its first starts)
+        assert wait_until(lambda: c.inbox.qsize() >= 3, 20)
+        time.sleep(1.0)  # many loop ticks (50 ms each) with the cap full: still three
+        assert len(op.records) == 3, sorted(op.records)
+        c.publish(f"edge/{first[0]}/update/status", {"update": "cap", "state": "verifying", "ts": time.time()})
+        assert wait_until(lambda: len(op.records) == 4, 20)
+        time.sleep(1.0)
+        assert len(op.records) == 4
+    finally:
+        stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_a_second_operator_is_refused_while_the_first_holds_a_fresh_heartbeat(broker: Broker) -> None:
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    fake_device(c, "dev0")
+    plan = Plan(id="lease", artifact=ART, targets=("dev0",), phases=(1,), rate_per_min=60)
+    publish_plan(broker.port, plan)
+    first = operator(broker.port, "lease")
+    first.run(max_s=0.5)  # started, heartbeat written
+    second = operator(broker.port, "lease")
+    with pytest.raises(RolloutError, match="being run by .*--force"):
+        second.take_over()
+    second.take_over(force=True)
+    assert second.state["decisions"][-1]["event"] == "resumed"
+    for op in (first, second):
+        op.client.stop()
+    c.stop()
+
+
+@pytest.mark.slow
+def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(broker: Broker, tmp_path: Path,
+                                                                                tiny_bundle_master: Path) -> None:
+    keygen(tmp_path / "k.pem", tmp_path / "k.pub")
+    web = tmp_path / "web"
+    web.mkdir()
+    shutil.copytree(tiny_bundle_master, tmp_path / "v2")
+    rewrite_manifest(tmp_path / "v2", lambda m: m.update(version=2))
+    sign_bundle(tmp_path / "v2", tmp_path / "k.pem")
+    archive = pack(tmp_path / "v2", web / "v2.tar.gz")
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)  # noqa: E731
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    groups = [GroupProfile("a", 6), GroupProfile("b", 4, crash_pct=50, hang_pct=50, crash_down_s=30)]
+    stop = threading.Event()
+    sims = SimFleet("127.0.0.1", broker.port, groups, tiny_bundle_master, [tmp_path / "k.pub"], tmp_path / "sims").start()
+    op = None
+    try:
+        ids = [d.id for d in sims.devices]
+        order = [d for d in start_order("gate", ids) if d.startswith("sim-a-")][:4]
+        order += [d for d in start_order("gate", ids) if d not in order]
+        plan = Plan(id="gate", artifact=Artifact(f"http://127.0.0.1:{srv.server_address[1]}/v2.tar.gz",
+                                                 sha256_file(archive), "tiny-classifier", 2),
+                    targets=tuple(order), phases=(4, 10), rate_per_min=6000, device_timeout_s=8, human_gate=True,
+                    gates=Gates(abort_failure_pct=60, abort_min_finished=10, min_committed_pct=80))
+        publish_plan(broker.port, plan)
+        op = operator(broker.port, "gate")
+        stop = threading.Event()
+        t = threading.Thread(target=op.run, kwargs={"until": stop.is_set, "max_s": 120}, daemon=True)
+        t.start()
+        assert wait_until(lambda: op.state.get("status") == "awaiting_approval", 60), op.state
+        assert sorted(op.records) == sorted(order[:4]) and all(r["state"] == "committed" for r in op.records.values())
+        time.sleep(0.5)
+        assert len(op.records) == 4, "nothing starts past the human gate"
+        c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+        c.publish(RolloutTopics("gate").control, {"action": "approve", "ts": time.time(), "by": "test"})
+        c.stop()
+        assert wait_until(lambda: op.state.get("status") == "held", 90), op.state
+        kinds = {d: r.get("kind") for d, r in op.records.items()}
+        fates = {d.id: d.fate for d in sims.devices}
+        assert {kinds[d] for d in kinds if fates[d] == "crash"} == {"went_offline"}, kinds
+        assert {kinds[d] for d in kinds if fates[d] == "hang"} == {"timed_out"}, kinds
+        assert "committed_pct FAILED: 60.0 vs 80" in op.state["decisions"][-1]["reason"], op.state["decisions"][-1]
+        assert [d["event"] for d in op.state["decisions"]][:4] == ["started", "awaiting_approval", "phase_advanced", "held"]
+        assert json.dumps(op.state["decisions"][2]).count("approved by test")
+    finally:
+        if op is not None:
+            stop.set()
+            t.join(10)
+            op.client.stop()
+        sims.close()
+        srv.shutdown()
+
+
+def test_pause_stops_new_starts_and_resume_continues(broker: Broker) -> None:
+    devices = [f"dev{i}" for i in range(6)]
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    for d in devices:
+        fake_device(c, d)
+    plan = Plan(id="pz", artifact=ART, targets=tuple(devices), phases=(6,), rate_per_min=6000, max_downloads=2)
+    publish_plan(broker.port, plan)
+    op = operator(broker.port, "pz")
+    stop = threading.Event()
+    t = threading.Thread(target=op.run, kwargs={"until": stop.is_set}, daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: len(op.records) == 2, 20)
+        c.publish(RolloutTopics("pz").control, {"action": "pause", "ts": time.time(), "by": "test"})
+        assert wait_until(lambda: op.state.get("status") == "paused", 20)
+        for d in sorted(op.records):  # both past their download: the cap no longer holds anything back
+            c.publish(f"edge/{d}/update/status", {"update": "pz", "state": "selftest", "ts": time.time()})
+        assert wait_until(lambda: all(op.devices.status.get(d) for d in op.records), 20)
+        time.sleep(1.0)
+        assert len(op.records) == 2, "paused: nothing new starts"
+        c.publish(RolloutTopics("pz").control, {"action": "resume", "ts": time.time() + 0.001, "by": "test"})
+        assert wait_until(lambda: len(op.records) == 4, 20)
+        events = [d["event"] for d in op.state["decisions"]]
+        assert events == ["started", "paused", "unpaused"], events
+    finally:
+        stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_an_operator_that_was_taken_over_steps_aside(broker: Broker) -> None:
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    fake_device(c, "dev0")
+    publish_plan(broker.port, Plan(id="two-ops", artifact=ART, targets=("dev0",), phases=(1,), rate_per_min=60))
+    first = operator(broker.port, "two-ops")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(first.run(max_s=60)), daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: first.state.get("rev", 0) >= 1, 20)
+        second = operator(broker.port, "two-ops")
+        second.take_over(force=True)
+        second.save_state()
+        t.join(20)
+        assert not t.is_alive() and first.taken_over == second.owner
+        second.client.stop()
+    finally:
+        first.client.stop()
+        c.stop()

@@ -1,0 +1,225 @@
+"""A fleet rollout end to end: one real Mosquitto, real agents on the demo bundle and 200 simulated
+devices running the agent's own update code, driven by the `edge-agent fleet` CLI in its own process.
+
+Pins: a 4-phase rollout commits everywhere; the operator SIGKILLed mid-rollout is resumed from the
+broker's retained documents with no device commanded twice; one group at 30 % self-test rejections
+aborts at the threshold after the minimum count with the other groups untouched; `fleet rollback`
+returns every committed device to its previous bundle.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from brokers import Broker, Collector
+from waiting import end_process, wait_until
+
+from agent.bundle.archive import pack
+from agent.bundle.signing import keygen, sign_bundle
+from agent.fleet.simulator import GroupProfile, SimFleet
+from agent.testing import rewrite_manifest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "digits-classifier"
+FRAMES = ROOT / "models" / "demo-frames" / "digits"
+REAL_AGENTS = int(os.environ.get("FLEET_TEST_REAL_AGENTS", "3"))  # fewer on a busier machine: docs/fleet.md
+
+
+def fleet(port: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent", "--log-json", "fleet", *args, "--broker", f"127.0.0.1:{port}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def retained(port: int, topic: str) -> dict[str, dict]:
+    col = Collector(port, [topic])
+    try:
+        wait_until(lambda: col.connects >= 1, 20)
+        n = -1
+        while n != len(col.messages):  # retained messages arrive at once after SUBACK: wait for them to settle
+            n = len(col.messages)
+            time.sleep(0.5)
+        return {m.topic: json.loads(m.payload) for m in col.messages if m.payload}
+    finally:
+        col.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory):
+    """Broker, HTTP server with signed v2 and v3 of the demo bundle, and the real agents."""
+    t = tmp_path_factory.mktemp("fleet")
+    keygen(t / "k.pem", t / "k.pub")
+    web = t / "web"
+    web.mkdir()
+    archives = {}
+    for v in (2, 3):
+        src = t / f"v{v}"
+        shutil.copytree(DEMO, src)
+        rewrite_manifest(src, lambda m, v=v: m.update(version=v))
+        sign_bundle(src, t / "k.pem")
+        archives[v] = pack(src, web / f"v{v}.tar.gz")
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    broker = Broker(t / "broker").start()
+    agents = []
+    for i in range(REAL_AGENTS):
+        d = t / f"real-{i}"
+        d.mkdir()
+        cfg = {"device_id": f"real-{i}", "state_dir": str(d / "state"), "bundle": str(DEMO),
+               "labels": {"group": "real", "site": "lab"},
+               "source": {"type": "folder", "path": str(FRAMES), "loop": True, "max_fps": 15},
+               "output": {"stdout": False, "health_interval_s": 5},
+               "mqtt": {"enabled": True, "port": broker.port, "keepalive": 10, "reconnect_min_s": 1, "reconnect_max_s": 2},
+               "updates": {"enabled": True, "trusted_keys": [str(t / "k.pub")], "probation_s": 2.0,
+                           "probation_frames": 20}}
+        (d / "agent.yaml").write_text(yaml.safe_dump(cfg))
+        agents.append(subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(d / "agent.yaml")],
+                                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "w")))
+    col = Collector(broker.port, ["edge/+/cmd/update", "edge/+/cmd/rollback"])
+    assert col.wait(lambda: col.connects >= 1, 20)
+    yield {"t": t, "port": broker.port, "url": f"http://127.0.0.1:{srv.server_address[1]}", "archives": archives,
+           "col": col, "pub": t / "k.pub"}
+    col.close()
+    for a in agents:
+        end_process(a)
+    srv.shutdown()
+    broker.stop()
+
+
+def wait_real_agents(port: int, timeout: float = 180) -> None:
+    def ready() -> bool:
+        facts = retained(port, "edge/+/facts")
+        return sum(1 for k, f in facts.items() if k.startswith("edge/real-") and (f.get("proof") or {}).get("passed")) >= REAL_AGENTS
+    assert wait_until(ready, timeout, interval=2), "the real agents did not publish facts with a passing self-test"
+
+
+def sim_fleet(world: dict, groups: list[GroupProfile], name: str) -> SimFleet:
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else world["t"]
+    return SimFleet("127.0.0.1", world["port"], groups, DEMO, [world["pub"]], root / f"edge-fleet-test-{os.getpid()}-{name}",
+                    seed=7).start()
+
+
+def commands(world: dict, kind: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in list(world["col"].messages):
+        if m.topic.endswith(f"/cmd/{kind}"):
+            d = m.topic.split("/")[1]
+            out[d] = out.get(d, 0) + 1
+    return out
+
+
+def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_killed(world: dict) -> None:
+    groups = [GroupProfile(n, 50, labels={"fleet": "one"}) for n in "abcd"]
+    sims = sim_fleet(world, groups, "one")
+    try:
+        wait_real_agents(world["port"])
+        plan = world["t"] / "plan-one.json"
+        r = fleet(world["port"], "rollout", "plan", "--bundle", str(world["archives"][2]), "--url", world["url"] + "/v2.tar.gz",
+                  "--id", "one", "--canary", "10", "--canary-prefer", "group=real", "--steps", "25,60",
+                  "--rate", "900", "--max-downloads", "20", "--device-timeout", "240", "--out", str(plan))
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(plan.read_text())
+        targets = doc["targets"]
+        assert len(targets) == 200 + REAL_AGENTS and len(doc["phases"]) == 4, doc["phases"]
+        assert all(d.startswith("real-") for d in targets[:REAL_AGENTS]), "the canary takes the real agents first"
+
+        log = open(world["t"] / "operator-1.log", "w")
+        op = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "fleet", "rollout", "start", str(plan),
+                               "--broker", f"127.0.0.1:{world['port']}"], cwd=ROOT, stdout=log, stderr=log)
+        # killed once the third phase has begun: its in-flight devices finish without it
+        third = doc["phases"][1]
+        assert wait_until(lambda: len(retained(world["port"], "fleet/rollout/one/device/+")) > third + 5, 240, interval=1)
+        op.send_signal(signal.SIGKILL)
+        op.wait(10)
+        before = len(retained(world["port"], "fleet/rollout/one/device/+"))
+        assert before < len(targets), "the operator was killed after it had started every device"
+
+        r = fleet(world["port"], "rollout", "resume", "one", "--force", timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        state = retained(world["port"], "fleet/rollout/one/state")["fleet/rollout/one/state"]
+        assert state["status"] == "done" and state["phase"] == 3, state
+        events = [d["event"] for d in state["decisions"]]
+        assert events.count("phase_advanced") == 3 and "resumed" in events and events[-1] == "done", events
+        assert state["gate"]["passed"] and all(c["passed"] for c in state["gate"]["checks"]), state["gate"]
+
+        r = fleet(world["port"], "rollout", "status", "one", "--json")
+        doc = json.loads(r.stdout)
+        assert doc["state"]["status"] == "done" and len(doc["devices"]) == len(targets), r.stderr[-1000:]
+        r = fleet(world["port"], "ls", "--where", "group=real", "--where", "provider=CPUExecutionProvider", "--json")
+        rows = json.loads(r.stdout)
+        assert sorted(x["device"] for x in rows) == [f"real-{i}" for i in range(REAL_AGENTS)], rows
+        assert all(x["committed"] == "digits-classifier@2" and x["fidelity_margin"] is not None for x in rows), rows
+
+        facts = retained(world["port"], "edge/+/facts")
+        committed = {k.split("/")[1]: (f["bundle"]["committed"] or {}).get("version") for k, f in facts.items()}
+        assert all(committed[d] == 2 for d in targets), {d: committed[d] for d in targets if committed[d] != 2}
+        # no device commanded twice: what the devices received (sims count), and what the broker carried
+        assert all(d.update_commands == 1 for d in sims.devices), [d.id for d in sims.devices if d.update_commands != 1]
+        seen = commands(world, "update")
+        assert {d for d in targets} == set(seen) and max(seen.values()) == 1, {d: n for d, n in seen.items() if n != 1}
+    finally:
+        sims.close()
+        shutil.rmtree(sims.state_root, ignore_errors=True)
+
+
+def test_a_group_at_30_percent_rejections_aborts_at_the_threshold_and_fleet_rollback_restores_it(world: dict) -> None:
+    groups = [GroupProfile("e", 50, labels={"fleet": "two"}), GroupProfile("f", 50, reject_pct=30, labels={"fleet": "two"}),
+              GroupProfile("g", 50, labels={"fleet": "two"}), GroupProfile("h", 50, labels={"fleet": "two"})]
+    sims = sim_fleet(world, groups, "two")
+    try:
+        plan = world["t"] / "plan-two.json"
+        r = fleet(world["port"], "rollout", "plan", "--bundle", str(world["archives"][3]), "--url", world["url"] + "/v3.tar.gz",
+                  "--id", "two", "--where", "fleet=two", "--canary", "50", "--canary-prefer", "group=f",
+                  "--steps", "50,75", "--rate", "900", "--abort-pct", "20", "--abort-min", "10", "--out", str(plan))
+        assert r.returncode == 0, r.stderr
+        r = fleet(world["port"], "rollout", "start", str(plan), timeout=600)
+        assert r.returncode == 1, r.stderr[-2000:]  # not done: aborted
+        state = retained(world["port"], "fleet/rollout/two/state")["fleet/rollout/two/state"]
+        assert state["status"] == "aborted", state["status"]
+        abort = next(d for d in state["decisions"] if d["event"] == "aborted")
+        assert abort["finished"] >= 10 and 100.0 * abort["failed"] / abort["finished"] >= 20.0, abort
+        # at the threshold: one result fewer would have been under it (or under the minimum count)
+        prev_failed, prev_finished = abort["failed"] - 1, abort["finished"] - 1
+        assert prev_finished < 10 or 100.0 * prev_failed / prev_finished < 20.0, abort
+        assert abort["failures"] == {"rejected_selftest": abort["failed"]}, abort
+
+        records = retained(world["port"], "fleet/rollout/two/device/+")
+        started = {k.rsplit("/", 1)[1] for k in records}
+        assert started and all(d.startswith("sim-f-") for d in started), sorted(started)[:10]
+        untouched = [d for d in sims.devices if d.group.name != "f"]
+        assert all(d.update_commands == 0 and d.store.committed_id.startswith("digits-classifier-v1-") for d in untouched)
+        committed = [k.rsplit("/", 1)[1] for k, r in records.items() if r["state"] == "committed"]
+        assert committed
+
+        r = fleet(world["port"], "rollback", "two", timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        by_id = {d.id: d for d in sims.devices}
+        for d in committed:
+            assert by_id[d].store.committed_id.startswith("digits-classifier-v1-"), (d, by_id[d].store.committed_id)
+            assert by_id[d].rollback_commands == 1
+        facts = retained(world["port"], "edge/+/facts")
+        assert all(facts[f"edge/{d}/facts"]["bundle"]["committed"]["version"] == 1 for d in committed)
+        # a device whose self-test rejected v3 keeps that in its facts, and a new plan for v3 leaves it out
+        rejected = [k.rsplit("/", 1)[1] for k, r in records.items() if r.get("kind") == "rejected_selftest"]
+        assert facts[f"edge/{rejected[0]}/facts"]["last_failure"]["reason"].startswith("self-test failed")
+        r = fleet(world["port"], "rollout", "plan", "--bundle", str(world["archives"][3]), "--url", world["url"] + "/v3.tar.gz",
+                  "--id", "two-again", "--where", "fleet=two", "--out", str(world["t"] / "plan-again.json"))
+        again = json.loads((world["t"] / "plan-again.json").read_text())["targets"]
+        assert not set(rejected) & set(again) and len(again) == 200 - len(rejected), r.stderr[-1500:]
+    finally:
+        sims.close()
+        shutil.rmtree(sims.state_root, ignore_errors=True)
