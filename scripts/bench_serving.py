@@ -373,7 +373,7 @@ def main() -> int:
         for name in inputs:
             h, w, codec = INPUTS[name]
             video = camera_video(raw, h, w, args.frames, codec, tmp)
-            scale = min(max_decode_scale(resize, h, w), proven_scale) if codec == "mjpeg" else 1
+            scale = min(max_decode_scale(resize, h, w), proven_scale)  # H.264 too: its planes are reduced
             # the daemon decodes at the scale the bundle's resize allows and the self-test proved (auto)
             settings = {"selection.variant": variant, **session_changes}
             full, dec, cap, nai, lim, runs, cpu = [], [], [], [], [], [], []
