@@ -58,22 +58,35 @@ def _matrix(matrix: str, full_range: bool, color: str) -> np.ndarray:
     return m
 
 
+def area_reduce(plane: np.ndarray, height: int, width: int) -> np.ndarray:
+    """A plane averaged down to height x width. Halving is OpenCV's fast path (0.12 ms for a 1080p luma plane,
+    against 1.25 ms for one INTER_AREA step of 1/8 on this machine), and the mean of 2x2 means is the mean of
+    the 4x4 block (up to a rounding per step): halve while the sizes allow, then one area step for the rest."""
+    while plane.shape[0] >= 2 * height and plane.shape[1] >= 2 * width and not plane.shape[0] % 2 \
+            and not plane.shape[1] % 2:
+        plane = cv2.resize(plane, (plane.shape[1] // 2, plane.shape[0] // 2), interpolation=cv2.INTER_AREA)
+    if plane.shape[:2] != (height, width):
+        plane = cv2.resize(plane, (width, height), interpolation=cv2.INTER_AREA)
+    return plane
+
+
 def yuv420_to_frame(y: np.ndarray, u: np.ndarray, v: np.ndarray, scale: int, color: str = "rgb",
                     matrix: str = "bt601", full_range: bool = False) -> np.ndarray:
     """4:2:0 planes (luma h x w, chroma (h+1)//2 x (w+1)//2; strided views are fine, nothing is copied
     at full size) -> the frame at 1/scale in `color` (rgb, bgr or gray)."""
     h, w = y.shape[:2]
     rh, rw = reduced_size(h, w, scale)
-    ys = y if scale == 1 else cv2.resize(y, (rw, rh), interpolation=cv2.INTER_AREA)
+    ys = y if scale == 1 else area_reduce(y, rh, rw)
     if color == "gray":
         return cv2.LUT(ys, _GRAY[full_range])
     # chroma is at half size already: averaged by scale/2 (1/2: as it is; full size: interpolated up)
     if u.shape[:2] == (rh, rw):
         us, vs = u, v
+    elif u.shape[0] < rh:  # full size: chroma interpolated up
+        us = cv2.resize(u, (rw, rh), interpolation=cv2.INTER_LINEAR)
+        vs = cv2.resize(v, (rw, rh), interpolation=cv2.INTER_LINEAR)
     else:
-        interp = cv2.INTER_LINEAR if u.shape[0] < rh else cv2.INTER_AREA
-        us = cv2.resize(u, (rw, rh), interpolation=interp)
-        vs = cv2.resize(v, (rw, rh), interpolation=interp)
+        us, vs = area_reduce(u, rh, rw), area_reduce(v, rh, rw)
     return cv2.transform(cv2.merge([ys, us, vs]), _matrix(matrix, full_range, color))
 
 
