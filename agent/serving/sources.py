@@ -214,6 +214,8 @@ class OpenCVSource:
         self.prev: np.ndarray | None = None  # the previous frame's signature (frozen-picture check)
         self.same = 0
         self.pacer = _Pacer(cfg.max_fps if not self.live else 0.0)
+        # 0: the default (PyAV: min(cores, 2) frame threads; a MultiSource shares the cores among its streams)
+        self.decoder_threads = cfg.decoder_threads
 
     def _use_av(self) -> bool:
         """PyAV for files and streams; V4L2 cameras and hardware decoding stay with OpenCV's own options."""
@@ -223,7 +225,8 @@ class OpenCVSource:
     def _open_av(self) -> bool:
         try:
             reader = ffmpeg_decode.AVReader(str(self.target), self.cfg.open_timeout_ms / 1000,
-                                            self.cfg.read_timeout_ms / 1000, self.cfg.decoder_threads, self.live,
+                                            self.cfg.read_timeout_ms / 1000,
+                                            self.decoder_threads or min(len(os.sched_getaffinity(0)), 2), self.live,
                                             jpeg_packets=self.packets_usable)
         except (OSError, ValueError, ffmpeg_decode.av.error.FFmpegError) as exc:
             self.stats.last_error = f"cannot open: {exc}"[:300]
@@ -242,8 +245,8 @@ class OpenCVSource:
         self.av = False
         params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, self.cfg.open_timeout_ms,
                   cv2.CAP_PROP_READ_TIMEOUT_MSEC, self.cfg.read_timeout_ms]
-        if self.cfg.decoder_threads:
-            params += [cv2.CAP_PROP_N_THREADS, self.cfg.decoder_threads]
+        if self.decoder_threads:
+            params += [cv2.CAP_PROP_N_THREADS, self.decoder_threads]
         api = cv2.CAP_V4L2 if isinstance(self.target, int) else cv2.CAP_FFMPEG
         cap = None
         if self.cfg.hw_decode != "none":
