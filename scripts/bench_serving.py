@@ -203,9 +203,10 @@ def _proc_cpu_s(pid: int, children: bool = False) -> float:
     return (int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)) / TICK
 
 
-def _proc_hwm_mb(pid: int) -> float:
+def _proc_hwm_mb(pid: int, key: str = "VmHWM") -> float:
+    """Peak RSS (VmHWM: the boot proof included), or with key="VmRSS" the RSS now (serving)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -326,6 +327,7 @@ class MultiRun:
     p50_ms: float              # capture -> publish (the result's total_ms), all sources together
     p95_ms: float
     rss_mb: float
+    serving_rss_mb: float      # VmRSS at the last sample, while serving (rss_mb: the peak, boot included)
     cpu_ms: float              # the agent's CPU time per result
     load: tuple[float, float]  # 1-minute load average before and after
 
@@ -353,7 +355,7 @@ def multi_agent(videos: list[Path | str], bundle_dir: Path, settings: dict, fps:
     count: dict[str, int] = {}
     totals: list[float] = []
     cpu0 = cpu1 = 0.0
-    rss = float("nan")
+    rss = now_rss = float("nan")
     n = counted = 0
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -370,6 +372,7 @@ def multi_agent(videos: list[Path | str], bundle_dir: Path, settings: dict, fps:
         if n % 50 == 0 or n == expected:  # /proc on every line would take CPU from the agent
             try:
                 cpu1, rss, counted = _proc_cpu_s(proc.pid), _proc_hwm_mb(proc.pid), n
+                now_rss = _proc_hwm_mb(proc.pid, "VmRSS")
             except FileNotFoundError:
                 pass
         if live and len(count) == len(videos) and min(count.values()) >= frames:
@@ -379,7 +382,8 @@ def multi_agent(videos: list[Path | str], bundle_dir: Path, settings: dict, fps:
     if n < 2:
         raise SystemExit(f"the agent published {n} results (exit {proc.returncode})")
     return MultiRun(len(videos), {k: (count[k] - 1) / max(last[k] - first[k], 1e-9) for k in count}, count,
-                    float(np.percentile(totals, 50)), float(np.percentile(totals, 95)), rss, (cpu1 - cpu0) / max(counted - 1, 1) * 1000,
+                    float(np.percentile(totals, 50)), float(np.percentile(totals, 95)), rss, now_rss,
+                    (cpu1 - cpu0) / max(counted - 1, 1) * 1000,
                     (round(load0, 2), round(os.getloadavg()[0], 2)))
 
 
@@ -587,12 +591,13 @@ def many_sources(args: argparse.Namespace) -> int:
           (f"; RTSP cameras (tests/fixtures/rtsp_server.py) at {args.camera_fps:g} fps" if args.rtsp
            else f"; sources[].max_fps={args.camera_fps:g} (the camera rate)"))
     print(f"{'sources':>7} {'fps per source (min..max)':>26} {'results':>9} {'capture->publish p50/p95 ms':>27} "
-          f"{'peak RSS MB':>11} {'RSS vs 1':>8} {'CPU ms/result':>13} {'load before/after':>17}")
+          f"{'peak RSS MB':>11} {'RSS vs 1':>8} {'serving RSS':>11} {'vs 1':>5} {'CPU ms/result':>13} {'load before/after':>17}")
     for one, many in rows:
         for r in (one, many):
             f = list(r.fps.values())
             print(f"{r.sources:>7} {f'{min(f):.1f}..{max(f):.1f}':>26} {sum(r.results.values()):>9} {f'{r.p50_ms:.1f} / {r.p95_ms:.1f}':>27} "
-                  f"{r.rss_mb:>11.0f} {r.rss_mb / one.rss_mb:>8.2f} {r.cpu_ms:>13.2f} {f'{r.load[0]}/{r.load[1]}':>17}")
+                  f"{r.rss_mb:>11.0f} {r.rss_mb / one.rss_mb:>8.2f} {r.serving_rss_mb:>11.0f} "
+                  f"{r.serving_rss_mb / one.serving_rss_mb:>5.2f} {r.cpu_ms:>13.2f} {f'{r.load[0]}/{r.load[1]}':>17}")
     # The issue's targets, each beside what was measured (the bounds are the issue's, never derived from a run).
     bound = 200 if args.rtsp else 150  # the H.264 RTSP row's bound (issue 24), the MJPEG row's (issue 15)
     for one, many in rows:
@@ -603,8 +608,9 @@ def many_sources(args: argparse.Namespace) -> int:
               f"{'met' if served >= args.frames and min(f) >= 0.97 * args.camera_fps else 'NOT met'}; "
               f"p95 capture->publish {many.p95_ms:.1f} ms < {bound} -> {'met' if many.p95_ms < bound else 'NOT met'}; "
               f"RSS {many.rss_mb / one.rss_mb:.2f} x one source < 1.3 -> "
-              f"{'met' if many.rss_mb / one.rss_mb < 1.3 else 'NOT met'}; one source's peak RSS {one.rss_mb:.0f} MB "
-              f"< 200 -> {'met' if one.rss_mb < 200 else 'NOT met'}")
+              f"{'met' if many.rss_mb / one.rss_mb < 1.3 else 'NOT met'} (serving RSS {many.serving_rss_mb / one.serving_rss_mb:.2f}); "
+              f"one source's peak RSS {one.rss_mb:.0f} MB < 200 -> {'met' if one.rss_mb < 200 else 'NOT met'} "
+              f"(serving RSS {one.serving_rss_mb:.0f} MB -> {'met' if one.serving_rss_mb < 200 else 'NOT met'})")
     return 0
 
 

@@ -45,7 +45,10 @@ class AVReader:
 
     def __init__(self, target: str, open_timeout_s: float, read_timeout_s: float, threads: int, live: bool,
                  jpeg_packets: bool = True):
-        options = {"rtsp_transport": "tcp"} if target.startswith("rtsp") else {}
+        # RTSP: TCP (as behind NAT); no probing beyond the SDP's parameter sets: FFmpeg's default probe buffered
+        # 2.8 s of frames at open here (stale the moment they are served, and a slower reconnect)
+        options = ({"rtsp_transport": "tcp", "analyzeduration": "0", "probesize": "32768"}
+                   if target.startswith("rtsp") else {})
         self.container = av.open(target, options=options, timeout=(open_timeout_s, read_timeout_s))
         try:
             self.stream = self.container.streams.video[0]
