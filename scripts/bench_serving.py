@@ -1,34 +1,39 @@
 """Serving benchmark on camera-sized inputs: one run, one table, every column measured side by side.
 
-Inputs: 720p and 1080p MJPEG videos (camera-like: the held-out digit pictures scaled up, with sensor
-noise), and the same as H.264 when Debian's ffmpeg is there to encode them. Per input:
+Inputs: 720p and 1080p MJPEG videos (camera-like: the held-out pictures scaled up, with sensor noise), and
+the same as H.264 (Debian's ffmpeg, libx264 veryfast, no B-frames, as cameras send); with --rtsp the H.264
+inputs also as RTSP streams from tests/fixtures/rtsp_server.py on 127.0.0.1 (as fast as the reader takes
+them). Per row:
 
-  raw best      `session.run` on one preprocessed tensor: best of 1 caller x N intra-op threads and
-                N callers x 1 thread (N = cores); the model alone
-  decode full   `cv2.VideoCapture.read` alone (FFmpeg, full size, BGR)
-  decode agent  the agent's own source and decoding alone, one thread (JPEG at the scale the model allows;
-                FFmpeg otherwise)
-  capture       the agent's capture stage alone: what must run in one thread per source (for MJPEG, reading
-                the JPEG packets: the agent decodes them in its preprocessing pool; FFmpeg decoding otherwise)
-  naive         the loop a user writes: cv2 read -> RGB -> the bundle's preprocessing -> run -> decode -> print
-  limit         the pipeline limit = min(capture, cores / CPU time per frame of decode + preprocessing
-                + single-thread inference + postprocessing, measured sequentially in this process)
-  agent         `edge-agent run` on the same video as a separate process, lossless, fps from first to last result
+  dec full      `cv2.VideoCapture.read` alone (FFmpeg, full size, BGR)
+  dec agent     the agent's own source with its decoding and conversion at the scale shown, one thread
+                (JPEG at reduced scale; H.264 planes reduced before the colour conversion)
+  naive         the loop a user writes: cv2 read -> RGB -> the bundle's preprocessing -> run -> decode -> json
+  agent         `edge-agent run` as a separate process (files lossless, streams stopped after --frames
+                results), fps from the first to the last result
+  ag/naive, ag/lim   agent / naive; agent / the pipeline limit = min(capture stage alone, cores / seq)
+  CPU ms/f      process CPU per frame (FFmpeg's threads counted): the agent's (from /proc between its first
+                and last result) : the naive loop's; ag/nv their ratio
+  seq, ag/seq   the agent's stages (its source's decode, preprocessing, one-thread inference, postprocessing
+                and JSON) run one after the other in this process, CPU ms per frame; the agent's CPU against it
+  RSS MB        the agent's peak RSS (VmHWM: the boot proof included)
+  load          the 1-minute load average at the row's start and end
 
-and the ratios agent/limit and agent/naive, agent/decode full, the agent's peak RSS and its CPU time per
-frame (from /proc, between the first and last result). The agent runs with its shipped defaults; each
-setting the benchmark changes is printed above the table.
+The agent runs with its shipped defaults; each setting the benchmark changes is printed above the table,
+and the issue's targets are printed beside what was measured.
 
-Usage: python scripts/bench_serving.py [--bundle models/digits-classifier] [--inputs 720p-mjpeg,1080p-mjpeg,...]
-                                       [--frames 300] [--runs 1] [--variant auto|fp32|int8] [--intra N] [--spin]
-       python scripts/bench_serving.py --sources 4 [--camera-fps 15] [--frames 150]   (the many-sources row:
-           4 MJPEG cameras at 15 fps each through one agent, against one camera: fps per source, p95 capture to
-           publish, peak RSS, agent CPU per result)
+Usage: python scripts/bench_serving.py [--bundle DIR | --detector] [--inputs 720p-mjpeg,1080p-mjpeg,720p-h264,1080p-h264]
+                                       [--rtsp] [--frames 300] [--runs 3] [--variant auto|fp32|int8] [--intra N] [--spin]
+       python scripts/bench_serving.py --sources 4 [--camera-input 1080p-h264 --rtsp] [--camera-fps 10] [--frames 100]
+           (the many-sources row: N cameras through one agent, against one camera: fps per source, p95 capture
+           to publish, peak and serving RSS, agent CPU per result)
+       python scripts/bench_serving.py --cold [--runs 3]   (first result after start, cold and with the cached
+           verdict, and the process's CPU seconds by then, for the demo and the detector)
 
-The many-sources row serves the issue's YOLO-class detector when the real-model cache holds the layout model
-(scripts/real_models.py fetch layout): the YOLOv8n DocLayNet model re-sized to a 320x320 input and bundled by
-scripts/yolo_resize.py (FP32; a throughput model, not an accuracy claim), on camera videos of the suite's
-synthetic document pages. Without it (or with --bundle) it serves the given bundle, the demo classifier by default.
+--detector and the many-sources row serve the YOLO-class detector when the real-model cache holds the layout
+model (scripts/real_models.py fetch layout): the YOLOv8n DocLayNet model re-sized to a 320x320 input and
+bundled by scripts/yolo_resize.py (FP32; a throughput model, not an accuracy claim), on camera videos of the
+suite's synthetic document pages. Without it the many-sources row serves the demo classifier.
 """
 
 from __future__ import annotations
