@@ -1,34 +1,39 @@
 """Serving benchmark on camera-sized inputs: one run, one table, every column measured side by side.
 
-Inputs: 720p and 1080p MJPEG videos (camera-like: the held-out digit pictures scaled up, with sensor
-noise), and the same as H.264 when Debian's ffmpeg is there to encode them. Per input:
+Inputs: 720p and 1080p MJPEG videos (camera-like: the held-out pictures scaled up, with sensor noise), and
+the same as H.264 (Debian's ffmpeg, libx264 veryfast, no B-frames, as cameras send); with --rtsp the H.264
+inputs also as RTSP streams from tests/fixtures/rtsp_server.py on 127.0.0.1 (as fast as the reader takes
+them). Per row:
 
-  raw best      `session.run` on one preprocessed tensor: best of 1 caller x N intra-op threads and
-                N callers x 1 thread (N = cores); the model alone
-  decode full   `cv2.VideoCapture.read` alone (FFmpeg, full size, BGR)
-  decode agent  the agent's own source and decoding alone, one thread (JPEG at the scale the model allows;
-                FFmpeg otherwise)
-  capture       the agent's capture stage alone: what must run in one thread per source (for MJPEG, reading
-                the JPEG packets: the agent decodes them in its preprocessing pool; FFmpeg decoding otherwise)
-  naive         the loop a user writes: cv2 read -> RGB -> the bundle's preprocessing -> run -> decode -> print
-  limit         the pipeline limit = min(capture, cores / CPU time per frame of decode + preprocessing
-                + single-thread inference + postprocessing, measured sequentially in this process)
-  agent         `edge-agent run` on the same video as a separate process, lossless, fps from first to last result
+  dec full      `cv2.VideoCapture.read` alone (FFmpeg, full size, BGR)
+  dec agent     the agent's own source with its decoding and conversion at the scale shown, one thread
+                (JPEG at reduced scale; H.264 planes reduced before the colour conversion)
+  naive         the loop a user writes: cv2 read -> RGB -> the bundle's preprocessing -> run -> decode -> json
+  agent         `edge-agent run` as a separate process (files lossless, streams stopped after --frames
+                results), fps from the first to the last result
+  ag/naive, ag/lim   agent / naive; agent / the pipeline limit = min(capture stage alone, cores / seq)
+  CPU ms/f      process CPU per frame (FFmpeg's threads counted): the agent's (from /proc between its first
+                and last result) : the naive loop's; ag/nv their ratio
+  seq, ag/seq   the agent's stages (its source's decode, preprocessing, one-thread inference, postprocessing
+                and JSON) run one after the other in this process, CPU ms per frame; the agent's CPU against it
+  RSS MB        the agent's peak RSS (VmHWM: the boot proof included)
+  load          the 1-minute load average at the row's start and end
 
-and the ratios agent/limit and agent/naive, agent/decode full, the agent's peak RSS and its CPU time per
-frame (from /proc, between the first and last result). The agent runs with its shipped defaults; each
-setting the benchmark changes is printed above the table.
+The agent runs with its shipped defaults; each setting the benchmark changes is printed above the table,
+and the issue's targets are printed beside what was measured.
 
-Usage: python scripts/bench_serving.py [--bundle models/digits-classifier] [--inputs 720p-mjpeg,1080p-mjpeg,...]
-                                       [--frames 300] [--runs 1] [--variant auto|fp32|int8] [--intra N] [--spin]
-       python scripts/bench_serving.py --sources 4 [--camera-fps 15] [--frames 150]   (the many-sources row:
-           4 MJPEG cameras at 15 fps each through one agent, against one camera: fps per source, p95 capture to
-           publish, peak RSS, agent CPU per result)
+Usage: python scripts/bench_serving.py [--bundle DIR | --detector] [--inputs 720p-mjpeg,1080p-mjpeg,720p-h264,1080p-h264]
+                                       [--rtsp] [--frames 300] [--runs 3] [--variant auto|fp32|int8] [--intra N] [--spin]
+       python scripts/bench_serving.py --sources 4 [--camera-input 1080p-h264 --rtsp] [--camera-fps 10] [--frames 100]
+           (the many-sources row: N cameras through one agent, against one camera: fps per source, p95 capture
+           to publish, peak and serving RSS, agent CPU per result)
+       python scripts/bench_serving.py --cold [--runs 3]   (first result after start, cold and with the cached
+           verdict, and the process's CPU seconds by then, for the demo and the detector)
 
-The many-sources row serves the issue's YOLO-class detector when the real-model cache holds the layout model
-(scripts/real_models.py fetch layout): the YOLOv8n DocLayNet model re-sized to a 320x320 input and bundled by
-scripts/yolo_resize.py (FP32; a throughput model, not an accuracy claim), on camera videos of the suite's
-synthetic document pages. Without it (or with --bundle) it serves the given bundle, the demo classifier by default.
+--detector and the many-sources row serve the YOLO-class detector when the real-model cache holds the layout
+model (scripts/real_models.py fetch layout): the YOLOv8n DocLayNet model re-sized to a 320x320 input and
+bundled by scripts/yolo_resize.py (FP32; a throughput model, not an accuracy claim), on camera videos of the
+suite's synthetic document pages. Without it the many-sources row serves the demo classifier.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -57,14 +63,14 @@ CACHE = Path(os.environ.get("EDGE_AGENT_CACHE", Path.home() / ".cache" / "edge-a
 LAYOUT = CACHE / "real-models" / "layout"
 DEMO_BUNDLE = ROOT / "models" / "digits-classifier"
 
-from agent.bundle.load import load_bundle  # noqa: E402
-from agent.config import Config, SourceConfig  # noqa: E402
-from agent.proof.selftest import options_from_config, run_selftest  # noqa: E402
-from agent.proof.session import open_session  # noqa: E402
-from agent.proof.terms import SessionSettings  # noqa: E402
-from agent.serving.decoding import max_decode_scale  # noqa: E402
-from agent.serving.sources import open_source  # noqa: E402
-from agent.spec.decoders import decode  # noqa: E402
+from agent.bundle.load import load_bundle
+from agent.config import Config, SourceConfig
+from agent.proof.selftest import options_from_config, run_selftest
+from agent.proof.session import open_session
+from agent.proof.terms import SessionSettings
+from agent.serving.decoding import max_decode_scale
+from agent.serving.sources import open_source
+from agent.spec.decoders import decode
 
 INPUTS = {"720p-mjpeg": (720, 1280, "mjpeg"), "1080p-mjpeg": (1080, 1920, "mjpeg"),
           "720p-h264": (720, 1280, "h264"), "1080p-h264": (1080, 1920, "h264")}
@@ -120,27 +126,28 @@ def raw_best(model: Path, tensor: np.ndarray, n: int) -> float:
     return max(single, parallel)
 
 
-def decode_full(video: Path) -> float:
+def decode_full(video: Path | str, n: int = 0) -> float:
     cap = cv2.VideoCapture(str(video), cv2.CAP_FFMPEG)
     count, t0 = 0, time.perf_counter()
-    while cap.read()[0]:
+    while (not n or count < n) and cap.read()[0]:
         count += 1
     cap.release()
     return count / (time.perf_counter() - t0)
 
 
-def agent_source(video: Path, bundle, scale: int):
-    return open_source(SourceConfig(type="video", path=video, decode_scale=scale), bundle.manifest.frame,
-                       bundle.manifest.preprocess.resize)
+def agent_source(video: Path | str, bundle, scale: int):
+    cfg = (SourceConfig(type="stream", url=video, decode_scale=scale) if isinstance(video, str)
+           else SourceConfig(type="video", path=video, decode_scale=scale))
+    return open_source(cfg, bundle.manifest.frame, bundle.manifest.preprocess.resize)
 
 
-def decode_agent(video: Path, bundle, scale: int, decode: bool = True) -> float:
+def decode_agent(video: Path | str, bundle, scale: int, decode: bool = True, n: int = 0) -> float:
     """The agent's source alone, one thread: with `decode`, each frame's deferred decoding and colour
     conversion too (what the preprocessing pool does first); without, the capture stage alone."""
     src = agent_source(video, bundle, scale)
     stop = threading.Event()
     count, t0 = 0, time.perf_counter()
-    while (f := src.read(stop)) is not None:
+    while (not n or count < n) and (f := src.read(stop)) is not None:
         if decode:
             _ = f.data  # the decode the preprocessing pool does first
         count += 1
@@ -148,12 +155,13 @@ def decode_agent(video: Path, bundle, scale: int, decode: bool = True) -> float:
     return count / (time.perf_counter() - t0)
 
 
-def naive(video: Path, bundle, sess) -> float:
+def naive(video: Path | str, bundle, sess, n: int = 0) -> tuple[float, float]:
+    """The ten-line loop a user writes: (fps, process CPU ms per frame, FFmpeg's decoder threads counted)."""
     pre, spec, labels = bundle.preprocessor(), bundle.manifest.postprocess, bundle.labels()
     sink = io.StringIO()
     cap = cv2.VideoCapture(str(video), cv2.CAP_FFMPEG)
-    count, t0 = 0, time.perf_counter()
-    while True:
+    count, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while not n or count < n:
         ok, img = cap.read()
         if not ok:
             break
@@ -163,10 +171,10 @@ def naive(video: Path, bundle, sess) -> float:
         sink.write(json.dumps({"seq": count, "result": result}) + "\n")
         count += 1
     cap.release()
-    return count / (time.perf_counter() - t0)
+    return count / (time.perf_counter() - t0), (time.process_time() - c0) / max(count, 1) * 1000
 
 
-def cpu_per_frame(video: Path, bundle, sess1, scale: int) -> dict[str, float]:
+def cpu_per_frame(video: Path | str, bundle, sess1, scale: int, n: int = 0) -> dict[str, float]:
     """Process CPU ms per frame of each stage, run one after the other in this thread with a 1-thread session
     (FFmpeg's own decoder threads are counted: process time, not thread time)."""
     pre, spec, labels = bundle.preprocessor(), bundle.manifest.postprocess, bundle.labels()
@@ -174,7 +182,7 @@ def cpu_per_frame(video: Path, bundle, sess1, scale: int) -> dict[str, float]:
     stop = threading.Event()
     acc = {"decode": 0.0, "preprocess": 0.0, "inference": 0.0, "postprocess": 0.0}
     count = 0
-    while True:
+    while not n or count < n:
         t0 = time.process_time()
         f = src.read(stop)
         if f is None:
@@ -194,14 +202,16 @@ def cpu_per_frame(video: Path, bundle, sess1, scale: int) -> dict[str, float]:
     return {k: v / count * 1000 for k, v in acc.items()}
 
 
-def _proc_cpu_s(pid: int) -> float:
+def _proc_cpu_s(pid: int, children: bool = False) -> float:
+    """utime + stime (and, with `children`, those of its ended children: a boot proof run in a child process)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+    return (int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)) / TICK
 
 
-def _proc_hwm_mb(pid: int) -> float:
+def _proc_hwm_mb(pid: int, key: str = "VmHWM") -> float:
+    """Peak RSS (VmHWM: the boot proof included), or with key="VmRSS" the RSS now (serving)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -214,8 +224,11 @@ class AgentRun:
     rss_mb: float
 
 
-def agent(video: Path, bundle_dir: Path, variant: str, settings: dict, n: int, tmp: Path) -> AgentRun:
-    cfg = {"state_dir": str(tmp / "state"), "bundle": str(bundle_dir), "source": {"type": "video", "path": str(video)}}
+def agent(video: Path | str, bundle_dir: Path, variant: str, settings: dict, n: int, tmp: Path) -> AgentRun:
+    """`edge-agent run` as its own process on a file (lossless, to its end) or a stream URL (stopped after n
+    results): fps from the first to the last result, its CPU per result and peak RSS from /proc."""
+    source = ({"type": "stream", "url": video} if isinstance(video, str) else {"type": "video", "path": str(video)})
+    cfg = {"state_dir": str(tmp / "state"), "bundle": str(bundle_dir), "source": source}
     for key, value in settings.items():
         section, name = key.split(".")
         cfg.setdefault(section, {})[name] = value
@@ -236,10 +249,79 @@ def agent(video: Path, bundle_dir: Path, variant: str, settings: dict, n: int, t
                 cpu1, rss, last_counted = _proc_cpu_s(proc.pid), _proc_hwm_mb(proc.pid), count
             except FileNotFoundError:
                 pass
+        if count == n and isinstance(video, str):
+            proc.terminate()  # a stream never ends
+            break
     proc.wait()
     if count < 2 or first is None or last is None:
         raise SystemExit(f"the agent published {count} results (exit {proc.returncode})")
     return AgentRun((count - 1) / (last - first), count, (cpu1 - cpu0) / max(last_counted - 1, 1) * 1000, rss)
+
+
+def first_result(video: Path, bundle_dir: Path, state: Path) -> tuple[float, float, float]:
+    """`edge-agent run` from spawn to its first result: (seconds, the process's CPU seconds by then, peak RSS MB
+    by then). A fresh `state` proves the bundle cold; the same one again serves from the cached verdict."""
+    cfg = {"state_dir": str(state), "bundle": str(bundle_dir), "source": {"type": "video", "path": str(video)}}
+    path = state.parent / f"{state.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config", str(path)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    took = time.perf_counter() - t0
+    cpu, rss = _proc_cpu_s(proc.pid, children=True), _proc_hwm_mb(proc.pid)
+    proc.terminate()
+    proc.wait(timeout=30)
+    if not line:
+        raise SystemExit(f"the agent published no result (exit {proc.returncode})")
+    return took, cpu, rss
+
+
+def cold_start(args: argparse.Namespace) -> int:
+    """First result after start, cold (the boot proof runs) and with the cached verdict, per bundle."""
+    bundles = [("demo", DEMO_BUNDLE, ROOT / "calibration" / "digits" / "heldout.npz")]
+    if (LAYOUT / "model.onnx").exists():
+        bundles.append(("detector", *yolo_bundle()))
+    print(f"{'bundle':9} {'run':6} {'first result s':>14} {'CPU s by then':>13} {'peak RSS MB':>11} {'load':>5}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name, bundle_dir, frames_from in bundles:
+            (tmp / name).mkdir()
+            with np.load(frames_from) as z:
+                video = camera_video(z["raw"], 720, 1280, 30, "h264", tmp / name)
+            for r in range(args.runs):
+                state = tmp / f"{name}-state-{r}"
+                for run in ("cold", "cached"):
+                    took, cpu, rss = first_result(video, bundle_dir, state)
+                    print(f"{name:9} {run:6} {took:>14.2f} {cpu:>13.2f} {rss:>11.0f} {os.getloadavg()[0]:>5.1f}", flush=True)
+    print("cold: a fresh state directory (the boot proof runs); cached: the same again (the cached verdict); "
+          "CPU s = the agent process's user+system time at its first result, with its ended children's (the proof, "
+          "imports, the first frame)")
+    return 0
+
+
+class RtspCamera:
+    """tests/fixtures/rtsp_server.py serving a video (re-encoded as Annex B H.264, one slice per frame) on
+    127.0.0.1 at `fps` (1000: as fast as the reader takes it)."""
+
+    def __init__(self, video: Path, tmp: Path, fps: float):
+        es = tmp / (video.stem + ".h264")
+        if not es.exists():
+            subprocess.run(["ffmpeg", "-hide_banner", "-loglevel", "error", "-i", str(video), "-c:v", "libx264",
+                            "-preset", "veryfast", "-tune", "zerolatency", "-threads", "1", "-bf", "0",
+                            "-pix_fmt", "yuv420p", "-f", "h264", "-y", str(es)], check=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"rtsp://127.0.0.1:{port}/cam"
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fixtures" / "rtsp_server.py"), str(port),
+                                      str(es), "--fps", str(fps)], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
 
 
 @dataclass
@@ -250,15 +332,20 @@ class MultiRun:
     p50_ms: float              # capture -> publish (the result's total_ms), all sources together
     p95_ms: float
     rss_mb: float
+    serving_rss_mb: float      # VmRSS at the last sample, while serving (rss_mb: the peak, boot included)
     cpu_ms: float              # the agent's CPU time per result
     load: tuple[float, float]  # 1-minute load average before and after
 
 
-def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float, tmp: Path, frames: int) -> MultiRun:
-    """`edge-agent run` with one `sources:` entry per video, each paced at `fps` (a camera's rate), lossless."""
+def multi_agent(videos: list[Path | str], bundle_dir: Path, settings: dict, fps: float, tmp: Path,
+                frames: int) -> MultiRun:
+    """`edge-agent run` with one `sources:` entry per video, each paced at `fps` (a camera's rate), lossless;
+    or per RTSP URL (a camera at its own rate, latest-wins), stopped once each has `frames` results."""
     cfg: dict = {"state_dir": str(tmp / "state"), "bundle": str(bundle_dir),
-                 "sources": [{"name": f"cam{i}", "type": "video", "path": str(v), "max_fps": fps}
+                 "sources": [{"name": f"cam{i}", "type": "stream", "url": v} if isinstance(v, str) else
+                             {"name": f"cam{i}", "type": "video", "path": str(v), "max_fps": fps}
                              for i, v in enumerate(videos)]}
+    live = isinstance(videos[0], str)
     for key, value in settings.items():
         section, name = key.split(".")
         cfg.setdefault(section, {})[name] = value
@@ -273,7 +360,7 @@ def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float
     count: dict[str, int] = {}
     totals: list[float] = []
     cpu0 = cpu1 = 0.0
-    rss = float("nan")
+    rss = now_rss = float("nan")
     n = counted = 0
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -290,23 +377,28 @@ def multi_agent(videos: list[Path], bundle_dir: Path, settings: dict, fps: float
         if n % 50 == 0 or n == expected:  # /proc on every line would take CPU from the agent
             try:
                 cpu1, rss, counted = _proc_cpu_s(proc.pid), _proc_hwm_mb(proc.pid), n
+                now_rss = _proc_hwm_mb(proc.pid, "VmRSS")
             except FileNotFoundError:
                 pass
+        if live and len(count) == len(videos) and min(count.values()) >= frames:
+            proc.terminate()  # streams never end
+            break
     proc.wait()
     if n < 2:
         raise SystemExit(f"the agent published {n} results (exit {proc.returncode})")
     return MultiRun(len(videos), {k: (count[k] - 1) / max(last[k] - first[k], 1e-9) for k in count}, count,
-                    float(np.percentile(totals, 50)), float(np.percentile(totals, 95)), rss, (cpu1 - cpu0) / max(counted - 1, 1) * 1000,
+                    float(np.percentile(totals, 50)), float(np.percentile(totals, 95)), rss, now_rss,
+                    (cpu1 - cpu0) / max(counted - 1, 1) * 1000,
                     (round(load0, 2), round(os.getloadavg()[0], 2)))
 
 
-def camera_videos(raw: np.ndarray, h: int, w: int, n: int, k: int, tmp: Path) -> list[Path]:
-    """k distinct MJPEG camera videos (each starts at another held-out picture)."""
+def camera_videos(raw: np.ndarray, h: int, w: int, n: int, k: int, tmp: Path, codec: str = "mjpeg") -> list[Path]:
+    """k distinct camera videos (each starts at another held-out picture)."""
     out = []
     for j in range(k):
         d = tmp / f"cam{j}"
         d.mkdir(exist_ok=True)
-        out.append(camera_video(np.roll(raw, -j * 17, axis=0), h, w, n, "mjpeg", d))
+        out.append(camera_video(np.roll(raw, -j * 17, axis=0), h, w, n, codec, d))
     return out
 
 
@@ -321,8 +413,12 @@ def main() -> int:
     ap.add_argument("--bundle", type=Path, default=None,
                     help="the model bundle (default: the demo classifier; for --sources, the YOLO-320 layout bundle "
                          "when the real-model cache holds the layout model)")
+    ap.add_argument("--detector", action="store_true",
+                    help="the YOLO-320 layout detector from the real-model cache, on camera videos of its pages")
     ap.add_argument("--inputs", default="720p-mjpeg,1080p-mjpeg,720p-h264,1080p-h264",
                     help=f"comma-separated, of {', '.join(INPUTS)} (H.264 needs Debian's ffmpeg)")
+    ap.add_argument("--rtsp", action="store_true",
+                    help="H.264 inputs also as RTSP streams from tests/fixtures/rtsp_server.py (as fast as read)")
     ap.add_argument("--frames", type=int, default=300, help="frames per video")
     ap.add_argument("--runs", type=int, default=1, help="repeat each measurement; the table shows median [min-max]")
     ap.add_argument("--variant", default="auto", help="auto: the self-test's choice, then pinned for the agent")
@@ -330,13 +426,20 @@ def main() -> int:
                     help="intra-op threads for the naive loop and the agent (0: ORT's default; unset: the agent's default)")
     ap.add_argument("--spin", action="store_true", help="let ORT pool threads spin (ORT's default; off in the agent)")
     ap.add_argument("--sources", type=int, default=0,
-                    help="the many-sources row instead: this many 720p MJPEG cameras (--camera-fps each) served by "
-                         "one agent, against the same agent with one of them")
+                    help="the many-sources row instead: this many cameras (--camera-input at --camera-fps each) "
+                         "served by one agent, against the same agent with one of them")
     ap.add_argument("--camera-fps", type=float, default=15.0, help="each camera's frame rate in the many-sources row")
     ap.add_argument("--camera-input", default="720p-mjpeg", help="the many-sources row's camera input")
+    ap.add_argument("--cold", action="store_true", help="the cold-start table instead: first result after start, "
+                    "cold and cached, for the demo and (when cached) the detector")
     args = ap.parse_args()
+    if args.cold:
+        return cold_start(args)
     if args.sources:
         return many_sources(args)
+    frames_from = ROOT / "calibration" / "digits" / "heldout.npz"
+    if args.detector:
+        args.bundle, frames_from = yolo_bundle()
     args.bundle = args.bundle or DEMO_BUNDLE
     inputs = [i.strip() for i in args.inputs.split(",") if i.strip()]
     unknown = [i for i in inputs if i not in INPUTS]
@@ -349,6 +452,7 @@ def main() -> int:
             print(f"skipping {skipped}: no ffmpeg to encode H.264 (apt-get install ffmpeg)")
     bundle = load_bundle(args.bundle)
     resize = bundle.manifest.preprocess.resize
+    rows, stages = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         variant = args.variant
@@ -358,7 +462,7 @@ def main() -> int:
             variant = proof.selected.candidate.variant
         proven_scale = proof.decode_max_scale  # the agent never decodes below what its self-test proved
         model = bundle.path(bundle.manifest.variant(variant).file)
-        with np.load(ROOT / "calibration" / "digits" / "heldout.npz") as z:
+        with np.load(frames_from) as z:
             raw = z["raw"]
         pre = bundle.preprocessor()
         session_changes = {**({"session.intra_op_threads": args.intra} if args.intra is not None else {}),
@@ -368,51 +472,86 @@ def main() -> int:
                                         allow_spinning=args.spin or shipped.allow_spinning)
         sess = open_session(model, "CPUExecutionProvider", settings=agent_session)  # the naive loop: as the agent
         sess1 = open_session(model, "CPUExecutionProvider", settings=SessionSettings(intra_op_threads=1))
-        best = raw_best(model, pre(raw[0]), max(args.frames, 600))
-        rows, stages = [], []
-        for name in inputs:
+        best = raw_best(model, pre(raw[0]), max(args.frames, 600) if not args.detector else 60)
+        cases = [(name, "file") for name in inputs]
+        if args.rtsp:
+            cases += [(name, "rtsp") for name in inputs if INPUTS[name][2] == "h264"]
+        for name, transport in cases:
             h, w, codec = INPUTS[name]
-            video = camera_video(raw, h, w, args.frames, codec, tmp)
-            scale = min(max_decode_scale(resize, h, w), proven_scale) if codec == "mjpeg" else 1
+            video: Path | str = camera_video(raw, h, w, args.frames, codec, tmp)
+            camera = RtspCamera(video, tmp, 1000.0) if transport == "rtsp" else None
+            if camera is not None:
+                video = camera.url
+            n = args.frames if camera is not None else 0  # a stream never ends: this many frames
             # the daemon decodes at the scale the bundle's resize allows and the self-test proved (auto)
+            scale = min(max_decode_scale(resize, h, w), proven_scale)
             settings = {"selection.variant": variant, **session_changes}
-            full, dec, cap, nai, lim, runs, cpu = [], [], [], [], [], [], []
-            for _ in range(args.runs):
-                full.append(decode_full(video))
-                dec.append(decode_agent(video, bundle, scale))
-                cap.append(decode_agent(video, bundle, scale, decode=False))
-                nai.append(naive(video, bundle, sess))
-                cpu.append(cpu_per_frame(video, bundle, sess1, scale))
-                total = sum(cpu[-1].values())
-                lim.append(min(cap[-1], CORES / (total / 1000)))
-                runs.append(agent(video, args.bundle, variant, settings, args.frames, tmp))
-            fps = [r.fps for r in runs]
-            rows.append((name, scale, best, full, dec, cap, nai, lim, fps,
-                         statistics.median(a / b for a, b in zip(fps, lim)),
-                         statistics.median(a / b for a, b in zip(fps, nai)),
-                         statistics.median(a / b for a, b in zip(fps, full)),
-                         max(r.rss_mb for r in runs), statistics.median(r.cpu_ms for r in runs),
-                         min(r.results for r in runs), settings))
-            stages.append((name, {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}))
+            full, dec, cap, nai, nai_cpu, lim, runs, cpu, load = [], [], [], [], [], [], [], [], []
+            try:
+                for _ in range(args.runs):
+                    load.append(os.getloadavg()[0])
+                    full.append(decode_full(video, n))
+                    dec.append(decode_agent(video, bundle, scale, n=n))
+                    cap.append(decode_agent(video, bundle, scale, decode=False, n=n))
+                    fps, cpu_ms = naive(video, bundle, sess, n)
+                    nai.append(fps)
+                    nai_cpu.append(cpu_ms)
+                    cpu.append(cpu_per_frame(video, bundle, sess1, scale, n))
+                    total = sum(cpu[-1].values())
+                    lim.append(min(cap[-1], CORES / (total / 1000)))
+                    runs.append(agent(video, args.bundle, variant, settings, args.frames, tmp))
+                    load.append(os.getloadavg()[0])
+            finally:
+                if camera is not None:
+                    camera.close()
+            fps_a = [r.fps for r in runs]
+            seq = [sum(c.values()) for c in cpu]
+            rows.append({
+                "name": name, "transport": transport, "scale": scale, "best": best, "full": full, "dec": dec,
+                "cap": cap, "naive": nai, "limit": lim, "agent": fps_a,
+                "ag_lim": statistics.median(a / b for a, b in zip(fps_a, lim)),
+                "ag_naive": statistics.median(a / b for a, b in zip(fps_a, nai)),
+                "cpu": statistics.median(r.cpu_ms for r in runs), "naive_cpu": statistics.median(nai_cpu),
+                "cpu_naive": statistics.median(r.cpu_ms / c for r, c in zip(runs, nai_cpu)),
+                "seq": statistics.median(seq), "cpu_seq": statistics.median(r.cpu_ms / c for r, c in zip(runs, seq)),
+                "rss": max(r.rss_mb for r in runs), "results": min(r.results for r in runs), "settings": settings,
+                "load": (min(load), max(load)),
+            })
+            stages.append((f"{name} {transport}", {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}))
 
     print(f"\nmodel {bundle.manifest.name} (variant {variant}, input {resize.width if resize else '-'}x"
-          f"{resize.height if resize else '-'}), {args.frames} frames per video, {CORES} cores, "
-          f"onnxruntime CPU, runs {args.runs}")
-    print("agent settings changed from the shipped defaults: --log-level warning; per input: " + "; ".join(
-        f"{r[0]}: " + ", ".join(f"{k}={v}" for k, v in r[-1].items()) for r in rows))
-    head = (f"{'input':12} {'scale':>5} {'raw best':>8} {'dec full':>14} {'dec agent':>14} {'capture':>14} {'naive':>14} "
-            f"{'limit':>14} {'agent':>14} {'ag/lim':>6} {'ag/naive':>8} {'ag/dfull':>8} {'RSS MB':>7} {'ag CPU ms/f':>11}")
-    print(head)
-    for (name, scale, best_fps, full, dec, cap, nai, lim, fps, r_lim, r_nai, r_full, rss, cpu_ms, results, _) in rows:
-        print(f"{name:12} {'1/' + str(scale):>5} {best_fps:>8.0f} {spread(full):>14} {spread(dec):>14} {spread(cap):>14} {spread(nai):>14} "
-              f"{spread(lim):>14} {spread(fps):>14} {r_lim:>6.2f} {r_nai:>8.2f} {r_full:>8.2f} {rss:>7.0f} {cpu_ms:>11.2f}"
-              + ("" if results == args.frames else f"  ({results}/{args.frames} results)"))
-    print("\nCPU ms per frame, sequential, one thread (the limit's denominator):")
+          f"{resize.height if resize else '-'}), {args.frames} frames per video (frames from {frames_from.name}), "
+          f"{CORES} cores, onnxruntime CPU, runs {args.runs}; session.run alone on one tensor (best of 1 x {CORES} "
+          f"threads, {CORES} x 1): {best:.0f}/s")
+    print("agent settings changed from the shipped defaults: --log-level warning; " +
+          ", ".join(f"{k}={v}" for k, v in rows[0]["settings"].items()) if rows else "")
+    print(f"{'input':11} {'via':4} {'scale':>5} {'dec full':>12} {'dec agent':>12} {'naive':>12} {'agent':>12} "
+          f"{'ag/naive':>8} {'ag/lim':>6} {'CPU ms/f agent : naive':>22} {'ag/nv':>5} {'seq':>5} {'ag/seq':>6} "
+          f"{'RSS MB':>6} {'load':>9}")
+    for r in rows:
+        cpus = f"{r['cpu']:.2f} : {r['naive_cpu']:.2f}"
+        load = f"{r['load'][0]:.1f}-{r['load'][1]:.1f}"
+        print(f"{r['name']:11} {r['transport']:4} {'1/' + str(r['scale']):>5} {spread(r['full']):>12} {spread(r['dec']):>12} "
+              f"{spread(r['naive']):>12} {spread(r['agent']):>12} {r['ag_naive']:>8.2f} {r['ag_lim']:>6.2f} "
+              f"{cpus:>22} {r['cpu_naive']:>5.2f} {r['seq']:>5.2f} {r['cpu_seq']:>6.2f} {r['rss']:>6.0f} {load:>9}"
+              + ("" if r["results"] == args.frames else f"  ({r['results']}/{args.frames} results)"))
+    print("\nCPU ms per frame, sequential, one thread (the agent's stages one after the other; seq above):")
     for name, st in stages:
-        print(f"  {name:12} " + "  ".join(f"{k} {v:.2f}" for k, v in st.items()) + f"  total {sum(st.values()):.2f}")
-    print("\nfps everywhere; ratios are medians over runs; dec agent = the agent's source and decoding alone, one "
-          "thread (JPEG at the scale shown); capture = its capture stage alone (MJPEG: packets; the pool decodes); "
-          "limit = min(capture, cores / CPU per frame)")
+        print(f"  {name:16} " + "  ".join(f"{k} {v:.2f}" for k, v in st.items()) + f"  total {sum(st.values()):.2f}")
+    print("\nfps everywhere, median [min-max] over runs; ratios are medians; dec full = cv2.VideoCapture.read alone "
+          "(full-size BGR); dec agent = the agent's source with its decode and conversion at the scale shown, one "
+          "thread; naive = cv2 read -> RGB -> preprocess -> run -> decode -> json, one thread; CPU ms/f = process CPU "
+          "per frame (FFmpeg's threads counted), the agent's from /proc between its first and last result; "
+          "limit = min(capture stage alone, cores / seq); load = 1-minute load average at the row's start and end")
+    # The issue's targets beside what was measured (the bounds are the issue's, never derived from a run).
+    for r in rows:
+        if r["name"].startswith("1080p-h264"):
+            want = 1.2 if args.detector else 1.5
+            print(f"target {r['name']} {r['transport']}: agent >= {want}x naive: {r['ag_naive']:.2f} -> "
+                  f"{'met' if r['ag_naive'] >= want else 'NOT met'}")
+        print(f"target {r['name']} {r['transport']}: agent CPU per frame <= 1.05x the naive loop's: {r['cpu_naive']:.2f} -> "
+              f"{'met' if r['cpu_naive'] <= 1.05 else 'NOT met'}; <= 1.05x the sequential stages': {r['cpu_seq']:.2f} -> "
+              f"{'met' if r['cpu_seq'] <= 1.05 else 'NOT met'}")
     return 0
 
 
@@ -420,8 +559,8 @@ def many_sources(args: argparse.Namespace) -> int:
     """N cameras at --camera-fps each through one agent: every camera served at its full rate? p95 capture to
     publish, peak RSS against the same agent serving one camera."""
     h, w, codec = INPUTS[args.camera_input]
-    if codec != "mjpeg":
-        raise SystemExit("--camera-input: the many-sources row uses MJPEG cameras")
+    if args.rtsp and codec != "h264":
+        raise SystemExit("--rtsp: the RTSP cameras send H.264 (--camera-input 720p-h264 or 1080p-h264)")
     if args.bundle is None:
         args.bundle, frames_from = yolo_bundle()
     else:
@@ -434,36 +573,49 @@ def many_sources(args: argparse.Namespace) -> int:
             variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
         with np.load(frames_from) as z:
             raw = z["raw"]
-        videos = camera_videos(raw, h, w, args.frames, args.sources, tmp)
+        videos: list[Path | str] = list(camera_videos(raw, h, w, args.frames, args.sources, tmp, codec))
+        cameras = [RtspCamera(v, v.parent, args.camera_fps) for v in videos] if args.rtsp else []  # type: ignore[arg-type]
+        if cameras:
+            videos = [c.url for c in cameras]
         settings = {"selection.variant": variant,
                     **({"session.intra_op_threads": args.intra} if args.intra is not None else {})}
         rows = []
-        for _ in range(args.runs):
-            rows.append((multi_agent(videos[:1], args.bundle, settings, args.camera_fps, tmp, args.frames),
-                         multi_agent(videos, args.bundle, settings, args.camera_fps, tmp, args.frames)))
+        try:
+            for _ in range(args.runs):
+                rows.append((multi_agent(videos[:1], args.bundle, settings, args.camera_fps, tmp, args.frames),
+                             multi_agent(videos, args.bundle, settings, args.camera_fps, tmp, args.frames)))
+        finally:
+            for c in cameras:
+                c.close()
     resize = bundle.manifest.preprocess.resize
     print(f"\nmodel {bundle.manifest.name} (variant {variant}, input {resize.width if resize else '-'}x"
           f"{resize.height if resize else '-'}), {args.sources} x {args.camera_input} at {args.camera_fps:g} fps each "
           f"(frames from {frames_from.name}), {args.frames} frames per camera, {CORES} cores, runs {args.runs}")
     print("agent settings changed from the shipped defaults: --log-level warning, " +
-          ", ".join(f"{k}={v}" for k, v in settings.items()) + f"; sources[].max_fps={args.camera_fps:g} (the camera rate)")
+          ", ".join(f"{k}={v}" for k, v in settings.items()) +
+          (f"; RTSP cameras (tests/fixtures/rtsp_server.py) at {args.camera_fps:g} fps" if args.rtsp
+           else f"; sources[].max_fps={args.camera_fps:g} (the camera rate)"))
     print(f"{'sources':>7} {'fps per source (min..max)':>26} {'results':>9} {'capture->publish p50/p95 ms':>27} "
-          f"{'peak RSS MB':>11} {'RSS vs 1':>8} {'CPU ms/result':>13} {'load before/after':>17}")
+          f"{'peak RSS MB':>11} {'RSS vs 1':>8} {'serving RSS':>11} {'vs 1':>5} {'CPU ms/result':>13} {'load before/after':>17}")
     for one, many in rows:
         for r in (one, many):
             f = list(r.fps.values())
             print(f"{r.sources:>7} {f'{min(f):.1f}..{max(f):.1f}':>26} {sum(r.results.values()):>9} {f'{r.p50_ms:.1f} / {r.p95_ms:.1f}':>27} "
-                  f"{r.rss_mb:>11.0f} {r.rss_mb / one.rss_mb:>8.2f} {r.cpu_ms:>13.2f} {f'{r.load[0]}/{r.load[1]}':>17}")
+                  f"{r.rss_mb:>11.0f} {r.rss_mb / one.rss_mb:>8.2f} {r.serving_rss_mb:>11.0f} "
+                  f"{r.serving_rss_mb / one.serving_rss_mb:>5.2f} {r.cpu_ms:>13.2f} {f'{r.load[0]}/{r.load[1]}':>17}")
     # The issue's targets, each beside what was measured (the bounds are the issue's, never derived from a run).
+    bound = 200 if args.rtsp else 150  # the H.264 RTSP row's bound (issue 24), the MJPEG row's (issue 15)
     for one, many in rows:
         f = list(many.fps.values())
         served = min(many.results.values()) if len(many.results) == args.sources else 0
         print(f"targets ({args.sources} sources): every source at full rate: slowest {min(f):.2f} fps of "
               f"{args.camera_fps:g}, {served}/{args.frames} results from the least served -> "
-              f"{'met' if served == args.frames and min(f) >= 0.97 * args.camera_fps else 'NOT met'}; "
-              f"p95 capture->publish {many.p95_ms:.1f} ms < 150 -> {'met' if many.p95_ms < 150 else 'NOT met'}; "
+              f"{'met' if served >= args.frames and min(f) >= 0.97 * args.camera_fps else 'NOT met'}; "
+              f"p95 capture->publish {many.p95_ms:.1f} ms < {bound} -> {'met' if many.p95_ms < bound else 'NOT met'}; "
               f"RSS {many.rss_mb / one.rss_mb:.2f} x one source < 1.3 -> "
-              f"{'met' if many.rss_mb / one.rss_mb < 1.3 else 'NOT met'}")
+              f"{'met' if many.rss_mb / one.rss_mb < 1.3 else 'NOT met'} (serving RSS {many.serving_rss_mb / one.serving_rss_mb:.2f}); "
+              f"one source's peak RSS {one.rss_mb:.0f} MB < 200 -> {'met' if one.rss_mb < 200 else 'NOT met'} "
+              f"(serving RSS {one.serving_rss_mb:.0f} MB -> {'met' if one.serving_rss_mb < 200 else 'NOT met'})")
     return 0
 
 

@@ -143,6 +143,9 @@ def test_auto_decode_scale_stays_within_what_the_selftest_proved(tmp_path: Path)
 
 
 def test_full_hd_h264_frame_is_not_colour_converted_in_the_capture_thread(tmp_path: Path) -> None:
+    """H.264 cannot be decoded at reduced scale, but its colour conversion can: the capture thread hands over
+    the decoder's frame as it is, and the first reader gets it at the scale the model needs (1/8 here), close
+    to the full-size picture (cv2.VideoCapture's) area-reduced."""
     if FFMPEG is None:
         pytest.skip("Debian's ffmpeg is not installed (scripts/test.sh installs it)")
     video = write_h264(tmp_path / "cam.mp4", 1080, 1920, 0.2)
@@ -152,11 +155,15 @@ def test_full_hd_h264_frame_is_not_colour_converted_in_the_capture_thread(tmp_pa
     finally:
         source.close()
     assert source.stats.decoder["path"] == "ffmpeg" and source.stats.decoder["codec"] in ("avc1", "h264")
-    assert source.stats.decoder["threads"] == 2
-    assert "converted=False" in repr(frame)  # the capture thread handed over FFmpeg's BGR picture as it was
-    bgr = cv2.VideoCapture(str(video)).read()[1]
-    assert np.array_equal(frame.data, cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))  # converted on first use
+    assert source.stats.decoder["threads"] == 2 and source.stats.decoder["binding"] == "pyav"
+    assert "converted=False" in repr(frame)  # the capture thread handed over FFmpeg's frame as it was
+    assert frame.scale == 8 and frame.data.shape == (135, 240, 3)  # converted on first use, at 1/8
     assert "converted=True" in repr(frame)
+    bgr = cv2.VideoCapture(str(video)).read()[1]
+    full = cv2.resize(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB), (240, 135), interpolation=cv2.INTER_AREA)
+    assert np.abs(frame.data.astype(int) - full).mean() < 2.0  # the same picture, up to chroma interpolation
+    whole = read_frames(open_source(SourceConfig(type="video", path=video, decode_scale=1), RGB, SMALL_MODEL), 1)[0]
+    assert np.array_equal(whole.data, cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))  # full size: FFmpeg's own picture
 
 
 # -- the reduced path is reproducible, and geometry maps back --------------------------------------------
@@ -297,7 +304,9 @@ def test_rtsp_h264_stream_lost_is_reported_and_resumes_when_the_server_returns(t
     try:
         assert wait_until(lambda: len(frames) >= 10, timeout=60), f"no frames from RTSP: {source.stats}"
         assert source.name == "porch" and frames[0].source == "porch"
-        assert frames[0].data.shape == (360, 640, 3) and source.stats.decoder["codec"] == "h264"
+        # 640x360 for a 128x128 model: the planes reduced to 1/2 before any conversion
+        assert frames[0].data.shape == (180, 320, 3) and source.stats.decoder["codec"] == "h264"
+        assert frames[0].scale == 2
         cam.kill()
         assert wait_until(lambda: source.stats.state == "lost", timeout=30), f"state {source.stats.state}"
         assert source.stats.losses == 1
@@ -326,7 +335,7 @@ def test_hardware_decode_requested_where_there_is_none_falls_back_to_software_an
 
 
 @needs_ffmpeg
-@pytest.mark.parametrize("fmt, codec, scale", [("mpjpeg", "mjpeg", 2), ("mpegts", "libx264", 1)])
+@pytest.mark.parametrize("fmt, codec, scale", [("mpjpeg", "mjpeg", 2), ("mpegts", "libx264", 2)])
 def test_http_stream_served_by_ffmpeg_is_read_at_the_scale_its_codec_allows(fmt: str, codec: str, scale: int) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}/cam"

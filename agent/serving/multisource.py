@@ -9,6 +9,7 @@ the others serve: the multiplexer counts as alive while any of its sources is.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -65,6 +66,14 @@ class MultiSource:
             raise ValueError("MultiSource needs at least one source")
         self.feeds = [Feed(src, is_lossless(cfg, src), max(capacity, 1), bound_s=stuck_bound_s(cfg))
                       for cfg, src in sources]
+        # FFmpeg's decoder threads share the cores among the streams: each frame thread holds a decoding
+        # context and its frames (about 25 MB at 1080p H.264), and one thread decodes a 1080p camera at 10-30
+        # fps with room to spare. Sources opened lazily take this before their first read; a configured
+        # decoder_threads is kept.
+        share = max(1, len(os.sched_getaffinity(0)) // len(sources))
+        for _, src in sources:
+            if getattr(src, "decoder_threads", None) == 0:
+                src.decoder_threads = share  # type: ignore[attr-defined]
         self.name = "+".join(f.name for f in self.feeds)
         self.on_drop: Callable[[str, int], None] | None = None  # the pipeline's drop counter
         self._cond = threading.Condition()

@@ -4,8 +4,11 @@ Each source delivers frames in the bundle's frame contract (image colour order, 
 never blocks past its time-outs, reports its state, and turns a lost stream into a reconnect with backoff.
 A frame that cannot be decoded is raised as BadFrame: the pipeline counts it and carries on.
 JPEG frames (MJPEG streams and videos, .jpg folders, mqtt images) are decoded by libjpeg at the smallest
-scale the bundle's resize allows, straight into the bundle's colours; other codecs go through FFmpeg, with
-the colour conversion left to the first reader of `Frame.data` (the preprocessing stage, not capture).
+scale the bundle's resize allows, straight into the bundle's colours; other codecs (H.264, H.265...) are
+decoded by FFmpeg through PyAV, and their 4:2:0 planes reduced to that scale before the colour conversion
+(agent/serving/ffmpeg_decode.py). Either way the decode or conversion is left to the first reader of
+`Frame.data` (the preprocessing pool, not the capture thread). Without PyAV, or for cameras (V4L2) and
+hardware decoding, cv2.VideoCapture decodes at full size.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 from agent.config import SourceConfig
 from agent.errors import ConfigError, PreprocessError
 from agent.logsetup import get_logger
+from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import bgr_to_frame, imread_flag, read_image_file
@@ -78,7 +82,9 @@ class Frame:
         self._data, self._convert = value, None
 
     def __repr__(self) -> str:
-        return (f"Frame(index={self.index}, source={self.source!r}, shape={self._data.shape}, scale={self.scale}, "
+        data: Any = self._data
+        shape = getattr(data, "shape", None) or (data.height, data.width)  # an av.VideoFrame
+        return (f"Frame(index={self.index}, source={self.source!r}, shape={shape}, scale={self.scale}, "
                 f"converted={self._convert is None})")
 
 
@@ -200,19 +206,47 @@ class OpenCVSource:
         self.live = cfg.type != "video"
         self.name = cfg.name or f"{cfg.type}:{self.target}"
         self.stats = SourceStats()
-        self.cap: cv2.VideoCapture | None = None
+        self.cap: Any = None  # a cv2.VideoCapture, or an ffmpeg_decode.AVReader (PyAV)
+        self.av = False       # decoding through PyAV: frames come as av.VideoFrames, reduced on first read
         self.packets = False  # reading encoded JPEG packets (CAP_PROP_FORMAT -1) and decoding them ourselves
         self.packets_usable = frame.kind == "image"  # cleared when the backend hands out something else
         self.backoff = cfg.reconnect_initial_s
-        self.prev: np.ndarray | None = None
+        self.prev: np.ndarray | None = None  # the previous frame's signature (frozen-picture check)
         self.same = 0
         self.pacer = _Pacer(cfg.max_fps if not self.live else 0.0)
+        # 0: the default (PyAV: min(cores, 2) frame threads; a MultiSource shares the cores among its streams)
+        self.decoder_threads = cfg.decoder_threads
+
+    def _use_av(self) -> bool:
+        """PyAV for files and streams; V4L2 cameras and hardware decoding stay with OpenCV's own options."""
+        return (ffmpeg_decode.available() and not isinstance(self.target, int) and self.cfg.hw_decode == "none"
+                and self.frame.kind == "image")
+
+    def _open_av(self) -> bool:
+        try:
+            reader = ffmpeg_decode.AVReader(str(self.target), self.cfg.open_timeout_ms / 1000,
+                                            self.cfg.read_timeout_ms / 1000,
+                                            self.decoder_threads or min(len(os.sched_getaffinity(0)), 2), self.live,
+                                            jpeg_packets=self.packets_usable)
+        except (OSError, ValueError, ffmpeg_decode.av.error.FFmpegError) as exc:
+            self.stats.last_error = f"cannot open: {exc}"[:300]
+            return False
+        self.cap, self.av = reader, True
+        self.packets = reader.packets
+        self.stats.decoder = {
+            "path": "jpeg" if self.packets else "ffmpeg", "codec": reader.codec, "scale": 1, "deferred": True,
+            "binding": "pyav", "threads": reader.threads, "hw": "none", "hw_requested": self.cfg.hw_decode,
+        }
+        return True
 
     def _open(self) -> bool:
+        if self._use_av():
+            return self._open_av()
+        self.av = False
         params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, self.cfg.open_timeout_ms,
                   cv2.CAP_PROP_READ_TIMEOUT_MSEC, self.cfg.read_timeout_ms]
-        if self.cfg.decoder_threads:
-            params += [cv2.CAP_PROP_N_THREADS, self.cfg.decoder_threads]
+        if self.decoder_threads:
+            params += [cv2.CAP_PROP_N_THREADS, self.decoder_threads]
         api = cv2.CAP_V4L2 if isinstance(self.target, int) else cv2.CAP_FFMPEG
         cap = None
         if self.cfg.hw_decode != "none":
@@ -294,7 +328,7 @@ class OpenCVSource:
             if not ok or img is None:
                 if not self.live:
                     if self.cfg.loop and self.stats.frames > 0:
-                        self.cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+                        self._rewind()
                         continue
                     self.stats.state = "ended"
                     return None
@@ -304,14 +338,42 @@ class OpenCVSource:
             if self.live and self.stats.last_frame_ns and ns - self.stats.last_frame_ns > self.cfg.stall_timeout_s * 1e9:
                 log.warning("source.stalled", source=self.name, seconds=(ns - self.stats.last_frame_ns) / 1e9)
             self.stats.last_frame_ns = ns
-            self._watch_frozen(img)  # on the encoded packet when there is one: smaller than the picture
+            # on the encoded packet when there is one (smaller than the picture), else on a small sample
+            self._watch_frozen(img if self.packets else
+                               ffmpeg_decode.signature(img) if self.av else img[::16, ::16])
             if self.packets:  # decoded by the preprocessing pool (a frame dropped as stale never is)
                 scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name)
                 self.stats.frames += 1
                 return Frame(self.stats.frames, img, at, ns, self.name, scale, functools.partial(self._decode, scale=scale))
             self.stats.frames += 1
+            if self.av:  # the planes reduced and converted by the preprocessing pool
+                scale = self._video_scale(img)
+                return Frame(self.stats.frames, img, at, ns, self.name, scale,
+                             functools.partial(self._convert, scale=scale))
             return Frame(self.stats.frames, img, at, ns, self.name, 1, self._to_frame)
         return None
+
+    def _rewind(self) -> None:
+        if self.av:  # reopening a file costs less than a seek and a decoder flush
+            self.cap.release()
+            self.cap = None
+            if not self._open_av():
+                self._lose("cannot reopen")
+            return
+        self.cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+
+    def _video_scale(self, img: Any) -> int:
+        """The scale to reduce this decoded frame to (recorded in the source's stats when it changes)."""
+        h, w = ffmpeg_decode.frame_size(img)
+        scale = decode_scale(self.cfg.decode_scale, self.resize, h, w, limit=self.max_scale)
+        if self.stats.decoder.get("scale") != scale:
+            log.info("source.decode_scale", source=self.name, scale=scale, frame=f"{w}x{h}",
+                     decoded=f"{-(-w // scale)}x{-(-h // scale)}", codec=self.stats.decoder.get("codec"))
+            self.stats.decoder = {**self.stats.decoder, "scale": scale, "reduce": "yuv-planes" if scale > 1 else None}
+        return scale
+
+    def _convert(self, img: Any, scale: int) -> np.ndarray:
+        return ffmpeg_decode.to_frame(img, scale, self.frame.color)
 
     def _to_frame(self, img: np.ndarray) -> np.ndarray:
         return bgr_to_frame(img, self.frame)
