@@ -71,7 +71,9 @@ class SourceConfig:
     topic: str | None = None          # mqtt: where frames arrive
     payload: Literal["image", "npy", "raw"] = "image"  # mqtt: encoded image, .npy bytes, or raw frame bytes
     sample_dtype: Literal["float32", "int16", "uint8"] = "float32"  # sensor samples, little-endian
-    hop: int = 0                      # sensor: samples between windows (0: the window length)
+    hop: int = 0                      # sensor: samples between windows (0: the bundle's frame.hop, else the window)
+    max_streams: int = 16             # udp: senders served at once, each its own stream; more are refused and counted
+    stream_timeout_s: float = 30.0    # udp: a sender quiet this long ends its stream and frees its place
     name: str | None = None           # how results and health name this source (default: type:target)
     # JPEG sources (MJPEG streams and videos, .jpg folders, mqtt images): decode at 1/2, 1/4 or 1/8 of the
     # frame; auto: the smallest the bundle's resize allows; 1: always full size
@@ -348,6 +350,7 @@ _MINIMUMS: tuple[tuple[str, str, float], ...] = (
     ("source", "max_fps", 0), ("source", "open_timeout_ms", 1), ("source", "read_timeout_ms", 1),
     ("source", "stall_timeout_s", 0.1), ("source", "frozen_after", 1), ("source", "reconnect_initial_s", 0),
     ("source", "reconnect_max_s", 0), ("source", "port", 0), ("source", "hop", 0),
+    ("source", "max_streams", 1), ("source", "stream_timeout_s", 0.1),
     ("mqtt", "port", 1), ("mqtt", "keepalive", 1), ("mqtt", "session_expiry_s", 0), ("mqtt", "reconnect_min_s", 1),
     ("mqtt", "reconnect_max_s", 1), ("mqtt", "max_inflight", 1), ("mqtt", "batch_predictions", 1),
     ("mqtt", "max_payload_bytes", 256), ("mqtt", "max_json_depth", 2), ("mqtt", "max_running_commands", 1),

@@ -56,12 +56,65 @@ class FrameSpec:
     color: str = "rgb"
     window: int = 0
     dtype: str = "uint8"
+    # sensor time: samples per second (None: windows are counted in samples only), samples between windows
+    # (0: the window), and samples put before each stream's first sample (zero or a copy of the first one)
+    sample_rate: float | None = None
+    hop: int = 0
+    padding: Literal["none", "zero", "replicate"] = "none"
+    pad: int = 0
+    # derived from the state inputs, never written: a stream silent longer than this in stream time
+    # (arrival beyond the audio it already sent) starts again; a stateful bundle needs lossless hand-over
+    reset_on_gap_s: float | None = None
+    stateful: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.kind == "image":
             return (self.height, self.width, self.channels)
         return (self.window, self.channels)
+
+    @property
+    def step(self) -> int:
+        """Samples between the starts of two windows of one stream."""
+        return self.hop or self.window
+
+
+SENSOR_TIME_KEYS = ("window_s", "hop_s")
+
+
+def frame_from_dict(d: Mapping[str, Any], inputs: tuple["ExtraInput", ...] = (), where: str = MANIFEST_NAME) -> FrameSpec:
+    """The `frame` block, with windows, hops and padding given in seconds turned into samples."""
+    f = dict(d)
+    rate = f.get("sample_rate")
+    for key in SENSOR_TIME_KEYS:
+        if key in f:
+            if not rate:
+                raise BundleError(f"{where}: key input.frame.{key}: a time in seconds needs frame.sample_rate")
+            target = key[:-2]
+            if f.get(target):
+                raise BundleError(f"{where}: key input.frame.{key}: give {target} in samples or {key} in seconds, "
+                                  "not both")
+            f[target] = _samples(f.pop(key), rate, f"input.frame.{key}", where)
+    if isinstance(f.get("padding"), Mapping):
+        pad = dict(f.pop("padding"))
+        f["padding"] = pad.get("mode", "zero")
+        if "seconds" in pad:
+            if not rate:
+                raise BundleError(f"{where}: key input.frame.padding.seconds: a time in seconds needs frame.sample_rate")
+            f["pad"] = _samples(pad["seconds"], rate, "input.frame.padding.seconds", where)
+        else:
+            f["pad"] = int(pad.get("samples", 0))
+    gaps = [x.reset_on_gap_s for x in inputs if x.kind == "state" and x.reset_on_gap_s is not None]
+    return FrameSpec(**f, reset_on_gap_s=min(gaps) if gaps else None,
+                     stateful=any(x.kind == "state" for x in inputs))
+
+
+def _samples(seconds: float, rate: float, key: str, where: str) -> int:
+    n = seconds * rate
+    if abs(n - round(n)) > 1e-6 * max(1.0, n) or round(n) < 1:
+        raise BundleError(f"{where}: key {key}: {seconds} s at {rate} samples/s is {n:g} samples, not a whole "
+                          "number >= 1: give it in samples")
+    return int(round(n))
 
 
 @dataclass(frozen=True)
@@ -274,7 +327,7 @@ def parse_manifest(text: str, where: str = MANIFEST_NAME) -> Manifest:
         lines = "; ".join(_describe(e) for e in errors[:5])
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise BundleError(f"{where}: schema check failed: {lines}{more}")
-    manifest = _build(data)
+    manifest = _build(data, where)
     _check_semantics(manifest, where)
     return manifest
 
@@ -300,7 +353,7 @@ def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
     return PostprocessSpec(**post)
 
 
-def _build(d: Mapping[str, Any]) -> Manifest:
+def _build(d: Mapping[str, Any], where: str = MANIFEST_NAME) -> Manifest:
     inp = d["input"]
     st = dict(d["selftest"])
     parity = {k: ParityThresholds(**v) for k, v in st.pop("parity", {}).items()}
@@ -314,7 +367,7 @@ def _build(d: Mapping[str, Any]) -> Manifest:
         source=dict(d["source"]),
         task=d["task"],
         input=_tensor(inp),
-        frame=FrameSpec(**inp["frame"]),
+        frame=frame_from_dict(inp["frame"], inputs_from_list(d.get("inputs")), where),
         outputs=tuple(_tensor(o) for o in d["outputs"]),
         preprocess=preprocess_from_dict(d["preprocess"]),
         postprocess=postprocess_from_dict(d["postprocess"]),
@@ -392,6 +445,12 @@ def _check_semantics(m: Manifest, where: str) -> None:
                               f"one-channel window, the frame has {frame.channels} channels: use ncw or nwc")
         if pre.resize is not None or pre.color is not None:
             raise BundleError(f"{where}: key preprocess: resize and color apply to images, not sensor windows")
+        if frame.window < 1:
+            raise BundleError(f"{where}: key input.frame.window: a sensor frame needs window (samples) or window_s "
+                              "(seconds, with sample_rate)")
+        if frame.pad >= frame.window:
+            raise BundleError(f"{where}: key input.frame.padding: {frame.pad} samples of padding fill the whole "
+                              f"window of {frame.window}: the first window would hold no sample of the stream")
         channels = frame.channels
     if pre.dtype in ("uint8", "int8") and (pre.scale != 1.0 or any(v != 0 for v in pre.mean)
                                             or any(v != 1 for v in pre.std)):
