@@ -21,6 +21,7 @@ from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.logsetup import get_logger
 from agent.serving.sensors import stream_record
+from agent.spec.decisions import tracker_for
 from agent.spec.inputs import InputFeeder
 from agent.spec.preprocess import Preprocessor
 
@@ -108,4 +109,6 @@ class Engine:
 def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings) -> Engine:
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
-    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(bundle.manifest))
+    m = bundle.manifest
+    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(m),
+                  events=tracker_for(m.postprocess, m.frame.sample_rate))

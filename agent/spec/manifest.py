@@ -158,6 +158,33 @@ class PreprocessSpec:
     source_drift: Mapping[str, Any] = field(default_factory=dict)
 
 
+MAX_RAW_VALUES = 4096  # values per output a raw result may carry: a summary, never the tensor
+
+
+@dataclass(frozen=True)
+class DecisionSpec:
+    """A per-frame decision of the raw decoder: a threshold on one value, or the argmax over channels."""
+
+    rule: Literal["threshold", "argmax"]
+    output: str | None = None
+    channel: int = 0
+    threshold: float = 0.5
+    labels: tuple[str, ...] = ()
+
+    def label(self, class_id: int) -> str:
+        return self.labels[class_id] if 0 <= class_id < len(self.labels) else str(class_id)
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """Segments of one decision label in stream time: hysteresis, hangover and a minimum duration."""
+
+    label: str
+    off_threshold: float | None = None
+    min_duration_s: float = 0.0
+    hangover_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class PostprocessSpec:
     type: Task
@@ -187,6 +214,8 @@ class PostprocessSpec:
     dilation: int = 0  # segmentation: dilate the thresholded mask with a k x k kernel first (DBNet's use_dilation: 2)
     max_values: int = 64
     channel_axis: int = 1
+    decision: DecisionSpec | None = None  # raw: publish a decision per frame
+    events: EventSpec | None = None  # raw with a decision: segments of a label in stream time
 
 
 @dataclass(frozen=True)
@@ -298,6 +327,13 @@ def _describe(error: jsonschema.ValidationError) -> str:
     # discriminator ('type' or 'kind') matches and report its first error instead.
     if error.validator == "oneOf" and isinstance(error.instance, dict):
         tag = error.instance.get("type", error.instance.get("kind"))
+        branches = error.schema.get("oneOf", []) if isinstance(error.schema, dict) else []
+        for k, branch in enumerate(branches):
+            props = branch.get("properties", {}) if isinstance(branch, dict) else {}
+            if tag is not None and any(isinstance(v, dict) and v.get("const") == tag for v in props.values()):
+                own = [sub for sub in error.context or [] if sub.relative_schema_path and sub.relative_schema_path[0] == k]
+                if own:  # the branch of this type: its own first error, not "unsupported type"
+                    return _describe(min(own, key=lambda e: len(e.absolute_path)))
         for sub in error.context or []:
             branch_tag = sub.schema.get("properties", {}) if isinstance(sub.schema, dict) else {}
             if sub.validator == "const" or not isinstance(sub.schema, dict):
@@ -350,6 +386,11 @@ def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
     post = dict(d)
     if "outputs" in post:
         post["outputs"] = tuple(post["outputs"])
+    if "decision" in post:
+        dec = dict(post["decision"])
+        post["decision"] = DecisionSpec(**{**dec, "labels": tuple(dec.get("labels", ()))})
+    if "events" in post:
+        post["events"] = EventSpec(**post["events"])
     return PostprocessSpec(**post)
 
 
@@ -427,6 +468,7 @@ def _check_semantics(m: Manifest, where: str) -> None:
         if ref not in outs:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
+    check_decisions(m, where)
     if m.postprocess.type == "raw" and m.postprocess.channel_axis == 0:
         raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
                           "later (-1: the last)")
@@ -516,3 +558,44 @@ def check_inputs(m: Manifest, where: str) -> None:
                 raise BundleError(f"{where}: key {key}.from_output: {x.from_output!r} is not a declared output {sorted(outs)}")
             if not all(isinstance(d, int) for d in x.shape):
                 raise BundleError(f"{where}: key {key}.shape: a state's shape must be fixed integers, found {list(x.shape)}")
+
+
+def check_decisions(m: Manifest, where: str) -> None:
+    """The raw decoder's limits, decision and event stage, each refused with its own message."""
+    p = m.postprocess
+    if p.type != "raw":
+        if p.decision is not None or p.events is not None:
+            raise BundleError(f"{where}: key postprocess.decision: decisions and events belong to type raw")
+        return
+    if p.max_values > MAX_RAW_VALUES:
+        raise BundleError(f"{where}: key postprocess.max_values: {p.max_values} is over the limit of {MAX_RAW_VALUES} "
+                          "values per output (a result carries a summary, never the tensor): publish a decision "
+                          "(postprocess.decision) or fewer values")
+    d, outs = p.decision, {o.name: o for o in m.outputs}
+    if d is not None:
+        name = d.output or (p.outputs[0] if p.outputs else m.outputs[0].name)
+        if name not in outs:
+            raise BundleError(f"{where}: key postprocess.decision.output: {name!r} is not a declared output {sorted(outs)}")
+        last = outs[name].shape[-1] if outs[name].shape else 1
+        if d.rule == "argmax" and last == 1:
+            raise BundleError(f"{where}: key postprocess.decision.rule: argmax over the one value of {name!r} is always "
+                              "class 0; a single-output binary model takes rule: threshold")
+        if d.rule == "threshold" and isinstance(last, int) and d.channel >= last:
+            raise BundleError(f"{where}: key postprocess.decision.channel: {d.channel} is beyond the {last} values of "
+                              f"{name!r} {list(outs[name].shape)}")
+        if d.rule == "threshold" and d.labels and len(d.labels) != 2:
+            raise BundleError(f"{where}: key postprocess.decision.labels: a threshold has two labels [below, at or "
+                              f"above], found {len(d.labels)}")
+    e = p.events
+    if e is not None:
+        if d is None:
+            raise BundleError(f"{where}: key postprocess.events: an event stage needs postprocess.decision")
+        if not m.frame.sample_rate:
+            raise BundleError(f"{where}: key postprocess.events: segments are in stream time: the frame needs "
+                              "input.frame.sample_rate")
+        known = d.labels or (("0", "1") if d.rule == "threshold" else ())
+        if known and e.label not in known:
+            raise BundleError(f"{where}: key postprocess.events.label: {e.label!r} is not a decision label {list(known)}")
+        if e.off_threshold is not None and (d.rule != "threshold" or e.off_threshold > d.threshold):
+            raise BundleError(f"{where}: key postprocess.events.off_threshold: hysteresis needs rule threshold and "
+                              f"off_threshold <= threshold ({d.threshold})")
