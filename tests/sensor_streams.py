@@ -104,7 +104,8 @@ def engine_for(bundle: Path) -> Any:
     from agent.serving.engine import build_engine
 
     b = load_bundle(bundle)
-    return build_engine(b, Candidate(CPU, "fp32", "fp32"), SessionSettings(intra_op_threads=1))
+    v = b.manifest.variants[0]  # fp32, or the int8 an already-quantised model is kept as
+    return build_engine(b, Candidate(CPU, v.name, v.precision), SessionSettings(intra_op_threads=1))
 
 
 class Served:

@@ -49,7 +49,7 @@ PROVIDERS_BY_PRECISION = {
     "fp16": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "OpenVINOExecutionProvider"],
 }
 SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postprocess", "selftest", "preference", "source",
-             "inputs"}
+             "inputs", "frontend"}
 # Bound on |spec preprocessing - framework input tensor| before the build refuses (tensor units).
 DEFAULT_PREPROCESS_DRIFT = 1e-3
 INSTALL_BUILD_HINT = "pip install '.[build]' from an edge-agent checkout"
@@ -649,10 +649,32 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     pre = Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)
     sequence = any(x.kind == "state" for x in extra_inputs)
 
-    already = prequantized(opts.model)
+    model_path = opts.model
+    frontend = None
+    if spec.get("frontend"):
+        # an audio front-end compiled to ONNX and merged before the model: the bundle takes raw samples
+        import onnx
+
+        from agent.bundle.frontends import frontend_from_dict, prepend_frontend
+
+        frontend = frontend_from_dict(spec["frontend"], str(opts.spec))
+        _need_build_extra()
+        model_path = root.parent / f".{root.name}.with-frontend.onnx"
+        onnx.save(prepend_frontend(frontend, onnx.load(str(opts.model)), str(opts.spec)), str(model_path))
+        log.info("bundle.create.frontend", **frontend.describe())
+    try:
+        _build_model(spec, opts, root, model_path, frontend, post, task, extra_inputs, frame, pre, sequence)
+    finally:
+        if model_path != opts.model:
+            model_path.unlink(missing_ok=True)
+
+
+def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_path: Path, frontend: Any, post: Any,
+                 task: str, extra_inputs: tuple[ExtraInput, ...], frame: Any, pre: Preprocessor, sequence: bool) -> None:
+    already = prequantized(model_path)
     # an already-quantised graph is served as it is: its int8 variant, never quantised again
     fp32_file = "model_int8.onnx" if already else "model_fp32.onnx"
-    input_spec, outputs, opset = prepare_fp32(opts.model, root / fp32_file, [x.name for x in extra_inputs])
+    input_spec, outputs, opset = prepare_fp32(model_path, root / fp32_file, [x.name for x in extra_inputs])
     log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs],
              extra_inputs=[x.name for x in extra_inputs], prequantized=already or None)
     validate_against_model(spec, input_spec, outputs, str(opts.spec))
@@ -779,7 +801,8 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         "version": int(spec["version"]),
         "label": str(spec.get("label", "0.1.0")),
         "created": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
-        "source": _source(spec.get("source", {}), opts.model, reference_origin),
+        "source": _source(spec.get("source", {}), opts.model, reference_origin
+                          + (f"; front-end compiled into the graph: {frontend.describe()}" if frontend else "")),
         "task": task,
         "input": {**input_spec, "frame": spec["frame"]},
         **({"inputs": spec["inputs"]} if spec.get("inputs") else {}),
