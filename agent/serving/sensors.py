@@ -194,6 +194,11 @@ class SensorSource:
             self.name = cfg.name or f"file:{cfg.path}"
         if self.sock is None:
             self.streams[None] = _Stream(self.name, frame, self.hop)
+        if frame.reset_on_gap_s is not None and not frame.sample_rate:
+            # without a sample rate a gap can only be wall time between two arrivals: chunks that each hold
+            # more audio than reset_on_gap_s then reset the state at every chunk
+            log.warning("source.gap_in_wall_time", source=self.name, reset_on_gap_s=frame.reset_on_gap_s,
+                        fix="declare input.frame.sample_rate so gaps are measured in stream time")
         self.stats.state = "open"
 
     @property
