@@ -254,13 +254,13 @@ class SensorSource:
     # -- reading -----------------------------------------------------------------------------------
     def _receive(self) -> bool:
         """One datagram / read into its stream; False at the end of a file or stdin (a FIFO waits instead)."""
-        now = time.time()
         if self.sock is not None:
             try:
                 data, addr = self.sock.recvfrom(65536)
             except TimeoutError:
-                self._expire(now)
+                self._expire(time.time())
                 return True
+            now = time.time()  # the arrival, after the wait: gaps are measured from it
             if len(data) == 0 or len(data) % self.sample_bytes:
                 self.stats.bad += 1
                 raise BadFrame(f"{self.name}: datagram of {len(data)} bytes from {addr[0]}:{addr[1]} is not whole "
@@ -275,6 +275,7 @@ class SensorSource:
         if not ready:
             return True
         data = os.read(self.fd, 65536)
+        now = time.time()
         if not data:
             left = s.end("writer restarted")
             self.dropped_samples += left
