@@ -111,7 +111,15 @@ def test_more_senders_than_max_streams_are_refused_and_counted(vad: Path) -> Non
         assert wait_until(lambda: served.source.streams_health()["refused_datagrams"] == len(a) // HOP, 30)
         names = {r["source"] for r in served.sink.results}
         assert names == {_stream_name(served, s) for s in senders[:2]}
-        assert len(served.source.streams_health()["streams"]) == 2
+        from agent.link.health import ProcessProbe
+        from agent.service.health_view import health_document
+
+        doc = health_document(device_id="d", started=time.monotonic(), session=1, interval_s=1, serving=True,
+                              not_serving_reason=None, engine=served.engine, pipeline=served.pipeline,
+                              selftest_doc=None, outbox=None, probe=ProcessProbe(), operation=None)
+        streams = doc["source"]["streams"]  # what health publishes: each stream by name, and the refusals
+        assert set(streams["streams"]) == names and streams["max_streams"] == 2
+        assert streams["refused_datagrams"] == len(a) // HOP
     finally:
         served.close()
         for s in senders:
