@@ -68,9 +68,9 @@ class Engine:
         with self._state_lock:
             feeds = self.feeder.feeds(tensor, source, at, metadata, span=span)
             if span is not None:
-                frame.state = self.feeder.last_note
-                if self.feeder.last_note and self.feeder.last_note.startswith("reset: ") and "not served" in self.feeder.last_note:
-                    log.warning("state.reset", stream=span.stream, window=span.window, reason=self.feeder.last_note)
+                frame.state = note = self.feeder.last_note
+                if note is not None and note.startswith("reset"):  # the result says so too (result.stream.state)
+                    log.warning("state.reset", stream=span.stream, session=span.session, window=span.window, reason=note)
             outs = dict(zip(names, self.opened.session.run(None, feeds)))
             self.feeder.advance(source, outs)
         return outs
