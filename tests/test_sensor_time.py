@@ -102,3 +102,46 @@ def test_a_stream_restart_closes_its_open_segment_at_its_last_window() -> None:
     assert step(1, 6, 0.9) == [] and step(1, 7, 0.9) == []
     closed = step(2, 0, 0.1)  # the stream restarted: its open segment ends at its last window's end
     assert [(e["session"], e["start_sample"], e["end_sample"]) for e in closed] == [(1, 300, 400)]
+
+
+def test_a_fifo_removed_between_writers_is_lost_not_ended_and_serves_again_when_it_returns(tmp_path: object) -> None:
+    import os
+    import threading
+    from pathlib import Path
+
+    from agent.config import SourceConfig
+    from agent.serving.sources import open_source
+    from waiting import wait_until
+
+    fifo = Path(str(tmp_path)) / "s.fifo"
+    os.mkfifo(fifo)
+    src = open_source(SourceConfig(type="file", path=fifo), FrameSpec(kind="sensor", window=4, channels=1, dtype="float32"))
+    stop, frames, ended = threading.Event(), [], threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            f = src.read(stop)
+            if f is None:
+                break
+            frames.append(f)
+        ended.set()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        with open(fifo, "wb") as w:
+            w.write(np.arange(8, dtype="<f4").tobytes())
+        assert wait_until(lambda: len(frames) == 2, 10)
+        os.unlink(fifo)  # the writer went away and the FIFO with it
+        assert wait_until(lambda: src.stats.state == "lost", 10), src.stats.state
+        assert not ended.is_set()
+        os.mkfifo(fifo)
+        assert wait_until(lambda: src.stats.state == "open", 10)
+        with open(fifo, "wb") as w:
+            w.write(np.arange(4, dtype="<f4").tobytes())
+        assert wait_until(lambda: len(frames) == 3, 10)
+        assert frames[2].span.session == 2 and frames[2].span.window == 0
+    finally:
+        stop.set()
+        t.join(5)
+        src.close()

@@ -101,7 +101,13 @@ class _Stream:
         self.padded = self.frame.pad == 0
 
     def end(self, why: str) -> int:
-        """The stream ended or restarted: its leftover samples are dropped (never start another's window)."""
+        """The stream ended or restarted: its leftover samples are dropped (never start another's window).
+        A session that had no sample yet is not ended again: it only takes the newer reason."""
+        if not self.windows and not len(self.buf):
+            self.pending = b""
+            if self.session > 1:
+                self.reset = why
+            return 0
         # samples no window served: those after the last window's end (its context was served already)
         served_to = self.first - self.hop + self.frame.window if self.windows else 0
         left = max(0, self.first + len(self.buf) - max(served_to, 0))
@@ -269,10 +275,17 @@ class SensorSource:
             if s is not None:
                 self._take(s, data, now)
             return True
-        assert self.fd is not None
         s = self.streams[None]
+        if self.fd is None:  # the FIFO could not be opened again (removed, no permission): retry, never end
+            return self._reopen(wait=0.5)
         ready, _, _ = select.select([self.fd], [], [], 0.2)
         if not ready:
+            if self.fifo and not self._same_fifo():
+                # removed or replaced (a feeder that recreates its FIFO): the old one can never get a writer
+                os.close(self.fd)
+                self.fd = None
+                self.dropped_samples += s.end("FIFO replaced")
+                return self._reopen(wait=0.0)
             return True
         data = os.read(self.fd, 65536)
         now = time.time()
@@ -282,18 +295,38 @@ class SensorSource:
             if not self.fifo:
                 return False
             # the writer went away: wait for the next one (a feeder restart is a new stream, not the end)
-            assert self.cfg.path is not None
             os.close(self.fd)
-            self.fd = os.open(self.cfg.path, os.O_RDONLY | os.O_NONBLOCK)
-            self.stats.reconnects += 1
-            log.info("source.writer_gone", source=self.name, reopened=True, dropped_samples=left,
-                     sessions=s.session - 1)
-            return True
+            self.fd = None
+            log.info("source.writer_gone", source=self.name, dropped_samples=left, sessions=s.session - 1)
+            return self._reopen(wait=0.0)
         data = s.pending + data
         cut = len(data) - len(data) % self.sample_bytes
         s.pending = data[cut:]
         if cut:
             self._take(s, data[:cut], now)
+        return True
+
+    def _same_fifo(self) -> bool:
+        assert self.cfg.path is not None and self.fd is not None
+        try:
+            return os.stat(self.cfg.path).st_ino == os.fstat(self.fd).st_ino
+        except OSError:
+            return False
+
+    def _reopen(self, wait: float) -> bool:
+        assert self.cfg.path is not None
+        if wait:
+            time.sleep(wait)
+        try:
+            self.fd = os.open(self.cfg.path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if self.stats.state != "lost":
+                self.stats.losses += 1
+                log.warning("source.lost", source=self.name, reason=f"cannot reopen the FIFO: {exc.strerror}")
+            self.stats.state, self.stats.last_error = "lost", f"cannot reopen {self.cfg.path}: {exc.strerror}"
+            return True
+        self.stats.reconnects += 1
+        self.stats.state = "open"
         return True
 
     def read(self, stop: threading.Event) -> Frame | None:
