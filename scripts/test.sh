@@ -62,6 +62,9 @@ elif [ "$real_rc" -ne 0 ]; then
   exit "$real_rc"
 fi
 
+# pipecat-ai's Smart Turn (tests/test_sensor_frontend.py): one wheel, pinned hashes; skipped when unreachable
+EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/fetch_smart_turn.py >/dev/null || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
+
 echo "== main suite (onnxruntime $("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)'))"
 "$CPU_PY" -m pytest -m "not nspawn" "$@"
 
