@@ -90,8 +90,12 @@ class SourceConfig:
                                                            used_by=("mqtt",))] = "image"
     sample_dtype: Annotated[Literal["float32", "int16", "uint8"], Key("sensor samples, little-endian",
                                                                       used_by=SENSOR_SOURCES)] = "float32"
-    hop: Annotated[int, Key("sensor: samples between windows (0: the window length)", ge=0,
+    hop: Annotated[int, Key("sensor: samples between windows (0: the bundle's frame.hop, else the window)", ge=0,
                             used_by=SENSOR_SOURCES)] = 0
+    max_streams: Annotated[int, Key("udp: senders served at once, each its own stream; more are refused and "
+                                    "counted", ge=1, used_by=("udp",))] = 16
+    stream_timeout_s: Annotated[float, Key("udp: a sender quiet this long ends its stream and frees its place",
+                                           ge=0.1, used_by=("udp",))] = 30.0
     name: Annotated[str | None, Key("how results, topics and health name this source (required in sources:)",
                                     default_doc="type:target")] = None
     decode_scale: Annotated[Literal["auto", 1, 2, 4, 8], Key(

@@ -97,6 +97,10 @@ elif [ "$real_rc" -ne 0 ]; then
   exit "$real_rc"
 fi
 
+# pipecat-ai's Smart Turn (tests/test_sensor_frontend.py): one wheel, pinned hashes; skipped when unreachable
+phase "smart-turn model (cached in $CACHE)"
+EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/fetch_smart_turn.py >/dev/null || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
+
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
 phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n 2)"
 "$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"

@@ -265,8 +265,14 @@ def test_sensor_windows_from_a_fifo(tiny_sensor_bundle: Path, tmp_path: Path) ->
     t.start()
     sink = ListSink()
     p = Pipeline(source, engine, sink, PipelineConfig(), lossless=True).start()
-    assert p.done.wait(60)
+    from waiting import wait_until
+
+    # a FIFO outlives its writer (issue 22): the source waits for the next one instead of ending
+    assert wait_until(lambda: len(sink.results) == 5, 60)
     t.join()
+    assert not p.done.is_set()
+    p.stop()
+    assert p.join(timeout=15)
     source.close()
     assert len(sink.results) == 5 and p.metrics.bad_frames == 0
 

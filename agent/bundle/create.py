@@ -29,7 +29,8 @@ from agent.errors import BundleError, QualityError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.spec.inputs import InputFeeder
-from agent.spec.manifest import MANIFEST_NAME, ExtraInput, FrameSpec, inputs_from_list, postprocess_from_dict, preprocess_from_dict
+from agent.spec.manifest import (MANIFEST_NAME, ExtraInput, frame_from_dict, inputs_from_list, postprocess_from_dict,
+                                 preprocess_from_dict)
 from agent.proof.parity import fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
 from agent.spec.preprocess import Preprocessor
@@ -48,7 +49,7 @@ PROVIDERS_BY_PRECISION = {
     "fp16": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "OpenVINOExecutionProvider"],
 }
 SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postprocess", "selftest", "preference", "source",
-             "inputs"}
+             "inputs", "frontend"}
 # Bound on |spec preprocessing - framework input tensor| before the build refuses (tensor units).
 DEFAULT_PREPROCESS_DRIFT = 1e-3
 INSTALL_BUILD_HINT = "pip install '.[build]' from an edge-agent checkout"
@@ -371,6 +372,43 @@ def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOp
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
+QUANTIZED_OPS = frozenset({"ConvInteger", "MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeLSTM",
+                           "DynamicQuantizeMatMul", "QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul",
+                           "QGemm", "MatMulIntegerToFloat", "QAttention"})
+
+
+def _op_counts(graph: Any, out: dict[str, int]) -> dict[str, int]:
+    for node in graph.node:
+        out[node.op_type] = out.get(node.op_type, 0) + 1
+        for a in node.attribute:
+            if a.g is not None and a.g.node:
+                _op_counts(a.g, out)
+            for g in a.graphs:
+                _op_counts(g, out)
+    return out
+
+
+def prequantized(model_path: Path) -> dict[str, Any] | None:
+    """What makes a model already quantised -- QuantizeLinear/DequantizeLinear pairs, integer ops
+    (ConvInteger, MatMulInteger, QLinear*), dynamic quantisation (DynamicQuantize*), quantisation metadata
+    -- or None for a float model. Quantising such a graph again breaks it (duplicate node names) or
+    quantises nothing; it is kept as the int8 variant."""
+    onnx = _need_build_extra()
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:
+        return None  # prepare_fp32 reports an unreadable model with its own message
+    ops = _op_counts(model.graph, {})
+    found = {k: v for k, v in sorted(ops.items()) if k in QUANTIZED_OPS}
+    for op in ("QuantizeLinear", "DequantizeLinear"):  # QDQ pairs, or weights-only DequantizeLinear
+        if ops.get(op):
+            found[op] = ops[op]
+    meta = sorted(p.key for p in model.metadata_props if "quant" in p.key.lower())
+    if not found and not meta:
+        return None
+    return {"ops": found, **({"metadata": meta} if meta else {})}
+
+
 def count_quantized_nodes(graph: Any) -> int:
     """QuantizeLinear/DequantizeLinear nodes in a graph and its subgraphs."""
     n = 0
@@ -434,13 +472,83 @@ def _unbatch(outs: Sequence[Mapping[str, np.ndarray]], sequence: bool = False) -
     return [{k: v[t, 0] for k, v in o.items()} for o in outs for t in range(next(iter(o.values())).shape[0])]
 
 
-def _top1(outs: Sequence[Mapping[str, np.ndarray]], output: str) -> np.ndarray:
+def _top1(outs: Sequence[Mapping[str, np.ndarray]], output: str, post: Any = None) -> np.ndarray:
+    """Each sample's class as the decoder decides it: a single-output binary classifier's one value is
+    classes 0 and 1 (class_scores), never an argmax over one value (always 0)."""
+    if post is not None:
+        from dataclasses import replace as _replace
+
+        from agent.spec.decoders import class_scores
+
+        spec = _replace(post, output=output)
+        return np.asarray([int(np.argmax(class_scores(spec, o))) for o in outs])
     return np.asarray([int(np.argmax(o[output])) for o in outs])
+
+
+PLACEHOLDER_SHA = "0" * 64
+
+
+def provisional_manifest(spec: Mapping[str, Any], input_spec: Mapping[str, Any] | None = None,
+                         outputs: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The manifest this spec would make, with placeholders for what the build measures (hashes, variants,
+    and -- before the model is read -- the tensors): checked before anything slow starts."""
+    dtype = (spec.get("preprocess") or {}).get("dtype", "float32")
+    return {
+        "format": 1, "name": spec["name"], "version": spec["version"], "label": str(spec.get("label", "0.1.0")),
+        "created": "2000-01-01T00:00:00+00:00",
+        "source": {**(spec.get("source") or {}), "sha256": PLACEHOLDER_SHA}, "task": spec["task"],
+        "input": {**(input_spec or {"name": "input", "dtype": dtype, "shape": ["batch"]}), "frame": spec["frame"]},
+        **({"inputs": spec["inputs"]} if spec.get("inputs") else {}),
+        "outputs": list(outputs or [{"name": "output", "dtype": "float32", "shape": ["batch"]}]),
+        "preprocess": spec["preprocess"], "postprocess": spec["postprocess"],
+        "variants": [{"name": "fp32", "file": "model.onnx", "precision": "fp32", "providers": [CPU]}],
+        "selftest": spec.get("selftest") or {}, "golden": ["golden.npz"],
+        "files": {"model.onnx": PLACEHOLDER_SHA, "golden.npz": PLACEHOLDER_SHA},
+    }
+
+
+def validate_spec_first(spec: Mapping[str, Any], opts: CreateOptions) -> None:
+    """Every key of the spec against the manifest schema, and the labels file, before the model is read:
+    a misspelt key or a bad label is refused in a second, not after quantisation and evaluation."""
+    import jsonschema
+
+    from agent.spec.manifest import _describe, frame_from_dict, manifest_schema
+
+    where = str(opts.spec)
+    doc = provisional_manifest(spec)
+    errors = sorted(jsonschema.Draft202012Validator(manifest_schema()).iter_errors(doc),
+                    key=lambda e: list(map(str, e.absolute_path)))
+    # keys the build fills in are placeholders here: only the author's keys can be wrong
+    errors = [e for e in errors if not (e.absolute_path and e.absolute_path[0] in ("outputs", "files", "variants"))]
+    if errors:
+        raise BundleError(f"{where}: " + "; ".join(_describe(e) for e in errors[:5]).replace("(top level)", "spec"))
+    try:
+        frame_from_dict(spec["frame"], inputs_from_list(spec.get("inputs")), where)
+        postprocess_from_dict(spec["postprocess"])
+    except TypeError as exc:
+        raise BundleError(f"{where}: {_reason(exc)}") from exc
+    if opts.labels is not None:
+        try:
+            labels = [x for x in Path(opts.labels).read_text().splitlines() if x.strip()]
+        except OSError as exc:
+            raise BundleError(f"{opts.labels}: cannot read labels: {exc.strerror}") from exc
+        if not labels:
+            raise BundleError(f"{opts.labels}: no labels (one class name per line)")
+
+
+def validate_against_model(spec: Mapping[str, Any], input_spec: Mapping[str, Any], outputs: Sequence[Mapping[str, Any]],
+                           where: str) -> None:
+    """The spec against the model's real tensors with every semantic check a device runs (outputs named
+    by the postprocess, decision channels, state outputs), before samples load or anything quantises."""
+    from agent.spec.manifest import parse_manifest
+
+    parse_manifest(yaml.safe_dump(provisional_manifest(spec, input_spec, outputs)), where)
 
 
 def create_bundle(opts: CreateOptions) -> Path:
     """Build the bundle at `opts.out` (must not exist). Returns its path."""
     spec = read_spec(opts.spec)
+    validate_spec_first(spec, opts)
     out = Path(opts.out)
     if out.exists():
         raise BundleError(f"{out}: already exists; choose a new output directory")
@@ -531,20 +639,45 @@ def _drift_hint(t: np.ndarray, f: np.ndarray, layout: str) -> str:
 
 
 def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
-    frame = FrameSpec(**spec["frame"])
-    pre = Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)
     post = postprocess_from_dict(spec["postprocess"])
     task = spec["task"]
     try:
         extra_inputs: tuple[ExtraInput, ...] = inputs_from_list(spec.get("inputs"))
     except TypeError as exc:
         raise BundleError(f"{opts.spec}: key inputs: {_reason(exc)}") from exc
+    frame = frame_from_dict(spec["frame"], extra_inputs, str(opts.spec))
+    pre = Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)
     sequence = any(x.kind == "state" for x in extra_inputs)
 
-    fp32_file = "model_fp32.onnx"
-    input_spec, outputs, opset = prepare_fp32(opts.model, root / fp32_file, [x.name for x in extra_inputs])
+    model_path = opts.model
+    frontend = None
+    if spec.get("frontend"):
+        # an audio front-end compiled to ONNX and merged before the model: the bundle takes raw samples
+        import onnx
+
+        from agent.bundle.frontends import frontend_from_dict, prepend_frontend
+
+        frontend = frontend_from_dict(spec["frontend"], str(opts.spec))
+        _need_build_extra()
+        model_path = root.parent / f".{root.name}.with-frontend.onnx"
+        onnx.save(prepend_frontend(frontend, onnx.load(str(opts.model)), str(opts.spec)), str(model_path))
+        log.info("bundle.create.frontend", **frontend.describe())
+    try:
+        _build_model(spec, opts, root, model_path, frontend, post, task, extra_inputs, frame, pre, sequence)
+    finally:
+        if model_path != opts.model:
+            model_path.unlink(missing_ok=True)
+
+
+def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_path: Path, frontend: Any, post: Any,
+                 task: str, extra_inputs: tuple[ExtraInput, ...], frame: Any, pre: Preprocessor, sequence: bool) -> None:
+    already = prequantized(model_path)
+    # an already-quantised graph is served as it is: its int8 variant, never quantised again
+    fp32_file = "model_int8.onnx" if already else "model_fp32.onnx"
+    input_spec, outputs, opset = prepare_fp32(model_path, root / fp32_file, [x.name for x in extra_inputs])
     log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs],
-             extra_inputs=[x.name for x in extra_inputs])
+             extra_inputs=[x.name for x in extra_inputs], prequantized=already or None)
+    validate_against_model(spec, input_spec, outputs, str(opts.spec))
     feeder = InputFeeder(input_spec["name"], extra_inputs)
     if pre.spec.dtype != input_spec["dtype"]:
         raise BundleError(f"{opts.spec}: key preprocess.dtype: {pre.spec.dtype}, but the model's input "
@@ -596,15 +729,20 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         references = ort_ref
         reference_origin = "onnxruntime CPU fp32, optimisations disabled"
 
-    builds = [VariantBuild("fp32", "fp32", fp32_file, dict(source_check))]
-    if opts.int8:
+    if already:
+        builds = [VariantBuild("int8", "int8", fp32_file, dict(source_check),
+                               quantization={"format": "prequantized", **already})]
+        log.info("bundle.create.prequantized", kept_as="int8", **already)
+    else:
+        builds = [VariantBuild("fp32", "fp32", fp32_file, dict(source_check))]
+    if opts.int8 and not already:
         log.info("bundle.create.quantizing", method=opts.method, per_channel=opts.per_channel, samples=len(calib_set))
         dynamic_batch = not isinstance(input_spec["shape"][0], int) and pre.fixed_size and not sequence
         calib = CalibrationFeeds(calib_set.raw, pre, feeder, opts.calibration_batch if dynamic_batch else 1,
                                  fp32=fp32_ref_sess if sequence else None)
         q = quantize_int8(root / fp32_file, root / "model_int8.onnx", calib, opts)
         builds.append(VariantBuild("int8", "int8", "model_int8.onnx", quantization=q))
-    if opts.fp16:
+    if opts.fp16 and not already:
         builds.append(VariantBuild("fp16", "fp16", "model_fp16.onnx", quantization=convert_fp16(root / fp32_file, root / "model_fp16.onnx")))
 
     held_ref = _run_all(_cpu_session(root / fp32_file, optimize=True), held_inputs, feeder) if held else []
@@ -628,7 +766,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
             b.quality["heldout_samples"] = len(held)
             problems += [f.text() for f in h.findings]
             if held.labels is not None and task == "classification" and not sequence:
-                b.quality["heldout_top1"] = round(float(np.mean(_top1(outs, cls_out).ravel() == held.labels)), 5)
+                b.quality["heldout_top1"] = round(float(np.mean(_top1(outs, cls_out, post).ravel() == held.labels)), 5)
         feeder.reset("")
         b.quality.update(_latency_ms(sess, feeder.feeds(golden_inputs[0][0] if sequence else golden_inputs[0])))
         b.quality["size_bytes"] = (root / b.file).stat().st_size
@@ -663,7 +801,8 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         "version": int(spec["version"]),
         "label": str(spec.get("label", "0.1.0")),
         "created": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
-        "source": _source(spec.get("source", {}), opts.model, reference_origin),
+        "source": _source(spec.get("source", {}), opts.model, reference_origin
+                          + (f"; front-end compiled into the graph: {frontend.describe()}" if frontend else "")),
         "task": task,
         "input": {**input_spec, "frame": spec["frame"]},
         **({"inputs": spec["inputs"]} if spec.get("inputs") else {}),

@@ -126,6 +126,7 @@ class FidelityFloors:
     min_precision: float | None = None
     min_mask_iou: float | None = None
     min_channel_snr_db: float | None = None
+    min_decision_agreement: float | None = None  # raw with a decision (None: DEFAULT_DECISION_AGREEMENT)
     # classification: a flip where the reference's own top-1/top-2 probability margin is under this is
     # not counted (the source model itself could not tell the classes apart)
     negligible_margin: float = 0.02
@@ -424,8 +425,24 @@ def channel_snr(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Out
                          f"worst at {where}" if where else "")
 
 
+DEFAULT_DECISION_AGREEMENT = 0.98
+
+
+def decision_task_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs]) -> TaskAgreement:
+    """raw with a declared decision: what the bundle publishes is the decision, so its fidelity is the share
+    of frames deciding as the reference does (not the SNR of channels nobody reads)."""
+    from agent.spec.decisions import decide
+
+    flips = [i for i, (g, r) in enumerate(zip(got, ref)) if decide(spec, g).class_id != decide(spec, r).class_id]
+    share = 1.0 - len(flips) / len(got) if got else 1.0
+    return TaskAgreement("raw", {"decision_agreement": share}, flips[0] if flips else None,
+                         f"{len(flips)} of {len(got)} frames decide otherwise")
+
+
 def task_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs],
                    negligible_margin: float = 0.02) -> TaskAgreement:
+    if spec.type == "raw" and getattr(spec, "decision", None) is not None:
+        return decision_task_agreement(spec, got, ref)
     if spec.type == "classification":
         return classification_agreement(spec, got, ref, negligible_margin)
     if spec.type == "detection":
@@ -445,6 +462,8 @@ def agreement_score(a: TaskAgreement) -> float:
         return min(m["recall"], m["precision"])
     if a.task == "segmentation":
         return m["mask_iou"]
+    if "decision_agreement" in m:
+        return m["decision_agreement"]
     return 1.0  # raw: the tensor bound is the decoded result
 
 
@@ -527,6 +546,10 @@ def judge_fidelity(spec: PostprocessSpec, got: Sequence[Outputs], references: Se
             checks += [("recall", m["recall"], floors.min_recall), ("precision", m["precision"], floors.min_precision)]
         elif agreement.task == "segmentation":
             checks.append(("mask IoU", m["mask_iou"], floors.min_mask_iou))
+        elif "decision_agreement" in m:
+            floor = floors.min_decision_agreement
+            checks.append(("decision agreement", m["decision_agreement"],
+                           DEFAULT_DECISION_AGREEMENT if floor is None else floor))
         else:
             checks.append(("worst channel SNR dB", m["min_channel_snr_db"], floors.min_channel_snr_db))
         for metric, value, floor in checks:

@@ -363,6 +363,10 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         try:
             b = load_bundle(cfg.bundle)
             notes.append(f"bundle {b.identity} loads: schema, file hashes and contracts verified")
+            from agent.serving.sensors import stream_problems
+
+            problems += stream_problems(b.manifest.frame, b.manifest.inputs, cfg.source_list,
+                                        [f"sources[{i}]" if cfg.sources else "source" for i in range(len(cfg.source_list))])
         except AgentError as exc:
             problems.append(f"key bundle: {exc}")
     for i, src in enumerate(cfg.source_list):

@@ -27,6 +27,9 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
                   "frozen_events": st.frozen_events,
                   # how frames are decoded (path, codec, scale, threads, hw) and the scale the self-test proved
                   "decoder": {**st.decoder, "limit": dict(decode_limit) if decode_limit else None}}
+        streams = getattr(pipeline.source, "streams_health", None)
+        if streams is not None:  # sensor streams: each UDP sender / writer session by name, bounded
+            source["streams"] = streams()
         stuck = getattr(pipeline.source, "stuck", None)
         if stuck is not None:  # many sources: which are stuck inside a read (seconds), while the others serve
             source["stuck"] = stuck()

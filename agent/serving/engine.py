@@ -19,8 +19,13 @@ from agent.bundle.load import Bundle
 from agent.proof.session import OpenedSession, open_session
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
+from agent.logsetup import get_logger
+from agent.serving.sensors import stream_record
+from agent.spec.decisions import tracker_for
 from agent.spec.inputs import InputFeeder
 from agent.spec.preprocess import Preprocessor
+
+log = get_logger("engine")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Engine:
     preprocessor: Preprocessor
     labels: tuple[str, ...]
     feeder: InputFeeder | None = None
+    events: Any = None  # agent.spec.decisions.SegmentTracker when the bundle declares an event stage
     # state is read, run and written back as one step: two workers must not interleave on a source
     _state_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -47,19 +53,40 @@ class Engine:
         return 1 if self.bundle.manifest.stateful else None
 
     def run(self, tensor: np.ndarray, source: str = "", at: float | None = None,
-            metadata: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
-        """Run one prepared tensor with every other input the model takes; carries state per source."""
+            metadata: Mapping[str, Any] | None = None, frame: Any = None) -> dict[str, np.ndarray]:
+        """Run one prepared tensor with every other input the model takes; carries state per source.
+        `frame`: a sensor window (its `span` places it in its stream; its `state` is told what happened)."""
         if self.feeder is None or not self.bundle.manifest.inputs:
             return self.opened.run(tensor)
         names = self.opened.output_names
+        span = getattr(frame, "span", None)
         if not self.feeder.stateful:
             feeds = self.feeder.feeds(tensor, source, at, metadata)
             return dict(zip(names, self.opened.session.run(None, feeds)))
+        if span is not None:  # state is the stream's (each UDP sender its own), whatever the source is called
+            source = span.stream
         with self._state_lock:
-            feeds = self.feeder.feeds(tensor, source, at, metadata)
+            feeds = self.feeder.feeds(tensor, source, at, metadata, span=span)
+            if span is not None:
+                frame.state = note = self.feeder.last_note
+                if note is not None and note.startswith("reset"):  # the result says so too (result.stream.state)
+                    log.warning("state.reset", stream=span.stream, session=span.session, window=span.window, reason=note)
             outs = dict(zip(names, self.opened.session.run(None, feeds)))
             self.feeder.advance(source, outs)
         return outs
+
+    def annotate(self, frame: Any, result: dict[str, Any]) -> dict[str, Any]:
+        """A decoded result with what serving knows beyond the outputs: the stream time span a sensor
+        window covers (and what happened to the state there), and the events of the bundle's event stage."""
+        rec = stream_record(frame)
+        if rec is None:
+            return result
+        result = {**result, "stream": rec}
+        if self.events is not None:
+            events = self.events.update(frame.span, result)
+            if events:
+                result["events"] = events
+        return result
 
     @functools.cached_property
     def intra_op_threads(self) -> int:
@@ -82,4 +109,6 @@ class Engine:
 def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings) -> Engine:
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
-    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(bundle.manifest))
+    m = bundle.manifest
+    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(m),
+                  events=tracker_for(m.postprocess, m.frame.sample_rate))

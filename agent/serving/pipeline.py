@@ -593,7 +593,8 @@ class Pipeline:
         m = self.metrics
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
-            outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at)
+            outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at,
+                                                                  frame=p.frames[0])
             bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
             if bad:  # NaN/inf answers are wrong answers: counted, never published
                 raise NonFiniteOutput(f"non-finite values in outputs {bad}")
@@ -693,8 +694,8 @@ class Pipeline:
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 outs = split_batch(item.outputs, i)
                 try:
-                    result = decode(eng.bundle.manifest.postprocess, outs, eng.labels, p.geometry[i],
-                                    self.max_result_bytes)
+                    result = eng.annotate(frame, decode(eng.bundle.manifest.postprocess, outs, eng.labels,
+                                                        p.geometry[i], self.max_result_bytes))
                 except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
                     m.result_errors += 1
                     self._count_drop("result_too_large")

@@ -14,10 +14,6 @@ hardware decoding, cv2.VideoCapture decodes at full size.
 from __future__ import annotations
 
 import functools
-import os
-import select
-import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -406,97 +402,6 @@ class OpenCVSource:
             self.cap = None
 
 
-class SensorSource:
-    """Windows of numeric samples from UDP datagrams, a FIFO / character device / file, or stdin.
-
-    Samples are little-endian `sample_dtype`, channels interleaved. A UDP datagram that is not a whole
-    number of samples is malformed: counted and dropped. Windows of `window` samples every `hop`.
-    """
-
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
-        if frame.kind != "sensor":
-            raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes {frame.kind} frames")
-        self.cfg, self.frame = cfg, frame
-        self.dtype = np.dtype(cfg.sample_dtype).newbyteorder("<")
-        self.sample_bytes = self.dtype.itemsize * frame.channels
-        self.window, self.hop = frame.window, cfg.hop or frame.window
-        self.buf = np.empty((0, frame.channels), np.float32)
-        self.pending = b""
-        self.stats = SourceStats()
-        self.live = cfg.type == "udp"
-        self.sock: socket.socket | None = None
-        self.fd: int | None = None
-        if cfg.type == "udp":
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self.sock.bind((cfg.host, cfg.port))
-            self.sock.settimeout(0.2)
-            self.name = cfg.name or f"udp:{cfg.host}:{self.sock.getsockname()[1]}"
-        elif cfg.type == "stdin":
-            self.fd = sys.stdin.buffer.fileno()
-            self.name = cfg.name or "stdin"
-        else:
-            if cfg.path is None:
-                raise ConfigError("source.path: a file source needs a FIFO, character device or file")
-            self.fd = os.open(cfg.path, os.O_RDONLY | os.O_NONBLOCK)
-            self.name = cfg.name or f"file:{cfg.path}"
-        self.stats.state = "open"
-
-    @property
-    def port(self) -> int:
-        return self.sock.getsockname()[1] if self.sock else 0
-
-    def _chunk(self, stop: threading.Event) -> bytes | None:
-        """Raw bytes of one packet/read; b'' when nothing arrived yet; None at end of stream."""
-        if self.sock is not None:
-            try:
-                data, _ = self.sock.recvfrom(65536)
-            except socket.timeout:
-                return b""
-            if len(data) == 0 or len(data) % self.sample_bytes:
-                self.stats.bad += 1
-                raise BadFrame(f"{self.name}: datagram of {len(data)} bytes is not whole samples of {self.sample_bytes} bytes")
-            return data
-        assert self.fd is not None
-        ready, _, _ = select.select([self.fd], [], [], 0.2)
-        if not ready:
-            return b""
-        data = os.read(self.fd, 65536)
-        if not data:
-            return None
-        data = self.pending + data
-        cut = len(data) - len(data) % self.sample_bytes
-        self.pending = data[cut:]
-        return data[:cut]
-
-    def read(self, stop: threading.Event) -> Frame | None:
-        while not stop.is_set():
-            self.stats.beat()
-            if len(self.buf) >= self.window:
-                win = self.buf[: self.window].copy()
-                self.buf = self.buf[self.hop :]
-                at, ns = _now()
-                if not np.all(np.isfinite(win)):
-                    self.stats.bad += 1
-                    raise BadFrame(f"{self.name}: window with non-finite samples")
-                self.stats.frames += 1
-                self.stats.last_frame_ns = ns
-                return Frame(self.stats.frames, win, at, ns, self.name)
-            data = self._chunk(stop)
-            if data is None:
-                self.stats.state = "ended"
-                return None
-            if data:
-                samples = np.frombuffer(data, self.dtype).astype(np.float32).reshape(-1, self.frame.channels)
-                self.buf = np.concatenate([self.buf, samples])
-        return None
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        if self.fd is not None and self.cfg.type != "stdin":
-            os.close(self.fd)
-
-
 class MqttFrameSource:
     """Frames published on an MQTT topic: encoded images, `.npy` arrays, or raw bytes of the frame.
 
@@ -602,14 +507,21 @@ def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, re
 
 SourceFactory = Callable[..., FrameSource]
 
+
+def _sensor_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8) -> FrameSource:
+    from agent.serving.sensors import SensorSource  # its own module (streams, time); it imports this one
+
+    return SensorSource(cfg, frame, resize, max_scale)
+
+
 SOURCES: dict[str, SourceFactory] = {
     "folder": FolderSource,
     "video": OpenCVSource,
     "camera": OpenCVSource,
     "stream": OpenCVSource,
-    "udp": SensorSource,
-    "file": SensorSource,
-    "stdin": SensorSource,
+    "udp": _sensor_source,
+    "file": _sensor_source,
+    "stdin": _sensor_source,
     "mqtt": MqttFrameSource,
 }
 

@@ -16,6 +16,7 @@ import cv2
 import numpy as np
 
 from agent.errors import ResultTooLargeError
+from agent.spec.decisions import decision_record
 from agent.spec.manifest import PostprocessSpec
 from agent.spec.preprocess import IDENTITY, Geometry
 
@@ -328,13 +329,20 @@ def _segmentation(spec: PostprocessSpec, outputs: Outputs, labels: Sequence[str]
 
 
 def _raw(spec: PostprocessSpec, outputs: Outputs, labels: Sequence[str], geometry: Geometry) -> dict[str, Any]:
-    """A declared summary: each selected output's shape and its first max_values values, never the tensor."""
+    """A declared summary: each selected output's shape and its first max_values values, never the tensor;
+    with a declared decision, the frame's decision first (and no arrays when max_values is 0)."""
     summary: dict[str, Any] = {}
+    if spec.decision is not None:
+        decided = {"type": "raw", "decision": decision_record(spec, outputs)}
+        if spec.max_values == 0:
+            return decided
     for n in spec.outputs or tuple(outputs):
         a = np.asarray(outputs[n])
         flat = a.reshape(-1)[: spec.max_values]
         values = [_finite(float(v), 6) for v in flat.astype(np.float64)]
         summary[n] = {"shape": list(a.shape), "values": values, "truncated": bool(a.size > spec.max_values)}
+    if spec.decision is not None:
+        return {**decided, "outputs": summary}
     return {"type": "raw", "outputs": summary}
 
 

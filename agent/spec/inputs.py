@@ -7,7 +7,7 @@ feeds here, so a stateful model sees the same inputs everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -41,6 +41,19 @@ def initial_state(x: ExtraInput) -> np.ndarray:
 class _SourceState:
     values: dict[str, np.ndarray]
     last_seen: float | None
+    session: int = 0  # a sensor stream's session and last window index (StreamSpan), -1: none yet
+    window: int = -1
+
+
+class StreamPlace(Protocol):
+    """Where a window sits in its stream (agent.serving.sensors.StreamSpan): enough to carry state by."""
+
+    session: int
+    window: int
+    reset: str | None
+
+
+MAX_TRACKED_SOURCES = 1024  # state kept for at most this many sources/streams (the oldest is forgotten)
 
 
 class InputFeeder:
@@ -57,6 +70,8 @@ class InputFeeder:
         self.states = tuple(x for x in self.extra if x.kind == "state")
         self._constants = {x.name: constant_value(x) for x in self.extra if x.kind == "constant"}
         self._sources: dict[str, _SourceState] = {}
+        # what the last step did with its stream's state: carried, initial, or why it started again
+        self.last_note: str | None = None
 
     @classmethod
     def for_manifest(cls, manifest: Manifest) -> "InputFeeder":
@@ -73,6 +88,33 @@ class InputFeeder:
         s = self._sources.get(source)
         return {x.name: (s.values[x.name] if s else initial_state(x)) for x in self.states}
 
+    def _fresh(self, source: str) -> _SourceState:
+        s = _SourceState({x.name: initial_state(x) for x in self.states}, None)
+        self._sources.pop(source, None)
+        self._sources[source] = s
+        while len(self._sources) > MAX_TRACKED_SOURCES:
+            self._sources.pop(next(iter(self._sources)))
+        return s
+
+    def _in_stream(self, source: str, span: StreamPlace) -> _SourceState:
+        """State by stream time: a new session starts again, and so does a hole in the window indices
+        (windows dropped before they ran) -- state never carries across a hole, and the note says so."""
+        s = self._sources.get(source)
+        if s is None:
+            note = "initial" if span.window == 0 else f"initial ({span.window} windows of the stream not served)"
+        elif s.session != span.session:
+            note = f"reset: {span.reset or 'new stream session'}"
+        elif span.window != s.window + 1:
+            note = f"reset: {span.window - s.window - 1} windows of the stream were not served"
+        else:
+            s.window = span.window
+            self.last_note = "carried"
+            return s
+        s = self._fresh(source)
+        s.session, s.window = span.session, span.window
+        self.last_note = note
+        return s
+
     def _current(self, source: str, at: float | None) -> _SourceState:
         s = self._sources.get(source)
         if s is not None and at is not None and s.last_seen is not None:
@@ -80,19 +122,22 @@ class InputFeeder:
             if any(x.reset_on_gap_s is not None and (gap > x.reset_on_gap_s or gap < 0) for x in self.states):
                 s = None
         if s is None:
-            s = _SourceState({x.name: initial_state(x) for x in self.states}, None)
-            self._sources[source] = s
+            s = self._fresh(source)
         if at is not None:
             s.last_seen = at
         return s
 
     def feeds(self, tensor: np.ndarray, source: str = "", at: float | None = None,
-              metadata: Mapping[str, Any] | None = None) -> Feeds:
+              metadata: Mapping[str, Any] | None = None, span: StreamPlace | None = None) -> Feeds:
+        """`span`: the window's place in its stream; then gaps and restarts are the stream's (measured in
+        stream time by the source), not the wall-clock `at`."""
         batch = int(tensor.shape[0]) if tensor.ndim else 1
         if self.states and batch != 1:
             raise PreprocessError(f"a stateful model runs one frame per step per source, got a batch of {batch}")
         out: Feeds = {self.frame_input: tensor}
-        s = self._current(source, at) if self.states else None
+        s = None
+        if self.states:
+            s = self._in_stream(source, span) if span is not None else self._current(source, at)
         for x in self.extra:
             if x.kind == "constant":
                 v = self._constants[x.name]

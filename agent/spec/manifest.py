@@ -56,12 +56,65 @@ class FrameSpec:
     color: str = "rgb"
     window: int = 0
     dtype: str = "uint8"
+    # sensor time: samples per second (None: windows are counted in samples only), samples between windows
+    # (0: the window), and samples put before each stream's first sample (zero or a copy of the first one)
+    sample_rate: float | None = None
+    hop: int = 0
+    padding: Literal["none", "zero", "replicate"] = "none"
+    pad: int = 0
+    # derived from the state inputs, never written: a stream silent longer than this in stream time
+    # (arrival beyond the audio it already sent) starts again; a stateful bundle needs lossless hand-over
+    reset_on_gap_s: float | None = None
+    stateful: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.kind == "image":
             return (self.height, self.width, self.channels)
         return (self.window, self.channels)
+
+    @property
+    def step(self) -> int:
+        """Samples between the starts of two windows of one stream."""
+        return self.hop or self.window
+
+
+SENSOR_TIME_KEYS = ("window_s", "hop_s")
+
+
+def frame_from_dict(d: Mapping[str, Any], inputs: tuple["ExtraInput", ...] = (), where: str = MANIFEST_NAME) -> FrameSpec:
+    """The `frame` block, with windows, hops and padding given in seconds turned into samples."""
+    f = dict(d)
+    rate = f.get("sample_rate")
+    for key in SENSOR_TIME_KEYS:
+        if key in f:
+            if not rate:
+                raise BundleError(f"{where}: key input.frame.{key}: a time in seconds needs frame.sample_rate")
+            target = key[:-2]
+            if f.get(target):
+                raise BundleError(f"{where}: key input.frame.{key}: give {target} in samples or {key} in seconds, "
+                                  "not both")
+            f[target] = _samples(f.pop(key), rate, f"input.frame.{key}", where)
+    if isinstance(f.get("padding"), Mapping):
+        pad = dict(f.pop("padding"))
+        f["padding"] = pad.get("mode", "zero")
+        if "seconds" in pad:
+            if not rate:
+                raise BundleError(f"{where}: key input.frame.padding.seconds: a time in seconds needs frame.sample_rate")
+            f["pad"] = _samples(pad["seconds"], rate, "input.frame.padding.seconds", where)
+        else:
+            f["pad"] = int(pad.get("samples", 0))
+    gaps = [x.reset_on_gap_s for x in inputs if x.kind == "state" and x.reset_on_gap_s is not None]
+    return FrameSpec(**f, reset_on_gap_s=min(gaps) if gaps else None,
+                     stateful=any(x.kind == "state" for x in inputs))
+
+
+def _samples(seconds: float, rate: float, key: str, where: str) -> int:
+    n = seconds * rate
+    if abs(n - round(n)) > 1e-6 * max(1.0, n) or round(n) < 1:
+        raise BundleError(f"{where}: key {key}: {seconds} s at {rate} samples/s is {n:g} samples, not a whole "
+                          "number >= 1: give it in samples")
+    return int(round(n))
 
 
 @dataclass(frozen=True)
@@ -105,6 +158,33 @@ class PreprocessSpec:
     source_drift: Mapping[str, Any] = field(default_factory=dict)
 
 
+MAX_RAW_VALUES = 4096  # values per output a raw result may carry: a summary, never the tensor
+
+
+@dataclass(frozen=True)
+class DecisionSpec:
+    """A per-frame decision of the raw decoder: a threshold on one value, or the argmax over channels."""
+
+    rule: Literal["threshold", "argmax"]
+    output: str | None = None
+    channel: int = 0
+    threshold: float = 0.5
+    labels: tuple[str, ...] = ()
+
+    def label(self, class_id: int) -> str:
+        return self.labels[class_id] if 0 <= class_id < len(self.labels) else str(class_id)
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """Segments of one decision label in stream time: hysteresis, hangover and a minimum duration."""
+
+    label: str
+    off_threshold: float | None = None
+    min_duration_s: float = 0.0
+    hangover_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class PostprocessSpec:
     type: Task
@@ -134,6 +214,8 @@ class PostprocessSpec:
     dilation: int = 0  # segmentation: dilate the thresholded mask with a k x k kernel first (DBNet's use_dilation: 2)
     max_values: int = 64
     channel_axis: int = 1
+    decision: DecisionSpec | None = None  # raw: publish a decision per frame
+    events: EventSpec | None = None  # raw with a decision: segments of a label in stream time
 
 
 @dataclass(frozen=True)
@@ -245,6 +327,13 @@ def _describe(error: jsonschema.ValidationError) -> str:
     # discriminator ('type' or 'kind') matches and report its first error instead.
     if error.validator == "oneOf" and isinstance(error.instance, dict):
         tag = error.instance.get("type", error.instance.get("kind"))
+        branches = error.schema.get("oneOf", []) if isinstance(error.schema, dict) else []
+        for k, branch in enumerate(branches):
+            props = branch.get("properties", {}) if isinstance(branch, dict) else {}
+            if tag is not None and any(isinstance(v, dict) and v.get("const") == tag for v in props.values()):
+                own = [sub for sub in error.context or [] if sub.relative_schema_path and sub.relative_schema_path[0] == k]
+                if own:  # the branch of this type: its own first error, not "unsupported type"
+                    return _describe(min(own, key=lambda e: len(e.absolute_path)))
         for sub in error.context or []:
             branch_tag = sub.schema.get("properties", {}) if isinstance(sub.schema, dict) else {}
             if sub.validator == "const" or not isinstance(sub.schema, dict):
@@ -274,7 +363,7 @@ def parse_manifest(text: str, where: str = MANIFEST_NAME) -> Manifest:
         lines = "; ".join(_describe(e) for e in errors[:5])
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise BundleError(f"{where}: schema check failed: {lines}{more}")
-    manifest = _build(data)
+    manifest = _build(data, where)
     _check_semantics(manifest, where)
     return manifest
 
@@ -297,10 +386,15 @@ def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
     post = dict(d)
     if "outputs" in post:
         post["outputs"] = tuple(post["outputs"])
+    if "decision" in post:
+        dec = dict(post["decision"])
+        post["decision"] = DecisionSpec(**{**dec, "labels": tuple(dec.get("labels", ()))})
+    if "events" in post:
+        post["events"] = EventSpec(**post["events"])
     return PostprocessSpec(**post)
 
 
-def _build(d: Mapping[str, Any]) -> Manifest:
+def _build(d: Mapping[str, Any], where: str = MANIFEST_NAME) -> Manifest:
     inp = d["input"]
     st = dict(d["selftest"])
     parity = {k: ParityThresholds(**v) for k, v in st.pop("parity", {}).items()}
@@ -314,7 +408,7 @@ def _build(d: Mapping[str, Any]) -> Manifest:
         source=dict(d["source"]),
         task=d["task"],
         input=_tensor(inp),
-        frame=FrameSpec(**inp["frame"]),
+        frame=frame_from_dict(inp["frame"], inputs_from_list(d.get("inputs")), where),
         outputs=tuple(_tensor(o) for o in d["outputs"]),
         preprocess=preprocess_from_dict(d["preprocess"]),
         postprocess=postprocess_from_dict(d["postprocess"]),
@@ -374,6 +468,7 @@ def _check_semantics(m: Manifest, where: str) -> None:
         if ref not in outs:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
+    check_decisions(m, where)
     if m.postprocess.type == "raw" and m.postprocess.channel_axis == 0:
         raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
                           "later (-1: the last)")
@@ -392,6 +487,12 @@ def _check_semantics(m: Manifest, where: str) -> None:
                               f"one-channel window, the frame has {frame.channels} channels: use ncw or nwc")
         if pre.resize is not None or pre.color is not None:
             raise BundleError(f"{where}: key preprocess: resize and color apply to images, not sensor windows")
+        if frame.window < 1:
+            raise BundleError(f"{where}: key input.frame.window: a sensor frame needs window (samples) or window_s "
+                              "(seconds, with sample_rate)")
+        if frame.pad >= frame.window:
+            raise BundleError(f"{where}: key input.frame.padding: {frame.pad} samples of padding fill the whole "
+                              f"window of {frame.window}: the first window would hold no sample of the stream")
         channels = frame.channels
     if pre.dtype in ("uint8", "int8") and (pre.scale != 1.0 or any(v != 0 for v in pre.mean)
                                             or any(v != 1 for v in pre.std)):
@@ -457,3 +558,44 @@ def check_inputs(m: Manifest, where: str) -> None:
                 raise BundleError(f"{where}: key {key}.from_output: {x.from_output!r} is not a declared output {sorted(outs)}")
             if not all(isinstance(d, int) for d in x.shape):
                 raise BundleError(f"{where}: key {key}.shape: a state's shape must be fixed integers, found {list(x.shape)}")
+
+
+def check_decisions(m: Manifest, where: str) -> None:
+    """The raw decoder's limits, decision and event stage, each refused with its own message."""
+    p = m.postprocess
+    if p.type != "raw":
+        if p.decision is not None or p.events is not None:
+            raise BundleError(f"{where}: key postprocess.decision: decisions and events belong to type raw")
+        return
+    if p.max_values > MAX_RAW_VALUES:
+        raise BundleError(f"{where}: key postprocess.max_values: {p.max_values} is over the limit of {MAX_RAW_VALUES} "
+                          "values per output (a result carries a summary, never the tensor): publish a decision "
+                          "(postprocess.decision) or fewer values")
+    d, outs = p.decision, {o.name: o for o in m.outputs}
+    if d is not None:
+        name = d.output or (p.outputs[0] if p.outputs else m.outputs[0].name)
+        if name not in outs:
+            raise BundleError(f"{where}: key postprocess.decision.output: {name!r} is not a declared output {sorted(outs)}")
+        last = outs[name].shape[-1] if outs[name].shape else 1
+        if d.rule == "argmax" and last == 1:
+            raise BundleError(f"{where}: key postprocess.decision.rule: argmax over the one value of {name!r} is always "
+                              "class 0; a single-output binary model takes rule: threshold")
+        if d.rule == "threshold" and isinstance(last, int) and d.channel >= last:
+            raise BundleError(f"{where}: key postprocess.decision.channel: {d.channel} is beyond the {last} values of "
+                              f"{name!r} {list(outs[name].shape)}")
+        if d.rule == "threshold" and d.labels and len(d.labels) != 2:
+            raise BundleError(f"{where}: key postprocess.decision.labels: a threshold has two labels [below, at or "
+                              f"above], found {len(d.labels)}")
+    e = p.events
+    if e is not None:
+        if d is None:
+            raise BundleError(f"{where}: key postprocess.events: an event stage needs postprocess.decision")
+        if not m.frame.sample_rate:
+            raise BundleError(f"{where}: key postprocess.events: segments are in stream time: the frame needs "
+                              "input.frame.sample_rate")
+        known = d.labels or (("0", "1") if d.rule == "threshold" else ())
+        if known and e.label not in known:
+            raise BundleError(f"{where}: key postprocess.events.label: {e.label!r} is not a decision label {list(known)}")
+        if e.off_threshold is not None and (d.rule != "threshold" or e.off_threshold > d.threshold):
+            raise BundleError(f"{where}: key postprocess.events.off_threshold: hysteresis needs rule threshold and "
+                              f"off_threshold <= threshold ({d.threshold})")

@@ -1,0 +1,182 @@
+"""Audio front-ends compiled to ONNX graphs and put in front of a bundle's model (build time only).
+
+A front-end named in the spec (`frontend: {type: whisper_log_mel, ...}`) becomes plain ONNX operators
+(Pad, Conv as a windowed DFT, MatMul with a mel filterbank, Log, ReduceMax), merged before the model's
+input, so the bundle takes raw samples and the device runs -- and the self-test proves -- the front-end
+and the model as one graph. No Python runs on the device. Needs the `build` extra (onnx).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from agent.errors import BundleError
+
+FRONTEND_TYPES = ("whisper_log_mel",)
+
+
+@dataclass(frozen=True)
+class WhisperLogMel:
+    """Whisper's log-mel (transformers' WhisperFeatureExtractor): centred reflect-padded STFT with a
+    periodic Hann window, power, Slaney mel filterbank, log10 floored at 1e-10, the last frame dropped,
+    clamped to (max - 8), then (x + 4) / 4; optionally the waveform normalised to zero mean, unit variance."""
+
+    samples: int = 128000
+    sample_rate: int = 16000
+    n_fft: int = 400
+    hop: int = 160
+    n_mels: int = 80
+    normalize: bool = True
+
+    @property
+    def frames(self) -> int:
+        return self.samples // self.hop
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "whisper_log_mel", "samples": self.samples, "sample_rate": self.sample_rate,
+                "n_fft": self.n_fft, "hop": self.hop, "n_mels": self.n_mels, "normalize": self.normalize}
+
+
+def frontend_from_dict(d: Mapping[str, Any], where: str) -> WhisperLogMel:
+    kind = d.get("type")
+    if kind not in FRONTEND_TYPES:
+        raise BundleError(f"{where}: key frontend.type: {kind!r} is not a known front-end {list(FRONTEND_TYPES)}")
+    try:
+        return WhisperLogMel(**{k: v for k, v in d.items() if k != "type"})
+    except TypeError as exc:
+        raise BundleError(f"{where}: key frontend: {exc}") from exc
+
+
+def _hz_to_mel_slaney(f: np.ndarray) -> np.ndarray:
+    f = np.atleast_1d(np.asarray(f, np.float64))
+    m = 3.0 * f / 200.0
+    hi = f >= 1000.0
+    m[hi] = 15.0 + np.log(f[hi] / 1000.0) * (27.0 / np.log(6.4))
+    return m
+
+
+def _mel_to_hz_slaney(m: np.ndarray) -> np.ndarray:
+    m = np.atleast_1d(np.asarray(m, np.float64))
+    f = 200.0 * m / 3.0
+    hi = m >= 15.0
+    f[hi] = 1000.0 * np.exp((np.log(6.4) / 27.0) * (m[hi] - 15.0))
+    return f
+
+
+def slaney_mel_filters(n_freqs: int, n_mels: int, sample_rate: int) -> np.ndarray:
+    """(n_freqs, n_mels) Slaney-normalised triangular filters from 0 Hz to Nyquist."""
+    mels = np.linspace(_hz_to_mel_slaney(np.array([0.0]))[0], _hz_to_mel_slaney(np.array([sample_rate / 2]))[0],
+                       n_mels + 2)
+    hz = _mel_to_hz_slaney(mels)
+    fft = np.linspace(0, sample_rate // 2, n_freqs)
+    slopes = hz[None, :] - fft[:, None]
+    diff = np.diff(hz)
+    filt = np.maximum(0.0, np.minimum(-slopes[:, :-2] / diff[:-1], slopes[:, 2:] / diff[1:]))
+    return filt * (2.0 / (hz[2:n_mels + 2] - hz[:n_mels]))[None, :]
+
+
+def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
+    """An ONNX model: `audio` [B, samples] float32 -> `features` [B, n_mels, frames] float32."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    n_freqs = fe.n_fft // 2 + 1
+    window = np.hanning(fe.n_fft + 1)[:-1]  # periodic Hann (torch.hann_window)
+    k = np.arange(n_freqs)[:, None] * np.arange(fe.n_fft)[None, :] * (2 * np.pi / fe.n_fft)
+    # the windowed DFT as one strided convolution: real parts, then imaginary parts
+    kernels = np.concatenate([np.cos(k) * window, -np.sin(k) * window]).astype(np.float32)[:, None, :]
+    mel = slaney_mel_filters(n_freqs, fe.n_mels, fe.sample_rate).T.astype(np.float32)  # (n_mels, n_freqs)
+    pad = fe.n_fft // 2
+    inits = [
+        numpy_helper.from_array(kernels, "fe_dft"),
+        numpy_helper.from_array(mel, "fe_mel"),
+        numpy_helper.from_array(np.array([0, 0, pad, 0, 0, pad], np.int64), "fe_pads"),
+        numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),
+        numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
+        numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
+        numpy_helper.from_array(np.array([0], np.int64), "fe_zero"),
+        numpy_helper.from_array(np.array([fe.frames], np.int64), "fe_frames"),
+        numpy_helper.from_array(np.array([2], np.int64), "fe_axis2"),
+        numpy_helper.from_array(np.array(1e-10, np.float32), "fe_floor"),
+        numpy_helper.from_array(np.array(1.0 / np.log(10.0), np.float32), "fe_inv_ln10"),
+        numpy_helper.from_array(np.array(8.0, np.float32), "fe_range"),
+        numpy_helper.from_array(np.array(4.0, np.float32), "fe_four"),
+        numpy_helper.from_array(np.array(1e-7, np.float32), "fe_eps"),
+        numpy_helper.from_array(np.array([1, 2], np.int64), "fe_axes12"),
+    ]
+
+    def reduce(op: str, x: str, out: str, axes: list[int]) -> Any:
+        if opset >= 18:  # axes became an input in opset 18
+            name = "fe_axes12" if axes == [1, 2] else "fe_axis2"
+            return helper.make_node(op, [x, name], [out], keepdims=1)
+        return helper.make_node(op, [x], [out], axes=axes, keepdims=1)
+
+    nodes = [helper.make_node("Unsqueeze", ["audio", "fe_axis1"], ["fe_x3"])]  # [B, 1, samples]
+    x = "fe_x3"
+    if fe.normalize:  # zero mean, unit variance over the whole window (before the spectrogram)
+        nodes += [
+            reduce("ReduceMean", x, "fe_mean", [2]),
+            helper.make_node("Sub", [x, "fe_mean"], ["fe_c"]),
+            helper.make_node("Mul", ["fe_c", "fe_c"], ["fe_c2"]),
+            reduce("ReduceMean", "fe_c2", "fe_var", [2]),
+            helper.make_node("Add", ["fe_var", "fe_eps"], ["fe_var_eps"]),
+            helper.make_node("Sqrt", ["fe_var_eps"], ["fe_std"]),
+            helper.make_node("Div", ["fe_c", "fe_std"], ["fe_norm"]),
+        ]
+        x = "fe_norm"
+    nodes += [
+        helper.make_node("Pad", [x, "fe_pads"], ["fe_padded"], mode="reflect"),
+        helper.make_node("Conv", ["fe_padded", "fe_dft"], ["fe_spec"], strides=[fe.hop]),  # [B, 2F, frames+1]
+        helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
+        helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
+        helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
+        helper.make_node("Add", ["fe_re2", "fe_im2"], ["fe_power"]),  # [B, F, frames+1]
+        helper.make_node("MatMul", ["fe_mel", "fe_power"], ["fe_melspec"]),  # [B, n_mels, frames+1]
+        helper.make_node("Max", ["fe_melspec", "fe_floor"], ["fe_floored"]),
+        helper.make_node("Log", ["fe_floored"], ["fe_ln"]),
+        helper.make_node("Mul", ["fe_ln", "fe_inv_ln10"], ["fe_log10"]),
+        helper.make_node("Slice", ["fe_log10", "fe_zero", "fe_frames", "fe_axis2"], ["fe_cut"]),  # the last frame dropped
+        reduce("ReduceMax", "fe_cut", "fe_max", [1, 2]),
+        helper.make_node("Sub", ["fe_max", "fe_range"], ["fe_low"]),
+        helper.make_node("Max", ["fe_cut", "fe_low"], ["fe_clamped"]),
+        helper.make_node("Add", ["fe_clamped", "fe_four"], ["fe_shift"]),
+        helper.make_node("Div", ["fe_shift", "fe_four"], ["features"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "whisper_log_mel",
+        [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", fe.n_mels, fe.frames])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = min(model.ir_version, 9)
+    onnx.checker.check_model(model)
+    return model
+
+
+def prepend_frontend(fe: WhisperLogMel, model: Any, where: str) -> Any:
+    """The model with the front-end before its one frame input: it then takes `audio` [B, samples]."""
+    import onnx
+    from onnx import compose
+
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    if len(inputs) != 1:
+        raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]}; a front-end feeds a "
+                          "model with one input")
+    dims = [d.dim_value or d.dim_param for d in inputs[0].type.tensor_type.shape.dim]
+    if dims[1:] != [fe.n_mels, fe.frames]:
+        raise BundleError(f"{where}: key frontend: it makes [batch, {fe.n_mels}, {fe.frames}], the model's input "
+                          f"{inputs[0].name!r} is {dims}")
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    front = whisper_log_mel_graph(fe, opset=max(opset, 13))
+    front.ir_version = model.ir_version
+    # the model's other opset domains (com.microsoft, ...) come along
+    for o in model.opset_import:
+        if o.domain not in ("", "ai.onnx") and not any(p.domain == o.domain for p in front.opset_import):
+            front.opset_import.append(onnx.helper.make_opsetid(o.domain, o.version))
+    merged = compose.merge_models(front, model, io_map=[("features", inputs[0].name)])
+    onnx.checker.check_model(merged)
+    return merged
