@@ -14,6 +14,7 @@ hardware decoding, cv2.VideoCapture decodes at full size.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections import deque
