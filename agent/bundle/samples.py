@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class LazyFrames(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i: Any) -> Any:  # Sequence's overloads: an int gives a frame, a slice a list
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         p = self.files[i]
@@ -86,6 +86,6 @@ def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None, l
             files = files[:limit]
         if not files:
             raise BundleError(f"{path}: no image or .npy samples in this directory")
-        frames = LazyFrames(files, frame)
-        return SampleSet(path, frames if lazy else list(frames))
+        lazy_frames = LazyFrames(files, frame)
+        return SampleSet(path, lazy_frames if lazy else list(lazy_frames))
     raise BundleError(f"{path}: a sample set is an .npz file or a directory of images / .npy windows")

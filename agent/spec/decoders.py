@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeGuard
 
 import cv2
 import numpy as np
@@ -114,7 +114,7 @@ def _cxcywh_to_xyxy(b: np.ndarray) -> np.ndarray:
 
 
 def _sample_2d(outputs: Outputs, name: str | None) -> np.ndarray:
-    a = np.asarray(outputs[name], dtype=np.float32)
+    a = np.asarray(outputs[name or next(iter(outputs))], dtype=np.float32)
     while a.ndim > 2 and a.shape[0] == 1:
         a = a[0]
     return a.reshape(a.shape[0], -1) if a.ndim != 2 else a
@@ -124,6 +124,7 @@ def candidates(spec: PostprocessSpec, outputs: Outputs) -> tuple[np.ndarray, np.
     """One sample's (boxes xyxy in input pixels, best score, class id) per anchor, before any threshold."""
     layout = spec.layout
     if layout == "boxes_scores":
+        assert spec.boxes_output is not None and spec.scores_output is not None  # the manifest requires both here
         boxes = np.asarray(outputs[spec.boxes_output], dtype=np.float32).reshape(-1, 4)
         scores = np.asarray(outputs[spec.scores_output], dtype=np.float32).reshape(boxes.shape[0], -1)
         if spec.box_format == "cxcywh":
@@ -164,7 +165,11 @@ def decode_detections(spec: PostprocessSpec, outputs: Outputs, geometry: Geometr
     kept = boxes[keep]
     if geometry is not IDENTITY:
         kept = geometry.to_frame(kept)
-    return [Detection(tuple(float(v) for v in b), int(cls[j]), float(best[j])) for b, j in zip(kept, keep)]
+    return [Detection(_box(b), int(cls[j]), float(best[j])) for b, j in zip(kept, keep)]
+
+
+def _box(b: np.ndarray) -> tuple[float, float, float, float]:
+    return float(b[0]), float(b[1]), float(b[2]), float(b[3])
 
 
 def probability_map(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:
@@ -181,7 +186,7 @@ def probability_map(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:
 
 def segment_regions(spec: PostprocessSpec, prob: np.ndarray, geometry: Geometry = IDENTITY) -> tuple[list[Region], np.ndarray]:
     """Threshold a map, find 8-connected regions; boxes in frame pixels, best-scoring first. Also the mask."""
-    mask = (prob > spec.threshold).astype(np.uint8)
+    mask: np.ndarray = (prob > spec.threshold).astype(np.uint8)
     if spec.dilation > 1:
         mask = cv2.dilate(mask, np.ones((spec.dilation, spec.dilation), np.uint8))
     n, labels, stats, _ = cv2.connectedComponentsWithStats(mask, connectivity=8)
@@ -217,7 +222,7 @@ def segment_regions(spec: PostprocessSpec, prob: np.ndarray, geometry: Geometry 
         boxes[:, [1, 3]] *= geometry.input_h / h
     if geometry is not IDENTITY:
         boxes = geometry.to_frame(boxes)
-    return [Region(tuple(float(v) for v in b), float(score[i]), int(areas[i])) for b, i in zip(boxes, ids)], mask
+    return [Region(_box(b), float(score[i]), int(areas[i])) for b, i in zip(boxes, ids)], mask
 
 
 def mask_iou(spec: PostprocessSpec, got: Outputs, ref: Outputs) -> float:
@@ -243,7 +248,7 @@ def rle(mask: np.ndarray) -> dict[str, Any]:
 
 def layout_problems(spec: PostprocessSpec, shapes: Mapping[str, Sequence[int | str]]) -> list[str]:
     """What is wrong with the declared postprocess layout for these real output shapes (symbolic dims pass)."""
-    def known(d: int | str) -> bool:
+    def known(d: int | str | None) -> TypeGuard[int]:
         return isinstance(d, int)
 
     out: list[str] = []
