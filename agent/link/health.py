@@ -56,6 +56,11 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def _list(v: Any) -> list[Any]:
+    """A list from a report, or an empty one when the key is missing or malformed."""
+    return v if isinstance(v, list) else []
+
+
 def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
@@ -88,7 +93,7 @@ def _budget_ms(c: Mapping[str, Any]) -> float | None:
             b = v.get("bound") if isinstance(v, Mapping) else v
             if _num(b) is not None:
                 return _num(b)
-    for r in c.get("reasons") if isinstance(c.get("reasons"), list) else ():
+    for r in _list(c.get("reasons")):
         m = _BUDGET.search(str(r))
         if m:
             return float(m.group(1))
@@ -113,7 +118,7 @@ def candidate_figures(c: Mapping[str, Any]) -> dict[str, Any]:
         "status": status,
         "passed": passed,
         "verdict": verdict,
-        "reasons": [str(r) for r in c.get("reasons")] if isinstance(c.get("reasons"), list) else [],
+        "reasons": [str(r) for r in _list(c.get("reasons"))],
         "p50_ms": _num(lat.get("p50_ms")),
         "p95_ms": _num(lat.get("p95_ms")),
         "p99_ms": _num(lat.get("p99_ms")),
@@ -155,10 +160,10 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         "degraded": doc.get("degraded"),
         "too_slow": doc.get("too_slow"),
         "pinned_below_floor": doc.get("pinned_below_floor"),
-        "warnings": [str(w) for w in doc.get("warnings")][:10] if isinstance(doc.get("warnings"), list) else [],
+        "warnings": [str(w) for w in _list(doc.get("warnings"))][:10],
         # steps that killed a self-test child (a bad driver), as "step: signal"
         "crashes": [f"{c.get('step')}: {c.get('signal')}" if isinstance(c, Mapping) else str(c)
-                    for c in (doc.get("crashes") if isinstance(doc.get("crashes"), list) else ())],
+                    for c in _list(doc.get("crashes"))],
     }
 
 
