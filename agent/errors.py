@@ -48,3 +48,9 @@ class SelectionError(AgentError):
 
 class ResultTooLargeError(AgentError):
     """A decoded result is over the configured message size (output.max_result_bytes): counted, not published."""
+
+
+def install_hint(extra: str, package: str) -> str:
+    """How to install an optional dependency. `edge-agent` on the public package index is another project, so a
+    hint never names it: the extra is installed from a checkout (pyproject.toml's extras), or the one package."""
+    return f"pip install '.[{extra}]' from an edge-agent checkout (or pip install {package})"

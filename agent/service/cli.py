@@ -338,7 +338,8 @@ PLACEHOLDER = "@PREFIX@"
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
-    """Parse, range-check, then prove the config can serve: the bundle loads and the source can be opened."""
+    """Parse, range-check, then every check `run` makes before serving (agent.service.preflight), without the
+    self-test: the bundle loads, each file source opens, the state dir is writable, metrics can be served."""
     from agent.config import config_to_dict, masked, parse_config
 
     try:
@@ -352,44 +353,12 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     cfg = parse_config(text, str(args.file))
     notes = ([f"{PLACEHOLDER} placeholders read as {args.prefix or '/opt/edge-agent'} (install.sh's PREFIX; "
               "change with --prefix DIR)"] if template else [])
-    problems: list[str] = []
-    if cfg.bundle is None:
-        notes.append("no bundle configured: the agent will run not serving until one is pushed")
-    elif template and not args.prefix and not cfg.bundle.exists():
-        notes.append(f"bundle {cfg.bundle}: not installed here; checked when install.sh installs this config")
-    else:
-        from agent.bundle.load import load_bundle
+    from agent.service.preflight import check
 
-        try:
-            b = load_bundle(cfg.bundle)
-            notes.append(f"bundle {b.identity} loads: schema, file hashes and contracts verified")
-        except AgentError as exc:
-            problems.append(f"key bundle: {exc}")
-    for i, src in enumerate(cfg.source_list):
-        key = f"sources[{i}]" if cfg.sources else "source"
-        if src.type in ("folder", "video", "file"):
-            if src.path is None:
-                problems.append(f"key {key}.path: source type {src.type} needs a path")
-            elif not src.path.exists():
-                if template and not args.prefix:
-                    notes.append(f"{key}.path {src.path}: not installed here")
-                else:
-                    problems.append(f"key {key}.path: {src.path} does not exist")
-            elif src.type == "folder" and not src.path.is_dir():
-                problems.append(f"key {key}.path: {src.path} is not a directory")
-            elif not os.access(src.path, os.R_OK):
-                problems.append(f"key {key}.path: {src.path} is not readable by this user")
-        elif src.type == "stream" and not src.url:
-            problems.append(f"key {key}.url: source type stream needs a url")
-        elif src.type == "mqtt" and not src.topic:
-            problems.append(f"key {key}.topic: source type mqtt needs a topic")
-        else:
-            notes.append(f"{key} {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
-    for k in cfg.updates.trusted_keys:
-        if not k.exists() and not (template and not args.prefix):
-            problems.append(f"key updates.trusted_keys: {k} does not exist")
-    if cfg.updates.enabled and not cfg.updates.trusted_keys and not cfg.updates.allow_unsigned:
-        notes.append("updates enabled with no trusted_keys: every pushed bundle will be refused")
+    _quiet_opencv(True, "error")  # FFmpeg's own lines about a non-video would bury the one-line answer
+    found = check(cfg, installed_here=not (template and not args.prefix))  # every check `run` makes first
+    problems = found.problems
+    notes += found.notes
     if problems:
         raise AgentError(f"{args.file}: cannot serve: " + "; ".join(problems))
     print(json.dumps(masked(config_to_dict(cfg)), indent=2))

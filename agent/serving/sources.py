@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import select
 import socket
 import sys
@@ -28,6 +29,7 @@ from agent.config import SourceConfig
 from agent.errors import ConfigError, PreprocessError
 from agent.logsetup import get_logger
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
+from agent.serving.source_checks import video_problem
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import bgr_to_frame, imread_flag, read_image_file
 
@@ -187,8 +189,8 @@ class OpenCVSource:
     def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         if cfg.type == "video":
-            if cfg.path is None or not cfg.path.is_file():
-                raise ConfigError(f"source.path: {cfg.path} is not a video file")
+            if (why := video_problem(cfg.path)) is not None:  # missing, unreadable or not a video: refused now
+                raise ConfigError(f"source.path: {why}")
             self.target: str | int = str(cfg.path)
         elif cfg.type == "camera":
             dev = cfg.device or "0"
@@ -269,7 +271,8 @@ class OpenCVSource:
             self._lose("cannot open")
             if not self.live:
                 return False
-            until = time.monotonic() + self.backoff
+            # equal jitter: a fleet of cameras that lost one network does not reconnect in lock-step
+            until = time.monotonic() + self.backoff * random.uniform(0.5, 1.0)
             while not stop.is_set() and time.monotonic() < until:  # beat while waiting: waiting is not hanging
                 self.stats.beat()
                 stop.wait(min(1.0, until - time.monotonic()))
