@@ -534,6 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent.logsetup import configure_logging
 
     args = build_parser().parse_args(argv)
+    # Before anything imports onnxruntime: its telemetry prints a plain, coloured warning at import when $HOME is
+    # unwritable (a service user), breaking one JSON object per line; a device sends no telemetry anyway.
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     configure_logging(args.log_level or "info", args.log_json)
     try:
         return args.func(args)

@@ -471,8 +471,11 @@ class Controller:
         def run() -> None:
             try:
                 fn(*args)
-            except Exception:
-                log.exception("job.failed", job=name)
+            except Exception as exc:
+                if isinstance(exc, AgentError) and self.stop_event.is_set():
+                    log.info("job.stopped", job=name, reason=str(exc))  # a clean stop while it ran: not an error
+                else:
+                    log.exception("job.failed", job=name)
             finally:
                 if release:
                     self._release_operation()
