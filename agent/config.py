@@ -287,7 +287,11 @@ def build_dataclass(cls: Any, data: Mapping[str, Any], where: str, prefix: str =
     unknown = sorted(set(data) - names)
     if unknown:
         path = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"{where}: key {path}: unknown key (known here: {sorted(names)})")
+        import difflib  # only on this error path
+
+        close = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1)
+        hint = f"did you mean {(prefix + '.' if prefix else '') + close[0]}? " if close else ""
+        raise ConfigError(f"{where}: key {path}: unknown key ({hint}known here: {sorted(names)})")
     kwargs = {}
     for name, value in data.items():
         path = f"{prefix}.{name}" if prefix else name

@@ -76,9 +76,14 @@ def _store(args: argparse.Namespace):
 
 def _cmd_bundle_list(args: argparse.Namespace) -> int:
     store = _store(args)
-    for e in store.entries():
+    entries = store.entries()
+    for e in entries:
         marks = ",".join(m for m, on in (("current", e.current), ("committed", e.committed)) if on)
         print(f"{e.id:56} {marks}")
+    if not entries:  # said, not an empty screen: a wrong --state-dir or --config looks like an empty store
+        print(f"edge-agent: no bundles in the store {store.bundles} (the agent seeds it from the config's bundle "
+              "at its first boot with updates.enabled; `edge-agent push` adds one; --state-dir or --config "
+              "names another device state)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -92,6 +97,10 @@ def _cmd_bundle_activate(args: argparse.Namespace) -> int:
         if bid is None:
             print("edge-agent: no previous committed bundle in the store", file=sys.stderr)
             return EXIT_ERROR
+    if bid != Path(bid).name or not store.path(bid).is_dir():  # an id in the store, never a path
+        have = ", ".join(e.id for e in store.entries()) or "none"
+        raise UsageError(f"no bundle {bid!r} in the store {store.bundles} (it holds: {have}); "
+                         "`edge-agent bundle list` shows them")
     load_bundle(store.path(bid))
     store.commit(bid)
     print(f"committed {bid}; restart or reload the agent to serve it (it is self-tested at boot)")
