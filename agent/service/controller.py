@@ -82,10 +82,6 @@ class Swap:
     pipeline: Pipeline
 
 
-class Busy(AgentError):
-    """The controller's queue is full."""
-
-
 def sources_summary(doc: dict[str, Any]) -> dict[str, Any]:
     """Many sources: each one's state and counts, for the health and shutdown log lines."""
     if not doc.get("sources"):

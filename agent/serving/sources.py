@@ -26,25 +26,20 @@ import cv2
 import numpy as np
 
 from agent.config import SourceConfig
-from agent.errors import ConfigError, PreprocessError
+from agent.errors import BadFrame, ConfigError, UndecodableFrame
 from agent.logsetup import get_logger
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
 from agent.serving.source_checks import video_problem
 from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import bgr_to_frame, imread_flag, read_image_file
+from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, read_image_file
 
 log = get_logger("source")
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 MJPEG_FOURCCS = frozenset({"MJPG", "mjpg", "AVRn", "LJPG", "JPGL", "MJLS", "jpeg", "dmb1"})
 HW_DECODE = {"none": cv2.VIDEO_ACCELERATION_NONE, "any": cv2.VIDEO_ACCELERATION_ANY,
              "vaapi": cv2.VIDEO_ACCELERATION_VAAPI, "d3d11": cv2.VIDEO_ACCELERATION_D3D11,
              "mfx": cv2.VIDEO_ACCELERATION_MFX, "drm": cv2.VIDEO_ACCELERATION_DRM}
-
-
-class BadFrame(Exception):
-    """One frame could not be turned into the frame the bundle expects; counted and skipped."""
 
 
 class Frame:
@@ -82,10 +77,6 @@ class Frame:
     def __repr__(self) -> str:
         return (f"Frame(index={self.index}, source={self.source!r}, shape={self._data.shape}, scale={self.scale}, "
                 f"converted={self._convert is None})")
-
-
-class UndecodableFrame(PreprocessError):
-    """A frame whose decoding was deferred to the preprocessing stage turned out not to decode."""
 
 
 @dataclass

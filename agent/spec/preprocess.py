@@ -84,6 +84,11 @@ def bgr_to_frame(img: np.ndarray, frame: FrameSpec) -> np.ndarray:
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if frame.color == "rgb" else img
 
 
+# Every image file the agent reads (sample sets for `bundle create`, folder sources): one list, so a folder that
+# serves also builds, and the other way round. OpenCV reads all of them.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
 def read_image_file(path: str, frame: FrameSpec) -> np.ndarray | None:
     """An image file as the bundle's raw frame, or None when it does not decode."""
     img = cv2.imread(path, imread_flag(frame))
