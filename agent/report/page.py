@@ -135,7 +135,7 @@ def _budget(ctx: _Context, f: Mapping[str, Any]) -> tuple[float | None, str]:
     """The budget the report names, else the bundle manifest's (marked as such)."""
     if f.get("budget_ms") is not None:
         return f["budget_ms"], ""
-    b = ctx.budgets.get(f.get("provider"), ctx.budgets.get("default"))
+    b = ctx.budgets.get(str(f.get("provider")), ctx.budgets.get("default"))
     return (float(b), " (manifest)") if isinstance(b, (int, float)) and not isinstance(b, bool) else (None, "")
 
 
@@ -154,7 +154,8 @@ def _versions(ctx: _Context) -> Markup:
     rows += [[_td(k), _td(v)] for k, v in _map(doc.get("versions")).items()]
     rows += [[_td(f"device {k}"), _td(v)] for k, v in _map(doc.get("device")).items()]
     prov_rows, classes = [], []
-    for p in (p for p in (doc.get("providers") if isinstance(doc.get("providers"), list) else ()) if isinstance(p, Mapping)):
+    listed = doc.get("providers")
+    for p in (p for p in (listed if isinstance(listed, list) else []) if isinstance(p, Mapping)):
         vers = ", ".join(f"{k} {v}" for k, v in _map(p.get("versions")).items()) or "-"
         nodes = f"{p.get('nodes_on_provider')}/{p.get('total_nodes')}" if p.get("total_nodes") else "-"
         prov_rows.append([_td(p.get("name")), _td(p.get("listed")), _td(p.get("usable")), _td(nodes),
@@ -246,7 +247,7 @@ def _metrics(ctx: _Context) -> Markup:
             continue
         bounds = {(m.bound.value, m.bound.op) for _, m in items if m.bound}
         bound, op = next(iter(bounds)) if len(bounds) == 1 else (None, None)
-        pts = [SamplePoint(label, m.sample, m.value, m.passed) for label, m in items]
+        pts = [SamplePoint(label, m.sample, m.value, m.passed) for label, m in items if m.sample is not None]
         plots.append(Markup(sample_metric_plot(f"{section}: {name}", pts, bound, op)))  # SVG drawn here
     return _macros().metrics(judged, judged_cls, other, plots)
 
@@ -305,7 +306,7 @@ def _comparison(old: _Context, new: _Context) -> Markup:
     for label, ctx in (("before", old), ("after", new)):
         f, b = ctx.figures, _map(ctx.doc.get("bundle"))
         sel = _map(f.get("selected"))
-        chosen = next((c for c in f.get("candidates", []) if sel and c["provider"] == sel.get("provider")
+        chosen: Mapping[str, Any] = next((c for c in f.get("candidates", []) if sel and c["provider"] == sel.get("provider")
                        and c["variant"] == sel.get("variant")), {})
         rows.append([_td(label), _td(f"{b.get('name')} v{b.get('version')}"), badge_td({"verdict": f.get("verdict", "fail")}),
                      _td(f"{_short(sel.get('provider'))}:{sel.get('variant')}" if sel else "-"),

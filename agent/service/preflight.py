@@ -11,10 +11,14 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from agent.config import Config
+from agent.config import Config, SourceConfig
 from agent.errors import AgentError, install_hint
 from agent.service.boot import bundle_path_problem
+
+if TYPE_CHECKING:
+    from agent.bundle.load import Bundle
 
 # Opened here as `run` opens them: a file or folder can be tried without side effects; a camera, a stream, a
 # port or a broker only by `run` itself (a check must not grab a camera or a port the running agent holds).
@@ -66,7 +70,7 @@ def check(cfg: Config, installed_here: bool = True) -> Findings:
     return f
 
 
-def _check_bundle(cfg: Config, installed_here: bool, f: Findings):  # type: ignore[no-untyped-def]
+def _check_bundle(cfg: Config, installed_here: bool, f: Findings) -> Bundle | None:
     if cfg.bundle is None:
         f.notes.append("no bundle configured: the agent will run not serving until one is pushed")
         return None
@@ -88,7 +92,7 @@ def _check_bundle(cfg: Config, installed_here: bool, f: Findings):  # type: igno
     return b
 
 
-def _check_sources(cfg: Config, bundle, installed_here: bool, f: Findings) -> None:  # type: ignore[no-untyped-def]
+def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: Findings) -> None:
     from agent.serving.source_checks import video_problem
 
     for i, src in enumerate(cfg.source_list):
@@ -122,7 +126,7 @@ def _check_sources(cfg: Config, bundle, installed_here: bool, f: Findings) -> No
             f.notes.append(f"{key} {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
 
 
-def _try_open(key: str, src, bundle, f: Findings) -> None:  # type: ignore[no-untyped-def]
+def _try_open(key: str, src: SourceConfig, bundle: Bundle, f: Findings) -> None:
     """Open the source with the bundle's frame contract, exactly as `run` does, and close it again."""
     from agent.serving.sources import open_source
 
