@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 
 from agent.config_schema import build, validate
-from agent.errors import ConfigError
+from agent.errors import ConfigError, PayloadError
 from agent.keydoc import Key
 from agent.proof.selection import SelectionPolicy
 from agent.proof.terms import DEFAULT_ORDER, SessionSettings
@@ -394,10 +394,6 @@ def masked(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- bounded JSON from the outside -----------------------------------------------------------------------
-class PayloadError(ValueError):
-    """A message from outside is too large, too deep, not JSON or not a JSON object."""
-
-
 def json_depth_exceeds(data: bytes, max_depth: int) -> bool:
     """True when brackets nest deeper than max_depth (strings skipped): checked before json.loads recurses."""
     depth = 0

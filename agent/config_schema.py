@@ -188,7 +188,7 @@ def describe(error: jsonschema.ValidationError, data: Any = None) -> str:
         name = extra[0] if extra else "?"
         path = _path([*error.absolute_path, name])
         close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = f"; did you mean {_path([*error.absolute_path, close[0]])!r}?" if close else ""
         return f"key {path}: unknown key{hint} (known here: {known})"
     if v == "type":
         if error.validator_value == "string" and error.schema.get("minLength"):

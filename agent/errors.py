@@ -48,3 +48,39 @@ class SelectionError(AgentError):
 
 class ResultTooLargeError(AgentError):
     """A decoded result is over the configured message size (output.max_result_bytes): counted, not published."""
+
+
+# Raised by one module each, kept here so every deliberate exception is found in one file (issue 18); each keeps
+# the base class its callers catch (ValueError, FloatingPointError, Exception).
+class SignatureError(BundleError):
+    """Unsigned, unknown key, or a signature that does not verify."""
+
+
+class PayloadError(ValueError):
+    """A message from outside is too large, too deep, not JSON or not a JSON object."""
+
+
+class UpdateRejected(AgentError):
+    """An update was refused; the message is the reason published on update/status."""
+
+
+class UrlRefused(ValueError):
+    """An update URL the downloader refuses to fetch (its scheme, host or form)."""
+
+
+class BadFrame(Exception):
+    """One frame could not be turned into the frame the bundle expects; counted and skipped."""
+
+
+class UndecodableFrame(PreprocessError):
+    """A frame whose decoding was deferred to the preprocessing stage turned out not to decode."""
+
+
+class NonFiniteOutput(FloatingPointError):
+    """An output tensor holds NaN or inf."""
+
+
+def install_hint(extra: str, package: str) -> str:
+    """How to install an optional dependency. `edge-agent` on the public package index is another project, so a
+    hint never names it: the extra is installed from a checkout (pyproject.toml's extras), or the one package."""
+    return f"pip install '.[{extra}]' from an edge-agent checkout (or pip install {package})"

@@ -45,8 +45,8 @@ PY=${PYTHON:-python3}
 run mkdir -p "$PREFIX/share/models" "$CONFIG_DIR" "$UNIT_DIR"
 [ -x "$PREFIX/venv/bin/python" ] || run "$PY" -m venv "$PREFIX/venv"
 PIP=("$PREFIX/venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
-if [ -n "$WHEELHOUSE" ] && compgen -G "$WHEELHOUSE/edge_agent-*.whl" >/dev/null; then
-  run "${PIP[@]}" --no-index --find-links "$WHEELHOUSE" --upgrade edge-agent
+if [ -n "$WHEELHOUSE" ] && compgen -G "$WHEELHOUSE/edge_agent_onnx-*.whl" >/dev/null; then
+  run "${PIP[@]}" --no-index --find-links "$WHEELHOUSE" --upgrade edge-agent-onnx
 else
   # build from a copy: the source tree may be read-only (a mount, a package)
   BUILD=$(mktemp -d)

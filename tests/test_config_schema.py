@@ -55,7 +55,7 @@ def test_the_selection_defaults_are_defined_once_by_the_proofs_policy() -> None:
 
 def test_a_typod_key_says_did_you_mean(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"agent\.yaml: key selection\.allow_cpu_falback: unknown key; "
-                                          r"did you mean 'allow_cpu_fallback'\?"):
+                                          r"did you mean 'selection\.allow_cpu_fallback'\?"):
         _load(tmp_path, "selection: {allow_cpu_falback: false}")
 
 

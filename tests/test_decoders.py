@@ -10,11 +10,12 @@ import pytest
 
 from agent.bundle.load import load_bundle
 from agent.errors import BundleError, ContractError, ResultTooLargeError
-from agent.spec.decoders import (decode, decode_detections, layout_problems, nms, nms_reference, result_bytes,
+from agent.spec.decoders import (decode, decode_detections, layout_problems, nms, result_bytes,
                                  segment_regions)
 from agent.spec.manifest import PostprocessSpec, ResizeSpec
 from agent.spec.preprocess import fit_geometry
 from agent.testing import rewrite_manifest
+from nms_reference import nms_reference
 
 
 def _cxcywh(x1: float, y1: float, x2: float, y2: float) -> list[float]:

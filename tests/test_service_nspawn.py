@@ -55,7 +55,7 @@ def ensure_rootfs() -> Path:
 def ensure_wheels() -> Path:
     """Wheels for the container's Python 3.11: the dependencies (cached) and this checkout's agent."""
     WHEELS.mkdir(parents=True, exist_ok=True)
-    for old in WHEELS.glob("edge_agent-*.whl"):
+    for old in WHEELS.glob("edge_agent*-*.whl"):
         old.unlink()
     step("building the wheelhouse (dependencies cached, the agent rebuilt)")
     build = CACHE / "wheel-build"

@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from agent.bundle.load import golden_arrays, hash_files, load_bundle
-from agent.errors import BundleError, QualityError
+from agent.errors import BundleError, QualityError, install_hint
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.spec.inputs import InputFeeder
@@ -52,7 +52,7 @@ SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postpro
              "inputs", "frontend"}
 # Bound on |spec preprocessing - framework input tensor| before the build refuses (tensor units).
 DEFAULT_PREPROCESS_DRIFT = 1e-3
-INSTALL_BUILD_HINT = "pip install '.[build]' from an edge-agent checkout"
+INSTALL_BUILD_HINT = install_hint("build", "onnx sympy")
 
 _ONNX_DTYPES = {1: "float32", 10: "float16", 2: "uint8", 3: "int8", 6: "int32", 7: "int64"}
 

@@ -18,9 +18,7 @@ import numpy as np
 
 from agent.errors import BundleError
 from agent.spec.manifest import FrameSpec
-from agent.spec.preprocess import read_image_file
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
+from agent.spec.preprocess import IMAGE_SUFFIXES, read_image_file
 
 
 class LazyFrames(Sequence[np.ndarray]):

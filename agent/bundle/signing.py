@@ -17,13 +17,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from agent.errors import BundleError
+from agent.errors import SignatureError
 from agent.fsio import write_atomic
 from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME
-
-
-class SignatureError(BundleError):
-    """Unsigned, unknown key, or a signature that does not verify."""
 
 
 def key_id(public: Ed25519PublicKey) -> str:

@@ -121,8 +121,14 @@ def run_monitor(host: str, port: int, root: str, once: bool, wait_s: float, as_j
             print(f"edge-agent monitor: cannot reach the broker at {host}:{port}", file=sys.stderr)
             return 1
         time.sleep(wait_s)  # retained messages arrive right after subscribing
+        said_empty = False
         while True:
             rows = mon.rows()
+            if not rows and not said_empty:  # said once, on stderr: stdout stays the table (or the JSON list)
+                print(f"edge-agent monitor: no devices under {root}/<device>/ on {host}:{port} after {wait_s:g} s "
+                      "(an agent shows once it has connected; --root names another topic root, --wait waits "
+                      "longer)", file=sys.stderr, flush=True)
+                said_empty = True
             if as_json:
                 print(json.dumps(rows, indent=None if not once else 2))
             else:

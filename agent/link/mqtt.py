@@ -191,7 +191,8 @@ class MqttLink:
         log.info("mqtt.connected", session=self.session, host=self.cfg.host, port=self.cfg.port)
 
     def _on_paho_log(self, client: paho.Client, userdata: Any, level: int, buf: str) -> None:
-        if level == paho.MQTT_LOG_ERR:
+        # paho logs "Client is not connected" at ERR between retries and after our own disconnect: not an error
+        if level == paho.MQTT_LOG_ERR and not buf.startswith("Client is not connected"):
             log.error("mqtt.client_error", detail=buf)
         elif level == paho.MQTT_LOG_WARNING:
             log.warning("mqtt.client_warning", detail=buf)
@@ -204,8 +205,8 @@ class MqttLink:
         was = self.connected.is_set()
         self.connected.clear()
         self._set_will()  # the next connection's will carries the next session number
-        if was:
-            log.warning("mqtt.disconnected", reason=str(reason))
+        if was:  # our own stop is a clean, expected disconnect
+            (log.info if self._stop.is_set() else log.warning)("mqtt.disconnected", reason=str(reason))
 
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: Any, props: Any) -> None:
         self.outbox.ack(mid)

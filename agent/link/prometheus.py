@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
-from agent.errors import AgentError, ConfigError
+from agent.errors import AgentError, ConfigError, install_hint
 from agent.logsetup import get_logger
 
 log = get_logger("metrics")
@@ -199,7 +199,7 @@ def start_metrics_server(listen: str | None, source: MetricsSource) -> MetricsSe
         from prometheus_client.process_collector import ProcessCollector
     except ImportError as exc:
         raise AgentError("metrics.listen is set but prometheus_client is not installed: "
-                         "pip install 'edge-agent[metrics]' (or pip install prometheus-client)") from exc
+                         + install_hint("metrics", "prometheus-client")) from exc
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(source))
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...

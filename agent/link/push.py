@@ -17,18 +17,20 @@ from typing import Any
 import paho.mqtt.client as paho
 
 from agent.bundle.archive import unpack
+from agent.errors import AgentError
 from agent.hashing import sha256_file
 from agent.spec.manifest import MANIFEST_NAME, parse_manifest
 from agent.link.topics import Topics, default_prefix
 
 FINAL = ("committed", "rejected", "rolled_back")
+# How long a device's availability may take to show: retained, it arrives with the subscription; a device that
+# is connecting right now publishes it within a moment.
+AVAILABILITY_WAIT_S = 5.0
 
 
 def _manifest_summary(archive: Path) -> dict[str, Any]:
     """Name and version for the offer; an archive this cannot read is still sent: the device decides."""
     import tempfile
-
-    from agent.errors import AgentError
 
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -41,7 +43,8 @@ def _manifest_summary(archive: Path) -> dict[str, Any]:
 
 
 def push(archive: Path, device: str, host: str, port: int, prefix: str | None = None, chunk_size: int = 256 * 1024,
-         timeout_s: float = 600.0, drop_chunks: set[int] | None = None, **conn: Any) -> dict[str, Any]:
+         timeout_s: float = 600.0, drop_chunks: set[int] | None = None,
+         availability_wait_s: float = AVAILABILITY_WAIT_S, **conn: Any) -> dict[str, Any]:
     """Push and wait for the verdict. `drop_chunks` leaves chunks out of the first pass (tests a resume)."""
     topics = Topics(prefix or default_prefix(device))
     data = archive.read_bytes()
@@ -55,13 +58,23 @@ def push(archive: Path, device: str, host: str, port: int, prefix: str | None = 
     if conn.get("username"):
         client.username_pw_set(conn["username"], conn.get("password"))
     connected = threading.Event()
+    availability: dict[str, Any] = {}
+    seen = threading.Event()
 
     def on_connect(c: paho.Client, u: Any, f: Any, reason: Any, p: Any) -> None:
         if not reason.is_failure:
             c.subscribe(topics.update_status, qos=1)
+            c.subscribe(topics.availability, qos=1)
             connected.set()
 
     def on_message(c: paho.Client, u: Any, msg: paho.MQTTMessage) -> None:
+        if msg.topic == topics.availability:
+            try:
+                availability.update(json.loads(msg.payload))
+            except ValueError:
+                availability.update(state="unreadable")
+            seen.set()
+            return
         doc = json.loads(msg.payload)
         if doc.get("update") != transfer:
             return  # a retained status of an earlier update
@@ -78,6 +91,15 @@ def push(archive: Path, device: str, host: str, port: int, prefix: str | None = 
     try:
         if not connected.wait(10):
             raise TimeoutError(f"cannot reach the broker at {host}:{port}")
+        # a mistyped device id would otherwise wait the whole --timeout in silence: every agent keeps its
+        # availability retained (online, stopped, or offline as its last will) from its first connection on
+        if not seen.wait(availability_wait_s):
+            raise AgentError(f"no device {device!r} on the broker {host}:{port}: nothing retained on "
+                             f"{topics.availability}; check --device (and --prefix); `edge-agent monitor --once` "
+                             "lists the devices the broker knows")
+        if availability.get("state") != "online":
+            print(f"warning: {device} is {availability.get('state')}: the push waits for it to come back "
+                  f"(--timeout {timeout_s:g} s)", file=sys.stderr, flush=True)
         chunks = (len(data) + chunk_size - 1) // chunk_size
         offer = {"transfer": transfer, **_manifest_summary(archive), "size": len(data),
                  "sha256": sha256_file(archive), "chunk_size": chunk_size, "chunks": chunks}

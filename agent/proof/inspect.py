@@ -12,11 +12,11 @@ from typing import Any
 
 from agent.bundle.load import Bundle
 from agent.proof.session import open_session
-from agent.proof.terms import SessionSettings
+from agent.proof.terms import CPU, SessionSettings
 
 
 def ops_by_type(model: Path) -> dict[str, int]:
-    opened = open_session(model, "CPUExecutionProvider", settings=SessionSettings(graph_optimization="disable"))
+    opened = open_session(model, CPU, settings=SessionSettings(graph_optimization="disable"))
     counts: Counter[str] = Counter()
     for per in opened.placement.op_types_by_provider.values():
         counts.update(per)

@@ -16,6 +16,7 @@ import numpy as np
 
 from agent.spec.decoders import class_scores, decode_detections, iou
 from agent.spec.manifest import PostprocessSpec
+from agent.proof.terms import CPU
 
 Outputs = Mapping[str, np.ndarray]
 Check = Literal["reproduction", "fidelity", "output", "preprocessing", "latency", "placement", "fallback", "error"]
@@ -97,7 +98,7 @@ DEFAULT_REPRODUCTION: dict[tuple[str, ProviderClass], ReproductionBounds] = {
 
 
 def provider_class(provider: str) -> ProviderClass:
-    if provider == "CPUExecutionProvider":
+    if provider == CPU:
         return "cpu"
     if provider == "OpenVINOExecutionProvider":
         return "openvino"

@@ -75,6 +75,7 @@ class CandidateResult:
     status: str = "tested"  # tested | skipped | not_tried
     findings: tuple[Finding, ...] = ()
     warnings: tuple[Finding, ...] = ()
+    budget_ms: float | None = None  # the p95 budget it was judged against: in the report for pass and fail alike
 
     @property
     def p50(self) -> float:
@@ -110,7 +111,7 @@ class CandidateResult:
                 reproduction=ev.reproduction.to_dict() if ev.reproduction else None,
                 fidelity=ev.fidelity.to_dict() if ev.fidelity else None,
                 parity=_parity_summary(ev),
-                latency=asdict(ev.latency) if ev.latency else None,
+                latency=dict(asdict(ev.latency), budget_ms=self.budget_ms) if ev.latency else None,
                 latency_context=asdict(ev.latency_context) if ev.latency_context else None,
                 create_ms=round(ev.create_ms, 2),
                 error=ev.error,
@@ -178,7 +179,8 @@ def judge(ev: Evidence, manifest: Manifest) -> CandidateResult:
                                     f", load average {ctx.load_before:.2f} before and {ctx.load_after:.2f} after, "
                                     f"{ctx.cpus} CPUs" if ctx else ""), "over"))
     reasons = tuple(_reason_text(f) for f in findings)
-    return CandidateResult(c, not findings, reasons, ev, findings=tuple(findings), warnings=tuple(warnings))
+    return CandidateResult(c, not findings, reasons, ev, findings=tuple(findings), warnings=tuple(warnings),
+                           budget_ms=budget)
 
 
 def _as_warning(f: Finding, c: Candidate) -> Finding:

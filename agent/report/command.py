@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.errors import UsageError
+from agent.errors import AgentError, UsageError, install_hint
 
 
 def _load(spec: str | None, args: argparse.Namespace, what: str) -> dict[str, Any]:
@@ -26,6 +26,11 @@ def _load(spec: str | None, args: argparse.Namespace, what: str) -> dict[str, An
 
 
 def run_report(args: argparse.Namespace) -> int:
+    try:
+        import jinja2  # noqa: F401 - the page is a Jinja2 template
+    except ImportError as exc:
+        raise AgentError("edge-agent report renders its page with Jinja2, which is not installed: "
+                         + install_hint("report", "jinja2")) from exc
     from agent.report.page import render_report, write_report
 
     for flag, path in (("--bundle", args.bundle), ("--compare-bundle", args.compare_bundle)):

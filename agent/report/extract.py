@@ -200,7 +200,8 @@ def _entries(section: str, d: Mapping[str, Any], inherited: Mapping[str, Any]) -
 def finding_metrics(c: Mapping[str, Any]) -> list[Metric]:
     """The verdict's own findings ({check, metric, value, bound, sample, stage, text}): each broke its bound."""
     out = []
-    for f in c.get("findings") or ():
+    found = c.get("findings")
+    for f in found if isinstance(found, list) else ():  # a damaged report may hold anything here
         if not isinstance(f, Mapping):
             continue
         text = str(f.get("text") or "")

@@ -1,19 +1,25 @@
 """The report page: one self-contained HTML file (inline SVG plots, JPEG thumbnails as data URIs, no
 script, no network) made from a self-test report, and optionally the report it replaces.
 
+Rendered by Jinja2 with autoescape (templates/page.html.j2): a report is data from a device, so every value is
+escaped by the engine rather than by hand at each of dozens of f-string fragments; only the plots this module
+draws, the constant CSS and fragments the template itself rendered are marked safe.
+
 The headline figures come from `agent.link.health.selftest_figures`, the function health and
 /metrics read, so the page, the health message and the metrics say the same thing.
 """
 
 from __future__ import annotations
 
-import html
+import functools
 import json
 import math
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
+
+from markupsafe import Markup
 
 from agent import __version__
 from agent.fsio import write_atomic
@@ -61,8 +67,8 @@ def _strs(v: Any) -> list[str]:
     return [str(x) for x in v] if isinstance(v, list) else []
 
 
-def esc(v: Any) -> str:
-    return html.escape(fmt(v) if not isinstance(v, str) else v)
+def _text(v: Any) -> str:
+    return fmt(v) if not isinstance(v, str) else v
 
 
 def _short(provider: Any) -> str:
@@ -79,21 +85,19 @@ def _nodes(c: Mapping[str, Any]) -> dict[str, int]:
     return {str(p): int(n) for p, n in raw.items() if _finite(n) and n > 0}
 
 
-def _badge(verdict: str) -> str:
-    cls = verdict if verdict in ("pass", "fail") else "other"
-    return f'<span class="badge {cls}">{esc(verdict.upper())}</span>'
+@functools.lru_cache(maxsize=1)
+def _macros() -> Any:
+    """The template's macros (one per section), loaded once; autoescape on, undefined names are errors."""
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
+    env = Environment(loader=PackageLoader("agent.report", "templates"), autoescape=True, undefined=StrictUndefined,
+                      keep_trailing_newline=False)
+    env.filters.update(fmt=_text, short=_short)
+    return env.get_template("page.html.j2").module
 
 
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]], row_classes: Sequence[str] | None = None) -> str:
-    out = ["<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>"]
-    for i, r in enumerate(rows):
-        cls = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
-        out.append(f"<tr{cls}>" + "".join(r) + "</tr>")
-    return "".join(out) + "</table>"
-
-
-def _td(v: Any, num: bool = False) -> str:
-    return f'<td class="num">{esc(v)}</td>' if num else f"<td>{esc(v)}</td>"
+def _td(v: Any, num: bool = False) -> Markup:
+    return _macros().td(v, num)
 
 
 def _ms(v: float | None) -> str:
@@ -131,64 +135,52 @@ def _budget(ctx: _Context, f: Mapping[str, Any]) -> tuple[float | None, str]:
     """The budget the report names, else the bundle manifest's (marked as such)."""
     if f.get("budget_ms") is not None:
         return f["budget_ms"], ""
-    b = ctx.budgets.get(f.get("provider"), ctx.budgets.get("default"))
+    b = ctx.budgets.get(str(f.get("provider")), ctx.budgets.get("default"))
     return (float(b), " (manifest)") if isinstance(b, (int, float)) and not isinstance(b, bool) else (None, "")
 
 
-def _banner(ctx: _Context) -> str:
+def _banner(ctx: _Context) -> Markup:
     f, doc = ctx.figures, ctx.doc
     b = _map(doc.get("bundle"))
     title = f"{b.get('name', '?')} v{b.get('version', '?')}" + (f" ({b['label']})" if b.get("label") else "")
-    if f.get("passed"):
-        sel = f["selected"] or {}
-        what = f"selected <b>{esc(_short(sel.get('provider')))}:{esc(sel.get('variant'))}</b> ({esc(sel.get('precision'))})"
-    else:
-        what = f"nothing selected: {esc(doc.get('reason') or 'no candidate passed')}"
-    extra = ", cached verdict re-checked" if f.get("cached") else ""
-    return (f'<h1>Self-test of {esc(title)}</h1>'
-            f'<div class="banner {f.get("verdict", "fail")}">{_badge(f.get("verdict", "fail"))} {what}</div>'
-            f'<p class="muted">run {esc(doc.get("created"))}, {esc(doc.get("duration_ms"))} ms{extra}; '
-            f'manifest sha256 {esc(str(b.get("manifest_sha256", "-"))[:16])}…</p>')
+    return _macros().banner(title, bool(f.get("passed")), _map(f.get("selected")),
+                            doc.get("reason") or "no candidate passed", f.get("verdict", "fail"), doc.get("created"),
+                            doc.get("duration_ms"), bool(f.get("cached")), str(b.get("manifest_sha256", "-"))[:16])
 
 
-def _versions(ctx: _Context) -> str:
+def _versions(ctx: _Context) -> Markup:
     doc = ctx.doc
     rows = [[_td("agent"), _td(doc.get("agent_version"))]]
     rows += [[_td(k), _td(v)] for k, v in _map(doc.get("versions")).items()]
     rows += [[_td(f"device {k}"), _td(v)] for k, v in _map(doc.get("device")).items()]
     prov_rows, classes = [], []
-    for p in (p for p in (doc.get("providers") if isinstance(doc.get("providers"), list) else ()) if isinstance(p, Mapping)):
+    listed = doc.get("providers")
+    for p in (p for p in (listed if isinstance(listed, list) else []) if isinstance(p, Mapping)):
         vers = ", ".join(f"{k} {v}" for k, v in _map(p.get("versions")).items()) or "-"
         nodes = f"{p.get('nodes_on_provider')}/{p.get('total_nodes')}" if p.get("total_nodes") else "-"
         prov_rows.append([_td(p.get("name")), _td(p.get("listed")), _td(p.get("usable")), _td(nodes),
                           _td(", ".join(_strs(p.get("effective"))) or "-"), _td(vers), _td(p.get("reason") or "")])
         classes.append("" if p.get("usable") else "fail")
-    return ("<h2>Device, providers, versions</h2>" + _table(["", ""], rows)
-            + _table(["provider", "listed", "usable", "probe nodes", "effective", "versions", "reason"], prov_rows, classes))
+    return _macros().versions(rows, prov_rows, classes)
 
 
-def _candidates(ctx: _Context) -> str:
+def _candidates(ctx: _Context) -> Markup:
+    m = _macros()
     rows, classes = [], []
     for c, f in zip(ctx.cands, ctx.figures.get("candidates", [])):
         frac = "-" if f["provider_fraction"] is None else f"{f['nodes_on_provider']}/{f['nodes_total']} ({f['provider_fraction']:.0%})"
-        reasons = "".join(f"<li>{esc(r)}</li>" for r in f["reasons"])
-        rows.append([f"<td><b>{esc(_short(f['provider']))}:{esc(f['variant'])}</b><br>"
-                     f"<span class='muted'>{esc(f['precision'])}</span></td>",
-                     f"<td>{_badge(f['verdict'])}</td>",
+        budget, marked = _budget(ctx, f)
+        rows.append([m.candidate_cell(f), Markup("<td>") + m.badge(f["verdict"]) + Markup("</td>"),
                      _td(", ".join(_short(p) for p in _strs(c.get("effective_providers"))) or "-"),
                      _td(frac), _td(f["partitions"], True),
                      _td(_ms(f["p50_ms"]), True), _td(_ms(f["p95_ms"]), True), _td(_ms(f["p99_ms"]), True),
-                     _td(_ms(_budget(ctx, f)[0]) + _budget(ctx, f)[1], True),
-                     f"<td><ul class='reasons'>{reasons}</ul></td>" if reasons else "<td></td>"])
+                     _td(_ms(budget) + marked, True),
+                     Markup("<td>") + m.reasons(f["reasons"]) + Markup("</td>") if f["reasons"] else Markup("<td></td>")])
         classes.append("fail" if f["verdict"] == "fail" else "")
-    notes = "".join(f"<li>{esc(n)}</li>" for n in _strs(ctx.doc.get("notes")))
-    return ("<h2>Candidates</h2>"
-            + _table(["candidate", "verdict", "runs on", "nodes on its provider", "partitions", "p50", "p95", "p99",
-                      "budget (p95)", "every reason"], rows, classes)
-            + (f"<ul class='muted'>{notes}</ul>" if notes else ""))
+    return m.candidates(rows, classes, _strs(ctx.doc.get("notes")))
 
 
-def _latency(ctx: _Context) -> str:
+def _latency(ctx: _Context) -> Markup:
     series = []
     for c, f in zip(ctx.cands, ctx.figures.get("candidates", [])):
         lat = _map(c.get("latency"))
@@ -199,52 +191,39 @@ def _latency(ctx: _Context) -> str:
         series.append(LatencySeries(f"{_short(f['provider'])}:{f['variant']}", f["verdict"], samples,
                                     f["p50_ms"], f["p95_ms"], f["p99_ms"], _budget(ctx, f)[0]))
     if not series:
-        return "<h2>Latency</h2><p class='muted'>No candidate reached the latency loop.</p>"
-    context = ""
-    for c in ctx.cands:
-        lc = c.get("latency_context")
-        if isinstance(lc, Mapping) and lc:
-            context += (f"<li>{esc(_short(c.get('provider')))}:{esc(c.get('variant'))}: "
-                        + ", ".join(f"{esc(k)} {esc(v)}" for k, v in lc.items()) + "</li>")
-    context = f"<ul class='muted'>{context}</ul>" if context else ""
+        return _macros().latency(None, "", [])
+    context = [(f"{_short(c.get('provider'))}:{_text(c.get('variant'))}", list(lc.items()))
+               for c in ctx.cands if isinstance(lc := c.get("latency_context"), Mapping) and lc]
     kind = ("histogram of every timed run" if all(s.samples_ms for s in series)
             else "p50 to p95 as a bar, p99 as a whisker (the report keeps percentiles only)")
-    return (f"<h2>Latency</h2><p class='muted'>{kind}; dashed line: the budget the p95 is judged against.</p>"
-            f"<div class='plot' id='latency-plot'>{latency_plot(series)}</div>{context}")
+    return _macros().latency(Markup(latency_plot(series)), kind, context)  # SVG drawn here, from numbers
 
 
-def _placement(ctx: _Context) -> str:
-    parts = ["<h2>Placement</h2>"]
+def _placement(ctx: _Context) -> Markup:
     providers = sorted({str(p) for c in ctx.cands for p in _nodes(c)})
     pcolor = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(providers)}
-    if not providers:
-        return parts[0] + "<p class='muted'>No candidate reported its placement.</p>"
-    parts.append("<div class='legend'>" + "".join(f"<span><i style='background:{pcolor[p]}'></i>{esc(_short(p))}</span>"
-                                                 for p in providers) + "</div>")
+    blocks = []
     for c in ctx.cands:
         place = _map(c.get("placement"))
         nodes = _nodes(c)
         total = sum(nodes.values())
         if not total:
             continue
-        bar = "".join(f"<span style='width:{100 * n / total:.2f}%;background:{pcolor[p]}' title='{esc(p)}: {n}'>"
-                      f"{esc(_short(p))} {n}</span>" for p, n in nodes.items())
         ops = _map(place.get("op_types_by_provider"))
         op_rows = [[_td(_short(p)), _td(", ".join(f"{k} {v}" for k, v in sorted(
                        _map(t).items(), key=lambda kv: -kv[1] if _finite(kv[1]) else 0)))] for p, t in ops.items()]
-        parts.append(f"<h3>{esc(_short(c.get('provider')))}:{esc(c.get('variant'))} — {total} nodes, "
-                     f"{esc(place.get('partitions'))} partition(s), {esc(place.get('boundaries'))} boundary crossing(s), "
-                     f"from {esc(place.get('source'))}</h3><div class='bar'>{bar}</div>"
-                     + (_table(["provider", "op types"], op_rows) if op_rows else ""))
-    return "".join(parts)
+        blocks.append({"label": f"{_short(c.get('provider'))}:{_text(c.get('variant'))}", "total": total,
+                       "partitions": place.get("partitions"), "boundaries": place.get("boundaries"),
+                       "source": place.get("source"), "op_rows": op_rows,
+                       "bar": [(p, n, f"{100 * n / total:.2f}", pcolor[p]) for p, n in nodes.items()]})
+    return _macros().placement([(p, pcolor[p]) for p in providers], blocks)
 
 
-def _metrics(ctx: _Context) -> str:
-    parts = ["<h2>Metrics against their bounds</h2>"]
+def _metrics(ctx: _Context) -> Markup:
     figs = ctx.figures.get("candidates", [])
-    judged: list[list[str]] = []
+    judged: list[list[Markup]] = []
     judged_cls: list[str] = []
-    other: list[list[str]] = []
+    other: list[list[Markup]] = []
     for f, metrics in zip(figs, ctx.metrics):
         for m in metrics:
             row = [_td(f"{_short(f['provider'])}:{f['variant']}"), _td(m.section), _td(m.name), _td(m.value, True),
@@ -255,10 +234,6 @@ def _metrics(ctx: _Context) -> str:
                 judged_cls.append("fail" if m.passed is False else "")
             elif m.sample is None:
                 other.append(row)
-    head = ["candidate", "section", "metric", "value", "bound", "sample", "stage", ""]
-    parts.append(_table(head, judged, judged_cls) if judged else "<p class='muted'>The report carries no bounded metrics.</p>")
-    if other:
-        parts.append(f"<details><summary>{len(other)} more figures without a bound</summary>{_table(head, other)}</details>")
     # per-sample metrics: one plot per (section, metric), every candidate on it
     per: dict[tuple[str, str], list[tuple[str, Metric]]] = defaultdict(list)
     for f, metrics in zip(figs, ctx.metrics):
@@ -266,22 +241,22 @@ def _metrics(ctx: _Context) -> str:
             if m.sample is not None and m.value is not None:
                 per[(m.section, m.name)].append((f"{_short(f['provider'])}:{f['variant']}", m))
     # a plot needs a spread of samples: a report that names only the worst sample has it in the table
-    per = {k: v for k, v in per.items() if len({m.sample for _, m in v}) >= 3}
-    if per:
-        parts.append("<h3>Per golden sample</h3>")
+    plots = []
     for (section, name), items in per.items():
+        if len({m.sample for _, m in items}) < 3:
+            continue
         bounds = {(m.bound.value, m.bound.op) for _, m in items if m.bound}
         bound, op = next(iter(bounds)) if len(bounds) == 1 else (None, None)
-        pts = [SamplePoint(label, m.sample, m.value, m.passed) for label, m in items]
-        parts.append(f"<div class='plot sample-plot'>{sample_metric_plot(f'{section}: {name}', pts, bound, op)}</div>")
-    return "".join(parts)
+        pts = [SamplePoint(label, m.sample, m.value, m.passed) for label, m in items if m.sample is not None]
+        plots.append(Markup(sample_metric_plot(f"{section}: {name}", pts, bound, op)))  # SVG drawn here
+    return _macros().metrics(judged, judged_cls, other, plots)
 
 
-def _samples(ctx: _Context) -> str:
+def _samples(ctx: _Context) -> Markup:
     figs = ctx.figures.get("candidates", [])
     indices = sorted(set(ctx.thumbs) | {s for v in ctx.views for s in v})
     if not indices:
-        return ""
+        return Markup("")
     cards = []
     for s in indices:
         failed_any, lines = False, []
@@ -289,57 +264,51 @@ def _samples(ctx: _Context) -> str:
             v = views.get(s)
             if v is None:
                 continue
-            label = f"{_short(f['provider'])}:{f['variant']}"
             failed_any |= v.failed
             bad = [m for m in v.metrics if m.passed is False and m.value is not None]
             shown = bad or v.metrics[:3]
-            vals = "; ".join(f"{esc(m.name)} {esc(m.value)}" + (f" ({esc(str(m.bound))})" if m.bound else "")
-                             for m in shown if m.value is not None)
-            stage = f" <span class='stage'>stage blamed: {esc(', '.join(sorted(v.stages)))}</span>" if v.stages and v.failed else ""
-            reasons = "".join(f"<li>{esc(r)}</li>" for r in v.reasons)
-            lines.append(f"<div>{_badge('fail' if v.failed else 'pass')} {esc(label)}{stage}"
-                         + (f"<br><span class='muted'>{vals}</span>" if vals else "")
-                         + (f"<ul class='reasons'>{reasons}</ul>" if reasons else "") + "</div>")
-        img = (f"<img alt='golden sample {s}' src='{ctx.thumbs[s]}'>" if s in ctx.thumbs
-               else "<div class='muted'>(no thumbnail: bundle not reachable)</div>")
-        cards.append(f"<div class='card{' fail' if failed_any else ''}' id='sample-{s}'>{img}<b>sample {s}</b>"
-                     + "".join(lines) + "</div>")
-    failing = sum(1 for c in cards if "card fail" in c)
-    where = (f"thumbnails from {esc(str(ctx.bundle_root))}" if ctx.thumbs
-             else "no thumbnails: pass --bundle DIR where the bundle is reachable")
-    return (f"<h2>Golden samples</h2><p class='muted'>{len(indices)} samples, {failing} failing (red); {where}.</p>"
-            f"<div class='grid'>{''.join(cards)}</div>")
+            lines.append({"failed": v.failed, "label": f"{_short(f['provider'])}:{f['variant']}",
+                          "stages": ", ".join(sorted(v.stages)) if v.stages and v.failed else "",
+                          "values": [(m.name, m.value, str(m.bound) if m.bound else "") for m in shown
+                                     if m.value is not None],
+                          "reasons": list(v.reasons)})
+        cards.append({"index": s, "failed": failed_any, "thumb": ctx.thumbs.get(s), "lines": lines})
+    return _macros().samples(cards, sum(1 for c in cards if c["failed"]),
+                             str(ctx.bundle_root) if ctx.thumbs else "")
 
 
-def _section(fn: Any, ctx: _Context) -> str:
+def _section(fn: Any, ctx: _Context) -> Markup:
     """One section; a report this page does not understand costs that section, never the page."""
     try:
         return fn(ctx)
     except Exception as exc:  # noqa: BLE001 - shown on the page, so nothing is hidden
         log.warning("report.section_failed", section=fn.__name__.strip("_"), error=f"{type(exc).__name__}: {exc}")
-        return (f"<h2>{esc(fn.__name__.strip('_'))}</h2><p class='muted'>This part of the report could not be shown "
-                f"({esc(type(exc).__name__)}: {esc(str(exc))[:300]}); the raw report is below.</p>")
+        return _macros().section_failed(fn.__name__.strip("_"), f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
-def _body(ctx: _Context, raw_json: bool = True) -> str:
+def _body(ctx: _Context, raw_json: bool = True) -> Markup:
     parts = [_section(fn, ctx) for fn in (_banner, _candidates, _latency, _samples, _metrics, _placement, _versions)]
     if raw_json:
-        parts.append("<details><summary>report.json</summary><pre>"
-                     + esc(json.dumps(ctx.doc, indent=1, default=str)) + "</pre></details>")
-    return "".join(parts)
+        parts.append(_macros().raw_json(json.dumps(ctx.doc, indent=1, default=str)))
+    return Markup("").join(parts)
 
 
-def _comparison(old: _Context, new: _Context) -> str:
-    def cell(f: Mapping[str, Any], key: str) -> str:
+def _comparison(old: _Context, new: _Context) -> Markup:
+    m = _macros()
+
+    def cell(f: Mapping[str, Any], key: str) -> Markup:
         return _td(_ms(f.get(key)) if key.endswith("_ms") else f.get(key))
+
+    def badge_td(f: Mapping[str, Any]) -> Markup:
+        return Markup("<td>") + (m.badge(f["verdict"]) if f else "-") + Markup("</td>")
 
     rows = []
     for label, ctx in (("before", old), ("after", new)):
         f, b = ctx.figures, _map(ctx.doc.get("bundle"))
         sel = _map(f.get("selected"))
-        chosen = next((c for c in f.get("candidates", []) if sel and c["provider"] == sel.get("provider")
+        chosen: Mapping[str, Any] = next((c for c in f.get("candidates", []) if sel and c["provider"] == sel.get("provider")
                        and c["variant"] == sel.get("variant")), {})
-        rows.append([_td(label), _td(f"{b.get('name')} v{b.get('version')}"), f"<td>{_badge(f.get('verdict', 'fail'))}</td>",
+        rows.append([_td(label), _td(f"{b.get('name')} v{b.get('version')}"), badge_td({"verdict": f.get("verdict", "fail")}),
                      _td(f"{_short(sel.get('provider'))}:{sel.get('variant')}" if sel else "-"),
                      cell(chosen, "p50_ms"), cell(chosen, "p95_ms"), cell(chosen, "budget_ms"),
                      _td("-" if chosen.get("provider_fraction") is None else f"{chosen['provider_fraction']:.0%}"),
@@ -352,15 +321,11 @@ def _comparison(old: _Context, new: _Context) -> str:
         change = "-"
         if b.get("p95_ms") and a.get("p95_ms") is not None:
             change = f"{100 * (a['p95_ms'] - b['p95_ms']) / b['p95_ms']:+.0f} %"
-        crow.append([_td(_short(key)), f"<td>{_badge(b['verdict']) if b else '-'}</td>", _td(_ms(b.get("p95_ms")), True),
-                     f"<td>{_badge(a['verdict']) if a else '-'}</td>", _td(_ms(a.get("p95_ms")), True), _td(change, True),
-                     f"<td><ul class='reasons'>{''.join(f'<li>{esc(r)}</li>' for r in a.get('reasons', []))}</ul></td>"])
+        crow.append([_td(_short(key)), badge_td(b), _td(_ms(b.get("p95_ms")), True), badge_td(a),
+                     _td(_ms(a.get("p95_ms")), True), _td(change, True),
+                     Markup("<td>") + m.reasons(a.get("reasons", [])) + Markup("</td>")])
         ccls.append("fail" if a.get("verdict") == "fail" and b.get("verdict") == "pass" else "")
-    return ("<h2>Update: before and after</h2>"
-            + _table(["", "bundle", "verdict", "selected", "p50", "p95", "budget", "nodes on provider", "run"], rows)
-            + _table(["candidate", "before", "p95 before", "after", "p95 after", "p95 change", "reasons after"], crow, ccls)
-            + f"<div class='cols'><section><h2>Before</h2>{_body(old, False)}</section>"
-              f"<section><h2>After</h2>{_body(new, False)}</section></div>")
+    return m.comparison(rows, crow, ccls, _body(old, False), _body(new, False))
 
 
 def render_report(doc: Mapping[str, Any], *, bundle_root: Path | None = None, compare: Mapping[str, Any] | None = None,
@@ -374,10 +339,7 @@ def render_report(doc: Mapping[str, Any], *, bundle_root: Path | None = None, co
     else:
         content = _body(ctx)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-            f"<meta name='viewport' content='width=device-width,initial-scale=1'><title>{esc(title)}</title>"
-            f"<style>{CSS}</style></head><body><main{' class=wide' if compare is not None else ''}>{content}"
-            f"<p class='muted'>made by edge-agent {esc(__version__)} report, {stamp}</p></main></body></html>")
+    return str(_macros().page(title, Markup(CSS), compare is not None, content, __version__, stamp))
 
 
 def write_report(out: Path, page: str) -> Path:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from agent.errors import AgentError
+from agent.errors import AgentError, install_hint
 
 PASS_COLOR, FAIL_COLOR, NEUTRAL_COLOR, BUDGET_COLOR = "#2e7d32", "#c62828", "#607d8b", "#d84315"
 
@@ -23,7 +23,7 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError as exc:
         raise AgentError("edge-agent report draws its plots with matplotlib, which is not installed: "
-                         "pip install 'edge-agent[report]' (or pip install matplotlib)") from exc
+                         + install_hint("report", "matplotlib")) from exc
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

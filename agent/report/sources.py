@@ -49,6 +49,9 @@ def _serving_report(state: Path) -> dict[str, Any] | None:
 def load_report(path: Path) -> dict[str, Any]:
     """A report.json, or a state directory holding selftest/report.json (or, with a bundle store, the
     report of the bundle the store serves)."""
+    if not path.exists():
+        raise AgentError(f"{path}: no such file or directory; pass a report.json (the self-test writes "
+                         "<state_dir>/selftest/report.json) or a state directory")
     if path.is_dir():
         served = _serving_report(path)
         if served is not None:

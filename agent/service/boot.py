@@ -60,6 +60,16 @@ def prove(root: Path, cfg: Config, use_cache: bool = True) -> ChildProof:
     return prove_in_child(root, cfg.state_dir, cfg, cfg.updates.selftest_timeout_s, use_cache=use_cache)
 
 
+def bundle_path_problem(path: Path) -> str | None:
+    """Why the config's `bundle` path cannot be a bundle directory, in one line (run and config check)."""
+    if not path.exists():
+        return f"{path} does not exist (set bundle: to a bundle directory)"
+    if not path.is_dir():
+        hint = " (unpack it with `edge-agent bundle unpack`)" if path.name.endswith((".tar.gz", ".tgz")) else ""
+        return f"{path} is not a directory{hint}"
+    return None
+
+
 def boot(cfg: Config, store: Any) -> BootOutcome:
     """Prove the serving bundle in a child and open its winner; any failure is a reason, never a raise."""
     try:
@@ -68,7 +78,12 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         return BootOutcome(None, None, None, str(exc))
     if root is None:
         return BootOutcome(None, None, None, "no bundle configured (key bundle) and none in the store")
-    proof = prove(root, cfg)
+    if store is None and (why := bundle_path_problem(root)) is not None:
+        return BootOutcome(None, None, None, f"key bundle: {why}")
+    try:
+        proof = prove(root, cfg)
+    except AgentError as exc:  # a reason, never a traceback in job.failed
+        return BootOutcome(None, None, None, str(exc))
     for crash in proof.crashes:
         log.error("boot.step_crashed", step=crash.step, signal=crash.signal)
     if proof.report is None:

@@ -76,9 +76,14 @@ def _store(args: argparse.Namespace):
 
 def _cmd_bundle_list(args: argparse.Namespace) -> int:
     store = _store(args)
-    for e in store.entries():
+    entries = store.entries()
+    for e in entries:
         marks = ",".join(m for m, on in (("current", e.current), ("committed", e.committed)) if on)
         print(f"{e.id:56} {marks}")
+    if not entries:  # said, not an empty screen: a wrong --state-dir or --config looks like an empty store
+        print(f"edge-agent: no bundles in the store {store.bundles} (the agent seeds it from the config's bundle "
+              "at its first boot with updates.enabled; `edge-agent push` adds one; --state-dir or --config "
+              "names another device state)", file=sys.stderr)
     return EXIT_OK
 
 
@@ -92,6 +97,10 @@ def _cmd_bundle_activate(args: argparse.Namespace) -> int:
         if bid is None:
             print("edge-agent: no previous committed bundle in the store", file=sys.stderr)
             return EXIT_ERROR
+    if bid != Path(bid).name or not store.path(bid).is_dir():  # an id in the store, never a path
+        have = ", ".join(e.id for e in store.entries()) or "none"
+        raise UsageError(f"no bundle {bid!r} in the store {store.bundles} (it holds: {have}); "
+                         "`edge-agent bundle list` shows them")
     load_bundle(store.path(bid))
     store.commit(bid)
     print(f"committed {bid}; restart or reload the agent to serve it (it is self-tested at boot)")
@@ -338,7 +347,8 @@ PLACEHOLDER = "@PREFIX@"
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
-    """Parse, range-check, then prove the config can serve: the bundle loads and the source can be opened."""
+    """Parse, range-check, then every check `run` makes before serving (agent.service.preflight), without the
+    self-test: the bundle loads, each file source opens, the state dir is writable, metrics can be served."""
     from agent.config import config_to_dict, masked, parse_config
 
     try:
@@ -352,48 +362,12 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     cfg = parse_config(text, str(args.file))
     notes = ([f"{PLACEHOLDER} placeholders read as {args.prefix or '/opt/edge-agent'} (install.sh's PREFIX; "
               "change with --prefix DIR)"] if template else [])
-    problems: list[str] = []
-    if cfg.bundle is None:
-        notes.append("no bundle configured: the agent will run not serving until one is pushed")
-    elif template and not args.prefix and not cfg.bundle.exists():
-        notes.append(f"bundle {cfg.bundle}: not installed here; checked when install.sh installs this config")
-    else:
-        from agent.bundle.load import load_bundle
+    from agent.service.preflight import check
 
-        try:
-            b = load_bundle(cfg.bundle)
-            notes.append(f"bundle {b.identity} loads: schema, file hashes and contracts verified")
-            from agent.serving.sensors import stream_problems
-
-            problems += stream_problems(b.manifest.frame, b.manifest.inputs, cfg.source_list,
-                                        [f"sources[{i}]" if cfg.sources else "source" for i in range(len(cfg.source_list))])
-        except AgentError as exc:
-            problems.append(f"key bundle: {exc}")
-    for i, src in enumerate(cfg.source_list):
-        key = f"sources[{i}]" if cfg.sources else "source"
-        if src.type in ("folder", "video", "file"):
-            if src.path is None:
-                problems.append(f"key {key}.path: source type {src.type} needs a path")
-            elif not src.path.exists():
-                if template and not args.prefix:
-                    notes.append(f"{key}.path {src.path}: not installed here")
-                else:
-                    problems.append(f"key {key}.path: {src.path} does not exist")
-            elif src.type == "folder" and not src.path.is_dir():
-                problems.append(f"key {key}.path: {src.path} is not a directory")
-            elif not os.access(src.path, os.R_OK):
-                problems.append(f"key {key}.path: {src.path} is not readable by this user")
-        elif src.type == "stream" and not src.url:
-            problems.append(f"key {key}.url: source type stream needs a url")
-        elif src.type == "mqtt" and not src.topic:
-            problems.append(f"key {key}.topic: source type mqtt needs a topic")
-        else:
-            notes.append(f"{key} {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
-    for k in cfg.updates.trusted_keys:
-        if not k.exists() and not (template and not args.prefix):
-            problems.append(f"key updates.trusted_keys: {k} does not exist")
-    if cfg.updates.enabled and not cfg.updates.trusted_keys and not cfg.updates.allow_unsigned:
-        notes.append("updates enabled with no trusted_keys: every pushed bundle will be refused")
+    _quiet_opencv(True, "error")  # FFmpeg's own lines about a non-video would bury the one-line answer
+    found = check(cfg, installed_here=not (template and not args.prefix))  # every check `run` makes first
+    problems = found.problems
+    notes += found.notes
     if problems:
         raise AgentError(f"{args.file}: cannot serve: " + "; ".join(problems))
     print(json.dumps(masked(config_to_dict(cfg)), indent=2))
@@ -572,6 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agent.logsetup import configure_logging
 
     args = build_parser().parse_args(argv)
+    # Before anything imports onnxruntime: its telemetry prints a plain, coloured warning at import when $HOME is
+    # unwritable (a service user), breaking one JSON object per line; a device sends no telemetry anyway.
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     configure_logging(args.log_level or "info", args.log_json)
     try:
         return args.func(args)

@@ -82,10 +82,6 @@ class Swap:
     pipeline: Pipeline
 
 
-class Busy(AgentError):
-    """The controller's queue is full."""
-
-
 def sources_summary(doc: dict[str, Any]) -> dict[str, Any]:
     """Many sources: each one's state and counts, for the health and shutdown log lines."""
     if not doc.get("sources"):
@@ -135,6 +131,7 @@ class Controller:
         self.selftest_doc: dict[str, Any] | None = None
         self.decode_limit: dict[str, Any] | None = None  # the proven JPEG decode scale the source runs under
         self.not_serving_reason: str | None = None
+        self.config_refused: str | None = None  # set at boot: `run` exits non-zero instead of idling forever
         self.store: Any = None
         self.updater: Any = None
         self.receiver: Any = None
@@ -290,6 +287,9 @@ class Controller:
         if o.engine is not None:
             try:
                 self._start_pipeline()
+            except ConfigError as exc:  # the config names a source that cannot open: no command can fix it
+                self.engine, self.not_serving_reason = None, str(exc)
+                self.config_refused = str(exc)
             except AgentError as exc:
                 self.engine, self.not_serving_reason = None, str(exc)
         if self.not_serving_reason is not None:
@@ -495,8 +495,11 @@ class Controller:
         def run() -> None:
             try:
                 fn(*args)
-            except Exception:
-                log.exception("job.failed", job=name)
+            except Exception as exc:
+                if isinstance(exc, AgentError) and self.stop_event.is_set():
+                    log.info("job.stopped", job=name, reason=str(exc))  # a clean stop while it ran: not an error
+                else:
+                    log.exception("job.failed", job=name)
             finally:
                 if release:
                     self._release_operation()
@@ -709,6 +712,9 @@ class Controller:
                 self._request_reload(None)
             if self._reload_pending and self._operation is None:
                 self._request_reload(None)
+            if self.config_refused is not None:
+                log.error("boot.config_refused", reason=self.config_refused, exit_code=EXIT_PIPELINE_FAILED)
+                return EXIT_PIPELINE_FAILED
             p = self.pipeline
             if p is not None and p.failed is not None:
                 self.not_serving_reason = p.failed
@@ -717,9 +723,9 @@ class Controller:
                 log.error("pipeline.failed", reason=p.failed, exit_code=EXIT_PIPELINE_FAILED,
                           **{k: doc["pipeline"][k] for k in ("frames_in", "frames_out")})
                 return EXIT_PIPELINE_FAILED  # the watchdog is never fed again; systemd restarts us
-            if (p is not None and p.done.is_set() and not self.cfg.mqtt.enabled and self._operation is None
-                    and not self._reload_pending):
-                return 0  # a finite source ended and nothing else can reach us
+            if (p is not None and p.done.is_set() and (not self.cfg.mqtt.enabled or self.cfg.pipeline.max_frames)
+                    and self._operation is None and not self._reload_pending):
+                return 0  # a finite source ended and nothing else can reach us, or --max-frames was reached
             if self.notifier.watchdog_s and time.monotonic() >= next_ping:
                 self._watchdog()
                 next_ping = time.monotonic() + self.notifier.watchdog_s / 4

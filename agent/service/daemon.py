@@ -6,10 +6,9 @@ load), the agent stays up, not serving, and says why, so a new bundle or command
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from agent.config import Config, SourceConfig
+from agent.config import Config, SourceConfig, user_state_dir
 from agent.errors import ConfigError
 from agent.service.controller import COMMANDS, Controller
 
@@ -18,12 +17,7 @@ DEMO_FRAMES = Path("models/demo-frames/digits")
 
 Agent = Controller  # the name the CLI and older callers use
 
-__all__ = ["Agent", "COMMANDS", "Controller", "default_state_dir", "demo_config"]
-
-
-def default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "edge-agent"
+__all__ = ["Agent", "COMMANDS", "Controller", "demo_config"]
 
 
 def demo_config() -> Config:
@@ -31,7 +25,7 @@ def demo_config() -> Config:
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         if (root / DEMO_BUNDLE / "bundle.yaml").exists() and (root / DEMO_FRAMES).is_dir():
             return Config(
-                state_dir=default_state_dir(),
+                state_dir=user_state_dir(),
                 bundle=root / DEMO_BUNDLE,
                 source=SourceConfig(type="folder", path=root / DEMO_FRAMES),
             )

@@ -25,8 +25,9 @@ import numpy as np
 
 from agent.config import PipelineConfig
 from agent.serving.engine import Engine
-from agent.errors import PreprocessError, ResultTooLargeError
+from agent.errors import NonFiniteOutput, PreprocessError, ResultTooLargeError
 from agent.logsetup import get_logger
+from agent.proof.terms import CPU
 from agent.serving.metrics import PipelineMetrics
 from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, decode, split_batch
 from agent.serving.decoding import scaled_geometry
@@ -168,13 +169,9 @@ def _inference_cost(engine: Engine, wall_ns: int, cpu_ns: int) -> int:
     """What one run costs the stage: on the CPU provider with one intra-op thread the run happens on the
     calling thread (its CPU time is exact); with more, they run beside it; on an accelerator the device's
     time is the cost, and the caller mostly waits."""
-    if engine.candidate.provider != "CPUExecutionProvider":
+    if engine.candidate.provider != CPU:
         return wall_ns
     return cpu_ns if engine.intra_op_threads == 1 else wall_ns * engine.intra_op_threads
-
-
-class NonFiniteOutput(FloatingPointError):
-    """An output tensor holds NaN or inf."""
 
 
 @dataclass
@@ -487,7 +484,7 @@ class Pipeline:
         (`stage_layout: pools`, or a fixed `inference_workers`)."""
         if self._layout != "auto":
             return self._layout == "fused"
-        return engine.candidate.provider == "CPUExecutionProvider" and not self._inf_fixed
+        return engine.candidate.provider == CPU and not self._inf_fixed
 
     def _in_order_only(self) -> bool:
         """A stateful model's frames must reach it one at a time in the order they came."""

@@ -14,7 +14,7 @@ from typing import Any, Callable, TextIO
 
 try:
     import orjson
-except ImportError:  # pragma: no cover - optional: pip install 'edge-agent[fast]'
+except ImportError:  # pragma: no cover - optional: pip install '.[fast]' from a checkout
     orjson = None  # type: ignore[assignment]
 
 

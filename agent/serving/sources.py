@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import threading
 import time
 from collections import deque
@@ -25,25 +26,21 @@ import cv2
 import numpy as np
 
 from agent.config import SourceConfig
-from agent.errors import ConfigError, PreprocessError
+from agent.errors import BadFrame, ConfigError, UndecodableFrame
 from agent.logsetup import get_logger
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
+from agent.serving.source_checks import video_problem
 from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import bgr_to_frame, imread_flag, read_image_file
+from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, read_image_file
 
 log = get_logger("source")
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 MJPEG_FOURCCS = frozenset({"MJPG", "mjpg", "AVRn", "LJPG", "JPGL", "MJLS", "jpeg", "dmb1"})
 HW_DECODE = {"none": cv2.VIDEO_ACCELERATION_NONE, "any": cv2.VIDEO_ACCELERATION_ANY,
              "vaapi": cv2.VIDEO_ACCELERATION_VAAPI, "d3d11": cv2.VIDEO_ACCELERATION_D3D11,
              "mfx": cv2.VIDEO_ACCELERATION_MFX, "drm": cv2.VIDEO_ACCELERATION_DRM}
-
-
-class BadFrame(Exception):
-    """One frame could not be turned into the frame the bundle expects; counted and skipped."""
 
 
 class Frame:
@@ -83,10 +80,6 @@ class Frame:
         shape = getattr(data, "shape", None) or (data.height, data.width)  # an av.VideoFrame
         return (f"Frame(index={self.index}, source={self.source!r}, shape={shape}, scale={self.scale}, "
                 f"converted={self._convert is None})")
-
-
-class UndecodableFrame(PreprocessError):
-    """A frame whose decoding was deferred to the preprocessing stage turned out not to decode."""
 
 
 @dataclass
@@ -190,8 +183,8 @@ class OpenCVSource:
     def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         if cfg.type == "video":
-            if cfg.path is None or not cfg.path.is_file():
-                raise ConfigError(f"source.path: {cfg.path} is not a video file")
+            if (why := video_problem(cfg.path)) is not None:  # missing, unreadable or not a video: refused now
+                raise ConfigError(f"source.path: {why}")
             self.target: str | int = str(cfg.path)
         elif cfg.type == "camera":
             dev = cfg.device or "0"
@@ -300,7 +293,8 @@ class OpenCVSource:
             self._lose("cannot open")
             if not self.live:
                 return False
-            until = time.monotonic() + self.backoff
+            # equal jitter: a fleet of cameras that lost one network does not reconnect in lock-step
+            until = time.monotonic() + self.backoff * random.uniform(0.5, 1.0)
             while not stop.is_set() and time.monotonic() < until:  # beat while waiting: waiting is not hanging
                 self.stats.beat()
                 stop.wait(min(1.0, until - time.monotonic()))

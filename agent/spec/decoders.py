@@ -70,21 +70,6 @@ def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(union > 0, inter / np.maximum(union, 1e-12), 0.0)
 
 
-def nms_reference(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float) -> list[int]:
-    """Greedy NMS in plain numpy, one class: the yardstick `nms` is tested against. Quadratic in Python."""
-    order = list(np.argsort(-scores, kind="stable"))
-    keep: list[int] = []
-    while order:
-        i = order.pop(0)
-        keep.append(int(i))
-        if not order:
-            break
-        rest = np.asarray(order)
-        overlaps = iou(boxes[i : i + 1], boxes[rest])[0]
-        order = [int(j) for j, o in zip(rest, overlaps) if o <= iou_threshold]
-    return keep
-
-
 def nms(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float, class_ids: np.ndarray | None = None,
         top_k: int = 0) -> list[int]:
     """Indices kept by greedy NMS (per class when class_ids is given), best score first. OpenCV's."""

@@ -11,7 +11,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from agent.errors import PreprocessError
+from agent.errors import PreprocessError, install_hint
 from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
 
 _INTERPOLATION = {
@@ -82,6 +82,11 @@ def bgr_to_frame(img: np.ndarray, frame: FrameSpec) -> np.ndarray:
     if img.ndim == 2:
         img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR)
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if frame.color == "rgb" else img
+
+
+# Every image file the agent reads (sample sets for `bundle create`, folder sources): one list, so a folder that
+# serves also builds, and the other way round. OpenCV reads all of them.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
 def read_image_file(path: str, frame: FrameSpec) -> np.ndarray | None:
@@ -158,6 +163,8 @@ class Preprocessor:
         # uint8 models take raw pixels: no float round trip when there is nothing to normalise
         self._raw_pixels = self._dtype == np.uint8 and self._identity_affine and frame.kind == "image"
         self.fixed_size = spec.resize is None or spec.resize.fixed_size
+        if spec.resize is not None and spec.resize.resampler == "pil":
+            _pillow()  # refused once, when the bundle is compiled, not on every frame
 
     def check(self, raw: np.ndarray) -> None:
         """Raise PreprocessError when a raw frame cannot be what this bundle expects."""
@@ -231,98 +238,30 @@ class Preprocessor:
         return x
 
 
-def _pil_filter(name: str) -> tuple[float, Any]:
-    """(support, kernel) of PIL's resampling filters (Pillow's Resample.c)."""
-    if name == "area":  # PIL BOX
-        return 0.5, lambda x: ((x > -0.5) & (x <= 0.5)).astype(np.float64)
-    if name == "linear":  # PIL BILINEAR: triangle
-        return 1.0, lambda x: np.clip(1.0 - np.abs(x), 0.0, None)
-    if name == "cubic":  # PIL BICUBIC, a = -0.5
-
-        def cubic(x: np.ndarray) -> np.ndarray:
-            a, x = -0.5, np.abs(x)
-            return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                            np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
-
-        return 2.0, cubic
-    if name == "lanczos":  # PIL LANCZOS, a = 3
-
-        def lanczos(x: np.ndarray) -> np.ndarray:
-            return np.where(np.abs(x) < 3, np.sinc(x) * np.sinc(x / 3), 0.0)
-
-        return 3.0, lanczos
-    raise ValueError(f"no PIL filter for interpolation {name!r}")
-
-
-_PIL_PRECISION_BITS = 32 - 8 - 2
-
-
-def _pil_coefficients(in_size: int, out_size: int, interpolation: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per output pixel: first input index and fixed-point weights (Pillow's precompute_coeffs + 8-bit
-    normalisation), as (out,) starts and (out, taps) int64 weights padded with zeros."""
-    support, kernel = _pil_filter(interpolation)
-    scale = in_size / out_size
-    filterscale = max(scale, 1.0)
-    support *= filterscale
-    centers = (np.arange(out_size) + 0.5) * scale
-    xmin = np.maximum(np.trunc(centers - support + 0.5), 0).astype(np.int64)
-    xmax = np.minimum(np.trunc(centers + support + 0.5), in_size).astype(np.int64) - xmin
-    taps = int(xmax.max())
-    x = np.arange(taps)[None, :]
-    w = kernel((x + xmin[:, None] - centers[:, None] + 0.5) / filterscale)
-    w = np.where(x < xmax[:, None], w, 0.0)
-    total = w.sum(axis=1, keepdims=True)
-    w = np.where(total != 0, w / np.where(total == 0, 1, total), 0.0)
-    fixed = np.where(w < 0, np.trunc(-0.5 + w * (1 << _PIL_PRECISION_BITS)), np.trunc(0.5 + w * (1 << _PIL_PRECISION_BITS)))
-    return xmin, fixed.astype(np.int64)
-
-
-def _pil_pass(img: np.ndarray, out_size: int, axis: int, interpolation: str) -> np.ndarray:
-    """One separable pass along `axis` (1 = width, 0 = height), rounded and clipped to uint8 like Pillow."""
-    start, weights = _pil_coefficients(img.shape[axis], out_size, interpolation)
-    # int32 like Pillow's own accumulator; rows of the resized axis first so each tap gathers whole rows
-    src = np.ascontiguousarray(np.moveaxis(img, axis, 0)).astype(np.int32)  # (in, other, [C])
-    weights = weights.astype(np.int32)
-    acc = np.full((out_size,) + src.shape[1:], 1 << (_PIL_PRECISION_BITS - 1), dtype=np.int32)
-    last = img.shape[axis] - 1
-    extra = (1,) * (src.ndim - 1)
-    for k in range(weights.shape[1]):
-        idx = np.minimum(start + k, last)
-        acc += src[idx] * weights[:, k].reshape((-1,) + extra)
-    out = np.clip(acc >> _PIL_PRECISION_BITS, 0, 255).astype(np.uint8)
-    return np.ascontiguousarray(np.moveaxis(out, 0, axis))
-
-
 _PIL_FILTERS = {"nearest": 0, "lanczos": 1, "linear": 2, "cubic": 3, "area": 4}  # PIL.Image.Resampling values
+PIL_MISSING = "key preprocess.resize.resampler: pil needs Pillow, which is not installed: " + install_hint("pil", "pillow")
 
 
 def _pillow() -> Any:
+    """Pillow itself: `resampler: pil` promises Pillow's arithmetic, and only Pillow keeps that promise across
+    its releases (a numpy port had to stay bit-exact with each one; it was removed)."""
     try:
         from PIL import Image
-    except ImportError:
-        return None
+    except ImportError as exc:
+        raise PreprocessError(PIL_MISSING) from exc
     return Image
 
 
-def resize_like_pil(img: np.ndarray, width: int, height: int, interpolation: str, use_pillow: bool = True) -> np.ndarray:
+def resize_like_pil(img: np.ndarray, width: int, height: int, interpolation: str) -> np.ndarray:
     """Pillow's Image.resize on a uint8 image (what torchvision transforms do on PIL images): the filter
-    widens when shrinking (antialiasing) and each pass rounds to uint8; horizontal pass first.
-
-    Pillow itself when installed (faster); otherwise the same arithmetic in numpy, bit-exact with it
-    (tests/test_preprocess.py checks both), so a device without Pillow computes the same tensor."""
-    image = _pillow() if use_pillow else None
-    if image is not None and img.ndim in (2, 3) and (img.ndim == 2 or img.shape[2] in (1, 3, 4)):
-        squeeze = img.ndim == 3 and img.shape[2] == 1
-        out = np.asarray(image.fromarray(img[..., 0] if squeeze else img).resize((width, height), _PIL_FILTERS[interpolation]))
-        return out[..., None] if squeeze else out
-    if interpolation == "nearest":
-        return cv2.resize(img, (width, height), interpolation=cv2.INTER_NEAREST_EXACT)
-    out = img
-    if out.shape[1] != width:
-        out = _pil_pass(out, width, 1, interpolation)
-    if out.shape[0] != height:
-        out = _pil_pass(out, height, 0, interpolation)
-    return out
+    widens when shrinking (antialiasing) and each pass rounds to uint8. Raises PreprocessError without Pillow."""
+    image = _pillow()
+    if not (img.ndim == 2 or (img.ndim == 3 and img.shape[2] in (1, 3, 4))):
+        raise PreprocessError(f"key preprocess.resize.resampler: pil resizes 1, 3 or 4 channel images, "
+                              f"not shape {img.shape}")
+    squeeze = img.ndim == 3 and img.shape[2] == 1
+    out = np.asarray(image.fromarray(img[..., 0] if squeeze else img).resize((width, height), _PIL_FILTERS[interpolation]))
+    return out[..., None] if squeeze else out
 
 
 def _resize(img: np.ndarray, width: int, height: int, r: ResizeSpec) -> np.ndarray:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import PayloadError, parse_json_object
+from agent.errors import UrlRefused
 from agent.logsetup import get_logger
 from agent.updates.updater import Updater
 
@@ -270,10 +271,6 @@ class ChunkReceiver:
 
 
 # -- URL ------------------------------------------------------------------------------------------------
-class UrlRefused(ValueError):
-    pass
-
-
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 

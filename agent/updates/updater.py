@@ -18,7 +18,7 @@ from agent import __version__
 from agent.bundle.archive import UnpackLimits, unpack_signed
 from agent.bundle.load import Bundle, load_bundle
 from agent.config import UpdatesConfig
-from agent.errors import AgentError
+from agent.errors import AgentError, UpdateRejected
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.bundle.signing import verify_signature
@@ -28,10 +28,6 @@ from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_p
 from agent.updates.store import BundleStore
 
 log = get_logger("updates")
-
-
-class UpdateRejected(AgentError):
-    """An update was refused; the message is the reason published on update/status."""
 
 
 class ServingAgent(Protocol):

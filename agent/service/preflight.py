@@ -1,0 +1,179 @@
+"""Every check `edge-agent run` makes before it serves, without the self-test: `config check` runs these, so a
+config it calls OK does not fail at `run` (a missing or non-video source file, metrics without
+prometheus_client, a state directory that cannot be written, an unreadable MQTT password file).
+
+Each problem is one line naming the key, the path and the fix; notes are what a check here cannot decide.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.config import Config, SourceConfig
+from agent.errors import AgentError, install_hint
+from agent.service.boot import bundle_path_problem
+
+if TYPE_CHECKING:
+    from agent.bundle.load import Bundle
+
+# Opened here as `run` opens them: a file or folder can be tried without side effects; a camera, a stream, a
+# port or a broker only by `run` itself (a check must not grab a camera or a port the running agent holds).
+OPENED_HERE = ("folder", "video")
+
+
+@dataclass
+class Findings:
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def state_dir_problem(path: Path) -> str | None:
+    """Why `run` could not create or write `path` (it writes its boot counter, report and store there)."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{path} cannot be created: {probe} is not a directory"
+    if probe != path:
+        if not os.access(probe, os.W_OK | os.X_OK):
+            return f"{path} cannot be created: {probe} is not writable by this user"
+        return None
+    try:  # a real write: access() says yes to root on a read-only bind mount on some kernels
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"{path} is not writable by this user ({exc.strerror})"
+    return None
+
+
+def check(cfg: Config, installed_here: bool = True) -> Findings:
+    """`installed_here` False: a template read before install.sh (paths it installs are notes, not problems)."""
+    f = Findings()
+    bundle = _check_bundle(cfg, installed_here, f)
+    _check_sources(cfg, bundle, installed_here, f)
+    why = state_dir_problem(cfg.state_dir)
+    if why is not None:
+        (f.problems if installed_here else f.notes).append(f"key state_dir: {why}")
+    _check_metrics(cfg, f)
+    _check_mqtt(cfg, installed_here, f)
+    for k in cfg.updates.trusted_keys:
+        if not k.exists() and installed_here:
+            f.problems.append(f"key updates.trusted_keys: {k} does not exist")
+    if cfg.updates.enabled and not cfg.updates.trusted_keys and not cfg.updates.allow_unsigned:
+        f.notes.append("updates enabled with no trusted_keys: every pushed bundle will be refused")
+    return f
+
+
+def _check_bundle(cfg: Config, installed_here: bool, f: Findings) -> Bundle | None:
+    if cfg.bundle is None:
+        f.notes.append("no bundle configured: the agent will run not serving until one is pushed")
+        return None
+    if not installed_here and not cfg.bundle.exists():
+        f.notes.append(f"bundle {cfg.bundle}: not installed here; checked when install.sh installs this config")
+        return None
+    why = bundle_path_problem(cfg.bundle)
+    if why is not None:
+        f.problems.append(f"key bundle: {why}")
+        return None
+    from agent.bundle.load import load_bundle
+
+    try:
+        b = load_bundle(cfg.bundle)
+    except AgentError as exc:
+        f.problems.append(f"key bundle: {exc}")
+        return None
+    f.notes.append(f"bundle {b.identity} loads: schema, file hashes and contracts verified")
+    from agent.serving.sensors import stream_problems
+
+    # a stateful bundle on a latest-frame-wins sensor source, a window the source cannot fill, ...
+    f.problems += stream_problems(b.manifest.frame, b.manifest.inputs, cfg.source_list,
+                                  [f"sources[{i}]" if cfg.sources else "source" for i in range(len(cfg.source_list))])
+    return b
+
+
+def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: Findings) -> None:
+    from agent.serving.source_checks import video_problem
+
+    for i, src in enumerate(cfg.source_list):
+        key = f"sources[{i}]" if cfg.sources else "source"
+        if src.type in ("folder", "video", "file"):
+            if src.path is None:
+                f.problems.append(f"key {key}.path: source type {src.type} needs a path")
+                continue
+            if not src.path.exists():
+                if installed_here:
+                    f.problems.append(f"key {key}.path: {src.path} does not exist")
+                else:
+                    f.notes.append(f"{key}.path {src.path}: not installed here")
+                continue
+            if src.type == "folder" and not src.path.is_dir():
+                f.problems.append(f"key {key}.path: {src.path} is not a directory")
+                continue
+            if not os.access(src.path, os.R_OK):
+                f.problems.append(f"key {key}.path: {src.path} is not readable by this user")
+                continue
+            if src.type == "video" and (why := video_problem(src.path)) is not None:
+                f.problems.append(f"key {key}.path: {why}")
+                continue
+            if src.type in OPENED_HERE and bundle is not None:
+                _try_open(key, src, bundle, f)
+        elif src.type == "stream" and not src.url:
+            f.problems.append(f"key {key}.url: source type stream needs a url")
+        elif src.type == "mqtt" and not src.topic:
+            f.problems.append(f"key {key}.topic: source type mqtt needs a topic")
+        else:
+            f.notes.append(f"{key} {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
+
+
+def _try_open(key: str, src: SourceConfig, bundle: Bundle, f: Findings) -> None:
+    """Open the source with the bundle's frame contract, exactly as `run` does, and close it again."""
+    from agent.serving.sources import open_source
+
+    m = bundle.manifest
+    try:
+        open_source(src, m.frame, m.preprocess.resize).close()
+    except AgentError as exc:
+        text = str(exc)
+        f.problems.append(text if text.startswith("key ") else f"key {key}: {text}")
+
+
+def _check_metrics(cfg: Config, f: Findings) -> None:
+    if not cfg.metrics.listen:
+        return
+    from agent.link.prometheus import parse_listen
+
+    try:
+        parse_listen(cfg.metrics.listen)
+    except AgentError as exc:
+        f.problems.append(str(exc))
+        return
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        f.problems.append("key metrics.listen: set, but prometheus_client is not installed: "
+                          + install_hint("metrics", "prometheus-client"))
+
+
+def _check_mqtt(cfg: Config, installed_here: bool, f: Findings) -> None:
+    m = cfg.mqtt
+    if not m.enabled:
+        return
+    from agent.link.mqtt import resolve_password
+
+    try:
+        resolve_password(m)
+    except AgentError as exc:
+        f.problems.append(str(exc))
+    if m.tls is not None and installed_here:
+        for name in ("ca_file", "cert_file", "key_file"):
+            p = getattr(m.tls, name)
+            if p is not None and not Path(p).is_file():
+                f.problems.append(f"key mqtt.tls.{name}: {p} does not exist")
+    f.notes.append(f"mqtt broker {m.host}:{m.port}: not contacted by a check; `edge-agent run` retries until it "
+                   "answers")

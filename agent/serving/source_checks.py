@@ -1,0 +1,33 @@
+"""Checks a source's configuration can pass before anything serves: shared by `run` (opening the source) and
+`config check` (which must refuse every config `run` would refuse)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import cv2
+
+
+def video_problem(path: Path | None) -> str | None:
+    """Why a video file cannot serve, or None: it exists, is a readable file, and FFmpeg decodes a frame of it.
+    Opening is not enough: FFmpeg refuses a text file only when asked for a frame on some builds, and a video
+    source that ends with no frame would otherwise look like a clean, empty run (exit 0, 0 results)."""
+    if path is None:
+        return "source type video needs a path"
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_file():
+        return f"{path} is not a file (a video source reads one video file; a folder of images is type folder)"
+    if not os.access(path, os.R_OK):
+        return f"{path} is not readable by this user"
+    cap = cv2.VideoCapture(str(path), cv2.CAP_FFMPEG)
+    try:
+        if not cap.isOpened():
+            return f"{path} is not a video FFmpeg can open"
+        ok, img = cap.read()
+        if not ok or img is None:
+            return f"{path}: FFmpeg opens it but decodes no frame from it (empty or damaged)"
+    finally:
+        cap.release()
+    return None
