@@ -25,9 +25,18 @@ def _one_line(err: str) -> str:
 
 
 def test_bundle_list_of_an_empty_store_says_so(tmp_path: Path) -> None:
+    (tmp_path / "store" / "bundles").mkdir(parents=True)
     out = edge_agent("bundle", "list", "--state-dir", str(tmp_path))
     assert out.returncode == 0 and out.stdout == ""
     assert f"no bundles in the store {tmp_path / 'store' / 'bundles'}" in _one_line(out.stderr)
+
+
+def test_bundle_list_of_a_mistyped_state_dir_says_so_and_creates_nothing(tmp_path: Path) -> None:
+    typo = tmp_path / "sate"
+    out = edge_agent("bundle", "list", "--state-dir", str(typo))
+    assert out.returncode == 0 and out.stdout == ""
+    assert "there is no store there" in _one_line(out.stderr)
+    assert not typo.exists()
 
 
 def test_bundle_activate_of_an_unknown_id_names_the_store_not_an_archive(tmp_path: Path) -> None:

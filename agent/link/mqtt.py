@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import ssl
 import threading
 import time
@@ -89,7 +90,8 @@ class MqttLink:
         self.client.on_connect_fail = self._on_connect_fail
         self.client.max_inflight_messages_set(cfg.max_inflight)
         self.client.max_queued_messages_set(0)
-        self.client.reconnect_delay_set(cfg.reconnect_min_s, cfg.reconnect_max_s)
+        # paho's backoff has no jitter: each device draws its own first delay, so a fleet does not retry in lock-step
+        self.client.reconnect_delay_set(cfg.reconnect_min_s * random.uniform(0.5, 1.5), cfg.reconnect_max_s)  # type: ignore[arg-type]
         if cfg.username:
             self.client.username_pw_set(cfg.username, resolve_password(cfg))
         if cfg.tls is not None:

@@ -75,6 +75,13 @@ def _store(args: argparse.Namespace):
 
 
 def _cmd_bundle_list(args: argparse.Namespace) -> int:
+    cfg = _load_cfg(args.config)
+    where = (args.state_dir or cfg.state_dir) / "store"
+    if not where.is_dir():  # a mistyped --state-dir must not leave an empty store behind
+        print(f"edge-agent: no bundles in the store {where / 'bundles'}: there is no store there (the agent makes "
+              "one at its first boot with updates.enabled; --state-dir or --config names another device state)",
+              file=sys.stderr)
+        return EXIT_OK
     store = _store(args)
     entries = store.entries()
     for e in entries:
