@@ -44,6 +44,10 @@ class SelectionConfig:
     latency_retries: int = 3
     latency_backoff_s: float = 2.0
     when_too_slow: Literal["degraded", "none"] = "none"
+    # Nothing serves only because of latency: the agent proves again while up, after reproof_backoff_s,
+    # doubling up to reproof_max_backoff_s (agent.service.reproof); 0 turns it off.
+    reproof_backoff_s: float = 30.0
+    reproof_max_backoff_s: float = 900.0
 
 
 SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin", "mqtt"]

@@ -23,6 +23,7 @@ from agent.bundle.load import Bundle, GoldenSample
 from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
+from agent.proof.isolation import RunMarker
 from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.probe import detect_providers, device_fingerprint
 from agent.proof.selection import (
@@ -261,24 +262,48 @@ def _timed_call(opened: Any, m: Any, tensor: np.ndarray) -> Callable[[], Any]:
     return lambda: opened.session.run(None, feeds)
 
 
+# Called before every run of the latency loop with the candidate and its run number (1-based, warm-up
+# included): the self-test child sets it for its fault hook (`run:<provider>:<variant>#N`).
+BEFORE_RUN: Callable[[Candidate, int], None] | None = None
+
+
 def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
-                     attempt: int = 0, manifest: Any = None) -> None:
+                     attempt: int = 0, manifest: Any = None, marker: Any = None) -> None:
     """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
-    machine lands on all candidates alike; the load average is recorded beside the figures."""
+    machine lands on all candidates alike; the load average is recorded beside the figures.
+
+    `marker` (a `RunMarker`) is switched to each candidate before each of its runs, outside the timed
+    region: a crash on the 30th run of one candidate is blamed on that candidate, not on the first."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
     if not live:
         return
     samples: dict[int, list[int]] = {id(t): [] for t in live}
+    count: dict[int, int] = {id(t): 0 for t in live}
     before = os.getloadavg()[0]
+
+    def enter(t: _Trial) -> None:
+        count[id(t)] += 1
+        if marker is not None:
+            marker.set(t.candidate.key, f"latency run {count[id(t)]} of {warmup + runs}"
+                       + (f", re-measurement {attempt}" if attempt else ""))
+
+    def hook(t: _Trial) -> None:  # inside the timed region: a test's slow-down fault must count
+        if BEFORE_RUN is not None:
+            BEFORE_RUN(t.candidate, count[id(t)])
+
     try:
         calls = {id(t): (_timed_call(t.opened, manifest, tensor) if manifest is not None else
                          (lambda t=t: t.opened.run(tensor))) for t in live}
         for _ in range(warmup):
             for t in live:
+                enter(t)
+                hook(t)
                 calls[id(t)]()
         for _ in range(runs):
             for t in live:
+                enter(t)
                 t0 = time.perf_counter_ns()
+                hook(t)
                 calls[id(t)]()
                 samples[id(t)].append(time.perf_counter_ns() - t0)
     except Exception as exc:
@@ -382,6 +407,19 @@ class CrashMarkers:
     def leave(self) -> None:
         self.inflight.unlink(missing_ok=True)
 
+    def interleaved(self, bundle_sha: str, fn: Callable[[Any], T]) -> T:
+        """Run `fn(marker)`, a latency loop that switches the in-flight marker per candidate per run."""
+        marker = RunMarker(self.inflight, bundle_sha)
+        try:
+            return fn(marker)
+        finally:
+            marker.close()
+            self.leave()
+
+
+def _interleaved(markers: CrashMarkers | None, bundle: Bundle, fn: Callable[[Any], T]) -> T:
+    return markers.interleaved(bundle.manifest_sha256, fn) if markers else fn(None)
+
 
 def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: SelftestOptions,
               fingerprint: Mapping[str, str]) -> str:
@@ -471,7 +509,11 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         for c in group:
             if f"{bundle.manifest_sha256}|{c.key}" in crashed:
                 skipped[c.key] = CandidateResult(c, False, ("skipped: this candidate crashed the agent during an "
-                                                            "earlier self-test",), None, "skipped")
+                                                            "earlier self-test or while serving",), None, "skipped")
+                continue
+            if f"{bundle.manifest_sha256}|*:{c.variant}" in crashed:
+                skipped[c.key] = CandidateResult(c, False, (f"skipped: reading variant {c.variant}'s contract "
+                                                            "crashed an earlier self-test",), None, "skipped")
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
             trial = _guarded(markers, bundle, c, lambda c=c: prove(bundle, c, opts.settings, golden, preprocessed,
@@ -480,10 +522,11 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             if judge(trial.evidence, m).passed:
                 proven.append(trial)
         if proven:  # only candidates that answered both questions are worth timing
-            # Each ran its golden samples under its own marker already; a crash inside the interleaved
-            # loop is blamed on the first, so a crash loop still cannot happen.
-            _guarded(markers, bundle, proven[0].candidate,
-                     lambda: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m))
+            # Each ran its golden samples under its own marker already; inside the interleaved loop the
+            # marker switches to each candidate before each of its runs.
+            _interleaved(markers, bundle,
+                         lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
+                                                     marker=mk))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
@@ -499,8 +542,9 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             log.warning("selftest.latency_retry", attempt=attempt, of=len(schedule), wait_s=delay,
                         candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
             opts.sleep(delay)
-            _guarded(markers, bundle, slow[0].candidate,
-                     lambda: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt, manifest=m))
+            _interleaved(markers, bundle,
+                         lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt, manifest=m,
+                                                     marker=mk))
             again = {t.candidate.key: judge(t.evidence, m) for t in slow}
             results = [again.get(r.candidate.key, r) for r in results]
             attempts.append({"attempt": attempt, "waited_s": delay,

@@ -14,8 +14,10 @@ from agent.bundle.load import Bundle, load_bundle
 from agent.config import Config
 from agent.errors import AgentError
 from agent.logsetup import get_logger
-from agent.proof.isolation import ChildProof, prove_in_child
+from agent.proof.isolation import ChildProof, CrashLedger, prove_in_child
 from agent.proof.verdict import Candidate
+from agent.service.serving_ledger import ServingWatch, serving_faults
+from agent.service.serving_ledger import recover as recover_serving_crashes
 from agent.serving.engine import Engine, build_engine
 
 log = get_logger("boot")
@@ -48,8 +50,13 @@ def candidate_from_report(report: dict[str, Any]) -> Candidate:
 
 
 def open_engine(bundle: Bundle, candidate: Candidate, cfg: Config) -> Engine:
-    """The serving session of a proven candidate; it must run on the provider that was proven."""
-    engine = build_engine(bundle, candidate, cfg.session)
+    """The serving session of a proven candidate; it must run on the provider that was proven.
+
+    A crash marker names the candidate while the session opens and through its first inferences
+    (at boot and at every swap): a process that dies there costs this candidate at the next boot."""
+    watch = ServingWatch(cfg.state_dir / "selftest", bundle.manifest_sha256, candidate.key,
+                         faults=serving_faults(bundle.manifest.version))
+    engine = build_engine(bundle, candidate, cfg.session, watch=watch)
     if candidate.provider not in engine.opened.effective:
         raise AgentError(f"the serving session for {candidate.key} runs on {list(engine.opened.effective)}, "
                          "not the proven provider")
@@ -68,6 +75,8 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         return BootOutcome(None, None, None, str(exc))
     if root is None:
         return BootOutcome(None, None, None, "no bundle configured (key bundle) and none in the store")
+    # a serving process that died under its candidate's marker: recorded before the child reads the ledger
+    recover_serving_crashes(cfg.state_dir / "selftest", CrashLedger(cfg.state_dir / "selftest"))
     proof = prove(root, cfg)
     for crash in proof.crashes:
         log.error("boot.step_crashed", step=crash.step, signal=crash.signal)

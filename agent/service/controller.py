@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import signal
 import threading
@@ -33,6 +34,7 @@ from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode
 from agent.service.boot import BootOutcome, boot, open_engine, prove
+from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
 
@@ -150,6 +152,8 @@ class Controller:
         self._last_update: dict[str, Any] | None = None
         self._last_health: dict[str, Any] | None = None
         self._last_health_key: Any = None
+        sel = cfg.selection  # re-proof while up when nothing serves only because of latency (reproof.py)
+        self.reproof = Reproof(ReproofSchedule(sel.reproof_backoff_s, sel.reproof_max_backoff_s))
 
     # -- any thread ----------------------------------------------------------------------------------
     def post(self, event: Any, timeout: float | None = None) -> bool:
@@ -295,6 +299,9 @@ class Controller:
             log.error("boot.not_serving", reason=self.not_serving_reason)
         else:
             log.info("boot.ready", **self.engine.describe())
+        self.reproof.after_proof(o.report, self.serving, self.not_serving_reason)
+        if self.reproof.armed:
+            log.warning("reproof.scheduled", **self.reproof.to_dict())
         self._publish_selftest()
 
     # -- updates (called by the updater, on its thread) --------------------------------------------------
@@ -346,7 +353,8 @@ class Controller:
             not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
             engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
             probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
-            mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update)
+            mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
+        ) | {"reproof": self.reproof.to_dict()}
 
     def _idle_reason(self) -> str:
         p = self.pipeline
@@ -518,6 +526,27 @@ class Controller:
             finally:
                 self._release_operation()  # no-op when _reload_done released it already
 
+    def _reproof_job(self) -> None:
+        """A scheduled re-proof (reproof.py): the boot's proof again, applied like a boot's."""
+        try:
+            log.info("reproof.start", attempt=self.reproof.attempts + 1, load=round(os.getloadavg()[0], 2))
+            outcome = boot(self.cfg, self.store)
+            self.call(lambda: self._apply_boot(outcome) if self.engine is None else None)  # else: served meanwhile
+        finally:
+            try:
+                self.call(self._reproof_done)
+            finally:
+                self._release_operation()
+
+    def _reproof_done(self) -> None:
+        self._release_operation()
+        if self.reproof.armed and self.reproof.next_at is None:  # not applied (served meanwhile, or it raised)
+            self.reproof.after_proof(self.selftest_doc, self.serving, self.not_serving_reason)
+        if self.serving:
+            log.info("reproof.serving", healed_after=self.reproof.to_dict()["healed"], **self.engine.describe())
+        self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
+        self._publish_health()
+
     def _read_config(self) -> Config | None:
         if self.cfg.source_file is None:
             return self.cfg
@@ -681,6 +710,9 @@ class Controller:
                 self._request_reload(None)
             if self._reload_pending and self._operation is None:
                 self._request_reload(None)
+            if self.reproof.due() and self._try_operation("reproof") is None:
+                self.reproof.started()
+                self._spawn("reproof", self._reproof_job, release=False)
             p = self.pipeline
             if p is not None and p.failed is not None:
                 self.not_serving_reason = p.failed
@@ -702,6 +734,7 @@ class Controller:
                     self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
+                         **({"reproof": doc["reproof"]} if doc["reproof"]["armed"] else {}),
                          # the stage plan is logged once, as pipeline.stages_sized: not on every health line
                          **{k: v for k, v in (doc["pipeline"] or {}).items() if k not in ("latency_ms", "stages")},
                          decoder=(doc["source"] or {}).get("decoder"),

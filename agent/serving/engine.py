@@ -33,6 +33,8 @@ class Engine:
     feeder: InputFeeder | None = None
     # state is read, run and written back as one step: two workers must not interleave on a source
     _state_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # the serving crash marker of this session's first inferences (agent.service.serving_ledger)
+    watch: Any = field(default=None, repr=False, compare=False)
 
     @property
     def dynamic_batch(self) -> bool:
@@ -49,6 +51,16 @@ class Engine:
     def run(self, tensor: np.ndarray, source: str = "", at: float | None = None,
             metadata: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """Run one prepared tensor with every other input the model takes; carries state per source."""
+        w = self.watch
+        if w is None:
+            return self._run(tensor, source, at, metadata)
+        w.before()
+        out = self._run(tensor, source, at, metadata)
+        w.after()
+        return out
+
+    def _run(self, tensor: np.ndarray, source: str, at: float | None,
+             metadata: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
         if self.feeder is None or not self.bundle.manifest.inputs:
             return self.opened.run(tensor)
         names = self.opened.output_names
@@ -79,7 +91,11 @@ class Engine:
                 "provider": self.candidate.provider, "effective_providers": list(self.opened.effective)}
 
 
-def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings) -> Engine:
+def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings, watch: Any = None) -> Engine:
+    """The serving session; `watch` (written before this is called) covers opening and first runs."""
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
-    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(bundle.manifest))
+    if watch is not None:
+        watch.opened()
+    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()),
+                  InputFeeder.for_manifest(bundle.manifest), watch=watch)
