@@ -199,6 +199,20 @@ def user_state_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class AuditConfig:
+    """Proving while serving (agent.service.audit): a golden sample through the live session every
+    `canary_period_s`, and a live frame re-run through the reference variant on the CPU every
+    `live_period_s`, judged `live_window` frames at a time; drift marks health degraded and re-proves."""
+
+    enabled: bool = True
+    canary_period_s: float = 60.0
+    live_period_s: float = 30.0
+    live_window: int = 8
+    reference: str = "fp32"
+    switch_on_drift: bool = False  # re-prove by a reload (a new proof and engine), not only a self-test
+
+
+@dataclass(frozen=True)
 class Config:
     device_id: str = field(default_factory=socket.gethostname)
     state_dir: Path = field(default_factory=user_state_dir)
@@ -217,6 +231,7 @@ class Config:
     updates: UpdatesConfig = UpdatesConfig()
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
+    audit: AuditConfig = AuditConfig()
     source_file: Path | None = None
 
     @property

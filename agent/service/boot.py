@@ -16,6 +16,7 @@ from agent.errors import AgentError
 from agent.logsetup import get_logger
 from agent.proof.isolation import ChildProof, CrashLedger, prove_in_child
 from agent.proof.verdict import Candidate
+from agent.service.audit import AuditTap
 from agent.service.serving_ledger import ServingWatch, serving_faults
 from agent.service.serving_ledger import recover as recover_serving_crashes
 from agent.serving.engine import Engine, build_engine
@@ -56,7 +57,7 @@ def open_engine(bundle: Bundle, candidate: Candidate, cfg: Config) -> Engine:
     (at boot and at every swap): a process that dies there costs this candidate at the next boot."""
     watch = ServingWatch(cfg.state_dir / "selftest", bundle.manifest_sha256, candidate.key,
                          faults=serving_faults(bundle.manifest.version))
-    engine = build_engine(bundle, candidate, cfg.session, watch=watch)
+    engine = build_engine(bundle, candidate, cfg.session, watch=watch, tap=AuditTap())
     if candidate.provider not in engine.opened.effective:
         raise AgentError(f"the serving session for {candidate.key} runs on {list(engine.opened.effective)}, "
                          "not the proven provider")

@@ -34,6 +34,7 @@ from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode
 from agent.service.boot import BootOutcome, boot, open_engine, prove
+from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
@@ -154,6 +155,9 @@ class Controller:
         self._last_health_key: Any = None
         sel = cfg.selection  # re-proof while up when nothing serves only because of latency (reproof.py)
         self.reproof = Reproof(ReproofSchedule(sel.reproof_backoff_s, sel.reproof_max_backoff_s))
+        # keep proving while serving (audit.py): canary and live audit on their own thread
+        self.auditor = Auditor(AuditSettings.from_config(cfg), lambda: self.engine if self.serving else None,
+                               cfg.session)
 
     # -- any thread ----------------------------------------------------------------------------------
     def post(self, event: Any, timeout: float | None = None) -> bool:
@@ -299,6 +303,9 @@ class Controller:
             log.error("boot.not_serving", reason=self.not_serving_reason)
         else:
             log.info("boot.ready", **self.engine.describe())
+            loud = loud_state(self.selftest_doc, None)
+            if loud:  # pinned below floor, too slow: in the journal, not only in health
+                log.warning("boot.serving_loudly", state=loud, warnings=(self.selftest_doc or {}).get("warnings"))
         self.reproof.after_proof(o.report, self.serving, self.not_serving_reason)
         if self.reproof.armed:
             log.warning("reproof.scheduled", **self.reproof.to_dict())
@@ -354,7 +361,13 @@ class Controller:
             engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
             probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
-        ) | {"reproof": self.reproof.to_dict()}
+        ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict()}
+
+    def _status_text(self) -> str:
+        """systemd's STATUS=, with what an operator must see beside "serving" (degraded, pinned)."""
+        loud = loud_state(self.selftest_doc, self.auditor.to_dict()) if self.serving else None
+        line = status_line(self.serving, self.engine, self.not_serving_reason)
+        return f"{line} — {loud}" if loud else line
 
     def _idle_reason(self) -> str:
         p = self.pipeline
@@ -376,6 +389,7 @@ class Controller:
     def _health_key(self) -> Any:
         p = self.pipeline
         return (self.serving, self.not_serving_reason, self.engine.describe()["variant"] if self.engine else None,
+                self.auditor.to_dict()["state"],
                 p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None,
                 getattr(p.source, "state_key", lambda: None)() if p else None)  # many sources: one turns stuck
 
@@ -544,8 +558,21 @@ class Controller:
             self.reproof.after_proof(self.selftest_doc, self.serving, self.not_serving_reason)
         if self.serving:
             log.info("reproof.serving", healed_after=self.reproof.to_dict()["healed"], **self.engine.describe())
-        self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
+        self.notifier.status(self._status_text())
         self._publish_health()
+
+    def _on_drift(self, drift: dict[str, Any]) -> None:
+        """The audit saw answers drift: degraded (health, STATUS, /metrics), and proven again."""
+        self.notifier.status(self._status_text())
+        self._publish_health()
+        if self.auditor.s.switch_on_drift:
+            log.error("audit.reproving", how="reload", **drift)
+            self._request_reload(None)
+        elif self.bundle is not None and self._try_operation("selftest") is None:
+            log.error("audit.reproving", how="selftest", **drift)
+            self._spawn("selftest", self._selftest_job, self.bundle,
+                        lambda r: log.warning("audit.reproof_done", passed=r.get("passed"), selected=r.get("selected"),
+                                              reason=r.get("reason")))
 
     def _read_config(self) -> Config | None:
         if self.cfg.source_file is None:
@@ -581,7 +608,7 @@ class Controller:
         # Released here, on the controller's thread: a reload request handled after this line starts a
         # new reload instead of joining one whose answers were already sent.
         self._release_operation()
-        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
+        self.notifier.ready(self._status_text())
         self._publish_health()
         replies, self._reload_replies = self._reload_replies, []
         for reply in replies:
@@ -675,6 +702,7 @@ class Controller:
         # takes bundle messages meanwhile; an update that arrives now waits for the slot.
         self._try_operation("boot")
         self._spawn("boot", self._boot_job, release=False)
+        self.auditor.start()
         code = self._loop()
         self._shutdown()
         return code
@@ -691,7 +719,7 @@ class Controller:
         self._release_operation()
         self._start_inbox()
         # Ready means proven: a candidate passed, or the agent settled in "not serving" and says why.
-        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
+        self.notifier.ready(self._status_text())
         self._publish_health()
 
     def _loop(self) -> int:
@@ -710,6 +738,9 @@ class Controller:
                 self._request_reload(None)
             if self._reload_pending and self._operation is None:
                 self._request_reload(None)
+            drift = self.auditor.take_drift()
+            if drift is not None:
+                self._on_drift(drift)
             if self.reproof.due() and self._try_operation("reproof") is None:
                 self.reproof.started()
                 self._spawn("reproof", self._reproof_job, release=False)
@@ -731,7 +762,7 @@ class Controller:
             if time.monotonic() >= next_health or key != self._last_health_key:
                 doc = self._publish_health()
                 if key != self._last_health_key:
-                    self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
+                    self.notifier.status(self._status_text())
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
                          **({"reproof": doc["reproof"]} if doc["reproof"]["armed"] else {}),
@@ -744,6 +775,7 @@ class Controller:
 
     def _shutdown(self) -> None:
         self.notifier.stopping()
+        self.auditor.stop()
         self._stop_pipeline()
         # An update may be waiting on `call` to restore what it switched: keep answering until it is done
         # (bounded). A self-test child (boot, reload, command) is simply abandoned: it dies with us.

@@ -12,8 +12,10 @@ and at a clean exit (a `weakref.finalize`, which also runs at interpreter exit):
 died without unwinding (a signal, the OOM killer) leaves one behind.
 
 Fault injection for tests: `EDGE_AGENT_FAULT="serve:<provider>:<variant>#N=SIGSEGV"` dies before the
-N-th inference of that candidate in the serving process (`#0`: while opening its session). The hook
-is read only when the variable is set.
+N-th inference of that candidate in the serving process (`#0`: while opening its session);
+`drift:<provider>:<variant>#N=<factor>` multiplies its float outputs by factor from the N-th
+inference on (a weight change after boot, for the audit to find). The hook is read only when the
+variable is set.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
+
+import numpy as np
 
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
@@ -51,7 +55,7 @@ def serving_faults(version: int | str) -> dict[str, str]:
     if not raw:
         return {}
     return {k.removesuffix(f"@{version}"): v for k, v in parse_faults(raw).items()
-            if k.startswith("serve:") and ("@" not in k or k.endswith(f"@{version}"))}
+            if k.startswith(("serve:", "drift:")) and ("@" not in k or k.endswith(f"@{version}"))}
 
 
 class ServingWatch:
@@ -65,6 +69,9 @@ class ServingWatch:
         self.path = directory / f"{PREFIX}{os.getpid()}-{next(_ids)}.json"
         self.bundle_sha, self.candidate, self.runs = bundle_sha, candidate, runs
         self.faults = dict(faults or {})
+        prefix = f"drift:{candidate}#"
+        self._drift = next(((int(k.removeprefix(prefix)), float(v)) for k, v in self.faults.items()
+                            if k.startswith(prefix)), None)
         self.active = True
         self._started = self._done = 0
         self._lock = threading.Lock()
@@ -89,9 +96,11 @@ class ServingWatch:
         if self.faults:
             inject_fault(f"serve:{self.candidate}#{n}", self.faults)
 
-    def after(self) -> None:
+    def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        if self._drift is not None and self._started >= self._drift[0]:
+            outputs = {k: v * np.float32(self._drift[1]) if v.dtype.kind == "f" else v for k, v in outputs.items()}
         if not self.active:
-            return
+            return outputs
         with self._lock:
             self._done += 1
             finished = self.active and self._done >= self.runs
@@ -100,6 +109,7 @@ class ServingWatch:
         if finished:
             self._finalizer()  # unlinks once
             log.info("serving.watch_done", candidate=self.candidate, inferences=self.runs)
+        return outputs
 
 
 def recover(directory: Path, ledger: CrashLedger) -> list[str]:

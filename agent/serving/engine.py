@@ -23,6 +23,9 @@ from agent.spec.inputs import InputFeeder
 from agent.spec.preprocess import Preprocessor
 
 
+AUDIT_SOURCE = "__audit__"  # the audit's own runs (canary): never sampled by the tap
+
+
 @dataclass(frozen=True)
 class Engine:
     bundle: Bundle
@@ -35,6 +38,8 @@ class Engine:
     _state_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # the serving crash marker of this session's first inferences (agent.service.serving_ledger)
     watch: Any = field(default=None, repr=False, compare=False)
+    # the audit's tap (agent.service.audit.AuditTap): sees a sample of what this engine serves
+    tap: Any = field(default=None, repr=False, compare=False)
 
     @property
     def dynamic_batch(self) -> bool:
@@ -51,12 +56,16 @@ class Engine:
     def run(self, tensor: np.ndarray, source: str = "", at: float | None = None,
             metadata: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """Run one prepared tensor with every other input the model takes; carries state per source."""
-        w = self.watch
-        if w is None:
+        w, t = self.watch, self.tap
+        if w is None and t is None:
             return self._run(tensor, source, at, metadata)
-        w.before()
+        if w is not None:
+            w.before()
         out = self._run(tensor, source, at, metadata)
-        w.after()
+        if w is not None:
+            out = w.after(out)
+        if t is not None and t.fn is not None and source != AUDIT_SOURCE:
+            t.fn(self, tensor, out)
         return out
 
     def _run(self, tensor: np.ndarray, source: str, at: float | None,
@@ -91,11 +100,12 @@ class Engine:
                 "provider": self.candidate.provider, "effective_providers": list(self.opened.effective)}
 
 
-def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings, watch: Any = None) -> Engine:
+def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings, watch: Any = None,
+                 tap: Any = None) -> Engine:
     """The serving session; `watch` (written before this is called) covers opening and first runs."""
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
     if watch is not None:
         watch.opened()
     return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()),
-                  InputFeeder.for_manifest(bundle.manifest), watch=watch)
+                  InputFeeder.for_manifest(bundle.manifest), watch=watch, tap=tap)
