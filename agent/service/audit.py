@@ -33,6 +33,8 @@ from agent.spec.decoders import split_batch
 
 log = get_logger("audit")
 
+FIRST_CHECK_S = 5.0
+
 
 class AuditTap:
     """Set on an engine at open; `fn` is bound by the auditor that watches it (None: not sampled)."""
@@ -157,8 +159,9 @@ class Auditor:
                             else engine.run(g.input, AUDIT_SOURCE))
                 self._golden.append(g)
                 self._expected.append(split_batch(expected, 0))
-        self._next_canary = self.clock() + min(self.s.canary_period_s, 1.0)  # the first canary soon after attach
-        self._next_live = self.clock() + min(self.s.live_period_s, 1.0)
+        # the first checks soon after a new engine serves (a swap's fault shows in seconds), then the periods
+        self._next_canary = self.clock() + min(self.s.canary_period_s, FIRST_CHECK_S)
+        self._next_live = self.clock() + min(self.s.live_period_s, FIRST_CHECK_S)
         if engine.tap is not None:
             engine.tap.fn = self._tap
         log.info("audit.attached", candidate=engine.candidate.key, golden=len(self._golden),
