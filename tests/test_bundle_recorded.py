@@ -77,3 +77,19 @@ def test_the_rebuilt_demo_int8_with_a_conv_weight_x1_5_is_rejected_on_reproducti
     assert report.selected is None
     int8 = next(r for r in report.results if r.candidate.variant == "int8")
     assert any(f.check == "reproduction" for f in int8.findings), int8.reasons
+
+
+def test_a_boot_that_serves_another_candidate_of_the_same_bundle_says_its_answers_changed(tmp_path: Path) -> None:
+    from agent.link.health import health_selftest
+    from agent.service.boot import note_served
+
+    bundle = load_bundle(ROOT / "models" / "digits-classifier", check_contracts=False)
+    first: dict = {"passed": True}
+    note_served(tmp_path, bundle, "CPUExecutionProvider:int8", first)
+    again: dict = {"passed": True}
+    note_served(tmp_path, bundle, "CPUExecutionProvider:int8", again)
+    assert "served_changed" not in first and "served_changed" not in again
+    changed: dict = {"passed": True}
+    note_served(tmp_path, bundle, "CPUExecutionProvider:fp32", changed)
+    assert changed["served_changed"]["previous"] == "CPUExecutionProvider:int8"
+    assert health_selftest(changed)["served_changed"]["now"] == "CPUExecutionProvider:fp32"

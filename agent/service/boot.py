@@ -6,6 +6,7 @@ and changes no state: the controller applies the outcome.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 from agent.bundle.load import Bundle, load_bundle
 from agent.config import Config
 from agent.errors import AgentError
+from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
 from agent.proof.isolation import ChildProof, CrashLedger, prove_in_child
 from agent.proof.verdict import Candidate
@@ -94,4 +96,19 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         engine = open_engine(bundle, candidate_from_report(proof.report), cfg)
     except AgentError as exc:
         return BootOutcome(bundle, None, proof.report, str(exc))
+    note_served(cfg.state_dir / "selftest", bundle, engine.candidate.key, proof.report)
     return BootOutcome(bundle, engine, proof.report, None)
+
+
+def note_served(directory: Path, bundle: Bundle, candidate: str, report: dict[str, Any]) -> None:
+    """On a loaded device the winner can differ from boot to boot (INT8, then FP32): the same bundle now
+    gives other answers. Said in the report (`served_changed`, so health and the report page show it)
+    and the journal; `served.json` keeps what served last."""
+    path = directory / "served.json"
+    last = read_json(path) or {}
+    if last.get("bundle") == bundle.manifest_sha256 and last.get("candidate") not in (None, candidate):
+        report["served_changed"] = {"previous": last["candidate"], "now": candidate, "since": last.get("at")}
+        log.warning("boot.answers_changed", previous=last["candidate"], now=candidate, bundle=bundle.identity,
+                    reason="the same bundle serves another candidate than at the last boot: its answers differ")
+    write_json_atomic(path, {"bundle": bundle.manifest_sha256, "candidate": candidate,
+                             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
