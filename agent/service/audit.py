@@ -162,7 +162,9 @@ class Auditor:
         # the first checks soon after a new engine serves (a swap's fault shows in seconds), then the periods
         self._next_canary = self.clock() + min(self.s.canary_period_s, FIRST_CHECK_S)
         self._next_live = self.clock() + min(self.s.live_period_s, FIRST_CHECK_S)
-        if engine.tap is not None:
+        # Live frames only where the reference can be fed exactly as serving fed them: no state carried
+        # between frames (sampled frames are not consecutive) and no per-frame metadata inputs.
+        if engine.tap is not None and not m.stateful and not m.inputs:
             engine.tap.fn = self._tap
         log.info("audit.attached", candidate=engine.candidate.key, golden=len(self._golden),
                  canary_period_s=self.s.canary_period_s, live_period_s=self.s.live_period_s)
