@@ -133,3 +133,20 @@ def test_sigterm_to_the_self_test_child_is_a_shutdown_not_a_crash(tmp_path: Path
     assert proof.report is None and "stopped by SIGTERM (a shutdown, not a crash)" in (proof.error or "")
     assert proof.crashes == () and _crashes(tmp_path) == []
     assert not inflight.exists()
+
+
+def test_a_serving_marker_left_by_a_dead_process_with_our_pid_is_still_recovered(tmp_path: Path) -> None:
+    """In a container the agent is PID 1 on every boot: the marker's process token, not its PID, says
+    whether it is ours."""
+    from agent.fsio import write_json_atomic
+    from agent.proof.isolation import CrashLedger
+    from agent.service import serving_ledger
+
+    d = tmp_path / "selftest"
+    d.mkdir()
+    write_json_atomic(d / "serving-1-1.json", {"bundle": "sha", "candidate": "CPUExecutionProvider:int8",
+                                               "pid": os.getpid(), "process": "an earlier boot", "phase": "first 64 inferences"})
+    live = serving_ledger.ServingWatch(d, "sha", "CPUExecutionProvider:fp32")  # this process's own marker
+    steps = serving_ledger.recover(d, CrashLedger(d))
+    assert steps == [INT8] and live.path.exists()
+    assert [p.name for p in d.glob("serving-*.json")] == [live.path.name]

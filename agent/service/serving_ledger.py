@@ -24,6 +24,7 @@ import itertools
 import os
 import threading
 import time
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any, Mapping
@@ -40,6 +41,9 @@ FAULT_ENV = "EDGE_AGENT_FAULT"
 PREFIX = "serving-"
 WATCH_RUNS = 64  # inferences a new serving session runs under its marker
 _ids = itertools.count(1)
+# Which process wrote a marker: a PID repeats across restarts (PID 1 in a container, every boot), a
+# token drawn at import does not.
+PROCESS_TOKEN = uuid.uuid4().hex
 
 
 def _unlink(path: Path) -> None:
@@ -81,7 +85,7 @@ class ServingWatch:
 
     def _write(self, phase: str) -> None:
         write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "pid": os.getpid(),
-                                      "phase": phase, "at": time.time()})
+                                      "process": PROCESS_TOKEN, "phase": phase, "at": time.time()})
 
     def opened(self) -> None:
         """The session is open: the marker now covers its first inferences."""
@@ -117,8 +121,8 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
     out = []
     for path in sorted(directory.glob(f"{PREFIX}*.json")):
         doc = read_json(path)
-        if isinstance(doc, dict) and doc.get("pid") == os.getpid():
-            continue  # ours, live
+        if isinstance(doc, dict) and doc.get("process") == PROCESS_TOKEN:
+            continue  # ours, live (a re-proof or reload in this process)
         path.unlink(missing_ok=True)
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
