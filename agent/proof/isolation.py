@@ -292,7 +292,8 @@ class _Relay(threading.Thread):
 
     def __init__(self, stream: Any):
         super().__init__(name="selftest-relay", daemon=True)
-        self.stream, self.tail = stream, collections.deque(maxlen=20)
+        self.stream = stream
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
 
     def run(self) -> None:
         for line in self.stream:
