@@ -63,3 +63,24 @@ def test_the_batch_sizes_proven_follow_the_serving_configuration(tiny_bundle: Pa
     assert batch_sizes(bundle, 1) == () and batch_sizes(bundle, 4) == (2, 3, 4)
     cfg = Config(pipeline=PipelineConfig(max_batch=4))
     assert options_from_config(cfg).max_batch == 4
+
+
+def test_the_golden_set_also_runs_from_as_many_concurrent_callers_as_serving_uses(tiny_bundle: Path) -> None:
+    from dataclasses import replace
+
+    from agent.proof import selftest
+
+    calls: list[int] = []
+    real = selftest.judge_concurrent
+
+    def spy(opened, m, tensors, single, workers, bounds):  # the real check, counted
+        calls.append(workers)
+        return real(opened, m, tensors, single, workers, bounds)
+
+    selftest.judge_concurrent = spy
+    try:
+        report = run_selftest(load_bundle(tiny_bundle), None, replace(_opts(2), workers=3))
+    finally:
+        selftest.judge_concurrent = real
+    assert report.selected is not None and calls == [3]  # a healthy variant reproduces under 3 callers
+    assert options_from_config(Config(pipeline=PipelineConfig(inference_workers=3))).workers == 3

@@ -67,6 +67,7 @@ class SelftestOptions:
     use_cache: bool = True
     latency_runs: int | None = None  # None: the bundle's own setting
     max_batch: int = 1  # the largest micro-batch serving will run: every size up to it is proven
+    workers: int = 1    # inference callers serving runs at once on one session: the golden set runs so too
     sleep: Callable[[float], None] = time.sleep  # the wait between latency re-measurements
 
 
@@ -218,10 +219,36 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
     return findings
 
 
+def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
+                     workers: int, bounds: Any) -> list[Any]:
+    """The golden set from `workers` callers at once on the one session, as serving's inference pool runs
+    it (each caller starts at another sample), every output judged against batch 1 run alone: a crash
+    or a wrong answer that needs concurrent callers happens here, under this candidate's marker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    feeder = InputFeeder.for_manifest(m)
+    names = [o.name for o in opened.session.get_outputs()]
+    n = len(tensors)
+
+    def caller(k: int) -> list[tuple[int, dict[str, np.ndarray]]]:
+        out = []
+        for j in range(n):
+            i = (j + k * max(n // workers, 1)) % n
+            outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
+            out.append((i, split_batch(outs, 0)))
+        return out
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
+        runs = [r for rows in pool.map(caller, range(workers)) for r in rows]
+    q = judge_reproduction(m.postprocess, [r for _, r in runs], [single[i] for i, _ in runs], bounds, "batch 1",
+                           stage=f"{workers} concurrent callers")
+    return list(q.findings)
+
+
 def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
           preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
           recorded: Mapping[str, list[dict[str, np.ndarray]] | None] | None = None,
-          max_batch: int = 1) -> _Trial:
+          max_batch: int = 1, workers: int = 1) -> _Trial:
     """Open the candidate's session and answer the two questions; any failure becomes evidence."""
     m = bundle.manifest
     model = bundle.path(m.variant(c.variant).file)
@@ -255,12 +282,14 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
                                      tensor_bound=c.precision == "fp32")
         fid = judge_fidelity(m.postprocess, got, refs, fidelity_floors(m.task, m.selftest.fidelity))
         rep, fid = _locate(rep, origin), _locate(fid, origin)
-        sizes = batch_sizes(bundle, max_batch) if not any(_is_sequence(g) for g in golden) else ()
-        if sizes:
-            fed = [t if use_device else g.input for t, g in zip(tensors, golden)]
-            more = judge_batches(opened, m, fed, got, sizes, bounds)
-            if more:
-                rep = replace(rep, findings=rep.findings + tuple(more))
+        plain = not any(_is_sequence(g) for g in golden) and not m.stateful
+        sizes = batch_sizes(bundle, max_batch) if plain else ()
+        fed = [t if use_device else g.input for t, g in zip(tensors, golden)]
+        more = judge_batches(opened, m, fed, got, sizes, bounds) if sizes else []
+        if not more and plain and workers > 1:
+            more = judge_concurrent(opened, m, fed, got, workers, bounds)
+        if more:
+            rep = replace(rep, findings=rep.findings + tuple(more))
     except Exception as exc:
         return _Trial(c, Evidence(c, error=f"inference error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}",
                                   effective=opened.effective, placement=opened.placement))
@@ -365,10 +394,10 @@ def _timing_tensor(golden: Sequence[GoldenSample]) -> np.ndarray:
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
              latency: bool = True, latency_runs: int | None = None,
              preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
-             max_batch: int = 1) -> CandidateResult:
+             max_batch: int = 1, workers: int = 1) -> CandidateResult:
     """One candidate alone: the two questions, then (optionally) its latency. Never raises."""
     m = bundle.manifest
-    trial = prove(bundle, c, settings, golden, preprocessed, max_batch=max_batch)
+    trial = prove(bundle, c, settings, golden, preprocessed, max_batch=max_batch, workers=workers)
     if latency:
         time_interleaved([trial], _timing_tensor(golden), m.selftest.warmup_runs,
                          latency_runs or m.selftest.latency_runs, manifest=m)
@@ -486,6 +515,7 @@ def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: Selftest
         "policy": repr(opts.policy),
         "settings": repr(opts.settings),
         "max_batch": opts.max_batch,  # a verdict at batch 1 says nothing about batch 4
+        "workers": opts.workers,
     }
     return sha256_bytes(json.dumps(material, sort_keys=True, default=str).encode())
 
@@ -535,7 +565,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             hit = next((c for c in candidates if c.key == cached.get("candidate")), None)
             if hit is not None:
                 quick = _guarded(markers, bundle, hit, lambda: evaluate(bundle, hit, opts.settings, golden, latency=False,
-                                                        preprocessed=preprocessed, max_batch=opts.max_batch))
+                                                        preprocessed=preprocessed, max_batch=opts.max_batch,
+                                                        workers=opts.workers))
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
                     # the reduced-decode check depends on what the cache key covers: reused, not re-run
@@ -573,7 +604,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
             trial = _guarded(markers, bundle, c, lambda c=c: prove(bundle, c, opts.settings, golden, preprocessed,
-                                                                   recorded, opts.max_batch))
+                                                                   recorded, opts.max_batch, opts.workers))
             trials[c.key] = trial
             if judge(trial.evidence, m).passed:
                 proven.append(trial)
@@ -664,4 +695,12 @@ def options_from_config(cfg: Any, provider: str | None = None, variant: str | No
         max_batch = max(max_batch, len(cfg.sources))  # one frame per source in a batch (Pipeline)
     return SelftestOptions(policy=policy, settings=cfg.session, provider_order=order,
                            provider_options=with_compile_caches(cfg.providers.options, str(cfg.state_dir / "cache")),
-                           use_cache=sel.use_cache if use_cache is None else use_cache, max_batch=max_batch)
+                           use_cache=sel.use_cache if use_cache is None else use_cache, max_batch=max_batch,
+                           workers=serving_workers(pipe))
+
+
+def serving_workers(pipe: Any) -> int:
+    """The inference callers serving runs at once: the configured pool, else up to the cores (at most 4),
+    as `Pipeline` sizes it."""
+    fixed = int(getattr(pipe, "inference_workers", 0) or 0)
+    return fixed if fixed > 0 else max(1, min(len(os.sched_getaffinity(0)), 4))
