@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
-
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +41,7 @@ def _stop(proc: subprocess.Popen) -> None:
     assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
 def test_the_canary_sees_a_weight_change_after_boot_within_its_period(tmp_path: Path) -> None:
     # x1.5 on the logits keeps every top-1 (the live fidelity check cannot see it); reproduction can
     proc, log = _start(tmp_path, "drift:CPUExecutionProvider:int8#100=1.5",
@@ -60,6 +61,7 @@ def test_the_canary_sees_a_weight_change_after_boot_within_its_period(tmp_path: 
     assert summary["degraded"]["check"] == "canary"
 
 
+@pytest.mark.slow
 def test_the_live_audit_sees_answers_the_reference_does_not_give(tmp_path: Path) -> None:
     # x-1 flips every top-1: the reference FP32 on the CPU disagrees on every live frame
     proc, log = _start(tmp_path, "drift:CPUExecutionProvider:int8#100=-1",
@@ -74,6 +76,7 @@ def test_the_live_audit_sees_answers_the_reference_does_not_give(tmp_path: Path)
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_a_healthy_agent_audits_without_drift(tmp_path: Path) -> None:
     proc, log = _start(tmp_path, "", {"canary_period_s": 0.5, "live_period_s": 0.2, "live_window": 4})
     try:

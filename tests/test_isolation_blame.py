@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import yaml
 from waiting import wait_until
 
@@ -49,6 +50,7 @@ def _crashes(tmp_path: Path) -> list[tuple[str, str, str]]:
     return [(r["step"], r["signal"], r.get("detail", "")) for r in json.loads(f.read_text())] if f.exists() else []
 
 
+@pytest.mark.slow
 def test_crash_on_the_nth_timed_run_is_blamed_on_that_candidate_only(tmp_path: Path) -> None:
     # fp32 runs before int8 in each round: the old single marker named fp32 for the whole loop, so both
     # were blacklisted (the second child then blamed int8) and nothing served
@@ -68,6 +70,7 @@ def test_crash_reading_one_variants_contract_skips_only_that_variant(tmp_path: P
     assert "reading variant int8's contract crashed" in " ".join(int8["reasons"])
 
 
+@pytest.mark.slow
 def test_crash_only_in_the_serving_process_serves_the_other_variant_on_the_next_boot(tmp_path: Path) -> None:
     """The int8 passes the self-test child and dies on its 3rd inference in the serving process; the
     restart (same fault, as systemd would restart it) serves fp32: one crash, no loop."""
@@ -86,6 +89,7 @@ def test_crash_only_in_the_serving_process_serves_the_other_variant_on_the_next_
     assert not list((tmp_path / "state" / "selftest").glob("serving-*.json")), "a clean exit leaves no marker"
 
 
+@pytest.mark.slow
 def test_a_clean_stop_while_serving_leaves_no_serving_marker(tmp_path: Path) -> None:
     # a healthy boot that serves only 3 frames (fewer than the watched inferences) and exits cleanly
     frames = tmp_path / "frames"
@@ -99,6 +103,7 @@ def test_a_clean_stop_while_serving_leaves_no_serving_marker(tmp_path: Path) -> 
     assert _variants(again) == {"int8"} and _crashes(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_agent_during_the_self_test_is_not_a_crash(tmp_path: Path) -> None:
     cfg = _config(tmp_path, updates={"selftest_timeout_s": 300})
     proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,

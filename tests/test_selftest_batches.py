@@ -10,7 +10,12 @@ import numpy as np
 from agent.bundle.load import load_bundle
 from agent.config import Config, PipelineConfig
 from agent.proof.selection import SelectionPolicy
-from agent.proof.selftest import SelftestOptions, batch_sizes, options_from_config, run_selftest
+from agent.proof.selftest import (
+    SelftestOptions,
+    batch_sizes,
+    options_from_config,
+    run_selftest,
+)
 from agent.testing import rewrite_manifest
 
 

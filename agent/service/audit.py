@@ -26,7 +26,12 @@ from typing import Any, Callable
 import numpy as np
 
 from agent.logsetup import get_logger
-from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
+from agent.proof.parity import (
+    fidelity_floors,
+    judge_fidelity,
+    judge_reproduction,
+    reproduction_bounds,
+)
 from agent.proof.verdict import Candidate
 from agent.serving.engine import AUDIT_SOURCE, Engine, build_engine
 from agent.spec.decoders import split_batch
