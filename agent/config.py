@@ -52,6 +52,9 @@ class SelectionConfig:
     when_too_slow: Annotated[Literal["degraded", "none"], Key(
         "after the retries: none serves nothing, degraded serves the fastest proven candidate, loudly")] = \
         _POLICY.when_too_slow
+    reproof_backoff_s: Annotated[float, Key("nothing serves only because of latency: prove again while up after this "
+                                            "long, doubling (agent.service.reproof); 0: off", ge=0)] = 30.0
+    reproof_max_backoff_s: Annotated[float, Key("the longest wait between re-proofs", ge=0)] = 900.0
 
 
 SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin", "mqtt"]
@@ -223,6 +226,22 @@ class LogConfig:
                                      "stderr is a terminal")] = None
 
 
+@dataclass(frozen=True)
+class AuditConfig:
+    """Proving while serving (agent.service.audit): a golden sample through the live session every
+    `canary_period_s`, and a live frame re-run through the reference variant on the CPU every
+    `live_period_s`, judged `live_window` frames at a time; drift marks health degraded and re-proves."""
+
+    enabled: Annotated[bool, Key("keep proving while serving: the golden canary and the live audit")] = True
+    canary_period_s: Annotated[float, Key("a golden sample through the live session this often", ge=0.1)] = 60.0
+    live_period_s: Annotated[float, Key("a live frame re-run through the reference variant on the CPU this often",
+                                        ge=0.1)] = 30.0
+    live_window: Annotated[int, Key("live frames judged together by the task's fidelity floors", ge=1)] = 8
+    reference: Annotated[str, Key("the reference variant of the live audit")] = "fp32"
+    switch_on_drift: Annotated[bool, Key("on drift, re-prove by a reload (a new proof and engine), not only a "
+                                         "self-test")] = False
+
+
 SERVICE_STATE_DIR = Path("/var/lib/edge-agent")
 TOPIC_LEVEL = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # one MQTT topic level: no / + # or spaces
 
@@ -261,6 +280,7 @@ class Config:
     updates: UpdatesConfig = UpdatesConfig()
     metrics: MetricsConfig = MetricsConfig()
     log: LogConfig = LogConfig()
+    audit: AuditConfig = AuditConfig()
     labels: Annotated[Mapping[str, str], Key("what a fleet rollout targets on (site, camera, group): published in "
                                              "the retained facts topic")] = field(default_factory=dict)
     source_file: Annotated[Path | None, Key("(set by the loader: the file this config came from)")] = None

@@ -57,3 +57,27 @@ def export_check_and_bundle(net: Any, pre: Preprocessor, golden_raw: np.ndarray,
     onnx_path.unlink()  # the bundle holds the model; the source export is rebuilt by the script
     print(f"bundle written to {out}")
     return True
+
+
+def rebundle(name: str, data: Path, spec_path: Path, out: Path | None = None) -> Path:
+    """`bundle create` again from a committed demo bundle's own FP32 export and its saved sample sets
+    (no training, no PyTorch): a bundle made by an older `bundle create` gains what today's records
+    (each variant's outputs on every golden sample, the Wilson bounds, the recording environment)."""
+    import tempfile
+
+    bundle = ROOT / "models" / name
+    out = out or bundle
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        src = Path(tmp) / f"{name}_fp32_source.onnx"
+        shutil.copyfile(bundle / "model_fp32.onnx", src)
+        staged = Path(tmp) / name
+        labels = data / "labels.txt"
+        create_bundle(CreateOptions(model=src, spec=spec_path, calibration=data / "calibration.npz",
+                                    golden=data / "golden.npz", heldout=data / "heldout.npz",
+                                    labels=labels if labels.exists() else None, out=staged,
+                                    method="minmax", per_channel=True))
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(staged, out)
+    print(f"bundle written to {out}")
+    return out

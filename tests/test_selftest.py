@@ -126,7 +126,7 @@ def test_cached_winner_that_now_fails_parity_triggers_a_full_run(tiny_bundle: Pa
     assert again.selected.candidate.variant == "int8"
 
 
-def test_crash_marker_skips_the_candidate_that_killed_the_process(tiny_bundle: Path, tmp_path: Path) -> None:
+def test_killing_the_agent_mid_proof_is_an_interrupted_self_test_not_a_crash(tiny_bundle: Path, tmp_path: Path) -> None:
     state = tmp_path / "state"
     cmd = [sys.executable, "-m", "agent", "--log-level", "warning", "selftest", "--bundle", str(tiny_bundle),
            "--state-dir", str(state), "--no-cache", "--json"]
@@ -158,9 +158,12 @@ def test_crash_marker_skips_the_candidate_that_killed_the_process(tiny_bundle: P
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     by_key = {f"{c['provider']}:{c['variant']}": c for c in doc["candidates"]}
-    assert by_key[crashed]["status"] == "skipped"
-    assert "crashed the agent" in by_key[crashed]["reasons"][0]
-    assert doc["selected"] is not None and f"{doc['selected']['provider']}:{doc['selected']['variant']}" != crashed
+    # The candidate runs in the self-test child: the agent's death (SIGKILL here, a stop, a restart) says
+    # nothing against it; the child died of PR_SET_PDEATHSIG. The marker it left is cleared, not
+    # recorded (a candidate that kills the child itself is skipped: tests/test_boot_crashes.py).
+    assert by_key[crashed]["status"] == "tested", by_key[crashed]
+    assert doc["selected"] is not None and not doc["crashes"]
+    assert '"selftest.interrupted_marker_cleared"' in out.stderr
 
 
 def test_a_candidate_asked_for_an_absent_provider_is_judged_a_silent_fallback(tiny_bundle: Path) -> None:

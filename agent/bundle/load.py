@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -160,14 +160,23 @@ def _ort_dims(shape: list) -> list[int | str]:
     return [d if isinstance(d, int) else str(d) for d in shape]
 
 
-def check_contract(root: Path, manifest: Manifest) -> None:
-    """Open each variant with ONNX Runtime (CPU, no optimisation) and compare its I/O to the manifest."""
+def check_contract(root: Path, manifest: Manifest, variants: Iterable[str] | None = None) -> None:
+    """Each variant's I/O against the manifest (`variants`: only those, by name), one variant at a time:
+    the self-test child marks each as its own step, so a driver that crashes on one file costs that
+    variant only, not the bundle."""
+    for v in manifest.variants:
+        if variants is None or v.name in set(variants):
+            check_variant_contract(root, manifest, v.name)
+
+
+def check_variant_contract(root: Path, manifest: Manifest, variant: str) -> None:
+    """Open one variant with ONNX Runtime (CPU, no optimisation) and compare its I/O to the manifest."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     opts.log_severity_level = 3
-    for v in manifest.variants:
+    for v in [manifest.variant(variant)]:
         path = root / v.file
         try:
             sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
@@ -260,7 +269,8 @@ def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
     if check_contracts:
         check_contract(root, manifest)
     bundle = Bundle(root=root, manifest=manifest, manifest_sha256=digest)
-    for g in bundle.golden():
+    golden = bundle.golden()
+    for g in golden:
         expected = (1, *manifest.input.shape[1:])
         steps = g.input[0] if g.sequence and g.input.ndim else g.input
         if steps.ndim != len(manifest.input.shape) or any(
@@ -269,4 +279,27 @@ def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
             raise BundleError(
                 f"{root / g.file}: golden input shape {list(g.input.shape)} does not fit input {list(manifest.input.shape)}"
             )
+    check_recorded_outputs(bundle, golden)
     return bundle
+
+
+def check_recorded_outputs(bundle: Bundle, golden: list[GoldenSample] | None = None) -> None:
+    """Each variant's recorded outputs (`variant.<name>.<output>`) are in every golden sample or in none.
+
+    Reproduction judges a variant against its own recorded outputs only when every sample has them: one
+    sample stripped of them would turn reproduction off for all samples, so it is an error for the
+    bundle, not a silent downgrade. None at all is a bundle made before recorded outputs (reproduction
+    then falls back to the source references, with a note)."""
+    m = bundle.manifest
+    golden = bundle.golden() if golden is None else golden
+    for v in m.variants:
+        have = [g for g in golden if v.name in g.variant_outputs]
+        if not have:
+            continue
+        for g in golden:
+            missing = [n for n in m.output_names if n not in g.variant_outputs.get(v.name, {})]
+            if missing:
+                raise BundleError(
+                    f"{bundle.root / g.file}: golden sample {g.index} lacks the recorded outputs "
+                    f"{[f'variant.{v.name}.{n}' for n in missing]} that {len(have)} other sample(s) carry: "
+                    "reproduction needs them in every sample; rebuild the bundle with `edge-agent bundle create`")

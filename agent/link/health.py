@@ -160,6 +160,7 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         "degraded": doc.get("degraded"),
         "too_slow": doc.get("too_slow"),
         "pinned_below_floor": doc.get("pinned_below_floor"),
+        "served_changed": _map(doc.get("served_changed")) or None,  # another candidate than at the last boot
         "warnings": [str(w) for w in _list(doc.get("warnings"))][:10],
         # steps that killed a self-test child (a bad driver), as "step: signal"
         "crashes": [f"{c.get('step')}: {c.get('signal')}" if isinstance(c, Mapping) else str(c)

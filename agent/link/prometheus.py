@@ -139,6 +139,7 @@ def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
                 if _num(c.get(key)) is not None:
                     fam.add_metric([prov, variant], c[key] * scale)
         yield from (verdict, p95, budget, ratio)
+    yield from _verdict_families(health, fig)
 
     outbox = health.get("outbox") or {}
     if outbox:
@@ -209,3 +210,22 @@ def start_metrics_server(listen: str | None, source: MetricsSource) -> MetricsSe
         raise AgentError(f"metrics.listen {listen}: cannot listen: {exc.strerror or exc}") from exc
     log.info("metrics.listening", listen=f"{host}:{port}", path="/metrics")
     return MetricsServer(host, port, server, thread)
+
+
+def _verdict_families(health: Mapping[str, Any], fig: Mapping[str, Any]) -> Iterator[Any]:
+    """Loud states (a pinned below-floor or degraded candidate) and the serving audit's counters."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    audit = health.get("audit") or {}
+    yield GaugeMetricFamily(f"{NS}_pinned_below_floor", "1 while a pinned candidate serves below its authored floor",
+                            value=int(bool(fig.get("pinned_below_floor"))))
+    deg = GaugeMetricFamily(f"{NS}_degraded", "1 while serving degraded, by reason", labels=["reason"])
+    deg.add_metric(["too_slow"], int(bool(fig.get("degraded"))))
+    deg.add_metric(["audit_drift"], int(audit.get("state") == "degraded"))
+    yield deg
+    for name, key, doc in (("audit_canary_runs", "canary_runs", "Golden canaries run through the live session"),
+                           ("audit_canary_failures", "canary_failures", "Canaries that did not reproduce"),
+                           ("audit_live_samples", "live_samples", "Live frames re-run through the reference"),
+                           ("audit_live_windows", "live_windows", "Live-audit windows judged"),
+                           ("audit_live_drift", "live_drift", "Live-audit windows under the fidelity floors")):
+        yield CounterMetricFamily(f"{NS}_{name}", doc, value=audit.get(key, 0) or 0)

@@ -1,14 +1,21 @@
 """The self-test in a child process: a segfault, abort, hang or OOM kill there is a verdict, not a crash loop.
 
 The child (`agent.service.selftest_child`) writes a step marker before each step that can kill it
-(loading the bundle, which opens every variant; each provider probe; each candidate trial, cached
-winner included). When it dies, the parent reads the marker, records the step with the signal and
-the ORT, provider and driver versions, and runs a new child that skips it. A record stops applying
-when those versions change or when it expires (`edge-agent selftest --forget-crashes` clears them).
+(loading the bundle; each variant's contract, one variant per step; each provider probe; each
+candidate trial, cached winner included; each candidate's share of the interleaved latency loop, the
+marker switching before every run). When it dies, the parent reads the marker, records the step with
+the signal and the ORT, provider and driver versions, and runs a new child that skips it. The serving
+process records into the same ledger (`agent.service.serving_ledger`): a crash there costs the served
+candidate at the next boot. A record stops applying when those versions change or when it expires
+(`edge-agent selftest --forget-crashes` clears them).
+
+A child ended by SIGTERM, SIGINT or SIGHUP was stopped (systemd stops the whole cgroup), and a marker
+left by a child whose agent exited is an interrupted self-test: neither is recorded as a crash.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -16,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +35,7 @@ from agent.proof.probe import provider_versions
 from agent.proof.terms import CPU
 
 log = get_logger("isolation")
+child_log = get_logger("selftest_child")
 
 STEP_FILE = "step.json"        # written by the child before loading and before each probe
 INFLIGHT_FILE = "inflight.json"  # written by the self-test before each candidate trial (cached or full)
@@ -34,6 +43,8 @@ SKIP_FILE = "crashed.json"     # the self-test's skip list: "<bundle sha>|<provi
 RECORDS_FILE = "crashes.json"  # the full crash records, with signal, versions and expiry
 CHILD_MODULE = "agent.service.selftest_child"
 CRASH_TTL_S = 7 * 24 * 3600.0
+# How a stop ends a child: a shutdown, never a crash of the step it was in
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing steps is a broken install
 
 
@@ -41,16 +52,18 @@ MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing st
 class CrashRecord:
     """One step that killed a self-test child."""
 
-    step: str               # "load", "probe:<provider>" or "candidate:<provider>:<variant>"
+    step: str               # "load", "contract:<variant>", "probe:<provider>" or "candidate:<provider>:<variant>"
     bundle: str             # manifest sha256; "" for a probe (it does not depend on the bundle)
     signal: str             # "SIGSEGV", "SIGABRT", "SIGKILL (out of memory?)", "timeout after 60 s"
     versions: Mapping[str, str]
     at: float
     expires: float
+    detail: str = ""        # where in the step: "latency run 30", "serving inference 3", ...
 
     @property
     def provider(self) -> str:
-        return self.step.split(":")[1] if ":" in self.step else CPU
+        # a contract is read on the CPU provider; probes and candidates name theirs
+        return self.step.split(":")[1] if self.step.startswith(("probe:", "candidate:")) else CPU
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "versions": dict(self.versions)}
@@ -58,11 +71,13 @@ class CrashRecord:
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> "CrashRecord":
         return CrashRecord(str(d["step"]), str(d.get("bundle", "")), str(d["signal"]), dict(d.get("versions", {})),
-                           float(d["at"]), float(d["expires"]))
+                           float(d["at"]), float(d["expires"]), str(d.get("detail", "")))
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))
-        return (f"{self.step} crashed the self-test process ({self.signal}) at {when}; retried when onnxruntime, "
+        where = f" ({self.detail})" if self.detail else ""
+        process = "the serving process" if self.detail.startswith("serving") else "the self-test process"
+        return (f"{self.step}{where} crashed {process} ({self.signal}) at {when}; retried when onnxruntime, "
                 f"provider or driver versions change, after expiry, or with `edge-agent selftest --forget-crashes`")
 
 
@@ -109,14 +124,15 @@ class CrashLedger:
                 out[r.step] = r
         return out
 
-    def record(self, step: str, bundle_sha: str, how: str) -> CrashRecord:
-        provider = step.split(":")[1] if ":" in step else CPU
+    def record(self, step: str, bundle_sha: str, how: str, detail: str = "") -> CrashRecord:
+        provider = step.split(":")[1] if step.startswith(("probe:", "candidate:")) else CPU
         now = time.time()
         rec = CrashRecord(step, "" if step.startswith("probe:") else bundle_sha, how, provider_versions(provider),
-                          now, now + self.ttl_s)
+                          now, now + self.ttl_s, detail)
         keep = [r for r in self._all() if r.expires > now and not (r.step == rec.step and r.bundle == rec.bundle)]
         write_json_atomic(self.records_file, [r.to_dict() for r in keep + [rec]])
-        log.error("selftest.step_crashed", step=step, signal=how, bundle=bundle_sha[:12], versions=rec.versions)
+        log.error("selftest.step_crashed", step=step, signal=how, detail=detail, bundle=bundle_sha[:12],
+                  versions=rec.versions)
         return rec
 
     def forget(self) -> int:
@@ -128,22 +144,32 @@ class CrashLedger:
 
     def write_skip_list(self, bundle_sha: str) -> None:
         """What the self-test reads to skip candidates: exactly the records that still apply."""
-        skip = {f"{bundle_sha}|{step.removeprefix('candidate:')}": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.at))
-                for step, r in self.active(bundle_sha).items() if step.startswith("candidate:")}
+        skip: dict[str, str] = {}
+        for step, r in self.active(bundle_sha).items():
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.at))
+            if step.startswith("candidate:"):
+                skip[f"{bundle_sha}|{step.removeprefix('candidate:')}"] = when
+            elif step.startswith("contract:"):  # that variant on every provider
+                skip[f"{bundle_sha}|*:{step.removeprefix('contract:')}"] = when
         write_json_atomic(self.directory / SKIP_FILE, skip)
 
     def take_step(self) -> str | None:
         """The step a dead child was in (its markers), removing the markers."""
-        step = None
+        found = self.take_marker()
+        return found[0] if found else None
+
+    def take_marker(self) -> tuple[str, str] | None:
+        """(step, detail) of the markers a dead child left, removing them; None when there are none."""
+        found = None
         inflight = read_json(self.directory / INFLIGHT_FILE)
         marker = read_json(self.directory / STEP_FILE)
         if inflight and inflight.get("candidate"):
-            step = "candidate:" + str(inflight["candidate"])
+            found = ("candidate:" + str(inflight["candidate"]), str(inflight.get("detail", "")))
         elif marker and marker.get("step"):
-            step = str(marker["step"])
+            found = (str(marker["step"]), str(marker.get("detail", "")))
         for name in (INFLIGHT_FILE, STEP_FILE):
             (self.directory / name).unlink(missing_ok=True)
-        return step
+        return found
 
 
 @dataclass(frozen=True)
@@ -195,6 +221,12 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
     ledger = CrashLedger(directory, records_dir=records_dir)
     sha = bundle_digest(root)  # no onnxruntime here: the manifest's bytes
     new: list[CrashRecord] = []
+    # Markers now are a child's whose agent exited mid-proof (stopped, or killed: the child then got
+    # SIGKILL from PR_SET_PDEATHSIG): an interrupted self-test, not a crash of that step.
+    stale = ledger.take_marker()
+    if stale is not None:
+        log.warning("selftest.interrupted_marker_cleared", step=stale[0], detail=stale[1],
+                    reason="left by a self-test whose agent exited; not a crash")
     for _ in range(MAX_CHILDREN):
         active = ledger.active(sha)
         if "load" in active:
@@ -219,18 +251,26 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                     env={**os.environ, **(env or {})}, start_new_session=True,
                                     preexec_fn=_die_with_parent)
+            relay = forward_child_log(proc)
             try:
-                _, err = proc.communicate(timeout=timeout_s)
+                proc.wait(timeout=timeout_s)
                 how = signal_name(proc.returncode) if proc.returncode < 0 else None
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                _, err = proc.communicate()
+                proc.wait()
                 how = f"timeout after {timeout_s:g} s"
+            relay.join(timeout=10)
+            err = "\n".join(relay.tail)
+            if proc.returncode is not None and -proc.returncode in STOP_SIGNALS:
+                found = ledger.take_marker()
+                log.warning("selftest.stopped", signal=how, step=found[0] if found else None,
+                            reason="a shutdown, not a crash: nothing recorded")
+                return ChildProof(None, f"self-test stopped by {how} (a shutdown, not a crash)", tuple(new))
             if how is not None:
-                step = ledger.take_step()
-                if step is None:
+                found = ledger.take_marker()
+                if found is None:
                     return ChildProof(None, f"self-test process died ({how}) outside any step", tuple(new))
-                new.append(ledger.record(step, sha, how))
+                new.append(ledger.record(found[0], sha, how, found[1]))
                 continue
             doc = read_json(out)
             if not isinstance(doc, dict):
@@ -243,6 +283,39 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
             report["crashes"] = [r.to_dict() | {"reason": r.describe()} for r in ledger.active(sha).values()]
             return ChildProof(report, None, tuple(new))
     return ChildProof(None, f"{MAX_CHILDREN} self-test processes crashed in a row", tuple(new))
+
+
+class _Relay(threading.Thread):
+    """Reads a self-test child's stderr as it comes: each JSON log event is re-emitted by this process
+    (so a child's verdicts and latency retries reach the journal, marked `child: true`); the last lines
+    are kept for an error message."""
+
+    def __init__(self, stream: Any):
+        super().__init__(name="selftest-relay", daemon=True)
+        self.stream = stream
+        self.tail: collections.deque[str] = collections.deque(maxlen=20)
+
+    def run(self) -> None:
+        for line in self.stream:
+            line = line.rstrip("\n")
+            self.tail.append(line)
+            if not line.startswith("{"):
+                continue  # native output: captured per candidate as ORT log evidence
+            try:
+                doc = json.loads(line)
+                event = str(doc.pop("event"))
+            except (ValueError, KeyError, AttributeError):
+                continue
+            level = str(doc.pop("level", "info"))
+            doc["child_at"] = doc.pop("timestamp", None)
+            emit = getattr(child_log, level if level in ("debug", "info", "warning", "error", "critical") else "info")
+            emit(event, child=True, **{k: v for k, v in doc.items() if k != "child"})
+
+
+def forward_child_log(proc: subprocess.Popen) -> _Relay:
+    relay = _Relay(proc.stderr)
+    relay.start()
+    return relay
 
 
 def parse_faults(spec: str | None) -> dict[str, str]:
@@ -267,12 +340,32 @@ def inject_fault(step: str, faults: Mapping[str, str]) -> None:
     time.sleep(10)  # a signal that is caught or ignored must still not let the step pass
 
 
-def mark_step(directory: Path, step: str | None) -> None:
+def mark_step(directory: Path, step: str | None, detail: str = "") -> None:
     """The child's marker before a step that may kill it (None: between steps)."""
     if step is None:
         (directory / STEP_FILE).unlink(missing_ok=True)
     else:
-        write_json_atomic(directory / STEP_FILE, {"step": step, "pid": os.getpid(), "at": time.time()})
+        write_json_atomic(directory / STEP_FILE, {"step": step, "detail": detail, "pid": os.getpid(),
+                                                  "at": time.time()})
+
+
+class RunMarker:
+    """The in-flight marker rewritten in place before every run of an interleaved latency loop: one
+    `pwrite` of a padded record, no fsync (a process crash keeps the page cache; power loss is no
+    crash of a candidate), so switching it per run costs microseconds, outside the timed region."""
+
+    WIDTH = 1024
+
+    def __init__(self, path: Path, bundle_sha: str):
+        self.path, self.bundle_sha = path, bundle_sha
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+
+    def set(self, candidate: str, detail: str) -> None:
+        doc = json.dumps({"bundle": self.bundle_sha, "candidate": candidate, "detail": detail})
+        os.pwrite(self._fd, doc.encode()[: self.WIDTH].ljust(self.WIDTH), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def report_json(doc: Mapping[str, Any]) -> str:

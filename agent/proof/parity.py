@@ -190,6 +190,41 @@ def channel_axis(spec: PostprocessSpec) -> int | None:
     return getattr(spec, "channel_axis", 1) if spec.type == "raw" else None
 
 
+# A raw detection head mixes quantities of very different range in one tensor: box coordinates
+# (0..640) beside class scores (0..1). One range for the whole tensor let the box channels set the
+# tolerance (9.55 on a YOLO head), leaving the scores unchecked. Each group below gets its own range.
+# (axis in batched numbering, ((first channel, end) ...)); end None: to the last channel.
+DETECTION_GROUPS: dict[str, tuple[int, tuple[tuple[int, int | None], ...]]] = {
+    "yolov8": (1, ((0, 4), (4, None))),             # [B, 4+C, N]: boxes, class scores
+    "yolov5": (-1, ((0, 4), (4, 5), (5, None))),    # [B, N, 5+C]: boxes, objectness, class scores
+    "end2end": (-1, ((0, 4), (4, 5), (5, 6))),      # [B, N, 6]: boxes, score, class
+}
+
+
+def channel_groups(spec: PostprocessSpec) -> tuple[int, tuple[tuple[int, int | None], ...]] | None:
+    """Groups of channels judged each against its own range (single-tensor detection layouts)."""
+    return DETECTION_GROUPS.get(spec.layout) if spec.type == "detection" else None
+
+
+def _split_groups(name: str, a: np.ndarray, r: np.ndarray,
+                  groups: tuple[int, tuple[tuple[int, int | None], ...]] | None
+                  ) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(label, got, recorded) per channel group of one stacked output; the whole output without groups."""
+    if groups is None:
+        return [(name, a, r)]
+    axis = _batched_axis(groups[0], a.ndim)
+    if axis is None or not 1 <= axis < a.ndim:
+        return [(name, a, r)]
+    n = a.shape[axis]
+    out = []
+    for lo, hi in groups[1]:
+        end = n if hi is None else min(hi, n)
+        if lo < end:
+            idx = np.arange(lo, end)
+            out.append((f"{name} channels {lo}:{end}", np.take(a, idx, axis=axis), np.take(r, idx, axis=axis)))
+    return out or [(name, a, r)]
+
+
 @dataclass(frozen=True)
 class ToleranceResult:
     """The worst element against its allclose bound, over all samples and outputs."""
@@ -212,9 +247,11 @@ class ToleranceResult:
 
 
 def allclose_check(got: Sequence[Outputs], recorded: Sequence[Outputs], b: ReproductionBounds,
-                   axis: int | None = None) -> ToleranceResult:
-    """allclose with atol scaled to each output's range (per channel along `axis`), never a bare
-    relative error: a map whose recorded max is 1e-7 is judged against atol_min, not divided by 1e-7."""
+                   axis: int | None = None,
+                   groups: tuple[int, tuple[tuple[int, int | None], ...]] | None = None) -> ToleranceResult:
+    """allclose with atol scaled to each output's range (per channel along `axis`, or per channel
+    group of a detection head), never a bare relative error: a map whose recorded max is 1e-7 is
+    judged against atol_min, not divided by 1e-7."""
     worst: tuple[float, str, int, int, float, float] | None = None  # (excess, output, sample, channel, diff, bound)
     violations = elements = 0
     atols: dict[str, float] = {}
@@ -227,26 +264,27 @@ def allclose_check(got: Sequence[Outputs], recorded: Sequence[Outputs], b: Repro
             continue  # named by output_problems
         if a.shape != r.shape:
             continue
-        ca, cr = _channel_view(a, axis), _channel_view(r, axis)
-        if cr.size == 0:
-            continue
-        span = cr.max(axis=1) - cr.min(axis=1)
-        atol = np.maximum(b.atol_range * span, b.atol_min)[:, None]
-        atols[name] = float(atol.min())
-        bound = atol + b.rtol * np.abs(cr)
-        diff = np.abs(ca - cr)
-        diff = np.where(np.isfinite(diff), diff, np.inf)
-        bad = diff > bound
-        violations += int(bad.sum())
-        elements += int(diff.size)
-        excess = diff - bound
-        k = int(np.argmax(excess))
-        if worst is None or excess.flat[k] > worst[0]:
-            ch, pos = divmod(k, ca.shape[1])
-            # position inside the channel-major view back to the sample index
-            per_sample = ca.shape[1] // a.shape[0]
-            worst = (float(excess.flat[k]), name, pos // max(per_sample, 1), ch,
-                     float(diff.flat[k]), float(bound.flat[k]))
+        for label, ga, gr in _split_groups(name, a, r, groups):
+            ca, cr = _channel_view(ga, axis), _channel_view(gr, axis)
+            if cr.size == 0:
+                continue
+            span = cr.max(axis=1) - cr.min(axis=1)
+            atol = np.maximum(b.atol_range * span, b.atol_min)[:, None]
+            atols[label] = float(atol.min())
+            bound = atol + b.rtol * np.abs(cr)
+            diff = np.abs(ca - cr)
+            diff = np.where(np.isfinite(diff), diff, np.inf)
+            bad = diff > bound
+            violations += int(bad.sum())
+            elements += int(diff.size)
+            excess = diff - bound
+            k = int(np.argmax(excess))
+            if worst is None or excess.flat[k] > worst[0]:
+                ch, pos = divmod(k, ca.shape[1])
+                # position inside the channel-major view back to the sample index
+                per_sample = ca.shape[1] // ga.shape[0]
+                worst = (float(excess.flat[k]), label, pos // max(per_sample, 1), ch,
+                         float(diff.flat[k]), float(bound.flat[k]))
     if worst is None:
         return ToleranceResult(True, atol_by_output=atols)
     return ToleranceResult(violations == 0, worst[1], worst[2], worst[3] if axis is not None else None,
@@ -507,7 +545,7 @@ def judge_reproduction(spec: PostprocessSpec, got: Sequence[Outputs], recorded: 
     `tensor_bound=False` (a reduced-precision variant whose own outputs were never recorded, judged
     against the source) keeps only the decoded agreement."""
     findings = output_problems(got, recorded, stage)
-    tol = allclose_check(got, recorded, b, channel_axis(spec)) if tensor_bound else None
+    tol = allclose_check(got, recorded, b, channel_axis(spec), channel_groups(spec)) if tensor_bound else None
     if tol is not None and not tol.passed and tol.violations:
         where = f"output {tol.output}" + (f" channel {tol.channel}" if tol.channel is not None else "")
         findings.append(Finding("reproduction", "max |a-b| beyond atol + rtol*|b|", tol.abs_diff, tol.bound, stage,

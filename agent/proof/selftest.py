@@ -23,6 +23,7 @@ from agent.bundle.load import Bundle, GoldenSample
 from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
+from agent.proof.isolation import RunMarker
 from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.probe import detect_providers, device_fingerprint
 from agent.proof.selection import (
@@ -65,6 +66,8 @@ class SelftestOptions:
     provider_options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     use_cache: bool = True
     latency_runs: int | None = None  # None: the bundle's own setting
+    max_batch: int = 1  # the largest micro-batch serving will run: every size up to it is proven
+    workers: int = 1    # inference callers serving runs at once on one session: the golden set runs so too
     sleep: Callable[[float], None] = time.sleep  # the wait between latency re-measurements
 
 
@@ -182,9 +185,70 @@ class _Trial:
     opened: Any = None
 
 
+def batch_sizes(bundle: Bundle, max_batch: int) -> tuple[int, ...]:
+    """The batch sizes above 1 that serving will run this bundle at: every size up to the micro-batch,
+    where the model can be batched at all (the rule `Engine.dynamic_batch` applies)."""
+    m = bundle.manifest
+    if max_batch <= 1 or isinstance(m.input.shape[0], int) or m.stateful or not bundle.preprocessor().fixed_size:
+        return ()
+    return tuple(range(2, max_batch + 1))
+
+
+def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
+                  sizes: Sequence[int], bounds: Any) -> list[Any]:
+    """Each golden tensor run inside a batch of each size (filled round-robin with the others, as a
+    micro-batch of frames), its row judged for reproduction against the same candidate's batch-1 output:
+    a variant exact at batch 1 and wrong at batch 4 served 34/48 where FP32 served 47/48."""
+    findings: list[Any] = []
+    feeder = InputFeeder.for_manifest(m)
+    n = len(tensors)
+    for b in sizes:
+        rows: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+        for start in range(0, n, b):
+            idx = [(start + k) % n for k in range(b)]
+            batch = np.concatenate([tensors[i] for i in idx])
+            outs = dict(zip([o.name for o in opened.session.get_outputs()],
+                            opened.session.run(None, feeder.feeds(batch, "selftest"))))
+            for k, i in enumerate(idx):
+                if not rows[i]:
+                    rows[i] = {name: v[k] for name, v in outs.items()}
+        q = judge_reproduction(m.postprocess, rows, list(single), bounds, "batch 1", stage=f"batch {b}")
+        if not q.passed:
+            findings += list(q.findings)
+            break  # the smallest failing size names the fault
+    return findings
+
+
+def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
+                     workers: int, bounds: Any) -> list[Any]:
+    """The golden set from `workers` callers at once on the one session, as serving's inference pool runs
+    it (each caller starts at another sample), every output judged against batch 1 run alone: a crash
+    or a wrong answer that needs concurrent callers happens here, under this candidate's marker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    feeder = InputFeeder.for_manifest(m)
+    names = [o.name for o in opened.session.get_outputs()]
+    n = len(tensors)
+
+    def caller(k: int) -> list[tuple[int, dict[str, np.ndarray]]]:
+        out = []
+        for j in range(n):
+            i = (j + k * max(n // workers, 1)) % n
+            outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
+            out.append((i, split_batch(outs, 0)))
+        return out
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
+        runs = [r for rows in pool.map(caller, range(workers)) for r in rows]
+    q = judge_reproduction(m.postprocess, [r for _, r in runs], [single[i] for i, _ in runs], bounds, "batch 1",
+                           stage=f"{workers} concurrent callers")
+    return list(q.findings)
+
+
 def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
           preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
-          recorded: Mapping[str, list[dict[str, np.ndarray]] | None] | None = None) -> _Trial:
+          recorded: Mapping[str, list[dict[str, np.ndarray]] | None] | None = None,
+          max_batch: int = 1, workers: int = 1) -> _Trial:
     """Open the candidate's session and answer the two questions; any failure becomes evidence."""
     m = bundle.manifest
     model = bundle.path(m.variant(c.variant).file)
@@ -218,6 +282,14 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
                                      tensor_bound=c.precision == "fp32")
         fid = judge_fidelity(m.postprocess, got, refs, fidelity_floors(m.task, m.selftest.fidelity))
         rep, fid = _locate(rep, origin), _locate(fid, origin)
+        plain = not any(_is_sequence(g) for g in golden) and not m.stateful
+        sizes = batch_sizes(bundle, max_batch) if plain else ()
+        fed = [t if use_device else g.input for t, g in zip(tensors, golden)]
+        more = judge_batches(opened, m, fed, got, sizes, bounds) if sizes else []
+        if not more and plain and workers > 1:
+            more = judge_concurrent(opened, m, fed, got, workers, bounds)
+        if more:
+            rep = replace(rep, findings=rep.findings + tuple(more))
     except Exception as exc:
         return _Trial(c, Evidence(c, error=f"inference error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}",
                                   effective=opened.effective, placement=opened.placement))
@@ -261,24 +333,48 @@ def _timed_call(opened: Any, m: Any, tensor: np.ndarray) -> Callable[[], Any]:
     return lambda: opened.session.run(None, feeds)
 
 
+# Called before every run of the latency loop with the candidate and its run number (1-based, warm-up
+# included): the self-test child sets it for its fault hook (`run:<provider>:<variant>#N`).
+BEFORE_RUN: Callable[[Candidate, int], None] | None = None
+
+
 def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
-                     attempt: int = 0, manifest: Any = None) -> None:
+                     attempt: int = 0, manifest: Any = None, marker: Any = None) -> None:
     """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
-    machine lands on all candidates alike; the load average is recorded beside the figures."""
+    machine lands on all candidates alike; the load average is recorded beside the figures.
+
+    `marker` (a `RunMarker`) is switched to each candidate before each of its runs, outside the timed
+    region: a crash on the 30th run of one candidate is blamed on that candidate, not on the first."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
     if not live:
         return
     samples: dict[int, list[int]] = {id(t): [] for t in live}
+    count: dict[int, int] = {id(t): 0 for t in live}
     before = os.getloadavg()[0]
+
+    def enter(t: _Trial) -> None:
+        count[id(t)] += 1
+        if marker is not None:
+            marker.set(t.candidate.key, f"latency run {count[id(t)]} of {warmup + runs}"
+                       + (f", re-measurement {attempt}" if attempt else ""))
+
+    def hook(t: _Trial) -> None:  # inside the timed region: a test's slow-down fault must count
+        if BEFORE_RUN is not None:
+            BEFORE_RUN(t.candidate, count[id(t)])
+
     try:
         calls = {id(t): (_timed_call(t.opened, manifest, tensor) if manifest is not None else
                          (lambda t=t: t.opened.run(tensor))) for t in live}
         for _ in range(warmup):
             for t in live:
+                enter(t)
+                hook(t)
                 calls[id(t)]()
         for _ in range(runs):
             for t in live:
+                enter(t)
                 t0 = time.perf_counter_ns()
+                hook(t)
                 calls[id(t)]()
                 samples[id(t)].append(time.perf_counter_ns() - t0)
     except Exception as exc:
@@ -297,10 +393,11 @@ def _timing_tensor(golden: Sequence[GoldenSample]) -> np.ndarray:
 
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
              latency: bool = True, latency_runs: int | None = None,
-             preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None) -> CandidateResult:
+             preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
+             max_batch: int = 1, workers: int = 1) -> CandidateResult:
     """One candidate alone: the two questions, then (optionally) its latency. Never raises."""
     m = bundle.manifest
-    trial = prove(bundle, c, settings, golden, preprocessed)
+    trial = prove(bundle, c, settings, golden, preprocessed, max_batch=max_batch, workers=workers)
     if latency:
         time_interleaved([trial], _timing_tensor(golden), m.selftest.warmup_runs,
                          latency_runs or m.selftest.latency_runs, manifest=m)
@@ -314,8 +411,11 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
                          opened: Any = None) -> dict[str, Any]:
     """Prove the reduced-scale JPEG path on the winning candidate: each golden raw frame as a camera `s`
     times its size sends it, decoded at 1/s (decoding.camera_sized_reduced), then the bundle's preprocessing
-    and the model, judged by the fidelity question's task metric and floors against the references.
-    Scales 2, 4, 8 in turn, stopping at the first failure; `max_scale` is the largest that passed."""
+    and the model. A speed path must *reproduce* what the full path serves: its decoded results (classes,
+    detections) agree with the same candidate's full-size decode within the candidate's reproduction
+    bounds; the fidelity floors against the references are checked too, but staying above a floor is
+    never enough (a floor of 0.9 let 10 % of detections drop). Scales 2, 4, 8 in turn, stopping at the
+    first failure; `max_scale` is the largest that passed."""
     m = bundle.manifest
     resize = m.preprocess.resize
     if m.frame.kind != "image" or resize is None:
@@ -332,22 +432,31 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
                     "scales": []}
     pre = bundle.preprocessor()
     floors = fidelity_floors(m.task, m.selftest.fidelity)
+    bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
     refs = [r for g in golden for r in _steps(g.outputs, False)]
     best, reason, scales = 1, None, []
+    try:  # what the full path serves on the same frames: the reference a shortcut must reproduce
+        full = [split_batch(o, 0) for g in golden for o in _run_golden(opened, m, pre(g.raw), False)]
+    except Exception as exc:
+        return {"max_scale": 1, "reason": f"full decode: {type(exc).__name__}: {exc}"[:400], "scales": []}
     for s in REDUCED_SCALES:
         try:
             got = []
             for g in golden:
                 frame = camera_sized_reduced(g.raw, s, m.frame.color)
                 got += [split_batch(o, 0) for o in _run_golden(opened, m, pre(frame), False)]
+            # decoded agreement with the full path (pixels differ after a reduced decode, so no tensor bound)
+            rep = judge_reproduction(m.postprocess, got, full, bounds, "full path", stage=f"decode 1/{s}",
+                                     tensor_bound=False)
             fid = judge_fidelity(m.postprocess, got, refs, floors, stage=f"decode 1/{s}")
         except Exception as exc:
             reason = f"decode 1/{s}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             scales.append({"scale": s, "passed": False, "reason": reason})
             break
-        scales.append({"scale": s, "passed": fid.passed, "fidelity": fid.to_dict()})
-        if not fid.passed:
-            reason = f"decode 1/{s}: " + "; ".join(f.text() for f in fid.findings)
+        passed = rep.passed and fid.passed
+        scales.append({"scale": s, "passed": passed, "reproduction": rep.to_dict(), "fidelity": fid.to_dict()})
+        if not passed:
+            reason = f"decode 1/{s}: " + "; ".join(f.text() for f in rep.findings + fid.findings)
             break
         best = s
     if best == 1 and reason is None:
@@ -382,6 +491,19 @@ class CrashMarkers:
     def leave(self) -> None:
         self.inflight.unlink(missing_ok=True)
 
+    def interleaved(self, bundle_sha: str, fn: Callable[[Any], T]) -> T:
+        """Run `fn(marker)`, a latency loop that switches the in-flight marker per candidate per run."""
+        marker = RunMarker(self.inflight, bundle_sha)
+        try:
+            return fn(marker)
+        finally:
+            marker.close()
+            self.leave()
+
+
+def _interleaved(markers: CrashMarkers | None, bundle: Bundle, fn: Callable[[Any], T]) -> T:
+    return markers.interleaved(bundle.manifest_sha256, fn) if markers else fn(None)
+
 
 def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: SelftestOptions,
               fingerprint: Mapping[str, str]) -> str:
@@ -392,6 +514,8 @@ def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: Selftest
         "device": sorted(fingerprint.items()),
         "policy": repr(opts.policy),
         "settings": repr(opts.settings),
+        "max_batch": opts.max_batch,  # a verdict at batch 1 says nothing about batch 4
+        "workers": opts.workers,
     }
     return sha256_bytes(json.dumps(material, sort_keys=True, default=str).encode())
 
@@ -441,7 +565,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             hit = next((c for c in candidates if c.key == cached.get("candidate")), None)
             if hit is not None:
                 quick = _guarded(markers, bundle, hit, lambda: evaluate(bundle, hit, opts.settings, golden, latency=False,
-                                                        preprocessed=preprocessed))
+                                                        preprocessed=preprocessed, max_batch=opts.max_batch,
+                                                        workers=opts.workers))
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
                     # the reduced-decode check depends on what the cache key covers: reused, not re-run
@@ -471,19 +596,24 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         for c in group:
             if f"{bundle.manifest_sha256}|{c.key}" in crashed:
                 skipped[c.key] = CandidateResult(c, False, ("skipped: this candidate crashed the agent during an "
-                                                            "earlier self-test",), None, "skipped")
+                                                            "earlier self-test or while serving",), None, "skipped")
+                continue
+            if f"{bundle.manifest_sha256}|*:{c.variant}" in crashed:
+                skipped[c.key] = CandidateResult(c, False, (f"skipped: reading variant {c.variant}'s contract "
+                                                            "crashed an earlier self-test",), None, "skipped")
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
             trial = _guarded(markers, bundle, c, lambda c=c: prove(bundle, c, opts.settings, golden, preprocessed,
-                                                                   recorded))
+                                                                   recorded, opts.max_batch, opts.workers))
             trials[c.key] = trial
             if judge(trial.evidence, m).passed:
                 proven.append(trial)
         if proven:  # only candidates that answered both questions are worth timing
-            # Each ran its golden samples under its own marker already; a crash inside the interleaved
-            # loop is blamed on the first, so a crash loop still cannot happen.
-            _guarded(markers, bundle, proven[0].candidate,
-                     lambda: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m))
+            # Each ran its golden samples under its own marker already; inside the interleaved loop the
+            # marker switches to each candidate before each of its runs.
+            _interleaved(markers, bundle,
+                         lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
+                                                     marker=mk))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
@@ -499,8 +629,9 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             log.warning("selftest.latency_retry", attempt=attempt, of=len(schedule), wait_s=delay,
                         candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
             opts.sleep(delay)
-            _guarded(markers, bundle, slow[0].candidate,
-                     lambda: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt, manifest=m))
+            _interleaved(markers, bundle,
+                         lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt, manifest=m,
+                                                     marker=mk))
             again = {t.candidate.key: judge(t.evidence, m) for t in slow}
             results = [again.get(r.candidate.key, r) for r in results]
             attempts.append({"attempt": attempt, "waited_s": delay,
@@ -557,6 +688,18 @@ def options_from_config(cfg: Any, provider: str | None = None, variant: str | No
     order = tuple(cfg.providers.order)
     if policy.provider and policy.provider not in order:
         order = (policy.provider,) + order
+    pipe = getattr(cfg, "pipeline", None)
+    max_batch = int(getattr(pipe, "max_batch", 1) or 1)
+    if pipe is not None and getattr(cfg, "sources", None) and getattr(pipe, "batch_across_sources", False):
+        max_batch = max(max_batch, len(cfg.sources))  # one frame per source in a batch (Pipeline)
     return SelftestOptions(policy=policy, settings=cfg.session, provider_order=order,
                            provider_options=with_compile_caches(cfg.providers.options, str(cfg.state_dir / "cache")),
-                           use_cache=sel.use_cache if use_cache is None else use_cache)
+                           use_cache=sel.use_cache if use_cache is None else use_cache, max_batch=max_batch,
+                           workers=serving_workers(pipe))
+
+
+def serving_workers(pipe: Any) -> int:
+    """The inference callers serving runs at once: the configured pool, else up to the cores (at most 4),
+    as `Pipeline` sizes it."""
+    fixed = int(getattr(pipe, "inference_workers", 0) or 0)
+    return fixed if fixed > 0 else max(1, min(len(os.sched_getaffinity(0)), 4))

@@ -6,6 +6,7 @@ and changes no state: the controller applies the outcome.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,13 @@ from typing import Any
 from agent.bundle.load import Bundle, load_bundle
 from agent.config import Config
 from agent.errors import AgentError
+from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
-from agent.proof.isolation import ChildProof, prove_in_child
+from agent.proof.isolation import ChildProof, CrashLedger, prove_in_child
 from agent.proof.verdict import Candidate
+from agent.service.audit import AuditTap
+from agent.service.serving_ledger import ServingWatch, serving_faults
+from agent.service.serving_ledger import recover as recover_serving_crashes
 from agent.serving.engine import Engine, build_engine
 
 log = get_logger("boot")
@@ -48,8 +53,13 @@ def candidate_from_report(report: dict[str, Any]) -> Candidate:
 
 
 def open_engine(bundle: Bundle, candidate: Candidate, cfg: Config) -> Engine:
-    """The serving session of a proven candidate; it must run on the provider that was proven."""
-    engine = build_engine(bundle, candidate, cfg.session)
+    """The serving session of a proven candidate; it must run on the provider that was proven.
+
+    A crash marker names the candidate while the session opens and through its first inferences
+    (at boot and at every swap): a process that dies there costs this candidate at the next boot."""
+    watch = ServingWatch(cfg.state_dir / "selftest", bundle.manifest_sha256, candidate.key,
+                         faults=serving_faults(bundle.manifest.version))
+    engine = build_engine(bundle, candidate, cfg.session, watch=watch, tap=AuditTap())
     if candidate.provider not in engine.opened.effective:
         raise AgentError(f"the serving session for {candidate.key} runs on {list(engine.opened.effective)}, "
                          "not the proven provider")
@@ -80,6 +90,8 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         return BootOutcome(None, None, None, "no bundle configured (key bundle) and none in the store")
     if store is None and (why := bundle_path_problem(root)) is not None:
         return BootOutcome(None, None, None, f"key bundle: {why}")
+    # a serving process that died under its candidate's marker: recorded before the child reads the ledger
+    recover_serving_crashes(cfg.state_dir / "selftest", CrashLedger(cfg.state_dir / "selftest"))
     try:
         proof = prove(root, cfg)
     except AgentError as exc:  # a reason, never a traceback in job.failed
@@ -99,4 +111,19 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         engine = open_engine(bundle, candidate_from_report(proof.report), cfg)
     except AgentError as exc:
         return BootOutcome(bundle, None, proof.report, str(exc))
+    note_served(cfg.state_dir / "selftest", bundle, engine.candidate.key, proof.report)
     return BootOutcome(bundle, engine, proof.report, None)
+
+
+def note_served(directory: Path, bundle: Bundle, candidate: str, report: dict[str, Any]) -> None:
+    """On a loaded device the winner can differ from boot to boot (INT8, then FP32): the same bundle now
+    gives other answers. Said in the report (`served_changed`, so health and the report page show it)
+    and the journal; `served.json` keeps what served last."""
+    path = directory / "served.json"
+    last = read_json(path) or {}
+    if last.get("bundle") == bundle.manifest_sha256 and last.get("candidate") not in (None, candidate):
+        report["served_changed"] = {"previous": last["candidate"], "now": candidate, "since": last.get("at")}
+        log.warning("boot.answers_changed", previous=last["candidate"], now=candidate, bundle=bundle.identity,
+                    reason="the same bundle serves another candidate than at the last boot: its answers differ")
+    write_json_atomic(path, {"bundle": bundle.manifest_sha256, "candidate": candidate,
+                             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})

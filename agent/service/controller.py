@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import signal
 import threading
@@ -33,6 +34,8 @@ from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode
 from agent.service.boot import BootOutcome, boot, open_engine, prove
+from agent.service.audit import Auditor, AuditSettings, loud_state
+from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
 
@@ -148,6 +151,11 @@ class Controller:
         self._last_failure: dict[str, Any] | None = None  # the last rejected / rolled-back update, for the facts
         self._last_health: dict[str, Any] | None = None
         self._last_health_key: Any = None
+        sel = cfg.selection  # re-proof while up when nothing serves only because of latency (reproof.py)
+        self.reproof = Reproof(ReproofSchedule(sel.reproof_backoff_s, sel.reproof_max_backoff_s))
+        # keep proving while serving (audit.py): canary and live audit on their own thread
+        self.auditor = Auditor(AuditSettings.from_config(cfg), lambda: self.engine if self.serving else None,
+                               cfg.session)
 
     # -- any thread ----------------------------------------------------------------------------------
     def post(self, event: Any, timeout: float | None = None) -> bool:
@@ -296,6 +304,12 @@ class Controller:
             log.error("boot.not_serving", reason=self.not_serving_reason)
         else:
             log.info("boot.ready", **self.engine.describe())
+            loud = loud_state(self.selftest_doc, None)
+            if loud:  # pinned below floor, too slow: in the journal, not only in health
+                log.warning("boot.serving_loudly", state=loud, warnings=(self.selftest_doc or {}).get("warnings"))
+        self.reproof.after_proof(o.report, self.serving, self.not_serving_reason)
+        if self.reproof.armed:
+            log.warning("reproof.scheduled", **self.reproof.to_dict())
         self._publish_selftest()
 
     # -- updates (called by the updater, on its thread) --------------------------------------------------
@@ -347,7 +361,14 @@ class Controller:
             not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
             engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
             probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
-            mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update)
+            mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
+        ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict()}
+
+    def _status_text(self) -> str:
+        """systemd's STATUS=, with what an operator must see beside "serving" (degraded, pinned)."""
+        loud = loud_state(self.selftest_doc, self.auditor.to_dict()) if self.serving else None
+        line = status_line(self.serving, self.engine, self.not_serving_reason)
+        return f"{line} — {loud}" if loud else line
 
     def _idle_reason(self) -> str:
         p = self.pipeline
@@ -369,6 +390,7 @@ class Controller:
     def _health_key(self) -> Any:
         p = self.pipeline
         return (self.serving, self.not_serving_reason, self.engine.describe()["variant"] if self.engine else None,
+                self.auditor.to_dict()["state"],
                 p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None,
                 getattr(p.source, "state_key", lambda: None)() if p else None)  # many sources: one turns stuck
 
@@ -549,6 +571,40 @@ class Controller:
             finally:
                 self._release_operation()  # no-op when _reload_done released it already
 
+    def _reproof_job(self) -> None:
+        """A scheduled re-proof (reproof.py): the boot's proof again, applied like a boot's."""
+        try:
+            log.info("reproof.start", attempt=self.reproof.attempts + 1, load=round(os.getloadavg()[0], 2))
+            outcome = boot(self.cfg, self.store)
+            self.call(lambda: self._apply_boot(outcome) if self.engine is None else None)  # else: served meanwhile
+        finally:
+            try:
+                self.call(self._reproof_done)
+            finally:
+                self._release_operation()
+
+    def _reproof_done(self) -> None:
+        self._release_operation()
+        if self.reproof.armed and self.reproof.next_at is None:  # not applied (served meanwhile, or it raised)
+            self.reproof.after_proof(self.selftest_doc, self.serving, self.not_serving_reason)
+        if self.serving:
+            log.info("reproof.serving", healed_after=self.reproof.to_dict()["healed"], **self.engine.describe())
+        self.notifier.status(self._status_text())
+        self._publish_health()
+
+    def _on_drift(self, drift: dict[str, Any]) -> None:
+        """The audit saw answers drift: degraded (health, STATUS, /metrics), and proven again."""
+        self.notifier.status(self._status_text())
+        self._publish_health()
+        if self.auditor.s.switch_on_drift:
+            log.error("audit.reproving", how="reload", **drift)
+            self._request_reload(None)
+        elif self.bundle is not None and self._try_operation("selftest") is None:
+            log.error("audit.reproving", how="selftest", **drift)
+            self._spawn("selftest", self._selftest_job, self.bundle,
+                        lambda r: log.warning("audit.reproof_done", passed=r.get("passed"), selected=r.get("selected"),
+                                              reason=r.get("reason")))
+
     def _read_config(self) -> Config | None:
         if self.cfg.source_file is None:
             return self.cfg
@@ -583,7 +639,7 @@ class Controller:
         # Released here, on the controller's thread: a reload request handled after this line starts a
         # new reload instead of joining one whose answers were already sent.
         self._release_operation()
-        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
+        self.notifier.ready(self._status_text())
         self._publish_health()
         replies, self._reload_replies = self._reload_replies, []
         for reply in replies:
@@ -677,6 +733,7 @@ class Controller:
         # takes bundle messages meanwhile; an update that arrives now waits for the slot.
         self._try_operation("boot")
         self._spawn("boot", self._boot_job, release=False)
+        self.auditor.start()
         code = self._loop()
         self._shutdown()
         return code
@@ -693,7 +750,7 @@ class Controller:
         self._release_operation()
         self._start_inbox()
         # Ready means proven: a candidate passed, or the agent settled in "not serving" and says why.
-        self.notifier.ready(status_line(self.serving, self.engine, self.not_serving_reason))
+        self.notifier.ready(self._status_text())
         self._publish_health()
 
     def _loop(self) -> int:
@@ -715,6 +772,12 @@ class Controller:
             if self.config_refused is not None:
                 log.error("boot.config_refused", reason=self.config_refused, exit_code=EXIT_PIPELINE_FAILED)
                 return EXIT_PIPELINE_FAILED
+            drift = self.auditor.take_drift()
+            if drift is not None:
+                self._on_drift(drift)
+            if self.reproof.due() and self._try_operation("reproof") is None:
+                self.reproof.started()
+                self._spawn("reproof", self._reproof_job, release=False)
             p = self.pipeline
             if p is not None and p.failed is not None:
                 self.not_serving_reason = p.failed
@@ -733,9 +796,10 @@ class Controller:
             if time.monotonic() >= next_health or key != self._last_health_key:
                 doc = self._publish_health()
                 if key != self._last_health_key:
-                    self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
+                    self.notifier.status(self._status_text())
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
+                         **({"reproof": doc["reproof"]} if doc["reproof"]["armed"] else {}),
                          # the stage plan is logged once, as pipeline.stages_sized: not on every health line
                          **{k: v for k, v in (doc["pipeline"] or {}).items() if k not in ("latency_ms", "stages")},
                          decoder=(doc["source"] or {}).get("decoder"),
@@ -745,6 +809,7 @@ class Controller:
 
     def _shutdown(self) -> None:
         self.notifier.stopping()
+        self.auditor.stop()
         self._stop_pipeline()
         # An update may be waiting on `call` to restore what it switched: keep answering until it is done
         # (bounded). A self-test child (boot, reload, command) is simply abandoned: it dies with us.

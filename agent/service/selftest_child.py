@@ -2,7 +2,8 @@
 
 Run by `agent.proof.isolation.prove_in_child`, never in the serving process. Each step that can kill
 a process is marked first, so the parent can name it; steps with a crash record are skipped.
-Fault injection for tests (`EDGE_AGENT_FAULT`) lives here and nowhere else.
+Fault injection for tests (`EDGE_AGENT_FAULT`) lives here, and for the serving path in
+`agent.service.serving_ledger` (read only when the variable is set).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 def _prove(args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime as ort
 
-    from agent.bundle.load import load_bundle
+    from agent.bundle.load import check_variant_contract, load_bundle
     from agent.config import Config, load_config
     from agent.proof import selftest
     from agent.proof.probe import detect_providers, provider_versions
@@ -81,9 +83,19 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
     sha = bundle_digest(args.bundle)
     crashed = ledger.active(sha)
 
-    mark_step(directory, "load")  # the contract check opens every variant
+    mark_step(directory, "load")  # manifest, file hashes, golden arrays: no session
     inject_fault("load", faults)
-    bundle = load_bundle(args.bundle)
+    bundle = load_bundle(args.bundle, check_contracts=False)
+    # Each variant's contract is its own step (it opens a session): a driver that crashes on the INT8
+    # file costs that variant, and the FP32 is still tried.
+    for v in bundle.manifest.variants:
+        if f"contract:{v.name}" in crashed:
+            log.warning("selftest.contract_skipped", variant=v.name, reason=crashed[f"contract:{v.name}"].describe())
+            continue
+        mark_step(directory, f"contract:{v.name}")
+        inject_fault(f"contract:{v.name}", faults)
+        check_variant_contract(args.bundle, bundle.manifest, v.name)
+    mark_step(directory, None)
 
     statuses: list[ProviderStatus] = []
     for name in opts.provider_order:
@@ -98,7 +110,8 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
     mark_step(directory, None)
 
     cached = read_json(directory / "cache.json") or {}
-    if opts.use_cache and f"candidate:{cached.get('candidate')}" in crashed:
+    cached_variant = str(cached.get("candidate") or "").rsplit(":", 1)[-1]
+    if opts.use_cache and (f"candidate:{cached.get('candidate')}" in crashed or f"contract:{cached_variant}" in crashed):
         log.warning("selftest.cached_winner_crashed", candidate=cached.get("candidate"))
         opts = dataclasses.replace(opts, use_cache=False)
 
@@ -111,6 +124,14 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
             return step_fn(bundle, c, *a, **kw)
         return run
 
+    def before_run(c: Any, n: int) -> None:  # "run:<provider>:<variant>#N": die on that candidate's N-th run
+        inject_fault(f"run:{c.key}#{n}", faults)
+        flag = faults.get(f"slow:{c.key}")  # "slow:<key>=FILE": each timed run 30 ms slower while FILE exists
+        if flag and os.path.exists(flag):
+            time.sleep(0.03)
+
+    if any(k.startswith(("run:", "slow:")) for k in faults):
+        selftest.BEFORE_RUN = before_run
     selftest.detect_providers = lambda *a, **kw: list(statuses)  # type: ignore[assignment]
     selftest.prove = with_fault(selftest.prove)  # type: ignore[assignment]
     selftest.evaluate = with_fault(selftest.evaluate)  # type: ignore[assignment]

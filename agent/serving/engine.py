@@ -28,6 +28,9 @@ from agent.spec.preprocess import Preprocessor
 log = get_logger("engine")
 
 
+AUDIT_SOURCE = "__audit__"  # the audit's own runs (canary): never sampled by the tap
+
+
 @dataclass(frozen=True)
 class Engine:
     bundle: Bundle
@@ -39,6 +42,10 @@ class Engine:
     events: Any = None  # agent.spec.decisions.SegmentTracker when the bundle declares an event stage
     # state is read, run and written back as one step: two workers must not interleave on a source
     _state_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # the serving crash marker of this session's first inferences (agent.service.serving_ledger)
+    watch: Any = field(default=None, repr=False, compare=False)
+    # the audit's tap (agent.service.audit.AuditTap): sees a sample of what this engine serves
+    tap: Any = field(default=None, repr=False, compare=False)
 
     @property
     def dynamic_batch(self) -> bool:
@@ -56,6 +63,20 @@ class Engine:
             metadata: Mapping[str, Any] | None = None, frame: Any = None) -> dict[str, np.ndarray]:
         """Run one prepared tensor with every other input the model takes; carries state per source.
         `frame`: a sensor window (its `span` places it in its stream; its `state` is told what happened)."""
+        w, t = self.watch, self.tap
+        if w is None and t is None:
+            return self._run(tensor, source, at, metadata, frame)
+        if w is not None:
+            w.before()
+        out = self._run(tensor, source, at, metadata, frame)
+        if w is not None:
+            out = w.after(out)
+        if t is not None and t.fn is not None and source != AUDIT_SOURCE:
+            t.fn(self, tensor, out)
+        return out
+
+    def _run(self, tensor: np.ndarray, source: str, at: float | None,
+             metadata: Mapping[str, Any] | None, frame: Any = None) -> dict[str, np.ndarray]:
         if self.feeder is None or not self.bundle.manifest.inputs:
             return self.opened.run(tensor)
         names = self.opened.output_names
@@ -106,9 +127,13 @@ class Engine:
                 "provider": self.candidate.provider, "effective_providers": list(self.opened.effective)}
 
 
-def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings) -> Engine:
+def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings, watch: Any = None,
+                 tap: Any = None) -> Engine:
+    """The serving session; `watch` (written before this is called) covers opening and first runs."""
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
+    if watch is not None:
+        watch.opened()
     m = bundle.manifest
     return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(m),
-                  events=tracker_for(m.postprocess, m.frame.sample_rate))
+                  events=tracker_for(m.postprocess, m.frame.sample_rate), watch=watch, tap=tap)

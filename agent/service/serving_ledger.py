@@ -1,0 +1,134 @@
+"""The serving process's share of the crash ledger: a marker naming the candidate while a serving
+session is opened (at boot and at every engine swap) and through its first inferences.
+
+A variant can pass the self-test child and still kill the serving process (only under concurrent
+callers, only after a few runs). Without a marker every restart served it again: ready, SIGSEGV,
+restart, forever. With one, the next boot finds the marker the dead process left, records
+`candidate:<provider>:<variant>` in the same ledger as a crash in the self-test child
+(`agent.proof.isolation.CrashLedger`), and the child skips exactly that candidate.
+
+A marker is removed after the first `WATCH_RUNS` inferences completed, when its engine is dropped,
+and at a clean exit (a `weakref.finalize`, which also runs at interpreter exit): only a process that
+died without unwinding (a signal, the OOM killer) leaves one behind.
+
+Fault injection for tests: `EDGE_AGENT_FAULT="serve:<provider>:<variant>#N=SIGSEGV"` dies before the
+N-th inference of that candidate in the serving process (`#0`: while opening its session);
+`drift:<provider>:<variant>#N=<factor>` multiplies its float outputs by factor from the N-th
+inference on (a weight change after boot, for the audit to find). The hook is read only when the
+variable is set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from agent.fsio import read_json, write_json_atomic
+from agent.logsetup import get_logger
+from agent.proof.isolation import CrashLedger, inject_fault, parse_faults
+
+log = get_logger("serving_ledger")
+
+FAULT_ENV = "EDGE_AGENT_FAULT"
+PREFIX = "serving-"
+WATCH_RUNS = 64  # inferences a new serving session runs under its marker
+_ids = itertools.count(1)
+# Which process wrote a marker: a PID repeats across restarts (PID 1 in a container, every boot), a
+# token drawn at import does not.
+PROCESS_TOKEN = uuid.uuid4().hex
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # at interpreter exit the directory may be gone (a test's temporary state)
+
+
+def serving_faults(version: int | str) -> dict[str, str]:
+    """The `serve:` faults of `EDGE_AGENT_FAULT` for this bundle version ("step@<version>" hits one)."""
+    raw = os.environ.get(FAULT_ENV)
+    if not raw:
+        return {}
+    return {k.removesuffix(f"@{version}"): v for k, v in parse_faults(raw).items()
+            if k.startswith(("serve:", "drift:")) and ("@" not in k or k.endswith(f"@{version}"))}
+
+
+class ServingWatch:
+    """One serving session's marker: written before the session is opened, removed after its first
+    `runs` inferences. `before`/`after` wrap each inference; after the watch ends they cost one
+    attribute read."""
+
+    def __init__(self, directory: Path, bundle_sha: str, candidate: str, runs: int = WATCH_RUNS,
+                 faults: Mapping[str, str] | None = None):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{PREFIX}{os.getpid()}-{next(_ids)}.json"
+        self.bundle_sha, self.candidate, self.runs = bundle_sha, candidate, runs
+        self.faults = dict(faults or {})
+        prefix = f"drift:{candidate}#"
+        self._drift = next(((int(k.removeprefix(prefix)), float(v)) for k, v in self.faults.items()
+                            if k.startswith(prefix)), None)
+        self.active = True
+        self._started = self._done = 0
+        self._lock = threading.Lock()
+        self._write("opening the serving session")
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        inject_fault(f"serve:{candidate}#0", self.faults)
+
+    def _write(self, phase: str) -> None:
+        write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "pid": os.getpid(),
+                                      "process": PROCESS_TOKEN, "phase": phase, "at": time.time()})
+
+    def opened(self) -> None:
+        """The session is open: the marker now covers its first inferences."""
+        self._write(f"first {self.runs} inferences")
+
+    def before(self) -> None:
+        if not self.active and not self.faults:
+            return
+        with self._lock:
+            self._started += 1
+            n = self._started
+        if self.faults:
+            inject_fault(f"serve:{self.candidate}#{n}", self.faults)
+
+    def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        if self._drift is not None and self._started >= self._drift[0]:
+            outputs = {k: v * np.float32(self._drift[1]) if v.dtype.kind == "f" else v for k, v in outputs.items()}
+        if not self.active:
+            return outputs
+        with self._lock:
+            self._done += 1
+            finished = self.active and self._done >= self.runs
+            if finished:
+                self.active = False
+        if finished:
+            self._finalizer()  # unlinks once
+            log.info("serving.watch_done", candidate=self.candidate, inferences=self.runs)
+        return outputs
+
+
+def recover(directory: Path, ledger: CrashLedger) -> list[str]:
+    """Record the candidate of each marker a dead serving process left; returns the steps recorded."""
+    out = []
+    for path in sorted(directory.glob(f"{PREFIX}*.json")):
+        doc = read_json(path)
+        if isinstance(doc, dict) and doc.get("process") == PROCESS_TOKEN:
+            continue  # ours, live (a re-proof or reload in this process)
+        path.unlink(missing_ok=True)
+        if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
+            continue
+        step = f"candidate:{doc['candidate']}"
+        ledger.record(step, str(doc["bundle"]), "the serving process died", f"serving: {doc.get('phase', '')}")
+        log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"),
+                  reason="the last serving process died under this candidate; the self-test skips it")
+        out.append(step)
+    return out

@@ -1,0 +1,37 @@
+"""Every verdict reaches every channel: a pinned below-floor or degraded candidate, and the serving
+audit's counters, are in /metrics (the families the metrics server renders) and in STATUS."""
+
+from __future__ import annotations
+
+from agent.link.prometheus import families
+from agent.service.audit import loud_state
+
+
+def _values(health: dict) -> dict[str, float]:
+    out = {}
+    for fam in families(health, None):
+        for s in fam.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+def test_pinned_below_floor_degraded_and_audit_drift_are_in_metrics() -> None:
+    health = {"uptime_s": 1, "serving": True,
+              "selftest": {"passed": True, "pinned_below_floor": True, "degraded": None, "bundle": {}},
+              "audit": {"state": "degraded", "canary_runs": 7, "canary_failures": 2, "live_samples": 3,
+                        "live_windows": 1, "live_drift": 0}}
+    v = _values(health)
+    assert v["edge_agent_pinned_below_floor"] == 1
+    assert v["edge_agent_degraded{reason=audit_drift}"] == 1 and v["edge_agent_degraded{reason=too_slow}"] == 0
+    assert v["edge_agent_audit_canary_runs_total"] == 7 and v["edge_agent_audit_canary_failures_total"] == 2
+    healthy = _values({"uptime_s": 1, "serving": True, "selftest": {"passed": True, "bundle": {}}, "audit": {"state": "ok"}})
+    assert healthy["edge_agent_pinned_below_floor"] == 0 and healthy["edge_agent_degraded{reason=audit_drift}"] == 0
+
+
+def test_status_says_what_serves_loudly() -> None:
+    assert loud_state({"pinned_below_floor": True}, None) == "PINNED BELOW FLOOR"
+    drift = {"degraded": {"check": "canary", "candidate": "CPUExecutionProvider:int8"}}
+    assert loud_state({"degraded": "too slow"}, drift) == ("DEGRADED: canary audit of CPUExecutionProvider:int8 "
+                                                          "drifted; DEGRADED: too slow for its budget")
+    assert loud_state({"passed": True}, {"state": "ok", "degraded": None}) is None
