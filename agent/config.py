@@ -382,6 +382,20 @@ def check_sources(cfg: Config, where: str) -> None:
         seen.add(s.name)
 
 
+MAX_DEVICE_ID_CHARS = 64
+
+
+def check_device_id(device_id: str, where: str) -> None:
+    """The device id is a topic level (edge/<id>/...) and the broker user name the ACL matches as %u: a '/'
+    would split it, and '+' or '#' in a subscription filter would match other devices' commands."""
+    bad = sorted({c for c in device_id if c in "/+#" or ord(c) < 0x20 or ord(c) == 0x7F or c.isspace()})
+    if not device_id or len(device_id) > MAX_DEVICE_ID_CHARS or bad:
+        why = ("is empty" if not device_id else f"is {len(device_id)} characters (at most {MAX_DEVICE_ID_CHARS})"
+               if len(device_id) > MAX_DEVICE_ID_CHARS else f"contains {', '.join(repr(c) for c in bad)}")
+        raise ConfigError(f"{where}: key device_id: {device_id[:80]!r} {why}; it names the device's MQTT topics and "
+                          "broker account: use letters, digits, '-', '_' or '.' (no '/', '+', '#', spaces)")
+
+
 def check_ranges(cfg: Config, where: str) -> None:
     """Refuse values that parse but cannot work (inference_workers: -3 would start no inference thread)."""
     sections = lambda section: ([(section, getattr(cfg, section))] if section != "source" else  # noqa: E731
@@ -397,6 +411,7 @@ def check_ranges(cfg: Config, where: str) -> None:
             if value > high:
                 raise ConfigError(f"{where}: key {label}.{key}: expected <= {high:g}, found {value!r}")
     check_sources(cfg, where)
+    check_device_id(cfg.device_id, where)
     if cfg.updates.min_chunk_bytes > cfg.updates.max_chunk_bytes:
         raise ConfigError(f"{where}: key updates.min_chunk_bytes: {cfg.updates.min_chunk_bytes} is over "
                           f"updates.max_chunk_bytes {cfg.updates.max_chunk_bytes}")
@@ -482,6 +497,17 @@ def json_depth_exceeds(data: bytes, max_depth: int) -> bool:
     return False
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range for a finite float")
+    return value
+
+
 def parse_json_object(payload: bytes, max_bytes: int, max_depth: int = 32) -> dict[str, Any]:
     """An empty payload is {}; anything else must be a JSON object within the size and depth bounds."""
     if len(payload) > max_bytes:
@@ -491,7 +517,7 @@ def parse_json_object(payload: bytes, max_bytes: int, max_depth: int = 32) -> di
     if json_depth_exceeds(payload, max_depth):
         raise PayloadError(f"JSON nested deeper than {max_depth} levels")
     try:
-        doc = json.loads(payload.decode("utf-8"))
+        doc = json.loads(payload.decode("utf-8"), parse_constant=_not_json, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise PayloadError(f"not JSON: {exc}") from exc
     if not isinstance(doc, dict):

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 CACHE=${EDGE_AGENT_CACHE:-$HOME/.cache/edge-agent}
 PY=${PYTHON:-python3}
-COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema cryptography pytest onnx sympy pillow matplotlib prometheus-client"
+COMMON_DEPS="numpy opencv-python-headless paho-mqtt pyyaml structlog jsonschema cryptography urllib3 pytest onnx sympy pillow matplotlib prometheus-client"
 export PYTHONPATH=$ROOT PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$CACHE"
 

@@ -346,7 +346,8 @@ class Controller:
             not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
             engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
             probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
-            mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update)
+            mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
+            update_machine=self.updater.machine.snapshot.to_dict() if self.updater is not None else None)
 
     def _idle_reason(self) -> str:
         p = self.pipeline
@@ -561,28 +562,36 @@ class Controller:
 
     # -- updates by command --------------------------------------------------------------------------------
     def _update_command(self, cmd: Any, reply: Reply) -> None:
+        """On the controller's thread: the update machine takes the command or answers busy at once; the
+        work runs on a job thread. The machine's state is the only "one at a time" guard."""
         if self.updater is None:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
-            return
-        if self._update_thread is not None and self._update_thread.is_alive():
-            # the delivery's word for a second update while one runs (README "Hostile inputs"): busy
-            reply({"ok": False, "already_running": True, "busy": True,
-                   "error": "busy: an update command is already running; send it again after its verdict"})
             return
         if cmd.name == "update":
             url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
             if not isinstance(url, str) or not isinstance(sha, str):
                 reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
                 return
+            uid = str(cmd.payload.get("id", url.rsplit("/", 1)[-1]))[:100]
+            refused = self.downloader.refusal(url, uid)
+            if refused is not None:
+                reply({"ok": False, "update": refused})
+                return
+            busy = self.updater.begin(uid, "url")
+            work: Callable[[], dict[str, Any]] = lambda: self.downloader.fetch_started(url, sha, uid)  # noqa: E731
+        else:
+            uid = str(cmd.payload.get("id", "rollback"))[:100]
+            busy = self.updater.begin_rollback(uid)
+            work = lambda: self.updater.rollback_started(uid)  # noqa: E731
+        if busy is not None:
+            # the delivery's word for a second update while one runs (README "Hostile inputs"): busy
+            reply({"ok": False, "already_running": True, "busy": True,
+                   "error": f"{busy}; send it again after its verdict"})
+            return
 
         def run() -> None:
             try:
-                if cmd.name == "rollback":
-                    result = self.updater.rollback(str(cmd.payload.get("id", "rollback")))
-                else:
-                    url = cmd.payload["url"]
-                    result = self.downloader.fetch(url, cmd.payload["sha256"],
-                                                   str(cmd.payload.get("id", url.rsplit("/", 1)[-1])))
+                result = work()
                 reply({"ok": result["state"] == "committed", "update": result})
             except Exception as exc:
                 log.exception("update.command_failed")
@@ -602,8 +611,13 @@ class Controller:
 
         self.store = BundleStore(self.cfg.state_dir / "store")
         self.store.recover()  # only here, before anything can stage: a reload never touches staging
-        self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, self.cfg.source_file,
+        # the proof of an update runs under the config object that serves (self.cfg, after any reload)
+        self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, lambda: self.cfg,
                                self._publish_update)
+        cut = self.updater.machine.resolve_interrupted()  # a power cut mid-update: its verdict, published
+        if cut is not None:
+            self._last_update = {"update": cut.update, "origin": cut.origin, "state": cut.state.value,
+                                 "ts": round(cut.since, 3), "phase": cut.state.value, "reason": cut.reason}
         self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
         threading.Thread(target=self.receiver.run_sweeper, args=(self.stop_event,), name="sweeper", daemon=True).start()
 
@@ -699,7 +713,8 @@ class Controller:
             if time.monotonic() >= next_health or key != self._last_health_key:
                 doc = self._publish_health()
                 if key != self._last_health_key:
-                    self.notifier.status(status_line(self.serving, self.engine, self.not_serving_reason))
+                    self.notifier.status(status_line(self.serving, self.engine,
+                                                     self.not_serving_reason or self._idle_reason()))
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
                          # the stage plan is logged once, as pipeline.stages_sized: not on every health line
@@ -714,6 +729,8 @@ class Controller:
         self._stop_pipeline()
         # An update may be waiting on `call` to restore what it switched: keep answering until it is done
         # (bounded). A self-test child (boot, reload, command) is simply abandoned: it dies with us.
+        if self.updater is not None:
+            self.updater.machine.cancel.set()  # a download in flight stops now, not at its deadline
         deadline = time.monotonic() + 30
         while ((self._operation or "").startswith(("update", "rollback")) or
                (self._update_thread is not None and self._update_thread.is_alive())) and time.monotonic() < deadline:
