@@ -35,6 +35,7 @@ from agent.serving.sources import FrameSource, is_lossless, open_source, retarge
 from agent.service.boot import BootOutcome, boot, open_engine, prove
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
+from agent.updates.probation import probation_over
 
 log = get_logger("controller")
 
@@ -63,6 +64,13 @@ class BundleMessage:
     payload: bytes
 
 
+@dataclass(frozen=True)
+class UpdateStatus:
+    """An update/status document from a delivery or the updater: the controller keeps and publishes it."""
+
+    doc: dict[str, Any]
+
+
 @dataclass
 class Call:
     """Run `fn` on the controller's thread; the poster waits for `done`."""
@@ -84,6 +92,23 @@ class Swap:
 
 class Busy(AgentError):
     """The controller's queue is full."""
+
+
+@dataclass
+class ProbationWatch:
+    """A probation in progress: the controller's tick ends it, the update's job thread waits on `done`."""
+
+    tally: Any
+    limit_s: float
+    limit_results: int
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def finish(self) -> None:
+        if not self.done.is_set():
+            self.seconds = time.monotonic() - self.started
+            self.done.set()
 
 
 def sources_summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +154,7 @@ class Controller:
         self._reload_pending = False
         self._reload_replies: list[Reply] = []
         self._update_thread: threading.Thread | None = None
+        self._probation: ProbationWatch | None = None  # ended by _probation_tick, on this thread
         self.bundle: Bundle | None = None
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
@@ -335,8 +361,26 @@ class Controller:
 
         self.call(apply)
 
-    def engine_tally(self, swap: Swap) -> Any:
-        return swap.pipeline.tally(swap.engine)
+    def watch_probation(self, swap: Swap, seconds: float, results: int) -> tuple[Any, float]:
+        """Job thread: hand the probation to the controller's tick and wait for its end (no sleep-poll here).
+        Returns the new engine's tally and the seconds it was watched."""
+        watch = ProbationWatch(swap.pipeline.tally(swap.engine), seconds, results)
+        self.call(lambda: setattr(self, "_probation", watch))
+        while not watch.done.wait(0.5):
+            if self._loop_done.is_set():  # the controller is gone: what was seen so far is the evidence
+                watch.finish()
+        return watch.tally, watch.seconds
+
+    def _probation_tick(self) -> None:
+        """Controller thread, every loop: end the probation in progress when it has seen enough."""
+        w = self._probation
+        if w is None:
+            return
+        t = w.tally
+        if probation_over(time.monotonic() - w.started, t.results, t.inference_errors + t.non_finite,
+                          self.stop_event.is_set(), w.limit_s, w.limit_results):
+            self._probation = None
+            w.finish()
 
     # -- health ----------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -392,6 +436,14 @@ class Controller:
         return out
 
     def _publish_update(self, doc: dict[str, Any]) -> None:
+        """Any thread: the status goes to the controller's queue, so `_last_update` has one writer."""
+        if self._thread is None or threading.current_thread() is self._thread or self._loop_done.is_set():
+            self._apply_update_status(doc)
+        elif not self.post(UpdateStatus(doc), timeout=5):
+            log.error("update.status_dropped", update=doc.get("update"), state=doc.get("state"),
+                      reason="controller queue full for 5 s")
+
+    def _apply_update_status(self, doc: dict[str, Any]) -> None:
         self._last_update = doc
         if self.link is not None:
             self.link.publish_retained(self.link.topics.update_status, json.dumps(doc).encode())
@@ -422,6 +474,8 @@ class Controller:
                 ev.reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         elif isinstance(ev, BundleMessage):
             self._on_bundle(ev.topic, ev.payload)
+        elif isinstance(ev, UpdateStatus):
+            self._apply_update_status(ev.doc)
 
     def _on_bundle(self, topic: str, payload: bytes) -> None:
         if self.receiver is None:
@@ -690,6 +744,7 @@ class Controller:
                     self._handle(self.events.get_nowait())
             except queue.Empty:
                 pass
+            self._probation_tick()
             if self._reload_signal.is_set():
                 self._reload_signal.clear()
                 self._request_reload(None)
@@ -734,11 +789,19 @@ class Controller:
         deadline = time.monotonic() + 30
         while ((self._operation or "").startswith(("update", "rollback")) or
                (self._update_thread is not None and self._update_thread.is_alive())) and time.monotonic() < deadline:
+            self._probation_tick()  # a shutdown ends a probation at once (cut short: not committed)
             try:
                 self._handle(self.events.get(timeout=0.1))
             except queue.Empty:
                 pass
         self._loop_done.set()
+        while True:  # update statuses posted before the loop ended still count (the last word of an update)
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(ev, UpdateStatus):
+                self._apply_update_status(ev.doc)
         doc = self.health()
         p = doc["pipeline"] or {}
         log.info("shutdown", serving=doc["serving"], **{k: v for k, v in p.items() if k != "latency_ms"},

@@ -43,7 +43,7 @@ class ServingAgent(Protocol):
     def operation(self, name: str) -> ContextManager[None]: ...
     def swap_bundle(self, bundle: Bundle, candidate: Candidate, report: dict[str, Any]) -> Any: ...
     def restore(self, swap: Any) -> None: ...
-    def engine_tally(self, swap: Any) -> Any: ...
+    def watch_probation(self, swap: Any, seconds: float, results: int) -> tuple[Any, float]: ...
     def stopping(self) -> bool: ...
 
 
@@ -279,16 +279,11 @@ class Updater:
         return proof.report
 
     def _probation(self, bundle: Bundle, candidate: Candidate, swap: Any) -> ProbationVerdict:
-        """Watch what the new engine serves for N seconds or frames; the judging is `judge_probation`."""
-        tally = self.agent.engine_tally(swap)
-        t0 = time.monotonic()
-        deadline = t0 + self.cfg.probation_s
-        while time.monotonic() < deadline and tally.results < self.cfg.probation_frames:
-            if tally.inference_errors or tally.non_finite or self.agent.stopping():
-                break
-            time.sleep(0.05)
+        """The controller's tick watches what the new engine serves (N seconds or frames, a first error, a
+        shutdown); this thread only waits for its word. The judging is `judge_probation`."""
+        tally, seconds = self.agent.watch_probation(swap, self.cfg.probation_s, self.cfg.probation_frames)
         return judge_probation(ProbationEvidence(
-            seconds=round(time.monotonic() - t0, 3), frames=tally.frames, results=tally.results,
+            seconds=round(seconds, 3), frames=tally.frames, results=tally.results,
             refused=tally.refused, inference_errors=tally.inference_errors, non_finite=tally.non_finite,
             inference_p95_ms=p95(list(tally.inference_ms)),
             budget_ms=bundle.manifest.selftest.budget_for(candidate.provider)))
