@@ -177,10 +177,12 @@ def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp
         t0 = time.monotonic()
         wait_until(lambda: len(_produced(out)) > max(got()) + 20, 30)
         broker.start()
+        t_back = time.monotonic()
         cut = max(_produced(out))
         assert sub.wait(lambda: set(range(1, cut + 1)) <= got(), 60), \
             f"lost with the disk full: {sorted(set(range(1, cut + 1)) - got())[:20]}"
-        print(f"outage 1: {time.monotonic() - t0:.1f} s, all {cut} results delivered, disk full")
+        print(f"outage 1: {t_back - t0:.1f} s, all {cut} results delivered {time.monotonic() - t_back:.1f} s "
+              f"after the broker returned, disk full")
         # the reconnect happened with the disk full: it is not mute (a command is answered)
         sub.c.publish(PREFIX + "cmd/status", b'{"id": "full"}', qos=1)
         assert sub.wait(lambda: sub.on(PREFIX + "cmd/status/reply"), 30), "connected but mute"
@@ -189,8 +191,10 @@ def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp
         assert wait_until(lambda: _events(log, "outbox.dropped"), 60), "no outbox.dropped event"
         broker.start()
         filler.unlink()  # space returns while the broker is up
+        t_free = time.monotonic()
         n = max(_produced(out))
         assert sub.wait(lambda: max(got()) >= n + 20, 60), "no delivery after the disk was freed"
+        print(f"space returned: 20 newer results delivered {time.monotonic() - t_free:.1f} s later")
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 0
         produced = _produced(out)

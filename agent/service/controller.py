@@ -632,7 +632,8 @@ class Controller:
                 reply({"ok": False, "update": refused})
                 return
             busy = self.updater.begin(uid, "url")
-            work: Callable[[], dict[str, Any]] = lambda: self.downloader.fetch_started(url, sha, uid)  # noqa: E731
+            cancel = self.updater.machine.cancel  # this download's: a newer start hands out another
+            work: Callable[[], dict[str, Any]] = lambda: self.downloader.fetch_started(url, sha, uid, cancel)  # noqa: E731
         else:
             uid = str(cmd.payload.get("id", "rollback"))[:100]
             busy = self.updater.begin_rollback(uid)

@@ -352,8 +352,11 @@ class Downloader:
             return self.updater.status(update, "url", "rejected", reason=f"{busy}; send it again after its verdict")
         return self.fetch_started(url, sha256, update)
 
-    def fetch_started(self, url: str, sha256: str, update: str) -> dict[str, Any]:
-        cancel = self.updater.machine.cancel
+    def fetch_started(self, url: str, sha256: str, update: str,
+                      cancel: threading.Event | None = None) -> dict[str, Any]:
+        """The download once the machine took it; `cancel` is the event that machine start handed out
+        (a newer offer or a rollback sets it)."""
+        cancel = cancel if cancel is not None else self.updater.machine.cancel
         try:
             work = self.updater.store.new_staging("download-")
             try:
