@@ -232,11 +232,11 @@ class MqttLink:
     def _drop_connection(client: paho.Client) -> None:
         """Close the socket under paho without a DISCONNECT: paho sees a lost connection and reconnects
         (client.disconnect() would end its loop for good)."""
-        sock = client.socket()
-        if sock is not None:
+        shutdown = getattr(client.socket(), "shutdown", None)  # a websocket wrapper has none
+        if shutdown is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except (OSError, AttributeError):  # already closed; a websocket wrapper has no shutdown
+                shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
                 pass
 
     def _on_paho_log(self, client: paho.Client, userdata: Any, level: int, buf: str) -> None:
