@@ -18,7 +18,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from agent.bundle.load import Bundle
 from agent.config import Config, load_config
@@ -36,6 +36,11 @@ from agent.service.boot import BootOutcome, boot, open_engine, prove
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
 from agent.updates.probation import probation_over
+
+if TYPE_CHECKING:  # imported at run time only when updates are enabled (_start_updates)
+    from agent.updates.delivery import ChunkReceiver, Downloader
+    from agent.updates.store import BundleStore
+    from agent.updates.updater import Updater
 
 log = get_logger("controller")
 
@@ -161,10 +166,10 @@ class Controller:
         self.selftest_doc: dict[str, Any] | None = None
         self.decode_limit: dict[str, Any] | None = None  # the proven JPEG decode scale the source runs under
         self.not_serving_reason: str | None = None
-        self.store: Any = None
-        self.updater: Any = None
-        self.receiver: Any = None
-        self.downloader: Any = None
+        self.store: BundleStore | None = None
+        self.updater: Updater | None = None
+        self.receiver: ChunkReceiver | None = None
+        self.downloader: Downloader | None = None
         self.metrics_server: Any = None
         self.link: Any = None
         self.outbox: Any = None
@@ -618,7 +623,8 @@ class Controller:
     def _update_command(self, cmd: Any, reply: Reply) -> None:
         """On the controller's thread: the update machine takes the command or answers busy at once; the
         work runs on a job thread. The machine's state is the only "one at a time" guard."""
-        if self.updater is None:
+        updater, downloader = self.updater, self.downloader
+        if updater is None or downloader is None:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
             return
         if cmd.name == "update":
@@ -627,17 +633,17 @@ class Controller:
                 reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
                 return
             uid = str(cmd.payload.get("id", url.rsplit("/", 1)[-1]))[:100]
-            refused = self.downloader.refusal(url, uid)
+            refused = downloader.refusal(url, uid)
             if refused is not None:
                 reply({"ok": False, "update": refused})
                 return
-            busy = self.updater.begin(uid, "url")
-            cancel = self.updater.machine.cancel  # this download's: a newer start hands out another
-            work: Callable[[], dict[str, Any]] = lambda: self.downloader.fetch_started(url, sha, uid, cancel)  # noqa: E731
+            busy = updater.begin(uid, "url")
+            cancel = updater.machine.cancel  # this download's: a newer start hands out another
+            work: Callable[[], dict[str, Any]] = lambda: downloader.fetch_started(url, sha, uid, cancel)  # noqa: E731
         else:
             uid = str(cmd.payload.get("id", "rollback"))[:100]
-            busy = self.updater.begin_rollback(uid)
-            work = lambda: self.updater.rollback_started(uid)  # noqa: E731
+            busy = updater.begin_rollback(uid)
+            work = lambda: updater.rollback_started(uid)  # noqa: E731
         if busy is not None:
             # the delivery's word for a second update while one runs (README "Hostile inputs"): busy
             reply({"ok": False, "already_running": True, "busy": True,
