@@ -99,6 +99,10 @@ class Busy(AgentError):
     """The controller's queue is full."""
 
 
+class Stopping(AgentError):
+    """The controller's loop has ended: a `call` posted now is never run."""
+
+
 @dataclass
 class ProbationWatch:
     """A probation in progress: the controller's tick ends it, the update's job thread waits on `done`."""
@@ -201,13 +205,23 @@ class Controller:
         c = Call(fn)
         while not self.post(c, timeout=0.5):
             if self._loop_done.is_set():
-                raise AgentError("the agent is stopping")
+                raise Stopping("the agent is stopping")
         while not c.done.wait(0.1):
             if self._loop_done.is_set() and not c.done.is_set():
-                raise AgentError("the agent is stopping")
+                raise Stopping("the agent is stopping")
         if c.error is not None:
             raise c.error
         return c.result
+
+    def on_controller(self, fn: Callable[[], Any]) -> Any:
+        """`call`, for an update's transitions: once the controller's loop has ended (shutdown), run inline,
+        so an update's last transition (rolled back, cut short) is still recorded."""
+        if self._loop_done.is_set():
+            return fn()
+        try:
+            return self.call(fn)
+        except Stopping:  # the loop ended before it took `fn` (it never runs a Call after that)
+            return fn()
 
     @contextmanager
     def operation(self, name: str) -> Iterator[None]:
@@ -674,7 +688,7 @@ class Controller:
         self.store.recover()  # only here, before anything can stage: a reload never touches staging
         # the proof of an update runs under the config object that serves (self.cfg, after any reload)
         self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, lambda: self.cfg,
-                               self._publish_update)
+                               self._publish_update, on_owner=self.on_controller)
         cut = self.updater.machine.resolve_interrupted()  # a power cut mid-update: its verdict, published
         if cut is not None:
             self._last_update = {"update": cut.update, "origin": cut.origin, "state": cut.state.value,

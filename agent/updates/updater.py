@@ -25,7 +25,7 @@ from agent.bundle.signing import verify_signature
 from agent.proof.isolation import prove_in_child
 from agent.proof.verdict import Candidate
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation, p95
-from agent.updates.machine import AFTER_SWITCH, BEFORE_SWITCH, Busy, Event, State, UpdateMachine
+from agent.updates.machine import AFTER_SWITCH, BEFORE_SWITCH, Busy, Event, Snapshot, State, UpdateMachine
 from agent.updates.store import BundleStore
 
 log = get_logger("updates")
@@ -64,15 +64,22 @@ class Updater:
 
     def __init__(self, agent: ServingAgent, store: BundleStore, cfg: UpdatesConfig, state_dir: Path,
                  serving_config: Callable[[], Any], publish: Callable[[dict[str, Any]], None],
-                 machine: UpdateMachine | None = None):
+                 machine: UpdateMachine | None = None,
+                 on_owner: Callable[[Callable[[], Any]], Any] | None = None):
         self.agent, self.store, self.cfg = agent, store, cfg
         # the config object that serves (the controller's, after any reload): the update's proof runs under
         # exactly it, never under a file re-read from disk or defaults for a config built in code
         self.serving_config = serving_config
         self.state_dir, self.publish = state_dir, publish
         self.machine = machine or UpdateMachine(store.root)
+        # runs a transition on the thread that owns the update (the controller's); inline without one
+        self.on_owner: Callable[[Callable[[], Any]], Any] = on_owner or (lambda fn: fn())
         if cfg.allow_unsigned:
             log.warning("updates.unsigned_allowed", detail="UNSIGNED BUNDLES ARE ACCEPTED (updates.allow_unsigned)")
+
+    def _fire(self, event: Event, *args: Any, **kw: Any) -> Snapshot:
+        """Every transition runs on the owner's thread (the controller's queue), whichever thread asks."""
+        return self.on_owner(lambda: self.machine.fire(event, *args, **kw))
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self, update: str, origin: str, state: str, **detail: Any) -> dict[str, Any]:
@@ -85,7 +92,7 @@ class Updater:
     def begin(self, update: str, origin: str, offer: bool = False) -> str | None:
         """A delivery starts receiving; the reason it may not (another update holds the machine), or None."""
         try:
-            self.machine.fire(Event.OFFER if offer else Event.BEGIN, update, origin)
+            self._fire(Event.OFFER if offer else Event.BEGIN, update, origin)
         except Busy as exc:
             return str(exc)
         return None
@@ -95,7 +102,7 @@ class Updater:
         snap = self.machine.snapshot
         if snap.update == update and snap.state in BEFORE_SWITCH:
             try:
-                self.machine.fire(Event.REJECT, reason=reason, expect=update)
+                self._fire(Event.REJECT, reason=reason, expect=update)
             except Busy:
                 pass
         return self.status(update, origin, "rejected", reason=reason)
@@ -104,7 +111,7 @@ class Updater:
     def install(self, archive: Path, origin: str, update: str, expected_sha256: str | None = None) -> dict[str, Any]:
         """The archive of an update that `begin` let in is complete: verify, prove, switch, probation."""
         try:
-            self.machine.fire(Event.RECEIVED, expect=update)
+            self._fire(Event.RECEIVED, expect=update)
         except Busy as exc:  # superseded (a newer offer, a rollback) while it was arriving
             return self.status(update, origin, "rejected", reason=str(exc))
         # An update is a state of the controller: no reload (which re-reads the store) runs meanwhile.
@@ -125,7 +132,7 @@ class Updater:
         if snap.update == update and snap.state in AFTER_SWITCH:
             # an error after the switch: whatever serves, `current` goes back to what was committed
             self.store.revert_current()
-            self.machine.fire(Event.FAILED, reason=reason, expect=update)
+            self._fire(Event.FAILED, reason=reason, expect=update)
             return self.status(update, origin, "rolled_back", reason=reason)
         return self.refuse(update, origin, reason)
 
@@ -149,7 +156,7 @@ class Updater:
             log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
         bundle = load_bundle(root, check_contracts=False)  # the self-test child opens every variant
         self._check_version_and_compatibility(bundle)
-        self.machine.fire(Event.VERIFIED, expect=update)
+        self._fire(Event.VERIFIED, expect=update)
         self.status(update, origin, "verified", bundle=bundle.identity, key_id=sig.key_id)
 
         return self._prove_and_switch(update, origin, root, bundle, stored_id=None)
@@ -166,7 +173,7 @@ class Updater:
         """The machine takes a rollback (cancelling a delivery that is still receiving), or says why not."""
         held = self.machine.snapshot
         try:
-            self.machine.fire(Event.ROLLBACK, update, "rollback")
+            self._fire(Event.ROLLBACK, update, "rollback")
         except Busy as exc:
             return str(exc)
         if held.state == State.RECEIVING:
@@ -187,7 +194,7 @@ class Updater:
                 bundle = load_bundle(root, check_contracts=False)  # the child checks the contracts
                 if seeded is not None and bundle.manifest_sha256 != seeded:  # ... but must be what was installed
                     raise UpdateRejected(f"{root}: the seeded bundle changed on disk since it was installed")
-                self.machine.fire(Event.VERIFIED, expect=update)
+                self._fire(Event.VERIFIED, expect=update)
                 self.status(update, "rollback", "verified", bundle=bundle.identity)
                 return self._prove_and_switch(update, "rollback", root, bundle, stored_id=prev)
             except AgentError as exc:
@@ -198,7 +205,7 @@ class Updater:
 
     def _prove_and_switch(self, update: str, origin: str, root: Path, bundle: Bundle,
                           stored_id: str | None) -> dict[str, Any]:
-        self.machine.fire(Event.PROVE, expect=update)
+        self._fire(Event.PROVE, expect=update)
         self.status(update, origin, "selftest")
         report = self._child_selftest(root)
         if not report.get("passed"):
@@ -215,7 +222,7 @@ class Updater:
 
         bid = stored_id or self.store.add(root, bundle)
         # recorded before `current` moves: a power cut from here on is rolled back at boot
-        self.machine.fire(Event.PROVEN, bundle=bid, expect=update)
+        self._fire(Event.PROVEN, bundle=bid, expect=update)
         # verified in staging and moved by rename: same files, new root; no second hashing pass
         stored = dataclasses.replace(bundle, root=self.store.path(bid))
         self.store.activate(bid)
@@ -225,9 +232,9 @@ class Updater:
         except AgentError as exc:
             self.store.revert_current()
             reason = f"could not start serving it: {exc}"
-            self.machine.fire(Event.FAILED, reason=reason, expect=update)
+            self._fire(Event.FAILED, reason=reason, expect=update)
             return self.status(update, origin, "rolled_back", reason=reason)
-        self.machine.fire(Event.SWITCHED, expect=update)
+        self._fire(Event.SWITCHED, expect=update)
         self.status(update, origin, "probation", seconds=self.cfg.probation_s, frames=self.cfg.probation_frames)
         try:
             verdict = self._probation(stored, candidate, swap)
@@ -244,11 +251,11 @@ class Updater:
                       f"(needs {self.cfg.probation_s:g} s or {self.cfg.probation_frames} results): not committed")
             self.agent.restore(swap)
             self.store.revert_current()
-            self.machine.fire(Event.FAILED, reason=reason, expect=update)
+            self._fire(Event.FAILED, reason=reason, expect=update)
             return self.status(update, origin, "rolled_back", reason=reason, bundle=bid,
                                probation=verdict.to_dict())
         self.store.commit(bid)
-        self.machine.fire(Event.PASSED, reason=verdict.summary, expect=update)
+        self._fire(Event.PASSED, reason=verdict.summary, expect=update)
         removed = self.store.prune(self.cfg.keep)
         return self.status(update, origin, "committed", bundle=bid, probation=verdict.to_dict(),
                            detail=verdict.summary, pruned=removed)
