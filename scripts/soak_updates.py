@@ -154,7 +154,7 @@ def main() -> int:
         agent.wait(timeout=60)
         broker.terminate()
         c.loop_stop()
-    print(f"| t (s) | RSS (MB) | threads | fds |\n|---|---|---|---|")
+    print("| t (s) | RSS (MB) | threads | fds |\n|---|---|---|---|")
     for t, r in rows[:: max(1, len(rows) // 12)] + [rows[-1]]:
         print(f"| {t:.0f} | {r['rss_mb']:.1f} | {r['threads']:.0f} | {r['fds']:.0f} |")
     warm = [r for t, r in rows if t >= 60] or [r for _, r in rows]
