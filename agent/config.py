@@ -437,6 +437,17 @@ def json_depth_exceeds(data: bytes, max_depth: int) -> bool:
     return False
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:40]} is out of range for a finite float")
+    return value
+
+
 def parse_json_object(payload: bytes, max_bytes: int, max_depth: int = 32) -> dict[str, Any]:
     """An empty payload is {}; anything else must be a JSON object within the size and depth bounds."""
     if len(payload) > max_bytes:
@@ -446,7 +457,7 @@ def parse_json_object(payload: bytes, max_bytes: int, max_depth: int = 32) -> di
     if json_depth_exceeds(payload, max_depth):
         raise PayloadError(f"JSON nested deeper than {max_depth} levels")
     try:
-        doc = json.loads(payload.decode("utf-8"))
+        doc = json.loads(payload.decode("utf-8"), parse_constant=_not_json, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise PayloadError(f"not JSON: {exc}") from exc
     if not isinstance(doc, dict):

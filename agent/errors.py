@@ -84,3 +84,7 @@ def install_hint(extra: str, package: str) -> str:
     """How to install an optional dependency. `edge-agent` on the public package index is another project, so a
     hint never names it: the extra is installed from a checkout (pyproject.toml's extras), or the one package."""
     return f"pip install '.[{extra}]' from an edge-agent checkout (or pip install {package})"
+
+
+class Stopping(AgentError):
+    """The controller's loop has ended: a `call` posted now is never run."""

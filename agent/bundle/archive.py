@@ -94,12 +94,17 @@ def unpack(archive: Path, dest: Path, limits: UnpackLimits = UnpackLimits(),
 
 def read_head(archive: Path, limits: UnpackLimits = UnpackLimits()) -> tuple[bytes | None, bytes | None]:
     """The manifest and signature bytes, read without writing anything. Every header on the way is checked
-    and counted against the limits; `pack` puts both first, so a well-formed bundle costs two headers."""
+    and counted against the limits; `pack` puts both first, so a well-formed bundle costs two headers, and
+    the scan stops at the first other file (an archive with its manifest later is not a bundle)."""
     manifest = sig = None
     with _guarded(archive):
         with tarfile.open(archive, mode="r:gz") as tar:
             for member, rel in _members(archive, tar, limits):
                 name = rel.as_posix()
+                if member.isfile() and name not in (MANIFEST_NAME, SIGNATURE_NAME):
+                    # `pack` writes the manifest and signature first: the head ends at the first other file,
+                    # so an unsigned (or foreign) archive costs one header, not a pass over every member
+                    break
                 if name in (MANIFEST_NAME, SIGNATURE_NAME) and member.isfile():
                     if member.size > limits.max_manifest_bytes:
                         raise ArchiveError(f"{archive}: {name} is {member.size} bytes, over {limits.max_manifest_bytes}")

@@ -8,8 +8,10 @@ the client reconnects with backoff in its own thread while the agent self-tests 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import socket
 import ssl
 import threading
 import time
@@ -55,6 +57,24 @@ def resolve_password(cfg: MqttConfig) -> str | None:
             raise ConfigError(f"key mqtt.password_env: environment variable {cfg.password_env} is not set")
         return value
     return cfg.password
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def strict_json(doc: Any) -> bytes:
+    """RFC 8259 JSON: a non-finite float (which Python would write as NaN or Infinity) becomes null."""
+    try:
+        return json.dumps(doc, allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_finite(doc), allow_nan=False).encode()
 
 
 def _availability(state: str, session: int) -> bytes:
@@ -157,15 +177,19 @@ class MqttLink:
 
     def _pump(self) -> None:
         was_connected = False
+        failing = False
         while not self._stop.is_set():
-            now_connected = self.connected.is_set()
-            if now_connected != was_connected:
-                (self.outbox.on_connected if now_connected else self.outbox.on_disconnected)()
-                was_connected = now_connected
             try:
+                now_connected = self.connected.is_set()
+                if now_connected != was_connected:
+                    (self.outbox.on_connected if now_connected else self.outbox.on_disconnected)()
+                    was_connected = now_connected
                 self.outbox.pump(self._send, self.cfg.max_inflight)
-            except Exception:  # never let a storage hiccup kill delivery; it is logged and retried
-                log.exception("outbox.pump_failed")
+                failing = False
+            except Exception:  # never let a storage hiccup kill delivery; it is logged (once) and retried
+                if not failing:
+                    log.exception("outbox.pump_failed")
+                failing = True
                 time.sleep(0.5)
             self.outbox.wait(0.05)
 
@@ -177,20 +201,45 @@ class MqttLink:
         if reason.is_failure:
             log.warning("mqtt.connect_refused", reason=str(reason))
             return
-        self.session = bump_counter(self._session_file)
+        try:
+            self._session_up(client)
+        except Exception:
+            # never half-connected: subscribed to nothing, the agent would be connected but deaf and mute for
+            # as long as the broker stays up. Drop the connection; paho reconnects with backoff and we retry.
+            log.exception("mqtt.connect_setup_failed", detail="dropping the connection to retry")
+            self._drop_connection(client)
+
+    def _session_up(self, client: paho.Client) -> None:
+        try:
+            self.session = bump_counter(self._session_file)
+        except OSError as exc:  # a full disk: the session number still moves on, in memory
+            self.session += 1
+            log.error("mqtt.session_not_recorded", file=str(self._session_file), error=str(exc))
+        # subscriptions first: commands and transfers are heard even if a publish below fails
+        topics = [self.topics.commands] + ([self.topics.bundle_all] if self.on_bundle is not None else []) + (
+            [f"{self.cfg.homeassistant_prefix}/status"] if self.cfg.homeassistant else [])
+        rc, _ = client.subscribe([(t, 1) for t in topics])
+        if rc != paho.MQTT_ERR_SUCCESS:
+            raise ConnectionError(f"subscribe to {topics} failed: {paho.error_string(rc)}")
         client.publish(self.topics.availability, _availability("online", self.session), qos=1, retain=True)
         try:
             for topic, payload in self.retained().items():
                 client.publish(topic, payload, qos=1, retain=True)
         except Exception:  # never let it kill paho's network thread: the next health publish repairs it
             log.exception("mqtt.retained_publish_failed")
-        client.subscribe(self.topics.commands, qos=1)
-        if self.on_bundle is not None:
-            client.subscribe(self.topics.bundle_all, qos=1)
-        if self.cfg.homeassistant:
-            client.subscribe(f"{self.cfg.homeassistant_prefix}/status", qos=1)
         self.connected.set()
         log.info("mqtt.connected", session=self.session, host=self.cfg.host, port=self.cfg.port)
+
+    @staticmethod
+    def _drop_connection(client: paho.Client) -> None:
+        """Close the socket under paho without a DISCONNECT: paho sees a lost connection and reconnects
+        (client.disconnect() would end its loop for good)."""
+        shutdown = getattr(client.socket(), "shutdown", None)  # a websocket wrapper has none
+        if shutdown is not None:
+            try:
+                shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed
+                pass
 
     def _on_paho_log(self, client: paho.Client, userdata: Any, level: int, buf: str) -> None:
         # paho logs "Client is not connected" at ERR between retries and after our own disconnect: not an error
@@ -287,5 +336,5 @@ class MqttLink:
             props = Properties(PacketTypes.PUBLISH)
             props.CorrelationData = cmd.correlation
         topic = cmd.response_topic or self.topics.reply(cmd.name)
-        self.client.publish(topic, json.dumps(body).encode(), qos=1, properties=props)
+        self.client.publish(topic, strict_json(body), qos=1, properties=props)
         log.info("command.replied", command=cmd.name, ok=result.get("ok"), topic=topic)

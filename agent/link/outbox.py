@@ -4,6 +4,9 @@ Memory while the broker keeps up (no disk writes: flash wear); SQLite in the sta
 the broker is away or slow, drained in order when it returns, and surviving an agent restart.
 Order is kept by one rule: while anything is on disk, new messages go to disk behind it.
 Bounded by count and age; what the policy drops is counted and reported.
+A full disk (or any failed write) loses nothing silently: a message is kept in memory until a write
+succeeds, up to `memory_messages`; beyond that bound the policy drops, counted in `dropped` with an
+`outbox.dropped` event (reason "disk"). Writes are retried on every pump, so recovery needs no restart.
 
 Threads: `put` and `ack` may be called from any thread (they only append to a deque); the SQLite
 connection and the queues are used under one lock, so `stats()` from the controller and `pump()`
@@ -24,6 +27,9 @@ from agent.config import OutboxConfig
 from agent.logsetup import get_logger
 
 log = get_logger("outbox")
+
+# What a write to the spill can raise: SQLITE_FULL ("database or disk is full"), I/O errors, ENOSPC.
+DISK_ERRORS = (sqlite3.Error, OSError)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
@@ -71,6 +77,9 @@ class Outbox:
         self._disk_cursor = 0  # highest row sent on this connection
         self.dropped = self._meta("dropped")
         self.spilled = 0
+        self.write_failures = 0         # failed spill writes (disk full); each one kept its messages in memory
+        self._disk_error: str | None = None  # set while writes fail: logged once when it starts and ends
+        self._undeleted: list[int] = []  # rows acknowledged (or sent at QoS 0) whose DELETE failed: retried
         self.sent = 0
         self.acked = 0
         if self.disk_count:
@@ -164,6 +173,8 @@ class Outbox:
             self._apply_acks()
             self._requeue_inflight()
             self._spill()
+            if self.memory:  # the disk is full at stop: these cannot outlive the process
+                log.error("outbox.lost_at_stop", count=len(self.memory), error=self._disk_error)
             self.db.close()
 
     def stats(self) -> dict[str, float | int]:
@@ -185,18 +196,20 @@ class Outbox:
             "oldest_age_s": round(time.time() - oldest, 3) if oldest else 0.0,
             "dropped": self.dropped,
             "spilled": self.spilled,
+            "memory_only": len(self.memory) if self._disk_error is not None else 0,  # kept while the disk fails
+            "write_failures": self.write_failures,
             "sent": self.sent,
             "acked": self.acked,
         }
 
     # -- internals -------------------------------------------------------------------------------------
     def _take_incoming(self) -> None:
-        while self._incoming:
-            msg = self._incoming.popleft()
-            if self.disk_count or not self.connected:
-                self._write([msg])  # behind what is already on disk, or durable while the broker is away
-            else:
-                self.memory.append(msg)
+        if not self._incoming:
+            return
+        while self._incoming:  # into memory first: a message is never out of every queue
+            self.memory.append(self._incoming.popleft())
+        if self.disk_count or not self.connected:
+            self._spill()  # behind what is already on disk, or durable while the broker is away
 
     def _apply_acks(self) -> None:
         rows = []
@@ -221,23 +234,59 @@ class Outbox:
         PUBACK are older than the backlog, so they are written first and stay in flight under their row."""
         sent = [m for m in self.inflight.values() if m.row is None]
         if sent:
-            self._write(sent)
+            if not self._write(sent):
+                self._bound_memory()
+                return
             self._disk_cursor = max(self._disk_cursor, sent[-1].row or 0)  # in flight: not sent again now
         if not self.memory:
             return
         batch = list(self.memory)
+        if not self._write(batch):
+            self._bound_memory()  # kept in memory, in order, up to the bound
+            return
         self.memory.clear()
-        self._write(batch)
         self.spilled += len(batch)
 
-    def _write(self, msgs: list[Message]) -> None:
-        """Append to disk in order; each message learns its row id."""
-        self.db.execute("BEGIN")
-        for m in msgs:
-            m.row = self.db.execute("INSERT INTO messages(topic, payload, qos, created) VALUES (?, ?, ?, ?)",
-                                    (m.topic, m.payload, m.qos, m.created)).lastrowid
-        self.db.execute("COMMIT")
+    def _bound_memory(self) -> None:
+        """The spill failed: memory is all there is. Beyond memory_messages the policy drops, counted."""
+        excess = len(self.memory) - self.cfg.memory_messages
+        if excess <= 0:
+            return
+        for _ in range(excess):
+            self.memory.pop() if self.cfg.policy == "drop_newest" else self.memory.popleft()
+        self._count_drops(excess, "disk")
+
+    def _write(self, msgs: list[Message]) -> bool:
+        """Append to disk in order, all or nothing; each message learns its row id. False when the write
+        failed (disk full): nothing was written, the messages are unchanged and stay where they were."""
+        rows: list[int] = []
+        try:
+            self.db.execute("BEGIN")
+            for m in msgs:
+                rows.append(self.db.execute("INSERT INTO messages(topic, payload, qos, created) VALUES (?, ?, ?, ?)",
+                                            (m.topic, m.payload, m.qos, m.created)).lastrowid or 0)
+            self.db.execute("COMMIT")
+        except DISK_ERRORS as exc:
+            try:
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+            except DISK_ERRORS:
+                pass
+            self.write_failures += 1
+            if self._disk_error is None:
+                self._disk_error = str(exc)
+                log.error("outbox.spill_failed", error=str(exc), kept_in_memory=len(self.memory),
+                          bound=self.cfg.memory_messages,
+                          detail="results stay in memory up to outbox.memory_messages; beyond, they are dropped "
+                                 "and counted; writes are retried")
+            return False
+        for m, row in zip(msgs, rows):
+            m.row = row
         self.disk_count += len(msgs)
+        if self._disk_error is not None:
+            log.info("outbox.spill_recovered", failed_writes=self.write_failures)
+            self._disk_error = None
+        return True
 
     def _send_from_disk(self, publish: Publisher, max_inflight: int) -> None:
         room = max_inflight - len(self.inflight)
@@ -247,7 +296,11 @@ class Outbox:
             "SELECT id, topic, payload, qos, created FROM messages WHERE id > ? ORDER BY id LIMIT ?",
             (self._disk_cursor, room),
         ).fetchall()
+        done = set(self._undeleted)
         for row, topic, payload, qos, created in rows:
+            if row in done:  # acknowledged already; its DELETE waits for disk space
+                self._disk_cursor = row
+                continue
             msg = Message(topic, bytes(payload), qos, created, row)
             mid = publish(msg)
             if mid is None:
@@ -262,10 +315,23 @@ class Outbox:
             self.disk_count = self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
 
     def _delete_rows(self, rows: list[int]) -> None:
-        cur = self.db.executemany("DELETE FROM messages WHERE id = ?", [(r,) for r in rows])
+        # a DELETE writes too (the WAL): on a full disk the rows wait here and are skipped when sending
+        rows = self._undeleted + rows
+        try:
+            cur = self.db.executemany("DELETE FROM messages WHERE id = ?", [(r,) for r in rows])
+        except DISK_ERRORS:
+            self._undeleted = rows
+            return
+        self._undeleted = []
         self.disk_count -= cur.rowcount if cur.rowcount >= 0 else len(rows)
 
     def _enforce_bounds(self) -> None:
+        try:
+            self._enforce_bounds_now()
+        except DISK_ERRORS as exc:  # a DELETE on a full disk: the bounds are applied at a later pump
+            log.debug("outbox.bounds_deferred", error=str(exc))
+
+    def _enforce_bounds_now(self) -> None:
         cfg = self.cfg
         excess = self.depth - cfg.max_messages
         if excess > 0:
@@ -297,9 +363,12 @@ class Outbox:
         if n <= 0:
             return
         self.dropped += n
-        self.db.execute("INSERT INTO meta(key, value) VALUES('dropped', ?) "
-                        "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (self.dropped,))
         log.warning("outbox.dropped", count=n, reason=why, policy=self.cfg.policy, total=self.dropped)
+        try:
+            self.db.execute("INSERT INTO meta(key, value) VALUES('dropped', ?) "
+                            "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (self.dropped,))
+        except DISK_ERRORS:
+            pass  # counted in memory (health shows it); persisted with the next drop that can be written
 
     def _meta(self, key: str) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

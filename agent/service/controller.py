@@ -19,11 +19,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from agent.bundle.load import Bundle
 from agent.config import Config, load_config
-from agent.errors import AgentError, ConfigError
+from agent.errors import AgentError, ConfigError, Stopping
 from agent.fsio import bump_counter
 from agent.link.health import ProcessProbe
 from agent.logsetup import configure_logging, get_logger
@@ -38,6 +38,12 @@ from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
+from agent.updates.probation import probation_over
+
+if TYPE_CHECKING:  # imported at run time only when updates are enabled (_start_updates)
+    from agent.updates.delivery import ChunkReceiver, Downloader
+    from agent.updates.store import BundleStore
+    from agent.updates.updater import Updater
 
 log = get_logger("controller")
 
@@ -66,6 +72,13 @@ class BundleMessage:
     payload: bytes
 
 
+@dataclass(frozen=True)
+class UpdateStatus:
+    """An update/status document from a delivery or the updater: the controller keeps and publishes it."""
+
+    doc: dict[str, Any]
+
+
 @dataclass
 class Call:
     """Run `fn` on the controller's thread; the poster waits for `done`."""
@@ -83,6 +96,23 @@ class Swap:
     previous: tuple[Any, ...]
     engine: Engine
     pipeline: Pipeline
+
+
+@dataclass
+class ProbationWatch:
+    """A probation in progress: the controller's tick ends it, the update's job thread waits on `done`."""
+
+    tally: Any
+    limit_s: float
+    limit_results: int
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def finish(self) -> None:
+        if not self.done.is_set():
+            self.seconds = time.monotonic() - self.started
+            self.done.set()
 
 
 def sources_summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +158,7 @@ class Controller:
         self._reload_pending = False
         self._reload_replies: list[Reply] = []
         self._update_thread: threading.Thread | None = None
+        self._probation: ProbationWatch | None = None  # ended by _probation_tick, on this thread
         self.bundle: Bundle | None = None
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
@@ -135,10 +166,10 @@ class Controller:
         self.decode_limit: dict[str, Any] | None = None  # the proven JPEG decode scale the source runs under
         self.not_serving_reason: str | None = None
         self.config_refused: str | None = None  # set at boot: `run` exits non-zero instead of idling forever
-        self.store: Any = None
-        self.updater: Any = None
-        self.receiver: Any = None
-        self.downloader: Any = None
+        self.store: BundleStore | None = None
+        self.updater: Updater | None = None
+        self.receiver: ChunkReceiver | None = None
+        self.downloader: Downloader | None = None
         self.metrics_server: Any = None
         self.link: Any = None
         self.outbox: Any = None
@@ -176,13 +207,23 @@ class Controller:
         c = Call(fn)
         while not self.post(c, timeout=0.5):
             if self._loop_done.is_set():
-                raise AgentError("the agent is stopping")
+                raise Stopping("the agent is stopping")
         while not c.done.wait(0.1):
             if self._loop_done.is_set() and not c.done.is_set():
-                raise AgentError("the agent is stopping")
+                raise Stopping("the agent is stopping")
         if c.error is not None:
             raise c.error
         return c.result
+
+    def on_controller(self, fn: Callable[[], Any]) -> Any:
+        """`call`, for an update's transitions: once the controller's loop has ended (shutdown), run inline,
+        so an update's last transition (rolled back, cut short) is still recorded."""
+        if self._loop_done.is_set():
+            return fn()
+        try:
+            return self.call(fn)
+        except Stopping:  # the loop ended before it took `fn` (it never runs a Call after that)
+            return fn()
 
     @contextmanager
     def operation(self, name: str) -> Iterator[None]:
@@ -350,8 +391,26 @@ class Controller:
 
         self.call(apply)
 
-    def engine_tally(self, swap: Swap) -> Any:
-        return swap.pipeline.tally(swap.engine)
+    def watch_probation(self, swap: Swap, seconds: float, results: int) -> tuple[Any, float]:
+        """Job thread: hand the probation to the controller's tick and wait for its end (no sleep-poll here).
+        Returns the new engine's tally and the seconds it was watched."""
+        watch = ProbationWatch(swap.pipeline.tally(swap.engine), seconds, results)
+        self.call(lambda: setattr(self, "_probation", watch))
+        while not watch.done.wait(0.5):
+            if self._loop_done.is_set():  # the controller is gone: what was seen so far is the evidence
+                watch.finish()
+        return watch.tally, watch.seconds
+
+    def _probation_tick(self) -> None:
+        """Controller thread, every loop: end the probation in progress when it has seen enough."""
+        w = self._probation
+        if w is None:
+            return
+        t = w.tally
+        if probation_over(time.monotonic() - w.started, t.results, t.inference_errors + t.non_finite,
+                          self.stop_event.is_set(), w.limit_s, w.limit_results):
+            self._probation = None
+            w.finish()
 
     # -- health ----------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -362,12 +421,13 @@ class Controller:
             engine=self.engine, pipeline=self.pipeline, selftest_doc=self.selftest_doc, outbox=self.outbox,
             probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
+            update_machine=self.updater.machine.snapshot.to_dict() if self.updater is not None else None,
         ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict()}
 
     def _status_text(self) -> str:
-        """systemd's STATUS=, with what an operator must see beside "serving" (degraded, pinned)."""
+        """systemd's STATUS=, with what an operator must see beside "serving" (degraded, pinned); never "None"."""
         loud = loud_state(self.selftest_doc, self.auditor.to_dict()) if self.serving else None
-        line = status_line(self.serving, self.engine, self.not_serving_reason)
+        line = status_line(self.serving, self.engine, self.not_serving_reason or self._idle_reason())
         return f"{line} — {loud}" if loud else line
 
     def _idle_reason(self) -> str:
@@ -437,6 +497,14 @@ class Controller:
         return out
 
     def _publish_update(self, doc: dict[str, Any]) -> None:
+        """Any thread: the status goes to the controller's queue, so `_last_update` has one writer."""
+        if self._thread is None or threading.current_thread() is self._thread or self._loop_done.is_set():
+            self._apply_update_status(doc)
+        elif not self.post(UpdateStatus(doc), timeout=5):
+            log.error("update.status_dropped", update=doc.get("update"), state=doc.get("state"),
+                      reason="controller queue full for 5 s")
+
+    def _apply_update_status(self, doc: dict[str, Any]) -> None:
         self._last_update = doc
         if self.link is not None:
             self.link.publish_retained(self.link.topics.update_status, json.dumps(doc).encode())
@@ -471,6 +539,8 @@ class Controller:
                 ev.reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
         elif isinstance(ev, BundleMessage):
             self._on_bundle(ev.topic, ev.payload)
+        elif isinstance(ev, UpdateStatus):
+            self._apply_update_status(ev.doc)
 
     def _on_bundle(self, topic: str, payload: bytes) -> None:
         if self.receiver is None:
@@ -648,28 +718,38 @@ class Controller:
 
     # -- updates by command --------------------------------------------------------------------------------
     def _update_command(self, cmd: Any, reply: Reply) -> None:
-        if self.updater is None:
+        """On the controller's thread: the update machine takes the command or answers busy at once; the
+        work runs on a job thread. The machine's state is the only "one at a time" guard."""
+        updater, downloader = self.updater, self.downloader
+        if updater is None or downloader is None:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
-            return
-        if self._update_thread is not None and self._update_thread.is_alive():
-            # the delivery's word for a second update while one runs (docs/updates.md "Hostile inputs"): busy
-            reply({"ok": False, "already_running": True, "busy": True,
-                   "error": "busy: an update command is already running; send it again after its verdict"})
             return
         if cmd.name == "update":
             url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
             if not isinstance(url, str) or not isinstance(sha, str):
                 reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
                 return
+            uid = str(cmd.payload.get("id", url.rsplit("/", 1)[-1]))[:100]
+            refused = downloader.refusal(url, uid)
+            if refused is not None:
+                reply({"ok": False, "update": refused})
+                return
+            busy = updater.begin(uid, "url")
+            cancel = updater.machine.cancel  # this download's: a newer start hands out another
+            work: Callable[[], dict[str, Any]] = lambda: downloader.fetch_started(url, sha, uid, cancel)  # noqa: E731
+        else:
+            uid = str(cmd.payload.get("id", "rollback"))[:100]
+            busy = updater.begin_rollback(uid)
+            work = lambda: updater.rollback_started(uid)  # noqa: E731
+        if busy is not None:
+            # the delivery's word for a second update while one runs (README "Hostile inputs"): busy
+            reply({"ok": False, "already_running": True, "busy": True,
+                   "error": f"{busy}; send it again after its verdict"})
+            return
 
         def run() -> None:
             try:
-                if cmd.name == "rollback":
-                    result = self.updater.rollback(str(cmd.payload.get("id", "rollback")))
-                else:
-                    url = cmd.payload["url"]
-                    result = self.downloader.fetch(url, cmd.payload["sha256"],
-                                                   str(cmd.payload.get("id", url.rsplit("/", 1)[-1])))
+                result = work()
                 reply({"ok": result["state"] == "committed", "update": result})
             except Exception as exc:
                 log.exception("update.command_failed")
@@ -689,8 +769,13 @@ class Controller:
 
         self.store = BundleStore(self.cfg.state_dir / "store")
         self.store.recover()  # only here, before anything can stage: a reload never touches staging
-        self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, self.cfg.source_file,
-                               self._publish_update)
+        # the proof of an update runs under the config object that serves (self.cfg, after any reload)
+        self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, lambda: self.cfg,
+                               self._publish_update, on_owner=self.on_controller)
+        cut = self.updater.machine.resolve_interrupted()  # a power cut mid-update: its verdict, published
+        if cut is not None:
+            self._last_update = {"update": cut.update, "origin": cut.origin, "state": cut.state.value,
+                                 "ts": round(cut.since, 3), "phase": cut.state.value, "reason": cut.reason}
         self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
         threading.Thread(target=self.receiver.run_sweeper, args=(self.stop_event,), name="sweeper", daemon=True).start()
 
@@ -764,6 +849,7 @@ class Controller:
                     self._handle(self.events.get_nowait())
             except queue.Empty:
                 pass
+            self._probation_tick()
             if self._reload_signal.is_set():
                 self._reload_signal.clear()
                 self._request_reload(None)
@@ -813,14 +899,24 @@ class Controller:
         self._stop_pipeline()
         # An update may be waiting on `call` to restore what it switched: keep answering until it is done
         # (bounded). A self-test child (boot, reload, command) is simply abandoned: it dies with us.
+        if self.updater is not None:
+            self.updater.machine.cancel.set()  # a download in flight stops now, not at its deadline
         deadline = time.monotonic() + 30
         while ((self._operation or "").startswith(("update", "rollback")) or
                (self._update_thread is not None and self._update_thread.is_alive())) and time.monotonic() < deadline:
+            self._probation_tick()  # a shutdown ends a probation at once (cut short: not committed)
             try:
                 self._handle(self.events.get(timeout=0.1))
             except queue.Empty:
                 pass
         self._loop_done.set()
+        while True:  # update statuses posted before the loop ended still count (the last word of an update)
+            try:
+                ev = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(ev, UpdateStatus):
+                self._apply_update_status(ev.doc)
         doc = self.health()
         p = doc["pipeline"] or {}
         log.info("shutdown", serving=doc["serving"], **{k: v for k, v in p.items() if k != "latency_ms"},

@@ -16,7 +16,8 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
                     selftest_doc: dict[str, Any] | None, outbox: Any, probe: ProcessProbe,
                     operation: str | None, mqtt_connected: bool | None = None,
                     update: dict[str, Any] | None = None,
-                    decode_limit: dict[str, Any] | None = None) -> dict[str, Any]:
+                    decode_limit: dict[str, Any] | None = None,
+                    update_machine: dict[str, Any] | None = None) -> dict[str, Any]:
     status = pipeline.status() if pipeline is not None else None
     source = None
     metrics = None
@@ -53,6 +54,8 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
         update=update,
     )
     doc["operation"] = operation  # "reload", "selftest", "update <id>" while one runs
+    if update_machine is not None:  # the update state machine's current state (docs/updates.md)
+        doc["update_machine"] = update_machine
     per_source = getattr(pipeline.source, "per_source", None) if pipeline is not None else None
     doc["sources"] = per_source() if per_source is not None else None  # many sources: each one's own health
     return doc
@@ -63,7 +66,7 @@ def status_line(serving: bool, engine: Engine | None, not_serving_reason: str | 
     if serving and engine is not None:
         d = engine.describe()
         return f"serving {d['bundle']} v{d['version']} {d['variant']} on {d['provider']}"
-    return f"NOT serving: {not_serving_reason}"
+    return f"NOT serving: {not_serving_reason or 'starting'}"  # never "None": before boot there is no reason yet
 
 
 def watchdog_withheld(pipeline: Pipeline | None, horizon_s: float) -> str | None:

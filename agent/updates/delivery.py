@@ -4,31 +4,38 @@ or a `.tar.gz` dropped into an inbox (`watch_inbox`). Every input here is bounde
 Bounds and policy (each a config key under `updates`, see docs/updates.md "Hostile inputs"):
 - an offer is refused unless size <= max_bundle_bytes, fits the free disk, and its chunk size lies in
   [min_chunk_bytes, max_chunk_bytes]; received chunks are one byte each in a bitmap, data goes to a file;
-- one transfer at a time, newest wins: a new offer (or the same id offered again) ends the unfinished
-  one and removes its file; an offer while a completed transfer installs is refused;
+- one update at a time is the update machine's state (agent.updates.machine, docs/updates.md), not a lock
+  here: a new offer (or the same id offered again) supersedes a receiving delivery; an offer, download or
+  inbox file while an update verifies, proves, switches or is on probation is refused "busy";
 - a transfer idle for transfer_idle_s expires; a sweeper removes it and any orphaned transfer staging;
-- one download at a time, one total deadline, size checked while streaming, https (http to loopback, or
-  anywhere with allow_http), redirects only to allowed schemes, staging removed on every failure.
+- a download has one total deadline (connect, status line, headers, body), size checked while streaming,
+  https (http to loopback, or anywhere with allow_http), redirects only to allowed schemes, staging removed
+  on every failure; a rollback or a newer offer cancels it;
+- an inbox entry that is not a regular file is refused by lstat before any open; any exception in any path
+  is a `rejected` verdict and the path keeps going.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import urllib3
+
 from agent.config import PayloadError, parse_json_object
 from agent.errors import UrlRefused
 from agent.logsetup import get_logger
-from agent.updates.updater import Updater
+from agent.updates.machine import State
+from agent.updates.updater import Updater, file_kind
 
 log = get_logger("delivery")
 
@@ -81,8 +88,9 @@ class ChunkReceiver:
         self.cfg = updater.cfg
         self.staging = updater.store.staging
         self.transfer: Transfer | None = None  # newest wins: at most one unfinished transfer
-        self.installing: Transfer | None = None
-        self.lock = threading.Lock()
+        self.installing: Transfer | None = None  # only so the sweeper leaves its staging alone
+        self.lock = threading.Lock()  # the transfer slots: the controller's thread vs the sweeper
+        self.warnings = RateLimitedWarnings(log)  # 2,000 wrong-size chunks are a few lines with counts
 
     # -- the protocol, straight from MQTT (paho's network thread: cheap and bounded) ---------------------
     def on_message(self, suffix: str, payload: bytes) -> None:
@@ -90,7 +98,7 @@ class ChunkReceiver:
         if suffix.startswith("bundle/chunk/"):
             parts = suffix[len("bundle/chunk/"):].split("/")
             if len(parts) != 2 or not parts[1].isdigit() or len(parts[1]) > 9:
-                log.warning("bundle.chunk_topic_malformed", topic=suffix[:120])
+                self.warnings.warn("bundle.chunk_topic_malformed", topic=suffix[:120])
                 return
             self.on_chunk(parts[0], int(parts[1]), payload)
             return
@@ -137,21 +145,24 @@ class ChunkReceiver:
         if reason is not None:
             self.updater.status(tid, "mqtt", "rejected", reason=reason)
             return
-        with self.lock:
-            if self.installing is not None:
-                busy = self.installing.id
-            else:
-                busy = None
-                old, self.transfer = self.transfer, None
+        held = self.updater.machine.snapshot
+        busy = self.updater.begin(tid, "mqtt", offer=True)  # the machine's state is the one guard
         if busy is not None:
-            self.updater.status(tid, "mqtt", "rejected", reason=f"busy: transfer {busy} is being installed; offer again after its verdict")
+            self.updater.status(tid, "mqtt", "rejected",
+                                reason=f"{busy} (update {held.update}); offer again after its verdict")
             return
+        with self.lock:
+            old, self.transfer = self.transfer, None
         if old is not None:
             self._drop(old)
             if old.id != tid:
                 self.updater.status(old.id, "mqtt", "rejected", reason=f"superseded by transfer {tid} (newest offer wins)")
-        path = self.updater.store.new_staging("push-") / "bundle.tar.gz"
-        path.touch()
+        try:
+            path = self.updater.store.new_staging("push-") / "bundle.tar.gz"
+            path.touch()
+        except OSError as exc:
+            self.updater.refuse(tid, "mqtt", f"cannot stage the transfer: {exc}")
+            return
         t = Transfer(tid, size, sha, chunk, (size + chunk - 1) // chunk, path)
         with self.lock:
             self.transfer = t
@@ -163,17 +174,19 @@ class ChunkReceiver:
             t = self.transfer
         if t is None or t.id != tid or not 0 <= index < t.chunks:
             return
+        if not self._holds(t):
+            return
         offset = index * t.chunk_size
         expected = min(t.chunk_size, t.size - offset)
         if len(data) != expected:
-            log.warning("bundle.chunk_wrong_size", transfer=tid, index=index, size=len(data), expected=expected)
+            self.warnings.warn("bundle.chunk_wrong_size", transfer=tid, index=index, size=len(data), expected=expected)
             return
         try:
             with open(t.path, "r+b") as f:
                 f.seek(offset)
                 f.write(data)
         except OSError as exc:  # dropped under us (superseded, expired) or the disk filled
-            log.warning("bundle.chunk_not_written", transfer=tid, index=index, error=str(exc))
+            self.warnings.warn("bundle.chunk_not_written", transfer=tid, index=index, error=str(exc))
             return
         t.last_activity = time.monotonic()
         if t.received[index]:
@@ -191,13 +204,14 @@ class ChunkReceiver:
         if t is None:
             self.updater.status(tid, "mqtt", "rejected", reason="done for an unknown transfer (send the offer first)")
             return
+        if not self._holds(t):
+            return
         t.last_activity = time.monotonic()
         if t.count < t.chunks:
             t.done_requests += 1
             if t.done_requests >= self.MAX_DONE_WITHOUT_DATA:
                 self._forget(t)
-                self.updater.status(tid, "mqtt", "rejected",
-                                    reason=f"truncated upload: {t.count} of {t.chunks} chunks arrived")
+                self.updater.refuse(tid, "mqtt", f"truncated upload: {t.count} of {t.chunks} chunks arrived")
                 return
             self.updater.status(tid, "mqtt", "missing", chunks=t.missing(self.MAX_MISSING_LISTED),
                                 count=t.chunks - t.count)
@@ -206,11 +220,23 @@ class ChunkReceiver:
             if self.transfer is not t:
                 return
             self.transfer, self.installing = None, t
+        # one install thread at most: the machine leaves Receiving here, so no other offer gets this far
         threading.Thread(target=self._install, args=(t,), name=f"update-{tid}", daemon=True).start()
+
+    def _holds(self, t: Transfer) -> bool:
+        """Whether the machine still receives this transfer; a rollback or a restart took it away otherwise."""
+        snap = self.updater.machine.snapshot
+        if snap.update == t.id and snap.state == State.RECEIVING:
+            return True
+        self._forget(t)
+        return False
 
     def _install(self, t: Transfer) -> None:
         try:
             self.updater.install(t.path, "mqtt", t.id, expected_sha256=t.sha256)
+        except Exception as exc:  # install turns errors into verdicts; this is the last net
+            log.exception("update.install_failed", update=t.id)
+            self.updater.refuse(t.id, "mqtt", f"{type(exc).__name__}: {exc}")
         finally:
             self._drop(t)
             with self.lock:
@@ -242,9 +268,8 @@ class ChunkReceiver:
         if t is not None:
             self._drop(t)
             gone.append(t.id)
-            self.updater.status(t.id, "mqtt", "rejected",
-                                reason=f"expired: no message for {idle:g} s (updates.transfer_idle_s); "
-                                       f"{t.count} of {t.chunks} chunks had arrived")
+            self.updater.refuse(t.id, "mqtt", f"expired: no message for {idle:g} s (updates.transfer_idle_s); "
+                                              f"{t.count} of {t.chunks} chunks had arrived")
         wall = time.time()
         for p in list(self.staging.iterdir()) if self.staging.is_dir() else []:
             if not p.name.startswith(SWEPT_PREFIX) or p in live:
@@ -294,107 +319,260 @@ def check_url(url: str, allow_http: bool) -> urllib.parse.SplitResult:
     return parts
 
 
-class _RedirectChecker(urllib.request.HTTPRedirectHandler):
-    max_redirections = 5
-
-    def __init__(self, allow_http: bool):
-        self.allow_http = allow_http
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
-        try:
-            check_url(urllib.parse.urljoin(req.full_url, newurl), self.allow_http)
-        except UrlRefused as exc:
-            raise urllib.error.URLError(f"redirect refused: {exc}") from exc
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
 class Downloader:
-    """URL delivery: one download at a time, one total deadline, bounded size, staging always removed."""
+    """URL delivery: one total deadline over connect, status line, headers and body; bounded size;
+    cancelled by a rollback or a newer offer; staging always removed. One at a time is the machine's state."""
+
+    MAX_REDIRECTS = 5
 
     def __init__(self, updater: Updater):
         self.updater = updater
         self.cfg = updater.cfg
-        self.busy = threading.Lock()
+
+    def refusal(self, url: str, update: str) -> dict[str, Any] | None:
+        """The verdict for a URL refused before anything is fetched, or None when it may be fetched."""
+        try:
+            check_url(url, self.cfg.allow_http)
+        except UrlRefused as exc:
+            return self.updater.status(update, "url", "rejected", reason=str(exc))
+        return None
 
     def fetch(self, url: str, sha256: str, update: str) -> dict[str, Any]:
+        """Check, take the machine, download, install. For the controller, `begin` + `fetch_started`."""
         update = update[:100]
         try:
             check_url(url, self.cfg.allow_http)
         except UrlRefused as exc:
             return self.updater.status(update, "url", "rejected", reason=str(exc))
-        if not self.busy.acquire(blocking=False):
-            return self.updater.status(update, "url", "rejected",
-                                       reason="busy: a download is already running; send it again after its verdict")
+        busy = self.updater.begin(update, "url")
+        if busy is not None:
+            return self.updater.status(update, "url", "rejected", reason=f"{busy}; send it again after its verdict")
+        return self.fetch_started(url, sha256, update)
+
+    def fetch_started(self, url: str, sha256: str, update: str,
+                      cancel: threading.Event | None = None) -> dict[str, Any]:
+        """The download once the machine took it; `cancel` is the event that machine start handed out
+        (a newer offer or a rollback sets it)."""
+        cancel = cancel if cancel is not None else self.updater.machine.cancel
         try:
             work = self.updater.store.new_staging("download-")
             try:
                 self.updater.status(update, "url", "downloading", url=url)
                 dest = work / "bundle.tar.gz"
                 try:
-                    self._download(url, dest)
-                except (OSError, ValueError, urllib.error.URLError, TimeoutError) as exc:
-                    return self.updater.status(update, "url", "rejected", reason=f"download failed: {exc}")
+                    self._download(url, dest, cancel)
+                except (OSError, ValueError, urllib3.exceptions.HTTPError) as exc:
+                    return self.updater.refuse(update, "url", f"download failed: {exc}")
                 return self.updater.install(dest, "url", update, expected_sha256=sha256)
-            except Exception as exc:  # never leave "downloading" as the last word
-                log.exception("download.failed", update=update)
-                return self.updater.status(update, "url", "rejected", reason=f"download failed: {type(exc).__name__}: {exc}")
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-        finally:
-            self.busy.release()
+        except Exception as exc:  # never leave "downloading" as the last word
+            log.exception("download.failed", update=update)
+            return self.updater.refuse(update, "url", f"download failed: {type(exc).__name__}: {exc}")
 
-    def _download(self, url: str, dest: Path) -> None:
+    def _download(self, url: str, dest: Path, cancel: threading.Event) -> None:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.download_deadline_s
-        opener = urllib.request.build_opener(_RedirectChecker(cfg.allow_http))
+        for _ in range(self.MAX_REDIRECTS + 1):
+            parts = check_url(url, cfg.allow_http)
+            with _Deadline(deadline, cancel, cfg.download_deadline_s) as guard:
+                location = self._get(parts, dest, guard)
+            if location is None:
+                return
+            try:
+                url = urllib.parse.urljoin(url, location)
+                check_url(url, cfg.allow_http)
+            except UrlRefused as exc:
+                raise ValueError(f"redirect refused: {exc}") from exc
+        raise ValueError(f"more than {self.MAX_REDIRECTS} redirects")
+
+    def _get(self, parts: urllib.parse.SplitResult, dest: Path, guard: "_Deadline") -> str | None:
+        """One request; the redirect location, or None once the body is in `dest`."""
+        cfg = self.cfg
         per_read = min(cfg.download_timeout_s, cfg.download_deadline_s)
-        with opener.open(url, timeout=per_read) as r:
+        https = parts.scheme == "https"
+        cls = urllib3.connection.HTTPSConnection if https else urllib3.connection.HTTPConnection
+        kw: dict[str, Any] = {"cert_reqs": "CERT_REQUIRED"} if https else {}
+        conn = cls(str(parts.hostname), parts.port or (443 if https else 80), timeout=guard.timeout(per_read), **kw)
+        try:
+            conn.connect()  # bounded by the connect timeout (at most what is left of the deadline)
+            # the socket itself: http.client drops conn.sock once the response owns it (HTTP/1.0, close)
+            guard.watch(conn.sock)
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            # streamed, never preloaded (the body is bounded while it arrives); identity: no decompression bomb
+            conn.request("GET", path, headers={"User-Agent": "edge-agent", "Accept-Encoding": "identity"},
+                         preload_content=False, decode_content=False)
+            guard.check()
+            r = conn.getresponse()  # status line and headers: the guard shuts the socket at the deadline
+            guard.check()
+            if r.status in (301, 302, 303, 307, 308):
+                location = r.headers.get("Location")
+                if not location:
+                    raise ValueError(f"HTTP {r.status} with no Location")
+                return location
+            if r.status != 200:
+                raise ValueError(f"HTTP {r.status} {r.reason}")
             length = r.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > cfg.max_bundle_bytes:
                 raise ValueError(f"Content-Length {length} is over updates.max_bundle_bytes {cfg.max_bundle_bytes}")
-            sock = _socket_of(r)
             total = 0
             with open(dest, "wb") as f:
                 while True:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError(f"not complete within updates.download_deadline_s {cfg.download_deadline_s:g} s "
-                                           f"({total} bytes arrived)")
-                    if sock is not None:
-                        sock.settimeout(min(per_read, remaining))
+                    guard.check()
+                    if guard.sock.fileno() != -1:  # closed by the response itself once the body is complete
+                        guard.sock.settimeout(guard.timeout(per_read))
                     try:
-                        chunk = r.read1(1 << 16)
-                    except TimeoutError as exc:
-                        if time.monotonic() >= deadline - 0.05:
-                            raise TimeoutError(f"not complete within updates.download_deadline_s "
-                                               f"{cfg.download_deadline_s:g} s ({total} bytes arrived)") from exc
+                        chunk = r.read(1 << 16)
+                    except (TimeoutError, urllib3.exceptions.ReadTimeoutError) as exc:
+                        guard.check()
                         raise TimeoutError(f"no data for updates.download_timeout_s {cfg.download_timeout_s:g} s "
                                            f"({total} bytes arrived)") from exc
                     if not chunk:
+                        guard.check()
                         break
                     total += len(chunk)
                     if total > cfg.max_bundle_bytes:
                         raise ValueError(f"download over updates.max_bundle_bytes {cfg.max_bundle_bytes}")
                     f.write(chunk)
+            return None
+        except (OSError, urllib3.exceptions.HTTPError, http.client.HTTPException) as exc:
+            guard.check()  # the deadline or a cancel is the real reason for whatever the socket said
+            if isinstance(exc, (TimeoutError, urllib3.exceptions.TimeoutError)):
+                raise TimeoutError(f"no data for updates.download_timeout_s {cfg.download_timeout_s:g} s") from exc
+            if isinstance(exc, http.client.HTTPException):
+                raise ValueError(f"malformed HTTP response: {exc}") from exc
+            raise
+        finally:
+            conn.close()
 
 
-def _socket_of(response: Any) -> socket.socket | None:
-    raw = getattr(getattr(response, "fp", None), "raw", None)
-    sock = getattr(raw, "_sock", None)
-    return sock if isinstance(sock, socket.socket) else None
+class _Deadline:
+    """One total deadline over connect, status line, headers and body. A per-read timeout cannot bound a
+    server that trickles a byte every second; this guard thread shuts the socket down at the deadline (or
+    at a cancel), which wakes any read blocked on it."""
+
+    def __init__(self, deadline: float, cancel: threading.Event, total_s: float):
+        self.deadline, self.cancel, self.total_s = deadline, cancel, total_s
+        self._done = threading.Event()
+        self.sock: Any = None
+        self.why: str | None = None
+
+    def __enter__(self) -> "_Deadline":
+        self.check()
+        self._thread = threading.Thread(target=self._run, name="download-deadline", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    def watch(self, sock: Any) -> None:
+        self.sock = sock
+        if self.why is not None:  # fired while connecting
+            self._shutdown()
+
+    def timeout(self, per_read: float) -> float:
+        return max(0.05, min(per_read, self.deadline - time.monotonic()))
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise ValueError("cancelled: a rollback or a newer offer took the update machine")
+        if time.monotonic() >= self.deadline or self.why is not None:
+            raise TimeoutError(f"not complete within updates.download_deadline_s {self.total_s:g} s")
+
+    def _shutdown(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a read blocked on it, in any thread
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            if self.cancel.is_set() or time.monotonic() >= self.deadline:
+                self.why = "cancelled" if self.cancel.is_set() else "deadline"
+                self._shutdown()
+                return
+            self.cancel.wait(min(0.1, max(0.0, self.deadline - time.monotonic())))
+
+
+class RateLimitedWarnings:
+    """A warning repeated by a flood (2,000 wrong-size chunks) is logged once per interval per event, with
+    the count of the ones left out."""
+
+    def __init__(self, logger: Any, interval_s: float = 10.0):
+        self.log, self.interval_s = logger, interval_s
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def warn(self, event: str, **kw: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(event, -1e9) < self.interval_s:
+            self._quiet[event] = self._quiet.get(event, 0) + 1
+            return
+        self._last[event] = now
+        self.log.warning(event, suppressed=self._quiet.pop(event, 0), **kw)
 
 
 # -- inbox ----------------------------------------------------------------------------------------------
-def watch_inbox(updater: Updater, stop: threading.Event) -> None:
+def _file_away(inbox: Path, entry: Path, verdict: dict[str, Any]) -> None:
+    committed = verdict.get("state") == "committed"
+    target = inbox / ("done" if committed else "rejected") / entry.name
+    try:
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        os.replace(entry, target)  # moves the entry itself: a symlink, a FIFO or a directory as it is
+        if not committed:
+            target.with_name(target.name + ".reason.txt").write_text(str(verdict.get("reason")) + "\n")
+    except OSError as exc:
+        log.error("inbox.not_filed", entry=entry.name, error=str(exc),
+                  fix="remove the entry by hand: the watcher skips it from now on")
+        raise
+
+
+def inbox_entry(updater: Updater, inbox: Path, entry: Path) -> dict[str, Any] | None:
+    """One inbox entry to its verdict, filed under done/ or rejected/; None when the machine is busy (the
+    entry stays for the next pass). An entry that is not a regular file is refused by lstat, never opened."""
+    name = entry.name[:200]
+    try:
+        st = entry.lstat()
+    except FileNotFoundError:
+        return None  # gone between the listing and now
+    if not stat.S_ISREG(st.st_mode):
+        verdict = updater.status(name, "inbox", "rejected",
+                                 reason=f"{name}: not a regular file ({file_kind(st.st_mode)}); refused before opening")
+    else:
+        busy = updater.begin(name, "inbox")
+        if busy is not None:
+            return None
+        try:
+            verdict = updater.install(entry, "inbox", name)
+        except Exception as exc:
+            log.exception("inbox.entry_failed", entry=name)
+            verdict = updater.refuse(name, "inbox", f"{type(exc).__name__}: {exc}")
+    _file_away(inbox, entry, verdict)
+    return verdict
+
+
+def watch_inbox(updater: Updater, stop: threading.Event, period_s: float = 1.0) -> None:
     inbox = updater.cfg.inbox
     if inbox is None:
         return
     for sub in ("done", "rejected"):
         (inbox / sub).mkdir(parents=True, exist_ok=True)
-    while not stop.wait(1.0):
-        for f in sorted(inbox.glob("*.tar.gz")):  # copy as .part, then rename: only whole files match
-            result = updater.install(f, "inbox", f.name)
-            target = inbox / ("done" if result["state"] == "committed" else "rejected") / f.name
-            os.replace(f, target)
-            if result["state"] != "committed":
-                target.with_suffix(".reason.txt").write_text(str(result.get("reason")) + "\n")
+    unfiled: set[str] = set()  # entries that could not be moved away: skipped, not retried in a loop
+    while not stop.wait(period_s):
+        try:
+            entries = sorted(inbox.glob("*.tar.gz"))  # copy as .part, then rename: only whole files match
+        except OSError as exc:
+            log.error("inbox.unreadable", inbox=str(inbox), error=str(exc))
+            continue
+        for entry in entries:
+            if entry.name in unfiled or stop.is_set():
+                continue
+            try:
+                inbox_entry(updater, inbox, entry)
+            except Exception:  # one bad entry never ends the watcher
+                log.exception("inbox.entry_failed", entry=entry.name[:200])
+                unfiled.add(entry.name)

@@ -1,7 +1,8 @@
 """Probation: a pure judge over the frames a new bundle really served after the switch.
 
-The updater watches (the shell); this module decides, from counts and latencies only. No results is
-a failure, not a pass: a bundle that refuses every frame (a frame-format mismatch) served nothing.
+The controller's tick watches (the shell, `ProbationWatch`); this module decides, from counts and
+latencies only. No results is a failure, not a pass: a bundle that refuses every frame (a frame-format
+mismatch) served nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class ProbationVerdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "reasons": list(self.reasons), "evidence": self.evidence.to_dict()}
+
+
+def probation_over(seconds: float, results: int, errors: int, stopping: bool, limit_s: float,
+                   limit_results: int) -> bool:
+    """Whether a probation has seen enough: its time or its results, a first error, or a shutdown."""
+    return seconds >= limit_s or results >= limit_results or errors > 0 or stopping
 
 
 def p95(samples: Sequence[float]) -> float | None:

@@ -150,7 +150,22 @@ class BundleStore:
         if com is not None and cur != com:
             log.warning("store.uncommitted_switch_reverted", current=cur, committed=com)
             self.revert_current()
+        self.prune_uncommitted()
         return com
+
+    def prune_uncommitted(self) -> list[str]:
+        """At boot: a bundle that was stored but never committed (a crash between the switch and the commit)
+        is removed now, not at a later update's prune: it can hold hundreds of MB and nothing names it."""
+        keep = {self.current_id, self.committed_id} | set(self.history())
+        removed = []
+        for p in sorted(self.bundles.iterdir()):
+            if p.name not in keep:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                removed.append(p.name)
+        if removed:
+            fsync_dir(self.bundles)
+            log.warning("store.uncommitted_pruned", removed=removed)
+        return removed
 
     def import_bundle(self, src: Path) -> str:
         """Copy a bundle directory into the store and commit it (the initial bundle)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import threading
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol
@@ -25,6 +25,7 @@ from agent.bundle.signing import verify_signature
 from agent.proof.isolation import prove_in_child
 from agent.proof.verdict import Candidate
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation, p95
+from agent.updates.machine import AFTER_SWITCH, BEFORE_SWITCH, Busy, Event, Snapshot, State, UpdateMachine
 from agent.updates.store import BundleStore
 
 log = get_logger("updates")
@@ -38,8 +39,16 @@ class ServingAgent(Protocol):
     def operation(self, name: str) -> ContextManager[None]: ...
     def swap_bundle(self, bundle: Bundle, candidate: Candidate, report: dict[str, Any]) -> Any: ...
     def restore(self, swap: Any) -> None: ...
-    def engine_tally(self, swap: Any) -> Any: ...
+    def watch_probation(self, swap: Any, seconds: float, results: int) -> tuple[Any, float]: ...
     def stopping(self) -> bool: ...
+
+
+def file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -47,41 +56,90 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 class Updater:
+    """Runs an update through the machine's states. Deliveries hand it archives; the machine is the guard."""
+
     def __init__(self, agent: ServingAgent, store: BundleStore, cfg: UpdatesConfig, state_dir: Path,
-                 config_file: Path | None, publish: Callable[[dict[str, Any]], None]):
+                 serving_config: Callable[[], Any], publish: Callable[[dict[str, Any]], None],
+                 machine: UpdateMachine | None = None,
+                 on_owner: Callable[[Callable[[], Any]], Any] | None = None):
         self.agent, self.store, self.cfg = agent, store, cfg
-        self.state_dir, self.config_file, self.publish = state_dir, config_file, publish
-        self.lock = threading.Lock()  # one update at a time
+        # the config object that serves (the controller's, after any reload): the update's proof runs under
+        # exactly it, never under a file re-read from disk or defaults for a config built in code
+        self.serving_config = serving_config
+        self.state_dir, self.publish = state_dir, publish
+        self.machine = machine or UpdateMachine(store.root)
+        # runs a transition on the thread that owns the update (the controller's); inline without one
+        self.on_owner: Callable[[Callable[[], Any]], Any] = on_owner or (lambda fn: fn())
         if cfg.allow_unsigned:
             log.warning("updates.unsigned_allowed", detail="UNSIGNED BUNDLES ARE ACCEPTED (updates.allow_unsigned)")
 
+    def _fire(self, event: Event, *args: Any, **kw: Any) -> Snapshot:
+        """Every transition runs on the owner's thread (the controller's queue), whichever thread asks."""
+        return self.on_owner(lambda: self.machine.fire(event, *args, **kw))
+
     # -- status ------------------------------------------------------------------------------------------
     def status(self, update: str, origin: str, state: str, **detail: Any) -> dict[str, Any]:
-        doc = {"update": update, "origin": origin, "state": state, "ts": round(time.time(), 3), **detail}
+        doc = {"update": update, "origin": origin, "state": state, "ts": round(time.time(), 3),
+               "phase": self.machine.snapshot.state.value, **detail}
         (log.warning if state in ("rejected", "rolled_back") else log.info)("update." + state, update=update, **detail)
         self.publish(doc)
         return doc
 
+    def begin(self, update: str, origin: str, offer: bool = False) -> str | None:
+        """A delivery starts receiving; the reason it may not (another update holds the machine), or None."""
+        try:
+            self._fire(Event.OFFER if offer else Event.BEGIN, update, origin)
+        except Busy as exc:
+            return str(exc)
+        return None
+
+    def refuse(self, update: str, origin: str, reason: str) -> dict[str, Any]:
+        """A verdict of `rejected`: the machine moves to Rejected when this update holds it before the switch."""
+        snap = self.machine.snapshot
+        if snap.update == update and snap.state in BEFORE_SWITCH:
+            try:
+                self._fire(Event.REJECT, reason=reason, expect=update)
+            except Busy:
+                pass
+        return self.status(update, origin, "rejected", reason=reason)
+
     # -- the install flow --------------------------------------------------------------------------------
     def install(self, archive: Path, origin: str, update: str, expected_sha256: str | None = None) -> dict[str, Any]:
+        """The archive of an update that `begin` let in is complete: verify, prove, switch, probation."""
+        try:
+            self._fire(Event.RECEIVED, expect=update)
+        except Busy as exc:  # superseded (a newer offer, a rollback) while it was arriving
+            return self.status(update, origin, "rejected", reason=str(exc))
         # An update is a state of the controller: no reload (which re-reads the store) runs meanwhile.
-        with self.lock, self.agent.operation(f"update {update}"):
+        with self.agent.operation(f"update {update}"):
             work = self.store.new_staging("update-")
             try:
                 return self._install(archive, origin, update, expected_sha256, work)
-            except UpdateRejected as exc:
-                return self.status(update, origin, "rejected", reason=str(exc))
             except AgentError as exc:  # bundle, archive, signature errors all name the problem
-                return self.status(update, origin, "rejected", reason=str(exc))
+                return self._failed(update, origin, str(exc))
+            except Exception as exc:  # a bug or an OS error is a verdict too, never a dead delivery path
+                log.exception("update.failed", update=update)
+                return self._failed(update, origin, f"{type(exc).__name__}: {exc}")
             finally:
                 shutil.rmtree(work, ignore_errors=True)
+
+    def _failed(self, update: str, origin: str, reason: str) -> dict[str, Any]:
+        snap = self.machine.snapshot
+        if snap.update == update and snap.state in AFTER_SWITCH:
+            # an error after the switch: whatever serves, `current` goes back to what was committed
+            self.store.revert_current()
+            self._fire(Event.FAILED, reason=reason, expect=update)
+            return self.status(update, origin, "rolled_back", reason=reason)
+        return self.refuse(update, origin, reason)
 
     def _install(self, archive: Path, origin: str, update: str, expected_sha256: str | None,
                  work: Path) -> dict[str, Any]:
         self.status(update, origin, "verifying")
-        size = archive.stat().st_size
-        if size > self.cfg.max_bundle_bytes:
-            raise UpdateRejected(f"archive is {size} bytes, over updates.max_bundle_bytes {self.cfg.max_bundle_bytes}")
+        st = archive.lstat()
+        if not stat.S_ISREG(st.st_mode):
+            raise UpdateRejected(f"{archive.name}: not a regular file ({file_kind(st.st_mode)}); refused before opening")
+        if st.st_size > self.cfg.max_bundle_bytes:
+            raise UpdateRejected(f"archive is {st.st_size} bytes, over updates.max_bundle_bytes {self.cfg.max_bundle_bytes}")
         if expected_sha256 is not None:
             actual = sha256_file(archive)
             if actual != expected_sha256:
@@ -94,17 +152,37 @@ class Updater:
             log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
         bundle = load_bundle(root, check_contracts=False)  # the self-test child opens every variant
         self._check_version_and_compatibility(bundle)
+        self._fire(Event.VERIFIED, expect=update)
         self.status(update, origin, "verified", bundle=bundle.identity, key_id=sig.key_id)
 
         return self._prove_and_switch(update, origin, root, bundle, stored_id=None)
 
     def rollback(self, update: str) -> dict[str, Any]:
-        """Go back to the previous committed bundle: verified and self-tested again, then switched."""
-        with self.lock, self.agent.operation(f"rollback {update}"):
-            prev = self.store.previous_committed()
-            if prev is None:
-                return self.status(update, "rollback", "rejected", reason="no previous committed bundle in the store")
+        """Go back to the previous committed bundle: verified and self-tested again, then switched.
+        Allowed while a delivery is still receiving (it is cancelled), busy from verifying to probation."""
+        busy = self.begin_rollback(update)
+        if busy is not None:
+            return self.status(update, "rollback", "rejected", reason=busy)
+        return self.rollback_started(update)
+
+    def begin_rollback(self, update: str) -> str | None:
+        """The machine takes a rollback (cancelling a delivery that is still receiving), or says why not."""
+        held = self.machine.snapshot
+        try:
+            self._fire(Event.ROLLBACK, update, "rollback")
+        except Busy as exc:
+            return str(exc)
+        if held.state == State.RECEIVING:
+            log.warning("update.cancelled_by_rollback", update=held.update, origin=held.origin)
+        return None
+
+    def rollback_started(self, update: str) -> dict[str, Any]:
+        """The rollback once the machine took it (the controller fires ROLLBACK on its thread)."""
+        with self.agent.operation(f"rollback {update}"):
             try:
+                prev = self.store.previous_committed()
+                if prev is None:
+                    raise UpdateRejected("no previous committed bundle in the store")
                 root = self.store.path(prev)
                 seeded = self.store.seed_sha256(prev)  # the operator's own seed needs no signature ...
                 if seeded is None:
@@ -112,13 +190,18 @@ class Updater:
                 bundle = load_bundle(root, check_contracts=False)  # the child checks the contracts
                 if seeded is not None and bundle.manifest_sha256 != seeded:  # ... but must be what was installed
                     raise UpdateRejected(f"{root}: the seeded bundle changed on disk since it was installed")
+                self._fire(Event.VERIFIED, expect=update)
                 self.status(update, "rollback", "verified", bundle=bundle.identity)
                 return self._prove_and_switch(update, "rollback", root, bundle, stored_id=prev)
             except AgentError as exc:
-                return self.status(update, "rollback", "rejected", reason=str(exc))
+                return self._failed(update, "rollback", str(exc))
+            except Exception as exc:
+                log.exception("update.failed", update=update)
+                return self._failed(update, "rollback", f"{type(exc).__name__}: {exc}")
 
     def _prove_and_switch(self, update: str, origin: str, root: Path, bundle: Bundle,
                           stored_id: str | None) -> dict[str, Any]:
+        self._fire(Event.PROVE, expect=update)
         self.status(update, origin, "selftest")
         report = self._child_selftest(root)
         if not report.get("passed"):
@@ -134,6 +217,8 @@ class Updater:
         self.status(update, origin, "selftest_passed", selected=f"{candidate.provider}:{candidate.variant}")
 
         bid = stored_id or self.store.add(root, bundle)
+        # recorded before `current` moves: a power cut from here on is rolled back at boot
+        self._fire(Event.PROVEN, bundle=bid, expect=update)
         # verified in staging and moved by rename: same files, new root; no second hashing pass
         stored = dataclasses.replace(bundle, root=self.store.path(bid))
         self.store.activate(bid)
@@ -142,9 +227,16 @@ class Updater:
             swap = self.agent.swap_bundle(stored, candidate, report)
         except AgentError as exc:
             self.store.revert_current()
-            return self.status(update, origin, "rolled_back", reason=f"could not start serving it: {exc}")
+            reason = f"could not start serving it: {exc}"
+            self._fire(Event.FAILED, reason=reason, expect=update)
+            return self.status(update, origin, "rolled_back", reason=reason)
+        self._fire(Event.SWITCHED, expect=update)
         self.status(update, origin, "probation", seconds=self.cfg.probation_s, frames=self.cfg.probation_frames)
-        verdict = self._probation(stored, candidate, swap)
+        try:
+            verdict = self._probation(stored, candidate, swap)
+        except Exception:
+            self.agent.restore(swap)
+            raise
         e = verdict.evidence
         cut_short = (self.agent.stopping() and e.results < self.cfg.probation_frames
                      and e.seconds < self.cfg.probation_s)
@@ -155,9 +247,11 @@ class Updater:
                       f"(needs {self.cfg.probation_s:g} s or {self.cfg.probation_frames} results): not committed")
             self.agent.restore(swap)
             self.store.revert_current()
+            self._fire(Event.FAILED, reason=reason, expect=update)
             return self.status(update, origin, "rolled_back", reason=reason, bundle=bid,
                                probation=verdict.to_dict())
         self.store.commit(bid)
+        self._fire(Event.PASSED, reason=verdict.summary, expect=update)
         removed = self.store.prune(self.cfg.keep)
         return self.status(update, origin, "committed", bundle=bid, probation=verdict.to_dict(),
                            detail=verdict.summary, pruned=removed)
@@ -178,7 +272,7 @@ class Updater:
     def _child_selftest(self, root: Path) -> dict[str, Any]:
         """The same self-test as boot, in a child process: a crashing provider cannot kill the agent;
         a step that crashes the child is recorded and skipped by the next child."""
-        proof = prove_in_child(root, self.state_dir / "update-selftest", self.config_file,
+        proof = prove_in_child(root, self.state_dir / "update-selftest", self.serving_config(),
                                self.cfg.selftest_timeout_s, use_cache=False,
                                records_dir=self.state_dir / "selftest")  # the boot's ledger: one truth
         for crash in proof.crashes:
@@ -188,16 +282,11 @@ class Updater:
         return proof.report
 
     def _probation(self, bundle: Bundle, candidate: Candidate, swap: Any) -> ProbationVerdict:
-        """Watch what the new engine serves for N seconds or frames; the judging is `judge_probation`."""
-        tally = self.agent.engine_tally(swap)
-        t0 = time.monotonic()
-        deadline = t0 + self.cfg.probation_s
-        while time.monotonic() < deadline and tally.results < self.cfg.probation_frames:
-            if tally.inference_errors or tally.non_finite or self.agent.stopping():
-                break
-            time.sleep(0.05)
+        """The controller's tick watches what the new engine serves (N seconds or frames, a first error, a
+        shutdown); this thread only waits for its word. The judging is `judge_probation`."""
+        tally, seconds = self.agent.watch_probation(swap, self.cfg.probation_s, self.cfg.probation_frames)
         return judge_probation(ProbationEvidence(
-            seconds=round(time.monotonic() - t0, 3), frames=tally.frames, results=tally.results,
+            seconds=round(seconds, 3), frames=tally.frames, results=tally.results,
             refused=tally.refused, inference_errors=tally.inference_errors, non_finite=tally.non_finite,
             inference_p95_ms=p95(list(tally.inference_ms)),
             budget_ms=bundle.manifest.selftest.budget_for(candidate.provider)))

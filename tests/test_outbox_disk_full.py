@@ -1,0 +1,213 @@
+"""The outbox and the link on a full disk: a real tmpfs of a few MiB, filled to the last page.
+
+Faults (issue 20): a message was popped before its spill write raised (88 results lost, `dropped: 0`,
+no `outbox.dropped` event); a reconnect while the disk was full raised in `on_connect` before it
+subscribed (connected, but no prediction, health or reply for as long as the broker stayed up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agent.config import OutboxConfig
+from agent.link.outbox import Message, Outbox
+from brokers import MOSQUITTO, Broker, Collector, demo_mqtt_config
+from waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "dev-df"
+PREFIX = f"edge/{DEVICE}/"
+BOUND = 60  # outbox.memory_messages: what a full disk may keep in memory
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    d = tmp_path / "small"
+    if not _mount_tmpfs(d, "8m"):
+        pytest.skip("needs root to mount a small tmpfs (the full-disk tests use a real filesystem)")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def fill(disk: Path) -> Path:
+    """Fill the filesystem to its last byte; returns the filler file (delete it to free the space)."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (1 << 20, 1 << 16, 4096, 512, 1):
+            try:
+                while os.write(fd, b"\0" * size):
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    probe = disk / "probe"
+    with pytest.raises(OSError):
+        with open(probe, "wb") as f:
+            f.write(b"x" * 8192)
+            f.flush()
+            os.fsync(f.fileno())
+    probe.unlink(missing_ok=True)
+    return filler
+
+
+class Wire:
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.mid = 0
+
+    def __call__(self, msg: Message) -> int:
+        self.mid += 1
+        self.sent.append(json.loads(msg.payload)["seq"])
+        return self.mid
+
+
+def test_full_disk_with_the_broker_away_keeps_results_in_memory_up_to_the_bound_and_counts_the_rest(
+        small_disk: Path) -> None:
+    box = Outbox(small_disk / "outbox.sqlite", OutboxConfig(memory_messages=BOUND))
+    box.on_disconnected()
+    filler = fill(small_disk)
+    for i in range(BOUND):  # the broker is away and nothing can be spilled
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+        box.pump(Wire(), 10)
+    s = box.stats()
+    assert s["dropped"] == 0 and s["depth"] == BOUND and s["memory_only"] == BOUND, s
+    for i in range(BOUND, BOUND + 25):  # beyond the bound: the oldest go, each one counted
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+        box.pump(Wire(), 10)
+    s = box.stats()
+    assert s["dropped"] == 25 and s["depth"] == BOUND, s
+    # space returns: the next pump spills what memory held, then the broker returns and it all drains
+    filler.unlink()
+    box.pump(Wire(), 10)
+    assert box.stats()["on_disk"] == BOUND and box.stats()["memory_only"] == 0
+    box.on_connected()
+    wire = Wire()
+    for _ in range(20):
+        box.pump(wire, 100)
+        for mid in range(1, wire.mid + 1):
+            box.ack(mid)
+    assert wire.sent == list(range(25, BOUND + 25))  # in order; only the 25 counted drops are missing
+    box.close()
+
+
+def test_full_disk_while_connected_to_a_slow_broker_loses_nothing_below_the_bound(small_disk: Path) -> None:
+    box = Outbox(small_disk / "outbox.sqlite", OutboxConfig(memory_messages=BOUND))
+    box.on_connected()
+    fill(small_disk)
+    wire = Wire()
+    for i in range(BOUND + 10):  # no PUBACK: the backlog passes memory_messages and the spill fails
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    box.pump(wire, 5)
+    s = box.stats()
+    assert s["depth"] == BOUND + 5 and s["dropped"] == 5, s  # 5 in flight + the bound; the 5 oldest counted
+    for _ in range(BOUND):  # the broker catches up: each PUBACK lets the next one go, in order
+        for mid in range(1, wire.mid + 1):
+            box.ack(mid)
+        box.pump(wire, 5)
+    assert wire.sent == list(range(5)) + list(range(10, BOUND + 10))
+    assert box.stats()["dropped"] == 5
+
+
+pytestmark_agent = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
+                                      reason="mosquitto is not installed")
+
+
+def _produced(out: Path) -> list[int]:
+    seqs = []
+    for line in out.read_text().splitlines():
+        try:
+            seqs.append(json.loads(line)["seq"])
+        except (ValueError, KeyError):
+            continue
+    return seqs
+
+
+def _events(log: Path, name: str) -> list[dict]:
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and f'"{name}"' in line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return [e for e in out if e.get("event") == name]
+
+
+@pytestmark_agent
+@pytest.mark.slow
+def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp_path: Path, small_disk: Path) -> None:
+    broker = Broker(tmp_path / "broker").start()
+    sub = Collector(broker.port, [PREFIX + "predictions", PREFIX + "health", PREFIX + "cmd/status/reply"],
+                    client_id="recorder-df", persistent=True)
+    assert sub.wait(lambda: sub.connects >= 1, 30)
+    assert broker.wait_saved(after=time.time()), "mosquitto never autosaved the persistent subscription"
+    cfg = {**demo_mqtt_config(DEVICE, small_disk / "state", broker.port, stdout=True, max_fps=40),
+           "outbox": {"memory_messages": BOUND}}
+    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    out, log = tmp_path / "results.jsonl", tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
+                             cwd=ROOT, stdout=open(out, "w"), stderr=open(log, "w"))
+    got = lambda: {json.loads(m.payload)["seq"] for m in sub.on(PREFIX + "predictions")}  # noqa: E731
+    try:
+        assert sub.wait(lambda: len(got()) >= 10, 90), log.read_text()[-3000:]
+        filler = fill(small_disk)
+        # 1. a short outage, under the bound: every result arrives once the broker is back
+        broker.kill()
+        t0 = time.monotonic()
+        wait_until(lambda: len(_produced(out)) > max(got()) + 20, 30)
+        broker.start()
+        t_back = time.monotonic()
+        cut = max(_produced(out))
+        assert sub.wait(lambda: set(range(1, cut + 1)) <= got(), 60), \
+            f"lost with the disk full: {sorted(set(range(1, cut + 1)) - got())[:20]}"
+        print(f"outage 1: {t_back - t0:.1f} s, all {cut} results delivered {time.monotonic() - t_back:.1f} s "
+              f"after the broker returned, disk full")
+        # the reconnect happened with the disk full: it is not mute (a command is answered)
+        sub.c.publish(PREFIX + "cmd/status", b'{"id": "full"}', qos=1)
+        assert sub.wait(lambda: sub.on(PREFIX + "cmd/status/reply"), 30), "connected but mute"
+        # 2. a long outage, over the bound: drops are counted, and exactly those are missing
+        broker.kill()
+        assert wait_until(lambda: _events(log, "outbox.dropped"), 60), "no outbox.dropped event"
+        broker.start()
+        filler.unlink()  # space returns while the broker is up
+        t_free = time.monotonic()
+        n = max(_produced(out))
+        assert sub.wait(lambda: max(got()) >= n + 20, 60), "no delivery after the disk was freed"
+        print(f"space returned: 20 newer results delivered {time.monotonic() - t_free:.1f} s later")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 0
+        produced = _produced(out)
+        assert sub.wait(lambda: max(got()) >= max(produced), 30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        sub.close()
+        broker.stop()
+    lost = sorted(set(produced) - got())
+    dropped = _events(log, "outbox.dropped")
+    total = dropped[-1]["total"]
+    assert {e["reason"] for e in dropped} == {"disk"}, dropped
+    assert len(lost) == total and total > 0, f"lost {len(lost)} but counted {total}: {lost[:20]}"
+    print(f"disk full: produced {len(produced)}, dropped and counted {total}, lost uncounted 0")
