@@ -88,6 +88,7 @@ def test_a_second_operator_is_refused_while_the_first_holds_a_fresh_heartbeat(br
     publish_plan(broker.port, plan)
     first = operator(broker.port, "lease")
     first.run(max_s=0.5)  # started, heartbeat written
+    first.save_state()  # ... and still running (not released)
     second = operator(broker.port, "lease")
     with pytest.raises(RolloutError, match="being run by .*--force"):
         second.take_over()
@@ -203,3 +204,17 @@ def test_an_operator_that_was_taken_over_steps_aside(broker: Broker) -> None:
     finally:
         first.client.stop()
         c.stop()
+
+
+def test_an_operator_that_stopped_cleanly_releases_the_lease_at_once(broker: Broker) -> None:
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    fake_device(c, "dev0")
+    publish_plan(broker.port, Plan(id="rel", artifact=ART, targets=("dev0",), phases=(1,), rate_per_min=60))
+    first = operator(broker.port, "rel")
+    first.run(max_s=0.5)  # stops by its own deadline: the state says released
+    second = operator(broker.port, "rel")
+    second.take_over()  # no --force needed, no lease to wait out
+    assert second.state["decisions"][-1]["event"] == "resumed"
+    for op in (first, second):
+        op.client.stop()
+    c.stop()
