@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from brokers import Broker
+from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
@@ -20,8 +22,6 @@ from agent.fleet.simulator import GroupProfile, SimFleet
 from agent.fleet.state import Connection, FleetClient, RolloutTopics
 from agent.hashing import sha256_file
 from agent.testing import rewrite_manifest
-from brokers import Broker
-from waiting import wait_until
 
 ART = Artifact("http://127.0.0.1:9/none.tar.gz", "cd" * 32, "tiny-classifier", 2)
 
@@ -109,7 +109,7 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
     rewrite_manifest(tmp_path / "v2", lambda m: m.update(version=2))
     sign_bundle(tmp_path / "v2", tmp_path / "k.pem")
     archive = pack(tmp_path / "v2", web / "v2.tar.gz")
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)  # noqa: E731
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
     http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()

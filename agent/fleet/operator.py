@@ -73,10 +73,11 @@ class DeviceCache:
         if rest == "facts" and _session(doc) < _session(self.facts.get(device)):
             return device  # an older session's facts never overwrite a newer session's
         if rest == "availability" and doc.get("state") == "offline":
-            # a last will carries the number of the session after its own: a will numbered at or below the
-            # live session we saw is the previous connection's, delivered late (Sparkplug's bdSeq idea)
+            # a last will carries the number of the connection it belongs to (set before that connect as the
+            # persisted counter + 1): one numbered below the live session is an older connection's, delivered
+            # late, and never hides the live one (Sparkplug's bdSeq idea)
             held = self.availability.get(device) or {}
-            if held.get("state") == "online" and _session(doc) <= _session(held):
+            if held.get("state") == "online" and _session(doc) < _session(held):
                 return device
         table[device] = doc
         return device
