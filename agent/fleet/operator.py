@@ -111,6 +111,7 @@ class Operator:
         self._dirty = False
         self._soak_until: float | None = None
         self._running = False
+        self._handled_control = 0.0  # the newest control request applied (its ts), kept in the state
         self.taken_over: str | None = None
 
     # -- loading ---------------------------------------------------------------------------------------
