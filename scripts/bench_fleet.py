@@ -167,7 +167,7 @@ def raw_rate(port: int, count: int, size: int) -> tuple[float, str]:
     subc = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
     subscribed = threading.Event()
 
-    def on_msg(c, u, m):  # noqa: ANN001
+    def on_msg(c, u, m):
         n[0] += 1
         if n[0] >= count:
             got.set()

@@ -141,9 +141,9 @@ def test_a_late_last_will_of_the_previous_connection_does_not_hide_the_live_sess
 
     cache = DeviceCache("edge")
     cache.take("edge/d/availability", {"state": "online", "session": 6})
-    cache.take("edge/d/availability", {"state": "offline", "session": 6})  # session 5's will (it names 5 + 1)
+    cache.take("edge/d/availability", {"state": "offline", "session": 5})  # session 5's will, late
     assert cache.online("d")
-    cache.take("edge/d/availability", {"state": "offline", "session": 7})  # session 6's own will
+    cache.take("edge/d/availability", {"state": "offline", "session": 6})  # session 6's own will
     assert not cache.online("d")
     cache.take("edge/d/facts", {"session": 7, "bundle": {"committed": {"version": 2}}})
     cache.take("edge/d/facts", {"session": 6, "bundle": {"committed": {"version": 1}}})

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from brokers import Broker
+from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
@@ -20,8 +22,6 @@ from agent.fleet.simulator import GroupProfile, SimFleet
 from agent.fleet.state import Connection, FleetClient, RolloutTopics
 from agent.hashing import sha256_file
 from agent.testing import rewrite_manifest
-from brokers import Broker
-from waiting import wait_until
 
 ART = Artifact("http://127.0.0.1:9/none.tar.gz", "cd" * 32, "tiny-classifier", 2)
 
@@ -88,6 +88,7 @@ def test_a_second_operator_is_refused_while_the_first_holds_a_fresh_heartbeat(br
     publish_plan(broker.port, plan)
     first = operator(broker.port, "lease")
     first.run(max_s=0.5)  # started, heartbeat written
+    first.save_state()  # ... and still running (not released)
     second = operator(broker.port, "lease")
     with pytest.raises(RolloutError, match="being run by .*--force"):
         second.take_over()
@@ -108,7 +109,7 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
     rewrite_manifest(tmp_path / "v2", lambda m: m.update(version=2))
     sign_bundle(tmp_path / "v2", tmp_path / "k.pem")
     archive = pack(tmp_path / "v2", web / "v2.tar.gz")
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)  # noqa: E731
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
     http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -203,3 +204,17 @@ def test_an_operator_that_was_taken_over_steps_aside(broker: Broker) -> None:
     finally:
         first.client.stop()
         c.stop()
+
+
+def test_an_operator_that_stopped_cleanly_releases_the_lease_at_once(broker: Broker) -> None:
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    fake_device(c, "dev0")
+    publish_plan(broker.port, Plan(id="rel", artifact=ART, targets=("dev0",), phases=(1,), rate_per_min=60))
+    first = operator(broker.port, "rel")
+    first.run(max_s=0.5)  # stops by its own deadline: the state says released
+    second = operator(broker.port, "rel")
+    second.take_over()  # no --force needed, no lease to wait out
+    assert second.state["decisions"][-1]["event"] == "resumed"
+    for op in (first, second):
+        op.client.stop()
+    c.stop()

@@ -70,9 +70,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     cols = ("device", "availability", "labels", "provider", "committed", "current", "fidelity_margin", "p95_ms",
             "budget_ms", "last_failure")
-    print("  ".join(f"{c:14}" for c in cols))
-    for r in out:
-        print("  ".join(f"{str(r[c] if r[c] is not None else '-')[:40]:14}" for c in cols))
+    cells = [[str(r[c] if r[c] is not None else "-")[:48] for c in cols] for r in out]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     print(f"{len(out)} devices", file=sys.stderr)
     return EXIT_OK
 

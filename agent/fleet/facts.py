@@ -128,8 +128,7 @@ class FactsRow:
 
     @property
     def online(self) -> bool:
-        """Online, and not shadowed: a last will carries the next session number, so a will of an older
-        session than the facts' is stale (Sparkplug's bdSeq idea)."""
+        """The availability the operator kept says online (DeviceCache drops a late will of an older session)."""
         return self.availability.get("state") == "online"
 
     def committed(self) -> Mapping[str, Any]:

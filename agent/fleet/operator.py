@@ -73,10 +73,11 @@ class DeviceCache:
         if rest == "facts" and _session(doc) < _session(self.facts.get(device)):
             return device  # an older session's facts never overwrite a newer session's
         if rest == "availability" and doc.get("state") == "offline":
-            # a last will carries the number of the session after its own: a will numbered at or below the
-            # live session we saw is the previous connection's, delivered late (Sparkplug's bdSeq idea)
+            # a last will carries the number of the connection it belongs to (set before that connect as the
+            # persisted counter + 1): one numbered below the live session is an older connection's, delivered
+            # late, and never hides the live one (Sparkplug's bdSeq idea)
             held = self.availability.get(device) or {}
-            if held.get("state") == "online" and _session(doc) <= _session(held):
+            if held.get("state") == "online" and _session(doc) < _session(held):
                 return device
         table[device] = doc
         return device
@@ -110,6 +111,7 @@ class Operator:
         self._dirty = False
         self._soak_until: float | None = None
         self._running = False
+        self._handled_control = 0.0  # the newest control request applied (its ts), kept in the state
         self.taken_over: str | None = None
 
     # -- loading ---------------------------------------------------------------------------------------
@@ -164,9 +166,10 @@ class Operator:
               + " ".join(f"{k}={v}" for k, v in detail.items()), file=self.out, flush=True)
         self._dirty = True
 
-    def save_state(self) -> None:
+    def save_state(self, release: bool = False) -> None:
+        """`release`: this operator stops here; another may take over at once (no lease to wait out)."""
         self.state.update(schema=STATE_SCHEMA, id=self.t.id, rev=int(self.state.get("rev", 0)) + 1, owner=self.owner,
-                          heartbeat=round(self.clock(), 3), counts=self.counts())
+                          heartbeat=round(self.clock(), 3), counts=self.counts(), released=release)
         self.client.publish(self.t.state, self.state)
         self._beat, self._dirty = self.clock(), False
 
@@ -193,7 +196,7 @@ class Operator:
         if st.get("status") in TERMINAL and not force:
             return
         age = self.clock() - float(st.get("heartbeat") or 0)
-        if st.get("owner") and st.get("owner") != self.owner and age < LEASE_S and not force:
+        if st.get("owner") and st.get("owner") != self.owner and age < LEASE_S and not st.get("released") and not force:
             raise RolloutError(f"rollout {self.t.id} is being run by {st['owner']} (heartbeat {age:.1f} s ago); "
                                f"wait {LEASE_S:g} s after it stopped, or pass --force")
         if st.get("owner"):
@@ -220,7 +223,7 @@ class Operator:
             if self._dirty or self.clock() - self._beat >= HEARTBEAT_S:
                 self.save_state()
             if self.finished() or (until is not None and until()) or (end is not None and time.monotonic() > end):
-                self.save_state()
+                self.save_state(release=True)
                 return self.state
             time.sleep(self.tick_s)
 
@@ -415,7 +418,7 @@ class FleetRollback:
         done = sum(1 for d in todo if (op.records[d].get("rollback") or {}).get("state") == "done")
         op.state["status"] = "rolled_back"
         op.decide("rolled_back", devices=len(todo), returned=done, failed=len(todo) - done)
-        op.save_state()
+        op.save_state(release=True)
         return op.state
 
     def _observe(self, d: str, rb: dict[str, Any], now: float) -> None:
