@@ -203,6 +203,9 @@ class SimAgent:
     def engine_tally(self, swap: Any) -> None:
         return None
 
+    def watch_probation(self, swap: Any, seconds: float, results: int) -> tuple[Any, float]:
+        raise NotImplementedError("simulated devices draw probation (SimUpdater._probation)")
+
     def stopping(self) -> bool:
         return self.device.fleet.stop.is_set()
 
@@ -264,7 +267,8 @@ class SimDevice:
             write_json_atomic(self.store.root / "seeds.json", {**seeds, bid: fleet.seed_bundle.manifest_sha256})
         active = load_bundle(self.store.path(self.store.committed_id or bid), check_contracts=False)
         self.agent = SimAgent(self, active, self.report(active.root, provider=group.provider))
-        self.updater = SimUpdater(self.agent, self.store, fleet.updates, fleet.state_root / device_id, None,
+        # the serving config is never read: the simulated self-test replaces the child that would use it
+        self.updater = SimUpdater(self.agent, self.store, fleet.updates, fleet.state_root / device_id, lambda: None,
                                   self._publish_update)
         self.updater.device = self
         self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
@@ -385,7 +389,7 @@ class SimDevice:
                                                              "rollback, status)"})
 
     def _job(self, name: str, payload: dict[str, Any], fn: Any) -> None:
-        if self.updater.lock.locked():
+        if self.updater.machine.snapshot.active:  # the machine is the one guard, as on a real device
             self.reply(name, payload, {"ok": False, "already_running": True, "busy": True,
                                        "error": f"busy: an {name} command is already running; send it again after its verdict"})
             return
@@ -468,7 +472,7 @@ def load_groups(spec: str | Path, default_count: int | None = None) -> list[Grou
     separated by ';', e.g. `a:50;b:50:reject_pct=30`."""
     p = Path(str(spec))
     if p.exists():
-        import yaml  # type: ignore[import-untyped]
+        import yaml
 
         data = yaml.safe_load(p.read_text())
         items = data.get("groups") if isinstance(data, dict) else data
