@@ -88,3 +88,15 @@ def install_hint(extra: str, package: str) -> str:
 
 class Stopping(AgentError):
     """The controller's loop has ended: a `call` posted now is never run."""
+
+
+class Busy(AgentError):
+    """The event is not allowed in the current state: another update holds the machine."""
+
+
+class SimulatedCrash(Exception):
+    """The simulated process died in the middle of an update (not an AgentError: nothing catches it)."""
+
+
+class RolloutError(AgentError):
+    """A rollout command that cannot go on; the message says why and what to do."""

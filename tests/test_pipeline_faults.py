@@ -131,7 +131,8 @@ class _OrderedEngine(Engine):
     def dynamic_batch(self) -> bool:
         return False
 
-    def run(self, tensor: np.ndarray, source: str = "", at: float | None = None, metadata: Any = None) -> Any:
+    def run(self, tensor: np.ndarray, source: str = "", at: float | None = None, metadata: Any = None,
+            frame: Any = None) -> Any:
         log = self.__dict__.setdefault("_log", {"order": [], "running": 0, "overlaps": 0, "batches": []})
         log["batches"].append(tensor.shape[0])
         log["running"] += 1
@@ -140,7 +141,7 @@ class _OrderedEngine(Engine):
         log["order"].append(at)
         time.sleep(0.02)  # slower than a frame comes: a second worker would start the next one meanwhile
         log["running"] -= 1
-        return super().run(tensor, source, at, metadata)
+        return super().run(tensor, source, at, metadata, frame)
 
 
 @pytest.mark.parametrize("layout", ["fused", "pools"])
@@ -346,12 +347,13 @@ def test_inference_workers_with_the_fused_layout_is_refused_naming_both_keys(tmp
 class _ColdStartEngine(Engine):
     """Its first runs are slow (a session's first runs allocate and tune): what the warm-up skips."""
 
-    def run(self, tensor: np.ndarray, source: str = "", at: float | None = None, metadata: Any = None) -> Any:
+    def run(self, tensor: np.ndarray, source: str = "", at: float | None = None, metadata: Any = None,
+            frame: Any = None) -> Any:
         runs = self.__dict__.setdefault("_runs", [0])
         runs[0] += 1
         if runs[0] <= 8:
             _burn(100.0)
-        return super().run(tensor, source, at, metadata)
+        return super().run(tensor, source, at, metadata, frame)
 
 
 def test_a_new_engine_is_sized_on_its_own_warm_results_not_the_old_engines_in_flight(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from agent.errors import AgentError
+from agent.errors import RolloutError
 from agent.fleet.facts import FactsRow
 from agent.fleet.gates import abort_reason, downloading, judge_phase, observe
 from agent.fleet.plan import Plan
@@ -33,10 +33,6 @@ log = get_logger("fleet")
 TERMINAL = ("done", "aborted", "rolled_back")
 HEARTBEAT_S = 2.0
 LEASE_S = 10.0  # a state whose heartbeat is older than this has no live operator: resume may take it
-
-
-class RolloutError(AgentError):
-    """A rollout command that cannot go on; the message says why and what to do."""
 
 
 def _session(doc: Any) -> int:

@@ -32,6 +32,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 from agent import __version__
+from agent.errors import SimulatedCrash
+from agent.proof.terms import CPU
 from agent.bundle.load import Bundle, load_bundle
 from agent.config import PayloadError, UpdatesConfig, parse_json_object
 from agent.fleet.facts import device_facts
@@ -66,7 +68,7 @@ class GroupProfile:
     slow_factor: float = 5.0
     crash_down_s: float = 2.0
     hang_s: float = 3600.0
-    provider: str = "CPUExecutionProvider"
+    provider: str = CPU
     fallback_pct: float = 0.0    # the new bundle's self-test selects CPU although the old one ran on `provider`
     p95_ms: tuple[float, float] = (4.0, 8.0)
     budget_ms: float = 50.0
@@ -165,10 +167,6 @@ class SocketLoop:
                 next_misc = time.monotonic() + 0.25
 
 
-class SimulatedCrash(Exception):
-    """The simulated process died in the middle of an update (not an AgentError: nothing catches it)."""
-
-
 @dataclass
 class _Serving:
     bundle: Bundle
@@ -232,7 +230,7 @@ class SimUpdater(Updater):
         if d.fate == "reject":
             return {**d.report(root), "passed": False, "selected": None,
                     "reason": "no candidate passed: fidelity top1_agreement 0.91 under the floor 0.98 (simulated)"}
-        return d.report(root, provider="CPUExecutionProvider" if d.fallback else None)
+        return d.report(root, provider=CPU if d.fallback else None)
 
     def _probation(self, bundle: Bundle, candidate: Any, swap: Any) -> ProbationVerdict:
         d = self.device
@@ -291,7 +289,7 @@ class SimDevice:
             "schema": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "passed": True,
             "reason": None, "simulated": True,
             "bundle": {"name": m.name, "version": m.version},
-            "providers": [{"name": p, "usable": True} for p in dict.fromkeys([g.provider, "CPUExecutionProvider"])],
+            "providers": [{"name": p, "usable": True} for p in dict.fromkeys([g.provider, CPU])],
             "selected": {"provider": prov, "variant": variant.name, "precision": variant.precision},
             "candidates": [{
                 "provider": prov, "variant": variant.name, "precision": variant.precision, "options": {},

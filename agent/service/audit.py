@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from agent.proof.terms import CPU
 from agent.logsetup import get_logger
 from agent.proof.parity import (
     fidelity_floors,
@@ -195,7 +196,7 @@ class Auditor:
             m = engine.bundle.manifest
             try:
                 v = m.variant(self.s.reference)
-                self._reference = build_engine(engine.bundle, Candidate("CPUExecutionProvider", v.name, v.precision),
+                self._reference = build_engine(engine.bundle, Candidate(CPU, v.name, v.precision),
                                                self.session_settings)
             except Exception as exc:
                 self._reference_error = f"reference {self.s.reference} on CPU: {type(exc).__name__}: {exc}"[:300]

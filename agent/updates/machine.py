@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from agent.errors import AgentError
+from agent.errors import Busy
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
 
@@ -80,10 +80,6 @@ def _table() -> dict[tuple[State, Event], State]:
 
 
 TRANSITIONS: dict[tuple[State, Event], State] = _table()
-
-
-class Busy(AgentError):
-    """The event is not allowed in the current state: another update holds the machine."""
 
 
 def next_state(state: State, event: Event) -> State:
