@@ -17,6 +17,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Iterator, Literal
 
 from agent.bundle.signing import SignatureCheck, verify_manifest_bytes
 from agent.errors import ArchiveError
@@ -143,7 +144,7 @@ class _guarded:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, tp: type | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(self, tp: type | None, exc: BaseException | None, tb: object) -> Literal[False]:
         if exc is None or isinstance(exc, ArchiveError):
             return False
         if isinstance(exc, FileNotFoundError) and Path(str(exc.filename or "")) == self.archive:
@@ -170,15 +171,15 @@ def _second_line(archive: Path, member: tarfile.TarInfo, dest: Path | str) -> No
         raise ArchiveError(f"{archive}: member {member.name!r} refused by tarfile's data filter: {exc}") from exc
 
 
-def _members(archive: Path, tar: tarfile.TarFile, limits: UnpackLimits,  # type: ignore[no-untyped-def]
-             dest: Path | str = _NO_DEST):
+def _members(archive: Path, tar: tarfile.TarFile, limits: UnpackLimits,
+             dest: Path | str = _NO_DEST) -> Iterator[tuple[tarfile.TarInfo, PurePosixPath]]:
     """Each member with its safe relative path; refuses links, devices and anything over the limits."""
     count = total = 0
     while True:
         member = tar.next()
         if member is None:
             return
-        tar.members = []  # tarfile keeps every header it read: a header flood must not grow memory
+        tar.members = []  # type: ignore[attr-defined]  # tarfile keeps every header it read: a flood must not grow memory
         count += 1
         if count > limits.max_files:
             raise ArchiveError(f"{archive}: more than {limits.max_files} files and directories")

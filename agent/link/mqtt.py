@@ -41,7 +41,7 @@ class Command:
     correlation: bytes | None
 
 
-CommandHandler = Callable[[Command], dict[str, Any]]
+CommandHandler = Callable[[Command], dict[str, Any] | None]  # None: the handler replies later itself
 
 
 def resolve_password(cfg: MqttConfig) -> str | None:
@@ -270,7 +270,7 @@ class MqttLink:
             return
         if self.on_bundle is not None and msg.topic.startswith(self.topics.prefix + "bundle/"):
             try:
-                self.on_bundle(msg.topic, msg.payload)
+                self.on_bundle(msg.topic, bytes(msg.payload))
             except Exception:  # a bad transfer message must not take the network thread down
                 log.exception("bundle.message_failed", topic=msg.topic)
             return
@@ -291,12 +291,12 @@ class MqttLink:
                                               "mqtt.reply_topics); the command was not run"})
             return
         try:
-            payload = parse_json_object(msg.payload, self.cfg.max_payload_bytes, self.cfg.max_json_depth)
+            body = parse_json_object(bytes(msg.payload), self.cfg.max_payload_bytes, self.cfg.max_json_depth)
         except PayloadError as exc:
             self.reply(Command(name, {}, response_topic, correlation),
                        {"ok": False, "error": f"malformed payload: {exc}"})
             return
-        cmd = Command(name, payload, response_topic, correlation)
+        cmd = Command(name, body, response_topic, correlation)
         if getattr(self.on_command, "replies_later", False):  # the controller queues it and replies itself
             result = self.on_command(cmd)
             if result is not None:
@@ -324,7 +324,8 @@ class MqttLink:
             except Exception as exc:  # a failing command is an error reply, never a crash
                 log.exception("command.failed", command=cmd.name)
                 result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            self.reply(cmd, result)
+            if result is not None:  # None: the handler replies later itself
+                self.reply(cmd, result)
         finally:
             self._running.release()
 

@@ -84,12 +84,12 @@ def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
             w.add_metric([stage], stages.get(f"{stage}_workers", 0))
         yield w
         costs = stages.get("costs") or {}
-        c = GaugeMetricFamily(f"{NS}_stage_cpu_seconds_per_frame", "CPU time per frame of each stage, measured at start",
-                              labels=["stage"])
+        cpu = GaugeMetricFamily(f"{NS}_stage_cpu_seconds_per_frame", "CPU time per frame of each stage, measured at start",
+                                labels=["stage"])
         for stage in ("capture", "preprocess", "inference", "publish"):
             if _num(costs.get(f"{stage}_ms")) is not None:
-                c.add_metric([stage], costs[f"{stage}_ms"] / 1000)
-        yield c
+                cpu.add_metric([stage], costs[f"{stage}_ms"] / 1000)
+        yield cpu
         if _num(stages.get("pace_fps")) is not None:
             g = GaugeMetricFamily(f"{NS}_pipeline_pace_fps", "Frames per second the slowest stage allows",
                                   labels=["bottleneck"])

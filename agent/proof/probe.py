@@ -87,8 +87,8 @@ def probe_provider(
     effective = opened.effective
     placement = opened.placement
     on = placement.nodes_by_provider.get(name, 0)
-    base = dict(options=opts, effective=effective, nodes_on_provider=on, total_nodes=placement.total_nodes,
-                versions=versions)
+    base: dict[str, Any] = dict(options=opts, effective=effective, nodes_on_provider=on,
+                                total_nodes=placement.total_nodes, versions=versions)
     if name not in effective:
         why = reason_from_log(opened.ort_log) or "ORT dropped it without a logged reason"
         return ProviderStatus(name, True, False, f"silent fallback: session runs on {list(effective)}: {why}", **base)

@@ -42,7 +42,7 @@ def replay(run: Run, manifest: Manifest, tensor: np.ndarray | Sequence[np.ndarra
     `tensor`: the bundle's tensor for one frame ([1, ...]), a sequence ([T, 1, ...] with sequence=True),
     or a list of per-step tensors. A fresh state every call: replays never leak into each other.
     """
-    steps = list(tensor) if isinstance(tensor, (list, tuple)) else steps_of(tensor, sequence)
+    steps = list(tensor) if isinstance(tensor, (list, tuple)) else steps_of(np.asarray(tensor), sequence)
     feeder = InputFeeder.for_manifest(manifest)
     outs: list[Outputs] = []
     for t, x in enumerate(steps):

@@ -6,6 +6,7 @@ latency loop, writes a crash marker before each candidate, caches verdicts, and 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -363,8 +364,9 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
             BEFORE_RUN(t.candidate, count[id(t)])
 
     try:
-        calls = {id(t): (_timed_call(t.opened, manifest, tensor) if manifest is not None else
-                         (lambda t=t: t.opened.run(tensor))) for t in live}
+        calls: dict[int, Callable[[], Any]] = {
+            id(t): (_timed_call(t.opened, manifest, tensor) if manifest is not None else
+                    functools.partial(t.opened.run, tensor)) for t in live}
         for _ in range(warmup):
             for t in live:
                 enter(t)
@@ -570,8 +572,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
                     # the reduced-decode check depends on what the cache key covers: reused, not re-run
-                    proven = (cached.get("report") or {}).get("decode")
-                    return finish([quick], quick, cached=True, decode=proven if isinstance(proven, dict) else None)
+                    decode = (cached.get("report") or {}).get("decode")
+                    return finish([quick], quick, cached=True, decode=decode if isinstance(decode, dict) else None)
                 log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
 
     recorded = {v.name: recorded_outputs(bundle, v.name) for v in m.variants}
@@ -603,7 +605,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                                                             "crashed an earlier self-test",), None, "skipped")
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
-            trial = _guarded(markers, bundle, c, lambda c=c: prove(bundle, c, opts.settings, golden, preprocessed,
+            trial = _guarded(markers, bundle, c, functools.partial(prove, bundle, c, opts.settings, golden, preprocessed,
                                                                    recorded, opts.max_batch, opts.workers))
             trials[c.key] = trial
             if judge(trial.evidence, m).passed:

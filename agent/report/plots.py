@@ -121,7 +121,8 @@ def sample_metric_plot(title: str, points: Sequence[SamplePoint], bound: float |
     for i, name in enumerate(names):
         pts = [p for p in points if p.series == name and p.value is not None]
         xs = [p.sample + (i - (len(names) - 1) / 2) * 0.12 for p in pts]
-        ys = [p.value if math.isfinite(p.value) else (max(finite, default=1.0) * 2 or 1.0) for p in pts]
+        ys = [p.value if p.value is not None and math.isfinite(p.value) else (max(finite, default=1.0) * 2 or 1.0)
+              for p in pts]
         colors = [FAIL_COLOR if p.passed is False else PASS_COLOR if p.passed else NEUTRAL_COLOR for p in pts]
         ax.scatter(xs, ys, c=colors, marker=markers[i % len(markers)], s=22, label=name, edgecolors="none")
     if bound is not None:

@@ -38,7 +38,8 @@ def _serving_report(state: Path) -> dict[str, Any] | None:
         if not p.is_file():
             continue
         doc = _parse(p.read_bytes(), str(p))
-        b = doc.get("bundle") if isinstance(doc.get("bundle"), dict) else {}
+        b = doc.get("bundle")
+        b = b if isinstance(b, dict) else {}
         if b.get("manifest_sha256") == sha and (best is None or str(doc.get("created", "")) > str(best.get("created", ""))):
             best = doc
     if best is not None and not Path(str(best["bundle"].get("path", ""))).is_dir():

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from agent import __version__
 from agent.errors import AgentError, UsageError
@@ -170,7 +170,7 @@ def _load_cfg(path: Path | None):
     return load_config(path) if path else Config()
 
 
-def _apply_log_config(args: argparse.Namespace, cfg) -> None:  # type: ignore[no-untyped-def]
+def _apply_log_config(args: argparse.Namespace, cfg: Any) -> None:
     """The config's log.level/log.json apply unless the command line says otherwise."""
     from agent.logsetup import configure_logging
 
@@ -542,7 +542,7 @@ class _Sub:
     def __init__(self, action: argparse._SubParsersAction):
         self.action = action
 
-    def add_parser(self, name: str, **kw) -> argparse.ArgumentParser:  # type: ignore[no-untyped-def]
+    def add_parser(self, name: str, **kw: Any) -> argparse.ArgumentParser:
         kw.setdefault("description", kw.get("help"))
         sp = self.action.add_parser(name, **kw)
         _global_options(sp, top=False)

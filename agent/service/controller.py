@@ -344,6 +344,7 @@ class Controller:
         if self.not_serving_reason is not None:
             log.error("boot.not_serving", reason=self.not_serving_reason)
         else:
+            assert self.engine is not None  # no reason: a proven engine serves
             log.info("boot.ready", **self.engine.describe())
             loud = loud_state(self.selftest_doc, None)
             if loud:  # pinned below floor, too slow: in the journal, not only in health
@@ -366,6 +367,7 @@ class Controller:
             previous = (self.bundle, self.engine, self.selftest_doc, self.not_serving_reason)
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = bundle, engine, report, None
             if self.serving:
+                assert self.pipeline is not None  # serving means a live pipeline
                 self.pipeline.swap_engine(engine)
                 self._retarget_decode()
             else:
@@ -373,6 +375,7 @@ class Controller:
                 self._start_pipeline()
             self._publish_selftest()
             self._publish_health()
+            assert self.pipeline is not None  # started above when it was not serving
             return Swap(previous, engine, self.pipeline)
 
         return self.call(apply)
@@ -381,6 +384,7 @@ class Controller:
         def apply() -> None:
             self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = swap.previous
             if self.engine is not None and self.serving:
+                assert self.pipeline is not None
                 self.pipeline.swap_engine(self.engine)
                 self._retarget_decode()
             elif self.engine is None:
@@ -413,6 +417,10 @@ class Controller:
             w.finish()
 
     # -- health ----------------------------------------------------------------------------------------
+    def pipeline_metrics(self) -> Any:
+        """The live pipeline's histograms for /metrics (None while nothing serves)."""
+        return self.pipeline.metrics if self.pipeline is not None else None
+
     def health(self) -> dict[str, Any]:
         return health_document(
             device_id=self.cfg.device_id, started=self.started, session=self.link.session if self.link else 0,
@@ -515,7 +523,7 @@ class Controller:
 
     def _watchdog(self) -> None:
         """Feed only while frames really flow, or while not serving by design; a dead or hung stage misses it."""
-        reason = watchdog_withheld(self.pipeline, max(self.notifier.watchdog_s / 2, 1.0))
+        reason = watchdog_withheld(self.pipeline, max((self.notifier.watchdog_s or 0.0) / 2, 1.0))
         if reason is None:
             self.notifier.watchdog()
         else:
@@ -657,7 +665,7 @@ class Controller:
         self._release_operation()
         if self.reproof.armed and self.reproof.next_at is None:  # not applied (served meanwhile, or it raised)
             self.reproof.after_proof(self.selftest_doc, self.serving, self.not_serving_reason)
-        if self.serving:
+        if self.serving and self.engine is not None:
             log.info("reproof.serving", healed_after=self.reproof.to_dict()["healed"], **self.engine.describe())
         self.notifier.status(self._status_text())
         self._publish_health()

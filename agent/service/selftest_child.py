@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-retries", type=int)
     args = p.parse_args(argv)
     configure_logging(os.environ.get("EDGE_AGENT_CHILD_LOG_LEVEL", "warning"), True)
+    doc: dict[str, Any]
     try:
         doc = {"report": _prove(args)}
     except AgentError as exc:
@@ -132,9 +133,9 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
 
     if any(k.startswith(("run:", "slow:")) for k in faults):
         selftest.BEFORE_RUN = before_run
-    selftest.detect_providers = lambda *a, **kw: list(statuses)  # type: ignore[assignment]
-    selftest.prove = with_fault(selftest.prove)  # type: ignore[assignment]
-    selftest.evaluate = with_fault(selftest.evaluate)  # type: ignore[assignment]
+    selftest.detect_providers = lambda *a, **kw: list(statuses)
+    selftest.prove = with_fault(selftest.prove)
+    selftest.evaluate = with_fault(selftest.evaluate)
     report = selftest.run_selftest(bundle, args.state_dir, opts)
     return report.to_dict()
 

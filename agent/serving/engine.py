@@ -121,7 +121,7 @@ class Engine:
             with self._state_lock:
                 self.feeder.reset(source)
 
-    def describe(self) -> dict[str, object]:
+    def describe(self) -> dict[str, Any]:
         m = self.bundle.manifest
         return {"bundle": m.name, "version": m.version, "label": m.label, "variant": self.candidate.variant,
                 "provider": self.candidate.provider, "effective_providers": list(self.opened.effective)}

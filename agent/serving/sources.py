@@ -105,7 +105,9 @@ class SourceStats:
 class FrameSource(Protocol):
     name: str
     live: bool
-    stats: SourceStats
+
+    @property
+    def stats(self) -> SourceStats: ...
 
     def read(self, stop: threading.Event) -> Frame | None:
         """The next frame; None when the source has ended for good or `stop` is set. May raise BadFrame."""
@@ -419,12 +421,17 @@ class MqttFrameSource:
         self._buf: deque[tuple[bytes, float, int]] = deque(maxlen=8)
         self._cond = threading.Condition()
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
-        self.client.on_connect = lambda c, u, f, rc, p: (not rc.is_failure) and c.subscribe(cfg.topic, qos=0)
+        self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
+        self._topic = cfg.topic
         self.client.reconnect_delay_set(int(max(cfg.reconnect_initial_s, 1)), int(cfg.reconnect_max_s))
         self.client.connect_async(cfg.host, cfg.port or 1883, 30)
         self.client.loop_start()
         self.stats.state = "open"
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        if not rc.is_failure:
+            client.subscribe(self._topic, qos=0)
 
     def _on_message(self, client: object, userdata: object, msg: object) -> None:
         at, ns = _now()
