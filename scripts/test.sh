@@ -71,8 +71,9 @@ phase "installing this checkout into the venv"
 "$CPU_PY" -m pip install -q --no-deps --force-reinstall "$ROOT" >&2
 "$(dirname "$CPU_PY")/edge-agent" --log-level warning bundle verify models/digits-classifier
 
-phase "lint (ruff)"
+phase "lint (ruff) and types (mypy over agent/)"
 "$CPU_PY" -m ruff check agent tests scripts
+"$CPU_PY" -m mypy
 
 if [ "$QUICK" = 1 ]; then
   phase "fast lane (pytest -m 'not slow and not nspawn' -n 2)"
