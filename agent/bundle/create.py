@@ -461,7 +461,7 @@ def _run_all(sess: Any, samples: Sequence[np.ndarray], feeder: InputFeeder) -> l
 
 
 def _latency_ms(sess: Any, feeds: dict[str, np.ndarray], runs: int = 40) -> dict[str, float]:
-    stats = measure_latency(lambda f: sess.run(None, f), feeds, warmup=5, runs=runs)
+    stats = measure_latency(lambda f: sess.run(None, f), feeds, warmup=5, runs=runs)  # type: ignore[arg-type]  # feeds: run() takes what it is given
     return {"cpu_p50_ms": round(stats.p50_ms, 3), "cpu_p95_ms": round(stats.p95_ms, 3)}
 
 
@@ -575,7 +575,7 @@ class _Prepared(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return len(self.raw)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i: Any) -> Any:  # Sequence's overloads: an int gives a tensor
         return self.prepare(self.raw[i])
 
 
@@ -609,11 +609,13 @@ def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndar
     record = {"measured_max_abs": float(f"{measured:.4g}"), "worst_sample": where, "samples": total,
               "bound": bound}
     if not measured <= bound:
-        label, i = where.split(":")
+        label, index = where.split(":")
+        i = int(index)
         sset, tensors = next((s, t) for lab, s, t in sets if lab == label)
+        assert sset.framework_inputs is not None  # only sets with the framework's tensors are compared
         raise BundleError(
             f"{sset.source}: the spec's preprocessing does not reproduce the framework's input tensors: max abs "
-            f"{measured:.4g} on {label} sample {i} (bound {bound:g}); {_drift_hint(tensors[int(i)], sset.framework_inputs[int(i)], layout)}"
+            f"{measured:.4g} on {label} sample {i} (bound {bound:g}); {_drift_hint(tensors[i], sset.framework_inputs[i], layout)}"
             f"; or pass --allow-preprocess-drift {float(f'{measured * 1.1:.2g}'):g} to accept it (recorded in the manifest)"
         )
     return record
@@ -700,7 +702,7 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     output_names = [o["name"] for o in outputs]
 
     # The spec must reproduce the framework's own input tensors wherever the author gave them.
-    drift_sets = [("golden", golden_set, golden_inputs)]
+    drift_sets: list[tuple[str, SampleSet, Sequence[np.ndarray]]] = [("golden", golden_set, golden_inputs)]
     if held is not None:
         drift_sets.append(("heldout", held, held_inputs))
     if calib_set.framework_inputs is not None:
@@ -784,7 +786,7 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         framework = None if golden_set.framework_inputs is None else golden_set.framework_inputs[i]
         arrays = golden_arrays(raw, t, {n: ref[n] for n in output_names}, framework)
         arrays.update({f"variant.{b.name}.{n}": own[b.name][i][n] for b in builds for n in output_names})
-        np.savez_compressed(root / rel, **arrays)
+        np.savez_compressed(root / rel, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
         golden_files.append(rel)
 
     postprocess = dict(spec["postprocess"])

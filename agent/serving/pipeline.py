@@ -590,8 +590,9 @@ class Pipeline:
         m = self.metrics
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
-            outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source, p.frames[0].captured_at,
-                                                                  frame=p.frames[0])
+            outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source,
+                                                                  p.frames[0].captured_at, frame=p.frames[0])
+            assert outputs is not None
             bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
             if bad:  # NaN/inf answers are wrong answers: counted, never published
                 raise NonFiniteOutput(f"non-finite values in outputs {bad}")
@@ -626,7 +627,7 @@ class Pipeline:
         process_ms = (time.process_time_ns() - self._process_ns0) / 1e6 / SIZING_FRAMES
         # each frame was captured once, by one source's thread: its capture counts once, however many sources
         other = max(0.0, process_ms - capture - sum(own))
-        costs = StageCosts(capture, *own, SIZING_FRAMES, other)
+        costs = StageCosts(capture, own[0], own[1], own[2], SIZING_FRAMES, other)
         in_order = self._in_order_only()
         plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
                            preprocess_max=self._pre_max, inference_max=self._workers, in_order=in_order,
