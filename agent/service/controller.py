@@ -40,7 +40,12 @@ from agent.service.health_view import health_document, status_line, watchdog_wit
 from agent.service.sdnotify import Notifier
 from agent.updates.probation import probation_over
 
-if TYPE_CHECKING:  # imported at run time only when updates are enabled (_start_updates)
+if TYPE_CHECKING:  # imported at run time only when updates, MQTT or metrics are enabled (_start_*)
+    from agent.link.mqtt import Command, MqttLink
+    from agent.link.outbox import Outbox
+    from agent.link.prometheus import MetricsServer
+    from agent.proof.verdict import Candidate
+    from agent.serving.pipeline import EngineTally
     from agent.updates.delivery import ChunkReceiver, Downloader
     from agent.updates.store import BundleStore
     from agent.updates.updater import Updater
@@ -62,7 +67,7 @@ def _bounded_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class CommandEvent:
-    cmd: Any
+    cmd: Command
     reply: Reply
 
 
@@ -102,7 +107,7 @@ class Swap:
 class ProbationWatch:
     """A probation in progress: the controller's tick ends it, the update's job thread waits on `done`."""
 
-    tally: Any
+    tally: EngineTally
     limit_s: float
     limit_results: int
     started: float = field(default_factory=time.monotonic)
@@ -170,9 +175,9 @@ class Controller:
         self.updater: Updater | None = None
         self.receiver: ChunkReceiver | None = None
         self.downloader: Downloader | None = None
-        self.metrics_server: Any = None
-        self.link: Any = None
-        self.outbox: Any = None
+        self.metrics_server: MetricsServer | None = None
+        self.link: MqttLink | None = None
+        self.outbox: Outbox | None = None
         self.started = time.monotonic()
         self.probe = ProcessProbe()
         self.notifier = Notifier()
@@ -274,7 +279,7 @@ class Controller:
         return p is not None and not p.done.is_set() and p.failed is None
 
     def _sink(self) -> Sink:
-        sinks: list[Any] = []
+        sinks: list[Sink] = []
         if self.cfg.output.stdout:
             sinks.append(JsonLinesSink())
         if self.outbox is not None and self.link is not None:
@@ -355,7 +360,7 @@ class Controller:
         self._publish_selftest()
 
     # -- updates (called by the updater, on its thread) --------------------------------------------------
-    def swap_bundle(self, bundle: Bundle, candidate: Any, report: dict[str, Any]) -> Swap:
+    def swap_bundle(self, bundle: Bundle, candidate: Candidate, report: dict[str, Any]) -> Swap:
         engine = open_engine(bundle, candidate, self.cfg)  # the proven candidate; opened off the controller
 
         def apply() -> Swap:
@@ -490,18 +495,20 @@ class Controller:
 
     def _retained(self) -> dict[str, bytes]:
         """paho's thread, on connect: the last documents the controller published (never its live state)."""
+        assert self.link is not None  # called by the link itself
+        topics = self.link.topics
         out = {}
         if self._last_health is not None:
-            out[self.link.topics.health] = json.dumps(self._last_health).encode()
+            out[topics.health] = json.dumps(self._last_health).encode()
         if self.selftest_doc is not None:
-            out[self.link.topics.selftest] = json.dumps(self.selftest_doc).encode()
+            out[topics.selftest] = json.dumps(self.selftest_doc).encode()
         if self._last_update is not None:
-            out[self.link.topics.update_status] = json.dumps(self._last_update).encode()
-        out[self.link.topics.facts] = json.dumps(self._facts()).encode()
+            out[topics.update_status] = json.dumps(self._last_update).encode()
+        out[topics.facts] = json.dumps(self._facts()).encode()
         if self.cfg.mqtt.homeassistant:
             from agent.link.discovery import discovery_messages
 
-            out.update(discovery_messages(self.cfg, self.link.topics))
+            out.update(discovery_messages(self.cfg, topics))
         return out
 
     def _publish_update(self, doc: dict[str, Any]) -> None:
@@ -551,12 +558,12 @@ class Controller:
             self._apply_update_status(ev.doc)
 
     def _on_bundle(self, topic: str, payload: bytes) -> None:
-        if self.receiver is None:
+        if self.receiver is None or self.link is None:
             log.error("bundle.message_ignored", topic=topic, reason="updates are not enabled")
             return
         self.receiver.on_message(topic[len(self.link.topics.prefix):], payload)
 
-    def _on_command(self, cmd: Any, reply: Reply) -> None:
+    def _on_command(self, cmd: Command, reply: Reply) -> None:
         name = cmd.name
         if name == "status":
             reply({"ok": True, "health": self.health()})
@@ -725,7 +732,7 @@ class Controller:
                    "reason": self.not_serving_reason, "config": str(self.cfg.source_file)})
 
     # -- updates by command --------------------------------------------------------------------------------
-    def _update_command(self, cmd: Any, reply: Reply) -> None:
+    def _update_command(self, cmd: Command, reply: Reply) -> None:
         """On the controller's thread: the update machine takes the command or answers busy at once; the
         work runs on a job thread. The machine's state is the only "one at a time" guard."""
         updater, downloader = self.updater, self.downloader
@@ -950,11 +957,12 @@ class CommandInlet:
     def __init__(self, controller: Controller):
         self.controller = controller
 
-    def __call__(self, cmd: Any) -> dict[str, Any] | None:
+    def __call__(self, cmd: Command) -> dict[str, Any] | None:
         c = self.controller
 
         def reply(result: dict[str, Any]) -> None:
-            c.link.reply(cmd, result)
+            if c.link is not None:  # commands arrive only through the link
+                c.link.reply(cmd, result)
 
         if not c.post(CommandEvent(cmd, reply)):
             return {"ok": False, "busy": True, "error": f"busy: {EVENT_QUEUE_SIZE} requests are waiting; try again"}
