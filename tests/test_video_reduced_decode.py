@@ -154,7 +154,7 @@ def test_decode_scale_one_and_the_proven_limit_keep_the_full_size(tmp_path: Path
 
 def test_without_pyav_video_falls_back_to_opencv_at_full_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     video = encode_h264(tmp_path / "cam.mp4", [np.full((720, 1280, 3), 60, np.uint8)] * 2)
-    monkeypatch.setattr(ffmpeg_decode, "av", None)  # the binding not installed
+    monkeypatch.setattr(ffmpeg_decode, "available", lambda: False)  # the binding not installed
     source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
     frame = read_all(source, 1)[0]
     assert frame.scale == 1 and frame.data.shape == (720, 1280, 3)

@@ -220,7 +220,7 @@ class OpenCVSource:
                                             self.cfg.read_timeout_ms / 1000,
                                             self.decoder_threads or min(len(os.sched_getaffinity(0)), 2), self.live,
                                             jpeg_packets=self.packets_usable)
-        except (OSError, ValueError, ffmpeg_decode.av.error.FFmpegError) as exc:
+        except (OSError, ValueError) as exc:
             self.stats.last_error = f"cannot open: {exc}"[:300]
             return False
         self.cap, self.av = reader, True
