@@ -51,6 +51,7 @@ from agent.spec.decoders import split_batch
 from agent.spec.jpeg import camera_sized_reduced
 from agent.spec.yuv import camera_sized_reduced_yuv
 
+from agent.proof.costs import ProofCosts
 from agent.proof.replay import replay, session_runner
 from agent.spec.inputs import InputFeeder
 
@@ -70,6 +71,8 @@ class SelftestOptions:
     latency_runs: int | None = None  # None: the bundle's own setting
     max_batch: int = 1  # the largest micro-batch serving will run: every size up to it is proven
     workers: int = 1    # inference callers serving runs at once on one session: the golden set runs so too
+    # why no configured source can decode at a reduced scale (the check would buy nothing); None: prove them
+    skip_reduced_decode: str | None = None
     sleep: Callable[[float], None] = time.sleep  # the wait between latency re-measurements
 
 
@@ -88,6 +91,7 @@ class SelftestReport:
     latency_attempts: tuple[Mapping[str, Any], ...] = ()
     degraded: str | None = None
     decode: Mapping[str, Any] | None = None  # the reduced-scale decode check of the selected candidate
+    costs: tuple[Mapping[str, Any], ...] = ()  # wall and CPU ms of each part of the proof (agent.proof.costs)
 
     @property
     def decode_max_scale(self) -> int:
@@ -143,6 +147,8 @@ class SelftestReport:
             "pinned_below_floor": sel.candidate.pinned_below_floor if sel else None,
             "latency_attempts": [dict(a) for a in self.latency_attempts],
             "decode": dict(self.decode) if self.decode is not None else None,
+            "costs": [dict(c) for c in self.costs],
+            "cpu_ms": round(sum(float(c.get("cpu_ms", 0)) for c in self.costs), 1),
             "cached": self.cached,
             "cache_key": self.cache_key,
             "duration_ms": round(self.duration_ms, 1),
@@ -543,9 +549,13 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     t0 = time.perf_counter()
     created = datetime.now(timezone.utc).isoformat()
     m = bundle.manifest
-    golden = bundle.golden()
-    preprocessed = check_preprocessing(bundle, golden)  # the device's preprocessing: one check for all candidates
-    statuses = detect_providers(opts.provider_order, opts.provider_options, opts.settings)
+    costs = ProofCosts()
+    with costs.part("golden samples: read"):
+        golden = bundle.golden()
+    with costs.part("preprocessing check"):
+        preprocessed = check_preprocessing(bundle, golden)  # the device's preprocessing: one check for all candidates
+    with costs.part("provider probes"):
+        statuses = detect_providers(opts.provider_order, opts.provider_options, opts.settings)
     for s in statuses:
         log.info("provider.probed", provider=s.name, listed=s.listed, usable=s.usable, reason=s.reason)
     fingerprint = device_fingerprint()
@@ -558,12 +568,16 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
                attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
                opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
+        if selected is not None and decode is None and opts.skip_reduced_decode is not None:
+            decode = {"max_scale": 1, "reason": opts.skip_reduced_decode, "scales": []}
         if selected is not None and decode is None:
-            decode = _guarded(markers, bundle, selected.candidate,
-                              lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden, opened))
+            with costs.part(f"{selected.candidate.key}: reduced-decode scales"):
+                decode = _guarded(markers, bundle, selected.candidate,
+                                  lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden,
+                                                               opened))
         report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
                                 (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
-                                decode)
+                                decode, tuple(costs.to_list()))
         if selected is not None and selected.warnings:
             log.warning("selftest.selected_with_warnings", candidate=selected.candidate.key,
                         warnings=[w.text() for w in selected.warnings])
@@ -582,9 +596,10 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         if cached and cached.get("key") == key:
             hit = next((c for c in candidates if c.key == cached.get("candidate")), None)
             if hit is not None:
-                quick = _guarded(markers, bundle, hit, lambda: evaluate(bundle, hit, opts.settings, golden, latency=False,
-                                                        preprocessed=preprocessed, max_batch=opts.max_batch,
-                                                        workers=opts.workers))
+                with costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
+                    quick = _guarded(markers, bundle, hit, lambda: evaluate(
+                        bundle, hit, opts.settings, golden, latency=False, preprocessed=preprocessed,
+                        max_batch=opts.max_batch, workers=opts.workers))
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
                     # the reduced-decode check depends on what the cache key covers: reused, not re-run
@@ -621,17 +636,20 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                                                             "crashed an earlier self-test",), None, "skipped")
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
-            trial = _guarded(markers, bundle, c, functools.partial(prove, bundle, c, opts.settings, golden, preprocessed,
-                                                                   recorded, opts.max_batch, opts.workers))
+            with costs.part(f"{c.key}: session, reproduction, fidelity, batch sizes"):
+                trial = _guarded(markers, bundle, c, functools.partial(prove, bundle, c, opts.settings, golden,
+                                                                       preprocessed, recorded, opts.max_batch,
+                                                                       opts.workers))
             trials[c.key] = trial
             if judge(trial.evidence, m).passed:
                 proven.append(trial)
         if proven:  # only candidates that answered both questions are worth timing
             # Each ran its golden samples under its own marker already; inside the interleaved loop the
             # marker switches to each candidate before each of its runs.
-            _interleaved(markers, bundle,
-                         lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
-                                                     marker=mk))
+            with costs.part(f"latency: {warmup} warm-up + {runs} timed runs each, {len(proven)} interleaved"):
+                _interleaved(markers, bundle,
+                             lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
+                                                         marker=mk))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
@@ -647,9 +665,10 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             log.warning("selftest.latency_retry", attempt=attempt, of=len(schedule), wait_s=delay,
                         candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
             opts.sleep(delay)
-            _interleaved(markers, bundle,
-                         lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt, manifest=m,
-                                                     marker=mk))
+            with costs.part(f"latency re-measurement {attempt}"):
+                _interleaved(markers, bundle,
+                             lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt,
+                                                         manifest=m, marker=mk))
             again = {t.candidate.key: judge(t.evidence, m) for t in slow}
             results = [again.get(r.candidate.key, r) for r in results]
             attempts.append({"attempt": attempt, "waited_s": delay,
@@ -713,7 +732,28 @@ def options_from_config(cfg: Any, provider: str | None = None, variant: str | No
     return SelftestOptions(policy=policy, settings=cfg.session, provider_order=order,
                            provider_options=with_compile_caches(cfg.providers.options, str(cfg.state_dir / "cache")),
                            use_cache=sel.use_cache if use_cache is None else use_cache, max_batch=max_batch,
-                           workers=serving_workers(pipe))
+                           workers=serving_workers(pipe), skip_reduced_decode=no_reduced_decode(cfg))
+
+
+JPEG_SUFFIXES = (".jpg", ".jpeg")
+
+
+def no_reduced_decode(cfg: Any) -> str | None:
+    """Why none of the config's sources can serve a reduced-scale decode, so proving the scales buys nothing
+    (about half of a small model's cold proof); None when one might (a camera, a stream, a video, MQTT
+    images, a folder holding JPEGs, or a source not known yet)."""
+    sources = list(getattr(cfg, "source_list", ()) or ())
+    if not sources:
+        return None
+    for src in sources:
+        if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+            continue
+        if src.type == "folder" and src.path is not None and Path(src.path).is_dir() and not any(
+                p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir()):
+            continue
+        return None
+    return ("no configured source decodes at a reduced scale (sensor windows, decode_scale: 1, or folders "
+            "without JPEGs): the scales are not proven, frames are decoded at full size")
 
 
 def serving_workers(pipe: Any) -> int:
