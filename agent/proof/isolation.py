@@ -100,15 +100,20 @@ class CrashLedger:
     def __init__(self, directory: Path, ttl_s: float = CRASH_TTL_S, records_dir: Path | None = None):
         self.directory, self.ttl_s = directory, ttl_s
         self.records_file = (records_dir or directory) / RECORDS_FILE
+        # records this ledger could not write (a full disk, a read-only or damaged file): still applied by
+        # this ledger, so the proof in progress skips the step that crashed instead of re-running it
+        self._unsaved: list[CrashRecord] = []
 
     def _all(self) -> list[CrashRecord]:
         out = []
-        for d in read_json(self.records_file, []) or []:
+        raw = read_json(self.records_file, [])
+        for d in raw if isinstance(raw, list) else []:  # a damaged file (`7`, `true`) reads as no records
             try:
                 out.append(CrashRecord.from_dict(d))
             except (KeyError, TypeError, ValueError):
                 continue  # a record we cannot read cannot protect anything; it is dropped on the next write
-        return out
+        saved = {(r.step, r.bundle) for r in out}
+        return out + [r for r in self._unsaved if (r.step, r.bundle) not in saved]
 
     def active(self, bundle_sha: str, now: float | None = None) -> dict[str, CrashRecord]:
         """Records that still apply: this bundle (or any, for probes), not expired, same versions."""
@@ -130,7 +135,14 @@ class CrashLedger:
         rec = CrashRecord(step, "" if step.startswith("probe:") else bundle_sha, how, provider_versions(provider),
                           now, now + self.ttl_s, detail)
         keep = [r for r in self._all() if r.expires > now and not (r.step == rec.step and r.bundle == rec.bundle)]
-        write_json_atomic(self.records_file, [r.to_dict() for r in keep + [rec]])
+        try:
+            write_json_atomic(self.records_file, [r.to_dict() for r in keep + [rec]])
+        except OSError as exc:  # never a raise out of the proof: the boot would die before READY
+            self._unsaved = [r for r in self._unsaved if (r.step, r.bundle) != (rec.step, rec.bundle)] + [rec]
+            log.error("selftest.ledger_unwritable", file=str(self.records_file), step=step,
+                      error=f"{type(exc).__name__}: {exc}"[:300],
+                      reason="the crash is skipped in this proof only; the next boot retries it: free the "
+                             "disk or fix the file's permissions")
         log.error("selftest.step_crashed", step=step, signal=how, detail=detail, bundle=bundle_sha[:12],
                   versions=rec.versions)
         return rec
