@@ -20,6 +20,7 @@ variable is set.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import threading
@@ -46,11 +47,50 @@ _ids = itertools.count(1)
 PROCESS_TOKEN = uuid.uuid4().hex
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: Path, lock_fd: int | None = None) -> None:
     try:
         path.unlink(missing_ok=True)
+        path.with_suffix(".lock").unlink(missing_ok=True)
     except OSError:
         pass  # at interpreter exit the directory may be gone (a test's temporary state)
+    if lock_fd is not None:
+        try:
+            os.close(lock_fd)
+        except OSError:
+            pass
+
+
+def _hold_lock(path: Path) -> int | None:
+    """An exclusive flock on the marker's `.lock` file, held as long as this process lives: the kernel
+    drops it when the process dies, however it dies, so `recover` tells a live marker (another agent
+    on this state dir, `edge-agent run` beside the service) from a dead one without trusting PIDs."""
+    try:
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _held_by_a_live_process(path: Path) -> bool:
+    lock = path.with_suffix(".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False  # no lock file: a marker of an older agent, or its lock is gone with it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def serving_faults(version: int | str) -> dict[str, str]:
@@ -70,7 +110,9 @@ class ServingWatch:
     def __init__(self, directory: Path, bundle_sha: str, candidate: str, runs: int = WATCH_RUNS,
                  faults: Mapping[str, str] | None = None):
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{PREFIX}{os.getpid()}-{next(_ids)}.json"
+        # the token in the name too: two containers on one state dir are both PID 1
+        self.path = directory / f"{PREFIX}{os.getpid()}-{PROCESS_TOKEN[:12]}-{next(_ids)}.json"
+        lock_fd = _hold_lock(self.path)
         self.bundle_sha, self.candidate, self.runs = bundle_sha, candidate, runs
         self.faults = dict(faults or {})
         prefix = f"drift:{candidate}#"
@@ -80,7 +122,7 @@ class ServingWatch:
         self._started = self._done = 0
         self._lock = threading.Lock()
         self._write("opening the serving session")
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd)
         inject_fault(f"serve:{candidate}#0", self.faults)
 
     def _write(self, phase: str) -> None:
@@ -123,7 +165,12 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
         doc = read_json(path)
         if isinstance(doc, dict) and doc.get("process") == PROCESS_TOKEN:
             continue  # ours, live (a re-proof or reload in this process)
+        if _held_by_a_live_process(path):
+            log.info("serving.marker_live", marker=path.name, candidate=doc.get("candidate") if isinstance(doc, dict) else None,
+                     reason="another live process on this state dir holds it: not a crash")
+            continue
         path.unlink(missing_ok=True)
+        path.with_suffix(".lock").unlink(missing_ok=True)
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
         step = f"candidate:{doc['candidate']}"
