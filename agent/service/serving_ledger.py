@@ -14,7 +14,8 @@ died without unwinding (a signal, the OOM killer) leaves one behind.
 Fault injection for tests: `EDGE_AGENT_FAULT="serve:<provider>:<variant>#N=SIGSEGV"` dies before the
 N-th inference of that candidate in the serving process (`#0`: while opening its session);
 `drift:<provider>:<variant>#N=<factor>` multiplies its float outputs by factor from the N-th
-inference on (a weight change after boot, for the audit to find). The hook is read only when the
+inference on (a weight change after boot, for the audit to find); `audit:<provider>:<variant>#N`
+dies in the audit's reference session (`#0`: while opening it). The hook is read only when the
 variable is set.
 """
 
@@ -99,7 +100,7 @@ def serving_faults(version: int | str) -> dict[str, str]:
     if not raw:
         return {}
     return {k.removesuffix(f"@{version}"): v for k, v in parse_faults(raw).items()
-            if k.startswith(("serve:", "drift:")) and ("@" not in k or k.endswith(f"@{version}"))}
+            if k.startswith(("serve:", "drift:", "audit:")) and ("@" not in k or k.endswith(f"@{version}"))}
 
 
 class ServingWatch:
@@ -108,25 +109,30 @@ class ServingWatch:
     attribute read."""
 
     def __init__(self, directory: Path, bundle_sha: str, candidate: str, runs: int = WATCH_RUNS,
-                 faults: Mapping[str, str] | None = None):
+                 faults: Mapping[str, str] | None = None, step: str | None = None, fault: str = "serve"):
         directory.mkdir(parents=True, exist_ok=True)
         # the token in the name too: two containers on one state dir are both PID 1
         self.path = directory / f"{PREFIX}{os.getpid()}-{PROCESS_TOKEN[:12]}-{next(_ids)}.json"
         lock_fd = _hold_lock(self.path)
         self.bundle_sha, self.candidate, self.runs = bundle_sha, candidate, runs
+        # the ledger step a death here costs: the serving candidate, or (the audit's reference session)
+        # `audit:<key>`, which turns the live audit off and costs no serving candidate
+        self.step = step or f"candidate:{candidate}"
+        self.fault = fault  # the fault hook's name: "serve:<key>#N", "audit:<key>#N"
         self.faults = dict(faults or {})
         prefix = f"drift:{candidate}#"
         self._drift = next(((int(k.removeprefix(prefix)), float(v)) for k, v in self.faults.items()
-                            if k.startswith(prefix)), None)
+                            if k.startswith(prefix)), None) if fault == "serve" else None
         self.active = True
         self._started = self._done = 0
         self._lock = threading.Lock()
         self._write("opening the serving session")
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd)
-        inject_fault(f"serve:{candidate}#0", self.faults)
+        inject_fault(f"{fault}:{candidate}#0", self.faults)
 
     def _write(self, phase: str) -> None:
-        write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "pid": os.getpid(),
+        write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
+                                      "pid": os.getpid(),
                                       "process": PROCESS_TOKEN, "phase": phase, "at": time.time()})
 
     def opened(self) -> None:
@@ -140,7 +146,7 @@ class ServingWatch:
             self._started += 1
             n = self._started
         if self.faults:
-            inject_fault(f"serve:{self.candidate}#{n}", self.faults)
+            inject_fault(f"{self.fault}:{self.candidate}#{n}", self.faults)
 
     def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
         if self._drift is not None and self._started >= self._drift[0]:
@@ -173,7 +179,7 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
         path.with_suffix(".lock").unlink(missing_ok=True)
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
-        step = f"candidate:{doc['candidate']}"
+        step = str(doc.get("step") or f"candidate:{doc['candidate']}")
         ledger.record(step, str(doc["bundle"]), "the serving process died", f"serving: {doc.get('phase', '')}")
         log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"),
                   reason="the last serving process died under this candidate; the self-test skips it")
