@@ -42,16 +42,46 @@ log = get_logger("serving_ledger")
 FAULT_ENV = "EDGE_AGENT_FAULT"
 PREFIX = "serving-"
 WATCH_RUNS = 64  # inferences a new serving session runs under its marker
+# After them the marker stays (phase "late") for the engine's life: a death then costs the candidate
+# only when it repeats in consecutive serving processes on the same machine boot (a one-off OOM kill
+# or an operator's kill -9 does not; a crash loop at inference 100 did, forever).
+LATE_DEATHS = 2
+SUSPECTS_FILE = "late-deaths.json"  # "<bundle>|<step>" -> {"deaths": n, "at": unix}
+SUSPECT_TTL_S = 24 * 3600.0
 _ids = itertools.count(1)
 # Which process wrote a marker: a PID repeats across restarts (PID 1 in a container, every boot), a
 # token drawn at import does not.
 PROCESS_TOKEN = uuid.uuid4().hex
 
 
-def _unlink(path: Path, lock_fd: int | None = None) -> None:
+def boot_id() -> str:
+    """This machine boot's id: a marker from another boot was left by a power cut or a reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _suspects(directory: Path) -> dict[str, Any]:
+    doc = read_json(directory / SUSPECTS_FILE, {})
+    return doc if isinstance(doc, dict) else {}
+
+
+def _write_suspects(directory: Path, doc: dict[str, Any]) -> None:
+    try:
+        write_json_atomic(directory / SUSPECTS_FILE, doc)
+    except OSError as exc:
+        log.error("serving.suspects_unwritable", file=str(directory / SUSPECTS_FILE), error=str(exc)[:200])
+
+
+def _unlink(path: Path, lock_fd: int | None = None, late: dict[str, Any] | None = None) -> None:
     try:
         path.unlink(missing_ok=True)
         path.with_suffix(".lock").unlink(missing_ok=True)
+        if late and late.get("key"):  # it served past its first inferences and ended cleanly: no suspect
+            doc = _suspects(path.parent)
+            if doc.pop(late["key"], None) is not None:
+                _write_suspects(path.parent, doc)
     except OSError:
         pass  # at interpreter exit the directory may be gone (a test's temporary state)
     if lock_fd is not None:
@@ -126,14 +156,15 @@ class ServingWatch:
         self.active = True
         self._started = self._done = 0
         self._lock = threading.Lock()
+        self._late: dict[str, Any] = {}  # set once past the first inferences (read by the finalizer)
         self._write("opening the serving session")
-        self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd)
+        self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
         inject_fault(f"{fault}:{candidate}#0", self.faults)
 
-    def _write(self, phase: str) -> None:
+    def _write(self, phase: str, late: bool = False) -> None:
         write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
-                                      "pid": os.getpid(),
-                                      "process": PROCESS_TOKEN, "phase": phase, "at": time.time()})
+                                      "pid": os.getpid(), "process": PROCESS_TOKEN, "phase": phase,
+                                      "at": time.time(), "late": late, "boot_id": boot_id()})
 
     def opened(self) -> None:
         """The session is open: the marker now covers its first inferences."""
@@ -159,7 +190,11 @@ class ServingWatch:
             if finished:
                 self.active = False
         if finished:
-            self._finalizer()  # unlinks once
+            self._late["key"] = f"{self.bundle_sha}|{self.step}"
+            try:
+                self._write(f"serving, past its first {self.runs} inferences", late=True)
+            except OSError:
+                self._finalizer()  # no late marker then; never a fault in the serving path
             log.info("serving.watch_done", candidate=self.candidate, inferences=self.runs)
         return outputs
 
@@ -180,8 +215,39 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
         step = str(doc.get("step") or f"candidate:{doc['candidate']}")
+        if doc.get("late"):
+            if _late_death(directory, ledger, doc, step):
+                out.append(step)
+            continue
         ledger.record(step, str(doc["bundle"]), "the serving process died", f"serving: {doc.get('phase', '')}")
         log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"),
                   reason="the last serving process died under this candidate; the self-test skips it")
         out.append(step)
     return out
+
+
+def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], step: str) -> bool:
+    """A serving process died past its candidate's first inferences: recorded when it is the
+    `LATE_DEATHS`-th such death in a row on this machine boot; True when recorded."""
+    if doc.get("boot_id") != boot_id():
+        log.info("serving.marker_other_boot", candidate=doc["candidate"],
+                 reason="left before the machine rebooted (a power cut): not a crash of the candidate")
+        return False
+    key, now = f"{doc['bundle']}|{step}", time.time()
+    suspects = _suspects(directory)
+    prev = suspects.get(key)
+    fresh = isinstance(prev, dict) and now - float(prev.get("at", 0) or 0) < SUSPECT_TTL_S
+    deaths = (int(prev.get("deaths", 0) or 0) if fresh and isinstance(prev, dict) else 0) + 1
+    if deaths >= LATE_DEATHS:
+        suspects.pop(key, None)
+        _write_suspects(directory, suspects)
+        ledger.record(step, str(doc["bundle"]), "the serving process died",
+                      f"serving: past its first {WATCH_RUNS} inferences, {deaths} processes in a row")
+        log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"), deaths=deaths,
+                  reason="serving processes died under this candidate again and again; the self-test skips it")
+        return True
+    suspects[key] = {"deaths": deaths, "at": now}
+    _write_suspects(directory, suspects)
+    log.warning("serving.late_death_noted", candidate=doc["candidate"], deaths=deaths, of=LATE_DEATHS,
+                reason="the last serving process died past its first inferences; recorded if the next one does too")
+    return False
