@@ -16,6 +16,7 @@ left by a child whose agent exited is an interrupted self-test: neither is recor
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import os
 import pickle
@@ -41,6 +42,7 @@ STEP_FILE = "step.json"        # written by the child before loading and before 
 INFLIGHT_FILE = "inflight.json"  # written by the self-test before each candidate trial (cached or full)
 SKIP_FILE = "crashed.json"     # the self-test's skip list: "<bundle sha>|<provider>:<variant>" -> when
 RECORDS_FILE = "crashes.json"  # the full crash records, with signal, versions and expiry
+PROOF_LOCK = "proof.lock"      # held (flock) by the process running a proof on this state dir
 CHILD_MODULE = "agent.service.selftest_child"
 CRASH_TTL_S = 7 * 24 * 3600.0
 # How a stop ends a child: a shutdown, never a crash of the step it was in
@@ -227,9 +229,31 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
 
     A child killed by a signal or the time-out costs the step it was in; the next child skips it.
     `config` is a config file, or the parent's config object itself (handed over pickled: the same
-    selection and provider settings, even for a config built in code)."""
+    selection and provider settings, even for a config built in code).
+
+    One proof at a time per state dir (`selftest/proof.lock`, flock): the markers are one file each,
+    so a second proof (`edge-agent selftest` beside the service, a second agent) used to clear the
+    running child's marker as "interrupted" and overwrite it, and a crash was then charged to the
+    wrong candidate or to none. The second waits; the kernel drops the lock however a holder dies."""
     directory = state_dir / "selftest"
     directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / PROOF_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("selftest.waiting", state_dir=str(state_dir),
+                        reason="another process is proving on this state dir; this proof waits for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        return _prove_in_child(root, state_dir, config, timeout_s, use_cache, extra_args, env, records_dir)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, timeout_s: float,
+                    use_cache: bool, extra_args: Sequence[str], env: Mapping[str, str] | None,
+                    records_dir: Path | None) -> ChildProof:
+    directory = state_dir / "selftest"
     ledger = CrashLedger(directory, records_dir=records_dir)
     sha = bundle_digest(root)  # no onnxruntime here: the manifest's bytes
     new: list[CrashRecord] = []
