@@ -59,3 +59,17 @@ def test_two_processes_with_the_same_pid_never_share_a_marker_file(tmp_path: Pat
     d = tmp_path / "selftest"
     w = serving_ledger.ServingWatch(d, "sha", INT8)
     assert serving_ledger.PROCESS_TOKEN[:12] in w.path.name
+
+
+def test_a_swap_ends_the_old_sessions_marker_so_a_crash_opening_the_new_one_costs_only_it(tmp_path: Path) -> None:
+    """An update (or reload) opens the new session while the old one, still within its first 64
+    inferences, is kept for probation's restore: both markers were up, and a death opening the new
+    session was recorded against the old candidate too."""
+    d = tmp_path / "selftest"
+    old = serving_ledger.ServingWatch(d, "sha-v1", "CPUExecutionProvider:fp32")
+    old.opened()
+    old.before()
+    old.after({})  # serving, 1 of its first 64 inferences
+    new = serving_ledger.ServingWatch(d, "sha-v2", INT8)  # the swap's new session, opening
+    assert [p.name for p in d.glob("serving-*.json")] == [new.path.name]
+    assert not old.path.exists() and old.active is False

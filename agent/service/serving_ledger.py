@@ -133,6 +133,9 @@ def serving_faults(version: int | str) -> dict[str, str]:
             if k.startswith(("serve:", "drift:", "audit:")) and ("@" not in k or k.endswith(f"@{version}"))}
 
 
+_serving: "weakref.WeakSet[ServingWatch]" = weakref.WeakSet()  # this process's serving sessions' watches
+
+
 class ServingWatch:
     """One serving session's marker: written before the session is opened, removed after its first
     `runs` inferences. `before`/`after` wrap each inference; after the watch ends they cost one
@@ -157,6 +160,13 @@ class ServingWatch:
         self._started = self._done = 0
         self._lock = threading.Lock()
         self._late: dict[str, Any] = {}  # set once past the first inferences (read by the finalizer)
+        if fault == "serve":
+            # A new serving session replaces the one serving now (a swap, a reload): the old marker must
+            # not stay up beside the new one, or a death opening the new session is charged to both (the
+            # old engine is kept for probation's restore, so it is not dropped).
+            for old in list(_serving):
+                old.end()
+            _serving.add(self)
         self._write("opening the serving session")
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
         inject_fault(f"{fault}:{candidate}#0", self.faults)
@@ -165,6 +175,12 @@ class ServingWatch:
         write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
                                       "pid": os.getpid(), "process": PROCESS_TOKEN, "phase": phase,
                                       "at": time.time(), "late": late, "boot_id": boot_id()})
+
+    def end(self) -> None:
+        """This session no longer serves first: its marker goes (a death now is not its)."""
+        self.active = False
+        _serving.discard(self)
+        self._finalizer()
 
     def opened(self) -> None:
         """The session is open: the marker now covers its first inferences."""
