@@ -288,14 +288,23 @@ def check_recorded_outputs(bundle: Bundle, golden: list[GoldenSample] | None = N
 
     Reproduction judges a variant against its own recorded outputs only when every sample has them: one
     sample stripped of them would turn reproduction off for all samples, so it is an error for the
-    bundle, not a silent downgrade. None at all is a bundle made before recorded outputs (reproduction
-    then falls back to the source references, with a note)."""
+    bundle, not a silent downgrade; so is one variant stripped from every sample while another keeps
+    them. None at all, for every variant, is a bundle made before recorded outputs (reproduction then
+    falls back to the source references, with a note)."""
     m = bundle.manifest
     golden = bundle.golden() if golden is None else golden
+    # `bundle create` records every variant's outputs in every sample: a variant with none while another
+    # variant has them was stripped (its reproduction would fall back to the source's references).
+    recorded = [v.name for v in m.variants if any(v.name in g.variant_outputs for g in golden)]
     for v in m.variants:
         have = [g for g in golden if v.name in g.variant_outputs]
-        if not have:
+        if not have and not recorded:
             continue
+        if not have:
+            raise BundleError(
+                f"{bundle.root / 'golden'}: no golden sample carries the recorded outputs of variant {v.name} "
+                f"(variant.{v.name}.*) while variant(s) {recorded} have theirs: reproduction of {v.name} needs "
+                "them; rebuild the bundle with `edge-agent bundle create`")
         for g in golden:
             missing = [n for n in m.output_names if n not in g.variant_outputs.get(v.name, {})]
             if missing:

@@ -16,6 +16,7 @@ left by a child whose agent exited is an interrupted self-test: neither is recor
 from __future__ import annotations
 
 import collections
+import fcntl
 import json
 import os
 import pickle
@@ -41,6 +42,7 @@ STEP_FILE = "step.json"        # written by the child before loading and before 
 INFLIGHT_FILE = "inflight.json"  # written by the self-test before each candidate trial (cached or full)
 SKIP_FILE = "crashed.json"     # the self-test's skip list: "<bundle sha>|<provider>:<variant>" -> when
 RECORDS_FILE = "crashes.json"  # the full crash records, with signal, versions and expiry
+PROOF_LOCK = "proof.lock"      # held (flock) by the process running a proof on this state dir
 CHILD_MODULE = "agent.service.selftest_child"
 CRASH_TTL_S = 7 * 24 * 3600.0
 # How a stop ends a child: a shutdown, never a crash of the step it was in
@@ -100,15 +102,20 @@ class CrashLedger:
     def __init__(self, directory: Path, ttl_s: float = CRASH_TTL_S, records_dir: Path | None = None):
         self.directory, self.ttl_s = directory, ttl_s
         self.records_file = (records_dir or directory) / RECORDS_FILE
+        # records this ledger could not write (a full disk, a read-only or damaged file): still applied by
+        # this ledger, so the proof in progress skips the step that crashed instead of re-running it
+        self._unsaved: list[CrashRecord] = []
 
     def _all(self) -> list[CrashRecord]:
         out = []
-        for d in read_json(self.records_file, []) or []:
+        raw = read_json(self.records_file, [])
+        for d in raw if isinstance(raw, list) else []:  # a damaged file (`7`, `true`) reads as no records
             try:
                 out.append(CrashRecord.from_dict(d))
             except (KeyError, TypeError, ValueError):
                 continue  # a record we cannot read cannot protect anything; it is dropped on the next write
-        return out
+        saved = {(r.step, r.bundle) for r in out}
+        return out + [r for r in self._unsaved if (r.step, r.bundle) not in saved]
 
     def active(self, bundle_sha: str, now: float | None = None) -> dict[str, CrashRecord]:
         """Records that still apply: this bundle (or any, for probes), not expired, same versions."""
@@ -130,7 +137,14 @@ class CrashLedger:
         rec = CrashRecord(step, "" if step.startswith("probe:") else bundle_sha, how, provider_versions(provider),
                           now, now + self.ttl_s, detail)
         keep = [r for r in self._all() if r.expires > now and not (r.step == rec.step and r.bundle == rec.bundle)]
-        write_json_atomic(self.records_file, [r.to_dict() for r in keep + [rec]])
+        try:
+            write_json_atomic(self.records_file, [r.to_dict() for r in keep + [rec]])
+        except OSError as exc:  # never a raise out of the proof: the boot would die before READY
+            self._unsaved = [r for r in self._unsaved if (r.step, r.bundle) != (rec.step, rec.bundle)] + [rec]
+            log.error("selftest.ledger_unwritable", file=str(self.records_file), step=step,
+                      error=f"{type(exc).__name__}: {exc}"[:300],
+                      reason="the crash is skipped in this proof only; the next boot retries it: free the "
+                             "disk or fix the file's permissions")
         log.error("selftest.step_crashed", step=step, signal=how, detail=detail, bundle=bundle_sha[:12],
                   versions=rec.versions)
         return rec
@@ -215,9 +229,31 @@ def prove_in_child(root: Path, state_dir: Path, config: Path | object | None, ti
 
     A child killed by a signal or the time-out costs the step it was in; the next child skips it.
     `config` is a config file, or the parent's config object itself (handed over pickled: the same
-    selection and provider settings, even for a config built in code)."""
+    selection and provider settings, even for a config built in code).
+
+    One proof at a time per state dir (`selftest/proof.lock`, flock): the markers are one file each,
+    so a second proof (`edge-agent selftest` beside the service, a second agent) used to clear the
+    running child's marker as "interrupted" and overwrite it, and a crash was then charged to the
+    wrong candidate or to none. The second waits; the kernel drops the lock however a holder dies."""
     directory = state_dir / "selftest"
     directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / PROOF_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("selftest.waiting", state_dir=str(state_dir),
+                        reason="another process is proving on this state dir; this proof waits for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        return _prove_in_child(root, state_dir, config, timeout_s, use_cache, extra_args, env, records_dir)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, timeout_s: float,
+                    use_cache: bool, extra_args: Sequence[str], env: Mapping[str, str] | None,
+                    records_dir: Path | None) -> ChildProof:
+    directory = state_dir / "selftest"
     ledger = CrashLedger(directory, records_dir=records_dir)
     sha = bundle_digest(root)  # no onnxruntime here: the manifest's bytes
     new: list[CrashRecord] = []

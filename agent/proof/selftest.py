@@ -211,16 +211,19 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
     feeder = InputFeeder.for_manifest(m)
     n = len(tensors)
     for b in sizes:
-        rows: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+        # every row of every batch is judged: with fewer golden samples than the batch, a sample repeats
+        # in it, and judging only its first row left the rows past the golden count unproven
+        rows: list[dict[str, np.ndarray]] = []
+        refs: list[dict[str, np.ndarray]] = []
         for start in range(0, n, b):
             idx = [(start + k) % n for k in range(b)]
             batch = np.concatenate([tensors[i] for i in idx])
             outs = dict(zip([o.name for o in opened.session.get_outputs()],
                             opened.session.run(None, feeder.feeds(batch, "selftest"))))
             for k, i in enumerate(idx):
-                if not rows[i]:
-                    rows[i] = {name: v[k] for name, v in outs.items()}
-        q = judge_reproduction(m.postprocess, rows, list(single), bounds, "batch 1", stage=f"batch {b}")
+                rows.append({name: v[k] for name, v in outs.items()})
+                refs.append(single[i])
+        q = judge_reproduction(m.postprocess, rows, refs, bounds, "batch 1", stage=f"batch {b}")
         if not q.passed:
             findings += list(q.findings)
             break  # the smallest failing size names the fault

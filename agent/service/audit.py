@@ -193,15 +193,43 @@ class Auditor:
 
     def _reference_engine(self, engine: Engine) -> Engine | None:
         if self._reference is None and self._reference_error is None:
+            live = engine.watch
+            if live is not None and live.active:
+                # While the served candidate's crash marker is up, a death opening the reference would be
+                # charged to the served candidate too: open it only once that marker is gone.
+                return None
             m = engine.bundle.manifest
             try:
                 v = m.variant(self.s.reference)
-                self._reference = build_engine(engine.bundle, Candidate(CPU, v.name, v.precision),
-                                               self.session_settings)
+                c = Candidate(CPU, v.name, v.precision)
+                watch = self._reference_watch(engine, c.key)
+                if watch is None:
+                    return None
+                self._reference = build_engine(engine.bundle, c, self.session_settings,
+                                               watch=None if watch is False else watch)
             except Exception as exc:
                 self._reference_error = f"reference {self.s.reference} on CPU: {type(exc).__name__}: {exc}"[:300]
                 log.warning("audit.no_reference", reason=self._reference_error)
         return self._reference
+
+    def _reference_watch(self, engine: Engine, key: str) -> Any:
+        """The reference session's own crash marker (step `audit:<key>`), in the served engine's ledger:
+        a reference that kills the serving process costs the live audit at the next boot, not a crash
+        loop and not the served candidate. None: it crashed before (the live audit is off); False: no
+        ledger here (an engine built without a watch)."""
+        from agent.proof.isolation import CrashLedger
+        from agent.service.serving_ledger import ServingWatch
+
+        path = getattr(engine.watch, "path", None)
+        if path is None:
+            return False
+        step, sha = f"audit:{key}", engine.bundle.manifest_sha256
+        rec = CrashLedger(path.parent).active(sha).get(step)
+        if rec is not None:
+            self._reference_error = f"reference {key}: {rec.describe()}; the live audit is off"[:600]
+            log.warning("audit.no_reference", reason=self._reference_error)
+            return None
+        return ServingWatch(path.parent, sha, key, faults=engine.watch.faults, step=step, fault="audit")
 
     def _live(self, tensor: np.ndarray, served: dict[str, np.ndarray]) -> None:
         engine = self._engine

@@ -14,12 +14,14 @@ died without unwinding (a signal, the OOM killer) leaves one behind.
 Fault injection for tests: `EDGE_AGENT_FAULT="serve:<provider>:<variant>#N=SIGSEGV"` dies before the
 N-th inference of that candidate in the serving process (`#0`: while opening its session);
 `drift:<provider>:<variant>#N=<factor>` multiplies its float outputs by factor from the N-th
-inference on (a weight change after boot, for the audit to find). The hook is read only when the
+inference on (a weight change after boot, for the audit to find); `audit:<provider>:<variant>#N`
+dies in the audit's reference session (`#0`: while opening it). The hook is read only when the
 variable is set.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import threading
@@ -40,17 +42,86 @@ log = get_logger("serving_ledger")
 FAULT_ENV = "EDGE_AGENT_FAULT"
 PREFIX = "serving-"
 WATCH_RUNS = 64  # inferences a new serving session runs under its marker
+# After them the marker stays (phase "late") for the engine's life: a death then costs the candidate
+# only when it repeats in consecutive serving processes on the same machine boot (a one-off OOM kill
+# or an operator's kill -9 does not; a crash loop at inference 100 did, forever).
+LATE_DEATHS = 2
+SUSPECTS_FILE = "late-deaths.json"  # "<bundle>|<step>" -> {"deaths": n, "at": unix}
+SUSPECT_TTL_S = 24 * 3600.0
 _ids = itertools.count(1)
 # Which process wrote a marker: a PID repeats across restarts (PID 1 in a container, every boot), a
 # token drawn at import does not.
 PROCESS_TOKEN = uuid.uuid4().hex
 
 
-def _unlink(path: Path) -> None:
+def boot_id() -> str:
+    """This machine boot's id: a marker from another boot was left by a power cut or a reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _suspects(directory: Path) -> dict[str, Any]:
+    doc = read_json(directory / SUSPECTS_FILE, {})
+    return doc if isinstance(doc, dict) else {}
+
+
+def _write_suspects(directory: Path, doc: dict[str, Any]) -> None:
+    try:
+        write_json_atomic(directory / SUSPECTS_FILE, doc)
+    except OSError as exc:
+        log.error("serving.suspects_unwritable", file=str(directory / SUSPECTS_FILE), error=str(exc)[:200])
+
+
+def _unlink(path: Path, lock_fd: int | None = None, late: dict[str, Any] | None = None) -> None:
     try:
         path.unlink(missing_ok=True)
+        path.with_suffix(".lock").unlink(missing_ok=True)
+        if late and late.get("key"):  # it served past its first inferences and ended cleanly: no suspect
+            doc = _suspects(path.parent)
+            if doc.pop(late["key"], None) is not None:
+                _write_suspects(path.parent, doc)
     except OSError:
         pass  # at interpreter exit the directory may be gone (a test's temporary state)
+    if lock_fd is not None:
+        try:
+            os.close(lock_fd)
+        except OSError:
+            pass
+
+
+def _hold_lock(path: Path) -> int | None:
+    """An exclusive flock on the marker's `.lock` file, held as long as this process lives: the kernel
+    drops it when the process dies, however it dies, so `recover` tells a live marker (another agent
+    on this state dir, `edge-agent run` beside the service) from a dead one without trusting PIDs."""
+    try:
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _held_by_a_live_process(path: Path) -> bool:
+    lock = path.with_suffix(".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False  # no lock file: a marker of an older agent, or its lock is gone with it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def serving_faults(version: int | str) -> dict[str, str]:
@@ -59,7 +130,10 @@ def serving_faults(version: int | str) -> dict[str, str]:
     if not raw:
         return {}
     return {k.removesuffix(f"@{version}"): v for k, v in parse_faults(raw).items()
-            if k.startswith(("serve:", "drift:")) and ("@" not in k or k.endswith(f"@{version}"))}
+            if k.startswith(("serve:", "drift:", "audit:")) and ("@" not in k or k.endswith(f"@{version}"))}
+
+
+_serving: "weakref.WeakSet[ServingWatch]" = weakref.WeakSet()  # this process's serving sessions' watches
 
 
 class ServingWatch:
@@ -68,24 +142,45 @@ class ServingWatch:
     attribute read."""
 
     def __init__(self, directory: Path, bundle_sha: str, candidate: str, runs: int = WATCH_RUNS,
-                 faults: Mapping[str, str] | None = None):
+                 faults: Mapping[str, str] | None = None, step: str | None = None, fault: str = "serve"):
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{PREFIX}{os.getpid()}-{next(_ids)}.json"
+        # the token in the name too: two containers on one state dir are both PID 1
+        self.path = directory / f"{PREFIX}{os.getpid()}-{PROCESS_TOKEN[:12]}-{next(_ids)}.json"
+        lock_fd = _hold_lock(self.path)
         self.bundle_sha, self.candidate, self.runs = bundle_sha, candidate, runs
+        # the ledger step a death here costs: the serving candidate, or (the audit's reference session)
+        # `audit:<key>`, which turns the live audit off and costs no serving candidate
+        self.step = step or f"candidate:{candidate}"
+        self.fault = fault  # the fault hook's name: "serve:<key>#N", "audit:<key>#N"
         self.faults = dict(faults or {})
         prefix = f"drift:{candidate}#"
         self._drift = next(((int(k.removeprefix(prefix)), float(v)) for k, v in self.faults.items()
-                            if k.startswith(prefix)), None)
+                            if k.startswith(prefix)), None) if fault == "serve" else None
         self.active = True
         self._started = self._done = 0
         self._lock = threading.Lock()
+        self._late: dict[str, Any] = {}  # set once past the first inferences (read by the finalizer)
+        if fault == "serve":
+            # A new serving session replaces the one serving now (a swap, a reload): the old marker must
+            # not stay up beside the new one, or a death opening the new session is charged to both (the
+            # old engine is kept for probation's restore, so it is not dropped).
+            for old in list(_serving):
+                old.end()
+            _serving.add(self)
         self._write("opening the serving session")
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
-        inject_fault(f"serve:{candidate}#0", self.faults)
+        self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
+        inject_fault(f"{fault}:{candidate}#0", self.faults)
 
-    def _write(self, phase: str) -> None:
-        write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "pid": os.getpid(),
-                                      "process": PROCESS_TOKEN, "phase": phase, "at": time.time()})
+    def _write(self, phase: str, late: bool = False) -> None:
+        write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
+                                      "pid": os.getpid(), "process": PROCESS_TOKEN, "phase": phase,
+                                      "at": time.time(), "late": late, "boot_id": boot_id()})
+
+    def end(self) -> None:
+        """This session no longer serves first: its marker goes (a death now is not its)."""
+        self.active = False
+        _serving.discard(self)
+        self._finalizer()
 
     def opened(self) -> None:
         """The session is open: the marker now covers its first inferences."""
@@ -98,7 +193,7 @@ class ServingWatch:
             self._started += 1
             n = self._started
         if self.faults:
-            inject_fault(f"serve:{self.candidate}#{n}", self.faults)
+            inject_fault(f"{self.fault}:{self.candidate}#{n}", self.faults)
 
     def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
         if self._drift is not None and self._started >= self._drift[0]:
@@ -111,7 +206,11 @@ class ServingWatch:
             if finished:
                 self.active = False
         if finished:
-            self._finalizer()  # unlinks once
+            self._late["key"] = f"{self.bundle_sha}|{self.step}"
+            try:
+                self._write(f"serving, past its first {self.runs} inferences", late=True)
+            except OSError:
+                self._finalizer()  # no late marker then; never a fault in the serving path
             log.info("serving.watch_done", candidate=self.candidate, inferences=self.runs)
         return outputs
 
@@ -123,12 +222,48 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
         doc = read_json(path)
         if isinstance(doc, dict) and doc.get("process") == PROCESS_TOKEN:
             continue  # ours, live (a re-proof or reload in this process)
+        if _held_by_a_live_process(path):
+            log.info("serving.marker_live", marker=path.name, candidate=doc.get("candidate") if isinstance(doc, dict) else None,
+                     reason="another live process on this state dir holds it: not a crash")
+            continue
         path.unlink(missing_ok=True)
+        path.with_suffix(".lock").unlink(missing_ok=True)
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
-        step = f"candidate:{doc['candidate']}"
+        step = str(doc.get("step") or f"candidate:{doc['candidate']}")
+        if doc.get("late"):
+            if _late_death(directory, ledger, doc, step):
+                out.append(step)
+            continue
         ledger.record(step, str(doc["bundle"]), "the serving process died", f"serving: {doc.get('phase', '')}")
         log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"),
                   reason="the last serving process died under this candidate; the self-test skips it")
         out.append(step)
     return out
+
+
+def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], step: str) -> bool:
+    """A serving process died past its candidate's first inferences: recorded when it is the
+    `LATE_DEATHS`-th such death in a row on this machine boot; True when recorded."""
+    if doc.get("boot_id") != boot_id():
+        log.info("serving.marker_other_boot", candidate=doc["candidate"],
+                 reason="left before the machine rebooted (a power cut): not a crash of the candidate")
+        return False
+    key, now = f"{doc['bundle']}|{step}", time.time()
+    suspects = _suspects(directory)
+    prev = suspects.get(key)
+    fresh = isinstance(prev, dict) and now - float(prev.get("at", 0) or 0) < SUSPECT_TTL_S
+    deaths = (int(prev.get("deaths", 0) or 0) if fresh and isinstance(prev, dict) else 0) + 1
+    if deaths >= LATE_DEATHS:
+        suspects.pop(key, None)
+        _write_suspects(directory, suspects)
+        ledger.record(step, str(doc["bundle"]), "the serving process died",
+                      f"serving: past its first {WATCH_RUNS} inferences, {deaths} processes in a row")
+        log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"), deaths=deaths,
+                  reason="serving processes died under this candidate again and again; the self-test skips it")
+        return True
+    suspects[key] = {"deaths": deaths, "at": now}
+    _write_suspects(directory, suspects)
+    log.warning("serving.late_death_noted", candidate=doc["candidate"], deaths=deaths, of=LATE_DEATHS,
+                reason="the last serving process died past its first inferences; recorded if the next one does too")
+    return False
