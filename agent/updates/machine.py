@@ -7,6 +7,7 @@ transition, so a power cut at any state is resolved at the next boot (see `resol
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -121,8 +122,16 @@ class Snapshot:
             state = State(d.get("state", "idle"))
         except ValueError:
             return Snapshot()
-        return Snapshot(state, d.get("update"), d.get("origin"), d.get("bundle"), float(d.get("since") or 0.0),
-                        d.get("reason"))
+        # the file is ours, but a hand edit or bit rot must not stop the boot nor put NaN into health:
+        # the state is what boot acts on; a field of the wrong type is dropped
+        since = d.get("since")
+        ok = isinstance(since, (int, float)) and not isinstance(since, bool) and math.isfinite(since)
+        return Snapshot(state, _text(d.get("update")), _text(d.get("origin")), _text(d.get("bundle")),
+                        float(since) if ok else 0.0, _text(d.get("reason")))
+
+
+def _text(v: Any) -> str | None:
+    return v[:200] if isinstance(v, str) else None
 
 
 class UpdateMachine:
