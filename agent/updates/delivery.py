@@ -32,7 +32,7 @@ from typing import Any
 import urllib3
 
 from agent.config import PayloadError, parse_json_object
-from agent.errors import UrlRefused
+from agent.errors import AgentError, UpdateRejected, UrlRefused
 from agent.logsetup import get_logger
 from agent.updates.machine import State
 from agent.updates.updater import Updater, file_kind
@@ -531,6 +531,34 @@ def _file_away(inbox: Path, entry: Path, verdict: dict[str, Any]) -> None:
         raise
 
 
+def _take_entry(entry: Path, work: Path, limit: int) -> Path:
+    """The entry under a name in `work`: a hard link (the same inode, no copy; a FIFO or a symlink linked
+    here is still refused by the updater's lstat), or across file systems a copy through a descriptor
+    opened without following a link and without blocking on a FIFO, bounded by `limit`."""
+    dest = work / "bundle.tar.gz"
+    try:
+        os.link(entry, dest, follow_symlinks=False)
+        return dest
+    except OSError:
+        pass  # another file system, or protected_hardlinks: copy
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UpdateRejected(f"{entry.name}: cannot be opened as a regular file ({exc}); refused") from exc
+    with open(fd, "rb") as src:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UpdateRejected(f"{entry.name}: not a regular file ({file_kind(st.st_mode)}); refused before reading")
+        copied = 0
+        with open(dest, "xb") as out:
+            while chunk := src.read(1 << 20):
+                copied += len(chunk)
+                if copied > limit:
+                    raise UpdateRejected(f"{entry.name}: over updates.max_bundle_bytes {limit}")
+                out.write(chunk)
+    return dest
+
+
 def inbox_entry(updater: Updater, inbox: Path, entry: Path) -> dict[str, Any] | None:
     """One inbox entry to its verdict, filed under done/ or rejected/; None when the machine is busy (the
     entry stays for the next pass). An entry that is not a regular file is refused by lstat, never opened."""
@@ -546,11 +574,20 @@ def inbox_entry(updater: Updater, inbox: Path, entry: Path) -> dict[str, Any] | 
         busy = updater.begin(name, "inbox")
         if busy is not None:
             return None
+        work: Path | None = None
         try:
-            verdict = updater.install(entry, "inbox", name)
+            # the entry can be swapped (for a FIFO, a symlink) after this lstat: the updater reads it only
+            # under a name in the agent's own staging, which nobody else can swap
+            work = updater.store.new_staging("inbox-")
+            verdict = updater.install(_take_entry(entry, work, updater.cfg.max_bundle_bytes), "inbox", name)
+        except AgentError as exc:
+            verdict = updater.refuse(name, "inbox", str(exc))
         except Exception as exc:
             log.exception("inbox.entry_failed", entry=name)
             verdict = updater.refuse(name, "inbox", f"{type(exc).__name__}: {exc}")
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
     _file_away(inbox, entry, verdict)
     return verdict
 

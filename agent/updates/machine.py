@@ -125,9 +125,9 @@ class Snapshot:
         # the file is ours, but a hand edit or bit rot must not stop the boot nor put NaN into health:
         # the state is what boot acts on; a field of the wrong type is dropped
         since = d.get("since")
-        ok = isinstance(since, (int, float)) and not isinstance(since, bool) and math.isfinite(since)
+        t = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else 0.0
         return Snapshot(state, _text(d.get("update")), _text(d.get("origin")), _text(d.get("bundle")),
-                        float(since) if ok else 0.0, _text(d.get("reason")))
+                        t if math.isfinite(t) else 0.0, _text(d.get("reason")))
 
 
 def _text(v: Any) -> str | None:
