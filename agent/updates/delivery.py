@@ -523,12 +523,15 @@ def _file_away(inbox: Path, entry: Path, verdict: dict[str, Any]) -> None:
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         os.replace(entry, target)  # moves the entry itself: a symlink, a FIFO or a directory as it is
-        if not committed:
-            target.with_name(target.name + ".reason.txt").write_text(str(verdict.get("reason")) + "\n")
     except OSError as exc:
         log.error("inbox.not_filed", entry=entry.name, error=str(exc),
-                  fix="remove the entry by hand: the watcher skips it from now on")
+                  fix="remove the entry by hand: the watcher skips it while it is there")
         raise
+    if not committed:
+        try:  # filed already: a reason the disk cannot take is logged (and published), never a stuck name
+            target.with_name(target.name + ".reason.txt").write_text(str(verdict.get("reason")) + "\n")
+        except OSError as exc:
+            log.error("inbox.reason_not_written", entry=entry.name, error=str(exc), reason=verdict.get("reason"))
 
 
 def _take_entry(entry: Path, work: Path, limit: int) -> Path:
@@ -598,18 +601,34 @@ def watch_inbox(updater: Updater, stop: threading.Event, period_s: float = 1.0) 
         return
     for sub in ("done", "rejected"):
         (inbox / sub).mkdir(parents=True, exist_ok=True)
-    unfiled: set[str] = set()  # entries that could not be moved away: skipped, not retried in a loop
+    # entries that could not be moved away: skipped, not retried in a loop; by identity, not by name, so the
+    # same name removed by hand and dropped again (a new file) is looked at
+    unfiled: dict[str, tuple[int, ...]] = {}
     while not stop.wait(period_s):
         try:
             entries = sorted(inbox.glob("*.tar.gz"))  # copy as .part, then rename: only whole files match
         except OSError as exc:
             log.error("inbox.unreadable", inbox=str(inbox), error=str(exc))
             continue
+        listed = {e.name for e in entries}
+        unfiled = {k: v for k, v in unfiled.items() if k in listed}  # bounded by what is there now
         for entry in entries:
-            if entry.name in unfiled or stop.is_set():
-                continue
+            if stop.is_set():
+                break
+            if entry.name in unfiled:
+                if _identity(entry) == unfiled[entry.name]:
+                    continue
+                del unfiled[entry.name]
             try:
                 inbox_entry(updater, inbox, entry)
             except Exception:  # one bad entry never ends the watcher
                 log.exception("inbox.entry_failed", entry=entry.name[:200])
-                unfiled.add(entry.name)
+                unfiled[entry.name] = _identity(entry)
+
+
+def _identity(entry: Path) -> tuple[int, ...]:
+    try:
+        st = entry.lstat()
+    except OSError:
+        return ()
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_ctime_ns)
