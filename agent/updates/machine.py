@@ -178,12 +178,18 @@ class UpdateMachine:
         except OSError as exc:
             log.error("update.state_not_recorded", state=snap.state.value, file=str(self.path), error=str(exc))
 
-    def resolve_interrupted(self) -> Snapshot | None:
+    def resolve_interrupted(self, committed: str | None = None) -> Snapshot | None:
         """At boot: an update recorded in a non-terminal state was cut by a power loss or a kill. Returns
-        its verdict (rejected before the switch, rolled back after it), or None when nothing was cut."""
+        its verdict (rejected before the switch, rolled back after it), or None when nothing was cut.
+        `committed` is the store's committed id: a cut between the store's commit and PASSED is committed."""
         cur = self._snap
         if not cur.active:
             return None
+        if cur.state == State.PROBATION and cur.bundle is not None and cur.bundle == committed:
+            snap = self.fire(Event.PASSED, reason=f"committed before a restart cut the update (bundle {cur.bundle} "
+                                                  "was committed in the store; it serves)")
+            log.warning("update.interrupted", update=cur.update, state=cur.state.value, verdict=snap.state.value)
+            return snap
         why = (f"interrupted at {cur.state.value} by a restart (power cut, kill or crash); "
                + ("nothing was switched" if cur.state in BEFORE_SWITCH else "the committed bundle serves again"))
         snap = self.fire(Event.RECOVER, reason=why)
