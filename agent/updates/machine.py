@@ -150,12 +150,16 @@ class UpdateMachine:
         return self._snap
 
     def fire(self, event: Event, update: str | None = None, origin: str | None = None,
-             bundle: str | None = None, reason: str | None = None, expect: str | None = None) -> Snapshot:
-        """Move by the table; `expect` (an update id) makes an event from a superseded delivery Busy."""
+             bundle: str | None = None, reason: str | None = None, expect: str | None = None,
+             expect_origin: str | None = None) -> Snapshot:
+        """Move by the table; `expect` (an update id) and `expect_origin` (its delivery) make an event from a
+        superseded delivery Busy: the same id can arrive by two paths (a URL and an MQTT offer named "v2")."""
         with self._lock:
             cur = self._snap
-            if expect is not None and cur.update != expect and event not in (Event.OFFER, Event.BEGIN):
-                raise Busy(f"superseded: update {cur.update} holds the machine ({cur.state.value})")
+            theirs = (expect is not None and cur.update != expect) or (
+                expect_origin is not None and cur.origin != expect_origin)
+            if theirs and event not in (Event.OFFER, Event.BEGIN):
+                raise Busy(f"superseded: update {cur.update} ({cur.origin}) holds the machine ({cur.state.value})")
             new_state = next_state(cur.state, event)
             starts = event in (Event.OFFER, Event.BEGIN, Event.ROLLBACK)
             if starts and cur.state == State.RECEIVING:
