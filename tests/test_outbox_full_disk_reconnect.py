@@ -44,3 +44,35 @@ def test_new_results_are_sent_while_delivered_rows_wait_for_their_delete(small_d
     assert wire.sent == list(range(31)), wire.sent
     assert box.stats()["depth"] == 0 and box.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0, box.stats()
     box.close()
+
+
+def test_a_size_drop_the_full_disk_cannot_delete_is_counted_once(small_disk: Path) -> None:  # noqa: F811
+    """Rows dropped by outbox.max_messages whose DELETE fails stay in the table: they were selected and
+    counted again on every pump, so `dropped` grew without bound while the real backlog stayed."""
+    box = Outbox(small_disk / "outbox.sqlite", OutboxConfig(memory_messages=BOUND, max_messages=5))
+    box.on_disconnected()
+    for i in range(5):
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+        box.pump(Wire(), 10)
+    assert box.stats()["on_disk"] == 5 and box.stats()["dropped"] == 0
+    fill(small_disk)
+    for i in range(5, 8):  # over the bound by 3: the 3 oldest go (policy drop_oldest), once
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    for _ in range(10):
+        box.pump(Wire(), 10)
+    s = box.stats()
+    assert box._undeleted, "the DELETE succeeded: this test needs it refused by the full disk"
+    assert s["dropped"] == 3 and s["depth"] == 5, s
+    for i in range(8, 11):  # 3 more: the next 3 oldest go, not the rows already dropped (still in the table)
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    for _ in range(10):
+        box.pump(Wire(), 10)
+    s = box.stats()
+    assert s["dropped"] == 6 and s["depth"] == 5, s
+    box.on_connected()
+    wire = Wire()
+    for _ in range(5):
+        box.pump(wire, 100)
+        for mid in range(1, wire.mid + 1):
+            box.ack(mid)
+    assert wire.sent == [6, 7, 8, 9, 10], wire.sent  # the 6 dropped are not sent; the rest in order

@@ -356,9 +356,13 @@ class Outbox:
     def _drop(self, n: int, why: str) -> None:
         newest = self.cfg.policy == "drop_newest"
         dropped = 0
-        if self.disk_count:
+        if self._pending_on_disk:
             order = "DESC" if newest else "ASC"
-            ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?", (n,))]
+            # rows already dropped (or delivered) whose DELETE the full disk refused are still in the table:
+            # skipped, or the same rows would be counted again on every pump while the backlog stayed
+            gone = set(self._undeleted)
+            ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?",
+                                                 (n + len(gone),)) if r[0] not in gone][:n]
             self._delete_rows(ids)
             dropped += len(ids)
         while dropped < n and self.memory:
