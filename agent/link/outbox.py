@@ -111,7 +111,13 @@ class Outbox:
     @property
     def depth(self) -> int:
         with self._lock:
-            return len(self._incoming) + len(self.memory) + len(self.inflight) + self.disk_count
+            return len(self._incoming) + len(self.memory) + len(self.inflight) + self._pending_on_disk
+
+    @property
+    def _pending_on_disk(self) -> int:
+        """Rows still to deliver: a row acknowledged (or dropped) whose DELETE waits for disk space is not.
+        Order waits only for these; counting the others kept a connected agent mute on a full disk."""
+        return max(0, self.disk_count - len(self._undeleted))
 
     @property
     def disk_writes(self) -> int:
@@ -152,7 +158,7 @@ class Outbox:
         if not self.connected:
             self._spill()
             return
-        if self.disk_count:
+        if self._pending_on_disk:
             self._send_from_disk(publish, max_inflight)
         else:
             while self.memory and len(self.inflight) < max_inflight:
@@ -191,7 +197,7 @@ class Outbox:
                 oldest = m.created
         return {
             "depth": self.depth,
-            "on_disk": self.disk_count,
+            "on_disk": self._pending_on_disk,
             "inflight": len(self.inflight),
             "oldest_age_s": round(time.time() - oldest, 3) if oldest else 0.0,
             "dropped": self.dropped,
@@ -208,11 +214,12 @@ class Outbox:
             return
         while self._incoming:  # into memory first: a message is never out of every queue
             self.memory.append(self._incoming.popleft())
-        if self.disk_count or not self.connected:
+        if self._pending_on_disk or not self.connected:
             self._spill()  # behind what is already on disk, or durable while the broker is away
 
     def _apply_acks(self) -> None:
-        rows = []
+        rows: list[int] = []
+        acked = bool(self._acks)
         while self._acks:
             msg = self.inflight.pop(self._acks.popleft(), None)
             if msg is None:
@@ -220,7 +227,7 @@ class Outbox:
             self.acked += 1
             if msg.row is not None:
                 rows.append(msg.row)
-        if rows:
+        if rows or (acked and self._undeleted):  # the broker answers: retry the DELETEs the disk refused
             self._delete_rows(rows)
 
     def _requeue_inflight(self) -> None:
@@ -316,7 +323,7 @@ class Outbox:
 
     def _delete_rows(self, rows: list[int]) -> None:
         # a DELETE writes too (the WAL): on a full disk the rows wait here and are skipped when sending
-        rows = self._undeleted + rows
+        rows = list(dict.fromkeys(self._undeleted + rows))  # a row dropped by the bounds may wait here already
         try:
             cur = self.db.executemany("DELETE FROM messages WHERE id = ?", [(r,) for r in rows])
         except DISK_ERRORS:
@@ -349,9 +356,13 @@ class Outbox:
     def _drop(self, n: int, why: str) -> None:
         newest = self.cfg.policy == "drop_newest"
         dropped = 0
-        if self.disk_count:
+        if self._pending_on_disk:
             order = "DESC" if newest else "ASC"
-            ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?", (n,))]
+            # rows already dropped (or delivered) whose DELETE the full disk refused are still in the table:
+            # skipped, or the same rows would be counted again on every pump while the backlog stayed
+            gone = set(self._undeleted)
+            ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?",
+                                                 (n + len(gone),)) if r[0] not in gone][:n]
             self._delete_rows(ids)
             dropped += len(ids)
         while dropped < n and self.memory:

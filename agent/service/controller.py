@@ -787,7 +787,8 @@ class Controller:
         # the proof of an update runs under the config object that serves (self.cfg, after any reload)
         self.updater = Updater(self, self.store, self.cfg.updates, self.cfg.state_dir, lambda: self.cfg,
                                self._publish_update, on_owner=self.on_controller)
-        cut = self.updater.machine.resolve_interrupted()  # a power cut mid-update: its verdict, published
+        # a power cut mid-update: its verdict, published (committed when the store's commit was reached)
+        cut = self.updater.machine.resolve_interrupted(committed=self.store.committed_id)
         if cut is not None:
             self._last_update = {"update": cut.update, "origin": cut.origin, "state": cut.state.value,
                                  "ts": round(cut.since, 3), "phase": cut.state.value, "reason": cut.reason}

@@ -32,7 +32,7 @@ from typing import Any
 import urllib3
 
 from agent.config import PayloadError, parse_json_object
-from agent.errors import UrlRefused
+from agent.errors import AgentError, UpdateRejected, UrlRefused
 from agent.logsetup import get_logger
 from agent.updates.machine import State
 from agent.updates.updater import Updater, file_kind
@@ -523,12 +523,43 @@ def _file_away(inbox: Path, entry: Path, verdict: dict[str, Any]) -> None:
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
         os.replace(entry, target)  # moves the entry itself: a symlink, a FIFO or a directory as it is
-        if not committed:
-            target.with_name(target.name + ".reason.txt").write_text(str(verdict.get("reason")) + "\n")
     except OSError as exc:
         log.error("inbox.not_filed", entry=entry.name, error=str(exc),
-                  fix="remove the entry by hand: the watcher skips it from now on")
+                  fix="remove the entry by hand: the watcher skips it while it is there")
         raise
+    if not committed:
+        try:  # filed already: a reason the disk cannot take is logged (and published), never a stuck name
+            target.with_name(target.name + ".reason.txt").write_text(str(verdict.get("reason")) + "\n")
+        except OSError as exc:
+            log.error("inbox.reason_not_written", entry=entry.name, error=str(exc), reason=verdict.get("reason"))
+
+
+def _take_entry(entry: Path, work: Path, limit: int) -> Path:
+    """The entry under a name in `work`: a hard link (the same inode, no copy; a FIFO or a symlink linked
+    here is still refused by the updater's lstat), or across file systems a copy through a descriptor
+    opened without following a link and without blocking on a FIFO, bounded by `limit`."""
+    dest = work / "bundle.tar.gz"
+    try:
+        os.link(entry, dest, follow_symlinks=False)
+        return dest
+    except OSError:
+        pass  # another file system, or protected_hardlinks: copy
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UpdateRejected(f"{entry.name}: cannot be opened as a regular file ({exc}); refused") from exc
+    with open(fd, "rb") as src:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UpdateRejected(f"{entry.name}: not a regular file ({file_kind(st.st_mode)}); refused before reading")
+        copied = 0
+        with open(dest, "xb") as out:
+            while chunk := src.read(1 << 20):
+                copied += len(chunk)
+                if copied > limit:
+                    raise UpdateRejected(f"{entry.name}: over updates.max_bundle_bytes {limit}")
+                out.write(chunk)
+    return dest
 
 
 def inbox_entry(updater: Updater, inbox: Path, entry: Path) -> dict[str, Any] | None:
@@ -546,11 +577,20 @@ def inbox_entry(updater: Updater, inbox: Path, entry: Path) -> dict[str, Any] | 
         busy = updater.begin(name, "inbox")
         if busy is not None:
             return None
+        work: Path | None = None
         try:
-            verdict = updater.install(entry, "inbox", name)
+            # the entry can be swapped (for a FIFO, a symlink) after this lstat: the updater reads it only
+            # under a name in the agent's own staging, which nobody else can swap
+            work = updater.store.new_staging("inbox-")
+            verdict = updater.install(_take_entry(entry, work, updater.cfg.max_bundle_bytes), "inbox", name)
+        except AgentError as exc:
+            verdict = updater.refuse(name, "inbox", str(exc))
         except Exception as exc:
             log.exception("inbox.entry_failed", entry=name)
             verdict = updater.refuse(name, "inbox", f"{type(exc).__name__}: {exc}")
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
     _file_away(inbox, entry, verdict)
     return verdict
 
@@ -561,18 +601,34 @@ def watch_inbox(updater: Updater, stop: threading.Event, period_s: float = 1.0) 
         return
     for sub in ("done", "rejected"):
         (inbox / sub).mkdir(parents=True, exist_ok=True)
-    unfiled: set[str] = set()  # entries that could not be moved away: skipped, not retried in a loop
+    # entries that could not be moved away: skipped, not retried in a loop; by identity, not by name, so the
+    # same name removed by hand and dropped again (a new file) is looked at
+    unfiled: dict[str, tuple[int, ...]] = {}
     while not stop.wait(period_s):
         try:
             entries = sorted(inbox.glob("*.tar.gz"))  # copy as .part, then rename: only whole files match
         except OSError as exc:
             log.error("inbox.unreadable", inbox=str(inbox), error=str(exc))
             continue
+        listed = {e.name for e in entries}
+        unfiled = {k: v for k, v in unfiled.items() if k in listed}  # bounded by what is there now
         for entry in entries:
-            if entry.name in unfiled or stop.is_set():
-                continue
+            if stop.is_set():
+                break
+            if entry.name in unfiled:
+                if _identity(entry) == unfiled[entry.name]:
+                    continue
+                del unfiled[entry.name]
             try:
                 inbox_entry(updater, inbox, entry)
             except Exception:  # one bad entry never ends the watcher
                 log.exception("inbox.entry_failed", entry=entry.name[:200])
-                unfiled.add(entry.name)
+                unfiled[entry.name] = _identity(entry)
+
+
+def _identity(entry: Path) -> tuple[int, ...]:
+    try:
+        st = entry.lstat()
+    except OSError:
+        return ()
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_ctime_ns)

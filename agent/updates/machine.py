@@ -7,6 +7,7 @@ transition, so a power cut at any state is resolved at the next boot (see `resol
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -117,8 +118,16 @@ class Snapshot:
             state = State(d.get("state", "idle"))
         except ValueError:
             return Snapshot()
-        return Snapshot(state, d.get("update"), d.get("origin"), d.get("bundle"), float(d.get("since") or 0.0),
-                        d.get("reason"))
+        # the file is ours, but a hand edit or bit rot must not stop the boot nor put NaN into health:
+        # the state is what boot acts on; a field of the wrong type is dropped
+        since = d.get("since")
+        t = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else 0.0
+        return Snapshot(state, _text(d.get("update")), _text(d.get("origin")), _text(d.get("bundle")),
+                        t if math.isfinite(t) else 0.0, _text(d.get("reason")))
+
+
+def _text(v: Any) -> str | None:
+    return v[:200] if isinstance(v, str) else None
 
 
 class UpdateMachine:
@@ -137,12 +146,16 @@ class UpdateMachine:
         return self._snap
 
     def fire(self, event: Event, update: str | None = None, origin: str | None = None,
-             bundle: str | None = None, reason: str | None = None, expect: str | None = None) -> Snapshot:
-        """Move by the table; `expect` (an update id) makes an event from a superseded delivery Busy."""
+             bundle: str | None = None, reason: str | None = None, expect: str | None = None,
+             expect_origin: str | None = None) -> Snapshot:
+        """Move by the table; `expect` (an update id) and `expect_origin` (its delivery) make an event from a
+        superseded delivery Busy: the same id can arrive by two paths (a URL and an MQTT offer named "v2")."""
         with self._lock:
             cur = self._snap
-            if expect is not None and cur.update != expect and event not in (Event.OFFER, Event.BEGIN):
-                raise Busy(f"superseded: update {cur.update} holds the machine ({cur.state.value})")
+            theirs = (expect is not None and cur.update != expect) or (
+                expect_origin is not None and cur.origin != expect_origin)
+            if theirs and event not in (Event.OFFER, Event.BEGIN):
+                raise Busy(f"superseded: update {cur.update} ({cur.origin}) holds the machine ({cur.state.value})")
             new_state = next_state(cur.state, event)
             starts = event in (Event.OFFER, Event.BEGIN, Event.ROLLBACK)
             if starts and cur.state == State.RECEIVING:
@@ -165,12 +178,18 @@ class UpdateMachine:
         except OSError as exc:
             log.error("update.state_not_recorded", state=snap.state.value, file=str(self.path), error=str(exc))
 
-    def resolve_interrupted(self) -> Snapshot | None:
+    def resolve_interrupted(self, committed: str | None = None) -> Snapshot | None:
         """At boot: an update recorded in a non-terminal state was cut by a power loss or a kill. Returns
-        its verdict (rejected before the switch, rolled back after it), or None when nothing was cut."""
+        its verdict (rejected before the switch, rolled back after it), or None when nothing was cut.
+        `committed` is the store's committed id: a cut between the store's commit and PASSED is committed."""
         cur = self._snap
         if not cur.active:
             return None
+        if cur.state == State.PROBATION and cur.bundle is not None and cur.bundle == committed:
+            snap = self.fire(Event.PASSED, reason=f"committed before a restart cut the update (bundle {cur.bundle} "
+                                                  "was committed in the store; it serves)")
+            log.warning("update.interrupted", update=cur.update, state=cur.state.value, verdict=snap.state.value)
+            return snap
         why = (f"interrupted at {cur.state.value} by a restart (power cut, kill or crash); "
                + ("nothing was switched" if cur.state in BEFORE_SWITCH else "the committed bundle serves again"))
         snap = self.fire(Event.RECOVER, reason=why)

@@ -96,9 +96,9 @@ class Updater:
     def refuse(self, update: str, origin: str, reason: str) -> dict[str, Any]:
         """A verdict of `rejected`: the machine moves to Rejected when this update holds it before the switch."""
         snap = self.machine.snapshot
-        if snap.update == update and snap.state in BEFORE_SWITCH:
+        if snap.update == update and snap.origin == origin and snap.state in BEFORE_SWITCH:
             try:
-                self._fire(Event.REJECT, reason=reason, expect=update)
+                self._fire(Event.REJECT, reason=reason, expect=update, expect_origin=origin)
             except Busy:
                 pass
         return self.status(update, origin, "rejected", reason=reason)
@@ -107,7 +107,7 @@ class Updater:
     def install(self, archive: Path, origin: str, update: str, expected_sha256: str | None = None) -> dict[str, Any]:
         """The archive of an update that `begin` let in is complete: verify, prove, switch, probation."""
         try:
-            self._fire(Event.RECEIVED, expect=update)
+            self._fire(Event.RECEIVED, expect=update, expect_origin=origin)
         except Busy as exc:  # superseded (a newer offer, a rollback) while it was arriving
             return self.status(update, origin, "rejected", reason=str(exc))
         # An update is a state of the controller: no reload (which re-reads the store) runs meanwhile.
@@ -125,10 +125,10 @@ class Updater:
 
     def _failed(self, update: str, origin: str, reason: str) -> dict[str, Any]:
         snap = self.machine.snapshot
-        if snap.update == update and snap.state in AFTER_SWITCH:
+        if snap.update == update and snap.origin == origin and snap.state in AFTER_SWITCH:
             # an error after the switch: whatever serves, `current` goes back to what was committed
             self.store.revert_current()
-            self._fire(Event.FAILED, reason=reason, expect=update)
+            self._fire(Event.FAILED, reason=reason, expect=update, expect_origin=origin)
             return self.status(update, origin, "rolled_back", reason=reason)
         return self.refuse(update, origin, reason)
 
@@ -152,7 +152,7 @@ class Updater:
             log.warning("update.unsigned_accepted", update=update, detail="no signature; allowed by config")
         bundle = load_bundle(root, check_contracts=False)  # the self-test child opens every variant
         self._check_version_and_compatibility(bundle)
-        self._fire(Event.VERIFIED, expect=update)
+        self._fire(Event.VERIFIED, expect=update, expect_origin=origin)
         self.status(update, origin, "verified", bundle=bundle.identity, key_id=sig.key_id)
 
         return self._prove_and_switch(update, origin, root, bundle, stored_id=None)
@@ -190,7 +190,7 @@ class Updater:
                 bundle = load_bundle(root, check_contracts=False)  # the child checks the contracts
                 if seeded is not None and bundle.manifest_sha256 != seeded:  # ... but must be what was installed
                     raise UpdateRejected(f"{root}: the seeded bundle changed on disk since it was installed")
-                self._fire(Event.VERIFIED, expect=update)
+                self._fire(Event.VERIFIED, expect=update, expect_origin="rollback")
                 self.status(update, "rollback", "verified", bundle=bundle.identity)
                 return self._prove_and_switch(update, "rollback", root, bundle, stored_id=prev)
             except AgentError as exc:
@@ -201,7 +201,7 @@ class Updater:
 
     def _prove_and_switch(self, update: str, origin: str, root: Path, bundle: Bundle,
                           stored_id: str | None) -> dict[str, Any]:
-        self._fire(Event.PROVE, expect=update)
+        self._fire(Event.PROVE, expect=update, expect_origin=origin)
         self.status(update, origin, "selftest")
         report = self._child_selftest(root)
         if not report.get("passed"):
@@ -218,7 +218,7 @@ class Updater:
 
         bid = stored_id or self.store.add(root, bundle)
         # recorded before `current` moves: a power cut from here on is rolled back at boot
-        self._fire(Event.PROVEN, bundle=bid, expect=update)
+        self._fire(Event.PROVEN, bundle=bid, expect=update, expect_origin=origin)
         # verified in staging and moved by rename: same files, new root; no second hashing pass
         stored = dataclasses.replace(bundle, root=self.store.path(bid))
         self.store.activate(bid)
@@ -228,9 +228,9 @@ class Updater:
         except AgentError as exc:
             self.store.revert_current()
             reason = f"could not start serving it: {exc}"
-            self._fire(Event.FAILED, reason=reason, expect=update)
+            self._fire(Event.FAILED, reason=reason, expect=update, expect_origin=origin)
             return self.status(update, origin, "rolled_back", reason=reason)
-        self._fire(Event.SWITCHED, expect=update)
+        self._fire(Event.SWITCHED, expect=update, expect_origin=origin)
         self.status(update, origin, "probation", seconds=self.cfg.probation_s, frames=self.cfg.probation_frames)
         try:
             verdict = self._probation(stored, candidate, swap)
@@ -247,11 +247,11 @@ class Updater:
                       f"(needs {self.cfg.probation_s:g} s or {self.cfg.probation_frames} results): not committed")
             self.agent.restore(swap)
             self.store.revert_current()
-            self._fire(Event.FAILED, reason=reason, expect=update)
+            self._fire(Event.FAILED, reason=reason, expect=update, expect_origin=origin)
             return self.status(update, origin, "rolled_back", reason=reason, bundle=bid,
                                probation=verdict.to_dict())
         self.store.commit(bid)
-        self._fire(Event.PASSED, reason=verdict.summary, expect=update)
+        self._fire(Event.PASSED, reason=verdict.summary, expect=update, expect_origin=origin)
         removed = self.store.prune(self.cfg.keep)
         return self.status(update, origin, "committed", bundle=bid, probation=verdict.to_dict(),
                            detail=verdict.summary, pruned=removed)
