@@ -91,6 +91,10 @@ class _Stream:
         self.last_arrival = 0.0
         self._restart("start")
 
+    def resume(self, why: str) -> None:
+        """Heard again after it ended (a UDP sender quiet for stream_timeout_s): the next session, saying why."""
+        self.reset = why if self.session > 1 else None
+
     def _restart(self, why: str) -> None:
         self.session += 1
         self.buf = np.empty((0, self.frame.channels), np.float32)
@@ -99,6 +103,7 @@ class _Stream:
         self.due: float | None = None  # wall time the received samples would take to arrive in real time
         self.reset = why if self.session > 1 else None
         self.padded = self.frame.pad == 0
+        self.skip = 0  # samples still to skip before the next window starts (a hop longer than the window)
 
     def end(self, why: str) -> int:
         """The stream ended or restarted: its leftover samples are dropped (never start another's window).
@@ -110,7 +115,7 @@ class _Stream:
             return 0
         # samples no window served: those after the last window's end (its context was served already)
         served_to = self.first - self.hop + self.frame.window if self.windows else 0
-        left = max(0, self.first + len(self.buf) - max(served_to, 0))
+        left = max(0, self.first + len(self.buf) - max(served_to, self.first, 0))
         self._restart(why)
         self.pending = b""
         return left
@@ -126,16 +131,21 @@ class _Stream:
                 gap = arrival - self.last_arrival
             if gap_s is not None and gap > gap_s:
                 dropped = self.end(f"gap of {gap:.3f} s > reset_on_gap_s {gap_s}")
-        if not self.padded:
+        arrived = len(samples)
+        if self.skip:  # between two windows of a hop longer than the window: never served, not leftovers
+            n = min(self.skip, arrived)
+            samples, self.skip = samples[n:], self.skip - n
+        if not self.padded and len(samples):
             fill = np.zeros if self.frame.padding == "zero" else None
             pad = (fill((self.frame.pad, self.frame.channels), np.float32) if fill is not None
                    else np.repeat(samples[:1], self.frame.pad, axis=0))
             self.buf = pad
             self.padded = True
-        self.buf = np.concatenate([self.buf, samples]) if len(self.buf) else samples
+        if len(samples):
+            self.buf = np.concatenate([self.buf, samples]) if len(self.buf) else samples
         self.last_arrival = arrival
         if self.frame.sample_rate:
-            self.due = max(self.due if self.due is not None else arrival, arrival) + len(samples) / self.frame.sample_rate
+            self.due = max(self.due if self.due is not None else arrival, arrival) + arrived / self.frame.sample_rate
         return dropped
 
     def pop(self) -> tuple[np.ndarray, StreamSpan] | None:
@@ -145,6 +155,7 @@ class _Stream:
         win = self.buf[:w].copy()
         span = StreamSpan(self.name, self.session, self.windows, self.first, self.first + w, self.hop,
                           self.frame.sample_rate, self.reset)
+        self.skip = max(0, self.hop - len(self.buf))
         self.buf = self.buf[self.hop:]
         self.first += self.hop
         self.windows += 1
@@ -179,6 +190,9 @@ class SensorSource:
         self.fd: int | None = None
         self.fifo = False
         self.streams: OrderedDict[Any, _Stream] = OrderedDict()
+        # senders whose stream timed out, kept (empty) so one heard again goes on with its next session: its
+        # results, state notes and segments never mistake the new stream for the old one (bounded, oldest out)
+        self.quiet: OrderedDict[Any, _Stream] = OrderedDict()
         self.refused = 0             # datagrams of senders beyond max_streams
         self.refused_senders: set[Any] = set()  # bounded by max_streams * 4 (a count, not a list, beyond that)
         self.dropped_samples = 0     # leftovers of streams that ended or restarted
@@ -224,7 +238,11 @@ class SensorSource:
                 log.warning("source.stream_refused", source=self.name, sender=f"{addr[0]}:{addr[1]}",
                             max_streams=self.max_streams, refused=self.refused)
             return None
-        s = _Stream(f"{self.name}/{addr[0]}:{addr[1]}", self.frame, self.hop)
+        s = self.quiet.pop(addr, None)
+        if s is not None:
+            s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
+        else:
+            s = _Stream(f"{self.name}/{addr[0]}:{addr[1]}", self.frame, self.hop)
         self.streams[addr] = s
         self.refused_senders.discard(addr)
         log.info("source.stream_started", source=self.name, stream=s.name, streams=len(self.streams))
@@ -235,6 +253,9 @@ class SensorSource:
             if now - s.last_arrival > self.stream_timeout_s:
                 del self.streams[addr]
                 self.dropped_samples += s.end("timed out")
+                self.quiet[addr] = s
+                while len(self.quiet) > self.max_streams * 4:
+                    self.quiet.popitem(last=False)
                 log.info("source.stream_ended", source=self.name, stream=s.name, reason="quiet for "
                          f"{self.stream_timeout_s} s")
 
