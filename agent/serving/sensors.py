@@ -50,6 +50,7 @@ class StreamSpan:
     step: int  # the frame's hop: the last `step` samples are this window's own (the rest is context)
     sample_rate: float | None = None
     reset: str | None = None
+    sender: str | None = None  # a UDP stream's sender (host:port): a stream of its own within its source
 
     def seconds(self, sample: int) -> float | None:
         return None if not self.sample_rate else round(sample / self.sample_rate, 6)
@@ -66,6 +67,8 @@ class StreamSpan:
             out.update(start_s=self.seconds(self.start), end_s=self.seconds(self.end))
         if self.reset:
             out["reset"] = self.reset
+        if self.sender:  # its results go to their own MQTT topic, predictions/<stream> (agent.serving.sinks)
+            out["sender"] = self.sender
         return out
 
 
@@ -84,8 +87,8 @@ class SensorFrame(Frame):
 class _Stream:
     """One stream's buffer and clock: samples in, windows out, restarts on a gap in stream time."""
 
-    def __init__(self, name: str, frame: FrameSpec, hop: int):
-        self.name, self.frame, self.hop = name, frame, hop
+    def __init__(self, name: str, frame: FrameSpec, hop: int, sender: str | None = None):
+        self.name, self.frame, self.hop, self.sender = name, frame, hop, sender
         self.session = 0
         self.pending = b""
         self.last_arrival = 0.0
@@ -154,7 +157,7 @@ class _Stream:
             return None
         win = self.buf[:w].copy()
         span = StreamSpan(self.name, self.session, self.windows, self.first, self.first + w, self.hop,
-                          self.frame.sample_rate, self.reset)
+                          self.frame.sample_rate, self.reset, self.sender)
         self.skip = max(0, self.hop - len(self.buf))
         self.buf = self.buf[self.hop:]
         self.first += self.hop
@@ -242,7 +245,8 @@ class SensorSource:
         if s is not None:
             s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
         else:
-            s = _Stream(f"{self.name}/{addr[0]}:{addr[1]}", self.frame, self.hop)
+            sender = f"{addr[0]}:{addr[1]}"
+            s = _Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
         self.streams[addr] = s
         self.refused_senders.discard(addr)
         log.info("source.stream_started", source=self.name, stream=s.name, streams=len(self.streams))
