@@ -83,3 +83,24 @@ def test_a_hop_longer_than_the_window_skips_the_samples_between_windows() -> Non
     assert [(sp.start, sp.end) for _, sp in got] == [(0, 100), (250, 350), (500, 600), (750, 850)]
     for win, sp in got:  # each window holds exactly the samples its span names
         assert win[0, 0] == sp.start and win[-1, 0] == sp.end - 1
+
+
+def test_samples_are_read_in_the_bundles_frame_dtype_unless_the_source_says_otherwise() -> None:
+    """A bundle whose frame declares int16 samples (16-bit PCM, as `ffmpeg -f s16le` sends) is fed int16
+    by a source that leaves sample_dtype out (before: read as float32, two samples made one garbage value)."""
+    frame = frame_from_dict({"kind": "sensor", "channels": 1, "dtype": "int16", "sample_rate": 1000, "window": 100})
+    pcm = (np.arange(100) * 300 - 15000).astype("<i2")
+    for cfg, want in ((SourceConfig(type="udp", host="127.0.0.1", port=0), pcm.astype(np.float32)),
+                      (SourceConfig(type="udp", host="127.0.0.1", port=0, sample_dtype="uint8"), None)):
+        src = SensorSource(cfg, frame)
+        tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            tx.sendto(pcm.tobytes() * 2, ("127.0.0.1", src.port))  # 400 bytes: whole windows either way
+            f = _read(src)
+            if want is not None:
+                assert f.data.shape == (100, 1) and np.array_equal(f.data[:, 0], want)
+            else:  # the source's own sample_dtype wins: each byte is a uint8 sample
+                assert f.data.shape == (100, 1) and np.array_equal(f.data[:, 0], np.frombuffer(pcm.tobytes(), "u1")[:100])
+        finally:
+            tx.close()
+            src.close()

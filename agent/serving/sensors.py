@@ -169,7 +169,7 @@ class _Stream:
 class SensorSource:
     """Sensor windows, each stream on its own: see the module docstring.
 
-    Samples are little-endian `sample_dtype`, channels interleaved. A UDP datagram that is not a whole
+    Samples are little-endian `sample_dtype` (default: the bundle's frame.dtype), channels interleaved. A UDP datagram that is not a whole
     number of samples is malformed: counted and dropped. At most `source.max_streams` UDP senders at once;
     a new sender beyond that is refused (its datagrams are counted and dropped) until one goes quiet for
     `source.stream_timeout_s`. A FIFO whose writer goes away is opened again and waits for the next writer.
@@ -181,7 +181,9 @@ class SensorSource:
         if frame.stateful and cfg.lossless is False:
             raise ConfigError(stateful_lossy_message())
         self.cfg, self.frame = cfg, frame
-        self.dtype = np.dtype(cfg.sample_dtype).newbyteorder("<")
+        # what the feeder sends: the source's sample_dtype, else the bundle's frame.dtype (the model's own
+        # samples; a default of float32 read 16-bit PCM as garbage, two samples to a value)
+        self.dtype = np.dtype(cfg.sample_dtype or frame.dtype).newbyteorder("<")
         self.sample_bytes = self.dtype.itemsize * frame.channels
         self.hop = cfg.hop or frame.step
         self.max_streams = max(1, cfg.max_streams)
