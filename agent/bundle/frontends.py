@@ -1,7 +1,7 @@
 """Audio front-ends compiled to ONNX graphs and put in front of a bundle's model (build time only).
 
 A front-end named in the spec (`frontend: {type: whisper_log_mel, ...}`) becomes plain ONNX operators
-(Pad, Conv as a windowed DFT, MatMul with a mel filterbank, Log, ReduceMax), merged before the model's
+(Pad, Conv as a windowed DFT, MatMul with a mel filterbank, Log, ReduceMax, Sqrt), merged before the model's
 input, so the bundle takes raw samples and the device runs -- and the self-test proves -- the front-end
 and the model as one graph. No Python runs on the device. Needs the `build` extra (onnx).
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from agent.errors import BundleError
 
-FRONTEND_TYPES = ("whisper_log_mel",)
+FRONTEND_TYPES = ("whisper_log_mel", "stft_magnitude")
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,105 @@ class WhisperLogMel:
                 "n_fft": self.n_fft, "hop": self.hop, "n_mels": self.n_mels, "normalize": self.normalize}
 
 
-def frontend_from_dict(d: Mapping[str, Any], where: str) -> WhisperLogMel:
+    @property
+    def out_dims(self) -> list[int]:
+        return [self.n_mels, self.frames]
+
+    def graph(self, opset: int) -> Any:
+        return whisper_log_mel_graph(self, opset)
+
+
+@dataclass(frozen=True)
+class StftMagnitude:
+    """torch.stft(center=True, pad_mode='reflect', window=torch.hann_window(n_fft), onesided).abs() ** power:
+    a centred reflect-padded STFT with a periodic Hann window, its magnitude (power 1) or power (2).
+    `audio` [B, samples] -> `features` [B, n_fft // 2 + 1, 1 + samples // hop]."""
+
+    samples: int
+    n_fft: int = 512
+    hop: int = 128
+    power: int = 1
+
+    def __post_init__(self) -> None:
+        if self.power not in (1, 2):
+            raise TypeError(f"power must be 1 (magnitude) or 2 (power), found {self.power!r}")
+        if self.n_fft < 2 or self.hop < 1 or self.samples <= self.n_fft // 2:
+            # reflect padding needs more samples than the pad (torch refuses the same)
+            raise TypeError(f"n_fft {self.n_fft}, hop {self.hop}, samples {self.samples}: needs n_fft >= 2, hop >= 1 "
+                            "and samples > n_fft / 2")
+
+    @property
+    def frames(self) -> int:
+        return 1 + self.samples // self.hop
+
+    @property
+    def out_dims(self) -> list[int]:
+        return [self.n_fft // 2 + 1, self.frames]
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "stft_magnitude", "samples": self.samples, "n_fft": self.n_fft, "hop": self.hop,
+                "power": self.power}
+
+    def graph(self, opset: int) -> Any:
+        return stft_magnitude_graph(self, opset)
+
+
+Frontend = WhisperLogMel | StftMagnitude
+
+
+def frontend_from_dict(d: Mapping[str, Any], where: str) -> Frontend:
     kind = d.get("type")
     if kind not in FRONTEND_TYPES:
         raise BundleError(f"{where}: key frontend.type: {kind!r} is not a known front-end {list(FRONTEND_TYPES)}")
+    cls = WhisperLogMel if kind == "whisper_log_mel" else StftMagnitude
     try:
-        return WhisperLogMel(**{k: v for k, v in d.items() if k != "type"})
+        return cls(**{k: v for k, v in d.items() if k != "type"})
     except TypeError as exc:
         raise BundleError(f"{where}: key frontend: {exc}") from exc
+
+
+def _dft_kernels(n_fft: int) -> np.ndarray:
+    """The periodic-Hann-windowed onesided DFT as Conv weights [2F, 1, n_fft]: real parts, then imaginary."""
+    n_freqs = n_fft // 2 + 1
+    window = np.hanning(n_fft + 1)[:-1]  # periodic Hann (torch.hann_window)
+    k = np.arange(n_freqs)[:, None] * np.arange(n_fft)[None, :] * (2 * np.pi / n_fft)
+    return np.concatenate([np.cos(k) * window, -np.sin(k) * window]).astype(np.float32)[:, None, :]
+
+
+def stft_magnitude_graph(fe: StftMagnitude, opset: int = 17) -> Any:
+    """An ONNX model: `audio` [B, samples] float32 -> `features` [B, n_fft // 2 + 1, frames] float32."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    n_freqs, pad = fe.n_fft // 2 + 1, fe.n_fft // 2
+    inits = [
+        numpy_helper.from_array(_dft_kernels(fe.n_fft), "fe_dft"),
+        numpy_helper.from_array(np.array([0, 0, pad, 0, 0, pad], np.int64), "fe_pads"),
+        numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),
+        numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
+        numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
+        numpy_helper.from_array(np.array([0], np.int64), "fe_zero"),
+    ]
+    nodes = [
+        helper.make_node("Unsqueeze", ["audio", "fe_axis1"], ["fe_x3"]),  # [B, 1, samples]
+        helper.make_node("Pad", ["fe_x3", "fe_pads"], ["fe_padded"], mode="reflect"),
+        helper.make_node("Conv", ["fe_padded", "fe_dft"], ["fe_spec"], strides=[fe.hop]),  # [B, 2F, frames]
+        helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
+        helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
+        helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
+        helper.make_node("Add", ["fe_re2", "fe_im2"], ["features" if fe.power == 2 else "fe_power"]),
+    ]
+    if fe.power == 1:
+        nodes.append(helper.make_node("Sqrt", ["fe_power"], ["features"]))
+    graph = helper.make_graph(
+        nodes, "stft_magnitude",
+        [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", n_freqs, fe.frames])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = min(model.ir_version, 9)
+    onnx.checker.check_model(model)
+    return model
 
 
 def _hz_to_mel_slaney(f: np.ndarray) -> np.ndarray:
@@ -84,10 +175,7 @@ def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
     from onnx import TensorProto, helper, numpy_helper
 
     n_freqs = fe.n_fft // 2 + 1
-    window = np.hanning(fe.n_fft + 1)[:-1]  # periodic Hann (torch.hann_window)
-    k = np.arange(n_freqs)[:, None] * np.arange(fe.n_fft)[None, :] * (2 * np.pi / fe.n_fft)
-    # the windowed DFT as one strided convolution: real parts, then imaginary parts
-    kernels = np.concatenate([np.cos(k) * window, -np.sin(k) * window]).astype(np.float32)[:, None, :]
+    kernels = _dft_kernels(fe.n_fft)  # the windowed DFT as one strided convolution
     mel = slaney_mel_filters(n_freqs, fe.n_mels, fe.sample_rate).T.astype(np.float32)  # (n_mels, n_freqs)
     pad = fe.n_fft // 2
     inits = [
@@ -156,7 +244,7 @@ def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
     return model
 
 
-def prepend_frontend(fe: WhisperLogMel, model: Any, where: str) -> Any:
+def prepend_frontend(fe: Frontend, model: Any, where: str) -> Any:
     """The model with the front-end before its one frame input: it then takes `audio` [B, samples]."""
     import onnx
     from onnx import compose
@@ -167,11 +255,11 @@ def prepend_frontend(fe: WhisperLogMel, model: Any, where: str) -> Any:
         raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]}; a front-end feeds a "
                           "model with one input")
     dims = [d.dim_value or d.dim_param for d in inputs[0].type.tensor_type.shape.dim]
-    if dims[1:] != [fe.n_mels, fe.frames]:
-        raise BundleError(f"{where}: key frontend: it makes [batch, {fe.n_mels}, {fe.frames}], the model's input "
-                          f"{inputs[0].name!r} is {dims}")
+    if dims[1:] != fe.out_dims:
+        raise BundleError(f"{where}: key frontend: it makes [batch, {', '.join(map(str, fe.out_dims))}], the model's "
+                          f"input {inputs[0].name!r} is {dims}")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
-    front = whisper_log_mel_graph(fe, opset=max(opset, 13))
+    front = fe.graph(max(opset, 13))
     front.ir_version = model.ir_version
     # the model's other opset domains (com.microsoft, ...) come along
     for o in model.opset_import:
