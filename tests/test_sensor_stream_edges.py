@@ -104,3 +104,16 @@ def test_samples_are_read_in_the_bundles_frame_dtype_unless_the_source_says_othe
         finally:
             tx.close()
             src.close()
+
+
+def test_a_sensor_frame_without_dtype_reads_float32_samples_as_the_schema_says() -> None:
+    frame = frame_from_dict({"kind": "sensor", "channels": 1, "window": 100})
+    assert frame.dtype == "float32"
+    src = SensorSource(SourceConfig(type="udp", host="127.0.0.1", port=0), frame)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        tx.sendto(np.arange(100, dtype="<f4").tobytes(), ("127.0.0.1", src.port))
+        assert np.array_equal(_read(src).data[:, 0], np.arange(100, dtype=np.float32))
+    finally:
+        tx.close()
+        src.close()

@@ -85,6 +85,8 @@ SENSOR_TIME_KEYS = ("window_s", "hop_s")
 def frame_from_dict(d: Mapping[str, Any], inputs: tuple["ExtraInput", ...] = (), where: str = MANIFEST_NAME) -> FrameSpec:
     """The `frame` block, with windows, hops and padding given in seconds turned into samples."""
     f = dict(d)
+    if f.get("kind") == "sensor":  # the schema's default for samples (FrameSpec's own is an image's uint8)
+        f.setdefault("dtype", "float32")
     rate = f.get("sample_rate")
     for key in SENSOR_TIME_KEYS:
         if key in f:
