@@ -117,3 +117,24 @@ def test_a_sensor_frame_without_dtype_reads_float32_samples_as_the_schema_says()
     finally:
         tx.close()
         src.close()
+
+
+def test_a_sender_ahead_of_real_time_is_not_quiet_between_its_datagrams() -> None:
+    """stream_timeout_s is measured like gaps, in stream time: a sender whose datagrams each hold 1 s of
+    audio, sent every 0.5 s, is never quiet (before: 0.5 s between arrivals > stream_timeout_s 0.3 ended
+    its stream at every datagram, and a stateful model started again from init each time)."""
+    import time
+
+    frame = frame_from_dict({"kind": "sensor", "channels": 1, "sample_rate": 1000, "window": 100}, STATE)
+    src = SensorSource(SourceConfig(type="udp", host="127.0.0.1", port=0, stream_timeout_s=0.3), frame)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for k in range(3):
+            tx.sendto(np.arange(1000, dtype="<f4").tobytes(), ("127.0.0.1", src.port))
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:  # the source's own loop: receive, expire quiet streams
+                src._receive()
+        assert [s.session for s in src.streams.values()] == [1] and not src.quiet
+    finally:
+        tx.close()
+        src.close()

@@ -256,7 +256,10 @@ class SensorSource:
 
     def _expire(self, now: float) -> None:
         for addr, s in list(self.streams.items()):
-            if now - s.last_arrival > self.stream_timeout_s:
+            # quiet like a gap, in stream time: beyond the audio the sender already sent (with a sample rate),
+            # so a sender ahead of real time is never quiet between its datagrams
+            since = s.due if s.due is not None else s.last_arrival
+            if now - since > self.stream_timeout_s:
                 del self.streams[addr]
                 self.dropped_samples += s.end("timed out")
                 self.quiet[addr] = s
