@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 
@@ -138,3 +139,16 @@ def test_a_sender_ahead_of_real_time_is_not_quiet_between_its_datagrams() -> Non
     finally:
         tx.close()
         src.close()
+
+
+def test_a_padding_without_its_amount_or_with_two_is_refused() -> None:
+    import pytest
+
+    from agent.errors import BundleError
+
+    base = {"kind": "sensor", "channels": 1, "sample_rate": 1000, "window": 100}
+    for pad, found in (({"mode": "zero"}, "neither"), ({"mode": "zero", "samples": 10, "seconds": 0.02},
+                                                       "['samples', 'seconds']")):
+        with pytest.raises(BundleError, match=r"input\.frame\.padding: give samples or seconds \(one of them\), "
+                                              f"found {re.escape(found)}"):
+            frame_from_dict({**base, "padding": pad})

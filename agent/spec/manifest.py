@@ -100,6 +100,9 @@ def frame_from_dict(d: Mapping[str, Any], inputs: tuple["ExtraInput", ...] = (),
     if isinstance(f.get("padding"), Mapping):
         pad = dict(f.pop("padding"))
         f["padding"] = pad.get("mode", "zero")
+        if ("seconds" in pad) == ("samples" in pad):  # neither: a declared padding of nothing; both: which?
+            raise BundleError(f"{where}: key input.frame.padding: give samples or seconds (one of them), found "
+                              f"{sorted(k for k in pad if k != 'mode') or 'neither'}")
         if "seconds" in pad:
             if not rate:
                 raise BundleError(f"{where}: key input.frame.padding.seconds: a time in seconds needs frame.sample_rate")
