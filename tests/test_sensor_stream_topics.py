@@ -22,7 +22,8 @@ from waiting import end_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(not Path(MOSQUITTO).exists(), reason="mosquitto is not installed")
+pytestmark = [pytest.mark.slow,  # a real agent process and a real broker: about 10 s
+              pytest.mark.skipif(not Path(MOSQUITTO).exists(), reason="mosquitto is not installed")]
 
 
 def test_each_udp_sender_publishes_on_its_own_predictions_topic(tiny_sensor_bundle: Path, tmp_path: Path) -> None:
