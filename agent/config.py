@@ -91,8 +91,9 @@ class SourceConfig:
     topic: Annotated[str | None, Key("mqtt: where frames arrive", used_by=("mqtt",))] = None
     payload: Annotated[Literal["image", "npy", "raw"], Key("mqtt: an encoded image, .npy bytes, or raw frame bytes",
                                                            used_by=("mqtt",))] = "image"
-    sample_dtype: Annotated[Literal["float32", "int16", "uint8"], Key("sensor samples, little-endian",
-                                                                      used_by=SENSOR_SOURCES)] = "float32"
+    sample_dtype: Annotated[Literal["float32", "int16", "uint8"] | None,
+                            Key("sensor samples, little-endian", default_doc="the bundle's frame.dtype",
+                                used_by=SENSOR_SOURCES)] = None
     hop: Annotated[int, Key("sensor: samples between windows (0: the bundle's frame.hop, else the window)", ge=0,
                             used_by=SENSOR_SOURCES)] = 0
     max_streams: Annotated[int, Key("udp: senders served at once, each its own stream; more are refused and "

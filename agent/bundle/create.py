@@ -155,6 +155,21 @@ def _tensor_dict(vi: Any) -> dict[str, Any]:
     return {"name": vi.name, "dtype": _ONNX_DTYPES[elem], "shape": _dims(vi)}
 
 
+def ort_view(sess: Any, tensors: Sequence[Mapping[str, Any]], kind: str, where: Path) -> list[dict[str, Any]]:
+    """The contract of `tensors` (from the graph) as ONNX Runtime serves them: a dim the graph leaves
+    symbolic or unnamed that ORT resolves is recorded as ORT's number, so the device's contract check
+    (agent.bundle.load.check_contract, the same view) accepts the variant the build made."""
+    seen = {t.name: t.shape for t in (sess.get_inputs() if kind == "input" else sess.get_outputs())}
+    out = []
+    for t in tensors:
+        shape = seen.get(t["name"])
+        if shape is None or len(shape) != len(t["shape"]):
+            raise BundleError(f"{where}: {kind} {t['name']!r}: the graph declares shape {t['shape']}, ONNX Runtime "
+                              f"serves {shape}: re-export the model with its {kind}s' shapes")
+        out.append({**t, "shape": [o if isinstance(o, int) else g for g, o in zip(t["shape"], shape)]})
+    return out
+
+
 def _reason(exc: BaseException) -> str:
     """An exception as a reason a person can read: never an empty string."""
     text = str(exc).strip()
@@ -677,6 +692,12 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     # an already-quantised graph is served as it is: its int8 variant, never quantised again
     fp32_file = "model_int8.onnx" if already else "model_fp32.onnx"
     input_spec, outputs, opset = prepare_fp32(model_path, root / fp32_file, [x.name for x in extra_inputs])
+    # the contract as ONNX Runtime serves the graph (CPU, no optimisation: the view the device's contract
+    # check opens), so dims the graph leaves symbolic and ORT resolves never refuse the build's own variants;
+    # the same session is the FP32 reference below
+    fp32_ref_sess = _cpu_session(root / fp32_file, optimize=False)
+    input_spec = ort_view(fp32_ref_sess, [input_spec], "input", model_path)[0]
+    outputs = ort_view(fp32_ref_sess, outputs, "output", model_path)
     log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs],
              extra_inputs=[x.name for x in extra_inputs], prequantized=already or None)
     validate_against_model(spec, input_spec, outputs, str(opts.spec))
@@ -715,7 +736,6 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     del drift_sets
 
     # Reference outputs: the source framework's when given, else FP32 on CPU with no graph optimisation.
-    fp32_ref_sess = _cpu_session(root / fp32_file, optimize=False)
     ort_ref = _run_all(fp32_ref_sess, golden_inputs, feeder)
     source_check: dict[str, Any] = {}
     if golden_set.references:

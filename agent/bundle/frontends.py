@@ -1,7 +1,7 @@
 """Audio front-ends compiled to ONNX graphs and put in front of a bundle's model (build time only).
 
 A front-end named in the spec (`frontend: {type: whisper_log_mel, ...}`) becomes plain ONNX operators
-(Pad, Conv as a windowed DFT, MatMul with a mel filterbank, Log, ReduceMax), merged before the model's
+(Pad, Conv as a windowed DFT, MatMul with a mel filterbank, Log, ReduceMax, Sqrt), merged before the model's
 input, so the bundle takes raw samples and the device runs -- and the self-test proves -- the front-end
 and the model as one graph. No Python runs on the device. Needs the `build` extra (onnx).
 """
@@ -15,7 +15,7 @@ import numpy as np
 
 from agent.errors import BundleError
 
-FRONTEND_TYPES = ("whisper_log_mel",)
+FRONTEND_TYPES = ("whisper_log_mel", "stft_magnitude", "kaldi_fbank")
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,245 @@ class WhisperLogMel:
                 "n_fft": self.n_fft, "hop": self.hop, "n_mels": self.n_mels, "normalize": self.normalize}
 
 
-def frontend_from_dict(d: Mapping[str, Any], where: str) -> WhisperLogMel:
+    @property
+    def out_dims(self) -> list[int]:
+        return [self.n_mels, self.frames]
+
+    def graph(self, opset: int) -> Any:
+        return whisper_log_mel_graph(self, opset)
+
+
+@dataclass(frozen=True)
+class StftMagnitude:
+    """torch.stft(center=True, pad_mode='reflect', window=torch.hann_window(n_fft), onesided).abs() ** power:
+    a centred reflect-padded STFT with a periodic Hann window, its magnitude (power 1) or power (2).
+    `audio` [B, samples] -> `features` [B, n_fft // 2 + 1, 1 + samples // hop]."""
+
+    samples: int
+    n_fft: int = 512
+    hop: int = 128
+    power: int = 1
+
+    def __post_init__(self) -> None:
+        if self.power not in (1, 2):
+            raise TypeError(f"power must be 1 (magnitude) or 2 (power), found {self.power!r}")
+        if self.n_fft < 2 or self.hop < 1 or self.samples <= self.n_fft // 2:
+            # reflect padding needs more samples than the pad (torch refuses the same)
+            raise TypeError(f"n_fft {self.n_fft}, hop {self.hop}, samples {self.samples}: needs n_fft >= 2, hop >= 1 "
+                            "and samples > n_fft / 2")
+
+    @property
+    def frames(self) -> int:
+        return 1 + self.samples // self.hop
+
+    @property
+    def out_dims(self) -> list[int]:
+        return [self.n_fft // 2 + 1, self.frames]
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "stft_magnitude", "samples": self.samples, "n_fft": self.n_fft, "hop": self.hop,
+                "power": self.power}
+
+    def graph(self, opset: int) -> Any:
+        return stft_magnitude_graph(self, opset)
+
+
+@dataclass(frozen=True)
+class KaldiFbank:
+    """Kaldi's log mel filterbank (kaldi-native-fbank / torchaudio.compliance.kaldi.fbank defaults: no dither,
+    snip_edges, DC offset removed, pre-emphasis 0.97, Povey window, FFT padded to a power of two, power
+    spectrum, Kaldi mel banks from low_freq to high_freq (0: Nyquist), log floored at FLT_EPSILON), then
+    optionally LFR (FunASR's low frame rate: lfr_m frames stacked every lfr_n, the first frame repeated
+    (lfr_m - 1) // 2 times before, the last one after) and CMVN ((x + cmvn_shift) * cmvn_scale, FunASR's
+    am.mvn AddShift / Rescale). `input_scale` multiplies the samples first (FunASR feeds 16-bit values:
+    32768). `audio` [B, samples] -> `features` [B, frames, n_mels * lfr_m]."""
+
+    samples: int
+    sample_rate: int = 16000
+    frame_length: int = 400
+    frame_shift: int = 160
+    n_mels: int = 80
+    low_freq: float = 20.0
+    high_freq: float = 0.0
+    preemph: float = 0.97
+    input_scale: float = 1.0
+    lfr_m: int = 1
+    lfr_n: int = 1
+    cmvn_shift: tuple[float, ...] = ()
+    cmvn_scale: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.samples < self.frame_length or self.frame_shift < 1 or self.lfr_m < 1 or self.lfr_n < 1:
+            raise TypeError(f"samples {self.samples} must hold one frame of {self.frame_length}; frame_shift, lfr_m "
+                            "and lfr_n must be >= 1")
+        object.__setattr__(self, "cmvn_shift", tuple(float(v) for v in self.cmvn_shift))
+        object.__setattr__(self, "cmvn_scale", tuple(float(v) for v in self.cmvn_scale))
+        dim = self.n_mels * self.lfr_m
+        for key in ("cmvn_shift", "cmvn_scale"):
+            n = len(getattr(self, key))
+            if n not in (0, dim):
+                raise TypeError(f"{key} has {n} values, the features have {dim} (n_mels * lfr_m)")
+
+    @property
+    def fbank_frames(self) -> int:
+        return 1 + (self.samples - self.frame_length) // self.frame_shift
+
+    @property
+    def frames(self) -> int:
+        return -(-self.fbank_frames // self.lfr_n)
+
+    @property
+    def out_dims(self) -> list[int]:
+        return [self.frames, self.n_mels * self.lfr_m]
+
+    def describe(self) -> dict[str, Any]:
+        return {"type": "kaldi_fbank", "samples": self.samples, "sample_rate": self.sample_rate,
+                "frame_length": self.frame_length, "frame_shift": self.frame_shift, "n_mels": self.n_mels,
+                "lfr_m": self.lfr_m, "lfr_n": self.lfr_n, "cmvn": bool(self.cmvn_shift or self.cmvn_scale)}
+
+    def graph(self, opset: int) -> Any:
+        return kaldi_fbank_graph(self, opset)
+
+
+Frontend = WhisperLogMel | StftMagnitude | KaldiFbank
+
+
+def kaldi_mel_banks(n_mels: int, n_fft: int, sample_rate: float, low: float, high: float) -> np.ndarray:
+    """(n_mels, n_fft // 2 + 1) Kaldi MelBanks: triangles in mel = 1127 ln(1 + f / 700), over the FFT bins
+    below Nyquist (Kaldi never weights the Nyquist bin)."""
+    high = high if high > 0 else sample_rate / 2 + high
+    mel = lambda f: 1127.0 * np.log(1.0 + np.asarray(f, np.float64) / 700.0)  # noqa: E731
+    lo, hi = mel(low), mel(high)
+    delta = (hi - lo) / (n_mels + 1)
+    m = mel(np.arange(n_fft // 2) * sample_rate / n_fft)
+    out = np.zeros((n_mels, n_fft // 2 + 1))
+    for b in range(n_mels):
+        left, center, right = lo + b * delta, lo + (b + 1) * delta, lo + (b + 2) * delta
+        up = (m - left) / (center - left)
+        down = (right - m) / (right - center)
+        out[b, : n_fft // 2] = np.where((m > left) & (m < right), np.where(m <= center, up, down), 0.0)
+    return out
+
+
+def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
+    """An ONNX model: `audio` [B, samples] float32 -> `features` [B, frames, n_mels * lfr_m] float32.
+
+    Everything Kaldi does to a frame before the FFT (DC offset removal, pre-emphasis, Povey window, zero
+    padding) is linear: it is folded, in float64, into the DFT kernels of one strided Conv."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    n = fe.frame_length
+    n_fft = 1 << (n - 1).bit_length()
+    n_freqs = n_fft // 2 + 1
+    dc = np.eye(n) - np.full((n, n), 1.0 / n)
+    pre = np.eye(n) - fe.preemph * np.eye(n, k=-1)
+    pre[0, 0] = 1.0 - fe.preemph
+    povey = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / (n - 1))) ** 0.85
+    chain = np.diag(povey) @ pre @ dc * fe.input_scale  # [n, n]: frame -> windowed frame
+    k = np.arange(n_freqs)[:, None] * np.arange(n)[None, :] * (2 * np.pi / n_fft)  # zero padding: columns < n
+    dft = np.concatenate([np.cos(k), -np.sin(k)]) @ chain
+    mel = kaldi_mel_banks(fe.n_mels, n_fft, fe.sample_rate, fe.low_freq, fe.high_freq).astype(np.float32)
+    t, pad = fe.fbank_frames, (fe.lfr_m - 1) // 2
+    # LFR as one gather over the frames: FunASR's stacking, with the first/last frames repeated at the edges
+    lfr = np.clip(np.arange(fe.frames)[:, None] * fe.lfr_n + np.arange(fe.lfr_m)[None, :] - pad, 0, t - 1)
+    inits = [
+        numpy_helper.from_array(dft.astype(np.float32)[:, None, :], "fe_dft"),
+        numpy_helper.from_array(mel.T.copy(), "fe_mel"),  # [F, n_mels]
+        numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),
+        numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
+        numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
+        numpy_helper.from_array(np.array([0], np.int64), "fe_zero"),
+        numpy_helper.from_array(np.array(np.finfo(np.float32).eps, np.float32), "fe_floor"),
+        numpy_helper.from_array(lfr.reshape(-1).astype(np.int64), "fe_lfr"),
+        numpy_helper.from_array(np.array([0, fe.frames, fe.n_mels * fe.lfr_m], np.int64), "fe_lfr_shape"),
+    ]
+    nodes = [
+        helper.make_node("Unsqueeze", ["audio", "fe_axis1"], ["fe_x3"]),  # [B, 1, samples]
+        helper.make_node("Conv", ["fe_x3", "fe_dft"], ["fe_spec"], strides=[fe.frame_shift]),  # [B, 2F, T]
+        helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
+        helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
+        helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
+        helper.make_node("Add", ["fe_re2", "fe_im2"], ["fe_power"]),  # [B, F, T]
+        helper.make_node("Transpose", ["fe_power"], ["fe_power_t"], perm=[0, 2, 1]),  # [B, T, F]
+        helper.make_node("MatMul", ["fe_power_t", "fe_mel"], ["fe_melspec"]),  # [B, T, n_mels]
+        helper.make_node("Max", ["fe_melspec", "fe_floor"], ["fe_floored"]),
+        helper.make_node("Log", ["fe_floored"], ["fe_logmel"]),
+        helper.make_node("Gather", ["fe_logmel", "fe_lfr"], ["fe_stacked"], axis=1),  # [B, frames * lfr_m, n_mels]
+        helper.make_node("Reshape", ["fe_stacked", "fe_lfr_shape"],
+                         ["fe_lfr_out" if (fe.cmvn_shift or fe.cmvn_scale) else "features"]),
+    ]
+    if fe.cmvn_shift or fe.cmvn_scale:
+        dim = fe.n_mels * fe.lfr_m
+        shift = np.asarray(fe.cmvn_shift or [0.0] * dim, np.float32)
+        scale = np.asarray(fe.cmvn_scale or [1.0] * dim, np.float32)
+        inits += [numpy_helper.from_array(shift, "fe_cmvn_shift"), numpy_helper.from_array(scale, "fe_cmvn_scale")]
+        nodes += [helper.make_node("Add", ["fe_lfr_out", "fe_cmvn_shift"], ["fe_shifted"]),
+                  helper.make_node("Mul", ["fe_shifted", "fe_cmvn_scale"], ["features"])]
+    graph = helper.make_graph(
+        nodes, "kaldi_fbank",
+        [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = min(model.ir_version, 9)
+    onnx.checker.check_model(model)
+    return model
+
+
+def frontend_from_dict(d: Mapping[str, Any], where: str) -> Frontend:
     kind = d.get("type")
     if kind not in FRONTEND_TYPES:
         raise BundleError(f"{where}: key frontend.type: {kind!r} is not a known front-end {list(FRONTEND_TYPES)}")
+    cls = {"whisper_log_mel": WhisperLogMel, "stft_magnitude": StftMagnitude, "kaldi_fbank": KaldiFbank}[kind]
     try:
-        return WhisperLogMel(**{k: v for k, v in d.items() if k != "type"})
+        return cls(**{k: v for k, v in d.items() if k != "type"})
     except TypeError as exc:
         raise BundleError(f"{where}: key frontend: {exc}") from exc
+
+
+def _dft_kernels(n_fft: int) -> np.ndarray:
+    """The periodic-Hann-windowed onesided DFT as Conv weights [2F, 1, n_fft]: real parts, then imaginary."""
+    n_freqs = n_fft // 2 + 1
+    window = np.hanning(n_fft + 1)[:-1]  # periodic Hann (torch.hann_window)
+    k = np.arange(n_freqs)[:, None] * np.arange(n_fft)[None, :] * (2 * np.pi / n_fft)
+    return np.concatenate([np.cos(k) * window, -np.sin(k) * window]).astype(np.float32)[:, None, :]
+
+
+def stft_magnitude_graph(fe: StftMagnitude, opset: int = 17) -> Any:
+    """An ONNX model: `audio` [B, samples] float32 -> `features` [B, n_fft // 2 + 1, frames] float32."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    n_freqs, pad = fe.n_fft // 2 + 1, fe.n_fft // 2
+    inits = [
+        numpy_helper.from_array(_dft_kernels(fe.n_fft), "fe_dft"),
+        numpy_helper.from_array(np.array([0, 0, pad, 0, 0, pad], np.int64), "fe_pads"),
+        numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),
+        numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
+        numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
+        numpy_helper.from_array(np.array([0], np.int64), "fe_zero"),
+    ]
+    nodes = [
+        helper.make_node("Unsqueeze", ["audio", "fe_axis1"], ["fe_x3"]),  # [B, 1, samples]
+        helper.make_node("Pad", ["fe_x3", "fe_pads"], ["fe_padded"], mode="reflect"),
+        helper.make_node("Conv", ["fe_padded", "fe_dft"], ["fe_spec"], strides=[fe.hop]),  # [B, 2F, frames]
+        helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
+        helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
+        helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
+        helper.make_node("Add", ["fe_re2", "fe_im2"], ["features" if fe.power == 2 else "fe_power"]),
+    ]
+    if fe.power == 1:
+        nodes.append(helper.make_node("Sqrt", ["fe_power"], ["features"]))
+    graph = helper.make_graph(
+        nodes, "stft_magnitude",
+        [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", n_freqs, fe.frames])],
+        initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = min(model.ir_version, 9)
+    onnx.checker.check_model(model)
+    return model
 
 
 def _hz_to_mel_slaney(f: np.ndarray) -> np.ndarray:
@@ -84,10 +315,7 @@ def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
     from onnx import TensorProto, helper, numpy_helper
 
     n_freqs = fe.n_fft // 2 + 1
-    window = np.hanning(fe.n_fft + 1)[:-1]  # periodic Hann (torch.hann_window)
-    k = np.arange(n_freqs)[:, None] * np.arange(fe.n_fft)[None, :] * (2 * np.pi / fe.n_fft)
-    # the windowed DFT as one strided convolution: real parts, then imaginary parts
-    kernels = np.concatenate([np.cos(k) * window, -np.sin(k) * window]).astype(np.float32)[:, None, :]
+    kernels = _dft_kernels(fe.n_fft)  # the windowed DFT as one strided convolution
     mel = slaney_mel_filters(n_freqs, fe.n_mels, fe.sample_rate).T.astype(np.float32)  # (n_mels, n_freqs)
     pad = fe.n_fft // 2
     inits = [
@@ -156,7 +384,7 @@ def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
     return model
 
 
-def prepend_frontend(fe: WhisperLogMel, model: Any, where: str) -> Any:
+def prepend_frontend(fe: Frontend, model: Any, where: str) -> Any:
     """The model with the front-end before its one frame input: it then takes `audio` [B, samples]."""
     import onnx
     from onnx import compose
@@ -167,11 +395,11 @@ def prepend_frontend(fe: WhisperLogMel, model: Any, where: str) -> Any:
         raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]}; a front-end feeds a "
                           "model with one input")
     dims = [d.dim_value or d.dim_param for d in inputs[0].type.tensor_type.shape.dim]
-    if dims[1:] != [fe.n_mels, fe.frames]:
-        raise BundleError(f"{where}: key frontend: it makes [batch, {fe.n_mels}, {fe.frames}], the model's input "
-                          f"{inputs[0].name!r} is {dims}")
+    if dims[1:] != fe.out_dims:
+        raise BundleError(f"{where}: key frontend: it makes [batch, {', '.join(map(str, fe.out_dims))}], the model's "
+                          f"input {inputs[0].name!r} is {dims}")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
-    front = whisper_log_mel_graph(fe, opset=max(opset, 13))
+    front = fe.graph(max(opset, 13))
     front.ir_version = model.ir_version
     # the model's other opset domains (com.microsoft, ...) come along
     for o in model.opset_import:

@@ -42,6 +42,11 @@ class Topics:
         """With many sources (`sources:`), each source's results on its own topic."""
         return self.prefix + f"predictions/{source}"
 
+    def stream_predictions(self, stream: str) -> str:
+        """A sensor stream of its own (a UDP sender, `<source>/<host>:<port>`): its results on its own topic.
+        MQTT's wildcards cannot be in a topic name: a source name holding one has it replaced by '_'."""
+        return self.prefix + "predictions/" + stream.replace("+", "_").replace("#", "_").replace("\0", "_")
+
     def source_health(self, source: str) -> str:
         return self.prefix + f"health/{source}"
 
@@ -97,6 +102,8 @@ class Topics:
             "selftest": "retained JSON: the full self-test report",
             "predictions": "one JSON result per message (QoS 1 by default), or a list when batching (one source)",
             "predictions/<source>": "the same, per source, when the config lists `sources:`",
+            "predictions/<stream>": "the same, per sensor stream of its own (a UDP sender: `<source>/<host>:<port>`,"
+                                    " at most source.max_streams at once), with one source or many",
             "health/<source>": "retained JSON: one listed source's state, counters, frame age and decoder",
             "cmd/<name>": "commands: status, selftest, reload, pause, resume",
             "cmd/<name>/reply": "command replies (MQTT 5 response topic + correlation data are honoured too)",

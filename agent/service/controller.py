@@ -285,7 +285,8 @@ class Controller:
         if self.outbox is not None and self.link is not None:
             topics = self.link.topics
             sinks.append(OutboxSink(self.outbox, topics.predictions, self.cfg.mqtt.qos, self.cfg.mqtt.batch_predictions,
-                                    topic_for=topics.source_predictions if self.cfg.sources else None))
+                                    topic_for=topics.source_predictions if self.cfg.sources else None,
+                                    stream_topic_for=topics.stream_predictions))
         if self.extra_sink is not None:
             sinks.append(self.extra_sink)
         return FanOutSink(*sinks) if sinks else NullSink()

@@ -50,6 +50,7 @@ class StreamSpan:
     step: int  # the frame's hop: the last `step` samples are this window's own (the rest is context)
     sample_rate: float | None = None
     reset: str | None = None
+    sender: str | None = None  # a UDP stream's sender (host:port): a stream of its own within its source
 
     def seconds(self, sample: int) -> float | None:
         return None if not self.sample_rate else round(sample / self.sample_rate, 6)
@@ -66,6 +67,8 @@ class StreamSpan:
             out.update(start_s=self.seconds(self.start), end_s=self.seconds(self.end))
         if self.reset:
             out["reset"] = self.reset
+        if self.sender:  # its results go to their own MQTT topic, predictions/<stream> (agent.serving.sinks)
+            out["sender"] = self.sender
         return out
 
 
@@ -84,12 +87,16 @@ class SensorFrame(Frame):
 class _Stream:
     """One stream's buffer and clock: samples in, windows out, restarts on a gap in stream time."""
 
-    def __init__(self, name: str, frame: FrameSpec, hop: int):
-        self.name, self.frame, self.hop = name, frame, hop
+    def __init__(self, name: str, frame: FrameSpec, hop: int, sender: str | None = None):
+        self.name, self.frame, self.hop, self.sender = name, frame, hop, sender
         self.session = 0
         self.pending = b""
         self.last_arrival = 0.0
         self._restart("start")
+
+    def resume(self, why: str) -> None:
+        """Heard again after it ended (a UDP sender quiet for stream_timeout_s): the next session, saying why."""
+        self.reset = why if self.session > 1 else None
 
     def _restart(self, why: str) -> None:
         self.session += 1
@@ -99,6 +106,7 @@ class _Stream:
         self.due: float | None = None  # wall time the received samples would take to arrive in real time
         self.reset = why if self.session > 1 else None
         self.padded = self.frame.pad == 0
+        self.skip = 0  # samples still to skip before the next window starts (a hop longer than the window)
 
     def end(self, why: str) -> int:
         """The stream ended or restarted: its leftover samples are dropped (never start another's window).
@@ -110,7 +118,7 @@ class _Stream:
             return 0
         # samples no window served: those after the last window's end (its context was served already)
         served_to = self.first - self.hop + self.frame.window if self.windows else 0
-        left = max(0, self.first + len(self.buf) - max(served_to, 0))
+        left = max(0, self.first + len(self.buf) - max(served_to, self.first, 0))
         self._restart(why)
         self.pending = b""
         return left
@@ -126,16 +134,21 @@ class _Stream:
                 gap = arrival - self.last_arrival
             if gap_s is not None and gap > gap_s:
                 dropped = self.end(f"gap of {gap:.3f} s > reset_on_gap_s {gap_s}")
-        if not self.padded:
+        arrived = len(samples)
+        if self.skip:  # between two windows of a hop longer than the window: never served, not leftovers
+            n = min(self.skip, arrived)
+            samples, self.skip = samples[n:], self.skip - n
+        if not self.padded and len(samples):
             fill = np.zeros if self.frame.padding == "zero" else None
             pad = (fill((self.frame.pad, self.frame.channels), np.float32) if fill is not None
                    else np.repeat(samples[:1], self.frame.pad, axis=0))
             self.buf = pad
             self.padded = True
-        self.buf = np.concatenate([self.buf, samples]) if len(self.buf) else samples
+        if len(samples):
+            self.buf = np.concatenate([self.buf, samples]) if len(self.buf) else samples
         self.last_arrival = arrival
         if self.frame.sample_rate:
-            self.due = max(self.due if self.due is not None else arrival, arrival) + len(samples) / self.frame.sample_rate
+            self.due = max(self.due if self.due is not None else arrival, arrival) + arrived / self.frame.sample_rate
         return dropped
 
     def pop(self) -> tuple[np.ndarray, StreamSpan] | None:
@@ -144,7 +157,8 @@ class _Stream:
             return None
         win = self.buf[:w].copy()
         span = StreamSpan(self.name, self.session, self.windows, self.first, self.first + w, self.hop,
-                          self.frame.sample_rate, self.reset)
+                          self.frame.sample_rate, self.reset, self.sender)
+        self.skip = max(0, self.hop - len(self.buf))
         self.buf = self.buf[self.hop:]
         self.first += self.hop
         self.windows += 1
@@ -155,7 +169,7 @@ class _Stream:
 class SensorSource:
     """Sensor windows, each stream on its own: see the module docstring.
 
-    Samples are little-endian `sample_dtype`, channels interleaved. A UDP datagram that is not a whole
+    Samples are little-endian `sample_dtype` (default: the bundle's frame.dtype), channels interleaved. A UDP datagram that is not a whole
     number of samples is malformed: counted and dropped. At most `source.max_streams` UDP senders at once;
     a new sender beyond that is refused (its datagrams are counted and dropped) until one goes quiet for
     `source.stream_timeout_s`. A FIFO whose writer goes away is opened again and waits for the next writer.
@@ -167,7 +181,9 @@ class SensorSource:
         if frame.stateful and cfg.lossless is False:
             raise ConfigError(stateful_lossy_message())
         self.cfg, self.frame = cfg, frame
-        self.dtype = np.dtype(cfg.sample_dtype).newbyteorder("<")
+        # what the feeder sends: the source's sample_dtype, else the bundle's frame.dtype (the model's own
+        # samples; a default of float32 read 16-bit PCM as garbage, two samples to a value)
+        self.dtype = np.dtype(cfg.sample_dtype or frame.dtype).newbyteorder("<")
         self.sample_bytes = self.dtype.itemsize * frame.channels
         self.hop = cfg.hop or frame.step
         self.max_streams = max(1, cfg.max_streams)
@@ -179,6 +195,9 @@ class SensorSource:
         self.fd: int | None = None
         self.fifo = False
         self.streams: OrderedDict[Any, _Stream] = OrderedDict()
+        # senders whose stream timed out, kept (empty) so one heard again goes on with its next session: its
+        # results, state notes and segments never mistake the new stream for the old one (bounded, oldest out)
+        self.quiet: OrderedDict[Any, _Stream] = OrderedDict()
         self.refused = 0             # datagrams of senders beyond max_streams
         self.refused_senders: set[Any] = set()  # bounded by max_streams * 4 (a count, not a list, beyond that)
         self.dropped_samples = 0     # leftovers of streams that ended or restarted
@@ -224,7 +243,12 @@ class SensorSource:
                 log.warning("source.stream_refused", source=self.name, sender=f"{addr[0]}:{addr[1]}",
                             max_streams=self.max_streams, refused=self.refused)
             return None
-        s = _Stream(f"{self.name}/{addr[0]}:{addr[1]}", self.frame, self.hop)
+        s = self.quiet.pop(addr, None)
+        if s is not None:
+            s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
+        else:
+            sender = f"{addr[0]}:{addr[1]}"
+            s = _Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
         self.streams[addr] = s
         self.refused_senders.discard(addr)
         log.info("source.stream_started", source=self.name, stream=s.name, streams=len(self.streams))
@@ -232,9 +256,15 @@ class SensorSource:
 
     def _expire(self, now: float) -> None:
         for addr, s in list(self.streams.items()):
-            if now - s.last_arrival > self.stream_timeout_s:
+            # quiet like a gap, in stream time: beyond the audio the sender already sent (with a sample rate),
+            # so a sender ahead of real time is never quiet between its datagrams
+            since = s.due if s.due is not None else s.last_arrival
+            if now - since > self.stream_timeout_s:
                 del self.streams[addr]
                 self.dropped_samples += s.end("timed out")
+                self.quiet[addr] = s
+                while len(self.quiet) > self.max_streams * 4:
+                    self.quiet.popitem(last=False)
                 log.info("source.stream_ended", source=self.name, stream=s.name, reason="quiet for "
                          f"{self.stream_timeout_s} s")
 

@@ -79,12 +79,18 @@ class NullSink:
 
 class OutboxSink:
     """Predictions into the store-and-forward outbox: one message per result, or `batch` results per
-    message (a JSON list) for high rates. A partial batch is flushed after `max_wait_s` or on close."""
+    message (a JSON list) for high rates. A partial batch is flushed after `max_wait_s` or on close.
+
+    A sensor stream of its own within its source (a UDP sender: `result.stream.sender`) has its own topic,
+    `stream_topic_for(stream)` (predictions/<stream>), with one source or many; at most the source's
+    max_streams such topics are written at once, as at most that many streams are served."""
 
     def __init__(self, outbox: Any, topic: str, qos: int = 1, batch: int = 1, max_wait_s: float = 0.2,
-                 topic_for: Callable[[str], str] | None = None):
+                 topic_for: Callable[[str], str] | None = None,
+                 stream_topic_for: Callable[[str], str] | None = None):
         self.outbox, self.topic, self.qos, self.batch, self.max_wait_s = outbox, topic, qos, max(batch, 1), max_wait_s
         self.topic_for = topic_for  # many sources: the topic of a result's source (predictions/<source>)
+        self.stream_topic_for = stream_topic_for
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._since = 0.0
 
@@ -94,7 +100,7 @@ class OutboxSink:
     def write_encoded(self, result: dict[str, Any], payload: bytes | None) -> None:
         import time
 
-        topic = self.topic if self.topic_for is None else self.topic_for(str(result.get("source")))
+        topic = self._topic(result)
         if self.batch == 1:
             self.outbox.put(topic, encode_json(result) if payload is None else payload, self.qos)
             return
@@ -105,6 +111,12 @@ class OutboxSink:
         if len(pending) >= self.batch or time.monotonic() - self._since >= self.max_wait_s:
             self._flush()
 
+    def _topic(self, result: dict[str, Any]) -> str:
+        source = str(result.get("source"))  # a sensor window's source is its stream's name
+        if self.stream_topic_for is not None and _own_stream(result):
+            return self.stream_topic_for(source)
+        return self.topic if self.topic_for is None else self.topic_for(source)
+
     def _flush(self) -> None:
         for topic, pending in self._pending.items():
             if pending:
@@ -113,3 +125,10 @@ class OutboxSink:
 
     def close(self) -> None:
         self._flush()
+
+
+def _own_stream(result: dict[str, Any]) -> bool:
+    """A result of a sensor stream of its own within its source (a UDP sender), not the source itself."""
+    inner = result.get("result")
+    stream = inner.get("stream") if isinstance(inner, dict) else None
+    return isinstance(stream, dict) and bool(stream.get("sender"))

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from agent.errors import BundleError
 from agent.spec.manifest import DecisionSpec, EventSpec, PostprocessSpec
 
 Outputs = Mapping[str, np.ndarray]
@@ -40,6 +41,10 @@ def decide(spec: PostprocessSpec, outputs: Outputs) -> Decision:
     a = np.asarray(outputs[decision_output(spec, outputs)], dtype=np.float64)
     vec = a.reshape(-1, a.shape[-1])[0] if a.ndim else a.reshape(1)
     if d.rule == "threshold":
+        if d.channel >= vec.size:  # a last dim the model leaves dynamic and this frame made smaller
+            raise BundleError(f"key postprocess.decision.channel: {d.channel} is beyond the {vec.size} values of "
+                              f"{decision_output(spec, outputs)!r} in this frame's output {list(a.shape)}: choose a "
+                              "channel the output always has")
         v = float(vec[d.channel])
         cid = int(v >= d.threshold)  # NaN decides 0: never an event
         return Decision(cid, d.label(cid) if d.labels else str(cid), v)

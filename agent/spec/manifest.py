@@ -85,6 +85,8 @@ SENSOR_TIME_KEYS = ("window_s", "hop_s")
 def frame_from_dict(d: Mapping[str, Any], inputs: tuple["ExtraInput", ...] = (), where: str = MANIFEST_NAME) -> FrameSpec:
     """The `frame` block, with windows, hops and padding given in seconds turned into samples."""
     f = dict(d)
+    if f.get("kind") == "sensor":  # the schema's default for samples (FrameSpec's own is an image's uint8)
+        f.setdefault("dtype", "float32")
     rate = f.get("sample_rate")
     for key in SENSOR_TIME_KEYS:
         if key in f:
@@ -98,6 +100,9 @@ def frame_from_dict(d: Mapping[str, Any], inputs: tuple["ExtraInput", ...] = (),
     if isinstance(f.get("padding"), Mapping):
         pad = dict(f.pop("padding"))
         f["padding"] = pad.get("mode", "zero")
+        if ("seconds" in pad) == ("samples" in pad):  # neither: a declared padding of nothing; both: which?
+            raise BundleError(f"{where}: key input.frame.padding: give samples or seconds (one of them), found "
+                              f"{sorted(k for k in pad if k != 'mode') or 'neither'}")
         if "seconds" in pad:
             if not rate:
                 raise BundleError(f"{where}: key input.frame.padding.seconds: a time in seconds needs frame.sample_rate")

@@ -1,0 +1,139 @@
+"""The kaldi-style fbank front-end (with LFR and CMVN) compiled to ONNX, judged against a package.
+
+The fbank is judged against kaldi-native-fbank 1.22's own OnlineFbank (the front-end sherpa-onnx and
+FunASR runtimes use; its defaults with dither 0). LFR and CMVN have no package here that runs them on
+their own (FunASR needs torch and its models), so they are judged by numpy written from FunASR's
+definitions (funasr/frontends/wav_frontend.py apply_lfr / apply_cmvn), applied to the package's fbank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+knf = pytest.importorskip("kaldi_native_fbank")
+
+FBANK_BOUND = 1e-3  # declared: max |graph - kaldi-native-fbank| in log-energy units (values about -15 .. 30)
+
+
+def _audio(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(n) / 16000.0
+    return (np.sin(2 * np.pi * (200 + 3000 * t) * t) * rng.uniform(0.1, 0.8)
+            + rng.normal(0, 0.05, n)).astype(np.float32)
+
+
+def _package_fbank(x: np.ndarray, scale: float, n_mels: int = 80) -> np.ndarray:
+    o = knf.FbankOptions()
+    o.frame_opts.dither = 0
+    o.frame_opts.samp_freq = 16000
+    o.frame_opts.snip_edges = True
+    o.mel_opts.num_bins = n_mels
+    f = knf.OnlineFbank(o)
+    f.accept_waveform(16000, (x.astype(np.float64) * scale).tolist())
+    f.input_finished()
+    return np.array([f.get_frame(i) for i in range(f.num_frames_ready)], np.float32)
+
+
+def _funasr_lfr(inputs: np.ndarray, lfr_m: int, lfr_n: int) -> np.ndarray:
+    """FunASR's apply_lfr, as written there."""
+    out = []
+    t = inputs.shape[0]
+    t_lfr = int(np.ceil(t / lfr_n))
+    left = np.tile(inputs[0], ((lfr_m - 1) // 2, 1))
+    inputs = np.vstack((left, inputs))
+    t = t + (lfr_m - 1) // 2
+    for i in range(t_lfr):
+        if lfr_m <= t - i * lfr_n:
+            out.append(inputs[i * lfr_n:i * lfr_n + lfr_m].reshape(1, -1))
+        else:
+            frame = inputs[i * lfr_n:].reshape(-1)
+            for _ in range(lfr_m - (t - i * lfr_n)):
+                frame = np.hstack((frame, inputs[-1]))
+            out.append(frame.reshape(1, -1))
+    return np.vstack(out).astype(np.float32)
+
+
+def _run(fe: object, audio: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    from agent.bundle.frontends import kaldi_fbank_graph
+
+    sess = ort.InferenceSession(kaldi_fbank_graph(fe).SerializeToString(),  # type: ignore[arg-type]
+                                providers=["CPUExecutionProvider"])
+    return sess.run(None, {"audio": audio})[0]
+
+
+@pytest.mark.parametrize("samples, scale", [(16000, 1.0), (16000, 32768.0), (8000, 32768.0)])
+def test_the_fbank_graph_equals_kaldi_native_fbank(samples: int, scale: float) -> None:
+    from agent.bundle.frontends import KaldiFbank
+
+    audio = np.stack([_audio(samples, 1), _audio(samples, 2)])
+    got = _run(KaldiFbank(samples=samples, input_scale=scale), audio)
+    for b in range(2):
+        want = _package_fbank(audio[b], scale)
+        assert got[b].shape == want.shape == (1 + (samples - 400) // 160, 80)
+        assert float(np.max(np.abs(got[b] - want))) <= FBANK_BOUND
+
+
+def test_lfr_and_cmvn_equal_funasrs_definitions_on_the_packages_fbank() -> None:
+    from agent.bundle.frontends import KaldiFbank
+
+    rng = np.random.default_rng(3)
+    shift, scale = rng.normal(-10, 2, 560), rng.uniform(0.1, 0.5, 560)
+    for samples in (16000, 16160, 9000):  # 98, 99 and 54 fbank frames: every edge of LFR's last frame
+        audio = _audio(samples, 4)[None]
+        fe = KaldiFbank(samples=samples, input_scale=32768.0, lfr_m=7, lfr_n=6, cmvn_shift=tuple(shift),
+                        cmvn_scale=tuple(scale))
+        got = _run(fe, audio)[0]
+        want = (_funasr_lfr(_package_fbank(audio[0], 32768.0), 7, 6) + shift) * scale
+        assert got.shape == want.shape == (fe.frames, 560)
+        assert float(np.max(np.abs(got - want))) <= FBANK_BOUND * float(np.max(scale)) + 1e-5
+
+
+def test_a_bad_fbank_block_is_refused_naming_the_key(tmp_path: Path) -> None:
+    from agent.bundle.frontends import frontend_from_dict
+    from agent.errors import BundleError
+
+    with pytest.raises(BundleError, match="key frontend: cmvn_shift has 80 values, the features have 560"):
+        frontend_from_dict({"type": "kaldi_fbank", "samples": 16000, "lfr_m": 7, "lfr_n": 6,
+                            "cmvn_shift": [0.0] * 80}, "spec.yaml")
+
+
+def test_a_bundle_with_the_fbank_front_end_takes_raw_samples(tmp_path: Path) -> None:
+    import onnx
+    import onnxruntime as ort
+    import yaml
+    from onnx import TensorProto, helper
+
+    from agent.bundle.create import CreateOptions, create_bundle
+    from agent.bundle.frontends import KaldiFbank
+
+    samples = 8000
+    fe = KaldiFbank(samples=samples, input_scale=32768.0, lfr_m=7, lfr_n=6)
+    frames, dim = fe.out_dims
+    # a model over the features: the mean of each LFR feature over the frames
+    g = helper.make_graph([helper.make_node("ReduceMean", ["feats"], ["y"], axes=[1], keepdims=0)], "m",
+                          [helper.make_tensor_value_info("feats", TensorProto.FLOAT, ["batch", frames, dim])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dim])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    audio = np.stack([_audio(samples, s) for s in range(6)])
+    np.savez(tmp_path / "calib.npz", raw=audio[:, :, None])
+    np.savez(tmp_path / "golden.npz", raw=audio[:3, :, None])
+    spec = {"name": "fbank-mean", "version": 1, "label": "0.1.0", "task": "raw",
+            "frontend": {"type": "kaldi_fbank", "samples": samples, "input_scale": 32768.0, "lfr_m": 7, "lfr_n": 6},
+            "frame": {"kind": "sensor", "window": samples, "channels": 1, "dtype": "float32", "sample_rate": 16000},
+            "preprocess": {"layout": "nw", "dtype": "float32"},
+            "postprocess": {"type": "raw", "outputs": ["y"], "max_values": 4}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    bundle = create_bundle(CreateOptions(model=tmp_path / "m.onnx", spec=tmp_path / "spec.yaml",
+                                         calibration=tmp_path / "calib.npz", golden=tmp_path / "golden.npz",
+                                         out=tmp_path / "bundle", int8=False))
+    manifest = yaml.safe_load((bundle / "bundle.yaml").read_text())
+    assert manifest["input"]["shape"] == ["batch", samples]
+    sess = ort.InferenceSession(str(bundle / "model_fp32.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: audio[:3]})[0]
+    want = np.stack([_funasr_lfr(_package_fbank(a, 32768.0), 7, 6).mean(axis=0) for a in audio[:3]])
+    assert float(np.max(np.abs(got - want))) <= FBANK_BOUND

@@ -1,0 +1,70 @@
+"""Each UDP sender's results on its own MQTT topic, predictions/<stream> (issue 22: per-stream topics).
+
+A real agent process serving a sensor bundle from one UDP source, a real Mosquitto broker, two real
+senders: each sender's windows land on predictions/<source>/<host>:<port>, none on the shared topic
+(before: every stream's results went to predictions, told apart only inside the payload).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from brokers import MOSQUITTO, free_port
+from waiting import end_process, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.slow,  # a real agent process and a real broker: about 10 s
+              pytest.mark.skipif(not Path(MOSQUITTO).exists(), reason="mosquitto is not installed")]
+
+
+def test_each_udp_sender_publishes_on_its_own_predictions_topic(tiny_sensor_bundle: Path, tmp_path: Path) -> None:
+    from brokers import Broker, Collector
+
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, ["edge/dev-s/#"])
+    port = free_port()
+    proc = None
+    senders = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+    try:
+        cfg = {"device_id": "dev-s", "state_dir": str(tmp_path / "state"), "bundle": str(tiny_sensor_bundle),
+               "output": {"health_interval_s": 0.3, "stdout": False},
+               "mqtt": {"enabled": True, "port": broker.port, "keepalive": 5, "reconnect_min_s": 1,
+                        "reconnect_max_s": 1},
+               "source": {"type": "udp", "host": "127.0.0.1", "port": port}}
+        (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+        proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config",
+                                 str(tmp_path / "agent.yaml")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        assert col.wait(lambda: col.on("edge/dev-s/health"), 90), "the agent never published health"
+        for s in senders:
+            s.bind(("127.0.0.1", 0))
+        topics = {f"edge/dev-s/predictions/udp:127.0.0.1:{port}/127.0.0.1:{s.getsockname()[1]}": s for s in senders}
+        window = np.random.default_rng(3).normal(0, 1, (64, 3)).astype("<f4").tobytes()
+
+        def served() -> bool:  # keep sending (UDP before the socket binds is lost) until both topics hold 3
+            for s in senders:
+                s.sendto(window, ("127.0.0.1", port))
+            return all(len(col.on(t)) >= 3 for t in topics)
+
+        assert wait_until(served, 60, interval=0.1), {t: len(col.on(t)) for t in topics}
+        for t, s in topics.items():
+            got = [json.loads(m.payload) for m in col.on(t)]
+            name = t[len("edge/dev-s/predictions/"):]
+            assert {r["source"] for r in got} == {name}
+            assert {r["result"]["stream"]["sender"] for r in got} == {f"127.0.0.1:{s.getsockname()[1]}"}
+        assert not col.on("edge/dev-s/predictions")
+    finally:
+        for s in senders:
+            s.close()
+        col.close()
+        end_process(proc)
+        broker.stop()
