@@ -19,7 +19,7 @@ CACHE=${EDGE_AGENT_CACHE:-$HOME/.cache/edge-agent}
 PY=${PYTHON:-python3}
 QUICK=${EDGE_AGENT_QUICK:-0}
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
-COMMON_DEPS="numpy opencv-python-headless av paho-mqtt pyyaml structlog jsonschema cryptography urllib3 pytest pytest-xdist onnx sympy pillow matplotlib jinja2 prometheus-client orjson"
+COMMON_DEPS="numpy opencv-python-headless av paho-mqtt pyyaml structlog jsonschema cryptography urllib3 pytest pytest-xdist onnx sympy pillow matplotlib jinja2 prometheus-client orjson kaldi-native-fbank"
 CHECK_DEPS="mypy ruff types-PyYAML"
 export PYTHONPATH=$ROOT PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$CACHE"
