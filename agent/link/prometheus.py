@@ -168,7 +168,10 @@ class _Collector:
 
     def collect(self) -> Iterator[Any]:
         try:
-            health = self.source.health()
+            # the controller's last published health document, never its live state read from this HTTP
+            # thread (a source without snapshots, e.g. a test's, is asked for its health)
+            snapshot = getattr(self.source, "health_snapshot", None)
+            health = snapshot() if snapshot is not None else self.source.health()
             getter = getattr(self.source, "pipeline_metrics", None)
             pipeline = getter() if getter is not None else getattr(getattr(self.source, "pipeline", None), "metrics", None)
         except Exception as exc:  # a scrape must not take the agent down; the failure is counted by the scraper

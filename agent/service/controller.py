@@ -423,6 +423,15 @@ class Controller:
             w.finish()
 
     # -- health ----------------------------------------------------------------------------------------
+    def health_snapshot(self) -> dict[str, Any]:
+        """What /metrics reads, on its HTTP thread: the health document the controller last published (every
+        output.health_interval_s and on every change), never live engine, pipeline or outbox state."""
+        doc = self._last_health
+        if doc is None:  # before the first publish: say so rather than read live state from another thread
+            return {"device_id": self.cfg.device_id, "serving": False, "not_serving_reason": "starting",
+                    "uptime_s": round(time.monotonic() - self.started, 1)}
+        return doc
+
     def pipeline_metrics(self) -> Any:
         """The live pipeline's histograms for /metrics (None while nothing serves)."""
         return self.pipeline.metrics if self.pipeline is not None else None
