@@ -252,6 +252,9 @@ class SimDevice:
         self.update_commands = 0
         self.rollback_commands = 0
         self.crashed = threading.Event()
+        # facts are built and queued under one lock: built on the loop thread (connect) and on worker threads
+        # (switch, verdict), an older document queued after a newer one would be the retained one
+        self._facts_lock = threading.Lock()
         self.last_update: dict[str, Any] | None = None
         self.last_failure: dict[str, Any] | None = None
         self.store = BundleStore(fleet.state_root / device_id / "store")
@@ -311,7 +314,8 @@ class SimDevice:
                             committed=self.store.committed_id, active=None, last_failure=self.last_failure)
 
     def publish_facts(self) -> None:
-        self.client.publish(self.topics.facts, json.dumps(self.facts()), qos=1, retain=True)
+        with self._facts_lock:
+            self.client.publish(self.topics.facts, json.dumps(self.facts()), qos=1, retain=True)
 
     def _publish_update(self, doc: dict[str, Any]) -> None:
         if self.crashed.is_set():
