@@ -619,11 +619,12 @@ def watch_inbox(updater: Updater, stop: threading.Event, period_s: float = 1.0) 
                 if _identity(entry) == unfiled[entry.name]:
                     continue
                 del unfiled[entry.name]
-            try:
+            seen = _identity(entry)  # before it is handled: the verdict goes out before a failed move, and the
+            try:                     # name may hold a new file by the time the failure is caught
                 inbox_entry(updater, inbox, entry)
             except Exception:  # one bad entry never ends the watcher
                 log.exception("inbox.entry_failed", entry=entry.name[:200])
-                unfiled[entry.name] = _identity(entry)
+                unfiled[entry.name] = seen
 
 
 def _identity(entry: Path) -> tuple[int, ...]:
