@@ -22,13 +22,15 @@ from pathlib import Path
 from agent.service.serving_ledger import ServingWatch
 w = ServingWatch(Path(sys.argv[1]), "sha", sys.argv[2])
 w.opened()
+if len(sys.argv) < 4:
+    w.before()  # an inference of the candidate runs (until told)
 print(w.path, flush=True)
 sys.stdin.readline()  # serving, within its first inferences, until told
 """
 
 
-def _holder(d: Path) -> tuple[subprocess.Popen, Path]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(d), INT8], cwd=ROOT, stdin=subprocess.PIPE,
+def _holder(d: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(d), INT8, *extra], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
@@ -73,3 +75,16 @@ def test_a_swap_ends_the_old_sessions_marker_so_a_crash_opening_the_new_one_cost
     new = serving_ledger.ServingWatch(d, "sha-v2", INT8)  # the swap's new session, opening
     assert [p.name for p in d.glob("serving-*.json")] == [new.path.name]
     assert not old.path.exists() and old.active is False
+
+
+def test_a_serving_process_killed_between_inferences_is_not_charged_to_its_candidate(tmp_path: Path) -> None:
+    """A hung camera's watchdog abort (or an operator's SIGKILL between frames) killed a process that ran
+    none of the candidate's work: it was charged to the candidate, and after two such kills under systemd
+    nothing served (found by the systemd-nspawn test)."""
+    d = tmp_path / "selftest"
+    d.mkdir()
+    proc, marker = _holder(d, "idle")
+    proc.kill()
+    proc.wait()
+    assert serving_ledger.recover(d, CrashLedger(d)) == []
+    assert not (d / "crashes.json").exists() and not list(d.glob("serving-*"))

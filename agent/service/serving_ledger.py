@@ -78,6 +78,7 @@ def _unlink(path: Path, lock_fd: int | None = None, late: dict[str, Any] | None 
     try:
         path.unlink(missing_ok=True)
         path.with_suffix(".lock").unlink(missing_ok=True)
+        path.with_suffix(".inflight").unlink(missing_ok=True)
         if late and late.get("key"):  # it served past its first inferences and ended cleanly: no suspect
             doc = _suspects(path.parent)
             if doc.pop(late["key"], None) is not None:
@@ -167,6 +168,17 @@ class ServingWatch:
             for old in list(_serving):
                 old.end()
             _serving.add(self)
+        # One byte beside the marker, rewritten in place (no fsync: it must survive a process's death, not a
+        # power cut): 1 while the session opens or an inference runs, 0 between them. A process killed
+        # while nothing of the candidate ran (a hung camera's watchdog abort, an operator's SIGKILL between
+        # frames) did not die of the candidate and is not charged to it.
+        self._inflight = 0
+        self._flight_fd: int | None = None
+        try:
+            self._flight_fd = os.open(self.path.with_suffix(".inflight"), os.O_RDWR | os.O_CREAT, 0o600)
+            os.pwrite(self._flight_fd, b"1", 0)
+        except OSError:
+            self._flight_fd = None  # no byte: a death under the marker is charged as before
         self._write("opening the serving session")
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
         inject_fault(f"{fault}:{candidate}#0", self.faults)
@@ -181,15 +193,31 @@ class ServingWatch:
         self.active = False
         _serving.discard(self)
         self._finalizer()
+        if self._flight_fd is not None:
+            fd, self._flight_fd = self._flight_fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _flight(self, running: bool) -> None:
+        if self._flight_fd is not None:
+            try:
+                os.pwrite(self._flight_fd, b"1" if running else b"0", 0)
+            except OSError:
+                pass
 
     def opened(self) -> None:
         """The session is open: the marker now covers its first inferences."""
         self._write(f"first {self.runs} inferences")
+        self._flight(False)
 
     def before(self) -> None:
-        if not self.active and not self.faults:
-            return
-        with self._lock:
+        with self._lock:  # the byte says whether any inference runs (several workers share the session)
+            self._inflight += 1
+            self._flight(True)
+            if not self.active and not self.faults:
+                return
             self._started += 1
             n = self._started
         if self.faults:
@@ -198,6 +226,10 @@ class ServingWatch:
     def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
         if self._drift is not None and self._started >= self._drift[0]:
             outputs = {k: v * np.float32(self._drift[1]) if v.dtype.kind == "f" else v for k, v in outputs.items()}
+        with self._lock:
+            self._inflight = max(self._inflight - 1, 0)
+            if self._inflight == 0:
+                self._flight(False)
         if not self.active:
             return outputs
         with self._lock:
@@ -226,9 +258,20 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
             log.info("serving.marker_live", marker=path.name, candidate=doc.get("candidate") if isinstance(doc, dict) else None,
                      reason="another live process on this state dir holds it: not a crash")
             continue
+        flight = path.with_suffix(".inflight")
+        try:
+            idle = flight.read_bytes()[:1] == b"0"
+        except OSError:
+            idle = False  # no byte (an older marker, or it could not be written): charged as before
         path.unlink(missing_ok=True)
         path.with_suffix(".lock").unlink(missing_ok=True)
+        flight.unlink(missing_ok=True)
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
+            continue
+        if idle:
+            log.warning("serving.death_between_inferences", candidate=doc["candidate"], phase=doc.get("phase"),
+                        reason="the serving process died while none of the candidate's work ran (a watchdog "
+                               "abort, a kill): not charged to the candidate")
             continue
         step = str(doc.get("step") or f"candidate:{doc['candidate']}")
         if doc.get("late"):
