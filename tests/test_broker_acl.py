@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from agentproc import AgentProcess, demo_config
 from brokers import MOSQUITTO, Broker, Collector
-from waiting import end_process
 
 ROOT = Path(__file__).resolve().parents[1]
 ACL = ROOT / "examples" / "mosquitto" / "acl"
@@ -49,24 +47,23 @@ def attempt(col: Collector, topic: str, payload: bytes) -> None:
         pass
 
 
+def device_b(tmp: Path, port: int) -> AgentProcess:
+    """The demo agent as dev-b, logged in with dev-b's account (output to its log file only)."""
+    cfg = demo_config(tmp, port=port, device_id="dev-b", source={"max_fps": 20},
+                      output={"stdout": False, "health_interval_s": 0.5})
+    cfg["mqtt"].update(username="dev-b", password=USERS["dev-b"])
+    return AgentProcess(tmp, cfg).start()
+
+
 def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: Path) -> None:
     broker = AclBroker(tmp_path / "broker").start()
-    cfg = {"device_id": "dev-b", "state_dir": str(tmp_path / "state"),
-           "bundle": str(ROOT / "models" / "digits-classifier"),
-           "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                      "max_fps": 20},
-           "output": {"stdout": False, "health_interval_s": 0.5},
-           "mqtt": {"enabled": True, "port": broker.port, "username": "dev-b", "password": USERS["dev-b"],
-                    "reconnect_min_s": 1, "reconnect_max_s": 1}}
-    (tmp_path / "b.yaml").write_text(yaml.safe_dump(cfg))
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "b.yaml")],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "w"))
+    agent = device_b(tmp_path, broker.port)
     operator = Collector(broker.port, ["edge/#"], username="operator", password=USERS["operator"])
     # dev-a, a device with a valid account, tries to listen to dev-b's commands and to pause it
     rogue = Collector(broker.port, ["edge/dev-b/cmd/#", "edge/dev-b/#", "edge/dev-a/cmd/+"], username="dev-a", password=USERS["dev-a"])
     try:
         health = lambda: [json.loads(m.payload) for m in operator.on("edge/dev-b/health")]  # noqa: E731
-        assert operator.wait(lambda: any(h["serving"] for h in health()), 90), (tmp_path / "agent.log").read_text()[-2000:]
+        assert operator.wait(lambda: any(h["serving"] for h in health()), 90), agent.log_text()[-2000:]
         assert rogue.wait(lambda: rogue.connects >= 1, 30)
         attempt(rogue, "edge/dev-b/cmd/pause", b"{}")
         attempt(rogue, "edge/dev-b/bundle/offer", b'{"transfer": "x"}')
@@ -94,7 +91,7 @@ def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: P
         assert operator.wait(lambda: operator.on("edge/dev-b/witness"), 30)
         assert not any(h.get("forged") for h in health()[n:])
     finally:
-        end_process(agent)
+        agent.stop()
         operator.close()
         rogue.close()
         broker.stop()

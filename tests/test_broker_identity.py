@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-import yaml
 
 from brokers import MOSQUITTO, Collector
-from test_broker_acl import USERS, AclBroker
-from waiting import end_process
+from test_broker_acl import USERS, AclBroker, device_b
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "examples" / "mosquitto" / "mosquitto.conf"
@@ -48,21 +44,12 @@ def test_shipped_config_ties_the_client_id_to_the_user_name() -> None:
 
 def test_a_device_cannot_take_over_another_devices_client_id(tmp_path: Path) -> None:
     broker = ShippedIdentityBroker(tmp_path / "broker").start()
-    cfg = {"device_id": "dev-b", "state_dir": str(tmp_path / "state"),
-           "bundle": str(ROOT / "models" / "digits-classifier"),
-           "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                      "max_fps": 20},
-           "output": {"stdout": False, "health_interval_s": 0.5},
-           "mqtt": {"enabled": True, "port": broker.port, "username": "dev-b", "password": USERS["dev-b"],
-                    "reconnect_min_s": 1, "reconnect_max_s": 1}}
-    (tmp_path / "b.yaml").write_text(yaml.safe_dump(cfg))
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "b.yaml")],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "w"))
+    agent = device_b(tmp_path, broker.port)
     operator = Collector(broker.port, ["edge/dev-b/#"], username="operator", password=USERS["operator"])
     avail = lambda: [json.loads(m.payload) for m in operator.on("edge/dev-b/availability")]  # noqa: E731
     try:
         assert operator.wait(lambda: any(a["state"] == "online" for a in avail()), 90), \
-            (tmp_path / "agent.log").read_text()[-2000:]
+            agent.log_text()[-2000:]
         before = avail()[-1]["session"]
         for i in range(10):  # dev-a's valid account under dev-b's predictable client id
             rogue = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="edge-agent-dev-b", protocol=paho.MQTTv5)
@@ -82,6 +69,6 @@ def test_a_device_cannot_take_over_another_devices_client_id(tmp_path: Path) -> 
         assert all(s != "offline" for s, _ in states), states
         assert avail()[-1]["session"] == before, f"dev-b reconnected: {states}"
     finally:
-        end_process(agent)
+        agent.stop()
         operator.close()
         broker.stop()
