@@ -290,7 +290,9 @@ def test_an_agent_with_one_stuck_camera_keeps_pinging_the_watchdog_and_stops_pro
         pings = [float(m["_t"]) for m in rx.with_key("WATCHDOG") if float(m["_t"]) > stuck_at]
         assert len(pings) >= 4, pings  # every 0.5 s, for 3 s after the camera was found stuck
         assert not any(m.get("STATUS", "").startswith("STALLED") for m in rx.messages)
-        assert [e["source"] for e in events("source.stuck")] == ["cam"]
+        # only the silent camera is ever stuck; under load its first five frames may come slowly enough to
+        # open (and close) an earlier episode, so the episodes are counted per source, not as one event
+        assert {e["source"] for e in events("source.stuck")} == {"cam"}
         health = [e for e in events("health") if e.get("sources")][-1]["sources"]
         assert health["cam"]["state"] == "stuck" and health["door"]["state"] == "open"
         t0 = time.monotonic()
