@@ -18,7 +18,9 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, lengths_agree, setting
-from agent.results.floors import Figures, count_mismatch, json_figures, merge_floors, over, sample_list, under
+from agent.results.floors import (
+    Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
+)
 from agent.spec.decoders import iou
 
 NAME = "boxes"
@@ -37,6 +39,11 @@ DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({
     "max_keypoint_error": 0.05,  # distance / the package box's diagonal
 })
 READS: tuple[str, ...] = ("boxes", "detection")
+# postprocess.result keys this kind reads besides its fields (and `kind`)
+OPTIONS: Mapping[str, str] = MappingProxyType({
+    "score_threshold": "rows scoring under it are no box (a padded fixed-size output); default: every row",
+    "max_detections": "at most this many boxes, best first; default: all",
+})
 
 
 @dataclass(frozen=True)
@@ -189,8 +196,9 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     score_diffs: list[tuple[float, int, str]] = []
     kp_errors: list[tuple[float, int, str]] = []
     kp_findings: list[Finding] = []
-    for i, (s_raw, a_raw) in enumerate(zip(served, answers)):
-        got, want = normalise(s_raw).boxes, normalise(a_raw).boxes
+    values, unreadable = read_pairs(NAME, normalise, served, answers, stage)
+    for i, s_value, a_value in values:
+        got, want = s_value.boxes, a_value.boxes
         pairs = match(got, want, f["match_iou"])
         samples.append(_Sample(i, len(want), len(got), len(pairs)))
         for a, s, v in pairs:
@@ -201,7 +209,8 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
                 d = float("inf") if ps.score is None else abs(ps.score - pa.score)
                 score_diffs.append((d, i, f"{which}: served score {ps.score}, package {pa.score:.6g}"))
             kp_findings += _keypoint_errors(pa, ps, i, a, kp_errors, stage)
-    return _judge(samples, ious, score_diffs, kp_errors, kp_findings, f, stage)
+    figures, findings = _judge(samples, ious, score_diffs, kp_errors, kp_findings, f, stage)
+    return figures, unreadable + findings
 
 
 def _keypoint_errors(pa: Box, ps: Box, sample: int, a: int, errors: list[tuple[float, int, str]],
