@@ -147,6 +147,8 @@ def normalise(result: Mapping[str, Any]) -> Boxes:
 def _keypoint(p: Any, where: str) -> tuple[float, ...]:
     if not isinstance(p, list) or len(p) not in (2, 3):
         raise BundleError(f"field {where}: [x, y] or [x, y, v] wanted, found {p!r}")
+    if all(type(v) is float for v in p) and all(map(math.isfinite, p)):
+        return tuple(p)
     return tuple(parse.finite(v, f"{where}[{j}]") for j, v in enumerate(p))
 
 
@@ -157,7 +159,7 @@ def match(served: Sequence[Box], package: Sequence[Box], min_iou: float) -> list
     if not served or not package:
         return []
     m = iou(np.asarray([b.box for b in package], np.float64), np.asarray([b.box for b in served], np.float64))
-    same = np.asarray([[p.class_id == s.class_id for s in served] for p in package])
+    same = np.asarray([p.class_id for p in package])[:, None] == np.asarray([s.class_id for s in served])[None, :]
     m = np.where(same, m, -1.0)
     pairs = [(float(m[a, s]), a, s) for a, s in zip(*np.nonzero(m >= min_iou))]
     pairs.sort(key=lambda t: (-t[0], t[1], t[2]))

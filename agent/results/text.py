@@ -131,7 +131,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
         s, a = s_value.text, a_value.text
         d = edit_distance(s, a)
         edits, chars = edits + d, chars + len(a)
-        per[i] = d / max(len(a), 1)
+        per[i] = cer(s, a)
         texts[i] = (s, a)
         if s != a:
             wrong.append(i)
