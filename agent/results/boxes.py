@@ -190,7 +190,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     max_keypoint_error, keypoints_judged, keypoints_over_floor, worst_sample (the lowest
     min(recall, precision) of one sample, ties to the lowest matched IoU)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     samples: list[_Sample] = []

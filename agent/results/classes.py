@@ -96,7 +96,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: top1_agreement, top1_flips, top1_counted, top1_ignored_negligible_margin, top1_wilson_high,
     max_score_diff, scores_over_tolerance, worst_sample (the first flip, else the largest score difference)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     flips: list[int] = []

@@ -40,8 +40,17 @@ def over(metric: str, value: float, bound: float, stage: str, sample: int | None
     return Finding("fidelity", metric, float(value), float(bound), stage, sample, detail, "over")
 
 
-def count_mismatch(kind: str, served: Sequence[object], answers: Sequence[object], stage: str) -> Finding | None:
-    """Served results and answers must pair up one per sample."""
+def count_mismatch(kind: str, served: Sequence[object], answers: Sequence[Mapping[str, Any]], stage: str,
+                   normalise: Callable[[Mapping[str, Any]], object] | None = None) -> Finding | None:
+    """Served results and answers must pair up one per sample. With `normalise`, every package answer is read
+    first, whatever the counts: a malformed answer is the caller's error, named, never a quiet mismatch."""
+    for i, a in enumerate(answers):
+        if normalise is None:
+            break
+        try:
+            normalise(a)
+        except BundleError as exc:
+            raise BundleError(f"package answer for sample {i}: {exc}") from exc
     if len(served) == len(answers):
         return None
     return Finding("fidelity", f"{kind} results paired with package answers", float(len(served)),

@@ -178,7 +178,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: mean_iou (reported, never judged), min_iou, worst_sample, samples_under_floor, both_empty
     (samples where both masks are empty, counted as IoU 1.0), size_mismatches, warnings (list of str)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None, "warnings": []}, [mismatch]
     ious: dict[int, float] = {}  # by sample index

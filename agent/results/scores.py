@@ -100,7 +100,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: decision_agreement (share of samples), disagreements, max_score_diff, scores_over_tolerance
     (values), worst_sample (the first disagreeing sample, else the largest score difference)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     disagree: list[int] = []

@@ -119,7 +119,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: exact_match (share of samples), cer (edits / characters, pooled over samples), max_sample_cer,
     mismatched, worst_sample (the highest CER of one sample)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     edits = chars = 0
