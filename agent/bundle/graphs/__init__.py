@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.bundle.graphs import post_priors, post_scores, post_yolox, pre_image
+from agent.bundle.graphs import post_ctc, post_mask, post_priors, post_scores, post_yolox, pre_image
 from agent.bundle.graphs.params import Param, resolve
 from agent.errors import UsageError
 
@@ -59,6 +59,8 @@ RECIPES: dict[str, Recipe] = {
     **_family(post_priors, {
         "post.priors": "SSD/RetinaFace priors with variances, landmarks, NMS -> boxes, scores, keypoints",
     }),
+    **_family(post_ctc, {"post.ctc": "CTC greedy decode: argmax, repeats collapsed -> tokens, token_scores"}),
+    **_family(post_mask, {"post.saliency": "per-image min-max map resized through geometry to frame size -> mask"}),
 }
 
 
