@@ -279,3 +279,16 @@ def test_stretch_recipe_reproduces_the_demo_bundles_declarative_preprocessing() 
         assert np.abs(x - want).max() <= 1 / 255 / 0.25 + 1e-5
         assert np.mean(np.abs(x - want) < 1e-5) > 0.8
         np.testing.assert_allclose(geometry, [g.scale_x, g.scale_y, g.pad_x, g.pad_y, g.crop_x, g.crop_y], rtol=1e-6)
+
+
+@pytest.mark.parametrize("hw", [(100, 200), (150, 90)])
+def test_per_image_statistics_cover_the_image_never_the_padding(hw: tuple[int, int]) -> None:
+    frame = np.random.default_rng(hw[0]).integers(50, 151, (*hw, 3)).astype(np.uint8)
+    x, geometry = run(session("pre.letterbox", width=128, height=128, normalize="minmax", pad_value=0,
+                              interpolation="nearest"), frame)
+    img = x[0].transpose(1, 2, 0)
+    s, pad_x, pad_y = float(geometry[0]), int(geometry[2]), int(geometry[3])
+    inner = img[pad_y:pad_y + round(hw[0] * s), pad_x:pad_x + round(hw[1] * s)]
+    lo, hi = float(frame.min()), float(frame.max())  # nearest keeps the frame's own levels
+    assert inner.min() == pytest.approx(0.0, abs=1e-6) and inner.max() == pytest.approx(1.0, abs=1e-6)
+    assert img.min() == pytest.approx((0 - lo) / (hi - lo), abs=1e-6)  # the pad, normalised like the image

@@ -82,6 +82,7 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
         mc = g.const([m], INT64)
         up_h = g.op("Mul", g.op("Div", g.op("Add", h64, g.const([m - 1], INT64)), mc), mc)
         up_w = g.op("Mul", g.op("Div", g.op("Add", w64, g.const([m - 1], INT64)), mc), mc)
+        image = x
         if m > 1:
             x = _pad(g, x, g.const([0], INT64), g.const([0], INT64), g.op("Sub", up_h, h64), g.op("Sub", up_w, w64),
                      p["pad_value"])
@@ -106,6 +107,7 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
                 left, top = g.op("Div", extra_w, two), g.op("Div", extra_h, two)
             else:
                 left = top = g.const([0], INT64)
+            image = x
             x = _pad(g, x, top, left, g.op("Sub", extra_h, top), g.op("Sub", extra_w, left), p["pad_value"])
             sx = sy = s
             pad_x, pad_y = g.cast(left, DOUBLE), g.cast(top, DOUBLE)
@@ -145,8 +147,10 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
             crop_x, crop_y = g.cast(cx64, DOUBLE), g.cast(cy64, DOUBLE)
         else:  # pragma: no cover - PARAMS names the recipes
             raise AssertionError(recipe)
+        if kind != "letterbox":
+            image = x
 
-    x = _normalise(g, x, p, recipe)
+    x = _normalise(g, x, image, p, recipe)
     if p["layout"] == "nhwc":
         x = g.op("Transpose", x, perm=[0, 2, 3, 1])
         shape_out: list[Any] = [1, *out_hw, 3]
@@ -187,11 +191,13 @@ def _pad(g: Graph, x: str, top: str, left: str, bottom: str, right: str, value: 
     return g.op("Pad", x, pads, g.const(float(value), FLOAT), mode="constant")
 
 
-def _normalise(g: Graph, x: str, p: dict[str, Any], recipe: str) -> str:
+def _normalise(g: Graph, x: str, image: str, p: dict[str, Any], recipe: str) -> str:
+    """x * scale, or x over the per-image max or min-max of `image` (x before padding: statistics cover the
+    frame's content, never the pad), then (x - mean) / std."""
     if p["normalize"] == "max":
-        x = g.op("Div", x, g.op("Max", g.op("ReduceMax", x, keepdims=0), g.const(1e-12, FLOAT)))
+        x = g.op("Div", x, g.op("Max", g.op("ReduceMax", image, keepdims=0), g.const(1e-12, FLOAT)))
     elif p["normalize"] == "minmax":
-        lo, hi = g.op("ReduceMin", x, keepdims=0), g.op("ReduceMax", x, keepdims=0)
+        lo, hi = g.op("ReduceMin", image, keepdims=0), g.op("ReduceMax", image, keepdims=0)
         x = g.op("Div", g.op("Sub", x, lo), g.op("Max", g.op("Sub", hi, lo), g.const(1e-12, FLOAT)))
     elif p["scale"] != 1.0:
         x = g.op("Mul", x, g.const(p["scale"], FLOAT))
