@@ -292,3 +292,12 @@ def test_per_image_statistics_cover_the_image_never_the_padding(hw: tuple[int, i
     lo, hi = float(frame.min()), float(frame.max())  # nearest keeps the frame's own levels
     assert inner.min() == pytest.approx(0.0, abs=1e-6) and inner.max() == pytest.approx(1.0, abs=1e-6)
     assert img.min() == pytest.approx((0 - lo) / (hi - lo), abs=1e-6)  # the pad, normalised like the image
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (200, 98)])
+def test_an_exact_halving_equals_cv2_bit_for_bit(hw: tuple[int, int]) -> None:
+    """At 2x cv2's fixed-point bilinear is exact and rounds halves up; so does the recipe (Round's half-to-even
+    would be one level off on about 1 value in 8)."""
+    frame = frame_of(*hw, seed=4)
+    x, _ = run(session("pre.stretch", width=hw[1] // 2, height=hw[0] // 2, layout="nhwc"), frame)
+    np.testing.assert_array_equal(x[0], cv2.resize(frame, (hw[1] // 2, hw[0] // 2), interpolation=cv2.INTER_LINEAR))

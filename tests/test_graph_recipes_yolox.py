@@ -212,3 +212,17 @@ def test_nothing_above_threshold_gives_empty_outputs() -> None:
     head[..., 4] = 0.0
     boxes, scores, class_ids = run_post({"width": 64, "height": 64}, head, (64, 64), [1, 1, 0, 0, 0, 0])
     assert boxes.shape == (0, 4) and scores.shape == (0,) and class_ids.shape == (0,)
+
+
+def test_threshold_boundaries_follow_the_demo_score_strictly_over_iou_kept_at_equal() -> None:
+    """multiclass_nms keeps scores > score_thr; nms keeps ovr <= nms_thr: a score equal to the bound is dropped,
+    an IoU equal to the bound is kept (ONNX NonMaxSuppression as onnxruntime implements it agrees)."""
+    head = np.zeros((1, n_cells(32, 32), 6), np.float32)
+    head[..., 2:4] = -10.0
+    head[0, 0] = [0.5, 0.5, 0.0, 0.0, 0.9, 1.0]  # [0, 0, 8, 8]
+    head[0, 1] = [-0.5, 0.25, 0.0, np.log(0.5), 0.8, 1.0]  # [0, 0, 8, 4]: IoU 32 / 64 = 0.5 exactly
+    head[0, 2] = [0.5, 0.5, 0.0, 0.0, 0.5, 1.0]  # a score of exactly 0.5, at cell (2, 0): [16, 0, 24, 8]
+    params = {"width": 32, "height": 32, "iou_threshold": 0.5, "score_threshold": 0.5, "legacy_plus_one": False}
+    boxes, scores, _ = run_post(params, head, (32, 32), [1, 1, 0, 0, 0, 0])
+    np.testing.assert_allclose(scores, [0.9, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(boxes, [[0, 0, 8, 8], [0, 0, 8, 4]], atol=1e-5)

@@ -12,7 +12,7 @@ import numpy as np
 
 from agent.errors import BundleError, install_hint
 
-# Opset 17 and IR 8: every onnxruntime the agent supports (>= 1.17) loads them; GridSample (16),
+# Opset 17 and IR 8: every onnxruntime the agent supports (>= 1.17) loads them;
 # Resize with `sizes` (13) and NonMaxSuppression (11) are all there. No later op is needed.
 OPSET = 17
 IR_VERSION = 8

@@ -24,7 +24,7 @@ COMMON: dict[str, Param] = {
     "frame_color": Param("str", "rgb", "channel order of the frames the agent delivers (frame.color)", ("rgb", "bgr")),
     "color": Param("str", "rgb", "channel order the model takes", ("rgb", "bgr")),
     "interpolation": Param("str", "linear", "resize filter, as cv2 INTER_LINEAR/CUBIC/NEAREST", tuple(_INTERPOLATION)),
-    "round_resize": Param("bool", True, "round the resized image to whole levels, as a uint8 cv2.resize does"),
+    "round_resize": Param("bool", True, "round the resized image to whole levels (halves up), as a uint8 cv2.resize does"),
     "normalize": Param("str", "none", "per-image normalisation before mean/std: none (x * scale), "
                        "max (x / max(x)) or minmax ((x - min) / (max - min))", ("none", "max", "minmax")),
     "scale": Param("float", 1.0, "multiplier on pixel values when normalize is none (1/255: 0.00392156862745098)"),
@@ -68,10 +68,8 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
     h64, w64 = g.gather(shape, [0]), g.gather(shape, [1])  # int64 [1]
     h, w = g.cast(h64, DOUBLE), g.cast(w64, DOUBLE)
 
-    x = frame
-    if p["frame_color"] != p["color"]:
-        x = g.gather(x, [2, 1, 0], axis=2)
-    x = g.unsqueeze(g.op("Transpose", g.cast(x, FLOAT), perm=[2, 0, 1]), [0])  # [1, 3, H, W] float levels
+    # [1, H, W, 3] float levels: resized in NHWC (onnxruntime's NHWC linear path), transposed once it is small
+    x = g.unsqueeze(g.cast(frame, FLOAT), [0])
 
     sx = sy = pad_x = pad_y = crop_x = crop_y = ""  # "" : the identity (1 for scales, 0 for offsets)
     kind = recipe.split(".", 1)[1]
@@ -93,7 +91,7 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
             raise UsageError(f"recipe {recipe}: --param width/height: expected sizes >= 1, found {tw}x{th}")
         out_hw = [th, tw]
         if kind == "stretch":
-            x = _resize(g, x, g.const([th], INT64), g.const([tw], INT64), p)
+            x = image = _resize(g, x, g.const([th], INT64), g.const([tw], INT64), p)
             sx, sy = g.op("Div", g.const([float(tw)], DOUBLE), w), g.op("Div", g.const([float(th)], DOUBLE), h)
         elif kind == "letterbox":
             s = g.op("Min", g.op("Div", g.const([float(tw)], DOUBLE), w), g.op("Div", g.const([float(th)], DOUBLE), h))
@@ -118,7 +116,7 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
             x = _resize(g, x, g.const([rh], INT64), g.const([rw], INT64), p)
             cx, cy = (int(round((rw - tw) / 2.0)), int(round((rh - th) / 2.0))) if p["crop_offset"] == "round" \
                 else ((rw - tw) // 2, (rh - th) // 2)
-            x = g.slice(x, [cy, cx], [cy + th, cx + tw], [2, 3])
+            x = image = g.slice(x, [cy, cx], [cy + th, cx + tw], [1, 2])
             sx, sy = g.op("Div", g.const([float(rw)], DOUBLE), w), g.op("Div", g.const([float(rh)], DOUBLE), h)
             crop_x, crop_y = g.const([float(cx)], DOUBLE), g.const([float(cy)], DOUBLE)
         elif kind == "short_side_crop":
@@ -142,20 +140,20 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
                 cx64, cy64 = g.op("Div", dx, two), g.op("Div", dy, two)
             starts = g.concat([cy64, cx64], 0)
             ends = g.op("Add", starts, g.const([th, tw], INT64))
-            x = g.slice(x, starts, ends, [2, 3])
+            x = image = g.slice(x, starts, ends, [1, 2])
             sx, sy = g.op("Div", g.cast(new_w, DOUBLE), w), g.op("Div", g.cast(new_h, DOUBLE), h)
             crop_x, crop_y = g.cast(cx64, DOUBLE), g.cast(cy64, DOUBLE)
         else:  # pragma: no cover - PARAMS names the recipes
             raise AssertionError(recipe)
-        if kind != "letterbox":
-            image = x
 
+    if p["frame_color"] != p["color"]:
+        x = g.gather(x, [2, 1, 0], axis=3)
     x = _normalise(g, x, image, p, recipe)
-    if p["layout"] == "nhwc":
-        x = g.op("Transpose", x, perm=[0, 2, 3, 1])
-        shape_out: list[Any] = [1, *out_hw, 3]
+    if p["layout"] == "nchw":
+        x = g.op("Transpose", x, perm=[0, 3, 1, 2])
+        shape_out: list[Any] = [1, 3, *out_hw]
     else:
-        shape_out = [1, 3, *out_hw]
+        shape_out = [1, *out_hw, 3]
     dtype = {"float32": FLOAT, "float16": FLOAT16, "uint8": UINT8}[p["dtype"]]
     if dtype == UINT8:
         x = g.op("Clip", g.op("Round", x), g.const(0.0, FLOAT), g.const(255.0, FLOAT))
@@ -177,17 +175,20 @@ def _at_least_one(g: Graph, v: str) -> str:
 
 
 def _resize(g: Graph, x: str, new_h: str, new_w: str, p: dict[str, Any]) -> str:
-    sizes = g.concat([g.const([1, 3], INT64), new_h, new_w], 0)
+    sizes = g.concat([g.const([1], INT64), new_h, new_w, g.const([3], INT64)], 0)
     empty = g.const([], FLOAT)
     y = g.op("Resize", x, "", empty, sizes, **_INTERPOLATION[p["interpolation"]])
-    if p["round_resize"]:  # a uint8 resize stores whole levels (cv2's fixed point may differ by one level)
-        y = g.op("Clip", g.op("Round", y), g.const(0.0, FLOAT), g.const(255.0, FLOAT))
+    if p["round_resize"]:
+        # a uint8 cv2.resize stores whole levels, halves rounded up: floor(v + 0.5) equals it bit for bit at
+        # exact 2x, elsewhere cv2's 11-bit fixed-point weights differ by one level on about 13 % of values
+        # (onnxruntime's own uint8 Resize truncates: one level off on half of them)
+        y = g.op("Clip", g.op("Floor", g.op("Add", y, g.const(0.5, FLOAT))), g.const(0.0, FLOAT), g.const(255.0, FLOAT))
     return y
 
 
 def _pad(g: Graph, x: str, top: str, left: str, bottom: str, right: str, value: int) -> str:
-    zeros = g.const([0, 0], INT64)
-    pads = g.concat([zeros, top, left, zeros, bottom, right], 0)
+    zero = g.const([0], INT64)
+    pads = g.concat([zero, top, left, zero, zero, bottom, right, zero], 0)
     return g.op("Pad", x, pads, g.const(float(value), FLOAT), mode="constant")
 
 
@@ -214,5 +215,6 @@ def _normalise(g: Graph, x: str, image: str, p: dict[str, Any], recipe: str) -> 
 
 
 def _per_channel(values: tuple[float, ...]) -> list[list[list[list[float]]]]:
+    """Per-channel constants shaped [1, 1, 1, 3], for the NHWC image."""
     vals = list(values) * 3 if len(values) == 1 else list(values)
-    return [[[[v]] for v in vals]]
+    return [[[vals]]]
