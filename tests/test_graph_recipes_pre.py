@@ -132,12 +132,17 @@ def test_letterbox_floor_and_round_differ_exactly_where_int_and_round_differ() -
     assert differ >= 5 and same >= 5  # the sweep covers both cases
 
 
-def test_size_arithmetic_is_float64_like_python() -> None:
-    """1000x750 into 640: 640/1000 * 1000 is 640 in float64 (int() keeps 640) but 639.99994 in float32."""
+@pytest.mark.parametrize("hw, cols", [((99, 133), 640), ((115, 154), 639), ((81, 108), 640)])
+def test_size_arithmetic_is_float64_like_python(hw: tuple[int, int], cols: int) -> None:
+    """int(W * min(640 / H, 640 / W)) in Python's float64: 133 wide -> 640 (float32 makes 639.99994 -> 639),
+    154 wide -> 639.9999999999999 -> 639 (float32 makes 640.0): a float32 graph would be one column off."""
     sess = session("pre.letterbox", width=640, height=640, rounding="floor", anchor="top_left", pad_value=255)
-    x, geometry = run(sess, frame_of(750, 1000, seed=1, hi=200))
-    assert int((x[0] != 255).any(axis=(0, 1)).sum()) == int(1000 * min(640 / 750, 640 / 1000)) == 640
-    assert int((x[0] != 255).any(axis=(0, 2)).sum()) == int(750 * 0.64) == 480
+    x, _ = run(sess, frame_of(*hw, seed=1, hi=200))
+    h, w = hw
+    r = min(640 / h, 640 / w)
+    assert int(w * r) == cols
+    assert int((x[0] != 255).any(axis=(0, 1)).sum()) == cols
+    assert int((x[0] != 255).any(axis=(0, 2)).sum()) == int(h * r)
 
 
 @pytest.mark.parametrize("hw", [(160, 160), (240, 320), (101, 77)])

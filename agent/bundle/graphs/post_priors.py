@@ -29,7 +29,8 @@ PARAMS: dict[str, dict[str, Param]] = {
         "steps": Param("ints", (8, 16, 32), "feature-map strides"),
         "variances": Param("floats", (0.1, 0.2), "centre and size variances"),
         "score_index": Param("int", 1, "the conf column that is the score (1: face of background/face)"),
-        "conf_softmax": Param("bool", False, "apply softmax to conf (the export has none)"),
+        "conf_softmax": Param("bool", False, "conf holds logits: softmax first (Pytorch_Retinaface's test-phase "
+                              "export already applies it)"),
         "pre_nms_top_k": Param("int", 5000, "keep the best this many candidates before NMS"),
         **NMS_PARAMS,
         "score_threshold": Param("float", 0.02, "keep candidates whose score is strictly above this"),
