@@ -88,3 +88,30 @@ def test_docs_recipes_md_carries_every_recipes_parameter_table() -> None:
         assert f"### `{name}`" in doc, name
         table = markdown_table(name, skip=tuple(COMMON) if name.startswith("pre.") else ())
         assert table in doc, f"docs/recipes.md: the parameter table of {name} differs from the code:\n{table}"
+
+
+def test_pre_model_and_post_merge_with_onnx_compose_into_the_same_result() -> None:
+    """Internal names are prefixed per recipe, so the stages compose with the model as they are (the stage
+    runner may merge them where that measures faster) and the merged graph computes what the three sessions do."""
+    from onnx import compose, helper
+
+    pre = build_graph("pre.stretch", {"width": 16, "height": 16, "scale": 1 / 255, "input_name": "x"})
+    post = build_graph("post.classes", {"input": "logits"})
+    pool = helper.make_node("GlobalAveragePool", ["x"], ["pooled"])
+    flat = helper.make_node("Flatten", ["pooled"], ["logits"])
+    graph = helper.make_graph([pool, flat], "model", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    merged = compose.merge_models(compose.merge_models(pre, model, io_map=[("x", "x")]), post,
+                                  io_map=[("logits", "logits")])
+    onnx.checker.check_model(merged)
+    frame = np.random.default_rng(0).integers(0, 256, (37, 53, 3)).astype(np.uint8)
+    (probs,) = ort.InferenceSession(merged.SerializeToString(), providers=[CPU]).run(["probabilities"], {"frame": frame})
+    x = ort.InferenceSession(pre.SerializeToString(), providers=[CPU]).run(["x"], {"frame": frame})[0]
+    logits = ort.InferenceSession(model.SerializeToString(), providers=[CPU]).run(None, {"x": x})[0]
+    want = ort.InferenceSession(post.SerializeToString(), providers=[CPU]).run(None, {"logits": logits})[0]
+    np.testing.assert_allclose(probs, want, rtol=1e-6)
+    names = [{n.name for n in m.graph.node} | {i.name for i in m.graph.initializer}
+             for m in (build_graph(r) for r in sorted(RECIPES))]
+    assert all(not (a & b) for i, a in enumerate(names) for b in names[i + 1:])  # no recipe shares a name

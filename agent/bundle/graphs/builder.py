@@ -45,8 +45,9 @@ class Graph:
         self._count = 0
 
     def _fresh(self, stem: str) -> str:
+        # prefixed by the graph's name, so a pre graph, the model and a post graph merge (onnx.compose) unrenamed
         self._count += 1
-        return f"{stem}_{self._count}"
+        return f"{self.name}/{stem}_{self._count}"
 
     def input(self, name: str, dtype: str, shape: Sequence[int | str | None]) -> str:
         self.inputs.append(self.onnx.helper.make_tensor_value_info(name, _elem(self.onnx, dtype), list(shape)))
