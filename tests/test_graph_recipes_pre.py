@@ -306,3 +306,32 @@ def test_an_exact_halving_equals_cv2_bit_for_bit(hw: tuple[int, int]) -> None:
     frame = frame_of(*hw, seed=4)
     x, _ = run(session("pre.stretch", width=hw[1] // 2, height=hw[0] // 2, layout="nhwc"), frame)
     np.testing.assert_array_equal(x[0], cv2.resize(frame, (hw[1] // 2, hw[0] // 2), interpolation=cv2.INTER_LINEAR))
+
+
+def det_resize_for_test(img: np.ndarray, limit_side_len: int, limit_type: str) -> tuple[np.ndarray, float, float]:
+    """PaddleOCR ppocr/data/imaug/operators.py DetResizeForTest.resize_image_type0 -> (img, ratio_h, ratio_w)."""
+    h, w = img.shape[:2]
+    if limit_type == "max":
+        ratio = (float(limit_side_len) / h if h > w else float(limit_side_len) / w) if max(h, w) > limit_side_len else 1.0
+    else:
+        ratio = (float(limit_side_len) / h if h < w else float(limit_side_len) / w) if min(h, w) < limit_side_len else 1.0
+    resize_h, resize_w = int(h * ratio), int(w * ratio)
+    resize_h = max(int(round(resize_h / 32) * 32), 32)
+    resize_w = max(int(round(resize_w / 32) * 32), 32)
+    img = cv2.resize(img, (int(resize_w), int(resize_h)))
+    return img, resize_h / float(h), resize_w / float(w)
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (1200, 900), (75, 333), (960, 960), (1000, 2001)])
+@pytest.mark.parametrize("limit", [("max", 960), ("min", 736)])
+def test_fit_multiple_sizes_like_paddleocr_det_resize_for_test(hw: tuple[int, int], limit: tuple[str, int]) -> None:
+    limit_type, side = limit
+    frame = frame_of(*hw, seed=hw[1])
+    x, geometry = run(session("pre.fit_multiple", limit_side=side, limit_type=limit_type, multiple=32,
+                              mean=[0.485 * 255, 0.456 * 255, 0.406 * 255], std=[0.229 * 255, 0.224 * 255, 0.225 * 255]),
+                      frame)
+    img, ratio_h, ratio_w = det_resize_for_test(frame, side, limit_type)
+    assert x.shape == (1, 3, *img.shape[:2])
+    want = (img.astype(np.float64) - np.array([0.485, 0.456, 0.406]) * 255) / (np.array([0.229, 0.224, 0.225]) * 255)
+    assert np.abs(x[0].transpose(1, 2, 0) - want).max() <= 1.0 / (0.224 * 255) + 1e-4
+    np.testing.assert_allclose(geometry, [ratio_w, ratio_h, 0, 0, 0, 0], rtol=1e-6)

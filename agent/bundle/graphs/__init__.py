@@ -48,6 +48,7 @@ RECIPES: dict[str, Recipe] = {
         "pre.stretch_crop": "stretch to resize_width x resize_height, then centre-crop width x height",
         "pre.short_side_crop": "short side to short_side keeping aspect, then centre-crop width x height",
         "pre.native": "the frame at its own size, padded right/bottom to a multiple",
+        "pre.fit_multiple": "sides limited (PaddleOCR DetResizeForTest), each rounded to a multiple",
     }),
     **_family(post_scores, {
         "post.classes": "logits -> probabilities (classes kind)",

@@ -58,6 +58,11 @@ PARAMS: dict[str, dict[str, Param]] = {
                                                  "(PaddleClas)", ("round", "floor"))},
     "pre.native": {**PAD, **COMMON,
                    "multiple": Param("int", 32, "pad right/bottom to a multiple of this (1: the frame as it is)")},
+    "pre.fit_multiple": {**COMMON,
+                         "limit_side": Param("int", 960, "the side limit (PaddleOCR limit_side_len)"),
+                         "limit_type": Param("str", "max", "max: shrink so the long side is at most limit_side; min: "
+                                             "grow so the short side is at least limit_side", ("max", "min")),
+                         "multiple": Param("int", 32, "each side rounded to a multiple of this (at least one)")},
 }
 
 
@@ -85,6 +90,29 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
             x = _pad(g, x, g.const([0], INT64), g.const([0], INT64), g.op("Sub", up_h, h64), g.op("Sub", up_w, w64),
                      p["pad_value"])
         out_hw: list[Any] = ["input_height", "input_width"]
+    elif kind == "fit_multiple":
+        # PaddleOCR DetResizeForTest (resize_image_type0): ratio from the limit, int(h * ratio), then
+        # max(int(round(v / multiple) * multiple), multiple); Round is half-to-even like Python's round()
+        limit, m = float(p["limit_side"]), p["multiple"]
+        if m < 1 or limit < 1:
+            raise UsageError(f"recipe {recipe}: --param limit_side/multiple: expected integers >= 1, found "
+                             f"{p['limit_side']}/{m}")
+        one, lim = g.const([1.0], DOUBLE), g.const([limit], DOUBLE)
+        if p["limit_type"] == "max":
+            side, beyond = g.op("Max", h, w), "Greater"
+        else:
+            side, beyond = g.op("Min", h, w), "Less"
+        ratio = g.op("Where", g.op(beyond, side, lim), g.op("Div", lim, side), one)
+        mult = g.const([float(m)], DOUBLE)
+        sized = []
+        for v in (h, w):
+            v = g.op("Floor", g.op("Mul", v, ratio))
+            v = g.op("Max", g.op("Mul", g.op("Round", g.op("Div", v, mult)), mult), mult)
+            sized.append(g.cast(v, INT64))
+        new_h, new_w = sized
+        x = image = _resize(g, x, new_h, new_w, p)
+        sx, sy = g.op("Div", g.cast(new_w, DOUBLE), w), g.op("Div", g.cast(new_h, DOUBLE), h)
+        out_hw = ["input_height", "input_width"]
     else:
         th, tw = p["height"], p["width"]
         if th < 1 or tw < 1:
