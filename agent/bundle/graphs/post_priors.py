@@ -28,6 +28,8 @@ PARAMS: dict[str, dict[str, Param]] = {
         "min_sizes": Param("int_lists", ((16, 32), (64, 128), (256, 512)), "prior sizes per step, ';' between steps"),
         "steps": Param("ints", (8, 16, 32), "feature-map strides"),
         "variances": Param("floats", (0.1, 0.2), "centre and size variances"),
+        "clip_priors": Param("bool", False, "clamp priors to the input (PriorBox clip: the normalised "
+                             "centres and sizes to [0, 1])"),
         "score_index": Param("int", 1, "the conf column that is the score (1: face of background/face)"),
         "conf_softmax": Param("bool", False, "conf holds logits: softmax first (Pytorch_Retinaface's test-phase "
                               "export already applies it)"),
@@ -101,4 +103,10 @@ def _priors(g: Graph, p: dict[str, Any], frame_size: str) -> tuple[str, str]:
         side = g.op("Expand", g.const([[[float(m) for m in mins]]], FLOAT), cells)
         centres.append(g.reshape(g.concat([g.unsqueeze(cxv, [3]), g.unsqueeze(cyv, [3])], 3), [-1, 2]))
         sizes.append(g.reshape(g.concat([g.unsqueeze(side, [3]), g.unsqueeze(side, [3])], 3), [-1, 2]))
-    return g.concat(centres, 0), g.concat(sizes, 0)
+    centre, size = g.concat(centres, 0), g.concat(sizes, 0)
+    if p["clip_priors"]:
+        wh = g.cast(g.concat([in_w, in_h], 0), FLOAT)  # [2]: (w, h), the pixel units of [0, 1]
+        zero = g.const(0.0, FLOAT)
+        centre = g.op("Max", g.op("Min", centre, wh), zero)
+        size = g.op("Max", g.op("Min", size, wh), zero)
+    return centre, size
