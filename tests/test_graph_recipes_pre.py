@@ -335,3 +335,25 @@ def test_fit_multiple_sizes_like_paddleocr_det_resize_for_test(hw: tuple[int, in
     want = (img.astype(np.float64) - np.array([0.485, 0.456, 0.406]) * 255) / (np.array([0.229, 0.224, 0.225]) * 255)
     assert np.abs(x[0].transpose(1, 2, 0) - want).max() <= 1.0 / (0.224 * 255) + 1e-4
     np.testing.assert_allclose(geometry, [ratio_w, ratio_h, 0, 0, 0, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("hw, out", [((480, 640), (240, 320)), ((300, 400), (416, 600)), ((97, 131), (64, 64))])
+@pytest.mark.parametrize("interpolation", ["nearest", "cubic"])
+def test_nearest_and_cubic_follow_cv2_shrinking_and_growing(hw: tuple[int, int], out: tuple[int, int],
+                                                             interpolation: str) -> None:
+    """cv2 INTER_NEAREST (floor(x * in / out)) exactly; INTER_CUBIC (a = -0.75) within one level. A cubic shrink
+    once failed in onnxruntime (its cubic Resize refuses NHWC shrinking)."""
+    frame = np.random.default_rng(hw[0]).integers(0, 256, (*hw, 3)).astype(np.uint8)
+    x, _ = run(session("pre.stretch", width=out[1], height=out[0], interpolation=interpolation, layout="nhwc"), frame)
+    flag = cv2.INTER_NEAREST if interpolation == "nearest" else cv2.INTER_CUBIC
+    diff = np.abs(x[0] - cv2.resize(frame, out[::-1], interpolation=flag).astype(np.float32))
+    assert diff.max() <= (0 if interpolation == "nearest" else 1)
+    assert np.mean(diff > 0) < 0.001
+
+
+def test_float16_model_input() -> None:
+    frame = frame_of(60, 80, seed=8)
+    x, _ = run(session("pre.stretch", width=40, height=30, dtype="float16", scale=1 / 255), frame)
+    want = cv2.resize(frame, (40, 30), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1) / 255
+    assert x.dtype == np.float16 and x.shape == (1, 3, 30, 40)
+    assert np.abs(x[0].astype(np.float64) - want).max() <= 1 / 255 + 1e-3

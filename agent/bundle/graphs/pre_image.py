@@ -203,9 +203,17 @@ def _at_least_one(g: Graph, v: str) -> str:
 
 
 def _resize(g: Graph, x: str, new_h: str, new_w: str, p: dict[str, Any]) -> str:
-    sizes = g.concat([g.const([1], INT64), new_h, new_w, g.const([3], INT64)], 0)
     empty = g.const([], FLOAT)
-    y = g.op("Resize", x, "", empty, sizes, **_INTERPOLATION[p["interpolation"]])
+    if p["interpolation"] == "cubic":
+        # onnxruntime refuses a cubic NHWC shrink, and its transpose optimiser turns an NCHW detour back into
+        # one: each channel is resized as a 2-D image (its 'Bicubic' case)
+        sizes = g.concat([new_h, new_w], 0)
+        planes = [g.op("Resize", g.gather(g.squeeze(x, [0]), c, axis=2), "", empty, sizes, **_INTERPOLATION["cubic"])
+                  for c in range(3)]
+        y = g.unsqueeze(g.op("Concat", *[g.unsqueeze(q, [2]) for q in planes], axis=2), [0])
+    else:
+        sizes = g.concat([g.const([1], INT64), new_h, new_w, g.const([3], INT64)], 0)
+        y = g.op("Resize", x, "", empty, sizes, **_INTERPOLATION[p["interpolation"]])
     if p["round_resize"]:
         # a uint8 cv2.resize stores whole levels, halves rounded up: floor(v + 0.5) equals it bit for bit at
         # exact 2x, elsewhere cv2's 11-bit fixed-point weights differ by one level on about 13 % of values
