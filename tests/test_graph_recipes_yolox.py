@@ -226,3 +226,16 @@ def test_threshold_boundaries_follow_the_demo_score_strictly_over_iou_kept_at_eq
     boxes, scores, _ = run_post(params, head, (32, 32), [1, 1, 0, 0, 0, 0])
     np.testing.assert_allclose(scores, [0.9, 0.8], rtol=1e-6)
     np.testing.assert_allclose(boxes, [[0, 0, 8, 8], [0, 0, 8, 4]], atol=1e-5)
+
+
+@pytest.mark.parametrize("frame_hw", [(480, 640), (300, 200)])
+def test_an_already_decoded_head_skips_the_grid(frame_hw: tuple[int, int]) -> None:
+    """decode_in_inference exports (and YOLOv5-style outputs) carry (cx, cy, w, h) in input pixels already."""
+    head = structured_head(320, 320, classes=3, seed=frame_hw[1])
+    r = min(320 / frame_hw[0], 320 / frame_hw[1])
+    dets = yolox_reference(head, (320, 320), r, (0.0, 0.0), frame_hw, False)
+    decoded = demo_postprocess(head, (320, 320)).astype(np.float32)
+    out = run_post({"width": 320, "height": 320, "decoded": True, "class_agnostic": False}, decoded, frame_hw,
+                   [r, r, 0, 0, 0, 0])
+    assert len(dets) >= 3
+    assert_same_detections(*out, dets)
