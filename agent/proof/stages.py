@@ -159,6 +159,7 @@ class GraphPostprocessor:
         self.spec = spec
         self.result: ResultSpec = spec.result
         self.kind = kind_for(self.result.kind)
+        self._spec = self.result.as_mapping()
         self.labels = tuple(labels)
         self.charset = None if charset is None else tuple(charset)
         self.path = path
@@ -184,17 +185,12 @@ class GraphPostprocessor:
             raise StageOutputError(f"stage post ({self.path.name}) failed: {' '.join(str(exc).split())[:300]}") from exc
         return dict(zip(self.output_names, outs))
 
-    def fields(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Graph outputs (by name) -> the kind's fields."""
-        return {f: np.asarray(tensors[name]) for f, name in self.result.fields.items()}
-
     def compact(self, tensors: Mapping[str, np.ndarray], max_bytes: int) -> dict[str, Any]:
         """Graph outputs (by name) -> the kind's checked, compact result."""
-        fields = self.fields(tensors)
-        problems = self.kind.check(fields, self.result)
+        problems = self.kind.check(tensors, self._spec)
         if problems:
-            raise StageOutputError(f"stage post ({self.path.name}), kind {self.result.kind}: " + "; ".join(problems))
-        result = self.kind.compact(fields, self.result, self.labels, self.charset)
+            raise StageOutputError(f"stage post ({self.path.name}): " + "; ".join(problems))
+        result = self.kind.compact(tensors, self._spec, self.labels, self.charset or ())
         check_result_size(result, max_bytes)
         return result
 

@@ -248,6 +248,11 @@ class ResultSpec:
     def output_for(self, field_name: str) -> str:
         return self.fields.get(field_name, field_name)
 
+    def as_mapping(self) -> dict[str, Any]:
+        """The block as the manifest states it (field -> output name, and the options): what agent.results reads."""
+        opts = {k: getattr(self, k) for k in RESULT_OPTIONS}
+        return {**self.fields, **{k: v for k, v in opts.items() if v is not None}}
+
 
 RESULT_OPTIONS = ("kind", "top_k", "threshold", "charset", "charset_offset", "blank")
 
