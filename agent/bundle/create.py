@@ -1017,24 +1017,11 @@ class GoldenStages:
 
 
 def golden_answers_text(golden: Path, samples: int) -> str | None:
-    """The package's own answers of a golden set: `answers.json` beside a directory's frames, or an npz's
-    `answers` (a 0-d unicode array holding the same JSON); checked (kind, one result per sample) here."""
-    golden = Path(golden)
-    text: str | None = None
-    where = golden / "answers.json" if golden.is_dir() else golden
-    if golden.is_dir() and where.is_file():
-        text = where.read_text()
-    elif golden.suffix == ".npz":
-        with np.load(golden, allow_pickle=False) as z:
-            if "answers" in z.files:
-                text = str(z["answers"])
-                where = Path(f"{golden}[answers]")
-    if text is None:
-        return None
-    from agent.results.answers import read_answers
+    """The package's own answers of a golden set (`answers.json` beside a directory's frames, or an npz's
+    `answers`), checked (kind, one result per sample, each readable by its kind), as the text the bundle keeps."""
+    from agent.results.answers import has_answers, read_answers
 
-    read_answers(json.loads(text), samples, str(where))
-    return text
+    return read_answers(golden, samples).to_json() if has_answers(golden) else None
 
 
 def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: Sequence[Mapping[str, np.ndarray]],
@@ -1044,11 +1031,11 @@ def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: S
     naming the stage, metric, value, bound and sample; a golden set that cannot fail a metric is warned about."""
     from agent.proof.stage_proof import kind_floors
     from agent.results import kind_for
-    from agent.results.answers import read_answers
+    from agent.results.answers import golden_warnings, read_answers
 
     answers = read_answers(json.loads(answers_text), samples, str(opts.golden))
     kind = kind_for(answers.kind)
-    for w in kind.golden_warnings(list(answers.results)):
+    for w in golden_warnings(answers):
         log.warning("bundle.create.golden_cannot_fail", kind=answers.kind, warning=w)
     served = [stages.post.decode(o, g, 0) for o, g in zip(fp32, stages.geometries)]
     floors = kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {})
