@@ -26,7 +26,7 @@ from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
 from agent.errors import BundleError, ContractError, PreprocessError
 from agent.proof.selftest import evaluate
-from agent.proof.stages import postprocessor_for, preprocessor_for
+from agent.proof.stages import preprocessor_for
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
