@@ -661,7 +661,7 @@ def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndar
         sset, tensors = next((s, t) for lab, s, t in sets if lab == label)
         assert sset.framework_inputs is not None  # only sets with the framework's tensors are compared
         raise BundleError(
-            f"{sset.source}: the spec's preprocessing does not reproduce the framework's input tensors (stage pre): max "
+            f"{sset.source}: stage pre: the spec's preprocessing does not reproduce the framework's input tensors: max "
             f"abs {measured:.4g} on {label} sample {i} (bound {bound:g}); "
             + (f"check {graph_key}" if graph_key else _drift_hint(tensors[i], sset.framework_inputs[i], layout)) +
             f"; or pass --allow-preprocess-drift {float(f'{measured * 1.1:.2g}'):g} to accept it (recorded in the manifest)"
