@@ -313,3 +313,33 @@ def test_yolox_head_with_its_grid_decode_as_post_graph_matches_the_package_answe
     served = _serve(build_engine(b, FP32, SessionSettings()), np.zeros((40, 40, 3), np.uint8))
     want = yolox_answers(head, GRID, STRIDE, 0.8, 0.8)["boxes"]
     assert [x["box"] for x in served["boxes"]] == [pytest.approx(w["box"], abs=1e-3) for w in want]
+
+
+@pytest.mark.slow
+def test_edge_agent_run_serves_the_demo_frames_the_same_through_the_graph_bundle(demo_graph_bundle: Path,
+                                                                                 tmp_path: Path) -> None:
+    """`edge-agent run` end to end (self-test, then the serving pipeline: pre graph in the preprocessing
+    workers, post graph in the publish stage) against the declarative demo bundle on the same frames."""
+    import os
+    import subprocess
+    import sys
+
+    def run(bundle: Path, name: str) -> list[dict]:
+        cfg = {"device_id": f"dev-{name}", "state_dir": str(tmp_path / name), "bundle": str(bundle),
+               "source": {"type": "folder", "path": str(DEMO_FRAMES), "loop": False},
+               "selection": {"variant": "fp32"}}  # the graph bundle has FP32 only: the same model on both sides
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        out = subprocess.run([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config",
+                              str(tmp_path / f"{name}.yaml")], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+    plain, graphs = run(DEMO, "declarative"), run(demo_graph_bundle, "graphs")
+    assert len(plain) == len(graphs) == 48
+    assert [r["source"] for r in plain] == [r["source"] for r in graphs]
+    for a, b in zip(plain, graphs):
+        assert b["result"]["type"] == "classes" and b["bundle"]["name"] == "digits-graph"
+        assert a["variant"] == b["variant"] == "fp32"
+        assert a["result"]["top"][0]["label"] == b["result"]["top"][0]["label"], (a["source"], a, b)
+        assert abs(a["result"]["top"][0]["score"] - b["result"]["top"][0]["score"]) <= 0.02
