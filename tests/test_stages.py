@@ -343,3 +343,32 @@ def test_edge_agent_run_serves_the_demo_frames_the_same_through_the_graph_bundle
         assert a["variant"] == b["variant"] == "fp32"
         assert a["result"]["top"][0]["label"] == b["result"]["top"][0]["label"], (a["source"], a, b)
         assert abs(a["result"]["top"][0]["score"] - b["result"]["top"][0]["score"]) <= 0.02
+
+
+def test_letterbox_of_an_int_truncating_package_is_refused_naming_the_rounding_key(tmp_path: Path) -> None:
+    """The package int()s the letterbox's resized side (YOLOX): the drift is explained by
+    preprocess.resize.rounding, and the refusal says so (the old hint named preprocess.mean)."""
+    from agent.spec.manifest import FrameSpec, preprocess_from_dict
+    from agent.spec.preprocess import Preprocessor
+    from agent.testing import make_tiny_classifier
+
+    frame = {"kind": "image", "height": 37, "width": 100, "channels": 3, "color": "rgb"}
+    pre = {"resize": {"width": 32, "height": 32, "mode": "letterbox"}, "scale": 1 / 255, "layout": "nchw",
+           "dtype": "float32"}
+    raw = np.stack([cv2.resize(f, (100, 37)) for f in structured_frames(4, 64, 3)])
+    package = Preprocessor(preprocess_from_dict({**pre, "resize": {**pre["resize"], "rounding": "floor"}}),
+                           FrameSpec(**frame))
+    np.savez(tmp_path / "golden.npz", raw=raw, input=np.concatenate([package(r) for r in raw]))
+    spec = {"name": "lb", "version": 1, "task": "classification", "frame": frame, "preprocess": pre,
+            "postprocess": {"type": "classification", "output": "logits"}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    opts = CreateOptions(model=make_tiny_classifier(tmp_path / "m.onnx"), spec=tmp_path / "spec.yaml",
+                         calibration=tmp_path / "golden.npz", golden=tmp_path / "golden.npz", out=tmp_path / "b",
+                         int8=False)
+    with pytest.raises(BundleError, match=r"stage pre: .*does not reproduce the framework's input tensors.*The key "
+                                          r"that explains it: preprocess.resize.rounding: floor \(with it the max abs "
+                                          r"is 0, within 0.001\)"):
+        create_bundle(opts)
+    spec["preprocess"]["resize"]["rounding"] = "floor"
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert load_bundle(create_bundle(opts)).manifest.preprocess.resize.rounding == "floor"

@@ -11,6 +11,7 @@ refusal leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import re
@@ -669,6 +670,31 @@ def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndar
     return record
 
 
+def explaining_key(pre: Any, frame: Any, sets: Sequence[tuple[str, SampleSet, Sequence[np.ndarray]]],
+                   bound: float) -> str | None:
+    """A spec change that makes the framework's tensors reproduce, named by its key, or None: the letterbox's
+    rounding (packages that int() the resized side differ by up to a whole pixel row on about half of all frame
+    sizes, which a mean/scale hint would misname)."""
+    r = pre.spec.resize if isinstance(pre, Preprocessor) else None
+    if r is None or r.mode != "letterbox":
+        return None
+    other = "floor" if r.rounding == "round" else "round"
+    alt = Preprocessor(dataclasses.replace(pre.spec, resize=dataclasses.replace(r, rounding=other)), frame)
+    worst = 0.0
+    for _label, sset, _tensors in sets:
+        if sset.framework_inputs is None:
+            continue
+        for i, raw in enumerate(sset.raw):
+            t = alt(raw)
+            f = np.asarray(sset.framework_inputs[i])
+            if f.size != t.size:
+                return None
+            worst = max(worst, float(np.max(np.abs(t.astype(np.float64) - f.reshape(t.shape).astype(np.float64)))))
+            if worst > bound:
+                return None
+    return f"preprocess.resize.rounding: {other} (with it the max abs is {worst:.4g}, within {bound:g})"
+
+
 def _drift_hint(t: np.ndarray, f: np.ndarray, layout: str) -> str:
     """A guess at what differs, from the two tensors alone."""
     f = np.asarray(f, np.float64).reshape(t.shape)
@@ -780,8 +806,13 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     if calib_set.framework_inputs is not None:
         drift_sets.append(("calibration", calib_set, _Prepared(calib_set.raw, prepare)))
     bound = DEFAULT_PREPROCESS_DRIFT if opts.allow_preprocess_drift is None else opts.allow_preprocess_drift
-    source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound,
-                                          "preprocess.graph" if opts.pre_graph is not None else None)
+    try:
+        source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound,
+                                              "preprocess.graph" if opts.pre_graph is not None else None)
+    except BundleError as exc:
+        if (key := explaining_key(pre, frame, drift_sets, bound)) is not None:
+            raise BundleError(f"{exc}. The key that explains it: {key}") from exc
+        raise
     if source_drift:
         source_drift["accepted_by_author"] = opts.allow_preprocess_drift is not None
         log.info("bundle.create.preprocess_drift", **source_drift)
