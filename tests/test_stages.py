@@ -372,3 +372,22 @@ def test_letterbox_of_an_int_truncating_package_is_refused_naming_the_rounding_k
     spec["preprocess"]["resize"]["rounding"] = "floor"
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     assert load_bundle(create_bundle(opts)).manifest.preprocess.resize.rounding == "floor"
+
+
+def test_yolox_recipe_post_graph_serves_the_package_answers_through_the_engine_and_self_test(tmp_path: Path) -> None:
+    """The recipes' post.yolox (agent/bundle/graphs) follows the stage names: as a bundle's post graph it passes
+    the self-test against the package's answers and serves their boxes."""
+    from agent.bundle.graphs import write_graph
+
+    golden, head = _yolox_golden(tmp_path / "golden", answers=True)
+    # this package does not clip its boxes to the frame (clipped, two boxes fall to IoU 0.69 and 0.74 with its
+    # answers, and the median-IoU floor refuses the build: localisation is judged, not only a match at 0.5)
+    post = write_graph("post.yolox", tmp_path / "post.onnx", {"width": 32, "height": 32, "strides": (STRIDE,),
+                                                              "score_threshold": 0.25, "clip": False})
+    root = _detector_bundle(tmp_path, head, post, {"result": {"kind": "boxes"}}, "boxes", golden)
+    b = load_bundle(root)
+    r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False)
+    assert r.passed and r.evidence.fidelity.against == "package answers", r.reasons
+    served = _serve(build_engine(b, FP32, SessionSettings()), np.zeros((40, 40, 3), np.uint8))
+    want = yolox_answers(head, GRID, STRIDE, 0.8, 0.8)["boxes"]
+    assert sorted(x["box"][0] for x in served["boxes"]) == pytest.approx(sorted(w["box"][0] for w in want), abs=1e-3)

@@ -678,7 +678,7 @@ def explaining_key(pre: Any, frame: Any, sets: Sequence[tuple[str, SampleSet, Se
     r = pre.spec.resize if isinstance(pre, Preprocessor) else None
     if r is None or r.mode != "letterbox":
         return None
-    other = "floor" if r.rounding == "round" else "round"
+    other: Literal["round", "floor"] = "floor" if r.rounding == "round" else "round"
     alt = Preprocessor(dataclasses.replace(pre.spec, resize=dataclasses.replace(r, rounding=other)), frame)
     worst = 0.0
     for _label, sset, _tensors in sets:
