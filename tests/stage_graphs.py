@@ -208,3 +208,42 @@ def boxes_keypoints_post(path: Path, head_name: str, n: int, k: int) -> Path:
                helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, [n]),
                helper.make_tensor_value_info("det_kps", TensorProto.FLOAT, [n, k, 2])]
     return _save(nodes, inputs, outputs, path, "boxes_keypoints_post")
+
+
+def native_pre(path: Path, output: str, scale: float = 1 / 255, channels: int = 3) -> Path:
+    """frame uint8 [H, W, C] -> NCHW float32 [1, C, H, W] * scale at the frame's own size (a native-resolution
+    input, no resize); no geometry output (identity)."""
+    nodes = [
+        helper.make_node("Cast", ["frame"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["f"], ["chw"], perm=[2, 0, 1]),
+        _const("axes0", np.array([0], np.int64)),
+        helper.make_node("Unsqueeze", ["chw", "axes0"], ["nchw"]),
+        _const("scale", np.array(scale, np.float32)),
+        helper.make_node("Mul", ["nchw", "scale"], [output]),
+    ]
+    inputs = [helper.make_tensor_value_info("frame", TensorProto.UINT8, ["h", "w", channels])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, channels, "h", "w"])]
+    return _save(nodes, inputs, outputs, path, "native_pre")
+
+
+def width_coordinate_model(path: Path, input_name: str = "images", output: str = "extent") -> Path:
+    """A dynamic-size model computing a coordinate from its input's width (as in-graph prior centres do):
+    extent = max over x of (2 * x + mean of a 1x1 conv), about 2 * (W - 1). A whole-graph INT8 calibrated on
+    narrow frames clips it to the calibrated range on wider ones (the face detector's priors at ~512 px)."""
+    w = np.full((1, 3, 1, 1), 1 / 3, np.float32)
+    nodes = [
+        _const("w", w), helper.make_node("Conv", [input_name, "w"], ["feat"]),
+        helper.make_node("ReduceMean", ["feat"], ["fm"], keepdims=0),
+        helper.make_node("Shape", [input_name], ["shp"]), _const("i3", np.array([3], np.int64)),
+        helper.make_node("Gather", ["shp", "i3"], ["W"]), helper.make_node("Squeeze", ["W"], ["Ws"]),
+        _const("z", np.array(0, np.int64)), _const("one", np.array(1, np.int64)),
+        helper.make_node("Range", ["z", "Ws", "one"], ["xs"]),
+        helper.make_node("Cast", ["xs"], ["xf"], to=TensorProto.FLOAT),
+        _const("k", np.array([2.0], np.float32)), helper.make_node("Mul", ["xf", "k"], ["xk"]),
+        helper.make_node("Add", ["xk", "fm"], ["xa"]),
+        helper.make_node("ReduceMax", ["xa"], ["xmax"], keepdims=1),
+        _const("shape11", np.array([1, 1], np.int64)), helper.make_node("Reshape", ["xmax", "shape11"], [output]),
+    ]
+    inputs = [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [1, 3, "h", "w"])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, 1])]
+    return _save(nodes, inputs, outputs, path, "width_coordinate")

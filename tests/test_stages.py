@@ -391,3 +391,65 @@ def test_yolox_recipe_post_graph_serves_the_package_answers_through_the_engine_a
     served = _serve(build_engine(b, FP32, SessionSettings()), np.zeros((40, 40, 3), np.uint8))
     want = yolox_answers(head, GRID, STRIDE, 0.8, 0.8)["boxes"]
     assert sorted(x["box"][0] for x in served["boxes"]) == pytest.approx(sorted(w["box"][0] for w in want), abs=1e-3)
+
+
+def _coordinate_bundle(d: Path, int8: bool = True) -> tuple[Path, dict]:
+    from stage_graphs import native_pre, width_coordinate_model
+
+    golden = _frames_dir(d / "golden", [(32, 32)] * 4)  # the sample set holds one (small) size only
+    spec = {"name": "coords", "version": 1, "task": "raw",
+            "frame": {"kind": "image", "height": 0, "width": 0, "channels": 3, "color": "rgb",
+                      "min_size": [32, 32], "max_size": [32, 128]},
+            "postprocess": {"type": "raw", "outputs": ["extent"], "channel_axis": -1}}
+    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
+    opts = CreateOptions(model=width_coordinate_model(d / "m.onnx"), spec=d / "spec.yaml", calibration=golden,
+                         golden=golden, out=d / "bundle", int8=int8, pre_graph=native_pre(d / "pre.onnx", "images"),
+                         min_agreement=0.5)
+    return d, {"opts": opts, "spec": spec, "golden": golden}
+
+
+def test_any_size_int8_is_calibrated_at_the_largest_declared_frame_not_only_the_sample_sizes(tmp_path: Path) -> None:
+    """Issue 21: an INT8 calibrated at one frame size was served at every size, its in-graph coordinates clipped
+    to the calibrated range. Calibrated at min_size and max_size too, it keeps the FP32 answer at 32x128."""
+    import onnxruntime as ort
+
+    _d, made = _coordinate_bundle(tmp_path)
+    root = create_bundle(made["opts"])
+    b = load_bundle(root)
+    pre = preprocessor_for(b)
+    wide = pre(np.full((32, 128, 3), 128, np.uint8))
+    fp32, int8 = (ort.InferenceSession(str(root / b.manifest.variant(v).file), providers=[CPU]) for v in ("fp32", "int8"))
+    want, got = fp32.run(None, {"images": wide})[0].item(), int8.run(None, {"images": wide})[0].item()
+    assert want == pytest.approx(254.5, abs=0.5)
+    assert got == pytest.approx(want, rel=0.02), "INT8 clipped at the calibrated width"
+    assert b.manifest.variant("int8").quality["size_128x32_findings"] == 0
+
+
+def test_int8_that_clips_beyond_the_calibrated_size_is_refused_naming_the_frame_size(tmp_path: Path) -> None:
+    """The build's check at the declared extremes, given an INT8 calibrated on the small frames alone."""
+    import onnxruntime as ort
+
+    from agent.bundle.create import (CalibrationFeeds, GoldenStages, judge_sizes, prepare_fp32, quantize_int8,
+                                     size_extremes)
+    from agent.bundle.samples import load_samples
+    from agent.proof.parity import fidelity_floors
+    from agent.proof.stages import GraphPreprocessor, VocabularyPostprocessor
+    from agent.spec.inputs import InputFeeder
+    from agent.spec.manifest import TensorSpec, frame_from_dict, postprocess_from_dict, preprocess_from_dict
+
+    d, made = _coordinate_bundle(tmp_path)
+    opts, spec = made["opts"], made["spec"]
+    frame = frame_from_dict(spec["frame"])
+    pre = GraphPreprocessor(opts.pre_graph, frame, preprocess_from_dict({"graph": "pre.onnx"}, "float32"),
+                            TensorSpec("images", "float32", (1, 3, "h", "w")))
+    prepare_fp32(opts.model, d / "fp32.onnx")
+    golden = load_samples(made["golden"], frame)
+    feeder = InputFeeder("images", ())
+    quantize_int8(d / "fp32.onnx", d / "int8.onnx", CalibrationFeeds(golden.raw, pre, feeder), opts)
+    sessions = [ort.InferenceSession(str(d / f), providers=[CPU]) for f in ("int8.onnx", "fp32.onnx")]
+    stages = GoldenStages(pre, VocabularyPostprocessor(postprocess_from_dict(spec["postprocess"]), []), [], [])
+    figures, problems = judge_sizes(*sessions, size_extremes(frame, golden), pre, feeder, spec, stages,
+                                    fidelity_floors("raw"))
+    assert figures["size_32x32_findings"] == 0 and figures["size_128x32_findings"] == 1
+    assert len(problems) == 1 and "at stage build frame size 128x32 vs fp32" in problems[0]
+    assert "fidelity: worst channel SNR dB" in problems[0] and "under bound 15" in problems[0]

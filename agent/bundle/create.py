@@ -849,11 +849,14 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         log.info("bundle.create.prequantized", kept_as="int8", **already)
     else:
         builds = [VariantBuild("fp32", "fp32", fp32_file, dict(source_check))]
+    extremes = [] if sequence else size_extremes(frame, golden_set)
     if opts.int8 and not already:
         log.info("bundle.create.quantizing", method=opts.method, per_channel=opts.per_channel, samples=len(calib_set))
         dynamic_batch = not isinstance(input_spec["shape"][0], int) and pre.fixed_size and not sequence
-        calib = CalibrationFeeds(calib_set.raw, pre, feeder, opts.calibration_batch if dynamic_batch else 1,
-                                 fp32=fp32_ref_sess if sequence else None)
+        # frames of any size: calibrated at the smallest and the largest declared size too, so coordinates the
+        # graph computes from the frame's size are never clipped to the range the sample set happened to hold
+        calib = CalibrationFeeds(_Extended(calib_set.raw, extremes), pre, feeder,
+                                 opts.calibration_batch if dynamic_batch else 1, fp32=fp32_ref_sess if sequence else None)
         q = quantize_int8(root / fp32_file, root / "model_int8.onnx", calib, opts)
         builds.append(VariantBuild("int8", "int8", "model_int8.onnx", quantization=q))
     if opts.fp16 and not already:
@@ -884,6 +887,10 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         feeder.reset("")
         b.quality.update(_latency_ms(sess, feeder.feeds(golden_inputs[0][0] if sequence else golden_inputs[0])))
         b.quality["size_bytes"] = (root / b.file).stat().st_size
+        if extremes and b is not builds[0]:
+            figures, more = judge_sizes(sess, fp32_ref_sess, extremes, pre, feeder, spec, stages, floors)
+            b.quality.update(figures)
+            problems += more
         b.problems = problems
     _quality_gate(builds, task, opts)
 
@@ -1081,3 +1088,69 @@ def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: S
                  "(`input` in the golden set) to tell them apart")
         raise BundleError(f"{opts.golden}: the FP32 model with this spec does not reproduce the package's own "
                           f"answers (before quantisation): " + "; ".join(f.text() for f in findings[:4]) + f"; {where}")
+
+
+class _Extended(Sequence[np.ndarray]):
+    """A sample sequence with a few frames after it (lazy sets stay lazy)."""
+
+    def __init__(self, head: Sequence[np.ndarray], tail: Sequence[np.ndarray]):
+        self.head, self.tail = head, list(tail)
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, i: Any) -> Any:  # Sequence's overloads: an int gives a frame, a slice a list
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        return self.head[i] if i < len(self.head) else self.tail[i - len(self.head)]
+
+
+def size_extremes(frame: Any, golden: SampleSet) -> list[np.ndarray]:
+    """For frames of any size: the first golden frame at the smallest and at the largest declared size
+    (input.frame.min_size / max_size), the sizes a model must be calibrated and proven at."""
+    if not getattr(frame, "any_size", False) or frame.max_size is None or not len(golden):
+        return []
+    import cv2
+
+    base = golden.raw[0]
+    out = []
+    for h, w in (tuple(frame.min_size), tuple(frame.max_size)):
+        img = cv2.resize(base, (int(w), int(h)), interpolation=cv2.INTER_LINEAR)
+        out.append(img if img.ndim == base.ndim else img[..., None])
+    return out
+
+
+def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, feeder: InputFeeder,
+                spec: Mapping[str, Any], stages: GoldenStages, floors: Any) -> tuple[dict[str, Any], list[str]]:
+    """A reduced-precision variant against FP32 on the frames of `size_extremes`, by the final result's kind (or
+    the task's fidelity for raw outputs): an INT8 whose in-graph coordinates saturate beyond the calibrated
+    size is refused naming the frame size, metric, value and bound."""
+    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+
+    post_spec = postprocess_from_dict(spec["postprocess"])
+    kind_name = post_spec.result.kind if post_spec.result is not None else (
+        None if post_spec.type == "raw" and post_spec.decision is None else VOCABULARY_KINDS.get(post_spec.type))
+    figures: dict[str, Any] = {}
+    problems: list[str] = []
+    for raw in frames:
+        size = f"{raw.shape[1]}x{raw.shape[0]}"
+        t = pre(raw)
+        got, ref = (split_batch(_run_all(s, [t], feeder)[0], 0) for s in (sess, fp32))
+        stage = f"build frame size {size} vs fp32"
+        if kind_name is not None:
+            from agent.results import kind_for
+
+            kind = kind_for(kind_name)
+            geometry = pre.geometry(raw)
+            _figs, findings = kind.fidelity([stages.post.decode(got, geometry, 0)], [stages.post.decode(ref, geometry, 0)],
+                                            kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
+                                            stage=stage)
+        else:
+            q = judge_fidelity(post_spec, [got], [ref], floors, stage=stage)
+            findings = list(q.findings)
+            figures.update(_figures(f"size_{size}_", q))
+        figures[f"size_{size}_findings"] = len(findings)
+        problems += [f.text() for f in findings]
+    return figures, problems
