@@ -453,3 +453,19 @@ def test_int8_that_clips_beyond_the_calibrated_size_is_refused_naming_the_frame_
     assert figures["size_32x32_findings"] == 0 and figures["size_128x32_findings"] == 1
     assert len(problems) == 1 and "at stage build frame size 128x32 vs fp32" in problems[0]
     assert "fidelity: worst channel SNR dB" in problems[0] and "under bound 15" in problems[0]
+
+
+def test_golden_answers_that_cannot_fail_recall_are_warned_about_at_build(tmp_path: Path) -> None:
+    import structlog
+
+    head = yolox_head(GRID, STRIDE, [])  # no object anywhere: the package's answers hold no box
+    golden = _frames_dir(tmp_path / "golden", [(40, 40)] * 2)
+    (golden / "answers.json").write_text(json.dumps({"kind": "boxes", "package": "empty", "produced_by": "test",
+                                                     "results": [{"type": "boxes", "boxes": []}] * 2}))
+    post = grid_decode_post(tmp_path / "post.onnx", GRID, STRIDE)
+    with structlog.testing.capture_logs() as events:
+        _detector_bundle(tmp_path, head, post, {"result": {"kind": "boxes", "boxes": "det_boxes",
+                                                           "scores": "det_scores", "class_ids": "det_classes"}},
+                         "boxes", golden)
+    warned = [e for e in events if e.get("event") == "bundle.create.golden_cannot_fail"]
+    assert warned and "recall and localisation cannot fail" in warned[0]["warning"]
