@@ -43,7 +43,8 @@ def test_bundle_graph_refuses_a_bad_param_naming_recipe_and_key(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "p.onnx")
     assert main(["--log-level", "error", "bundle", "graph", "post.yolox", "--out", out, "--param", "strides=8,x"]) == 2
-    assert "recipe post.yolox: --param strides: expected integers separated by commas, found '8,x'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "recipe post.yolox: --param strides: expected integers separated by commas, found '8,x'" in err
     assert not (tmp_path / "p.onnx").exists()
     assert main(["--log-level", "error", "bundle", "graph", "post.yolo", "--out", out]) == 2
     assert "no recipe 'post.yolo' (recipes: " in capsys.readouterr().err
@@ -116,3 +117,21 @@ def test_pre_model_and_post_merge_with_onnx_compose_into_the_same_result() -> No
     names = [{n.name for n in m.graph.node} | {i.name for i in m.graph.initializer}
              for m in (build_graph(r) for r in sorted(RECIPES))]
     assert all(not (a & b) for i, a in enumerate(names) for b in names[i + 1:])  # no recipe shares a name
+
+
+def test_the_recipes_and_the_cli_import_no_onnx_until_a_graph_is_built() -> None:
+    """onnx is the build extra: a device without it still starts `edge-agent` (the parser names `bundle graph`)."""
+    code = ("import sys\nimport agent.bundle.graphs\nfrom agent.service.cli import build_parser\nbuild_parser()\n"
+            "print('onnx' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    assert out == "False"
+
+
+def test_without_onnx_bundle_graph_says_to_install_the_build_extra(tmp_path: Path) -> None:
+    code = ("import sys\nsys.modules['onnx'] = None\nfrom agent.service.cli import main\n"
+            f"sys.exit(main(['bundle', 'graph', 'pre.stretch', '--out', {str(tmp_path / 'p.onnx')!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode != 0 and "`bundle graph` needs the build tools (onnx)" in r.stderr
+    assert "[build]" in r.stderr

@@ -322,8 +322,8 @@ def det_resize_for_test(img: np.ndarray, limit_side_len: int, limit_type: str) -
     return img, resize_h / float(h), resize_w / float(w)
 
 
-@pytest.mark.parametrize("hw", [(480, 640), (1200, 900), (75, 333), (960, 960), (1000, 2001)])
-@pytest.mark.parametrize("limit", [("max", 960), ("min", 736)])
+@pytest.mark.parametrize("hw", [(480, 640), (1200, 900), (75, 333), (960, 960), (600, 1301)])
+@pytest.mark.parametrize("limit", [("max", 960), ("min", 320)])
 def test_fit_multiple_sizes_like_paddleocr_det_resize_for_test(hw: tuple[int, int], limit: tuple[str, int]) -> None:
     limit_type, side = limit
     frame = frame_of(*hw, seed=hw[1])
@@ -357,3 +357,27 @@ def test_float16_model_input() -> None:
     want = cv2.resize(frame, (40, 30), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1) / 255
     assert x.dtype == np.float16 and x.shape == (1, 3, 30, 40)
     assert np.abs(x[0].astype(np.float64) - want).max() <= 1 / 255 + 1e-3
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (333, 250)])
+@pytest.mark.parametrize("mode", ["letterbox", "short_side_crop"])
+def test_recipes_reproduce_the_vocabularys_letterbox_and_short_side_crop(hw: tuple[int, int], mode: str) -> None:
+    """The declarative path (agent.spec.preprocess.Preprocessor) and the equivalent recipe: one pixel level apart
+    at most, the same geometry."""
+    from agent.spec.manifest import FrameSpec, PreprocessSpec
+    from agent.spec.preprocess import Preprocessor
+
+    if mode == "letterbox":
+        resize = ResizeSpec(width=320, height=320, mode="letterbox", pad_value=114)
+        sess = session("pre.letterbox", width=320, height=320, pad_value=114, scale=1 / 255, color="bgr")
+    else:
+        resize = ResizeSpec(width=224, height=224, mode="short_side_crop", short_side=256)
+        sess = session("pre.short_side_crop", width=224, height=224, short_side=256, scale=1 / 255, color="bgr")
+    spec = PreprocessSpec(layout="nchw", dtype="float32", color="bgr", scale=1 / 255, resize=resize)
+    declarative = Preprocessor(spec, FrameSpec(kind="image", height=hw[0], width=hw[1], channels=3, color="rgb"))
+    frame = frame_of(*hw, seed=21)
+    x, geometry = run(sess, frame)
+    want, g = declarative.with_geometry(frame)
+    assert x.shape == want.shape
+    assert np.abs(x - want).max() <= 1 / 255 + 1e-6
+    np.testing.assert_allclose(geometry, [g.scale_x, g.scale_y, g.pad_x, g.pad_y, g.crop_x, g.crop_y], rtol=1e-6)

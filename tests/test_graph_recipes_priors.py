@@ -186,3 +186,17 @@ def test_clipped_priors_follow_prior_box_clip(im: tuple[int, int]) -> None:
     out = run_post({"width": im[1], "height": im[0], "clip_priors": True}, loc, conf, landms, im, [1, 1, 0, 0, 0, 0])
     assert len(dets) >= 10 and (len(dets) != len(unclipped) or not np.allclose(dets, unclipped))
     assert_same(out, dets, lm)
+
+
+@pytest.mark.parametrize("multiclass", [False, True])
+def test_a_frame_with_no_face_gives_empty_outputs(multiclass: bool) -> None:
+    im = (64, 64)
+    p = len(prior_box(im))
+    conf = np.zeros((1, p, 3), np.float32)
+    conf[..., 0] = 1.0
+    sess = ort.InferenceSession(build_graph("post.priors", {"width": 64, "height": 64, "multiclass": multiclass})
+                                .SerializeToString(), providers=[CPU])
+    out = sess.run(None, {"loc": np.zeros((1, p, 4), np.float32), "conf": conf, "landms": np.zeros((1, p, 10), np.float32),
+                          "frame_size": np.array(im), "geometry": np.array([1, 1, 0, 0, 0, 0], np.float32)})
+    shapes = {o.name: v.shape for o, v in zip(sess.get_outputs(), out)}
+    assert shapes == {"boxes": (0, 4), "scores": (0,), "keypoints": (0, 5, 2), **({"class_ids": (0,)} if multiclass else {})}

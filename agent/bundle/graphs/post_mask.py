@@ -2,9 +2,9 @@
 
 The map [1, C, h, w] (one channel used) is optionally sigmoided and min-max normalised per image
 ((d - min) / (max - min), U2Net's normPRED), then sampled bilinearly at each frame pixel's centre mapped
-through `geometry` into the model input, separably (columns, then rows; so a stretch is a plain half-pixel resize, and a letterbox's pad
-is never part of the mask). threshold > 0 gives a uint8 0/1 mask; otherwise the float map, for the masks
-kind's `postprocess.result.threshold`.
+through `geometry` into the model input, separably (columns, then rows): a stretch is a plain half-pixel
+resize, and a letterbox's pad is never part of the mask. threshold > 0 gives a uint8 0/1 mask; otherwise the
+float map, for the masks kind's `postprocess.result.threshold`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Image pre graphs: a uint8 frame [H, W, 3] of any size -> the model's input tensor and `geometry` [6].
 
-One family, five geometries (stretch, letterbox, stretch_crop, short_side_crop, native), then one shared tail:
-colour order, normalisation (scale, per-image max or min-max, mean/std), layout and dtype. Size arithmetic
-runs in float64 so `floor`/`round` land exactly where Python's int()/round() land for the same frame.
+One family, six geometries (stretch, letterbox, stretch_crop, short_side_crop, native, fit_multiple), then one
+shared tail: colour order, normalisation (scale, per-image max or min-max, mean/std), layout and dtype. Size
+arithmetic runs in float64 so `floor`/`round` land exactly where Python's int()/round() land for the same frame.
 """
 
 from __future__ import annotations
