@@ -469,3 +469,14 @@ def test_golden_answers_that_cannot_fail_recall_are_warned_about_at_build(tmp_pa
                          "boxes", golden)
     warned = [e for e in events if e.get("event") == "bundle.create.golden_cannot_fail"]
     assert warned and "recall and localisation cannot fail" in warned[0]["warning"]
+
+
+def test_bundle_inspect_names_the_stage_graphs_and_the_package_answers(demo_graph_bundle: Path) -> None:
+    from agent.proof.inspect import render_text, summarize
+
+    s = summarize(load_bundle(demo_graph_bundle))
+    assert set(s["stages"]) == {"pre", "post"} and s["stages"]["post"]["ops"] == {"Softmax": 1, "Squeeze": 1}
+    assert s["answers"] == "golden/answers.json"
+    text = render_text(s)
+    assert "stages   pre pre.onnx" in text and "package answers: golden/answers.json" in text
+    assert "package answers: none" in render_text(summarize(load_bundle(DEMO)))
