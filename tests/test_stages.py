@@ -57,8 +57,8 @@ def _serve(engine, raw: np.ndarray) -> dict:
 
 # ---------------------------------------------------------------- the demo bundle through graphs
 
-@pytest.fixture(scope="module")
-def demo_graph_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["fp32"])
+def demo_graph_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo classifier built with `bundle create --pre-graph --post-graph`: the graphs state what the demo's
     declarative preprocessing (stretch 160 -> 128, (x/255 - 0.5) / 0.25, NCHW) and softmax do."""
     d = tmp_path_factory.mktemp("demo-graph")
@@ -82,8 +82,8 @@ def demo_graph_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "postprocess": {"result": {"kind": "classes", "probabilities": "probabilities", "top_k": 3}}}
     (d / "spec.yaml").write_text(yaml.safe_dump(spec))
     return create_bundle(CreateOptions(model=DEMO / "model_fp32.onnx", spec=d / "spec.yaml", calibration=golden,
-                                       golden=golden, out=d / "bundle", labels=DEMO / "labels.txt", int8=False,
-                                       pre_graph=pre, post_graph=post))
+                                       golden=golden, out=d / "bundle", labels=DEMO / "labels.txt",
+                                       int8=request.param == "int8", pre_graph=pre, post_graph=post))
 
 
 def test_demo_bundle_serves_the_same_results_through_equivalent_pre_and_post_graphs(demo_graph_bundle: Path) -> None:
@@ -480,3 +480,20 @@ def test_bundle_inspect_names_the_stage_graphs_and_the_package_answers(demo_grap
     text = render_text(s)
     assert "stages   pre pre.onnx" in text and "package answers: golden/answers.json" in text
     assert "package answers: none" in render_text(summarize(load_bundle(DEMO)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("demo_graph_bundle", ["int8"], indirect=True)
+def test_int8_of_a_graph_bundle_quantises_only_the_core_model_and_is_judged_on_its_final_result(
+        demo_graph_bundle: Path) -> None:
+    import onnx
+
+    b = load_bundle(demo_graph_bundle)
+    int8 = b.manifest.variant("int8")
+    assert int8.quantization["format"] == "QDQ"
+    for stage in ("pre.onnx", "post.onnx"):  # the stages are shipped as given: no quantisation node in them
+        assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in onnx.load(str(b.path(stage))).graph.node)
+    assert int8.quality["golden_final_top1_agreement"] == 1.0  # judged by the kind against the package's answers
+    r = evaluate(b, Candidate(CPU, "int8", "int8"), SessionSettings(), b.golden(), latency=False)
+    assert r.evidence.fidelity.against == "package answers"
+    assert r.passed, r.reasons  # the build and the device judge the same final result by the same kind

@@ -873,7 +873,14 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         g = judge_fidelity(post, _unbatch(own[b.name], sequence), _unbatch(references, sequence), floors,
                            stage="build golden")
         b.quality.update(_figures("golden_", g))
-        problems = [f.text() for f in g.findings]
+        # a post graph's variant is gated by its final result's kind (as the device judges it), its raw outputs'
+        # figures kept for the record; with the package's answers every variant's final result is judged on them
+        problems = [] if post.graph is not None else [f.text() for f in g.findings]
+        if not sequence and (answers_text is not None or post.graph is not None):
+            figures, findings = judge_final_results(stages, own[b.name], stages.geometries,
+                                                    references, answers_text, spec, "build golden")
+            b.quality.update({f"golden_final_{k}": v for k, v in figures.items()})
+            problems += [f.text() for f in findings]
         if held:
             log.info("bundle.create.evaluating", variant=b.name, heldout=len(held))
             outs = _run_all(sess, held_inputs, feeder)
@@ -881,7 +888,14 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
                                stage="build held-out vs fp32")
             b.quality.update(_figures("heldout_", h))
             b.quality["heldout_samples"] = len(held)
-            problems += [f.text() for f in h.findings]
+            if post.graph is None:
+                problems += [f.text() for f in h.findings]
+            elif not sequence:
+                held_geoms = [pre.geometry(r) for r in held.raw]
+                figures, findings = judge_final_results(stages, outs, held_geoms, held_ref, None, spec,
+                                                        "build held-out vs fp32")
+                b.quality.update({f"heldout_final_{k}": v for k, v in figures.items()})
+                problems += [f.text() for f in findings]
             if held.labels is not None and task == "classification" and not sequence:
                 b.quality["heldout_top1"] = round(float(np.mean(_top1(outs, cls_out, post).ravel() == held.labels)), 5)
         feeder.reset("")
@@ -1154,3 +1168,26 @@ def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, fe
         figures[f"size_{size}_findings"] = len(findings)
         problems += [f.text() for f in findings]
     return figures, problems
+
+
+def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.ndarray]], geometries: Sequence[Any],
+                        references: Sequence[Mapping[str, np.ndarray]], answers_text: str | None,
+                        spec: Mapping[str, Any], stage: str) -> tuple[dict[str, float], list[Any]]:
+    """A variant's final results (its outputs -> post stage -> kind) against the package's answers, or without
+    them against the final results of the references' outputs, by the kind's fidelity: the gate the device applies."""
+    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+    from agent.results import kind_for
+
+    post_spec = postprocess_from_dict(spec["postprocess"])
+    if answers_text is not None:
+        doc = json.loads(answers_text)
+        name, want = doc["kind"], doc["results"]
+    else:
+        name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
+        want = [stages.post.decode(split_batch(r, 0), g, 0) for r, g in zip(references, geometries)]
+    kind = kind_for(name)
+    served = [stages.post.decode(split_batch(o, 0), g, 0) for o, g in zip(outs, geometries)]
+    figures, findings = kind.fidelity(served, want, kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
+                                      stage=stage)
+    return ({k: round(float(v), 6) for k, v in figures.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}, list(findings))
