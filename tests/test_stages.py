@@ -497,3 +497,36 @@ def test_int8_of_a_graph_bundle_quantises_only_the_core_model_and_is_judged_on_i
     r = evaluate(b, Candidate(CPU, "int8", "int8"), SessionSettings(), b.golden(), latency=False)
     assert r.evidence.fidelity.against == "package answers"
     assert r.passed, r.reasons  # the build and the device judge the same final result by the same kind
+
+
+def test_variant_whose_quantisation_made_an_output_dim_concrete_keeps_its_own_recorded_contract(
+        tiny_bundle: Path) -> None:
+    """Issue 21: an INT8 whose output dims quantisation made concrete "broke the declared contract" after a
+    13-minute build. `bundle create` records what each variant really declares (`variants[].outputs`), before
+    evaluating it; the device checks the variant against that."""
+    import onnx
+    import onnxruntime as ort
+
+    from agent.bundle.create import variant_outputs
+
+    m = load_bundle(tiny_bundle).manifest
+    path = tiny_bundle / m.variant("int8").file
+    model = onnx.load(str(path))
+    for o in model.graph.output:
+        o.type.tensor_type.shape.dim[0].ClearField("dim_param")
+        o.type.tensor_type.shape.dim[0].dim_value = 1  # [batch, C] -> [1, C]
+    onnx.save(model, str(path))
+    rewrite_manifest(tiny_bundle)
+    with pytest.raises(ContractError, match=r"variant 'int8' breaks the declared contract: output 'logits' shape"):
+        load_bundle(tiny_bundle)
+    declared = [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape)} for o in m.outputs]
+    own = variant_outputs(ort.InferenceSession(str(path), providers=[CPU]), declared, "int8", path)
+    assert own == [{"name": "logits", "dtype": "float32", "shape": [1, declared[0]["shape"][1]]}]
+    assert variant_outputs(ort.InferenceSession(str(tiny_bundle / m.variant("fp32").file), providers=[CPU]),
+                           declared, "fp32", path) is None
+
+    def record(d: dict) -> None:
+        next(v for v in d["variants"] if v["name"] == "int8")["outputs"] = own
+
+    rewrite_manifest(tiny_bundle, record)
+    assert load_bundle(tiny_bundle).manifest.variant("int8").outputs[0].shape == (1, declared[0]["shape"][1])

@@ -122,6 +122,26 @@ class VariantBuild:
     recorded: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # fidelity floors and author bounds it misses
     below_floor: str | None = None
+    outputs: list[dict[str, Any]] | None = None  # its own output contract, where quantisation changed dims
+
+
+def variant_outputs(sess: Any, outputs: Sequence[Mapping[str, Any]], name: str, where: Path) -> list[dict[str, Any]] | None:
+    """What a built variant really declares (ONNX Runtime's view, as the device's contract check opens it) when
+    its dims differ from FP32's (quantisation made a symbolic dim concrete, or the reverse): recorded as the
+    variant's own `outputs`. Other names, ranks or dtypes are refused here, before the variant is evaluated."""
+    from agent.bundle.load import _ORT_DTYPES, _ort_dims
+
+    own = [{"name": o.name, "dtype": _ORT_DTYPES.get(o.type, o.type), "shape": _ort_dims(list(o.shape))}
+           for o in sess.get_outputs()]
+    key = [(o["name"], o["dtype"], len(o["shape"])) for o in own]
+    if key != [(o["name"], o["dtype"], len(o["shape"])) for o in outputs]:
+        raise BundleError(f"{where}: variant {name} declares outputs {[(o['name'], o['dtype'], o['shape']) for o in own]}"
+                          f", FP32 {[(o['name'], o['dtype'], o['shape']) for o in outputs]}: names, dtypes and ranks "
+                          "must stay those of the model")
+    if [o["shape"] for o in own] == [list(o["shape"]) for o in outputs]:
+        return None
+    log.info("bundle.create.variant_contract", variant=name, outputs=own)
+    return own
 
 
 def _need_build_extra() -> Any:
@@ -867,6 +887,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     cls_out = post.output or output_names[0]
     own: dict[str, list[dict[str, np.ndarray]]] = {}  # each variant's own golden outputs, recorded
     for b in builds:
+        if b is not builds[0]:  # before its evaluation: a contract quantisation changed is recorded or refused now
+            b.outputs = variant_outputs(_cpu_session(root / b.file, optimize=False), outputs, b.name, root / b.file)
         sess = _cpu_session(root / b.file, optimize=True)  # as a device runs it: graph optimisation "all"
         own[b.name] = _run_all(sess, golden_inputs, feeder)
         b.recorded = {"onnxruntime": _ort_version(), "provider": CPU, "graph_optimization": "all"}
@@ -951,7 +973,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
             {"name": b.name, "file": b.file, "precision": b.precision,
              "providers": PROVIDERS_BY_PRECISION[b.precision], "quality": b.quality,
              **({"quantization": b.quantization} if b.quantization else {}),
-             "recorded": b.recorded, **({"below_floor": b.below_floor} if b.below_floor else {})}
+             "recorded": b.recorded, **({"below_floor": b.below_floor} if b.below_floor else {}),
+             **({"outputs": b.outputs} if b.outputs else {})}
             for b in builds
         ],
         "preference": preference,

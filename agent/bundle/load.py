@@ -307,7 +307,7 @@ def check_variant_contract(root: Path, manifest: Manifest, variant: str) -> None
         if list(outputs) != list(manifest.output_names):
             problems.append(f"outputs: manifest {list(manifest.output_names)}, model {list(outputs)}")
         else:
-            for spec in manifest.outputs:
+            for spec in v.outputs or manifest.outputs:  # the variant's own recorded contract, where it has one
                 o = outputs[spec.name]
                 problems += _contract_problems("output", spec, o.name, _ORT_DTYPES.get(o.type, o.type), list(o.shape))
             problems += layout_problems(manifest.postprocess, {n: _ort_dims(o.shape) for n, o in outputs.items()})

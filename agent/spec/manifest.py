@@ -326,6 +326,8 @@ class Variant:
     # what recorded this variant's own golden outputs (`variant.<name>.<output>`): onnxruntime, provider
     recorded: Mapping[str, str] = field(default_factory=dict)
     below_floor: str | None = None  # set by `bundle create --keep-low-quality`: never selected unless pinned
+    # the variant's own output contract where quantisation changed dims (symbolic <-> concrete); else the manifest's
+    outputs: tuple[TensorSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -525,6 +527,7 @@ def _build(d: Mapping[str, Any], where: str = MANIFEST_NAME) -> Manifest:
                 quantization=dict(v.get("quantization", {})),
                 recorded=dict(v.get("recorded", {})),
                 below_floor=v.get("below_floor"),
+                outputs=tuple(_tensor(o) for o in v.get("outputs", ())),
             )
             for v in d["variants"]
         ),
@@ -547,6 +550,11 @@ def _check_semantics(m: Manifest, where: str) -> None:
     for i, v in enumerate(m.variants):
         if v.file not in m.files:
             raise BundleError(f"{where}: key variants[{i}].file: {v.file!r} is not listed in files")
+        own = [(o.name, o.dtype, len(o.shape)) for o in v.outputs]
+        if own and own != [(o.name, o.dtype, len(o.shape)) for o in m.outputs]:
+            raise BundleError(f"{where}: key variants[{i}].outputs: a variant's own contract differs from outputs in "
+                              f"dims only; found {[(n, d) for n, d, _ in own]} (rank {[r for *_, r in own]}), outputs "
+                              f"{[(o.name, o.dtype) for o in m.outputs]}")
     for provider, prefs in m.preference.items():
         for n in prefs:
             if n not in names:
