@@ -72,7 +72,9 @@ def judge_post_reproduction(m: Manifest, post: GraphPostprocessor, got: Sequence
     if recorded is None:
         return []
     mine = post_tensors(post, got, geoms)
-    q = judge_reproduction(m.postprocess, mine, [dict(r) for r in recorded], bounds, "variant", stage="post")
+    # the post outputs are the kind's fields, each its own tensor: one range per output (the model's axis is not theirs)
+    spec = replace(m.postprocess, stage_channel_axis=None)
+    q = judge_reproduction(spec, mine, [dict(r) for r in recorded], bounds, "variant", stage="post")
     return list(q.findings)
 
 

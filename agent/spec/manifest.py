@@ -270,6 +270,8 @@ class PostprocessSpec:
     graph: str | None = None  # a post graph in the bundle (agent.proof.stages runs it)
     result: ResultSpec | None = None
     uses: tuple[str, ...] = ()  # the model outputs the bundle uses (empty: every output)
+    # with a post graph: the model outputs' channel axis for reproduction (manifest key channel_axis; None: whole)
+    stage_channel_axis: int | None = None
     output: str | None = None
     top_k: int = 5
     labels: str | None = None
@@ -496,6 +498,8 @@ def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
         post["result"] = result_from_dict(post["result"])
     if "uses" in post:
         post["uses"] = tuple(post["uses"])
+    if "graph" in post and "channel_axis" in post:
+        post["stage_channel_axis"] = post.pop("channel_axis")
     return PostprocessSpec(**post)
 
 
@@ -582,6 +586,9 @@ def _check_semantics(m: Manifest, where: str) -> None:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
     check_decisions(m, where)
+    if m.postprocess.stage_channel_axis == 0:
+        raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
+                          "later (-1: the last)")
     if m.postprocess.type == "raw" and m.postprocess.channel_axis == 0:
         raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
                           "later (-1: the last)")
