@@ -247,3 +247,17 @@ def width_coordinate_model(path: Path, input_name: str = "images", output: str =
     inputs = [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [1, 3, "h", "w"])]
     outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, 1])]
     return _save(nodes, inputs, outputs, path, "width_coordinate")
+
+
+def window_pre(path: Path, output: str, window: int, channels: int, divide: float) -> Path:
+    """A sensor window float32 [window, channels] -> [1, channels, window] / divide (NCW)."""
+    nodes = [
+        helper.make_node("Transpose", ["frame"], ["cw"], perm=[1, 0]),
+        _const("axes0", np.array([0], np.int64)),
+        helper.make_node("Unsqueeze", ["cw", "axes0"], ["ncw"]),
+        _const("d", np.array(divide, np.float32)),
+        helper.make_node("Div", ["ncw", "d"], [output]),
+    ]
+    inputs = [helper.make_tensor_value_info("frame", TensorProto.FLOAT, [window, channels])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, channels, window])]
+    return _save(nodes, inputs, outputs, path, "window_pre")

@@ -530,3 +530,30 @@ def test_variant_whose_quantisation_made_an_output_dim_concrete_keeps_its_own_re
 
     rewrite_manifest(tiny_bundle, record)
     assert load_bundle(tiny_bundle).manifest.variant("int8").outputs[0].shape == (1, declared[0]["shape"][1])
+
+
+def test_sensor_window_pre_graph_serves_what_the_declarative_front_end_serves(tiny_sensor_bundle: Path,
+                                                                              tmp_path: Path) -> None:
+    """A pre graph takes a sensor window (samples x channels) as well: the tiny sensor bundle's (x - 0) / 2 in NCW
+    as a graph serves the very same results on its golden windows."""
+    from conftest import TINY_SENSOR_SPEC
+    from stage_graphs import window_pre
+
+    from agent.testing import make_tiny_sensor_model
+
+    spec = {k: v for k, v in TINY_SENSOR_SPEC.items() if k != "preprocess"}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({**spec, "name": "sensor-graph"}))
+    windows = np.stack([g.raw for g in load_bundle(tiny_sensor_bundle).golden()])
+    np.savez(tmp_path / "golden.npz", raw=windows)
+    root = create_bundle(CreateOptions(model=make_tiny_sensor_model(tmp_path / "s.onnx"), spec=tmp_path / "spec.yaml",
+                                       calibration=tmp_path / "golden.npz", golden=tmp_path / "golden.npz",
+                                       out=tmp_path / "b", int8=False,
+                                       pre_graph=window_pre(tmp_path / "pre.onnx", "window", 64, 3, 2.0)))
+    graphs = build_engine(load_bundle(root), FP32, SessionSettings())
+    declarative = build_engine(load_bundle(tiny_sensor_bundle), FP32, SessionSettings())
+    for w in windows:
+        assert _serve(graphs, w) == _serve(declarative, w)
+    with pytest.raises(PreprocessError, match=r"sensor window shape \(32, 3\) is not \(64, 3\)"):
+        graphs.preprocessor(windows[0][:32])
+    b = load_bundle(root)
+    assert evaluate(b, FP32, SessionSettings(), b.golden(), latency=False).passed

@@ -222,6 +222,12 @@ def check_stage_contracts(root: Path, manifest: Manifest) -> None:
         problems = []
         if list(ins) != [PRE_GRAPH_INPUT]:
             problems.append(f"inputs {sorted(ins)}: a pre graph takes one input {PRE_GRAPH_INPUT!r} (the raw frame)")
+        elif m.frame.kind == "sensor":
+            dtype, dims = ins[PRE_GRAPH_INPUT]
+            want = (m.frame.window, m.frame.channels)
+            if dtype != m.frame.dtype or len(dims) != 2 or any(isinstance(d, int) and d != w for d, w in zip(dims, want)):
+                problems.append(f"input {PRE_GRAPH_INPUT!r} is {dtype} {dims}: expected {m.frame.dtype} "
+                                f"[{want[0]}, {want[1]}] (the sensor window, samples x channels)")
         else:
             dtype, dims = ins[PRE_GRAPH_INPUT]
             if dtype != "uint8" or len(dims) != 3:

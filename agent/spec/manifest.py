@@ -595,16 +595,16 @@ def _check_semantics(m: Manifest, where: str) -> None:
     check_inputs(m, where)
     if pre_resize_problem := resize_problem(m.preprocess.resize):
         raise BundleError(f"{where}: key preprocess.resize: {pre_resize_problem}")
-    if pre.graph is not None:
+    if pre.graph is not None and frame.kind == "image":
         return  # the graph makes the model's tensor: check_stages refused the vocabulary's keys beside it
     if frame.kind == "image":
         if pre.layout not in ("nchw", "nhwc"):
             raise BundleError(f"{where}: key preprocess.layout: image frames need nchw or nhwc, found {pre.layout!r}")
         channels = 1 if (pre.color or frame.color) == "gray" else 3
     else:
-        if pre.layout not in ("ncw", "nwc", "nw"):
+        if pre.graph is None and pre.layout not in ("ncw", "nwc", "nw"):
             raise BundleError(f"{where}: key preprocess.layout: sensor frames need ncw, nwc or nw, found {pre.layout!r}")
-        if pre.layout == "nw" and frame.channels != 1:
+        if pre.graph is None and pre.layout == "nw" and frame.channels != 1:
             raise BundleError(f"{where}: key preprocess.layout: nw ([batch, window], no channel axis) needs a "
                               f"one-channel window, the frame has {frame.channels} channels: use ncw or nwc")
         if pre.resize is not None or pre.color is not None:
@@ -738,9 +738,6 @@ def check_stages(m: Manifest, where: str) -> None:
         if pre.dtype != m.input.dtype:
             raise BundleError(f"{where}: key preprocess.dtype: {pre.dtype} is not input.dtype {m.input.dtype} (with a "
                               "graph the dtype is the graph's output's)")
-        if frame.kind != "image":
-            raise BundleError(f"{where}: key preprocess.graph: a pre graph takes image frames (uint8 HxWxC); sensor "
-                              "windows take the declarative front-end")
         if m.stateful:
             raise BundleError(f"{where}: key preprocess.graph: stateful models take the declarative path")
     if frame.kind == "image" and frame.any_size:
