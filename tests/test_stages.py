@@ -557,3 +557,26 @@ def test_sensor_window_pre_graph_serves_what_the_declarative_front_end_serves(ti
         graphs.preprocessor(windows[0][:32])
     b = load_bundle(root)
     assert evaluate(b, FP32, SessionSettings(), b.golden(), latency=False).passed
+
+
+def test_self_test_proves_each_candidate_at_the_declared_size_extremes(tmp_path: Path) -> None:
+    """The frames at min_size and max_size travel in the golden set with each variant's outputs there; a candidate
+    that computes something else at the largest size (here: the recorded INT8 answer of a saturating build) fails
+    reproduction naming the frame size."""
+    _d, made = _coordinate_bundle(tmp_path)
+    root = create_bundle(made["opts"])
+    b = load_bundle(root)
+    probes = b.golden()[0].size_probes
+    assert [p[0].shape for p in probes] == [(32, 32, 3), (32, 128, 3)] and set(probes[1][1]) == {"fp32", "int8"}
+    assert evaluate(b, Candidate(CPU, "int8", "int8"), SessionSettings(), b.golden(), latency=False).passed
+    sample = root / b.manifest.golden[0]
+    with np.load(sample) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["size.1.variant.int8.extent"] = np.full_like(arrays["size.1.variant.int8.extent"], 62.5)
+    np.savez(sample, **arrays)
+    rewrite_manifest(root)
+    b = load_bundle(root)
+    r = evaluate(b, Candidate(CPU, "int8", "int8"), SessionSettings(), b.golden(), latency=False)
+    assert not r.passed
+    f = next(f for f in r.findings if f.stage.startswith("frame size"))
+    assert f.stage == "frame size 128x32" and f.check == "reproduction", f.text()

@@ -944,6 +944,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         arrays = golden_arrays(raw, t, {n: ref[n] for n in output_names}, framework)
         arrays.update({f"variant.{b.name}.{n}": own[b.name][i][n] for b in builds for n in output_names})
         arrays.update(stages.recorded(i, {b.name: own[b.name][i] for b in builds}, ref))
+        if i == 0:  # the frames at the declared size extremes, with each variant's outputs: proven on the device too
+            arrays.update(size_probe_arrays(extremes, pre, feeder, {b.name: root / b.file for b in builds}))
         np.savez_compressed(root / rel, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
         golden_files.append(rel)
 
@@ -1214,3 +1216,21 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
                                       stage=stage)
     return ({k: round(float(v), 6) for k, v in figures.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}, list(findings))
+
+
+def size_probe_arrays(frames: Sequence[np.ndarray], pre: Any, feeder: InputFeeder,
+                      variants: Mapping[str, Path]) -> dict[str, np.ndarray]:
+    """Golden arrays `size.<k>.raw` and `size.<k>.variant.<variant>.<output>`: each size-extreme frame and what
+    every variant computed on it here (graph optimisation "all", as a device runs it), for the device's
+    reproduction at the smallest and largest declared frame size."""
+    out: dict[str, np.ndarray] = {}
+    if not frames:
+        return out
+    tensors = [pre(f) for f in frames]
+    for name, path in variants.items():
+        sess = _cpu_session(path, optimize=True)
+        for k, outs in enumerate(_run_all(sess, tensors, feeder)):
+            out.update({f"size.{k}.variant.{name}.{o}": v for o, v in outs.items()})
+    for k, f in enumerate(frames):
+        out[f"size.{k}.raw"] = np.asarray(f)
+    return out

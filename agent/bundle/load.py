@@ -60,6 +60,8 @@ class GoldenSample:
     variant_outputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     sequence: bool = False
     stage_outputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # "pre" | "post.<variant>" -> outputs
+    # frames at the declared size extremes (npz `size.<k>.raw`) with each variant's outputs (`size.<k>.variant.*`)
+    size_probes: tuple[tuple[np.ndarray, dict[str, dict[str, np.ndarray]]], ...] = ()
 
     @property
     def tensor(self) -> np.ndarray:
@@ -344,6 +346,17 @@ def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenS
             stages.setdefault(f"post.{name}", {})[out] = v
         elif k.startswith("pre."):
             stages.setdefault("pre", {})[k.removeprefix("pre.")] = v
+    probes: list[tuple[np.ndarray, dict[str, dict[str, np.ndarray]]]] = []
+    for j in range(len([k for k in arrays if k.startswith("size.") and k.endswith(".raw")])):
+        outs: dict[str, dict[str, np.ndarray]] = {}
+        for k, v in arrays.items():
+            prefix = f"size.{j}.variant."
+            if k.startswith(prefix) and k.count(".") >= 4:
+                name, out = k.removeprefix(prefix).split(".", 1)
+                outs.setdefault(name, {})[out] = v
+        if f"size.{j}.raw" not in arrays:
+            raise BundleError(f"{path}: golden sample {index}: size probes are numbered from 0; size.{j}.raw is missing")
+        probes.append((arrays[f"size.{j}.raw"], outs))
     return GoldenSample(
         index=index,
         file=rel,
@@ -354,6 +367,7 @@ def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenS
         variant_outputs=variants,
         sequence=manifest.stateful,
         stage_outputs=stages,
+        size_probes=tuple(probes),
     )
 
 
@@ -387,8 +401,9 @@ def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
     bundle = Bundle(root=root, manifest=manifest, manifest_sha256=digest)
     golden = bundle.golden()
     for g in golden:
-        if manifest.frame.kind == "image" and (why := manifest.frame.size_problem(*g.raw.shape[:2])) is not None:
-            raise BundleError(f"{root / g.file}: golden sample {g.index}: {why}")
+        for raw in [g.raw, *(p[0] for p in g.size_probes)]:
+            if manifest.frame.kind == "image" and (why := manifest.frame.size_problem(*raw.shape[:2])) is not None:
+                raise BundleError(f"{root / g.file}: golden sample {g.index}: {why}")
         expected = (1, *manifest.input.shape[1:])
         steps = g.input[0] if g.sequence and g.input.ndim else g.input
         if steps.ndim != len(manifest.input.shape) or any(
