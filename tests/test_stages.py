@@ -24,7 +24,7 @@ from stage_graphs import (
 
 from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
-from agent.errors import BundleError, ContractError, PreprocessError
+from agent.errors import BundleError, ContractError, PreprocessError, QualityError
 from agent.proof.selftest import evaluate
 from agent.proof.stages import preprocessor_for
 from agent.proof.terms import CPU, SessionSettings
@@ -580,3 +580,27 @@ def test_self_test_proves_each_candidate_at_the_declared_size_extremes(tmp_path:
     assert not r.passed
     f = next(f for f in r.findings if f.stage.startswith("frame size"))
     assert f.stage == "frame size 128x32" and f.check == "reproduction", f.text()
+
+
+def test_outputs_the_bundle_does_not_use_are_never_judged_at_build_or_on_the_device(tmp_path: Path) -> None:
+    """Issue 21: "the bundle declares which model outputs it uses (the rest are never judged)". An auxiliary
+    output that is NaN refused the bundle; with `postprocess.uses: [scores]` it builds and proves."""
+    from stage_graphs import two_output_model
+
+    golden = _frames_dir(tmp_path / "golden", [(32, 32)] * 4)
+    model = two_output_model(tmp_path / "m.onnx")
+
+    def build(uses: list[str] | None, out: str) -> Path:
+        post = {"type": "raw", "outputs": ["scores"], "channel_axis": -1, **({"uses": uses} if uses else {})}
+        spec = {"name": "aux", "version": 1, "task": "raw",
+                "frame": {"kind": "image", "height": 32, "width": 32, "channels": 3, "color": "rgb"},
+                "preprocess": {"scale": 1 / 255, "layout": "nchw", "dtype": "float32"}, "postprocess": post}
+        (tmp_path / f"{out}.yaml").write_text(yaml.safe_dump(spec))
+        return create_bundle(CreateOptions(model=model, spec=tmp_path / f"{out}.yaml", calibration=golden,
+                                           golden=golden, out=tmp_path / out, int8=False))
+
+    with pytest.raises(QualityError, match=r"non-finite output aux"):
+        build(None, "all")
+    b = load_bundle(build(["scores"], "used"))
+    assert b.manifest.used_outputs == ("scores",)
+    assert evaluate(b, FP32, SessionSettings(), b.golden(), latency=False).passed

@@ -530,6 +530,11 @@ def _latency_ms(sess: Any, feeds: dict[str, np.ndarray], runs: int = 40) -> dict
     return {"cpu_p50_ms": round(stats.p50_ms, 3), "cpu_p95_ms": round(stats.p95_ms, 3)}
 
 
+def _used(outs: list[dict[str, np.ndarray]], uses: Sequence[str]) -> list[dict[str, np.ndarray]]:
+    """Each sample's outputs narrowed to `postprocess.uses` (all of them when it is not given)."""
+    return outs if not uses else [{k: v for k, v in o.items() if k in uses} for o in outs]
+
+
 def _unbatch(outs: Sequence[Mapping[str, np.ndarray]], sequence: bool = False) -> list[dict[str, np.ndarray]]:
     """Per-sample outputs without the batch dimension; a sequence counts each of its steps as a sample."""
     if not sequence:
@@ -892,8 +897,9 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         sess = _cpu_session(root / b.file, optimize=True)  # as a device runs it: graph optimisation "all"
         own[b.name] = _run_all(sess, golden_inputs, feeder)
         b.recorded = {"onnxruntime": _ort_version(), "provider": CPU, "graph_optimization": "all"}
-        g = judge_fidelity(post, _unbatch(own[b.name], sequence), _unbatch(references, sequence), floors,
-                           stage="build golden")
+        # the outputs the bundle uses (postprocess.uses) only: the rest are never judged, here as on the device
+        g = judge_fidelity(post, _used(_unbatch(own[b.name], sequence), post.uses),
+                           _used(_unbatch(references, sequence), post.uses), floors, stage="build golden")
         b.quality.update(_figures("golden_", g))
         # a post graph's variant is gated by its final result's kind (as the device judges it), its raw outputs'
         # figures kept for the record; with the package's answers every variant's final result is judged on them
@@ -906,7 +912,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         if held:
             log.info("bundle.create.evaluating", variant=b.name, heldout=len(held))
             outs = _run_all(sess, held_inputs, feeder)
-            h = judge_fidelity(post, _unbatch(outs, sequence), _unbatch(held_ref, sequence), floors,
+            h = judge_fidelity(post, _used(_unbatch(outs, sequence), post.uses),
+                               _used(_unbatch(held_ref, sequence), post.uses), floors,
                                stage="build held-out vs fp32")
             b.quality.update(_figures("heldout_", h))
             b.quality["heldout_samples"] = len(held)
