@@ -193,6 +193,33 @@ source: {type: stream, url: "http://127.0.0.1:8554/cam.mjpg", open_timeout_ms: 6
 """
 
 
+def install(c: Container, agent_yaml: str, service: list[str]) -> None:
+    """scripts/install.sh from the wheelhouse (not started), the agent's config, and a drop-in with
+    `service` lines for the unit's [Service] section."""
+    step("scripts/install.sh --wheelhouse /wheels --no-start")
+    out = c.sh("/src/scripts/install.sh --wheelhouse /wheels --no-start", timeout=600)
+    assert "installed:" in out.stdout
+    assert c.sh("systemctl is-enabled edge-agent").stdout.strip() == "enabled"
+    c.sh(f"cat > /etc/edge-agent/agent.yaml <<'EOF'\n{agent_yaml}\nEOF")
+    dropin = "\n".join(["[Service]", *service, ""])
+    c.sh("mkdir -p /etc/systemd/system/edge-agent.service.d && "
+         f"cat > /etc/systemd/system/edge-agent.service.d/test.conf <<'EOF'\n{dropin}EOF\n"
+         "systemctl daemon-reload")
+    c.sh("systemctl is-active mosquitto")
+
+
+def _events(journal: str) -> list[dict]:
+    """The agent's JSON-line events in `journalctl -o cat` output (systemd's own lines skipped)."""
+    out = []
+    for line in journal.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
 def test_service_under_real_systemd() -> None:
     rootfs = ensure_rootfs()
     wheels = ensure_wheels()
@@ -202,15 +229,7 @@ def test_service_under_real_systemd() -> None:
         step(f"container up: {c.sh('systemctl --version | head -1').stdout.strip()}")
         before = listing(c)
 
-        step("scripts/install.sh --wheelhouse /wheels --no-start")
-        out = c.sh("/src/scripts/install.sh --wheelhouse /wheels --no-start", timeout=600)
-        assert "installed:" in out.stdout
-        assert c.sh("systemctl is-enabled edge-agent").stdout.strip() == "enabled"
-        c.sh(f"cat > /etc/edge-agent/agent.yaml <<'EOF'\n{AGENT_YAML}\nEOF")
-        c.sh("mkdir -p /etc/systemd/system/edge-agent.service.d && "
-             "printf '[Service]\\nWatchdogSec=6\\n' > /etc/systemd/system/edge-agent.service.d/test.conf && "
-             "systemctl daemon-reload")
-        c.sh("systemctl is-active mosquitto")
+        install(c, AGENT_YAML, ["WatchdogSec=6"])
 
         step("start: the unit is `activating` through the self-test, `active` only after READY=1")
         c.sh("systemctl start --no-block edge-agent")
@@ -293,6 +312,52 @@ def test_service_under_real_systemd() -> None:
         stray = sorted(after - before)
         assert not stray, f"left behind: {stray[:30]}"
         step("uninstalled cleanly")
+    finally:
+        c.stop()
+    assert not ephemeral_copies(), f"the container's ephemeral copy was left behind: {ephemeral_copies()}"
+    assert not container_init(c.proc.pid), "the container outlived the test"
+
+
+# The int8 passes the self-test child and dies (SIGSEGV) before its 3rd inference in the serving process.
+SERVE_CRASH = "serve:CPUExecutionProvider:int8#3=SIGSEGV"
+
+
+def test_a_crash_only_in_the_serving_process_restarts_once_and_serves_the_other_variant() -> None:
+    """Issue 19: a variant that crashes only while serving crash-looped the unit (ready, SIGSEGV, restart,
+    the same candidate, forever). Under systemd's own Restart=on-failure, with the default config (the
+    verdict cache on): one restart, then the fp32 serves, and the unit is never restarted again."""
+    rootfs = ensure_rootfs()
+    wheels = ensure_wheels()
+    step("booting the container (systemd-nspawn -b, systemd as PID 1)")
+    c = Container(rootfs, {ROOT: "/src", wheels: "/wheels"})
+    try:
+        install(c, AGENT_YAML, [f"Environment=EDGE_AGENT_FAULT={SERVE_CRASH}"])
+        step(f"start with EDGE_AGENT_FAULT={SERVE_CRASH}: the int8 wins the proof and dies serving")
+        c.sh("systemctl start --no-block edge-agent")
+        active = lambda: c.sh("systemctl is-active edge-agent", check=False).stdout.strip() == "active"  # noqa: E731
+        journal = lambda: c.sh("journalctl -u edge-agent --no-pager -o cat").stdout  # noqa: E731
+        c.wait_for(lambda: int(c.prop("NRestarts")) >= 1 and active() and " fp32 " in c.prop("StatusText"), 300,
+                   "a restart that serves the fp32")
+        pid = c.prop("MainPID")
+        status = c.prop("StatusText")
+        assert status.startswith("serving digits-classifier v1 fp32 on CPUExecutionProvider"), status
+        # barrier: the restarted process served past the inferences its marker covers (the int8 died at
+        # its 3rd), so a crash loop would have shown by now; then count systemd's restarts
+        fp32_watched = lambda: any(e.get("event") == "serving.watch_done"  # noqa: E731
+                                   and e.get("candidate") == "CPUExecutionProvider:fp32" for e in _events(journal()))
+        c.wait_for(fp32_watched, 120, "the fp32 serving past its first inferences")
+        restarts = int(c.prop("NRestarts"))
+        assert restarts == 1, f"{restarts} restarts: a crash loop\n{journal()[-3000:]}"
+        assert c.prop("MainPID") == pid and active()
+        assert int(c.sh("cat /var/lib/edge-agent/boots").stdout) == 2
+        text = journal()
+        assert "status=11/SEGV" in text, text[-3000:]  # systemd's own line: the first process died of it
+        recorded = [e for e in _events(text) if e.get("event") == "serving.crash_recorded"]
+        assert [e["candidate"] for e in recorded] == ["CPUExecutionProvider:int8"], recorded
+        crashes = json.loads(c.sh("cat /var/lib/edge-agent/selftest/crashes.json").stdout)
+        assert [(r["step"], r["signal"]) for r in crashes] == [
+            ("candidate:CPUExecutionProvider:int8", "the serving process died")], crashes
+        step(f"one restart (NRestarts={restarts}); {status!r}")
     finally:
         c.stop()
     assert not ephemeral_copies(), f"the container's ephemeral copy was left behind: {ephemeral_copies()}"
