@@ -15,6 +15,7 @@ runs, so any rate can be costed: cost per second = rate x (CPU time of one infer
 
 Usage: python scripts/bench_audit.py [--bundle models/digits-classifier] [--frames 3000] [--rounds 4]
            [--modes default,1hz,10hz]
+       python scripts/bench_audit.py --per-check 500     (the audit's CPU per check, in process)
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_serving import ROOT, _proc_cpu_s, camera_video  # noqa: E402
 
+# checks per second (canary + live) of each setting, for the cost per check
+RATES = {"default": 1 / 60 + 1 / 30, "1hz": 2.0, "10hz": 20.0}
 MODES = {
     "off": {"audit.enabled": False},
     "default": {},  # 60 s / 30 s; the first checks come 5 s after serving starts: in a short run, the tap alone
@@ -90,6 +93,55 @@ def run_agent(video: Path, bundle: Path, settings: dict, n: int, skip: float, st
     return Run(k / (t1 - t0), (c1 - c0) / k * 1000, (load0, os.getloadavg()[0]), variant)
 
 
+def per_check(bundle_dir: Path, n: int) -> None:
+    """The audit's own CPU per check, in this process, with the agent's Auditor on a real engine (the
+    served candidate's session, the reference FP32 session): `time.thread_time` around each canary and
+    each live sample (the tap's copy, the reference run, and the fidelity judgement of every window), beside
+    one serving inference. Process CPU time (ONNX Runtime's own threads included; nothing else runs in this
+    process), not wall time: a loaded machine stretches the wall clock, not the work, so this figure holds
+    where the fps ratio above is noise."""
+    from agent.bundle.load import load_bundle
+    from agent.config import Config
+    from agent.proof.verdict import Candidate
+    from agent.proof.terms import CPU
+    from agent.service.audit import AUDIT_SOURCE, Auditor, AuditSettings, AuditTap
+    from agent.serving.engine import build_engine
+
+    bundle = load_bundle(bundle_dir)
+    cfg = Config()
+    v = bundle.manifest.variant("int8")
+    engine = build_engine(bundle, Candidate(CPU, v.name, v.precision), cfg.session, tap=AuditTap())
+    auditor = Auditor(AuditSettings(live_window=8), lambda: engine, cfg.session)
+    auditor._attach(engine)
+    golden = bundle.golden()
+    tensor = golden[0].input
+    served = engine.run(tensor, AUDIT_SOURCE)
+    auditor._live(tensor, served)  # opens the reference session (once per engine: not a per-check cost)
+    costs: dict[str, list[float]] = {"serving inference": [], "canary": [], "live sample": []}
+    for _ in range(n):
+        t0 = time.process_time()
+        engine.run(tensor, AUDIT_SOURCE)
+        t1 = time.process_time()
+        auditor._canary()
+        t2 = time.process_time()
+        auditor._next_live = 0.0
+        auditor._tap(engine, tensor, served)  # the copy, on the inference thread in serving
+        auditor._live(*auditor._samples.get_nowait())  # every live_window-th call also judges the window
+        t3 = time.process_time()
+        costs["serving inference"].append(t1 - t0)
+        costs["canary"].append(t2 - t1)
+        costs["live sample"].append(t3 - t2)
+    mean = {k: statistics.fmean(x) * 1000 for k, x in costs.items()}
+    at_defaults = mean["canary"] / 60 + mean["live sample"] / 30  # ms of CPU per second of serving
+    print(f"\nper check, {n} of each, process CPU time, {bundle_dir.name} int8 serving, reference fp32 "
+          f"(load average {os.getloadavg()[0]:.2f}):")
+    for k, ms in mean.items():
+        print(f"  {k:18s} {ms:6.3f} ms (median {statistics.median(costs[k]) * 1000:.3f})")
+    print(f"  at the defaults (a canary every 60 s, a live sample every 30 s): {at_defaults:.4f} ms of CPU per "
+          f"second of serving = {at_defaults / 10:.5f} % of one core")
+    print(f"  counters: {auditor.counters}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", type=Path, default=ROOT / "models" / "digits-classifier")
@@ -97,7 +149,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="pairs per mode (off/on in even rounds, on/off in odd)")
     ap.add_argument("--modes", default="default,1hz,10hz", help=f"audit settings against off: {', '.join(MODES)}")
     ap.add_argument("--skip", type=float, default=0.4, help="fraction of each run's results before the window")
+    ap.add_argument("--per-check", type=int, default=0, metavar="N",
+                    help="instead: the audit's CPU per check, N checks of each in this process")
     args = ap.parse_args()
+    if args.per_check:
+        per_check(args.bundle, args.per_check)
+        return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES or m == "off"]
     if unknown:
@@ -137,11 +194,19 @@ def main() -> int:
           f"{len(os.sched_getaffinity(0))} cores, load average {load0[0]:.2f} -> {load1[0]:.2f}")
     print(f"{'audit':9s} {'fps on/off':>10s} {'spread':>13s} {'CPU/frame on/off':>16s} {'spread':>13s} "
           f"{'fps on':>8s} {'fps off':>8s}  (medians)")
-    off_fps = statistics.median(fps["off"])
+    off_fps, off_cpu = statistics.median(fps["off"]), statistics.median(cpu["off"])
     for mode in modes:
         fr, cr = fps_ratio[mode], cpu_ratio[mode]
         print(f"{mode:9s} {statistics.median(fr):10.3f} {min(fr):6.3f}-{max(fr):<6.3f} {statistics.median(cr):16.3f} "
               f"{min(cr):6.3f}-{max(cr):<6.3f} {statistics.median(fps[mode]):8.1f} {off_fps:8.1f}")
+    # the audit's CPU per second of serving: (CPU per frame on - off) x frames per second, and per check
+    fast = [m for m in modes if m != "default"]
+    for mode in fast:
+        extra = (statistics.median(cpu[mode]) - off_cpu) * statistics.median(fps[mode])
+        each = extra / RATES[mode]
+        print(f"{mode}: about {extra:.0f} ms of CPU per second of serving ({extra / 10:.1f} % of a core), "
+              f"{each:.1f} ms per check; at the defaults ({RATES['default'] * 60:.0f} checks a minute) that is "
+              f"{each * RATES['default']:.2f} ms/s ({each * RATES['default'] / 10:.3f} % of a core)")
     return 0
 
 
