@@ -15,6 +15,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from agent.bundle.load import load_bundle
 from agent.proof.selftest import SelftestOptions, run_selftest
 from agent.report.page import SERVING_HINT, render_report
@@ -64,9 +66,12 @@ def _texts(page: str) -> _Texts:
     return p
 
 
-def _report(bundle: Path, state: Path) -> dict:
-    run_selftest(load_bundle(bundle), state, SelftestOptions(latency_runs=20))
-    return json.loads((state / "selftest" / "report.json").read_text())
+@pytest.fixture(scope="module")
+def proven(tiny_bundle_master: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One real self-test report for the module (read only), and the state directory holding it."""
+    state = tmp_path_factory.mktemp("serving-proof") / "state"
+    run_selftest(load_bundle(tiny_bundle_master), state, SelftestOptions(latency_runs=20))
+    return json.loads((state / "selftest" / "report.json").read_text()), state
 
 
 def _drifted_audit() -> dict:
@@ -105,9 +110,8 @@ def _health(doc: dict, *, serving: bool, audit: dict, reproof: dict, pinned: str
             "selftest": selftest, "audit": audit, "reproof": reproof}
 
 
-def test_report_page_shows_the_audit_counters_last_checks_and_the_drift_evidence(tiny_bundle: Path,
-                                                                                 tmp_path: Path) -> None:
-    doc = _report(tiny_bundle, tmp_path / "state")
+def test_report_page_shows_the_audit_counters_last_checks_and_the_drift_evidence(proven: tuple[dict, Path]) -> None:
+    doc = proven[0]
     health = _health(doc, serving=True, audit=_drifted_audit(), reproof=Reproof(ReproofSchedule()).to_dict(),
                      pinned="worst channel SNR dB 11.2 under 15")
     page = render_report(doc, health=health)
@@ -132,8 +136,8 @@ def test_report_page_shows_the_audit_counters_last_checks_and_the_drift_evidence
     assert SERVING_HINT not in page
 
 
-def test_report_page_shows_the_reproof_schedule_and_its_next_attempt(tiny_bundle: Path, tmp_path: Path) -> None:
-    doc = _report(tiny_bundle, tmp_path / "state")
+def test_report_page_shows_the_reproof_schedule_and_its_next_attempt(proven: tuple[dict, Path]) -> None:
+    doc = proven[0]
     reproof = _armed_reproof()
     assert reproof["armed"] and reproof["attempts"] == 1 and reproof["next_attempt_in_s"] == 45.0
     page = render_report(doc, health=_health(doc, serving=False, audit=Auditor(AuditSettings(), lambda: None,
@@ -149,8 +153,8 @@ def test_report_page_shows_the_reproof_schedule_and_its_next_attempt(tiny_bundle
     assert "idle" in _texts(page).texts["audit-state"]
 
 
-def test_report_without_health_says_where_the_serving_proof_is(tiny_bundle: Path, tmp_path: Path) -> None:
-    doc = _report(tiny_bundle, tmp_path / "state")
+def test_report_without_health_says_where_the_serving_proof_is(proven: tuple[dict, Path]) -> None:
+    doc = proven[0]
     assert SERVING_HINT.split(":")[0] in render_report(doc).replace("&#39;", "'")
 
 
@@ -159,26 +163,27 @@ def edge_agent(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, cwd=ROOT)
 
 
-def test_report_command_reads_health_from_a_status_reply_and_from_the_broker(tiny_bundle: Path,
+@pytest.mark.slow  # four `edge-agent report` processes and a broker
+def test_report_command_reads_health_from_a_status_reply_and_from_the_broker(proven: tuple[dict, Path],
                                                                              tmp_path: Path) -> None:
     import paho.mqtt.client as paho
 
     from brokers import Broker
 
-    doc = _report(tiny_bundle, tmp_path / "state")
+    doc, state = proven
     health = _health(doc, serving=True, audit=_drifted_audit(), reproof=_armed_reproof())
     reply = tmp_path / "status.json"
     reply.write_text(json.dumps({"ok": True, "health": health}))  # what `status` answers
     out = tmp_path / "page.html"
-    done = edge_agent("report", str(tmp_path / "state"), "--health", str(reply), "--out", str(out))
+    done = edge_agent("report", str(state), "--health", str(reply), "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "max_abs = 0.81 over bound 0.05" in _texts(out.read_text()).texts["audit-evidence"]
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"candidates": []}))
-    refused = edge_agent("report", str(tmp_path / "state"), "--health", str(bad), "--out", str(out))
+    refused = edge_agent("report", str(state), "--health", str(bad), "--out", str(out))
     assert refused.returncode != 0 and "--health" in refused.stderr and "not a health message" in refused.stderr
-    missing = edge_agent("report", str(tmp_path / "state"), "--health", str(tmp_path / "nope.json"))
+    missing = edge_agent("report", str(state), "--health", str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and "--health" in missing.stderr
 
     broker = Broker(tmp_path / "broker").start()
