@@ -35,3 +35,18 @@ def test_status_says_what_serves_loudly() -> None:
     assert loud_state({"degraded": "too slow"}, drift) == ("DEGRADED: canary audit of CPUExecutionProvider:int8 "
                                                           "drifted; DEGRADED: too slow for its budget")
     assert loud_state({"passed": True}, {"state": "ok", "degraded": None}) is None
+
+
+def test_the_last_audit_is_in_metrics_with_its_time_and_verdict() -> None:
+    health = {"uptime_s": 1, "serving": True, "selftest": {"passed": True, "bundle": {}},
+              "audit": {"state": "degraded", "canary_runs": 3,
+                        "last": {"canary": {"sample": 2, "passed": False, "at_unix": 1796170000.5},
+                                 "live": {"frames": 8, "passed": True, "at_unix": 1796169990.0}}}}
+    v = _values(health)
+    assert v["edge_agent_audit_last_check_timestamp_seconds{check=canary}"] == 1796170000.5
+    assert v["edge_agent_audit_last_check_passed{check=canary}"] == 0
+    assert v["edge_agent_audit_last_check_passed{check=live}"] == 1
+    # before the first check: no made-up sample
+    fresh = _values({"uptime_s": 1, "serving": True, "selftest": {"passed": True, "bundle": {}},
+                     "audit": {"state": "ok", "last": {}}})
+    assert not any(k.startswith("edge_agent_audit_last_check") for k in fresh)

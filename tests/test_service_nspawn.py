@@ -193,6 +193,38 @@ source: {type: stream, url: "http://127.0.0.1:8554/cam.mjpg", open_timeout_ms: 6
 """
 
 
+def install(c: Container, agent_yaml: str, service: list[str]) -> None:
+    """scripts/install.sh from the wheelhouse (not started), the agent's config, and a drop-in with
+    `service` lines for the unit's [Service] section."""
+    step("scripts/install.sh --wheelhouse /wheels --no-start")
+    out = c.sh("/src/scripts/install.sh --wheelhouse /wheels --no-start", timeout=600)
+    assert "installed:" in out.stdout
+    assert c.sh("systemctl is-enabled edge-agent").stdout.strip() == "enabled"
+    c.sh(f"cat > /etc/edge-agent/agent.yaml <<'EOF'\n{agent_yaml}\nEOF")
+    dropin(c, service)
+    c.sh("systemctl is-active mosquitto")
+
+
+def dropin(c: Container, service: list[str]) -> None:
+    """The test's drop-in for the unit's [Service] section (replaced), and systemd told of it."""
+    text = "\n".join(["[Service]", *service, ""])
+    c.sh("mkdir -p /etc/systemd/system/edge-agent.service.d && "
+         f"cat > /etc/systemd/system/edge-agent.service.d/test.conf <<'EOF'\n{text}EOF\n"
+         "systemctl daemon-reload")
+
+
+def _events(journal: str) -> list[dict]:
+    """The agent's JSON-line events in `journalctl -o cat` output (systemd's own lines skipped)."""
+    out = []
+    for line in journal.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
 def test_service_under_real_systemd() -> None:
     rootfs = ensure_rootfs()
     wheels = ensure_wheels()
@@ -202,15 +234,7 @@ def test_service_under_real_systemd() -> None:
         step(f"container up: {c.sh('systemctl --version | head -1').stdout.strip()}")
         before = listing(c)
 
-        step("scripts/install.sh --wheelhouse /wheels --no-start")
-        out = c.sh("/src/scripts/install.sh --wheelhouse /wheels --no-start", timeout=600)
-        assert "installed:" in out.stdout
-        assert c.sh("systemctl is-enabled edge-agent").stdout.strip() == "enabled"
-        c.sh(f"cat > /etc/edge-agent/agent.yaml <<'EOF'\n{AGENT_YAML}\nEOF")
-        c.sh("mkdir -p /etc/systemd/system/edge-agent.service.d && "
-             "printf '[Service]\\nWatchdogSec=6\\n' > /etc/systemd/system/edge-agent.service.d/test.conf && "
-             "systemctl daemon-reload")
-        c.sh("systemctl is-active mosquitto")
+        install(c, AGENT_YAML, ["WatchdogSec=6"])
 
         step("start: the unit is `activating` through the self-test, `active` only after READY=1")
         c.sh("systemctl start --no-block edge-agent")
@@ -293,6 +317,61 @@ def test_service_under_real_systemd() -> None:
         stray = sorted(after - before)
         assert not stray, f"left behind: {stray[:30]}"
         step("uninstalled cleanly")
+    finally:
+        c.stop()
+    assert not ephemeral_copies(), f"the container's ephemeral copy was left behind: {ephemeral_copies()}"
+    assert not container_init(c.proc.pid), "the container outlived the test"
+
+
+def test_a_crash_only_in_the_serving_process_restarts_once_and_serves_the_other_variant() -> None:
+    """Issue 19: a variant that crashes only while serving crash-looped the unit (ready, SIGSEGV, restart,
+    the same candidate, forever). Under systemd's own Restart=on-failure, with the default config (the
+    verdict cache on): the variant that won the proof dies (SIGSEGV) before its 3rd inference in the
+    serving process, never in the self-test child; one restart, then the other variant serves, and the
+    unit is not restarted again."""
+    rootfs = ensure_rootfs()
+    wheels = ensure_wheels()
+    step("booting the container (systemd-nspawn -b, systemd as PID 1)")
+    c = Container(rootfs, {ROOT: "/src", wheels: "/wheels"})
+    try:
+        install(c, AGENT_YAML, [])
+        active = lambda: c.sh("systemctl is-active edge-agent", check=False).stdout.strip() == "active"  # noqa: E731
+        journal = lambda: c.sh("journalctl -u edge-agent --no-pager -o cat").stdout  # noqa: E731
+        # which variant wins here (the fp32 is the bundle's preference, the int8 wins when 10 % faster):
+        # the fault goes on that one, and the cached verdict serves it again at the next start
+        c.sh("systemctl start edge-agent")
+        status = c.prop("StatusText")
+        assert status.startswith("serving digits-classifier v1 "), status
+        won = status.split()[3]
+        other = {"int8": "fp32", "fp32": "int8"}[won]
+        c.sh("systemctl stop edge-agent")
+        fault = f"serve:CPUExecutionProvider:{won}#3=SIGSEGV"
+        dropin(c, [f"Environment=EDGE_AGENT_FAULT={fault}"])
+        before = int(c.prop("NRestarts"))
+        step(f"{won} won the proof; start with EDGE_AGENT_FAULT={fault}: it dies serving")
+        c.sh("systemctl start --no-block edge-agent")
+        c.wait_for(lambda: int(c.prop("NRestarts")) > before and active()
+                   and c.prop("StatusText").startswith(f"serving digits-classifier v1 {other} "), 300,
+                   f"a restart that serves the {other}")
+        pid = c.prop("MainPID")
+        status = c.prop("StatusText")
+        # barrier: the restarted process served past the inferences its marker covers (the first died at
+        # its 3rd), so a crash loop would have shown by now; then count systemd's restarts
+        watched = lambda: any(e.get("event") == "serving.watch_done"  # noqa: E731
+                              and e.get("candidate") == f"CPUExecutionProvider:{other}" for e in _events(journal()))
+        c.wait_for(watched, 120, f"the {other} serving past its first inferences")
+        restarts = int(c.prop("NRestarts")) - before
+        assert restarts == 1, f"{restarts} restarts: a crash loop\n{journal()[-3000:]}"
+        assert c.prop("MainPID") == pid and active()
+        assert int(c.sh("cat /var/lib/edge-agent/boots").stdout) == 3  # the clean run, the crash, the restart
+        text = journal()
+        assert "status=11/SEGV" in text, text[-3000:]  # systemd's own line: the process died of it
+        recorded = [e for e in _events(text) if e.get("event") == "serving.crash_recorded"]
+        assert [e["candidate"] for e in recorded] == [f"CPUExecutionProvider:{won}"], recorded
+        crashes = json.loads(c.sh("cat /var/lib/edge-agent/selftest/crashes.json").stdout)
+        assert [(r["step"], r["signal"]) for r in crashes] == [
+            (f"candidate:CPUExecutionProvider:{won}", "the serving process died")], crashes
+        step(f"one restart (NRestarts {before} -> {before + restarts}); {status!r}")
     finally:
         c.stop()
     assert not ephemeral_copies(), f"the container's ephemeral copy was left behind: {ephemeral_copies()}"

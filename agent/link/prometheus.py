@@ -232,3 +232,16 @@ def _verdict_families(health: Mapping[str, Any], fig: Mapping[str, Any]) -> Iter
                            ("audit_live_windows", "live_windows", "Live-audit windows judged"),
                            ("audit_live_drift", "live_drift", "Live-audit windows under the fidelity floors")):
         yield CounterMetricFamily(f"{NS}_{name}", doc, value=audit.get(key, 0) or 0)
+    # the last audit: when each check last ran and whether it held (no sample before its first run)
+    last = audit.get("last") or {}
+    when = GaugeMetricFamily(f"{NS}_audit_last_check_timestamp_seconds", "When the audit's check last ran",
+                             labels=["check"])
+    held = GaugeMetricFamily(f"{NS}_audit_last_check_passed", "1 when the audit's last check held, 0 when not",
+                             labels=["check"])
+    for check in ("canary", "live"):
+        one = last.get(check) if isinstance(last, Mapping) else None
+        if isinstance(one, Mapping) and isinstance(one.get("at_unix"), (int, float)):
+            when.add_metric([check], float(one["at_unix"]))
+            held.add_metric([check], int(bool(one.get("passed"))))
+    yield when
+    yield held

@@ -10,18 +10,21 @@ from typing import Any
 from agent.errors import AgentError, UsageError, install_hint
 
 
-def _load(spec: str | None, args: argparse.Namespace, what: str) -> dict[str, Any]:
-    from agent.report.sources import fetch_retained, load_report
+def _load(spec: str | None, args: argparse.Namespace, what: str,
+          with_health: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The report, and (from the broker, when asked) the device's retained health message."""
+    from agent.report.sources import fetch_device, load_report
 
     if spec:
-        return load_report(Path(spec))
+        return load_report(Path(spec)), None
     if args.broker and args.device:
         host, _, port = args.broker.partition(":")
         if port and not (port.isdigit() and 0 < int(port) < 65536):
             raise UsageError(f"--broker: expected HOST[:PORT] with a port of 1-65535, found {args.broker!r}")
         password = Path(args.password_file).read_text().strip() if args.password_file else None
-        return fetch_retained(host, int(port or (8883 if args.tls_ca else 1883)), args.device, args.prefix,
-                              args.wait, args.username, password, args.tls_ca)
+        doc, health = fetch_device(host, int(port or (8883 if args.tls_ca else 1883)), args.device, args.prefix,
+                                   args.wait, args.username, password, args.tls_ca)
+        return doc, health if with_health else None
     raise UsageError(f"{what}: give a report.json or state directory, or --broker HOST[:PORT] --device ID")
 
 
@@ -32,13 +35,19 @@ def run_report(args: argparse.Namespace) -> int:
         raise AgentError("edge-agent report renders its page with Jinja2, which is not installed: "
                          + install_hint("report", "jinja2")) from exc
     from agent.report.page import render_report, write_report
+    from agent.report.sources import load_health
 
     for flag, path in (("--bundle", args.bundle), ("--compare-bundle", args.compare_bundle)):
         if path is not None and not path.is_dir():  # asked for thumbnails and bounds: never silently without
             raise UsageError(f"{flag}: {path} is not a bundle directory")
-    doc = _load(args.source, args, "edge-agent report")
-    old = _load(args.compare, args, "--compare") if args.compare else None
-    page = render_report(doc, bundle_root=args.bundle, compare=old, compare_bundle_root=args.compare_bundle)
+    if args.health is not None and not args.health.is_file():
+        raise UsageError(f"--health: {args.health} is not a file (a saved health message or `status` reply)")
+    doc, health = _load(args.source, args, "edge-agent report", with_health=True)
+    if args.health is not None:
+        health = load_health(args.health)
+    old = _load(args.compare, args, "--compare")[0] if args.compare else None
+    page = render_report(doc, bundle_root=args.bundle, compare=old, compare_bundle_root=args.compare_bundle,
+                         health=health)
     out = args.out or Path(f"selftest-{(doc.get('bundle') or {}).get('name', 'report')}-"
                            f"v{(doc.get('bundle') or {}).get('version', '')}.html")
     write_report(out, page)
@@ -60,7 +69,9 @@ def add_report_parser(sub: Any) -> None:
                                                "(default: the path the report names, when it exists here)")
     rp.add_argument("--compare", help="the report this one replaces (report.json or state dir): side by side")
     rp.add_argument("--compare-bundle", type=Path, help="the bundle directory of --compare")
-    rp.add_argument("--broker", help="HOST[:PORT]: read the device's retained selftest topic")
+    rp.add_argument("--health", type=Path, help="a saved health message (or `status` reply): the serving audit "
+                                               "and re-proof schedule (with --broker: read from the broker)")
+    rp.add_argument("--broker", help="HOST[:PORT]: read the device's retained selftest (and health) topics")
     rp.add_argument("--device", help="device id (with --broker)")
     rp.add_argument("--prefix", help="topic prefix (default edge/<device>/)")
     rp.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the retained report")

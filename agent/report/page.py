@@ -27,6 +27,7 @@ from agent.logsetup import get_logger
 from agent.link.health import report_candidates, selftest_figures
 from agent.report.extract import Metric, candidate_metrics, fmt, manifest_bounds, sample_views
 from agent.report.plots import LatencySeries, SamplePoint, latency_plot, sample_metric_plot
+from agent.report.serving import serving_view
 from agent.report.thumbs import bundle_manifest, golden_thumbnails
 
 log = get_logger("report")
@@ -107,8 +108,9 @@ def _ms(v: float | None) -> str:
 class _Context:
     """What one report's sections share: the figures, the bundle's manifest and thumbnails."""
 
-    def __init__(self, doc: Mapping[str, Any], bundle_root: Path | None):
+    def __init__(self, doc: Mapping[str, Any], bundle_root: Path | None, health: Mapping[str, Any] | None = None):
         self.doc = doc
+        self.health = health  # the device's health message: what serving has seen since this proof
         self.figures = selftest_figures(doc)
         self.cands = report_candidates(doc)  # the same entries the figures were made from, in order
         root = bundle_root
@@ -277,6 +279,14 @@ def _samples(ctx: _Context) -> Markup:
                              str(ctx.bundle_root) if ctx.thumbs else "")
 
 
+SERVING_HINT = ("The serving audit (canary and live audit) and the re-proof schedule live in the device's health "
+                "message: give --health FILE (a saved health message, or the `status` reply) or --broker/--device.")
+
+
+def _serving(ctx: _Context) -> Markup:
+    return _macros().serving(serving_view(ctx.health, ctx.figures), SERVING_HINT)
+
+
 def _section(fn: Any, ctx: _Context) -> Markup:
     """One section; a report this page does not understand costs that section, never the page."""
     try:
@@ -287,7 +297,10 @@ def _section(fn: Any, ctx: _Context) -> Markup:
 
 
 def _body(ctx: _Context, raw_json: bool = True) -> Markup:
-    parts = [_section(fn, ctx) for fn in (_banner, _candidates, _latency, _samples, _metrics, _placement, _versions)]
+    # the report a comparison replaces has no health of its own: no "while serving" section there
+    serving = (_serving,) if raw_json or ctx.health is not None else ()
+    parts = [_section(fn, ctx) for fn in (_banner, *serving, _candidates, _latency, _samples, _metrics, _placement,
+                                          _versions)]
     if raw_json:
         parts.append(_macros().raw_json(json.dumps(ctx.doc, indent=1, default=str)))
     return Markup("").join(parts)
@@ -329,9 +342,10 @@ def _comparison(old: _Context, new: _Context) -> Markup:
 
 
 def render_report(doc: Mapping[str, Any], *, bundle_root: Path | None = None, compare: Mapping[str, Any] | None = None,
-                  compare_bundle_root: Path | None = None) -> str:
-    """The whole page as one HTML string. `compare`: the report of the bundle this one replaces."""
-    ctx = _Context(doc, bundle_root)
+                  compare_bundle_root: Path | None = None, health: Mapping[str, Any] | None = None) -> str:
+    """The whole page as one HTML string. `compare`: the report of the bundle this one replaces; `health`:
+    the device's health message (the audit and the re-proof schedule while serving)."""
+    ctx = _Context(doc, bundle_root, health)
     b = _map(doc.get("bundle"))
     title = f"self-test: {b.get('name', '?')} v{b.get('version', '?')} {ctx.figures.get('verdict', '').upper()}"
     if compare is not None:

@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import AgentError
+from agent.logsetup import get_logger
 from agent.link.topics import Topics, default_prefix
+
+log = get_logger("report")
 
 
 def _parse(data: bytes | str, where: str) -> dict[str, Any]:
@@ -65,26 +68,63 @@ def load_report(path: Path) -> dict[str, Any]:
                      "pass a report.json or a state directory")
 
 
+HEALTH_GRACE_S = 1.0  # retained messages arrive together after SUBACK: a short wait for health after the report
+
+
+def _parse_health(data: bytes | str, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise AgentError(f"{where}: not a JSON health message: {exc}") from exc
+    if isinstance(doc, dict) and isinstance(doc.get("health"), dict):
+        doc = doc["health"]  # the `status` command's reply: {"ok": true, "health": {...}}
+    if not isinstance(doc, dict) or not ({"audit", "reproof", "serving"} & set(doc)):
+        raise AgentError(f"{where}: not a health message (expected an object with 'serving', 'audit' or "
+                         "'reproof': the retained edge/<device>/health topic, or the `status` command's reply)")
+    return doc
+
+
+def load_health(path: Path) -> dict[str, Any]:
+    """A saved health message (or `status` reply) for the page's "while serving" section."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise AgentError(f"--health {path}: {exc.strerror or exc}") from exc
+    return _parse_health(data, f"--health {path}")
+
+
 def fetch_retained(host: str, port: int, device: str, prefix: str | None = None, timeout_s: float = 10.0,
                    username: str | None = None, password: str | None = None, tls_ca: str | None = None) -> dict[str, Any]:
     """The device's retained self-test report from the broker."""
+    return fetch_device(host, port, device, prefix, timeout_s, username, password, tls_ca)[0]
+
+
+def fetch_device(host: str, port: int, device: str, prefix: str | None = None, timeout_s: float = 10.0,
+                 username: str | None = None, password: str | None = None,
+                 tls_ca: str | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The device's retained self-test report and, when it is there, its retained health message."""
     import paho.mqtt.client as paho
 
-    topic = Topics(prefix or default_prefix(device)).selftest
+    topics = Topics(prefix or default_prefix(device))
+    topic, health_topic = topics.selftest, topics.health
     got: dict[str, bytes] = {}
-    done = threading.Event()
+    done, both = threading.Event(), threading.Event()
     failed: list[str] = []
 
     def on_connect(c: Any, u: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:
             failed.append(str(reason))
             done.set()
+            both.set()
         else:
-            c.subscribe(topic, qos=1)
+            c.subscribe([(topic, 1), (health_topic, 1)])
 
     def on_message(c: Any, u: Any, msg: Any) -> None:
-        got["payload"] = msg.payload
-        done.set()
+        got["payload" if msg.topic == topic else "health"] = msg.payload
+        if "payload" in got:
+            done.set()
+        if "payload" in got and "health" in got:
+            both.set()
 
     client = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
     if tls_ca:
@@ -98,7 +138,8 @@ def fetch_retained(host: str, port: int, device: str, prefix: str | None = None,
         raise AgentError(f"cannot reach the broker at {host}:{port}: {exc}") from exc
     client.loop_start()
     try:
-        done.wait(timeout_s)
+        if done.wait(timeout_s):
+            both.wait(HEALTH_GRACE_S)
     finally:
         client.loop_stop()
         client.disconnect()
@@ -107,4 +148,10 @@ def fetch_retained(host: str, port: int, device: str, prefix: str | None = None,
     if "payload" not in got:
         raise AgentError(f"no retained self-test report on {topic} at {host}:{port} within {timeout_s:g} s "
                          "(is the device id right, and has it run its self-test with MQTT on?)")
-    return _parse(got["payload"], f"{host}:{port} {topic}")
+    health = None
+    if "health" in got:
+        try:
+            health = _parse_health(got["health"], f"{host}:{port} {health_topic}")
+        except AgentError as exc:  # the report is what was asked for: a damaged health costs its section only
+            log.warning("report.health_unreadable", error=str(exc)[:300])
+    return _parse(got["payload"], f"{host}:{port} {topic}"), health

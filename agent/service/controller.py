@@ -187,6 +187,7 @@ class Controller:
         self._last_failure: dict[str, Any] | None = None  # the last rejected / rolled-back update, for the facts
         self._last_health: dict[str, Any] | None = None
         self._last_health_key: Any = None
+        self._loud_logged: str | None = None  # the loud state (pinned, degraded) the journal last said
         sel = cfg.selection  # re-proof while up when nothing serves only because of latency (reproof.py)
         self.reproof = Reproof(ReproofSchedule(sel.reproof_backoff_s, sel.reproof_max_backoff_s))
         # keep proving while serving (audit.py): canary and live audit on their own thread
@@ -355,6 +356,7 @@ class Controller:
             loud = loud_state(self.selftest_doc, None)
             if loud:  # pinned below floor, too slow: in the journal, not only in health
                 log.warning("boot.serving_loudly", state=loud, warnings=(self.selftest_doc or {}).get("warnings"))
+            self._loud_logged = loud
         self.reproof.after_proof(o.report, self.serving, self.not_serving_reason)
         if self.reproof.armed:
             log.warning("reproof.scheduled", **self.reproof.to_dict())
@@ -453,6 +455,15 @@ class Controller:
         line = status_line(self.serving, self.engine, self.not_serving_reason or self._idle_reason())
         return f"{line} — {loud}" if loud else line
 
+    def _journal_loud(self) -> None:
+        """A loud state that newly applies (an update or rollback that serves a pinned below-floor
+        candidate, a drift) goes to the journal once, as the boot's does; STATUS says it at the same time."""
+        loud = loud_state(self.selftest_doc, self.auditor.to_dict()) if self.serving else None
+        if loud and loud != self._loud_logged:
+            log.warning("serving.loud", state=loud, status=self._status_text(),
+                        warnings=(self.selftest_doc or {}).get("warnings"))
+        self._loud_logged = loud
+
     def _idle_reason(self) -> str:
         p = self.pipeline
         if p is not None and p.failed is not None:
@@ -472,8 +483,9 @@ class Controller:
 
     def _health_key(self) -> Any:
         p = self.pipeline
-        return (self.serving, self.not_serving_reason, self.engine.describe()["variant"] if self.engine else None,
-                self.auditor.to_dict()["state"],
+        # the STATUS text itself: an update that keeps the variant changes the version it names and may
+        # bring a loud state (pinned below floor) with it
+        return (self.serving, self.not_serving_reason, self._status_text(), self.auditor.to_dict()["state"],
                 p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None,
                 getattr(p.source, "state_key", lambda: None)() if p else None)  # many sources: one turns stuck
 
@@ -909,6 +921,7 @@ class Controller:
                 doc = self._publish_health()
                 if key != self._last_health_key:
                     self.notifier.status(self._status_text())
+                    self._journal_loud()
                 self._last_health_key = key
                 log.info("health", **{k: doc[k] for k in ("serving", "not_serving_reason", "paused", "variant")},
                          **({"reproof": doc["reproof"]} if doc["reproof"]["armed"] else {}),
