@@ -454,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-agreement", type=float, default=0.97, help="INT8 bound on agreement with FP32 without labels")
     c.add_argument("--keep-low-quality", action="store_true", help="keep an INT8 variant under the bound, marked")
     c.set_defaults(func=_cmd_bundle_create)
+    from agent.bundle.graphs.command import add_graph_parser  # `edge-agent bundle graph`: agent/bundle/graphs/
+
+    add_graph_parser(bsub)
 
     pr = sub.add_parser("providers", help="which execution providers really work on this device")
     pr.add_argument("--json", action="store_true")
