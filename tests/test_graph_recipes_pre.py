@@ -4,6 +4,7 @@ torchvision Resize(int) + CenterCrop, U2Net's per-image max normalisation), at s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -251,3 +252,30 @@ def test_the_output_is_named_for_the_model_input() -> None:
 def test_bad_params_name_the_key(params: dict[str, Any], words: str) -> None:
     with pytest.raises(UsageError, match=words):
         build_graph("pre.letterbox", params)
+
+
+DIGITS = Path(__file__).resolve().parents[1] / "models" / "demo-frames" / "digits"
+
+
+def test_stretch_recipe_reproduces_the_demo_bundles_declarative_preprocessing() -> None:
+    """The demo's vocabulary (stretch 160 -> 128 linear, /255, mean 0.5, std 0.25, NCHW) as a recipe: every
+    demo frame within one pixel level (1/255/0.25) of agent.spec.preprocess, most elements equal."""
+    from agent.spec.manifest import FrameSpec, PreprocessSpec
+    from agent.spec.preprocess import Preprocessor, read_image_file
+
+    spec = PreprocessSpec(layout="nchw", dtype="float32", color="rgb", scale=1 / 255, mean=(0.5,) * 3, std=(0.25,) * 3,
+                          resize=ResizeSpec(width=128, height=128, mode="stretch", interpolation="linear"))
+    frame_spec = FrameSpec(kind="image", height=160, width=160, channels=3, color="rgb")
+    declarative = Preprocessor(spec, frame_spec)
+    sess = session("pre.stretch", width=128, height=128, scale=1 / 255, mean=[0.5] * 3, std=[0.25] * 3,
+                   input_name="input")
+    files = sorted(DIGITS.glob("*.png"))[:12]
+    assert len(files) == 12
+    for path in files:
+        raw = read_image_file(str(path), frame_spec)
+        assert raw is not None
+        x, geometry = run(sess, raw)
+        want, g = declarative.with_geometry(raw)
+        assert np.abs(x - want).max() <= 1 / 255 / 0.25 + 1e-5
+        assert np.mean(np.abs(x - want) < 1e-5) > 0.8
+        np.testing.assert_allclose(geometry, [g.scale_x, g.scale_y, g.pad_x, g.pad_y, g.crop_x, g.crop_y], rtol=1e-6)

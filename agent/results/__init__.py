@@ -12,7 +12,7 @@ import numpy as np
 
 from agent.errors import BundleError
 from agent.proof.parity import Finding
-from agent.results import boxes, classes
+from agent.results import boxes, classes, masks, scores, text
 from agent.results.fields import Field
 
 
@@ -39,7 +39,7 @@ class ResultKind(Protocol):
 
 
 # The one list a new kind is added to; mypy checks each module against ResultKind here.
-_MODULES: tuple[ResultKind, ...] = (classes, boxes)
+_MODULES: tuple[ResultKind, ...] = (classes, boxes, masks, text, scores)
 
 KINDS: dict[str, ResultKind] = {m.NAME: m for m in _MODULES}
 
