@@ -81,7 +81,7 @@ def selftest(bundle: Path, state: Path, *extra: str) -> dict[str, Any]:
     return json.loads(r.stdout)
 
 
-def tested(report: dict[str, Any], variant: str) -> dict[str, Any]:
+def candidate_of(report: dict[str, Any], variant: str) -> dict[str, Any]:
     found = [c for c in report["candidates"] if c["variant"] == variant and c["status"] == "tested"]
     assert found, f"{variant} was not tested: {report.get('reason')} {report['candidates']}"
     return found[0]
@@ -260,12 +260,12 @@ def test_picodet_served_by_run_equals_the_package_on_frames_of_six_sizes(picodet
 def test_picodet_fp32_passes_cold_selftests(picodet: Path, workdir: Path, figures: Any) -> None:
     failures = []
     for attempt in range(REPEATS):
-        c = tested(selftest(picodet, workdir / f"picodet-cold-{attempt}", "--variant", "fp32", "--latency-runs", "3"),
+        c = candidate_of(selftest(picodet, workdir / f"picodet-cold-{attempt}", "--variant", "fp32", "--latency-runs", "3"),
                    "fp32")
         if not c["passed"]:
             failures.append(f"attempt {attempt}: {c['reasons']}")
         elif attempt == 0:
-            figures["picodet_selftest_fp32"] = c["parity"]
+            figures["picodet_selftest_fp32"] = {**c["parity"], "p50_ms": (c.get("latency") or {}).get("p50_ms")}
     figures["picodet_fp32_cold"] = {"passed": REPEATS - len(failures), "of": REPEATS}
     assert not failures, f"FP32 failed {len(failures)} of {REPEATS} cold self-tests: {failures}"
 
@@ -280,9 +280,10 @@ def test_picodet_whole_graph_int8_is_marked_and_never_served(picodet: Path, work
     report = selftest(picodet, workdir / "picodet-int8-unpinned", "--latency-runs", "3")
     assert report["selected"]["variant"] == "fp32"
     assert not any(c["variant"] == "int8" and c["status"] == "tested" for c in report["candidates"])
-    c = tested(selftest(picodet, workdir / "picodet-int8-pinned", "--variant", "int8", "--latency-runs", "3"), "int8")
+    c = candidate_of(selftest(picodet, workdir / "picodet-int8-pinned", "--variant", "int8", "--latency-runs", "3"), "int8")
     problems = c["reasons"] + [str(w) for w in c.get("warnings", [])]
-    figures["picodet_int8"] = {"below_floor": int8["below_floor"], "pinned": problems}
+    figures["picodet_int8"] = {"below_floor": int8["below_floor"], "pinned": problems,
+                               "pinned_p50_ms": (c.get("latency") or {}).get("p50_ms")}
     assert any(re.search(r"(recall|precision|IoU|score)\S*.* = \S+ (under|over) bound \S+ on sample \d+ at stage post", p)
                for p in problems), problems
 
@@ -331,7 +332,7 @@ def test_picodet_post_stage_with_the_wrong_threshold_is_rejected_at_stage_post(p
     wrong = graph(workdir, PICODET_POST + ["--param", "score_threshold=0.7"], "picodet-post-0.7.onnx")
     shutil.copyfile(wrong, bad / post)
     _rehash(bad, post)
-    c = tested(selftest(bad, workdir / "picodet-wrong-post-state", "--variant", "fp32", "--latency-runs", "3"), "fp32")
+    c = candidate_of(selftest(bad, workdir / "picodet-wrong-post-state", "--variant", "fp32", "--latency-runs", "3"), "fp32")
     figures["picodet_wrong_post"] = c["reasons"]
     assert not c["passed"], c
     assert any("stage post" in r for r in c["reasons"]), c["reasons"]
@@ -354,7 +355,7 @@ def test_picodet_corrupted_fp32_weights_are_rejected_at_stage_model(picodet: Pat
     big.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(big) * np.float32(1.5), big.name))
     onnx.save(model, str(bad / fp32["file"]))
     _rehash(bad, fp32["file"])
-    c = tested(selftest(bad, workdir / "picodet-corrupt-state", "--variant", "fp32", "--latency-runs", "3"), "fp32")
+    c = candidate_of(selftest(bad, workdir / "picodet-corrupt-state", "--variant", "fp32", "--latency-runs", "3"), "fp32")
     figures["picodet_corrupt_fp32"] = c["reasons"]
     assert not c["passed"], c
     assert any("stage model" in r for r in c["reasons"]), c["reasons"]
