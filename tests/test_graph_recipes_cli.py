@@ -43,7 +43,8 @@ def test_bundle_graph_refuses_a_bad_param_naming_recipe_and_key(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "p.onnx")
     assert main(["--log-level", "error", "bundle", "graph", "post.yolox", "--out", out, "--param", "strides=8,x"]) == 2
-    assert "recipe post.yolox: --param strides: expected integers separated by commas, found '8,x'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "recipe post.yolox: --param strides: expected integers separated by commas, found '8,x'" in err
     assert not (tmp_path / "p.onnx").exists()
     assert main(["--log-level", "error", "bundle", "graph", "post.yolo", "--out", out]) == 2
     assert "no recipe 'post.yolo' (recipes: " in capsys.readouterr().err
@@ -76,3 +77,61 @@ def test_every_recipe_follows_the_stage_interface(name: str) -> None:
     else:
         assert set(outputs) <= KIND_FIELDS and outputs
         assert not {"frame_size", "geometry"} - set(inputs) or not {"boxes", "mask"} & set(outputs)
+
+
+def test_docs_recipes_md_carries_every_recipes_parameter_table() -> None:
+    from agent.bundle.graphs.command import markdown_table
+    from agent.bundle.graphs.pre_image import COMMON
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    assert markdown_table("pre.stretch", skip=("width", "height")) in doc  # the common pre parameters
+    for name in RECIPES:
+        assert f"### `{name}`" in doc, (f"docs/recipes.md has no section for recipe {name}: add `### `{name}`` "
+                                         "with its table, markdown_table() in agent/bundle/graphs/command.py")
+        table = markdown_table(name, skip=tuple(COMMON) if name.startswith("pre.") else ())
+        assert table in doc, f"docs/recipes.md: the parameter table of {name} differs from the code:\n{table}"
+
+
+def test_pre_model_and_post_merge_with_onnx_compose_into_the_same_result() -> None:
+    """Internal names are prefixed per recipe, so the stages compose with the model as they are (the stage
+    runner may merge them where that measures faster) and the merged graph computes what the three sessions do."""
+    from onnx import compose, helper
+
+    pre = build_graph("pre.stretch", {"width": 16, "height": 16, "scale": 1 / 255, "input_name": "x"})
+    post = build_graph("post.classes", {"input": "logits"})
+    pool = helper.make_node("GlobalAveragePool", ["x"], ["pooled"])
+    flat = helper.make_node("Flatten", ["pooled"], ["logits"])
+    graph = helper.make_graph([pool, flat], "model", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    merged = compose.merge_models(compose.merge_models(pre, model, io_map=[("x", "x")]), post,
+                                  io_map=[("logits", "logits")])
+    onnx.checker.check_model(merged)
+    frame = np.random.default_rng(0).integers(0, 256, (37, 53, 3)).astype(np.uint8)
+    (probs,) = ort.InferenceSession(merged.SerializeToString(), providers=[CPU]).run(["probabilities"], {"frame": frame})
+    x = ort.InferenceSession(pre.SerializeToString(), providers=[CPU]).run(["x"], {"frame": frame})[0]
+    logits = ort.InferenceSession(model.SerializeToString(), providers=[CPU]).run(None, {"x": x})[0]
+    want = ort.InferenceSession(post.SerializeToString(), providers=[CPU]).run(None, {"logits": logits})[0]
+    np.testing.assert_allclose(probs, want, rtol=1e-6)
+    names = [{n.name for n in m.graph.node} | {i.name for i in m.graph.initializer}
+             for m in (build_graph(r) for r in sorted(RECIPES))]
+    assert all(not (a & b) for i, a in enumerate(names) for b in names[i + 1:])  # no recipe shares a name
+
+
+def test_the_recipes_and_the_cli_import_no_onnx_until_a_graph_is_built() -> None:
+    """onnx is the build extra: a device without it still starts `edge-agent` (the parser names `bundle graph`)."""
+    code = ("import sys\nimport agent.bundle.graphs\nfrom agent.service.cli import build_parser\nbuild_parser()\n"
+            "print('onnx' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    assert out == "False"
+
+
+def test_without_onnx_bundle_graph_says_to_install_the_build_extra(tmp_path: Path) -> None:
+    code = ("import sys\nsys.modules['onnx'] = None\nfrom agent.service.cli import main\n"
+            f"sys.exit(main(['bundle', 'graph', 'pre.stretch', '--out', {str(tmp_path / 'p.onnx')!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode != 0 and "`bundle graph` needs the build tools (onnx)" in r.stderr
+    assert "[build]" in r.stderr

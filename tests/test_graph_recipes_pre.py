@@ -132,12 +132,17 @@ def test_letterbox_floor_and_round_differ_exactly_where_int_and_round_differ() -
     assert differ >= 5 and same >= 5  # the sweep covers both cases
 
 
-def test_size_arithmetic_is_float64_like_python() -> None:
-    """1000x750 into 640: 640/1000 * 1000 is 640 in float64 (int() keeps 640) but 639.99994 in float32."""
+@pytest.mark.parametrize("hw, cols", [((99, 133), 640), ((115, 154), 639), ((81, 108), 640)])
+def test_size_arithmetic_is_float64_like_python(hw: tuple[int, int], cols: int) -> None:
+    """int(W * min(640 / H, 640 / W)) in Python's float64: 133 wide -> 640 (float32 makes 639.99994 -> 639),
+    154 wide -> 639.9999999999999 -> 639 (float32 makes 640.0): a float32 graph would be one column off."""
     sess = session("pre.letterbox", width=640, height=640, rounding="floor", anchor="top_left", pad_value=255)
-    x, geometry = run(sess, frame_of(750, 1000, seed=1, hi=200))
-    assert int((x[0] != 255).any(axis=(0, 1)).sum()) == int(1000 * min(640 / 750, 640 / 1000)) == 640
-    assert int((x[0] != 255).any(axis=(0, 2)).sum()) == int(750 * 0.64) == 480
+    x, _ = run(sess, frame_of(*hw, seed=1, hi=200))
+    h, w = hw
+    r = min(640 / h, 640 / w)
+    assert int(w * r) == cols
+    assert int((x[0] != 255).any(axis=(0, 1)).sum()) == cols
+    assert int((x[0] != 255).any(axis=(0, 2)).sum()) == int(h * r)
 
 
 @pytest.mark.parametrize("hw", [(160, 160), (240, 320), (101, 77)])
@@ -279,3 +284,100 @@ def test_stretch_recipe_reproduces_the_demo_bundles_declarative_preprocessing() 
         assert np.abs(x - want).max() <= 1 / 255 / 0.25 + 1e-5
         assert np.mean(np.abs(x - want) < 1e-5) > 0.8
         np.testing.assert_allclose(geometry, [g.scale_x, g.scale_y, g.pad_x, g.pad_y, g.crop_x, g.crop_y], rtol=1e-6)
+
+
+@pytest.mark.parametrize("hw", [(100, 200), (150, 90)])
+def test_per_image_statistics_cover_the_image_never_the_padding(hw: tuple[int, int]) -> None:
+    frame = np.random.default_rng(hw[0]).integers(50, 151, (*hw, 3)).astype(np.uint8)
+    x, geometry = run(session("pre.letterbox", width=128, height=128, normalize="minmax", pad_value=0,
+                              interpolation="nearest"), frame)
+    img = x[0].transpose(1, 2, 0)
+    s, pad_x, pad_y = float(geometry[0]), int(geometry[2]), int(geometry[3])
+    inner = img[pad_y:pad_y + round(hw[0] * s), pad_x:pad_x + round(hw[1] * s)]
+    lo, hi = float(frame.min()), float(frame.max())  # nearest keeps the frame's own levels
+    assert inner.min() == pytest.approx(0.0, abs=1e-6) and inner.max() == pytest.approx(1.0, abs=1e-6)
+    assert img.min() == pytest.approx((0 - lo) / (hi - lo), abs=1e-6)  # the pad, normalised like the image
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (200, 98)])
+def test_an_exact_halving_equals_cv2_bit_for_bit(hw: tuple[int, int]) -> None:
+    """At 2x cv2's fixed-point bilinear is exact and rounds halves up; so does the recipe (Round's half-to-even
+    would be one level off on about 1 value in 8)."""
+    frame = frame_of(*hw, seed=4)
+    x, _ = run(session("pre.stretch", width=hw[1] // 2, height=hw[0] // 2, layout="nhwc"), frame)
+    np.testing.assert_array_equal(x[0], cv2.resize(frame, (hw[1] // 2, hw[0] // 2), interpolation=cv2.INTER_LINEAR))
+
+
+def det_resize_for_test(img: np.ndarray, limit_side_len: int, limit_type: str) -> tuple[np.ndarray, float, float]:
+    """PaddleOCR ppocr/data/imaug/operators.py DetResizeForTest.resize_image_type0 -> (img, ratio_h, ratio_w)."""
+    h, w = img.shape[:2]
+    if limit_type == "max":
+        ratio = (float(limit_side_len) / h if h > w else float(limit_side_len) / w) if max(h, w) > limit_side_len else 1.0
+    else:
+        ratio = (float(limit_side_len) / h if h < w else float(limit_side_len) / w) if min(h, w) < limit_side_len else 1.0
+    resize_h, resize_w = int(h * ratio), int(w * ratio)
+    resize_h = max(int(round(resize_h / 32) * 32), 32)
+    resize_w = max(int(round(resize_w / 32) * 32), 32)
+    img = cv2.resize(img, (int(resize_w), int(resize_h)))
+    return img, resize_h / float(h), resize_w / float(w)
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (1200, 900), (75, 333), (960, 960), (600, 1301)])
+@pytest.mark.parametrize("limit", [("max", 960), ("min", 320)])
+def test_fit_multiple_sizes_like_paddleocr_det_resize_for_test(hw: tuple[int, int], limit: tuple[str, int]) -> None:
+    limit_type, side = limit
+    frame = frame_of(*hw, seed=hw[1])
+    x, geometry = run(session("pre.fit_multiple", limit_side=side, limit_type=limit_type, multiple=32,
+                              mean=[0.485 * 255, 0.456 * 255, 0.406 * 255], std=[0.229 * 255, 0.224 * 255, 0.225 * 255]),
+                      frame)
+    img, ratio_h, ratio_w = det_resize_for_test(frame, side, limit_type)
+    assert x.shape == (1, 3, *img.shape[:2])
+    want = (img.astype(np.float64) - np.array([0.485, 0.456, 0.406]) * 255) / (np.array([0.229, 0.224, 0.225]) * 255)
+    assert np.abs(x[0].transpose(1, 2, 0) - want).max() <= 1.0 / (0.224 * 255) + 1e-4
+    np.testing.assert_allclose(geometry, [ratio_w, ratio_h, 0, 0, 0, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("hw, out", [((480, 640), (240, 320)), ((300, 400), (416, 600)), ((97, 131), (64, 64))])
+@pytest.mark.parametrize("interpolation", ["nearest", "cubic"])
+def test_nearest_and_cubic_follow_cv2_shrinking_and_growing(hw: tuple[int, int], out: tuple[int, int],
+                                                             interpolation: str) -> None:
+    """cv2 INTER_NEAREST (floor(x * in / out)) exactly; INTER_CUBIC (a = -0.75) within one level. A cubic shrink
+    once failed in onnxruntime (its cubic Resize refuses NHWC shrinking)."""
+    frame = np.random.default_rng(hw[0]).integers(0, 256, (*hw, 3)).astype(np.uint8)
+    x, _ = run(session("pre.stretch", width=out[1], height=out[0], interpolation=interpolation, layout="nhwc"), frame)
+    flag = cv2.INTER_NEAREST if interpolation == "nearest" else cv2.INTER_CUBIC
+    diff = np.abs(x[0] - cv2.resize(frame, out[::-1], interpolation=flag).astype(np.float32))
+    assert diff.max() <= (0 if interpolation == "nearest" else 1)
+    assert np.mean(diff > 0) < 0.001
+
+
+def test_float16_model_input() -> None:
+    frame = frame_of(60, 80, seed=8)
+    x, _ = run(session("pre.stretch", width=40, height=30, dtype="float16", scale=1 / 255), frame)
+    want = cv2.resize(frame, (40, 30), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1) / 255
+    assert x.dtype == np.float16 and x.shape == (1, 3, 30, 40)
+    assert np.abs(x[0].astype(np.float64) - want).max() <= 1 / 255 + 1e-3
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (333, 250)])
+@pytest.mark.parametrize("mode", ["letterbox", "short_side_crop"])
+def test_recipes_reproduce_the_vocabularys_letterbox_and_short_side_crop(hw: tuple[int, int], mode: str) -> None:
+    """The declarative path (agent.spec.preprocess.Preprocessor) and the equivalent recipe: one pixel level apart
+    at most, the same geometry."""
+    from agent.spec.manifest import FrameSpec, PreprocessSpec
+    from agent.spec.preprocess import Preprocessor
+
+    if mode == "letterbox":
+        resize = ResizeSpec(width=320, height=320, mode="letterbox", pad_value=114)
+        sess = session("pre.letterbox", width=320, height=320, pad_value=114, scale=1 / 255, color="bgr")
+    else:
+        resize = ResizeSpec(width=224, height=224, mode="short_side_crop", short_side=256)
+        sess = session("pre.short_side_crop", width=224, height=224, short_side=256, scale=1 / 255, color="bgr")
+    spec = PreprocessSpec(layout="nchw", dtype="float32", color="bgr", scale=1 / 255, resize=resize)
+    declarative = Preprocessor(spec, FrameSpec(kind="image", height=hw[0], width=hw[1], channels=3, color="rgb"))
+    frame = frame_of(*hw, seed=21)
+    x, geometry = run(sess, frame)
+    want, g = declarative.with_geometry(frame)
+    assert x.shape == want.shape
+    assert np.abs(x - want).max() <= 1 / 255 + 1e-6
+    np.testing.assert_allclose(geometry, [g.scale_x, g.scale_y, g.pad_x, g.pad_y, g.crop_x, g.crop_y], rtol=1e-6)

@@ -20,7 +20,7 @@ from agent.proof.terms import CPU  # noqa: E402
 CFG = {"min_sizes": [[16, 32], [64, 128], [256, 512]], "steps": [8, 16, 32], "variance": [0.1, 0.2], "clip": False}
 
 
-def prior_box(image_size: tuple[int, int]) -> np.ndarray:
+def prior_box(image_size: tuple[int, int], clip: bool = False) -> np.ndarray:
     feature_maps = [[ceil(image_size[0] / s), ceil(image_size[1] / s)] for s in CFG["steps"]]
     anchors: list[float] = []
     for k, f in enumerate(feature_maps):
@@ -30,7 +30,8 @@ def prior_box(image_size: tuple[int, int]) -> np.ndarray:
                 cx = (j + 0.5) * CFG["steps"][k] / image_size[1]
                 cy = (i + 0.5) * CFG["steps"][k] / image_size[0]
                 anchors += [cx, cy, s_kx, s_ky]
-    return np.array(anchors, np.float32).reshape(-1, 4)
+    output = np.array(anchors, np.float32).reshape(-1, 4)
+    return np.clip(output, 0, 1) if clip else output  # PriorBox: if self.clip: output.clamp_(max=1, min=0)
 
 
 def decode(loc: np.ndarray, priors: np.ndarray, variances: list[float]) -> np.ndarray:
@@ -64,10 +65,10 @@ def py_cpu_nms(dets: np.ndarray, thresh: float) -> list[int]:
 def retinaface_detect(loc: np.ndarray, conf: np.ndarray, landms: np.ndarray, im_hw: tuple[int, int],
                       ratio: float = 1.0, pad: tuple[float, float] = (0.0, 0.0), confidence_threshold: float = 0.02,
                       top_k: int = 5000, nms_threshold: float = 0.4, keep_top_k: int = 750,
-                      frame_hw: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      frame_hw: tuple[int, int] | None = None, clip: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """detect.py: decode at the input size, scale to pixels, undo the letterbox, filter, top-k, NMS, keep-top-k."""
     im_height, im_width = im_hw
-    priors = prior_box(im_hw)
+    priors = prior_box(im_hw, clip)
     scale = np.array([im_width, im_height] * 2, np.float32)
     boxes = decode(loc[0], priors, CFG["variance"]) * scale
     scores = conf[0][:, 1]
@@ -173,3 +174,29 @@ def test_without_landmarks_there_is_no_keypoints_output() -> None:
     sess = ort.InferenceSession(build_graph("post.priors", {"landmarks": ""}).SerializeToString(), providers=[CPU])
     assert [o.name for o in sess.get_outputs()] == ["boxes", "scores"]
     assert [i.name for i in sess.get_inputs()] == ["loc", "conf", "frame_size", "geometry"]
+
+
+@pytest.mark.parametrize("im", [(96, 160), (128, 128)])
+def test_clipped_priors_follow_prior_box_clip(im: tuple[int, int]) -> None:
+    """min size 256 and 512 on a 96-160 px input: clip clamps those priors to the image, which moves every box
+    they decode."""
+    loc, conf, landms = heads(im, seed=im[1], faces=3)
+    dets, lm = retinaface_detect(loc, conf, landms, im, frame_hw=im, clip=True)
+    unclipped, _ = retinaface_detect(loc, conf, landms, im, frame_hw=im)
+    out = run_post({"width": im[1], "height": im[0], "clip_priors": True}, loc, conf, landms, im, [1, 1, 0, 0, 0, 0])
+    assert len(dets) >= 10 and (len(dets) != len(unclipped) or not np.allclose(dets, unclipped))
+    assert_same(out, dets, lm)
+
+
+@pytest.mark.parametrize("multiclass", [False, True])
+def test_a_frame_with_no_face_gives_empty_outputs(multiclass: bool) -> None:
+    im = (64, 64)
+    p = len(prior_box(im))
+    conf = np.zeros((1, p, 3), np.float32)
+    conf[..., 0] = 1.0
+    sess = ort.InferenceSession(build_graph("post.priors", {"width": 64, "height": 64, "multiclass": multiclass})
+                                .SerializeToString(), providers=[CPU])
+    out = sess.run(None, {"loc": np.zeros((1, p, 4), np.float32), "conf": conf, "landms": np.zeros((1, p, 10), np.float32),
+                          "frame_size": np.array(im), "geometry": np.array([1, 1, 0, 0, 0, 0], np.float32)})
+    shapes = {o.name: v.shape for o, v in zip(sess.get_outputs(), out)}
+    assert shapes == {"boxes": (0, 4), "scores": (0,), "keypoints": (0, 5, 2), **({"class_ids": (0,)} if multiclass else {})}

@@ -212,3 +212,30 @@ def test_nothing_above_threshold_gives_empty_outputs() -> None:
     head[..., 4] = 0.0
     boxes, scores, class_ids = run_post({"width": 64, "height": 64}, head, (64, 64), [1, 1, 0, 0, 0, 0])
     assert boxes.shape == (0, 4) and scores.shape == (0,) and class_ids.shape == (0,)
+
+
+def test_threshold_boundaries_follow_the_demo_score_strictly_over_iou_kept_at_equal() -> None:
+    """multiclass_nms keeps scores > score_thr; nms keeps ovr <= nms_thr: a score equal to the bound is dropped,
+    an IoU equal to the bound is kept (ONNX NonMaxSuppression as onnxruntime implements it agrees)."""
+    head = np.zeros((1, n_cells(32, 32), 6), np.float32)
+    head[..., 2:4] = -10.0
+    head[0, 0] = [0.5, 0.5, 0.0, 0.0, 0.9, 1.0]  # [0, 0, 8, 8]
+    head[0, 1] = [-0.5, 0.25, 0.0, np.log(0.5), 0.8, 1.0]  # [0, 0, 8, 4]: IoU 32 / 64 = 0.5 exactly
+    head[0, 2] = [0.5, 0.5, 0.0, 0.0, 0.5, 1.0]  # a score of exactly 0.5, at cell (2, 0): [16, 0, 24, 8]
+    params = {"width": 32, "height": 32, "iou_threshold": 0.5, "score_threshold": 0.5, "legacy_plus_one": False}
+    boxes, scores, _ = run_post(params, head, (32, 32), [1, 1, 0, 0, 0, 0])
+    np.testing.assert_allclose(scores, [0.9, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(boxes, [[0, 0, 8, 8], [0, 0, 8, 4]], atol=1e-5)
+
+
+@pytest.mark.parametrize("frame_hw", [(480, 640), (300, 200)])
+def test_an_already_decoded_head_skips_the_grid(frame_hw: tuple[int, int]) -> None:
+    """decode_in_inference exports (and YOLOv5-style outputs) carry (cx, cy, w, h) in input pixels already."""
+    head = structured_head(320, 320, classes=3, seed=frame_hw[1])
+    r = min(320 / frame_hw[0], 320 / frame_hw[1])
+    dets = yolox_reference(head, (320, 320), r, (0.0, 0.0), frame_hw, False)
+    decoded = demo_postprocess(head, (320, 320)).astype(np.float32)
+    out = run_post({"width": 320, "height": 320, "decoded": True, "class_agnostic": False}, decoded, frame_hw,
+                   [r, r, 0, 0, 0, 0])
+    assert len(dets) >= 3
+    assert_same_detections(*out, dets)

@@ -9,9 +9,10 @@ result kind (boxes, scores, class_ids, keypoints, mask, tokens, token_scores, pr
 Why onnx.helper (through builder.Graph) and not onnxscript or onnxruntime-extensions' PrePostProcessor:
 - onnx is already the `build` extra's dependency; onnxscript would add a second package (and its own
   opset/version pinning) to write graphs that are a few dozen nodes each;
-- PrePostProcessor's steps are fixed (its letterbox rounds one way and pads centred, its decode steps
-  target a few model layouts) and several of its steps need the onnxruntime-extensions custom-op library
-  at run time: a device would need that native library, and a bundle must run on stock onnxruntime;
+- PrePostProcessor's steps are fixed (one resize rounding, a centred letterbox, box steps for a few model
+  layouts; none of the int()-truncating letterbox, YOLOX grids, RetinaFace priors or CTC collapse), it needs
+  onnxruntime-extensions to build, and its image decode/encode steps are custom ops that need that native
+  library on the device too, where a bundle must run on stock onnxruntime;
 - with onnx.helper every node is visible in the recipe, opset 17 / IR 8 is chosen once (builder.OPSET),
   and onnx.checker with full shape inference checks each graph as it is built.
 Build-time only: onnx is imported when a graph is built; serving code never imports this package.
@@ -48,6 +49,7 @@ RECIPES: dict[str, Recipe] = {
         "pre.stretch_crop": "stretch to resize_width x resize_height, then centre-crop width x height",
         "pre.short_side_crop": "short side to short_side keeping aspect, then centre-crop width x height",
         "pre.native": "the frame at its own size, padded right/bottom to a multiple",
+        "pre.fit_multiple": "sides limited (PaddleOCR DetResizeForTest), each rounded to a multiple",
     }),
     **_family(post_scores, {
         "post.classes": "logits -> probabilities (classes kind)",

@@ -12,7 +12,7 @@ import numpy as np
 
 from agent.errors import BundleError, install_hint
 
-# Opset 17 and IR 8: every onnxruntime the agent supports (>= 1.17) loads them; GridSample (16),
+# Opset 17 and IR 8: every onnxruntime the agent supports (>= 1.17) loads them;
 # Resize with `sizes` (13) and NonMaxSuppression (11) are all there. No later op is needed.
 OPSET = 17
 IR_VERSION = 8
@@ -45,8 +45,9 @@ class Graph:
         self._count = 0
 
     def _fresh(self, stem: str) -> str:
+        # prefixed by the graph's name, so a pre graph, the model and a post graph merge (onnx.compose) unrenamed
         self._count += 1
-        return f"{stem}_{self._count}"
+        return f"{self.name}/{stem}_{self._count}"
 
     def input(self, name: str, dtype: str, shape: Sequence[int | str | None]) -> str:
         self.inputs.append(self.onnx.helper.make_tensor_value_info(name, _elem(self.onnx, dtype), list(shape)))

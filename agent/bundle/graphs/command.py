@@ -52,3 +52,17 @@ def _show(value: Any) -> str:
         return ";".join(",".join(str(v) for v in x) for x in value) if value and isinstance(value[0], tuple) \
             else ",".join(str(v) for v in value)
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def markdown_table(name: str, skip: tuple[str, ...] = ()) -> str:
+    """A recipe's parameters as the Markdown table docs/recipes.md carries (a test keeps the two equal)."""
+    from agent.bundle.graphs import recipe
+
+    rows = ["| param | default | meaning |", "|---|---|---|"]
+    for key, p in recipe(name).params.items():
+        if key in skip:
+            continue
+        choices = f" ({' / '.join(p.choices)})" if p.choices else ""
+        default = f"`{_show(p.default)}`" if _show(p.default) else "(none)"
+        rows.append(f"| `{key}` | {default} | {p.help}{choices} |")
+    return "\n".join(rows)

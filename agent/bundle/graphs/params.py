@@ -14,7 +14,8 @@ from agent.errors import UsageError
 
 @dataclass(frozen=True)
 class Param:
-    """One recipe parameter. kind: int, float, bool, str, floats (comma list), ints, int_lists ("16,32;64,128")."""
+    """One recipe parameter. kind: int, float, bool, str, floats (comma list), ints, int_lists ("16,32;64,128"),
+    float_lists ("2;2,3")."""
 
     kind: str
     default: Any
@@ -43,9 +44,11 @@ class Param:
                 conv = float if self.kind == "floats" else int
                 items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
                 out = tuple(conv(v) for v in items)
-            elif self.kind == "int_lists":
-                groups = value if isinstance(value, (list, tuple)) else [g.split(",") for g in str(value).split(";")]
-                out = tuple(tuple(int(v) for v in g) for g in groups)
+            elif self.kind in ("int_lists", "float_lists"):
+                conv = int if self.kind == "int_lists" else float
+                groups = value if isinstance(value, (list, tuple)) else \
+                    [[v for v in g.split(",") if v.strip()] for g in str(value).split(";")]
+                out = tuple(tuple(conv(v) for v in g) for g in groups)
             else:  # pragma: no cover - a recipe's own declaration
                 raise AssertionError(self.kind)
         except (TypeError, ValueError) as exc:
@@ -58,7 +61,8 @@ class Param:
 def _expected(kind: str) -> str:
     return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
             "floats": "numbers separated by commas", "ints": "integers separated by commas",
-            "int_lists": "integer lists separated by ';' (e.g. 16,32;64,128)"}[kind]
+            "int_lists": "integer lists separated by ';' (e.g. 16,32;64,128)",
+            "float_lists": "number lists separated by ';' (e.g. 2;2,3)"}[kind]
 
 
 def split_params(items: Sequence[str]) -> dict[str, str]:

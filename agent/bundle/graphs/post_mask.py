@@ -2,9 +2,9 @@
 
 The map [1, C, h, w] (one channel used) is optionally sigmoided and min-max normalised per image
 ((d - min) / (max - min), U2Net's normPRED), then sampled bilinearly at each frame pixel's centre mapped
-through `geometry` into the model input (so a stretch is a plain half-pixel resize, and a letterbox's pad
-is never part of the mask). threshold > 0 gives a uint8 0/1 mask; otherwise the float map, for the masks
-kind's `postprocess.result.threshold`.
+through `geometry` into the model input, separably (columns, then rows): a stretch is a plain half-pixel
+resize, and a letterbox's pad is never part of the mask. threshold > 0 gives a uint8 0/1 mask; otherwise the
+float map, for the masks kind's `postprocess.result.threshold`.
 """
 
 from __future__ import annotations
@@ -44,24 +44,39 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
         shape = g.cast(g.op("Shape", m), FLOAT)
         in_w, in_h = g.gather(shape, [3]), g.gather(shape, [2])
 
-    def axis(n: str, scale: int, pad: int, crop: int, size: str) -> str:
-        """Normalised sample positions [-1, 1] of the n frame pixel centres along one axis."""
-        centres = g.op("Add", g.cast(g.op("Range", g.const(0, INT64), g.squeeze(n, [0]), g.const(1, INT64)), FLOAT),
-                       g.const(0.5, FLOAT))
-        at = g.op("Add", g.op("Mul", centres, g.gather(geometry, [scale])),
-                  g.op("Sub", g.gather(geometry, [pad]), g.gather(geometry, [crop])))
-        return g.op("Sub", g.op("Div", g.op("Mul", at, g.const(2.0, FLOAT)), size), g.const(1.0, FLOAT))
-
+    m2 = g.squeeze(m, [0, 1])  # [h, w]
+    map_hw = g.op("Shape", m2)
     fh, fw = g.gather(frame_size, [0]), g.gather(frame_size, [1])
-    gx, gy = axis(fw, 0, 2, 4, in_w), axis(fh, 1, 3, 5, in_h)
-    hw = g.concat([fh, fw], 0)
-    grid = g.concat([g.unsqueeze(g.op("Expand", g.unsqueeze(gx, [0]), hw), [2]),
-                     g.unsqueeze(g.op("Expand", g.unsqueeze(gy, [1]), hw), [2])], 2)  # [H, W, 2] (x, y)
-    out = g.op("GridSample", m, g.unsqueeze(grid, [0]), mode="bilinear", padding_mode="border", align_corners=0)
-    mask = g.reshape(out, g.concat([fh, fw], 0))
+    y0, y1, fy = _taps(g, fh, geometry, 1, in_h, g.gather(map_hw, [0]))
+    x0, x1, fx = _taps(g, fw, geometry, 0, in_w, g.gather(map_hw, [1]))
+    # separable bilinear, both passes as row gathers (contiguous copies): columns on the small transposed map
+    # ([W, h]), back to [h, W], then rows ([H, W]); a Gather along axis 1 is element by element, 10x slower
+    mt = g.op("Transpose", m2, perm=[1, 0])
+    c0, c1 = g.gather(mt, x0, axis=0), g.gather(mt, x1, axis=0)
+    cols = g.op("Transpose", g.op("Add", c0, g.op("Mul", g.op("Sub", c1, c0), g.unsqueeze(fx, [1]))), perm=[1, 0])
+    r0, r1 = g.gather(cols, y0, axis=0), g.gather(cols, y1, axis=0)
+    mask = g.op("Add", r0, g.op("Mul", g.op("Sub", r1, r0), g.unsqueeze(fy, [1])))
     if p["threshold"] > 0:
         g.output(g.cast(g.op("GreaterOrEqual", mask, g.const(p["threshold"], FLOAT)), UINT8), "mask", UINT8,
                  ["frame_height", "frame_width"])
     else:
         g.output(mask, "mask", FLOAT, ["frame_height", "frame_width"])
     return g.model(f"{recipe}: " + ", ".join(f"{k}={v}" for k, v in sorted(p.items())))
+
+
+def _taps(g: Graph, n: str, geometry: str, axis: int, size_in: str, size_map: str) -> tuple[str, str, str]:
+    """For the n frame pixel centres along one axis: the two map indices either side and the weight of the second.
+
+    Frame centre (i + 0.5) -> input (i + 0.5) * scale - crop + pad -> map u = input * map / in - 0.5, clamped
+    to the map (edge pixels repeat, as cv2's and a half-pixel resize's borders do)."""
+    centres = g.op("Add", g.cast(g.op("Range", g.const(0, INT64), g.squeeze(n, [0]), g.const(1, INT64)), FLOAT),
+                   g.const(0.5, FLOAT))
+    at = g.op("Add", g.op("Mul", centres, g.gather(geometry, [axis])),
+              g.op("Sub", g.gather(geometry, [2 + axis]), g.gather(geometry, [4 + axis])))
+    size_map_f = g.cast(size_map, FLOAT)
+    u = g.op("Sub", g.op("Div", g.op("Mul", at, size_map_f), size_in), g.const(0.5, FLOAT))
+    u = g.op("Max", g.op("Min", u, g.op("Sub", size_map_f, g.const(1.0, FLOAT))), g.const(0.0, FLOAT))
+    lo = g.op("Floor", u)
+    i0 = g.cast(lo, INT64)
+    i1 = g.op("Min", g.op("Add", i0, g.const(1, INT64)), g.op("Sub", size_map, g.const(1, INT64)))
+    return i0, i1, g.op("Sub", u, lo)

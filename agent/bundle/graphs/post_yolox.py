@@ -21,6 +21,8 @@ PARAMS: dict[str, dict[str, Param]] = {
         "height": Param("int", 640, "model input height (0: native, from frame_size)"),
         "multiple": Param("int", 32, "native size only: the pre graph padded the frame to a multiple of this"),
         "strides": Param("ints", (8, 16, 32), "grid strides, in the head's output order"),
+        "decoded": Param("bool", False, "the output already holds (cx, cy, w, h) in input pixels (YOLOX exported "
+                         "with decode_in_inference, YOLOv5's output): no grid decode"),
         "logits": Param("bool", False, "objectness and class scores are logits (apply sigmoid); YOLOX's export "
                         "already applies it"),
         "class_agnostic": Param("bool", True, "one NMS over each box's best class (YOLOX demo) or one per class"),
@@ -38,24 +40,10 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
     g = Graph(recipe.replace(".", "_"))
     head = g.squeeze(g.input(p["input"], FLOAT, [1, "candidates", "fields"]), [0])  # [N, 5 + C]
     frame_size, geometry = frame_inputs(g)
-    in_h, in_w = input_size(g, p, frame_size)
-    grids, strides = [], []
-    for s in p["strides"]:
-        sc = g.const([s], INT64)
-        gh, gw = g.op("Div", in_h, sc), g.op("Div", in_w, sc)  # YOLOX: img_size // stride
-        xs = g.op("Range", g.const(0, INT64), g.squeeze(gw, [0]), g.const(1, INT64))
-        ys = g.op("Range", g.const(0, INT64), g.squeeze(gh, [0]), g.const(1, INT64))
-        hw = g.concat([gh, gw], 0)
-        xv = g.op("Expand", g.unsqueeze(xs, [0]), hw)  # meshgrid(arange(w), arange(h)): x varies fastest
-        yv = g.op("Expand", g.unsqueeze(ys, [1]), hw)
-        grid = g.reshape(g.concat([g.unsqueeze(xv, [2]), g.unsqueeze(yv, [2])], 2), [-1, 2])
-        grids.append(grid)
-        strides.append(g.op("Expand", g.const([[float(s)]], FLOAT), g.concat([g.op("Mul", gh, gw),
-                                                                               g.const([1], INT64)], 0)))
-    grid = g.cast(g.concat(grids, 0), FLOAT)
-    stride = g.concat(strides, 0)  # [N, 1]
-    xy = g.op("Mul", g.op("Add", g.slice(head, [0], [2], [1]), grid), stride)
-    wh = g.op("Mul", g.op("Exp", g.slice(head, [2], [4], [1])), stride)
+    if p["decoded"]:
+        xy, wh = g.slice(head, [0], [2], [1]), g.slice(head, [2], [4], [1])
+    else:
+        xy, wh = _grid_decode(g, head, p, frame_size)
     obj, cls = g.slice(head, [4], [5], [1]), g.slice(head, [5], [2**62], [1])
     if p["logits"]:
         obj, cls = g.op("Sigmoid", obj), g.op("Sigmoid", cls)
@@ -79,6 +67,28 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
     g.output(out_scores, "scores", FLOAT, ["detections"])
     g.output(out_classes, "class_ids", INT64, ["detections"])
     return g.model(f"{recipe}: " + ", ".join(f"{k}={v}" for k, v in sorted(p.items())))
+
+
+def _grid_decode(g: Graph, head: str, p: dict[str, Any], frame_size: str) -> tuple[str, str]:
+    """demo_postprocess: centres (d + grid) * stride and sizes exp(d) * stride, [N, 2] each."""
+    in_h, in_w = input_size(g, p, frame_size)
+    grids, strides = [], []
+    for s in p["strides"]:
+        sc = g.const([s], INT64)
+        gh, gw = g.op("Div", in_h, sc), g.op("Div", in_w, sc)  # YOLOX: img_size // stride
+        xs = g.op("Range", g.const(0, INT64), g.squeeze(gw, [0]), g.const(1, INT64))
+        ys = g.op("Range", g.const(0, INT64), g.squeeze(gh, [0]), g.const(1, INT64))
+        hw = g.concat([gh, gw], 0)
+        xv = g.op("Expand", g.unsqueeze(xs, [0]), hw)  # meshgrid(arange(w), arange(h)): x varies fastest
+        yv = g.op("Expand", g.unsqueeze(ys, [1]), hw)
+        grid = g.reshape(g.concat([g.unsqueeze(xv, [2]), g.unsqueeze(yv, [2])], 2), [-1, 2])
+        grids.append(grid)
+        strides.append(g.op("Expand", g.const([[float(s)]], FLOAT), g.concat([g.op("Mul", gh, gw),
+                                                                               g.const([1], INT64)], 0)))
+    grid = g.cast(g.concat(grids, 0), FLOAT)
+    stride = g.concat(strides, 0)  # [N, 1]
+    xy = g.op("Mul", g.op("Add", g.slice(head, [0], [2], [1]), grid), stride)
+    return xy, g.op("Mul", g.op("Exp", g.slice(head, [2], [4], [1])), stride)
 
 
 def input_size(g: Graph, p: dict[str, Any], frame_size: str) -> tuple[str, str]:
