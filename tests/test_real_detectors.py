@@ -277,6 +277,9 @@ def test_picodet_whole_graph_int8_is_marked_and_never_served(picodet: Path, work
     m = manifest_of(picodet)
     int8 = next(v for v in m["variants"] if v["name"] == "int8")
     assert int8.get("below_floor"), int8
+    lo, hi = m["input"]["frame"]["min_size"], m["input"]["frame"]["max_size"]  # [h, w]; reasons say W x H
+    for h, w in (lo, hi):  # the frames at the declared extremes judged it too, not only the golden size
+        assert f"at stage build frame size {w}x{h}" in int8["below_floor"], int8["below_floor"]
     report = selftest(picodet, workdir / "picodet-int8-unpinned", "--latency-runs", "3")
     assert report["selected"]["variant"] == "fp32"
     assert not any(c["variant"] == "int8" and c["status"] == "tested" for c in report["candidates"])
