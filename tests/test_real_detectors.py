@@ -94,12 +94,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def figures(workdir: Path) -> Any:
-    """This run's measured figures, copied into the cache at the end (for the README and the report)."""
+    """This run's measured figures, merged into the cache's file at the end (a run of some tests replaces
+    only their keys) for the docs and the report."""
     data: dict[str, Any] = {}
     yield data
     if data and RESULTS_COPY.parent.exists():
+        old = json.loads(RESULTS_COPY.read_text()) if RESULTS_COPY.exists() else {}
         tmp = RESULTS_COPY.with_suffix(f".{os.getpid()}.part")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps({**old, **data}, indent=2, sort_keys=True) + "\n")
         tmp.replace(RESULTS_COPY)
         print(f"\nreal-detector figures: {RESULTS_COPY}")
 
