@@ -82,6 +82,7 @@ class GraphPreprocessor:
         names = [o.name for o in self.session.get_outputs()]
         self._wanted = [self.output_name] + ([GEOMETRY] if GEOMETRY in names else [])
         self._rank = len(model_input.shape)
+        self._fixed_dims = {i: d for i, d in enumerate(model_input.shape) if i > 0 and isinstance(d, int)}
         # frames share a batch only when every frame makes a tensor of one shape: the model's input fixes it
         self.fixed_size = pre_fixed_size(model_input.shape)
 
@@ -127,6 +128,11 @@ class GraphPreprocessor:
         if t.ndim != self._rank or t.shape[0] != 1:
             raise PreprocessError(f"stage pre: output {self.output_name!r} has shape {list(t.shape)}, the model takes "
                                   f"rank {self._rank} with a batch of 1")
+        wrong = {i: d for i, d in self._fixed_dims.items() if t.shape[i] != d}
+        if wrong:  # the model cannot take it, and frames of two sizes could not share a batch
+            want = [1] + [self._fixed_dims.get(i, "any") for i in range(1, self._rank)]
+            raise PreprocessError(f"stage pre ({self.path.name}): output {self.output_name!r} has shape "
+                                  f"{list(t.shape)} on a frame of shape {list(raw.shape)}, the model takes {want}")
         return result
 
     def with_geometry(self, raw: np.ndarray) -> tuple[np.ndarray, Geometry]:
@@ -204,7 +210,10 @@ class GraphPostprocessor:
         problems = self.kind.check(tensors, self._spec)
         if problems:
             raise StageOutputError(f"stage post ({self.path.name}): " + "; ".join(problems))
-        result = self.kind.compact(tensors, self._spec, self.labels, self.charset or ())
+        try:
+            result = self.kind.compact(tensors, self._spec, self.labels, self.charset or ())
+        except BundleError as exc:  # values the kind cannot serve (a token beyond the charset): this frame only
+            raise StageOutputError(f"stage post ({self.path.name}): {exc}") from exc
         check_result_size(result, max_bytes)
         return result
 
