@@ -48,3 +48,45 @@ def test_pre_graph_output_whose_shape_is_not_the_fixed_model_input_is_refused_na
     # take (and frames of two sizes in one batch could not be stacked)
     with pytest.raises(PreprocessError, match=r"stage pre.*\[1, 3, 40, 32\].*\[1, 3, 32, 32\]"):
         pre(np.zeros((40, 32, 3), np.uint8))
+
+
+def test_an_unused_non_finite_model_output_never_drops_the_frames_served(tmp_path: Path) -> None:
+    """`postprocess.uses: [scores]`: the NaN `aux` output is never judged at build or in the self-test, so serving
+    must not drop every frame as non-finite for it either (the bundle proved, then served nothing)."""
+    import cv2
+    import yaml
+    from stage_graphs import two_output_model
+
+    from agent.bundle.create import CreateOptions, create_bundle
+    from agent.bundle.load import load_bundle
+    from agent.config import PipelineConfig, SourceConfig
+    from agent.proof.terms import CPU, SessionSettings
+    from agent.proof.verdict import Candidate
+    from agent.serving.engine import build_engine
+    from agent.serving.pipeline import Pipeline
+    from agent.serving.sources import is_lossless, open_source
+    from agent.testing import ListSink, structured_frames
+
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    for i, f in enumerate(structured_frames(4, 32, 0)):
+        cv2.imwrite(str(golden / f"{i:03d}.png"), f)
+    spec = {"name": "aux", "version": 1, "task": "raw",
+            "frame": {"kind": "image", "height": 32, "width": 32, "channels": 3, "color": "rgb"},
+            "preprocess": {"scale": 1 / 255, "layout": "nchw", "dtype": "float32"},
+            "postprocess": {"type": "raw", "outputs": ["scores"], "channel_axis": -1, "uses": ["scores"]}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    b = load_bundle(create_bundle(CreateOptions(model=two_output_model(tmp_path / "m.onnx"), spec=tmp_path / "spec.yaml",
+                                                calibration=golden, golden=golden, out=tmp_path / "b", int8=False)))
+    engine = build_engine(b, Candidate(CPU, "fp32", "fp32"), SessionSettings())
+    scfg = SourceConfig(type="folder", path=golden)
+    source = open_source(scfg, b.manifest.frame, b.manifest.preprocess.resize)
+    sink = ListSink()
+    p = Pipeline(source, engine, sink, PipelineConfig(), is_lossless(scfg, source)).start()
+    assert p.done.wait(60), "the pipeline did not finish the folder"
+    assert p.join(timeout=15)
+    source.close()
+    assert p.failed is None
+    assert p.metrics.inference_errors == 0
+    assert len(sink.results) == 4
+    assert all(r["result"]["type"] == "raw" and set(r["result"]["outputs"]) == {"scores"} for r in sink.results)

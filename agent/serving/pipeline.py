@@ -594,7 +594,10 @@ class Pipeline:
             outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source,
                                                                   p.frames[0].captured_at, frame=p.frames[0])
             assert outputs is not None
-            bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+            manifest = p.engine.bundle.manifest  # declared outputs not in postprocess.uses are never judged, nor served
+            unused = set(manifest.output_names) - set(manifest.used_outputs)
+            bad = [k for k, v in outputs.items()
+                   if k not in unused and v.dtype.kind == "f" and not np.isfinite(v).all()]
             if bad:  # NaN/inf answers are wrong answers: counted, never published
                 raise NonFiniteOutput(f"non-finite values in outputs {bad}")
         except Exception as exc:  # a runtime failure on one input is counted, not fatal
