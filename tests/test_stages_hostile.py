@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from stage_graphs import native_pre
 
 from agent.errors import PreprocessError, StageOutputError
 from agent.proof.stages import GraphPostprocessor, GraphPreprocessor
-from agent.spec.manifest import FrameSpec, PostprocessSpec, PreprocessSpec, ResultSpec, TensorSpec
+from agent.spec.manifest import FrameSpec, PostprocessSpec, PreprocessSpec, ResultSpec, TensorSpec, result_from_dict
 from agent.spec.preprocess import IDENTITY
 
 
@@ -90,3 +90,35 @@ def test_an_unused_non_finite_model_output_never_drops_the_frames_served(tmp_pat
     assert p.metrics.inference_errors == 0
     assert len(sink.results) == 4
     assert all(r["result"]["type"] == "raw" and set(r["result"]["outputs"]) == {"scores"} for r in sink.results)
+
+
+
+def _padded_boxes_post(path: Path, rows: int) -> Path:
+    """head [1, rows, 5] (x1, y1, x2, y2, score; a fixed-size output padded with score 0) -> det_boxes, det_scores."""
+    nodes = [helper.make_node("Constant", [], ["sp"], value=numpy_helper.from_array(np.array([4, 1], np.int64), "sp")),
+             helper.make_node("Constant", [], ["ax"], value=numpy_helper.from_array(np.array([0], np.int64), "ax")),
+             helper.make_node("Constant", [], ["ax1"], value=numpy_helper.from_array(np.array([1], np.int64), "ax1")),
+             helper.make_node("Squeeze", ["head", "ax"], ["h"]),
+             helper.make_node("Split", ["h", "sp"], ["det_boxes", "s2"], axis=1),
+             helper.make_node("Squeeze", ["s2", "ax1"], ["det_scores"])]
+    graph = helper.make_graph(nodes, "padded_post", [helper.make_tensor_value_info("head", TensorProto.FLOAT, [1, rows, 5])],
+                              [helper.make_tensor_value_info("det_boxes", TensorProto.FLOAT, [rows, 4]),
+                               helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, [rows])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_padded_fixed_size_boxes_output_serves_only_rows_over_the_declared_score_threshold(tmp_path: Path) -> None:
+    """postprocess.result.score_threshold (docs/results.md), read from the manifest as the kind reads it."""
+    result = result_from_dict({"kind": "boxes", "boxes": "det_boxes", "scores": "det_scores",
+                               "score_threshold": 0.25, "max_detections": 1})
+    post = GraphPostprocessor(_padded_boxes_post(tmp_path / "post.onnx", 4),
+                              PostprocessSpec(graph="post.onnx", result=result), ("face",), None)
+    head = np.zeros((4, 5), np.float32)
+    head[0] = [1, 2, 10, 20, 0.6]
+    head[2] = [5, 5, 9, 9, 0.9]
+    served = post.decode({"head": head}, IDENTITY, 65536)
+    assert served == {"type": "boxes", "boxes": [{"box": [5.0, 5.0, 9.0, 9.0], "score": 0.9, "class_id": 0,
+                                                  "label": "face"}]}
