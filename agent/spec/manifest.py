@@ -444,10 +444,15 @@ def _describe(error: jsonschema.ValidationError) -> str:
             if sub.validator == "const" or not isinstance(sub.schema, dict):
                 continue
             consts = [p.get("const") for p in branch_tag.values() if isinstance(p, dict)]
-            if tag in consts:
+            if tag is not None and tag in consts:
                 return _describe(sub)
         if tag is not None:
             return f"key {_key_path(error.absolute_path)}: unsupported type {tag!r}"
+        if error.context:  # no tag (a post graph's block): the branch that matched furthest names the key
+            def fit(e: jsonschema.ValidationError) -> tuple[int, int]:
+                known = e.schema.get("properties", {}) if isinstance(e.schema, dict) else {}
+                return len(e.absolute_path), sum(k in known for k in error.instance)
+            return _describe(max(error.context, key=fit))
     where = _key_path(error.absolute_path)
     if error.validator == "additionalProperties":
         return f"key {where}: {error.message} (unknown key)"
