@@ -4,6 +4,7 @@ as a stage error the serving pipeline counts (PreprocessError, StageOutputError)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -16,6 +17,10 @@ from agent.errors import PreprocessError, StageOutputError
 from agent.proof.stages import GraphPostprocessor, GraphPreprocessor
 from agent.spec.manifest import FrameSpec, PostprocessSpec, PreprocessSpec, ResultSpec, TensorSpec, result_from_dict
 from agent.spec.preprocess import IDENTITY
+from agent.proof.terms import CPU, SessionSettings
+from agent.proof.verdict import Candidate
+
+FP32 = Candidate(CPU, "fp32", "fp32")
 
 
 def _tokens_post(path: Path, length: int) -> Path:
@@ -50,48 +55,91 @@ def test_pre_graph_output_whose_shape_is_not_the_fixed_model_input_is_refused_na
         pre(np.zeros((40, 32, 3), np.uint8))
 
 
-def test_an_unused_non_finite_model_output_never_drops_the_frames_served(tmp_path: Path) -> None:
-    """`postprocess.uses: [scores]`: the NaN `aux` output is never judged at build or in the self-test, so serving
-    must not drop every frame as non-finite for it either (the bundle proved, then served nothing)."""
+def _aux_bundle(d: Path, frames: list[np.ndarray]) -> tuple[Any, Path]:
+    """The two-output model (`scores` [B, 3] channel mixes, `aux` NaN) as a raw bundle that uses `scores` only;
+    the golden frames are `frames` (PNGs in d/golden), the folder a pipeline can serve."""
     import cv2
     import yaml
     from stage_graphs import two_output_model
 
     from agent.bundle.create import CreateOptions, create_bundle
     from agent.bundle.load import load_bundle
-    from agent.config import PipelineConfig, SourceConfig
-    from agent.proof.terms import CPU, SessionSettings
-    from agent.proof.verdict import Candidate
-    from agent.serving.engine import build_engine
-    from agent.serving.pipeline import Pipeline
-    from agent.serving.sources import is_lossless, open_source
-    from agent.testing import ListSink, structured_frames
 
-    golden = tmp_path / "golden"
+    golden = d / "golden"
     golden.mkdir()
-    for i, f in enumerate(structured_frames(4, 32, 0)):
+    for i, f in enumerate(frames):
         cv2.imwrite(str(golden / f"{i:03d}.png"), f)
     spec = {"name": "aux", "version": 1, "task": "raw",
             "frame": {"kind": "image", "height": 32, "width": 32, "channels": 3, "color": "rgb"},
             "preprocess": {"scale": 1 / 255, "layout": "nchw", "dtype": "float32"},
             "postprocess": {"type": "raw", "outputs": ["scores"], "channel_axis": -1, "uses": ["scores"]}}
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    b = load_bundle(create_bundle(CreateOptions(model=two_output_model(tmp_path / "m.onnx"), spec=tmp_path / "spec.yaml",
-                                                calibration=golden, golden=golden, out=tmp_path / "b", int8=False)))
-    engine = build_engine(b, Candidate(CPU, "fp32", "fp32"), SessionSettings())
-    scfg = SourceConfig(type="folder", path=golden)
-    source = open_source(scfg, b.manifest.frame, b.manifest.preprocess.resize)
+    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return load_bundle(create_bundle(CreateOptions(model=two_output_model(d / "m.onnx"), spec=d / "spec.yaml",
+                                                   calibration=golden, golden=golden, out=d / "b", int8=False))), golden
+
+
+def _serve_folder(engine: Any, folder: Path) -> tuple[Any, Any]:
+    from agent.config import PipelineConfig, SourceConfig
+    from agent.serving.pipeline import Pipeline
+    from agent.serving.sources import is_lossless, open_source
+    from agent.testing import ListSink
+
+    scfg = SourceConfig(type="folder", path=folder)
+    source = open_source(scfg, engine.bundle.manifest.frame, engine.bundle.manifest.preprocess.resize)
     sink = ListSink()
     p = Pipeline(source, engine, sink, PipelineConfig(), is_lossless(scfg, source)).start()
     assert p.done.wait(60), "the pipeline did not finish the folder"
     assert p.join(timeout=15)
     source.close()
+    return p, sink
+
+
+def test_an_unused_non_finite_model_output_never_drops_the_frames_served(tmp_path: Path) -> None:
+    """`postprocess.uses: [scores]`: the NaN `aux` output is never judged at build or in the self-test, so serving
+    must not drop every frame as non-finite for it either (the bundle proved, then served nothing)."""
+    from agent.serving.engine import build_engine
+    from agent.testing import structured_frames
+
+    b, golden = _aux_bundle(tmp_path, list(structured_frames(4, 32, 0)))
+    p, sink = _serve_folder(build_engine(b, FP32, SessionSettings()), golden)
     assert p.failed is None
     assert p.metrics.inference_errors == 0
     assert len(sink.results) == 4
     assert all(r["result"]["type"] == "raw" and set(r["result"]["outputs"]) == {"scores"} for r in sink.results)
 
 
+def test_results_a_post_stage_refuses_are_tallied_and_fail_probation(tmp_path: Path) -> None:
+    """A post graph whose outputs its kind refuses on some real frames (token ids beyond the charset on the bright
+    ones): those frames are dropped and counted against the engine, and probation fails it (it passed: only
+    preprocessing refusals and inference errors were evidence)."""
+    import dataclasses
+
+    from agent.serving.engine import build_engine
+    from agent.updates.probation import ProbationEvidence, judge_probation
+
+    dark, bright = np.zeros((32, 32, 3), np.uint8), np.full((32, 32, 3), 255, np.uint8)
+    b, golden = _aux_bundle(tmp_path, [dark, bright, dark, bright])
+    # tokens = scores * 10: 0 (the blank) on a dark frame; 3, 13, 23 on a bright one, beyond a 4-entry charset
+    nodes = [helper.make_node("Constant", [], ["ten"], value=numpy_helper.from_array(np.array(10, np.float32), "ten")),
+             helper.make_node("Mul", ["scores", "ten"], ["x"]),
+             helper.make_node("Cast", ["x"], ["t"], to=TensorProto.INT64),
+             helper.make_node("Squeeze", ["t"], ["tokens"])]
+    graph = helper.make_graph(nodes, "ids", [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("tokens", TensorProto.INT64, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "post.onnx"))
+    post = GraphPostprocessor(tmp_path / "post.onnx", PostprocessSpec(
+        graph="post.onnx", result=ResultSpec(kind="text", charset="charset.txt")), (), ["_", "a", "b", "c"])
+    engine = dataclasses.replace(build_engine(b, FP32, SessionSettings()), postprocessor=post)
+    p, sink = _serve_folder(engine, golden)
+    tally = p.tally(engine)
+    assert p.failed is None
+    assert len(sink.results) == 2 and all(r["result"]["text"] == "" for r in sink.results)
+    assert tally.post_refused == 2 and p.drops.get("post_stage_refused") == 2
+    v = judge_probation(ProbationEvidence(1.0, tally.frames, tally.results, tally.refused, tally.inference_errors,
+                                          tally.non_finite, None, None, post_refused=tally.post_refused))
+    assert not v.passed and "2 results refused by its post stage (postprocess.graph)" in v.reasons
 
 def _padded_boxes_post(path: Path, rows: int) -> Path:
     """head [1, rows, 5] (x1, y1, x2, y2, score; a fixed-size output padded with score 0) -> det_boxes, det_scores."""
