@@ -170,3 +170,27 @@ def test_padded_fixed_size_boxes_output_serves_only_rows_over_the_declared_score
     served = post.decode({"head": head}, IDENTITY, 65536)
     assert served == {"type": "boxes", "boxes": [{"box": [5.0, 5.0, 9.0, 9.0], "score": 0.9, "class_id": 0,
                                                   "label": "face"}]}
+
+
+def test_pre_graph_geometry_knows_the_model_input_size_so_a_strided_map_maps_back_to_frame_pixels(
+        tmp_path: Path) -> None:
+    """A pre graph (40x40 frame stretched to 32x32) with the vocabulary's segmentation decoder on a stride-4 map
+    (8x8): the decoder scales map pixels to input pixels by the geometry's input size, which the pre graph's
+    geometry left at 0, so regions were served 4x too small, on both sides of a self-test without answers."""
+    from stage_graphs import stretch_pre
+
+    from agent.spec.decoders import decode
+    from agent.spec.preprocess import Geometry
+
+    frame = FrameSpec(kind="image", height=40, width=40, channels=3)
+    pre = GraphPreprocessor(stretch_pre(tmp_path / "pre.onnx", "images", 32, 32), frame,
+                            PreprocessSpec(graph="pre.onnx"), TensorSpec("images", "float32", (1, 3, 32, 32)))
+    g = pre.geometry(np.zeros((40, 40, 3), np.uint8))
+    assert (g.input_w, g.input_h, g.frame_w, g.frame_h) == (32, 32, 40, 40)
+    prob = np.zeros((1, 8, 8), np.float32)
+    prob[0, 2:4, 2:6] = 0.9  # map pixels x 2..6, y 2..4 -> input pixels x 8..24, y 8..16 -> frame x 10..30, y 10..20
+    spec = PostprocessSpec(type="segmentation", output="map", threshold=0.5, min_area=1)
+    vocabulary = Geometry(0.8, 0.8, 0.0, 0.0, frame_w=40, frame_h=40, input_w=32, input_h=32)
+    want = decode(spec, {"map": prob}, (), vocabulary, 65536)["regions"]
+    assert want[0]["box"] == pytest.approx([10, 10, 30, 20])
+    assert decode(spec, {"map": prob}, (), g, 65536)["regions"] == want

@@ -46,16 +46,28 @@ def stage_session(path: Path, stage: str, threads: int = 1) -> ort.InferenceSess
         raise BundleError(f"{path}: ONNX Runtime cannot load the {stage} graph: {' '.join(str(exc).split())[:300]}") from exc
 
 
-def geometry_of(values: np.ndarray | None, height: int, width: int) -> Geometry:
-    """A pre graph's `geometry` output [6] as the Geometry that maps result coordinates back to the frame."""
+def input_size(tensor: np.ndarray) -> tuple[int, int] | None:
+    """(width, height) of a pre graph's image tensor [1, C, H, W] or [1, H, W, C] (channels 1, 3 or 4), or None."""
+    if tensor.ndim != 4:
+        return None
+    if tensor.shape[3] in (1, 3, 4) and tensor.shape[1] not in (1, 3, 4):
+        return int(tensor.shape[2]), int(tensor.shape[1])
+    return int(tensor.shape[3]), int(tensor.shape[2])
+
+
+def geometry_of(values: np.ndarray | None, height: int, width: int,
+                size: tuple[int, int] | None = None) -> Geometry:
+    """A pre graph's `geometry` output [6] as the Geometry that maps result coordinates back to the frame; `size`,
+    the model input's (width, height), lets a decoder scale a strided map to input pixels."""
     if values is None:
         return Geometry(1.0, 1.0, 0.0, 0.0, frame_w=width, frame_h=height, input_w=width, input_h=height)
     v = np.asarray(values, dtype=np.float64).reshape(-1)
     if v.size != GEOMETRY_VALUES or not np.all(np.isfinite(v)) or v[0] <= 0 or v[1] <= 0:
         raise PreprocessError(f"stage pre: output {GEOMETRY!r} is {v.tolist()}: expected {GEOMETRY_VALUES} finite values "
                               "(scale_x > 0, scale_y > 0, pad_x, pad_y, crop_x, crop_y)")
+    in_w, in_h = size or (0, 0)
     return Geometry(float(v[0]), float(v[1]), float(v[2]), float(v[3]), float(v[4]), float(v[5]),
-                    frame_w=width, frame_h=height)
+                    frame_w=width, frame_h=height, input_w=in_w, input_h=in_h)
 
 
 def geometry_values(g: Geometry) -> np.ndarray:
@@ -139,7 +151,8 @@ class GraphPreprocessor:
         outs = self.run(raw)
         if self.frame.kind == "sensor":
             return np.ascontiguousarray(outs[self.output_name]), IDENTITY
-        return np.ascontiguousarray(outs[self.output_name]), geometry_of(outs.get(GEOMETRY), raw.shape[0], raw.shape[1])
+        t = np.ascontiguousarray(outs[self.output_name])
+        return t, geometry_of(outs.get(GEOMETRY), raw.shape[0], raw.shape[1], input_size(t))
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         return self.with_geometry(raw)[0]
