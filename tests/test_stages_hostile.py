@@ -194,3 +194,33 @@ def test_pre_graph_geometry_knows_the_model_input_size_so_a_strided_map_maps_bac
     want = decode(spec, {"map": prob}, (), vocabulary, 65536)["regions"]
     assert want[0]["box"] == pytest.approx([10, 10, 30, 20])
     assert decode(spec, {"map": prob}, (), g, 65536)["regions"] == want
+
+
+def _mask_post(path: Path, size: int) -> Path:
+    """map float [1, 1, size, size] -> mask [size, size] (the model's map as is: no resize to the frame)."""
+    nodes = [helper.make_node("Constant", [], ["ax"], value=numpy_helper.from_array(np.array([0, 1], np.int64), "ax")),
+             helper.make_node("Squeeze", ["map", "ax"], ["mask"])]
+    graph = helper.make_graph(nodes, "mask_post", [helper.make_tensor_value_info("map", TensorProto.FLOAT,
+                                                                                  [1, 1, size, size])],
+                              [helper.make_tensor_value_info("mask", TensorProto.FLOAT, [size, size])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_mask_not_at_the_frame_size_is_refused_by_the_kind_naming_both_sizes(tmp_path: Path) -> None:
+    """Kind masks serves `mask` at frame size: a post graph that forgets to resize the model's 32x32 map to the
+    48x64 frame served a 32x32 mask in the wrong pixels (unseen by a self-test without answers)."""
+    from agent.spec.preprocess import Geometry
+
+    result = ResultSpec(kind="masks", threshold=0.5)
+    post = GraphPostprocessor(_mask_post(tmp_path / "post.onnx", 32), PostprocessSpec(graph="post.onnx", result=result),
+                              (), None)
+    prob = np.zeros((1, 32, 32), np.float32)
+    prob[0, 4:8, 4:8] = 0.9
+    at_input = Geometry(1.0, 1.0, 0.0, 0.0, frame_w=32, frame_h=32, input_w=32, input_h=32)
+    assert post.decode({"map": prob}, at_input, 65536)["size"] == [32, 32]
+    other = Geometry(0.5, 32 / 48, 0.0, 0.0, frame_w=64, frame_h=48, input_w=32, input_h=32)
+    with pytest.raises(StageOutputError, match=r"field 'mask' has shape \[32, 32\]: the frame is \[48, 64\]"):
+        post.decode({"map": prob}, other, 65536)

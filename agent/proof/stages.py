@@ -218,20 +218,25 @@ class GraphPostprocessor:
             raise StageOutputError(f"stage post ({self.path.name}) failed: {' '.join(str(exc).split())[:300]}") from exc
         return dict(zip(self.output_names, outs))
 
-    def compact(self, tensors: Mapping[str, np.ndarray], max_bytes: int) -> dict[str, Any]:
-        """Graph outputs (by name) -> the kind's checked, compact result."""
-        problems = self.kind.check(tensors, self._spec)
+    def compact(self, tensors: Mapping[str, np.ndarray], max_bytes: int,
+                geometry: Geometry | None = None) -> dict[str, Any]:
+        """Graph outputs (by name) -> the kind's checked, compact result; with the geometry, the kind also knows
+        the frame's size (`frame_size`, (h, w): a mask is served at it)."""
+        spec = self._spec
+        if geometry is not None and geometry.frame_h > 0 and geometry.frame_w > 0:
+            spec = {**spec, FRAME_SIZE: (geometry.frame_h, geometry.frame_w)}
+        problems = self.kind.check(tensors, spec)
         if problems:
             raise StageOutputError(f"stage post ({self.path.name}): " + "; ".join(problems))
         try:
-            result = self.kind.compact(tensors, self._spec, self.labels, self.charset or ())
+            result = self.kind.compact(tensors, spec, self.labels, self.charset or ())
         except BundleError as exc:  # values the kind cannot serve (a token beyond the charset): this frame only
             raise StageOutputError(f"stage post ({self.path.name}): {exc}") from exc
         check_result_size(result, max_bytes)
         return result
 
     def decode(self, outputs: Mapping[str, np.ndarray], geometry: Geometry, max_bytes: int) -> dict[str, Any]:
-        return self.compact(self.tensors(outputs, geometry), max_bytes)
+        return self.compact(self.tensors(outputs, geometry), max_bytes, geometry)
 
 
 Postprocessor = VocabularyPostprocessor | GraphPostprocessor
