@@ -224,3 +224,22 @@ def test_mask_not_at_the_frame_size_is_refused_by_the_kind_naming_both_sizes(tmp
     other = Geometry(0.5, 32 / 48, 0.0, 0.0, frame_w=64, frame_h=48, input_w=32, input_h=32)
     with pytest.raises(StageOutputError, match=r"field 'mask' has shape \[32, 32\]: the frame is \[48, 64\]"):
         post.decode({"map": prob}, other, 65536)
+
+
+def test_a_variant_whose_post_stage_refuses_a_golden_sample_is_rejected_at_build_not_the_whole_build(
+        tmp_path: Path) -> None:
+    """`bundle create` judges each variant's final result: an INT8 whose outputs the post stage refuses on one golden
+    sample (a token beyond the charset) aborted the whole build with StageOutputError; FP32 could still serve."""
+    from agent.bundle.create import GoldenStages, judge_final_results
+
+    post = GraphPostprocessor(_tokens_post(tmp_path / "post.onnx", 4), PostprocessSpec(
+        graph="post.onnx", result=ResultSpec(kind="text", charset="charset.txt")), (), ["_", "a", "b"])
+    spec = {"postprocess": {"graph": "post.onnx", "result": {"kind": "text", "charset": "charset.txt"}}}
+    references = [{"x": np.array([[1, 2, 0, 1]], np.float32)}, {"x": np.array([[2, 2, 0, 1]], np.float32)}]
+    int8 = [references[0], {"x": np.array([[2, 9, 0, 1]], np.float32)}]
+    stages = GoldenStages(None, post, [IDENTITY, IDENTITY], [None, None])
+    figures, findings = judge_final_results(stages, int8, [IDENTITY, IDENTITY], references, None, spec, "build golden")
+    assert len(findings) == 1
+    f = findings[0]
+    assert (f.stage, f.sample) == ("post", 1) and "token id 9 is beyond the charset" in f.text()
+    assert judge_final_results(stages, references, [IDENTITY, IDENTITY], references, None, spec, "build golden")[1] == []

@@ -27,13 +27,13 @@ import numpy as np
 import yaml
 
 from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files, load_bundle
-from agent.errors import BundleError, QualityError, install_hint
+from agent.errors import BundleError, QualityError, StageOutputError, install_hint
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.spec.inputs import InputFeeder
 from agent.spec.manifest import (MANIFEST_NAME, ExtraInput, frame_from_dict, inputs_from_list, postprocess_from_dict,
                                  preprocess_from_dict, TensorSpec)
-from agent.proof.parity import fidelity_floors, judge_fidelity
+from agent.proof.parity import Finding, fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
 from agent.spec.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet, load_samples
@@ -1218,7 +1218,12 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
         name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
         want = [stages.post.decode(split_batch(r, 0), g, 0) for r, g in zip(references, geometries)]
     kind = kind_for(name)
-    served = [stages.post.decode(split_batch(o, 0), g, 0) for o, g in zip(outs, geometries)]
+    served = []
+    for i, (o, g) in enumerate(zip(outs, geometries)):
+        try:
+            served.append(stages.post.decode(split_batch(o, 0), g, 0))
+        except StageOutputError as exc:  # this variant's outputs the post stage refuses: the variant fails, not the build
+            return {}, [Finding("fidelity", "result the post stage serves", None, None, "post", i, f"{stage}: {exc}")]
     figures, findings = kind.fidelity(served, want, kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
                                       stage=stage)
     return ({k: round(float(v), 6) for k, v in figures.items()
