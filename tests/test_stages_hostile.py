@@ -265,3 +265,16 @@ def test_the_audit_never_judges_a_model_output_the_bundle_does_not_use(tmp_path:
     assert auditor.counters["canary_runs"] >= 5 and auditor.counters["live_windows"] >= 2
     assert auditor.counters["canary_failures"] == 0 and auditor.counters["live_drift"] == 0
     assert auditor.degraded is None
+
+
+def test_the_self_test_batches_and_concurrent_callers_never_judge_an_unused_output(tmp_path: Path) -> None:
+    """The self-test judged only the used outputs at batch 1, but its batch-size and concurrent-caller checks
+    compared every output: on a device that batches (or runs two inference workers) the unused NaN `aux` failed
+    every candidate."""
+    from agent.proof.selftest import evaluate
+    from agent.testing import structured_frames
+
+    b, _golden = _aux_bundle(tmp_path, list(structured_frames(4, 32, 0)))
+    for kw in ({"max_batch": 4}, {"workers": 2}):
+        r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False, **kw)
+        assert r.passed, (kw, r.reason if hasattr(r, "reason") else r)
