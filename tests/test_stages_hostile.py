@@ -278,3 +278,23 @@ def test_the_self_test_batches_and_concurrent_callers_never_judge_an_unused_outp
     for kw in ({"max_batch": 4}, {"workers": 2}):
         r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False, **kw)
         assert r.passed, (kw, r.reason if hasattr(r, "reason") else r)
+
+
+def test_the_size_extremes_gate_at_build_never_judges_an_unused_output(tmp_path: Path) -> None:
+    """`bundle create`'s check of each variant at the declared size extremes compared every output: the unused
+    NaN `aux` refused any variant there."""
+    import onnxruntime as ort
+
+    from agent.bundle.create import GoldenStages, judge_sizes
+    from agent.proof.parity import fidelity_floors
+    from agent.proof.stages import postprocessor_for, preprocessor_for
+    from agent.spec.inputs import InputFeeder
+    from agent.testing import structured_frames
+
+    b, _golden = _aux_bundle(tmp_path, list(structured_frames(4, 32, 0)))
+    sess = ort.InferenceSession(str(b.path(b.manifest.variant("fp32").file)), providers=[CPU])
+    spec = {"postprocess": {"type": "raw", "outputs": ["scores"], "channel_axis": -1, "uses": ["scores"]}}
+    stages = GoldenStages(preprocessor_for(b), postprocessor_for(b), [], [])
+    figures, problems = judge_sizes(sess, sess, [np.full((32, 32, 3), 90, np.uint8)], preprocessor_for(b),
+                                    InputFeeder.for_manifest(b.manifest), spec, stages, fidelity_floors("raw"))
+    assert problems == []

@@ -1190,11 +1190,18 @@ def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, fe
 
             kind = kind_for(kind_name)
             geometry = pre.geometry(raw)
-            _figs, findings = kind.fidelity([stages.post.decode(got, geometry, 0)], [stages.post.decode(ref, geometry, 0)],
-                                            kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
-                                            stage=stage)
-        else:
-            q = judge_fidelity(post_spec, [got], [ref], floors, stage=stage)
+            want = stages.post.decode(ref, geometry, 0)
+            try:
+                served = stages.post.decode(got, geometry, 0)
+            except StageOutputError as exc:  # the variant fails at this size, not the build
+                findings = [Finding("fidelity", "result the post stage serves", None, None, "post", None,
+                                    f"{stage}: {exc}")]
+            else:
+                _figs, findings = kind.fidelity([served], [want],
+                                                kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
+                                                stage=stage)
+        else:  # the outputs the bundle uses only (postprocess.uses), as everywhere else
+            q = judge_fidelity(post_spec, _used([got], post_spec.uses), _used([ref], post_spec.uses), floors, stage=stage)
             findings = list(q.findings)
             figures.update(_figures(f"size_{size}_", q))
         figures[f"size_{size}_findings"] = len(findings)
