@@ -298,3 +298,20 @@ def test_the_size_extremes_gate_at_build_never_judges_an_unused_output(tmp_path:
     figures, problems = judge_sizes(sess, sess, [np.full((32, 32, 3), 90, np.uint8)], preprocessor_for(b),
                                     InputFeeder.for_manifest(b.manifest), spec, stages, fidelity_floors("raw"))
     assert problems == []
+
+
+def test_package_answers_of_another_kind_than_the_bundle_serves_are_refused_naming_both(tmp_path: Path) -> None:
+    """answers.json of kind `scores` for a bundle serving `classes`: every sample was "unreadable as scores" and the
+    hint sent the author to postprocess.graph or preprocess, not to the answers' kind."""
+    import json
+
+    from agent.bundle.create import CreateOptions, check_against_answers
+    from agent.errors import BundleError
+
+    answers = json.dumps({"kind": "scores", "package": "pkg 1.0", "produced_by": "run.py",
+                          "results": [{"type": "scores", "scores": [0.9], "decisions": ["a"]}]})
+    spec = {"task": "classes", "postprocess": {"graph": "post.onnx", "result": {"kind": "classes"}}}
+    opts = CreateOptions(model=tmp_path / "m.onnx", spec=tmp_path / "s.yaml", calibration=tmp_path,
+                         golden=tmp_path / "golden", out=tmp_path / "b")
+    with pytest.raises(BundleError, match=r"golden.*kind 'scores'.*serves kind 'classes' \(postprocess.result.kind\)"):
+        check_against_answers(spec, None, [], answers, 1, opts, False)  # type: ignore[arg-type]

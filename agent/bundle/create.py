@@ -1113,11 +1113,17 @@ def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: S
     """The FP32 model's FINAL result (pre stage -> model -> post stage -> kind) against the package's own answers,
     by the kind's metric, before quantisation: a wrong decoder (a YOLOX head declared as yolov5) is refused here
     naming the stage, metric, value, bound and sample; a golden set that cannot fail a metric is warned about."""
-    from agent.proof.stage_proof import kind_floors
+    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
     from agent.results import kind_for
     from agent.results.answers import golden_warnings, read_answers
 
     answers = read_answers(json.loads(answers_text), samples, str(opts.golden))
+    post = spec.get("postprocess") or {}
+    serves = (post.get("result") or {}).get("kind") or VOCABULARY_KINDS.get(post.get("type", ""))
+    if serves is not None and serves != answers.kind:
+        key = "postprocess.result.kind" if (post.get("result") or {}).get("kind") else f"postprocess.type {post.get('type')}"
+        raise BundleError(f"{opts.golden}: the package's answers are of kind {answers.kind!r}, the bundle serves kind "
+                          f"{serves!r} ({key}): give answers of the kind the bundle serves")
     kind = kind_for(answers.kind)
     for w in golden_warnings(answers):
         log.warning("bundle.create.golden_cannot_fail", kind=answers.kind, warning=w)
