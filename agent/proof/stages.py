@@ -225,6 +225,8 @@ class GraphPostprocessor:
         spec = self._spec
         if geometry is not None and geometry.frame_h > 0 and geometry.frame_w > 0:
             spec = {**spec, FRAME_SIZE: (geometry.frame_h, geometry.frame_w)}
+        if max_bytes > 0:  # a kind may refuse a result it knows is over the cap before building it
+            spec = {**spec, "max_result_bytes": max_bytes}
         problems = self.kind.check(tensors, spec)
         if problems:
             raise StageOutputError(f"stage post ({self.path.name}): " + "; ".join(problems))
