@@ -52,6 +52,23 @@ def test_bundle_graph_refuses_a_bad_param_naming_recipe_and_key(tmp_path: Path,
     assert "--param 'multiple': expected KEY=VALUE" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize(("recipe", "param", "message"), [
+    ("post.priors", "steps=0,16,32", "--param steps: expected values >= 1, found 0"),  # wrote a graph of 0-stride priors
+    ("post.priors", "keypoints=0", "--param keypoints: expected values >= 1, found 0"),  # an internal InferenceError
+    ("post.priors", "width=-640", "--param width: expected values >= 0, found -640"),
+    ("post.priors", "min_sizes=16,0;64;128", "--param min_sizes: expected values >= 1, found 0"),
+    ("post.yolox", "strides=8,0,32", "--param strides: expected values >= 1, found 0"),
+    ("post.ctc", "blank=-1", "--param blank: expected values >= 0, found -1"),
+    ("post.saliency", "channel=-5", "--param channel: expected values >= 0, found -5"),
+])
+def test_bundle_graph_refuses_a_param_out_of_range_naming_recipe_and_key(
+        recipe: str, param: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.onnx"
+    assert main(["--log-level", "error", "bundle", "graph", recipe, "--out", str(out), "--param", param]) == 2
+    assert f"recipe {recipe}: {message}" in capsys.readouterr().err
+    assert not out.exists()
+
 def test_bundle_graph_list_shows_every_recipe_and_its_params() -> None:
     r = edge_agent("bundle", "graph", "--list")
     assert r.returncode == 0, r.stderr

@@ -110,3 +110,31 @@ def test_post_graph_bundle_judges_a_raw_head_per_declared_channel_so_coordinates
     assert not q.passed and "output head channel 4" in q.findings[0].detail
     with pytest.raises(BundleError, match=r"key postprocess.channel_axis: 0 is the batch axis"):
         _parse(lambda d: d["postprocess"].update(channel_axis=0))
+
+
+def _boxes_result(d: dict[str, Any], **options: Any) -> None:
+    d["task"] = "boxes"
+    d["postprocess"]["result"] = {"kind": "boxes", "boxes": "det_boxes", "scores": "det_scores", **options}
+
+
+def test_the_kinds_documented_result_options_are_manifest_keys_the_kind_reads() -> None:
+    """docs/results.md: boxes take `score_threshold` (a padded fixed-size output) and `max_detections`, masks
+    `class_id`; the schema refused them ("'graph' was unexpected"), so a padded NMS output could not be served."""
+    m = _parse(lambda d: _boxes_result(d, score_threshold=0.3, max_detections=10))
+    spec = m.postprocess.result.as_mapping()
+    assert spec["score_threshold"] == 0.3 and spec["max_detections"] == 10
+    with pytest.raises(BundleError, match=r"key postprocess.result.class_id: applies to masks, not boxes"):
+        _parse(lambda d: _boxes_result(d, class_id=1))
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d["postprocess"]["result"].update(foo=1), r"key postprocess.result: .*\('foo' was unexpected\)"),
+    (lambda d: d["postprocess"].update(bar=1), r"key postprocess: .*\('bar' was unexpected\)"),
+    (lambda d: d["postprocess"]["result"].update(top_k=0), r"key postprocess.result.top_k: 0 is less than"),
+])
+def test_a_schema_error_in_a_post_graph_block_names_the_wrong_key_not_graph(mutate: Callable, message: str) -> None:
+    """A post graph's block has no `type`: the schema's error was the classification branch's ("'graph' was
+    unexpected"), naming a key that is right and hiding the one that is wrong."""
+    with pytest.raises(BundleError, match=message) as info:
+        _parse(mutate)
+    assert "'graph'" not in str(info.value)

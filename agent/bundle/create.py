@@ -27,13 +27,13 @@ import numpy as np
 import yaml
 
 from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files, load_bundle
-from agent.errors import BundleError, QualityError, install_hint
+from agent.errors import BundleError, QualityError, StageOutputError, install_hint
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.spec.inputs import InputFeeder
 from agent.spec.manifest import (MANIFEST_NAME, ExtraInput, frame_from_dict, inputs_from_list, postprocess_from_dict,
                                  preprocess_from_dict, TensorSpec)
-from agent.proof.parity import fidelity_floors, judge_fidelity
+from agent.proof.parity import Finding, fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
 from agent.spec.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet, load_samples
@@ -1113,11 +1113,17 @@ def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: S
     """The FP32 model's FINAL result (pre stage -> model -> post stage -> kind) against the package's own answers,
     by the kind's metric, before quantisation: a wrong decoder (a YOLOX head declared as yolov5) is refused here
     naming the stage, metric, value, bound and sample; a golden set that cannot fail a metric is warned about."""
-    from agent.proof.stage_proof import kind_floors
+    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
     from agent.results import kind_for
     from agent.results.answers import golden_warnings, read_answers
 
     answers = read_answers(json.loads(answers_text), samples, str(opts.golden))
+    post = spec.get("postprocess") or {}
+    serves = (post.get("result") or {}).get("kind") or VOCABULARY_KINDS.get(post.get("type", ""))
+    if serves is not None and serves != answers.kind:
+        key = "postprocess.result.kind" if (post.get("result") or {}).get("kind") else f"postprocess.type {post.get('type')}"
+        raise BundleError(f"{opts.golden}: the package's answers are of kind {answers.kind!r}, the bundle serves kind "
+                          f"{serves!r} ({key}): give answers of the kind the bundle serves")
     kind = kind_for(answers.kind)
     for w in golden_warnings(answers):
         log.warning("bundle.create.golden_cannot_fail", kind=answers.kind, warning=w)
@@ -1190,11 +1196,18 @@ def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, fe
 
             kind = kind_for(kind_name)
             geometry = pre.geometry(raw)
-            _figs, findings = kind.fidelity([stages.post.decode(got, geometry, 0)], [stages.post.decode(ref, geometry, 0)],
-                                            kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
-                                            stage=stage)
-        else:
-            q = judge_fidelity(post_spec, [got], [ref], floors, stage=stage)
+            want = stages.post.decode(ref, geometry, 0)
+            try:
+                served = stages.post.decode(got, geometry, 0)
+            except StageOutputError as exc:  # the variant fails at this size, not the build
+                findings = [Finding("fidelity", "result the post stage serves", None, None, "post", None,
+                                    f"{stage}: {exc}")]
+            else:
+                _figs, findings = kind.fidelity([served], [want],
+                                                kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
+                                                stage=stage)
+        else:  # the outputs the bundle uses only (postprocess.uses), as everywhere else
+            q = judge_fidelity(post_spec, _used([got], post_spec.uses), _used([ref], post_spec.uses), floors, stage=stage)
             findings = list(q.findings)
             figures.update(_figures(f"size_{size}_", q))
         figures[f"size_{size}_findings"] = len(findings)
@@ -1218,7 +1231,12 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
         name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
         want = [stages.post.decode(split_batch(r, 0), g, 0) for r, g in zip(references, geometries)]
     kind = kind_for(name)
-    served = [stages.post.decode(split_batch(o, 0), g, 0) for o, g in zip(outs, geometries)]
+    served = []
+    for i, (o, g) in enumerate(zip(outs, geometries)):
+        try:
+            served.append(stages.post.decode(split_batch(o, 0), g, 0))
+        except StageOutputError as exc:  # this variant's outputs the post stage refuses: the variant fails, not the build
+            return {}, [Finding("fidelity", "result the post stage serves", None, None, "post", i, f"{stage}: {exc}")]
     figures, findings = kind.fidelity(served, want, kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
                                       stage=stage)
     return ({k: round(float(v), 6) for k, v in figures.items()

@@ -234,6 +234,7 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
             for k, i in enumerate(idx):
                 rows.append({name: v[k] for name, v in outs.items()})
                 refs.append(single[i])
+        rows, refs = used_outputs(m, rows, refs)  # outputs not in postprocess.uses: never judged
         q = judge_reproduction(m.postprocess, rows, refs, bounds, "batch 1", stage=f"batch {b}")
         if not q.passed:
             findings += list(q.findings)
@@ -262,8 +263,8 @@ def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single:
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
         runs = [r for rows in pool.map(caller, range(workers)) for r in rows]
-    q = judge_reproduction(m.postprocess, [r for _, r in runs], [single[i] for i, _ in runs], bounds, "batch 1",
-                           stage=f"{workers} concurrent callers")
+    got, want = used_outputs(m, [r for _, r in runs], [single[i] for i, _ in runs])  # the used outputs only
+    q = judge_reproduction(m.postprocess, got, want, bounds, "batch 1", stage=f"{workers} concurrent callers")
     return list(q.findings)
 
 
@@ -489,9 +490,10 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
                     frame = reduce(g.raw, s, m.frame.color)
                     got += [split_batch(o, 0) for o in _run_golden(opened, m, pre(frame), False)]
                 # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
-                rep = judge_reproduction(m.postprocess, got, full, bounds, "full path", stage=stage,
+                got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
+                rep = judge_reproduction(m.postprocess, got_used, full_used, bounds, "full path", stage=stage,
                                          tensor_bound=False)
-                fid = judge_fidelity(m.postprocess, got, refs, floors, stage=stage)
+                fid = judge_fidelity(m.postprocess, got_used, refs_used, floors, stage=stage)
             except Exception as exc:
                 failed = f"{stage}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 entry["paths"][path] = {"passed": False, "reason": failed}

@@ -46,16 +46,28 @@ def stage_session(path: Path, stage: str, threads: int = 1) -> ort.InferenceSess
         raise BundleError(f"{path}: ONNX Runtime cannot load the {stage} graph: {' '.join(str(exc).split())[:300]}") from exc
 
 
-def geometry_of(values: np.ndarray | None, height: int, width: int) -> Geometry:
-    """A pre graph's `geometry` output [6] as the Geometry that maps result coordinates back to the frame."""
+def input_size(tensor: np.ndarray) -> tuple[int, int] | None:
+    """(width, height) of a pre graph's image tensor [1, C, H, W] or [1, H, W, C] (channels 1, 3 or 4), or None."""
+    if tensor.ndim != 4:
+        return None
+    if tensor.shape[3] in (1, 3, 4) and tensor.shape[1] not in (1, 3, 4):
+        return int(tensor.shape[2]), int(tensor.shape[1])
+    return int(tensor.shape[3]), int(tensor.shape[2])
+
+
+def geometry_of(values: np.ndarray | None, height: int, width: int,
+                size: tuple[int, int] | None = None) -> Geometry:
+    """A pre graph's `geometry` output [6] as the Geometry that maps result coordinates back to the frame; `size`,
+    the model input's (width, height), lets a decoder scale a strided map to input pixels."""
     if values is None:
         return Geometry(1.0, 1.0, 0.0, 0.0, frame_w=width, frame_h=height, input_w=width, input_h=height)
     v = np.asarray(values, dtype=np.float64).reshape(-1)
     if v.size != GEOMETRY_VALUES or not np.all(np.isfinite(v)) or v[0] <= 0 or v[1] <= 0:
         raise PreprocessError(f"stage pre: output {GEOMETRY!r} is {v.tolist()}: expected {GEOMETRY_VALUES} finite values "
                               "(scale_x > 0, scale_y > 0, pad_x, pad_y, crop_x, crop_y)")
+    in_w, in_h = size or (0, 0)
     return Geometry(float(v[0]), float(v[1]), float(v[2]), float(v[3]), float(v[4]), float(v[5]),
-                    frame_w=width, frame_h=height)
+                    frame_w=width, frame_h=height, input_w=in_w, input_h=in_h)
 
 
 def geometry_values(g: Geometry) -> np.ndarray:
@@ -82,6 +94,7 @@ class GraphPreprocessor:
         names = [o.name for o in self.session.get_outputs()]
         self._wanted = [self.output_name] + ([GEOMETRY] if GEOMETRY in names else [])
         self._rank = len(model_input.shape)
+        self._fixed_dims = {i: d for i, d in enumerate(model_input.shape) if i > 0 and isinstance(d, int)}
         # frames share a batch only when every frame makes a tensor of one shape: the model's input fixes it
         self.fixed_size = pre_fixed_size(model_input.shape)
 
@@ -127,13 +140,19 @@ class GraphPreprocessor:
         if t.ndim != self._rank or t.shape[0] != 1:
             raise PreprocessError(f"stage pre: output {self.output_name!r} has shape {list(t.shape)}, the model takes "
                                   f"rank {self._rank} with a batch of 1")
+        wrong = {i: d for i, d in self._fixed_dims.items() if t.shape[i] != d}
+        if wrong:  # the model cannot take it, and frames of two sizes could not share a batch
+            want = [1] + [self._fixed_dims.get(i, "any") for i in range(1, self._rank)]
+            raise PreprocessError(f"stage pre ({self.path.name}): output {self.output_name!r} has shape "
+                                  f"{list(t.shape)} on a frame of shape {list(raw.shape)}, the model takes {want}")
         return result
 
     def with_geometry(self, raw: np.ndarray) -> tuple[np.ndarray, Geometry]:
         outs = self.run(raw)
         if self.frame.kind == "sensor":
             return np.ascontiguousarray(outs[self.output_name]), IDENTITY
-        return np.ascontiguousarray(outs[self.output_name]), geometry_of(outs.get(GEOMETRY), raw.shape[0], raw.shape[1])
+        t = np.ascontiguousarray(outs[self.output_name])
+        return t, geometry_of(outs.get(GEOMETRY), raw.shape[0], raw.shape[1], input_size(t))
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         return self.with_geometry(raw)[0]
@@ -199,17 +218,27 @@ class GraphPostprocessor:
             raise StageOutputError(f"stage post ({self.path.name}) failed: {' '.join(str(exc).split())[:300]}") from exc
         return dict(zip(self.output_names, outs))
 
-    def compact(self, tensors: Mapping[str, np.ndarray], max_bytes: int) -> dict[str, Any]:
-        """Graph outputs (by name) -> the kind's checked, compact result."""
-        problems = self.kind.check(tensors, self._spec)
+    def compact(self, tensors: Mapping[str, np.ndarray], max_bytes: int,
+                geometry: Geometry | None = None) -> dict[str, Any]:
+        """Graph outputs (by name) -> the kind's checked, compact result; with the geometry, the kind also knows
+        the frame's size (`frame_size`, (h, w): a mask is served at it)."""
+        spec = self._spec
+        if geometry is not None and geometry.frame_h > 0 and geometry.frame_w > 0:
+            spec = {**spec, FRAME_SIZE: (geometry.frame_h, geometry.frame_w)}
+        if max_bytes > 0:  # a kind may refuse a result it knows is over the cap before building it
+            spec = {**spec, "max_result_bytes": max_bytes}
+        problems = self.kind.check(tensors, spec)
         if problems:
             raise StageOutputError(f"stage post ({self.path.name}): " + "; ".join(problems))
-        result = self.kind.compact(tensors, self._spec, self.labels, self.charset or ())
+        try:
+            result = self.kind.compact(tensors, spec, self.labels, self.charset or ())
+        except BundleError as exc:  # values the kind cannot serve (a token beyond the charset): this frame only
+            raise StageOutputError(f"stage post ({self.path.name}): {exc}") from exc
         check_result_size(result, max_bytes)
         return result
 
     def decode(self, outputs: Mapping[str, np.ndarray], geometry: Geometry, max_bytes: int) -> dict[str, Any]:
-        return self.compact(self.tensors(outputs, geometry), max_bytes)
+        return self.compact(self.tensors(outputs, geometry), max_bytes, geometry)
 
 
 Postprocessor = VocabularyPostprocessor | GraphPostprocessor

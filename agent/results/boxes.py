@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from agent.errors import BundleError
+from agent.errors import BundleError, ResultTooLargeError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, lengths_agree, setting
@@ -39,6 +39,7 @@ DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({
     "max_keypoint_error": 0.05,  # distance / the package box's diagonal
 })
 READS: tuple[str, ...] = ("boxes", "detection")
+MIN_BOX_BYTES = 56  # the JSON of the smallest box entry is longer: {"box":[0.0,0.0,0.0,0.0],"score":0.0,...}
 # postprocess.result keys this kind reads besides its fields (and `kind`)
 OPTIONS: Mapping[str, str] = MappingProxyType({
     "score_threshold": "rows scoring under it are no box (a padded fixed-size output); default: every row",
@@ -107,6 +108,11 @@ def compact(tensors: Mapping[str, np.ndarray], spec: Any, labels: Sequence[str] 
     cap = setting(spec, "max_detections")
     if cap is not None:
         idx = idx[: int(cap)]
+    max_bytes = int(setting(spec, "max_result_bytes", 0))  # the engine's output.max_result_bytes, when it has one
+    if max_bytes > 0 and len(idx) * MIN_BOX_BYTES > max_bytes:  # never build a result it must drop (200k rows: 7 s)
+        raise ResultTooLargeError(f"{NAME} result of {len(idx)} boxes is at least {len(idx) * MIN_BOX_BYTES} bytes, over "
+                                  f"output.max_result_bytes = {max_bytes}: declare postprocess.result.score_threshold "
+                                  "or max_detections, or raise the cap")
     out = []
     for i in idx:
         entry: dict[str, Any] = {"box": [round(float(v), 2) for v in b[i]], "score": round(float(s[i]), 6),

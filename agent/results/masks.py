@@ -64,6 +64,10 @@ def check(tensors: Mapping[str, np.ndarray], spec: Any) -> list[str]:
                         "postprocess.result.threshold (foreground where the value is over it)")
     if m.size == 0:
         problems.append(f"result {NAME} field 'mask' has shape {list(m.shape)}: a frame-size mask wanted")
+    frame = setting(spec, "frame_size")  # (h, w) when the caller knows the frame
+    if frame is not None and m.ndim == 2 and tuple(m.shape) != tuple(frame):
+        problems.append(f"result {NAME} field 'mask' has shape {list(m.shape)}: the frame is {list(frame)} (h, w); "
+                        "a mask is served at frame size (the post graph takes `frame_size` to resize it)")
     return problems
 
 

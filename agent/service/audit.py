@@ -33,6 +33,7 @@ from agent.proof.parity import (
     judge_reproduction,
     reproduction_bounds,
 )
+from agent.proof.stage_proof import used_outputs
 from agent.proof.verdict import Candidate
 from agent.serving.engine import AUDIT_SOURCE, Engine, build_engine
 from agent.spec.decoders import split_batch
@@ -184,7 +185,8 @@ class Auditor:
         got = split_batch(engine.run(g.input, AUDIT_SOURCE), 0)
         m = engine.bundle.manifest
         bounds = reproduction_bounds(engine.candidate.precision, engine.candidate.provider, m.selftest.reproduction)
-        q = judge_reproduction(m.postprocess, [got], [self._expected[i]], bounds, "variant", stage="canary")
+        mine, want = used_outputs(m, [got], [self._expected[i]])  # postprocess.uses: the rest are never judged
+        q = judge_reproduction(m.postprocess, mine, want, bounds, "variant", stage="canary")
         self.counters["canary_runs"] += 1
         self.last["canary"] = {"sample": g.index, "passed": q.passed, "at_unix": round(time.time(), 3)}
         if not q.passed:
@@ -246,7 +248,8 @@ class Auditor:
             return
         window, self._window = self._window, []
         m = engine.bundle.manifest
-        q = judge_fidelity(m.postprocess, [w[0] for w in window], [w[1] for w in window],
+        served_used, ref_used = used_outputs(m, [w[0] for w in window], [w[1] for w in window])
+        q = judge_fidelity(m.postprocess, served_used, ref_used,
                            fidelity_floors(m.task, m.selftest.fidelity), stage="live audit")
         self.counters["live_windows"] += 1
         self.last["live"] = {"frames": len(window), "passed": q.passed, "at_unix": round(time.time(), 3),

@@ -419,7 +419,7 @@ class Controller:
         if w is None:
             return
         t = w.tally
-        if probation_over(time.monotonic() - w.started, t.results, t.inference_errors + t.non_finite,
+        if probation_over(time.monotonic() - w.started, t.results, t.inference_errors + t.non_finite + t.post_refused,
                           self.stop_event.is_set(), w.limit_s, w.limit_results):
             self._probation = None
             w.finish()

@@ -136,6 +136,7 @@ class EngineTally:
     refused: int = 0         # frames its preprocessing refused (frame-format mismatch)
     inference_errors: int = 0
     non_finite: int = 0      # inferences with NaN/inf outputs (never published)
+    post_refused: int = 0    # results its post stage refused (StageOutputError: never published)
     inference_ms: list[float] = field(default_factory=list)  # bounded by MAX_TALLY_SAMPLES
 
     MAX_SAMPLES = 4096
@@ -594,7 +595,10 @@ class Pipeline:
             outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source,
                                                                   p.frames[0].captured_at, frame=p.frames[0])
             assert outputs is not None
-            bad = [k for k, v in outputs.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+            manifest = p.engine.bundle.manifest  # declared outputs not in postprocess.uses are never judged, nor served
+            unused = set(manifest.output_names) - set(manifest.used_outputs)
+            bad = [k for k, v in outputs.items()
+                   if k not in unused and v.dtype.kind == "f" and not np.isfinite(v).all()]
             if bad:  # NaN/inf answers are wrong answers: counted, never published
                 raise NonFiniteOutput(f"non-finite values in outputs {bad}")
         except Exception as exc:  # a runtime failure on one input is counted, not fatal
@@ -696,6 +700,7 @@ class Pipeline:
                     result = eng.annotate(frame, eng.decode(outs, p.geometry[i], self.max_result_bytes))
                 except StageOutputError as exc:  # a post graph's outputs its kind refuses: counted, never served
                     m.result_errors += 1
+                    tally.post_refused += 1
                     self._count_drop("post_stage_refused")
                     log.error("result.post_stage_refused", source=frame.source, index=frame.index, reason=str(exc),
                               result_errors=m.result_errors)

@@ -244,6 +244,9 @@ class ResultSpec:
     charset: str | None = None
     charset_offset: int = 0
     blank: int = 0
+    score_threshold: float | None = None  # boxes (agent.results.boxes.OPTIONS)
+    max_detections: int | None = None  # boxes
+    class_id: int | None = None  # masks (agent.results.masks.OPTIONS)
 
     def output_for(self, field_name: str) -> str:
         return self.fields.get(field_name, field_name)
@@ -254,7 +257,8 @@ class ResultSpec:
         return {**self.fields, **{k: v for k, v in opts.items() if v is not None}}
 
 
-RESULT_OPTIONS = ("kind", "top_k", "threshold", "charset", "charset_offset", "blank")
+RESULT_OPTIONS = ("kind", "top_k", "threshold", "charset", "charset_offset", "blank", "score_threshold", "max_detections",
+                  "class_id")
 
 
 def result_from_dict(d: Mapping[str, Any]) -> ResultSpec:
@@ -440,10 +444,15 @@ def _describe(error: jsonschema.ValidationError) -> str:
             if sub.validator == "const" or not isinstance(sub.schema, dict):
                 continue
             consts = [p.get("const") for p in branch_tag.values() if isinstance(p, dict)]
-            if tag in consts:
+            if tag is not None and tag in consts:
                 return _describe(sub)
         if tag is not None:
             return f"key {_key_path(error.absolute_path)}: unsupported type {tag!r}"
+        if error.context:  # no tag (a post graph's block): the branch that matched furthest names the key
+            def fit(e: jsonschema.ValidationError) -> tuple[int, int]:
+                known = e.schema.get("properties", {}) if isinstance(e.schema, dict) else {}
+                return len(e.absolute_path), sum(k in known for k in error.instance)
+            return _describe(max(error.context, key=fit))
     where = _key_path(error.absolute_path)
     if error.validator == "additionalProperties":
         return f"key {where}: {error.message} (unknown key)"
@@ -792,5 +801,8 @@ def check_stages(m: Manifest, where: str) -> None:
                           "per line)")
     if r.kind == "scores" and r.threshold is None:
         raise BundleError(f"{where}: key postprocess.result.threshold: kind scores needs a decision threshold")
+    for key, kind in (("score_threshold", "boxes"), ("max_detections", "boxes"), ("class_id", "masks")):
+        if getattr(r, key) is not None and r.kind != kind:
+            raise BundleError(f"{where}: key postprocess.result.{key}: applies to {kind}, not {r.kind}")
     if r.kind != "masks" and r.kind != "scores" and r.threshold is not None:
         raise BundleError(f"{where}: key postprocess.result.threshold: applies to masks and scores, not {r.kind}")

@@ -26,6 +26,7 @@ class ProbationEvidence:
     non_finite: int        # inferences with NaN/inf outputs
     inference_p95_ms: float | None
     budget_ms: float | None  # the bundle's latency budget for the provider; None: no budget
+    post_refused: int = 0  # results its post stage refused (a post graph's outputs its result kind refuses)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +73,8 @@ def judge_probation(e: ProbationEvidence) -> ProbationVerdict:
         reasons.append(f"{e.inference_errors} inference errors")
     if e.non_finite:
         reasons.append(f"{e.non_finite} inferences with non-finite outputs")
+    if e.post_refused:
+        reasons.append(f"{e.post_refused} results refused by its post stage (postprocess.graph)")
     if e.budget_ms is not None and e.inference_p95_ms is not None and (
             not math.isfinite(e.inference_p95_ms) or e.inference_p95_ms > e.budget_ms):
         reasons.append(f"inference p95 = {e.inference_p95_ms:.2f} ms over budget {e.budget_ms:g} ms")

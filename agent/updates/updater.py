@@ -288,5 +288,6 @@ class Updater:
         return judge_probation(ProbationEvidence(
             seconds=round(seconds, 3), frames=tally.frames, results=tally.results,
             refused=tally.refused, inference_errors=tally.inference_errors, non_finite=tally.non_finite,
+            post_refused=tally.post_refused,
             inference_p95_ms=p95(list(tally.inference_ms)),
             budget_ms=bundle.manifest.selftest.budget_for(candidate.provider)))

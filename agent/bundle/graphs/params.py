@@ -21,6 +21,7 @@ class Param:
     default: Any
     help: str
     choices: tuple[str, ...] = ()
+    minimum: float | None = None  # every number given (of a list too) at least this
 
     def parse(self, recipe: str, key: str, value: Any) -> Any:
         where = f"recipe {recipe}: --param {key}"
@@ -55,6 +56,11 @@ class Param:
             raise UsageError(f"{where}: expected {_expected(self.kind)}, found {value!r}") from exc
         if self.choices and out not in self.choices:
             raise UsageError(f"{where}: expected one of {', '.join(self.choices)}, found {value!r}")
+        if self.minimum is not None:
+            numbers = [out] if isinstance(out, (int, float)) else [v for g in out for v in (g if isinstance(g, tuple) else (g,))]
+            low = [v for v in numbers if v < self.minimum]
+            if low:
+                raise UsageError(f"{where}: expected values >= {self.minimum:g}, found {low[0]:g} in {value!r}")
         return out
 
 

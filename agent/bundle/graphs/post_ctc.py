@@ -14,7 +14,7 @@ from agent.bundle.graphs.params import Param
 PARAMS: dict[str, dict[str, Param]] = {
     "post.ctc": {
         "input": Param("str", "output", "the model output [1, T, C] of per-step class probabilities"),
-        "blank": Param("int", 0, "the blank class id"),
+        "blank": Param("int", 0, "the blank class id", minimum=0),
         "drop_blank": Param("bool", True, "drop blanks in the graph (false: keep them for the text kind to drop)"),
         "softmax": Param("bool", False, "the output is logits: softmax per step first (token scores are probabilities)"),
     },

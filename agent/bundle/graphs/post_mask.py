@@ -17,11 +17,11 @@ from agent.bundle.graphs.params import Param
 PARAMS: dict[str, dict[str, Param]] = {
     "post.saliency": {
         "input": Param("str", "output", "the model output [1, C, h, w] holding the map"),
-        "channel": Param("int", 0, "the channel of the map"),
+        "channel": Param("int", 0, "the channel of the map", minimum=0),
         "sigmoid": Param("bool", False, "the map is logits: sigmoid first"),
         "normalize": Param("str", "minmax", "per-image minmax ((d - min) / (max - min)) or none", ("minmax", "none")),
-        "width": Param("int", 0, "model input width the map covers (0: the map's own width)"),
-        "height": Param("int", 0, "model input height (0: the map's own height)"),
+        "width": Param("int", 0, "model input width the map covers (0: the map's own width)", minimum=0),
+        "height": Param("int", 0, "model input height (0: the map's own height)", minimum=0),
         "threshold": Param("float", 0.0, "> 0: output a uint8 mask, 1 where the map is at or over this"),
     },
 }

@@ -25,21 +25,25 @@ PARAMS: dict[str, dict[str, Param]] = {
         "loc": Param("str", "loc", "the model output of box offsets [1, P, 4]"),
         "conf": Param("str", "conf", "the model output of class scores [1, P, classes]"),
         "landmarks": Param("str", "landms", "the model output of landmark offsets [1, P, 2 * keypoints] ('' for none)"),
-        "keypoints": Param("int", 5, "landmarks per box"),
-        "width": Param("int", 640, "model input width the priors are laid on (0: native, from frame_size)"),
-        "height": Param("int", 640, "model input height (0: native)"),
-        "multiple": Param("int", 1, "native size only: the pre graph padded the frame to a multiple of this"),
-        "min_sizes": Param("int_lists", ((16, 32), (64, 128), (256, 512)), "prior sizes per step, ';' between steps"),
+        "keypoints": Param("int", 5, "landmarks per box", minimum=1),
+        "width": Param("int", 640, "model input width the priors are laid on (0: native, from frame_size)",
+                       minimum=0),
+        "height": Param("int", 640, "model input height (0: native)", minimum=0),
+        "multiple": Param("int", 1, "native size only: the pre graph padded the frame to a multiple of this",
+                          minimum=1),
+        "min_sizes": Param("int_lists", ((16, 32), (64, 128), (256, 512)), "prior sizes per step, ';' between steps",
+                           minimum=1),
         "max_sizes": Param("ints", (), "ssd.pytorch: one max size per step, adding a sqrt(min * max) prior"),
         "aspect_ratios": Param("float_lists", (), "ssd.pytorch: aspect ratios per step, ';' between steps; each adds "
                                "two priors (a and 1/a)"),
-        "steps": Param("ints", (8, 16, 32), "feature-map strides"),
+        "steps": Param("ints", (8, 16, 32), "feature-map strides", minimum=1),
         "variances": Param("floats", (0.1, 0.2), "centre and size variances"),
         "clip_priors": Param("bool", False, "clamp priors to the input (PriorBox clip: the normalised "
                              "centres and sizes to [0, 1])"),
         "multiclass": Param("bool", False, "score every conf column but the background (0), NMS per class, output "
                             "class_ids (the conf column); false: one score column, score_index"),
-        "score_index": Param("int", 1, "the conf column that is the score (1: face of background/face)"),
+        "score_index": Param("int", 1, "the conf column that is the score (1: face of background/face)",
+                             minimum=0),
         "conf_softmax": Param("bool", False, "conf holds logits: softmax first (Pytorch_Retinaface's test-phase "
                               "export already applies it)"),
         "pre_nms_top_k": Param("int", 5000, "keep the best this many candidates before NMS (per class with "

@@ -17,10 +17,12 @@ from agent.errors import UsageError
 PARAMS: dict[str, dict[str, Param]] = {
     "post.yolox": {
         "input": Param("str", "output", "the model output [1, N, 5 + C] (raw head, decode_in_inference off)"),
-        "width": Param("int", 640, "model input width the grids are laid on (0: native, from frame_size)"),
-        "height": Param("int", 640, "model input height (0: native, from frame_size)"),
-        "multiple": Param("int", 32, "native size only: the pre graph padded the frame to a multiple of this"),
-        "strides": Param("ints", (8, 16, 32), "grid strides, in the head's output order"),
+        "width": Param("int", 640, "model input width the grids are laid on (0: native, from frame_size)",
+                       minimum=0),
+        "height": Param("int", 640, "model input height (0: native, from frame_size)", minimum=0),
+        "multiple": Param("int", 32, "native size only: the pre graph padded the frame to a multiple of this",
+                          minimum=1),
+        "strides": Param("ints", (8, 16, 32), "grid strides, in the head's output order", minimum=1),
         "decoded": Param("bool", False, "the output already holds (cx, cy, w, h) in input pixels (YOLOX exported "
                          "with decode_in_inference, YOLOv5's output): no grid decode"),
         "logits": Param("bool", False, "objectness and class scores are logits (apply sigmoid); YOLOX's export "
