@@ -297,23 +297,34 @@ def textrec_recognizer() -> Any:
     return TextRecognizer(cfg)
 
 
-def build_textrec(n: int, seed: int) -> tuple[list[np.ndarray], list[Any], list[str]]:
+def build_textrec(n: int, seed: int) -> tuple[list[np.ndarray], list[Any], list[str], list[np.ndarray]]:
     """Frames of several sizes, and the package's own TextRecognizer run on each frame alone (its
-    resize_norm_img, session and CTCLabelDecode): text, confidence and per-character scores."""
+    resize_norm_img, session and CTCLabelDecode): text, confidence and per-character scores, and the
+    tensor its session was given (to prove a pre stage reproduces it)."""
     rec = textrec_recognizer()
-    frames, results, drawn = [], [], []
+    run = rec.session.__call__
+    fed: list[np.ndarray] = []
+
+    def recording(x: np.ndarray) -> Any:  # the tensor the package's session is given, as given
+        fed.append(np.array(x, copy=True))
+        return run(x)
+
+    rec.session = type("Recording", (), {"__call__": staticmethod(recording)})()
+    frames, results, drawn, inputs = [], [], [], []
     for i in range(n):
         rng = np.random.default_rng(seed + i)
         frame, text = draw_text_line(rng)
         # one frame per call: the package pads a batch to its widest line, the agent serves one frame
+        fed.clear()
         (res,), _ = rec([frame.copy()], return_word_box=True)
+        inputs.append(fed[0])
         got, conf, info = res
         scores = [float(s) for s in info[4]] if got else []
         frames.append(frame)
         drawn.append(text)
         results.append({"type": "text", "text": got, "confidence": float(conf),
                         "chars": [{"char": c, "score": s} for c, s in zip(got, scores)]})
-    return frames, results, drawn
+    return frames, results, drawn, inputs
 
 
 def textrec_charset() -> list[str]:
@@ -324,7 +335,7 @@ def textrec_charset() -> list[str]:
 
 # Models whose frames differ in size: each split is a directory of PNG frames (sorted by name) with
 # the package's answers beside them (answers.json in the form agent/results/answers.py reads).
-DIR_BUILDERS: dict[str, Callable[[int, int], tuple[list[np.ndarray], list[Any], list[str]]]] = {
+DIR_BUILDERS: dict[str, Callable[[int, int], tuple[list[np.ndarray], list[Any], list[str], list[np.ndarray]]]] = {
     "textrec": build_textrec,
 }
 PACKAGES = {"textrec": "rapidocr-onnxruntime 1.4.4"}
@@ -340,10 +351,16 @@ def write_dir_split(d: Path, name: str, split: str, count: int) -> dict[str, Any
     tmp = d / f"{split}.part"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    frames, results, drawn = DIR_BUILDERS[name](count, SEEDS[split])
+    frames, results, drawn, inputs = DIR_BUILDERS[name](count, SEEDS[split])
     for i, frame in enumerate(frames):
         if not cv2.imwrite(str(tmp / f"{i:04d}.png"), frame):
             raise SystemExit(f"{tmp / f'{i:04d}.png'}: cv2.imwrite failed")
+    # the package's input tensors, one .npy per frame (each its own width), outside the frame folder
+    tensors = d / f"{split}-inputs"
+    shutil.rmtree(tensors, ignore_errors=True)
+    tensors.mkdir()
+    for i, x in enumerate(inputs):
+        np.save(tensors / f"{i:04d}.npy", x)
     answers = {"kind": KINDS[name], "package": PACKAGES[name], "produced_by": PRODUCED_BY[name], "results": results}
     (tmp / "answers.json").write_text(json.dumps(answers, ensure_ascii=False, indent=1) + "\n")
     (d / f"{split}.drawn.json").write_text(json.dumps(drawn, ensure_ascii=False) + "\n")  # what was drawn
