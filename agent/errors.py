@@ -50,6 +50,11 @@ class ResultTooLargeError(AgentError):
     """A decoded result is over the configured message size (output.max_result_bytes): counted, not published."""
 
 
+class StageOutputError(AgentError):
+    """A post graph's outputs are not what its result kind takes (a missing field, a wrong rank, lengths that
+    disagree, non-finite values): counted, not published; the message names the stage and the field."""
+
+
 # Raised by one module each, kept here so every deliberate exception is found in one file (issue 18); each keeps
 # the base class its callers catch (ValueError, FloatingPointError, Exception).
 class SignatureError(BundleError):

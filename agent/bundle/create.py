@@ -12,6 +12,7 @@ refusal leaves nothing behind.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import shutil
 import tempfile
@@ -24,13 +25,13 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
-from agent.bundle.load import golden_arrays, hash_files, load_bundle
+from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files, load_bundle
 from agent.errors import BundleError, QualityError, install_hint
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.spec.inputs import InputFeeder
 from agent.spec.manifest import (MANIFEST_NAME, ExtraInput, frame_from_dict, inputs_from_list, postprocess_from_dict,
-                                 preprocess_from_dict)
+                                 preprocess_from_dict, TensorSpec)
 from agent.proof.parity import fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
 from agent.spec.preprocess import Preprocessor
@@ -80,6 +81,34 @@ class CreateOptions:
     max_top1_drop: float = 1.0  # percentage points of held-out top-1
     min_agreement: float = 0.97  # agreement with FP32 when there are no labels
     keep_low_quality: bool = False
+    pre_graph: Path | None = None  # preprocess.graph: copied into the bundle (hashed, signed), never quantised
+    post_graph: Path | None = None  # postprocess.graph: likewise
+
+
+STAGE_DEFAULT_NAMES = {"preprocess": "pre.onnx", "postprocess": "post.onnx"}
+
+
+def with_stage_graphs(spec: dict[str, Any], opts: CreateOptions) -> dict[str, Any]:
+    """The spec with `preprocess.graph` / `postprocess.graph` naming the files --pre-graph / --post-graph give
+    (pre.onnx, post.onnx unless the spec names them); a graph the spec names without its file is refused."""
+    spec = dict(spec)
+    for key, given, flag in (("preprocess", opts.pre_graph, "--pre-graph"), ("postprocess", opts.post_graph,
+                                                                            "--post-graph")):
+        block = dict(spec.get(key) or {})
+        if given is not None:
+            if not Path(given).is_file():
+                raise BundleError(f"{given}: {flag}: not a file")
+            block.setdefault("graph", STAGE_DEFAULT_NAMES[key])
+            spec[key] = block
+        elif "graph" in block:
+            raise BundleError(f"{opts.spec}: key {key}.graph: names {block['graph']!r}; give the ONNX file with {flag}")
+    return spec
+
+
+def stage_files(spec: Mapping[str, Any]) -> dict[str, str]:
+    """The stage graphs a spec names: manifest key -> path inside the bundle."""
+    return {f"{k}.graph": (spec.get(k) or {})["graph"] for k in ("preprocess", "postprocess")
+            if "graph" in (spec.get(k) or {})}
 
 
 @dataclass
@@ -102,7 +131,7 @@ def _need_build_extra() -> Any:
     return onnx
 
 
-def read_spec(path: Path) -> dict[str, Any]:
+def read_spec(path: Path, pre_graph: bool = False) -> dict[str, Any]:
     try:
         spec = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
@@ -113,7 +142,7 @@ def read_spec(path: Path) -> dict[str, Any]:
     if unknown:
         raise BundleError(f"{path}: key {unknown[0]}: unknown key (known: {sorted(SPEC_KEYS)})")
     for key in ("name", "version", "task", "frame", "preprocess", "postprocess"):
-        if key not in spec:
+        if key not in spec and not (key == "preprocess" and pre_graph):  # a pre graph is the preprocessing
             raise BundleError(f"{path}: key {key}: required")
     _check_selftest_block(spec.get("selftest"), path)
     return spec
@@ -518,7 +547,9 @@ def provisional_manifest(spec: Mapping[str, Any], input_spec: Mapping[str, Any] 
         "preprocess": spec["preprocess"], "postprocess": spec["postprocess"],
         "variants": [{"name": "fp32", "file": "model.onnx", "precision": "fp32", "providers": [CPU]}],
         "selftest": spec.get("selftest") or {}, "golden": ["golden.npz"],
-        "files": {"model.onnx": PLACEHOLDER_SHA, "golden.npz": PLACEHOLDER_SHA},
+        "files": {"model.onnx": PLACEHOLDER_SHA, "golden.npz": PLACEHOLDER_SHA,
+                  **{rel: PLACEHOLDER_SHA for rel in stage_files(spec).values()},
+                  **({spec["postprocess"]["labels"]: PLACEHOLDER_SHA} if "labels" in spec["postprocess"] else {})},
     }
 
 
@@ -562,7 +593,7 @@ def validate_against_model(spec: Mapping[str, Any], input_spec: Mapping[str, Any
 
 def create_bundle(opts: CreateOptions) -> Path:
     """Build the bundle at `opts.out` (must not exist). Returns its path."""
-    spec = read_spec(opts.spec)
+    spec = with_stage_graphs(read_spec(opts.spec, pre_graph=opts.pre_graph is not None), opts)
     validate_spec_first(spec, opts)
     out = Path(opts.out)
     if out.exists():
@@ -595,7 +626,7 @@ class _Prepared(Sequence[np.ndarray]):
 
 
 def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndarray]]], layout: str,
-                           bound: float) -> dict[str, Any]:
+                           bound: float, graph_key: str | None = None) -> dict[str, Any]:
     """Compare the spec's tensors with the framework's own input tensors (`input` in a sample set).
 
     Returns what was measured (empty when no set carries `input`); raises BundleError with the worst
@@ -610,7 +641,8 @@ def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndar
             if f.size != t.size:
                 raise BundleError(
                     f"{sset.source}: sample {i}: the framework's input has shape {list(f.shape)}, the spec's "
-                    f"preprocessing makes {list(t.shape)}: check preprocess.resize (mode, width, height) and layout"
+                    f"preprocessing makes {list(t.shape)} (stage pre): check "
+                    + (f"{graph_key} (its output shape)" if graph_key else "preprocess.resize (mode, width, height) and layout")
                 )
             d = float(np.max(np.abs(t.astype(np.float64) - f.reshape(t.shape).astype(np.float64)))) if t.size else 0.0
             total += 1
@@ -629,8 +661,9 @@ def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndar
         sset, tensors = next((s, t) for lab, s, t in sets if lab == label)
         assert sset.framework_inputs is not None  # only sets with the framework's tensors are compared
         raise BundleError(
-            f"{sset.source}: the spec's preprocessing does not reproduce the framework's input tensors: max abs "
-            f"{measured:.4g} on {label} sample {i} (bound {bound:g}); {_drift_hint(tensors[i], sset.framework_inputs[i], layout)}"
+            f"{sset.source}: the spec's preprocessing does not reproduce the framework's input tensors (stage pre): max "
+            f"abs {measured:.4g} on {label} sample {i} (bound {bound:g}); "
+            + (f"check {graph_key}" if graph_key else _drift_hint(tensors[i], sset.framework_inputs[i], layout)) +
             f"; or pass --allow-preprocess-drift {float(f'{measured * 1.1:.2g}'):g} to accept it (recorded in the manifest)"
         )
     return record
@@ -658,12 +691,18 @@ def _drift_hint(t: np.ndarray, f: np.ndarray, layout: str) -> str:
 def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     post = postprocess_from_dict(spec["postprocess"])
     task = spec["task"]
+    for key, given in (("preprocess.graph", opts.pre_graph), ("postprocess.graph", opts.post_graph)):
+        if given is not None:  # copied as given: a stage is never quantised or rewritten
+            dest = root / stage_files(spec)[key]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(given, dest)
     try:
         extra_inputs: tuple[ExtraInput, ...] = inputs_from_list(spec.get("inputs"))
     except TypeError as exc:
         raise BundleError(f"{opts.spec}: key inputs: {_reason(exc)}") from exc
     frame = frame_from_dict(spec["frame"], extra_inputs, str(opts.spec))
-    pre = Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)
+    # a pre graph opens once the model's input is known (_build_model); the vocabulary compiles here
+    pre = None if opts.pre_graph is not None else Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)
     sequence = any(x.kind == "state" for x in extra_inputs)
 
     model_path = opts.model
@@ -687,7 +726,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
 
 
 def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_path: Path, frontend: Any, post: Any,
-                 task: str, extra_inputs: tuple[ExtraInput, ...], frame: Any, pre: Preprocessor, sequence: bool) -> None:
+                 task: str, extra_inputs: tuple[ExtraInput, ...], frame: Any, pre: Any, sequence: bool) -> None:
     already = prequantized(model_path)
     # an already-quantised graph is served as it is: its int8 variant, never quantised again
     fp32_file = "model_int8.onnx" if already else "model_fp32.onnx"
@@ -701,6 +740,18 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     log.info("bundle.create.model_checked", opset=opset, input=input_spec, outputs=[o["name"] for o in outputs],
              extra_inputs=[x.name for x in extra_inputs], prequantized=already or None)
     validate_against_model(spec, input_spec, outputs, str(opts.spec))
+    if pre is None:
+        from agent.proof.stages import GraphPreprocessor
+
+        pre = GraphPreprocessor(root / spec["preprocess"]["graph"], frame,
+                                preprocess_from_dict(spec["preprocess"], input_spec["dtype"]),
+                                TensorSpec(input_spec["name"], input_spec["dtype"], tuple(input_spec["shape"])))
+    if stage_files(spec):  # each stage graph's I/O against the model's real tensors, before samples load
+        from agent.bundle.load import check_stage_contracts
+        from agent.spec.manifest import parse_manifest
+
+        check_stage_contracts(root, parse_manifest(yaml.safe_dump(provisional_manifest(spec, input_spec, outputs)),
+                                                   str(opts.spec)))
     feeder = InputFeeder(input_spec["name"], extra_inputs)
     if pre.spec.dtype != input_spec["dtype"]:
         raise BundleError(f"{opts.spec}: key preprocess.dtype: {pre.spec.dtype}, but the model's input "
@@ -729,7 +780,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     if calib_set.framework_inputs is not None:
         drift_sets.append(("calibration", calib_set, _Prepared(calib_set.raw, prepare)))
     bound = DEFAULT_PREPROCESS_DRIFT if opts.allow_preprocess_drift is None else opts.allow_preprocess_drift
-    source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound)
+    source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound,
+                                          "preprocess.graph" if opts.pre_graph is not None else None)
     if source_drift:
         source_drift["accepted_by_author"] = opts.allow_preprocess_drift is not None
         log.info("bundle.create.preprocess_drift", **source_drift)
@@ -750,6 +802,15 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     else:
         references = ort_ref
         reference_origin = "onnxruntime CPU fp32, optimisations disabled"
+
+    # The stages and the package's own answers, before anything quantises: a wrong pre or post stage is refused
+    # in seconds, naming the stage, not after calibration (and never proven "against itself" on the device).
+    labels_list = [x for x in Path(opts.labels).read_text().splitlines() if x.strip()] if opts.labels else []
+    stages = GoldenStages.build(root, spec, pre, golden_set, labels_list, sequence)
+    answers_text = golden_answers_text(opts.golden, len(golden_set))
+    if answers_text is not None and not sequence:
+        check_against_answers(spec, stages, [split_batch(o, 0) for o in ort_ref], answers_text, len(golden_set),
+                              opts, golden_set.framework_inputs is not None)
 
     if already:
         builds = [VariantBuild("int8", "int8", fp32_file, dict(source_check),
@@ -801,11 +862,14 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         shutil.copyfile(opts.labels, root / labels_rel)
     golden_files = []
     (root / "golden").mkdir()
+    if answers_text is not None:
+        (root / ANSWERS_FILE).write_text(answers_text)
     for i, (raw, t, ref) in enumerate(zip(golden_set.raw, golden_inputs, references)):
         rel = f"golden/sample_{i:03d}.npz"
         framework = None if golden_set.framework_inputs is None else golden_set.framework_inputs[i]
         arrays = golden_arrays(raw, t, {n: ref[n] for n in output_names}, framework)
         arrays.update({f"variant.{b.name}.{n}": own[b.name][i][n] for b in builds for n in output_names})
+        arrays.update(stages.recorded(i, {b.name: own[b.name][i] for b in builds}, ref))
         np.savez_compressed(root / rel, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
         golden_files.append(rel)
 
@@ -905,3 +969,97 @@ def _quality_gate(builds: Sequence[VariantBuild], task: str, opts: CreateOptions
                                f"below_floor (never selected unless the config pins it)")
         b.below_floor = problem[:2000]
         log.warning("bundle.create.below_floor_kept", variant=b.name, problem=problem)
+
+
+@dataclass
+class GoldenStages:
+    """The stage graphs' outputs on the golden samples, recorded per sample as the self-test's reproduction
+    reference: `pre.geometry`, `post.<variant>.<output>` (post on each variant's outputs) and
+    `post.reference.<output>` (post on the source's)."""
+
+    pre: Any
+    post: Any  # agent.proof.stages' post-processor: the vocabulary's or the graph's
+    geometries: list[Any]
+    pre_geometry: list[np.ndarray | None]
+
+    @classmethod
+    def build(cls, root: Path, spec: Mapping[str, Any], pre: Any, golden: SampleSet, labels: Sequence[str],
+              sequence: bool) -> "GoldenStages":
+        from agent.proof.stages import GEOMETRY, GraphPostprocessor, GraphPreprocessor, VocabularyPostprocessor
+
+        post_spec = postprocess_from_dict(spec["postprocess"])
+        post: Any = (GraphPostprocessor(root / post_spec.graph, post_spec, labels, None) if post_spec.graph
+                     else VocabularyPostprocessor(post_spec, labels))
+        if sequence:
+            return cls(pre, post, [], [])
+        geoms, pre_geometry = [], []
+        for raw in golden.raw:
+            if isinstance(pre, GraphPreprocessor):
+                outs = pre.run(raw)
+                pre_geometry.append(outs.get(GEOMETRY))
+            else:
+                pre_geometry.append(None)
+            geoms.append(pre.geometry(raw))
+        return cls(pre, post, geoms, pre_geometry)
+
+    def recorded(self, i: int, variants: Mapping[str, Mapping[str, np.ndarray]],
+                 reference: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from agent.proof.stages import GraphPostprocessor
+
+        out: dict[str, np.ndarray] = {}
+        if i < len(self.pre_geometry) and self.pre_geometry[i] is not None:
+            out["pre.geometry"] = np.asarray(self.pre_geometry[i])
+        if isinstance(self.post, GraphPostprocessor) and self.geometries:
+            for name, outs in [*variants.items(), ("reference", reference)]:
+                tensors = self.post.tensors(split_batch(outs, 0), self.geometries[i])
+                out.update({f"post.{name}.{k}": np.asarray(v) for k, v in tensors.items()})
+        return out
+
+
+def golden_answers_text(golden: Path, samples: int) -> str | None:
+    """The package's own answers of a golden set: `answers.json` beside a directory's frames, or an npz's
+    `answers` (a 0-d unicode array holding the same JSON); checked (kind, one result per sample) here."""
+    golden = Path(golden)
+    text: str | None = None
+    where = golden / "answers.json" if golden.is_dir() else golden
+    if golden.is_dir() and where.is_file():
+        text = where.read_text()
+    elif golden.suffix == ".npz":
+        with np.load(golden, allow_pickle=False) as z:
+            if "answers" in z.files:
+                text = str(z["answers"])
+                where = Path(f"{golden}[answers]")
+    if text is None:
+        return None
+    from agent.results.answers import read_answers
+
+    read_answers(json.loads(text), samples, str(where))
+    return text
+
+
+def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: Sequence[Mapping[str, np.ndarray]],
+                          answers_text: str, samples: int, opts: CreateOptions, have_inputs: bool) -> None:
+    """The FP32 model's FINAL result (pre stage -> model -> post stage -> kind) against the package's own answers,
+    by the kind's metric, before quantisation: a wrong decoder (a YOLOX head declared as yolov5) is refused here
+    naming the stage, metric, value, bound and sample; a golden set that cannot fail a metric is warned about."""
+    from agent.proof.stage_proof import kind_floors
+    from agent.results import kind_for
+    from agent.results.answers import read_answers
+
+    answers = read_answers(json.loads(answers_text), samples, str(opts.golden))
+    kind = kind_for(answers.kind)
+    for w in kind.golden_warnings(list(answers.results)):
+        log.warning("bundle.create.golden_cannot_fail", kind=answers.kind, warning=w)
+    served = [stages.post.decode(o, g, 0) for o, g in zip(fp32, stages.geometries)]
+    floors = kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {})
+    figures, findings = kind.fidelity(served, list(answers.results), floors, stage="post")
+    log.info("bundle.create.answers_checked", kind=answers.kind, package=getattr(answers, "package", None),
+             findings=len(findings))
+    if findings:
+        post_key = "postprocess.graph" if stages.post.stage_graph else "postprocess (type, layout, output)"
+        pre_key = "preprocess.graph" if spec.get("preprocess", {}).get("graph") else "preprocess"
+        where = (f"the pre stage reproduced the package's input tensors, so check {post_key}" if have_inputs else
+                 f"check {post_key} (stage post) or {pre_key} (stage pre): give the package's input tensors "
+                 "(`input` in the golden set) to tell them apart")
+        raise BundleError(f"{opts.golden}: the FP32 model with this spec does not reproduce the package's own "
+                          f"answers (before quantisation): " + "; ".join(f.text() for f in findings[:4]) + f"; {where}")

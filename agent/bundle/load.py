@@ -14,7 +14,17 @@ import numpy as np
 
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
-from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, TensorSpec, parse_manifest
+from agent.spec.manifest import (
+    FRAME_SIZE,
+    GEOMETRY,
+    MANIFEST_NAME,
+    PRE_GRAPH_INPUT,
+    RESULT_FIELDS,
+    SIGNATURE_NAME,
+    Manifest,
+    TensorSpec,
+    parse_manifest,
+)
 from agent.spec.decoders import layout_problems
 from agent.spec.preprocess import Preprocessor
 
@@ -37,6 +47,8 @@ class GoldenSample:
 
     npz keys: raw, tensor, input (framework's), reference.<output>, variant.<variant>.<output>; bundles
     made before these keys hold raw, input (= the bundle's tensor) and output.<output>, read the same.
+    With stage graphs: `pre.geometry` (the pre graph's geometry output), `post.<variant>.<output>` (the post
+    graph's outputs on that variant's recorded model outputs) and `post.reference.<output>` (on the source's).
     """
 
     index: int
@@ -47,6 +59,7 @@ class GoldenSample:
     framework_input: np.ndarray | None = None
     variant_outputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     sequence: bool = False
+    stage_outputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # "pre" | "post.<variant>" -> outputs
 
     @property
     def tensor(self) -> np.ndarray:
@@ -55,6 +68,9 @@ class GoldenSample:
     @property
     def steps(self) -> int:
         return int(self.input.shape[0]) if self.sequence else 1
+
+
+ANSWERS_FILE = "golden/answers.json"
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,15 @@ class Bundle:
         return [line.strip() for line in self.path(rel).read_text().splitlines() if line.strip()]
 
     def preprocessor(self) -> Preprocessor:
+        """The declarative preprocessing; a bundle with a pre graph takes agent.proof.stages.preprocessor_for."""
+        if self.manifest.preprocess.graph is not None:
+            raise BundleError(f"{self.root}: preprocess.graph {self.manifest.preprocess.graph!r} runs in its own "
+                              "session: use agent.proof.stages.preprocessor_for(bundle)")
         return Preprocessor(self.manifest.preprocess, self.manifest.frame)
+
+    def answers_path(self) -> Path | None:
+        """golden/answers.json, the source package's own results, when the bundle carries them."""
+        return self.path(ANSWERS_FILE) if ANSWERS_FILE in self.manifest.files else None
 
     def golden(self) -> list[GoldenSample]:
         return [load_golden(self.root, rel, i, self.manifest) for i, rel in enumerate(self.manifest.golden)]
@@ -167,6 +191,84 @@ def check_contract(root: Path, manifest: Manifest, variants: Iterable[str] | Non
     for v in manifest.variants:
         if variants is None or v.name in set(variants):
             check_variant_contract(root, manifest, v.name)
+    check_stage_contracts(root, manifest)
+
+
+def _stage_io(path: Path, stage: str) -> tuple[dict[str, tuple[str, list]], dict[str, tuple[str, list]]]:
+    """A stage graph's inputs and outputs, name -> (dtype, dims), from ONNX Runtime (CPU, no optimisation)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    try:
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises several unrelated types for a bad model file
+        raise BundleError(f"{path}: ONNX Runtime cannot load the {stage} graph: {' '.join(str(exc).split())[:300]}") from exc
+
+    def io(items: list) -> dict[str, tuple[str, list]]:
+        return {i.name: (_ORT_DTYPES.get(i.type, i.type), _ort_dims(list(i.shape))) for i in items}
+
+    return io(sess.get_inputs()), io(sess.get_outputs())
+
+
+def check_stage_contracts(root: Path, manifest: Manifest) -> None:
+    """The pre and post graphs' I/O against the manifest: what each takes and gives, named by stage."""
+    m = manifest
+    files = m.stage_files
+    if "pre" in files:
+        path = root / files["pre"]
+        ins, outs = _stage_io(path, "pre")
+        problems = []
+        if list(ins) != [PRE_GRAPH_INPUT]:
+            problems.append(f"inputs {sorted(ins)}: a pre graph takes one input {PRE_GRAPH_INPUT!r} (the raw frame)")
+        else:
+            dtype, dims = ins[PRE_GRAPH_INPUT]
+            if dtype != "uint8" or len(dims) != 3:
+                problems.append(f"input {PRE_GRAPH_INPUT!r} is {dtype} {dims}: expected uint8 [H, W, C]")
+            elif isinstance(dims[2], int) and dims[2] != m.frame.channels:
+                problems.append(f"input {PRE_GRAPH_INPUT!r} has {dims[2]} channels, input.frame {m.frame.channels}")
+            elif m.frame.any_size and (isinstance(dims[0], int) or isinstance(dims[1], int)):
+                problems.append(f"input {PRE_GRAPH_INPUT!r} {dims} fixes a side while input.frame takes any size")
+        if m.input.name not in outs:
+            problems.append(f"outputs {sorted(outs)} lack the model input {m.input.name!r}")
+        elif outs[m.input.name][0] != m.input.dtype:
+            problems.append(f"output {m.input.name!r} is {outs[m.input.name][0]}, the model takes {m.input.dtype}")
+        if GEOMETRY in outs and outs[GEOMETRY][0] != "float32":
+            problems.append(f"output {GEOMETRY!r} is {outs[GEOMETRY][0]}, expected float32 [6]")
+        extra = sorted(set(outs) - {m.input.name, GEOMETRY})
+        if extra:
+            problems.append(f"outputs {extra} are neither the model input {m.input.name!r} nor {GEOMETRY!r}")
+        if problems:
+            raise ContractError(f"{path}: stage pre (preprocess.graph) breaks the declared contract: " + "; ".join(problems))
+    if "post" in files:
+        path = root / files["post"]
+        ins, outs = _stage_io(path, "post")
+        problems = []
+        declared = {o.name: o for o in m.outputs}
+        used = set(m.postprocess.uses or m.output_names)
+        for name, (dtype, _dims) in ins.items():
+            if name == FRAME_SIZE:
+                if dtype != "int64":
+                    problems.append(f"input {FRAME_SIZE!r} is {dtype}, expected int64 [2] (h, w)")
+            elif name == GEOMETRY:
+                if dtype != "float32":
+                    problems.append(f"input {GEOMETRY!r} is {dtype}, expected float32 [6]")
+            elif name not in declared:
+                problems.append(f"input {name!r} is not a model output {sorted(declared)} (nor {FRAME_SIZE!r}, {GEOMETRY!r})")
+            elif name not in used:
+                problems.append(f"input {name!r} is not in postprocess.uses {sorted(used)}")
+            elif dtype != declared[name].dtype:
+                problems.append(f"input {name!r} is {dtype}, the model output is {declared[name].dtype}")
+        r = m.postprocess.result
+        assert r is not None  # the manifest's semantic check: a post graph names its result
+        for fld in RESULT_FIELDS[r.kind]:
+            fld = fld.rstrip("?")
+            if fld in r.fields and r.fields[fld] not in outs:
+                problems.append(f"field {fld!r} of kind {r.kind}: postprocess.result.{fld} names output "
+                                f"{r.fields[fld]!r}, which the graph does not have (outputs {sorted(outs)})")
+        if problems:
+            raise ContractError(f"{path}: stage post (postprocess.graph) breaks the declared contract: " + "; ".join(problems))
 
 
 def check_variant_contract(root: Path, manifest: Manifest, variant: str) -> None:
@@ -225,10 +327,16 @@ def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenS
     if missing:
         raise BundleError(f"{path}: golden sample {index} lacks arrays {missing} (has {sorted(arrays)})")
     variants: dict[str, dict[str, np.ndarray]] = {}
+    stages: dict[str, dict[str, np.ndarray]] = {}
     for k, v in arrays.items():
         if k.startswith("variant.") and k.count(".") >= 2:
             name, out = k.removeprefix("variant.").split(".", 1)
             variants.setdefault(name, {})[out] = v
+        elif k.startswith("post.") and k.count(".") >= 2:
+            name, out = k.removeprefix("post.").split(".", 1)
+            stages.setdefault(f"post.{name}", {})[out] = v
+        elif k.startswith("pre."):
+            stages.setdefault("pre", {})[k.removeprefix("pre.")] = v
     return GoldenSample(
         index=index,
         file=rel,
@@ -238,6 +346,7 @@ def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenS
         framework_input=None if legacy else arrays.get("input"),
         variant_outputs=variants,
         sequence=manifest.stateful,
+        stage_outputs=stages,
     )
 
 
@@ -271,6 +380,8 @@ def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
     bundle = Bundle(root=root, manifest=manifest, manifest_sha256=digest)
     golden = bundle.golden()
     for g in golden:
+        if manifest.frame.kind == "image" and (why := manifest.frame.size_problem(*g.raw.shape[:2])) is not None:
+            raise BundleError(f"{root / g.file}: golden sample {g.index}: {why}")
         expected = (1, *manifest.input.shape[1:])
         steps = g.input[0] if g.sequence and g.input.ndim else g.input
         if steps.ndim != len(manifest.input.shape) or any(

@@ -144,7 +144,8 @@ DEFAULT_FIDELITY: dict[str, FidelityFloors] = {
 def fidelity_floors(task: str, authored: Mapping[str, float] | None = None) -> FidelityFloors:
     base = DEFAULT_FIDELITY.get(task, DEFAULT_FIDELITY["raw"])
     values = {k: getattr(base, k) for k in FidelityFloors.__dataclass_fields__}
-    values.update(authored or {})
+    # the result kinds' own floors (score_tolerance, match_iou, ...) are theirs (agent.proof.stage_proof.kind_floors)
+    values.update({k: v for k, v in (authored or {}).items() if k in FidelityFloors.__dataclass_fields__})
     return FidelityFloors(**values)
 
 

@@ -37,6 +37,15 @@ from agent.proof.selection import (
     should_remeasure_latency,
 )
 from agent.proof.session import open_session
+from agent.proof.stage_proof import (
+    golden_geometries,
+    judge_final_fidelity,
+    judge_post_reproduction,
+    load_answers,
+    recorded_post,
+    used_outputs,
+)
+from agent.proof.stages import GraphPostprocessor, postprocessor_for, pre_fixed_size, preprocessor_for
 from agent.proof.terms import DEFAULT_ORDER, LatencyStats, ProviderStatus, SessionSettings, with_compile_caches
 from agent.proof.verdict import (
     Candidate,
@@ -157,7 +166,7 @@ class SelftestReport:
 
 def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple[PreprocessCheck, list[np.ndarray]]:
     """Run the device's preprocessing on each golden raw frame and compare with the bundled tensor."""
-    pre = bundle.preprocessor()
+    pre = preprocessor_for(bundle)
     worst, worst_i, tensors = 0.0, 0, []
     for g in golden:
         t = np.stack([pre(r) for r in g.raw]) if _is_sequence(g) else pre(g.raw)
@@ -197,7 +206,8 @@ def batch_sizes(bundle: Bundle, max_batch: int) -> tuple[int, ...]:
     """The batch sizes above 1 that serving will run this bundle at: every size up to the micro-batch,
     where the model can be batched at all (the rule `Engine.dynamic_batch` applies)."""
     m = bundle.manifest
-    if max_batch <= 1 or isinstance(m.input.shape[0], int) or m.stateful or not bundle.preprocessor().fixed_size:
+    fixed = pre_fixed_size(m.input.shape) if m.preprocess.graph else m.preprocess.resize is None or m.preprocess.resize.fixed_size
+    if max_batch <= 1 or isinstance(m.input.shape[0], int) or m.stateful or not fixed:
         return ()
     return tuple(range(2, max_batch + 1))
 
@@ -284,14 +294,24 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             if own_batched is not None:
                 own += _steps(own_batched[i], _is_sequence(g))
         bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
+        got_used, own_used, refs_used = used_outputs(m, got, own, refs)  # outputs not in postprocess.uses: never judged
         if own_batched is not None:
-            rep = judge_reproduction(m.postprocess, got, own, bounds, "variant")
+            rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
         else:
             # no recorded outputs: FP32 is held to its tensor bound against the source; reduced
             # precisions only to decoded agreement (their own outputs were never recorded)
-            rep = judge_reproduction(m.postprocess, got, refs, bounds, "source",
+            rep = judge_reproduction(m.postprocess, got_used, refs_used, bounds, "source",
                                      tensor_bound=c.precision == "fp32")
-        fid = judge_fidelity(m.postprocess, got, refs, fidelity_floors(m.task, m.selftest.fidelity))
+        floors = fidelity_floors(m.task, m.selftest.fidelity)
+        if any(_is_sequence(g) for g in golden):
+            fid = judge_fidelity(m.postprocess, got_used, refs_used, floors)
+        else:  # the final served result: pre stage -> this candidate -> post stage -> result kind
+            post = postprocessor_for(bundle)
+            geoms = golden_geometries(preprocessor_for(bundle), golden)
+            if isinstance(post, GraphPostprocessor):
+                more_rep = judge_post_reproduction(m, post, got, geoms, recorded_post(golden, c.variant), bounds)
+                rep = replace(rep, findings=rep.findings + tuple(more_rep))
+            fid = judge_final_fidelity(m, post, got_used, refs_used, geoms, load_answers(bundle, len(golden)), floors)
         rep, fid = _locate(rep, origin), _locate(fid, origin)
         plain = not any(_is_sequence(g) for g in golden) and not m.stateful
         sizes = batch_sizes(bundle, max_batch) if plain else ()
@@ -443,7 +463,7 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
         except Exception as exc:
             return {"max_scale": 1, "reason": f"session creation error: {type(exc).__name__}: {exc}"[:400],
                     "scales": []}
-    pre = bundle.preprocessor()
+    pre = preprocessor_for(bundle)
     floors = fidelity_floors(m.task, m.selftest.fidelity)
     bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
     refs = [r for g in golden for r in _steps(g.outputs, False)]

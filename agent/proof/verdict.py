@@ -158,7 +158,8 @@ def judge(ev: Evidence, manifest: Manifest) -> CandidateResult:
                                     f"{on}/{ev.placement.total_nodes} nodes", "under"))
     if ev.preprocess is not None and ev.preprocess.max_abs > st.preprocess_max_abs:
         findings.append(Finding("preprocessing", "max_abs of device preprocessing vs bundled tensor",
-                                ev.preprocess.max_abs, st.preprocess_max_abs, "preprocessing",
+                                ev.preprocess.max_abs, st.preprocess_max_abs,
+                                "pre" if manifest.preprocess.graph else "preprocessing",
                                 ev.preprocess.worst_sample, "", "over"))
     if ev.reproduction is not None:
         findings += ev.reproduction.findings

@@ -159,6 +159,7 @@ def _cmd_bundle_create(args: argparse.Namespace) -> int:
         allow_preprocess_drift=args.allow_preprocess_drift,
         int8=not args.no_int8, fp16=args.fp16, calibration_limit=args.calibration_limit,
         max_top1_drop=args.max_top1_drop, min_agreement=args.min_agreement, keep_low_quality=args.keep_low_quality,
+        pre_graph=args.pre_graph, post_graph=args.post_graph,
     ))
     print(f"created {out}")
     return EXIT_OK
@@ -453,6 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-top1-drop", type=float, default=1.0, help="INT8 bound, held-out top-1 points under FP32")
     c.add_argument("--min-agreement", type=float, default=0.97, help="INT8 bound on agreement with FP32 without labels")
     c.add_argument("--keep-low-quality", action="store_true", help="keep an INT8 variant under the bound, marked")
+    c.add_argument("--pre-graph", type=Path, metavar="ONNX",
+                   help="preprocess.graph: raw frame `frame` (uint8 HxWxC) -> the model input (+ `geometry`); copied "
+                        "into the bundle, hashed and signed, never quantised")
+    c.add_argument("--post-graph", type=Path, metavar="ONNX",
+                   help="postprocess.graph: model outputs (+ `frame_size`, `geometry`) -> the result tensors named in "
+                        "the spec's postprocess.result; copied into the bundle, hashed and signed, never quantised")
     c.set_defaults(func=_cmd_bundle_create)
 
     pr = sub.add_parser("providers", help="which execution providers really work on this device")

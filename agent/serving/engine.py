@@ -17,13 +17,14 @@ import numpy as np
 
 from agent.bundle.load import Bundle
 from agent.proof.session import OpenedSession, open_session
+from agent.proof.stages import AnyPreprocessor, Postprocessor, VocabularyPostprocessor, postprocessor_for, preprocessor_for
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.logsetup import get_logger
 from agent.serving.sensors import stream_record
 from agent.spec.decisions import tracker_for
 from agent.spec.inputs import InputFeeder
-from agent.spec.preprocess import Preprocessor
+from agent.spec.preprocess import Geometry
 
 log = get_logger("engine")
 
@@ -36,7 +37,7 @@ class Engine:
     bundle: Bundle
     candidate: Candidate
     opened: OpenedSession
-    preprocessor: Preprocessor
+    preprocessor: AnyPreprocessor  # the vocabulary or the bundle's pre graph (agent.proof.stages)
     labels: tuple[str, ...]
     feeder: InputFeeder | None = None
     events: Any = None  # agent.spec.decisions.SegmentTracker when the bundle declares an event stage
@@ -46,6 +47,13 @@ class Engine:
     watch: Any = field(default=None, repr=False, compare=False)
     # the audit's tap (agent.service.audit.AuditTap): sees a sample of what this engine serves
     tap: Any = field(default=None, repr=False, compare=False)
+    # the vocabulary's decoders or the bundle's post graph with its result kind (agent.proof.stages)
+    postprocessor: Postprocessor | None = field(default=None, repr=False, compare=False)
+
+    def decode(self, outputs: Mapping[str, np.ndarray], geometry: Geometry, max_bytes: int) -> dict[str, Any]:
+        """One sample's outputs -> the result served (the publish stage runs the post graph here)."""
+        post = self.postprocessor or VocabularyPostprocessor(self.bundle.manifest.postprocess, self.labels)
+        return post.decode(outputs, geometry, max_bytes)
 
     @property
     def dynamic_batch(self) -> bool:
@@ -135,5 +143,6 @@ def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings
     if watch is not None:
         watch.opened()
     m = bundle.manifest
-    return Engine(bundle, candidate, opened, bundle.preprocessor(), tuple(bundle.labels()), InputFeeder.for_manifest(m),
-                  events=tracker_for(m.postprocess, m.frame.sample_rate), watch=watch, tap=tap)
+    return Engine(bundle, candidate, opened, preprocessor_for(bundle), tuple(bundle.labels()), InputFeeder.for_manifest(m),
+                  events=tracker_for(m.postprocess, m.frame.sample_rate), watch=watch, tap=tap,
+                  postprocessor=postprocessor_for(bundle))

@@ -25,11 +25,11 @@ import numpy as np
 
 from agent.config import PipelineConfig
 from agent.serving.engine import Engine
-from agent.errors import NonFiniteOutput, PreprocessError, ResultTooLargeError
+from agent.errors import NonFiniteOutput, PreprocessError, ResultTooLargeError, StageOutputError
 from agent.logsetup import get_logger
 from agent.proof.terms import CPU
 from agent.serving.metrics import PipelineMetrics
-from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, decode, split_batch
+from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, split_batch
 from agent.serving.decoding import scaled_geometry
 from agent.serving.sizing import StageCosts, StagePlan, initial_plan, plan_stages
 from agent.serving.sources import BadFrame, Frame, FrameSource, UndecodableFrame
@@ -518,9 +518,10 @@ class Pipeline:
         for f in batch:
             try:
                 data = f.data  # a deferred decode or colour conversion happens here, once
-                tensors.append(engine.preprocessor(data))
+                tensor, geometry = engine.preprocessor.with_geometry(data)  # a pre graph runs once per frame
+                tensors.append(tensor)
                 # a frame decoded at 1/scale: boxes are mapped back to the camera's pixels
-                geoms.append(scaled_geometry(engine.preprocessor.geometry(data), f.scale))
+                geoms.append(scaled_geometry(geometry, f.scale))
                 frames.append(f)
             except PreprocessError as exc:
                 with self._tally_lock:
@@ -692,8 +693,13 @@ class Pipeline:
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 outs = split_batch(item.outputs, i)
                 try:
-                    result = eng.annotate(frame, decode(eng.bundle.manifest.postprocess, outs, eng.labels,
-                                                        p.geometry[i], self.max_result_bytes))
+                    result = eng.annotate(frame, eng.decode(outs, p.geometry[i], self.max_result_bytes))
+                except StageOutputError as exc:  # a post graph's outputs its kind refuses: counted, never served
+                    m.result_errors += 1
+                    self._count_drop("post_stage_refused")
+                    log.error("result.post_stage_refused", source=frame.source, index=frame.index, reason=str(exc),
+                              result_errors=m.result_errors)
+                    continue
                 except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
                     m.result_errors += 1
                     self._count_drop("result_too_large")

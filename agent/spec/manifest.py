@@ -25,7 +25,23 @@ FORMAT = 1
 DEFAULT_LATENCY_BUDGET_MS = 1000.0
 
 Precision = Literal["fp32", "fp16", "int8"]
-Task = Literal["classification", "detection", "segmentation", "raw"]
+# the vocabulary's tasks, and (a bundle with a postprocess graph) the result kinds of agent/results
+Task = Literal["classification", "detection", "segmentation", "raw", "classes", "boxes", "masks", "text", "scores"]
+PostprocessType = Literal["classification", "detection", "segmentation", "raw", "graph"]
+ResultKindName = Literal["classes", "boxes", "masks", "text", "scores"]
+RESULT_KINDS: tuple[str, ...] = ("classes", "boxes", "masks", "text", "scores")
+# the graph output names each kind's fields take (postprocess.result.<field>); required first, `?` optional
+RESULT_FIELDS: dict[str, tuple[str, ...]] = {
+    "classes": ("probabilities",),
+    "boxes": ("boxes", "scores", "class_ids?", "keypoints?"),
+    "masks": ("mask",),
+    "text": ("tokens", "token_scores?"),
+    "scores": ("scores",),
+}
+# a pre graph's optional output and a post graph's optional inputs besides the model outputs
+GEOMETRY = "geometry"
+FRAME_SIZE = "frame_size"
+PRE_GRAPH_INPUT = "frame"
 ResizeMode = Literal["stretch", "letterbox", "short_side_crop", "fit_multiple"]
 DetectionLayout = Literal["boxes_scores", "yolov5", "yolov8", "end2end"]
 Dim = int | str
@@ -66,6 +82,27 @@ class FrameSpec:
     # (arrival beyond the audio it already sent) starts again; a stateful bundle needs lossless hand-over
     reset_on_gap_s: float | None = None
     stateful: bool = False
+    # image frames of any size (width or height 0): the bounds a source's frames must fall within, [h, w]
+    min_size: tuple[int, int] = (1, 1)
+    max_size: tuple[int, int] | None = None
+
+    @property
+    def any_size(self) -> bool:
+        """An image frame whose size is not fixed: a pre graph or a resize takes each frame as it comes."""
+        return self.kind == "image" and (self.height == 0 or self.width == 0)
+
+    def size_problem(self, height: int, width: int) -> str | None:
+        """Why a height x width image frame is outside what the bundle declares, or None."""
+        if not self.any_size:
+            return None
+        lo, hi = self.min_size, self.max_size or (1 << 31, 1 << 31)
+        fixed_h, fixed_w = self.height or None, self.width or None
+        if fixed_h is not None and height != fixed_h or fixed_w is not None and width != fixed_w:
+            return f"image frame size {width}x{height} is not the declared {self.width or 'any'}x{self.height or 'any'}"
+        if not (lo[0] <= height <= hi[0] and lo[1] <= width <= hi[1]):
+            return (f"image frame size {width}x{height} (h x w {height}x{width}) is outside input.frame.min_size "
+                    f"{list(lo)} .. max_size {list(hi) if self.max_size else 'none'} (h, w)")
+        return None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -110,6 +147,9 @@ def frame_from_dict(d: Mapping[str, Any], inputs: tuple["ExtraInput", ...] = (),
         else:
             f["pad"] = int(pad.get("samples", 0))
     gaps = [x.reset_on_gap_s for x in inputs if x.kind == "state" and x.reset_on_gap_s is not None]
+    for key in ("min_size", "max_size"):
+        if key in f:
+            f[key] = tuple(f[key])
     return FrameSpec(**f, reset_on_gap_s=min(gaps) if gaps else None,
                      stateful=any(x.kind == "state" for x in inputs))
 
@@ -145,6 +185,8 @@ class ResizeSpec:
     # PaddleClas' ResizeImage/CropImage round the long side and floor the crop offset.
     size_rounding: Literal["floor", "round"] = "floor"
     crop_offset: Literal["round", "floor"] = "round"
+    # letterbox: the resized side's length, round (OpenCV, Ultralytics) or floor (packages that int() it: YOLOX)
+    rounding: Literal["round", "floor"] = "round"
 
     @property
     def fixed_size(self) -> bool:
@@ -153,8 +195,9 @@ class ResizeSpec:
 
 @dataclass(frozen=True)
 class PreprocessSpec:
-    layout: str
-    dtype: str
+    layout: str = ""  # "" with a graph: the graph makes the model's tensor
+    dtype: str = "float32"
+    graph: str | None = None  # a pre graph in the bundle (agent.proof.stages runs it)
     resize: ResizeSpec | None = None
     color: str | None = None
     scale: float = 1.0
@@ -191,8 +234,42 @@ class EventSpec:
 
 
 @dataclass(frozen=True)
+class ResultSpec:
+    """`postprocess.result`: the result kind served, and which graph output holds each of its fields."""
+
+    kind: ResultKindName
+    fields: Mapping[str, str] = field(default_factory=dict)  # kind field -> graph output name
+    top_k: int = 5
+    threshold: float | tuple[float, ...] | None = None
+    charset: str | None = None
+    charset_offset: int = 0
+    blank: int = 0
+
+    def output_for(self, field_name: str) -> str:
+        return self.fields.get(field_name, field_name)
+
+    def as_mapping(self) -> dict[str, Any]:
+        """The block as the manifest states it (field -> output name, and the options): what agent.results reads."""
+        opts = {k: getattr(self, k) for k in RESULT_OPTIONS}
+        return {**self.fields, **{k: v for k, v in opts.items() if v is not None}}
+
+
+RESULT_OPTIONS = ("kind", "top_k", "threshold", "charset", "charset_offset", "blank")
+
+
+def result_from_dict(d: Mapping[str, Any]) -> ResultSpec:
+    opts = {k: d[k] for k in RESULT_OPTIONS if k in d}
+    if isinstance(opts.get("threshold"), list):
+        opts["threshold"] = tuple(opts["threshold"])
+    return ResultSpec(fields={k: v for k, v in d.items() if k not in RESULT_OPTIONS}, **opts)
+
+
+@dataclass(frozen=True)
 class PostprocessSpec:
-    type: Task
+    type: PostprocessType = "graph"
+    graph: str | None = None  # a post graph in the bundle (agent.proof.stages runs it)
+    result: ResultSpec | None = None
+    uses: tuple[str, ...] = ()  # the model outputs the bundle uses (empty: every output)
     output: str | None = None
     top_k: int = 5
     labels: str | None = None
@@ -321,6 +398,21 @@ class Manifest:
     def stateful(self) -> bool:
         return any(i.kind == "state" for i in self.inputs)
 
+    @property
+    def stage_files(self) -> dict[str, str]:
+        """The stage graphs this bundle ships, by stage ("pre", "post"): files like the variants."""
+        out = {}
+        if self.preprocess.graph is not None:
+            out["pre"] = self.preprocess.graph
+        if self.postprocess.graph is not None:
+            out["post"] = self.postprocess.graph
+        return out
+
+    @property
+    def used_outputs(self) -> tuple[str, ...]:
+        """The model outputs the bundle uses (postprocess.uses; default every declared output)."""
+        return self.postprocess.uses or self.output_names
+
 
 def _key_path(path: Any) -> str:
     parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in path]
@@ -377,8 +469,10 @@ def _tensor(d: Mapping[str, Any]) -> TensorSpec:
     return TensorSpec(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]))
 
 
-def preprocess_from_dict(d: Mapping[str, Any]) -> PreprocessSpec:
+def preprocess_from_dict(d: Mapping[str, Any], input_dtype: str | None = None) -> PreprocessSpec:
     pre = dict(d)
+    if "graph" in pre and "dtype" not in pre and input_dtype is not None:
+        pre["dtype"] = input_dtype
     resize = ResizeSpec(**pre.pop("resize")) if "resize" in pre else None
     return PreprocessSpec(resize=resize, mean=tuple(pre.pop("mean", ())), std=tuple(pre.pop("std", ())), **pre)
 
@@ -396,6 +490,10 @@ def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
         post["decision"] = DecisionSpec(**{**dec, "labels": tuple(dec.get("labels", ()))})
     if "events" in post:
         post["events"] = EventSpec(**post["events"])
+    if "result" in post:
+        post["result"] = result_from_dict(post["result"])
+    if "uses" in post:
+        post["uses"] = tuple(post["uses"])
     return PostprocessSpec(**post)
 
 
@@ -415,7 +513,7 @@ def _build(d: Mapping[str, Any], where: str = MANIFEST_NAME) -> Manifest:
         input=_tensor(inp),
         frame=frame_from_dict(inp["frame"], inputs_from_list(d.get("inputs")), where),
         outputs=tuple(_tensor(o) for o in d["outputs"]),
-        preprocess=preprocess_from_dict(d["preprocess"]),
+        preprocess=preprocess_from_dict(d["preprocess"], inp.get("dtype")),
         postprocess=postprocess_from_dict(d["postprocess"]),
         variants=tuple(
             Variant(
@@ -456,10 +554,12 @@ def _check_semantics(m: Manifest, where: str) -> None:
     for i, g in enumerate(m.golden):
         if g not in m.files:
             raise BundleError(f"{where}: key golden[{i}]: {g!r} is not listed in files")
-    for key in ("labels",):
-        ref = getattr(m.postprocess, key)
+    for key, ref in (("postprocess.labels", m.postprocess.labels), ("preprocess.graph", m.preprocess.graph),
+                     ("postprocess.graph", m.postprocess.graph),
+                     ("postprocess.result.charset", m.postprocess.result.charset if m.postprocess.result else None)):
         if ref is not None and ref not in m.files:
-            raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not listed in files")
+            raise BundleError(f"{where}: key {key}: {ref!r} is not listed in files (every stage file is hashed and signed)")
+    check_stages(m, where)
     for rel in m.files:
         if rel.startswith("/") or ".." in rel.split("/") or rel in ("bundle.yaml", "bundle.sig"):
             raise BundleError(f"{where}: key files: {rel!r} is not a plain relative path inside the bundle")
@@ -480,6 +580,8 @@ def _check_semantics(m: Manifest, where: str) -> None:
     check_inputs(m, where)
     if pre_resize_problem := resize_problem(m.preprocess.resize):
         raise BundleError(f"{where}: key preprocess.resize: {pre_resize_problem}")
+    if pre.graph is not None:
+        return  # the graph makes the model's tensor: check_stages refused the vocabulary's keys beside it
     if frame.kind == "image":
         if pre.layout not in ("nchw", "nhwc"):
             raise BundleError(f"{where}: key preprocess.layout: image frames need nchw or nhwc, found {pre.layout!r}")
@@ -604,3 +706,82 @@ def check_decisions(m: Manifest, where: str) -> None:
         if e.off_threshold is not None and (d.rule != "threshold" or e.off_threshold > d.threshold):
             raise BundleError(f"{where}: key postprocess.events.off_threshold: hysteresis needs rule threshold and "
                               f"off_threshold <= threshold ({d.threshold})")
+
+
+PRE_VOCABULARY = ("resize", "color", "scale", "mean", "std", "layout")
+
+
+def check_stages(m: Manifest, where: str) -> None:
+    """Pre and post graphs, the result kind and the outputs used; frame size bounds. Each refused naming its key."""
+    pre, post, frame = m.preprocess, m.postprocess, m.frame
+    raw_pre = m.raw.get("preprocess", {}) if isinstance(m.raw, Mapping) else {}
+    if pre.graph is not None:
+        beside = [k for k in PRE_VOCABULARY if k in raw_pre]
+        if beside:
+            raise BundleError(f"{where}: key preprocess.graph: the graph makes the model's tensor; {beside} beside it "
+                              "would be a second preprocessing (put those steps in the graph, or drop the graph)")
+        if pre.dtype != m.input.dtype:
+            raise BundleError(f"{where}: key preprocess.dtype: {pre.dtype} is not input.dtype {m.input.dtype} (with a "
+                              "graph the dtype is the graph's output's)")
+        if frame.kind != "image":
+            raise BundleError(f"{where}: key preprocess.graph: a pre graph takes image frames (uint8 HxWxC); sensor "
+                              "windows take the declarative front-end")
+        if m.stateful:
+            raise BundleError(f"{where}: key preprocess.graph: stateful models take the declarative path")
+    if frame.kind == "image" and frame.any_size:
+        if pre.graph is None and pre.resize is None:
+            raise BundleError(f"{where}: key input.frame: width/height 0 (any size) needs a resize or a "
+                              "preprocess.graph to make the model's tensor of each frame")
+        if frame.max_size is None:
+            raise BundleError(f"{where}: key input.frame.max_size: frames of any size need [height, width] bounds "
+                              "(the self-test proves the smallest and the largest)")
+        if any(lo > hi for lo, hi in zip(frame.min_size, frame.max_size)):
+            raise BundleError(f"{where}: key input.frame.min_size: {list(frame.min_size)} is over max_size "
+                              f"{list(frame.max_size)}")
+    elif frame.kind == "image" and ("min_size" in m.raw.get("input", {}).get("frame", {})
+                                    or "max_size" in m.raw.get("input", {}).get("frame", {})):
+        raise BundleError(f"{where}: key input.frame.max_size: size bounds apply to frames of any size (width or "
+                          f"height 0); this frame is fixed at {frame.width}x{frame.height}")
+    if pre.resize is not None and pre.resize.rounding != "round" and pre.resize.mode != "letterbox":
+        raise BundleError(f"{where}: key preprocess.resize.rounding: applies to letterbox; {pre.resize.mode} states "
+                          "its own (size_rounding, crop_offset)")
+    outs = set(m.output_names)
+    for i, name in enumerate(post.uses):
+        if name not in outs:
+            raise BundleError(f"{where}: key postprocess.uses[{i}]: {name!r} is not a declared output {sorted(outs)}")
+    r = post.result
+    if post.graph is not None and r is None:
+        raise BundleError(f"{where}: key postprocess.result: a post graph needs the result kind it serves and the "
+                          "graph output of each field")
+    if r is None:
+        return
+    if post.graph is not None and m.task != r.kind:
+        raise BundleError(f"{where}: key task: {m.task!r} is not postprocess.result.kind {r.kind!r} (a bundle with a "
+                          "post graph serves its result kind)")
+    vocabulary_kind = {"classification": "classes", "detection": "boxes", "segmentation": "masks", "raw": "scores"}
+    if post.graph is None and m.task in vocabulary_kind and vocabulary_kind[m.task] != r.kind:
+        raise BundleError(f"{where}: key postprocess.result.kind: the vocabulary's {m.task} serves kind "
+                          f"{vocabulary_kind[m.task]}, not {r.kind}")
+    if post.graph is None and m.task in RESULT_KINDS:
+        raise BundleError(f"{where}: key task: {m.task!r} is a result kind: it needs postprocess.graph (the "
+                          "vocabulary's tasks are classification, detection, segmentation, raw)")
+    known = [f.rstrip("?") for f in RESULT_FIELDS[r.kind]]
+    for key in r.fields:
+        if key not in known:
+            raise BundleError(f"{where}: key postprocess.result.{key}: not a field of kind {r.kind} (fields: {known})")
+    if post.graph is not None:
+        for f in RESULT_FIELDS[r.kind]:
+            if not f.endswith("?") and f not in r.fields:
+                raise BundleError(f"{where}: key postprocess.result.{f}: kind {r.kind} needs field {f!r}: name the "
+                                  "post graph output that holds it")
+        names = list(r.fields.values())
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise BundleError(f"{where}: key postprocess.result: graph output(s) {dupes} named for two fields")
+    if r.kind == "text" and r.charset is None:
+        raise BundleError(f"{where}: key postprocess.result.charset: kind text needs a charset file (one character "
+                          "per line)")
+    if r.kind == "scores" and r.threshold is None:
+        raise BundleError(f"{where}: key postprocess.result.threshold: kind scores needs a decision threshold")
+    if r.kind != "masks" and r.kind != "scores" and r.threshold is not None:
+        raise BundleError(f"{where}: key postprocess.result.threshold: applies to masks and scores, not {r.kind}")

@@ -95,6 +95,15 @@ def read_image_file(path: str, frame: FrameSpec) -> np.ndarray | None:
     return None if img is None else bgr_to_frame(img, frame)
 
 
+def letterbox_size(height: int, width: int, r: ResizeSpec) -> tuple[int, int]:
+    """(new_w, new_h) of a letterbox's resized image: rounded (OpenCV, Ultralytics) or floored (`rounding: floor`,
+    packages that int() the product, e.g. YOLOX); the other side of the padding in either case."""
+    s = min(r.width / width, r.height / height)
+    if r.rounding == "floor":
+        return max(int(width * s), 1), max(int(height * s), 1)
+    return round(width * s), round(height * s)
+
+
 def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Geometry:
     """The geometry of fitting a height x width frame with `resize` (pure arithmetic, no pixels)."""
     if resize is None:
@@ -105,7 +114,7 @@ def fit_geometry(height: int, width: int, resize: ResizeSpec | None) -> Geometry
                         input_w=r.width, input_h=r.height)
     if r.mode == "letterbox":
         s = min(r.width / width, r.height / height)
-        new_w, new_h = round(width * s), round(height * s)
+        new_w, new_h = letterbox_size(height, width, r)
         if r.anchor == "top_left":
             pad_x, pad_y = 0, 0
         else:
@@ -146,6 +155,9 @@ class Preprocessor:
     """
 
     def __init__(self, spec: PreprocessSpec, frame: FrameSpec):
+        if spec.graph is not None:  # a second, different preprocessing must never run in its place
+            raise PreprocessError(f"preprocess.graph {spec.graph!r} runs in its own session (agent.proof.stages), "
+                                  "not the declarative preprocessing")
         self.spec = spec
         self.frame = frame
         if frame.kind == "image":
@@ -186,6 +198,8 @@ class Preprocessor:
                 )
             if raw.shape[0] == 0 or raw.shape[1] == 0:
                 raise PreprocessError(f"empty image frame {raw.shape}")
+            if (why := f.size_problem(raw.shape[0], raw.shape[1])) is not None:
+                raise PreprocessError(why)
             r = self.spec.resize
             if r is not None and r.mode == "fit_multiple" and r.limit_side is not None:
                 g = fit_geometry(raw.shape[0], raw.shape[1], r)
@@ -278,7 +292,7 @@ def resize_image(img: np.ndarray, r: ResizeSpec) -> np.ndarray:
         if (h, w) == (g.input_h, g.input_w):
             return img
         return _resize(img, g.input_w, g.input_h, r)
-    new_w, new_h = round(w * g.scale_x), round(h * g.scale_y)
+    new_w, new_h = letterbox_size(h, w, r) if r.mode == "letterbox" else (round(w * g.scale_x), round(h * g.scale_y))
     small = img if (new_h, new_w) == (h, w) else _resize(img, new_w, new_h, r)
     if r.mode == "short_side_crop":
         x0, y0 = int(g.crop_x), int(g.crop_y)

@@ -1,0 +1,226 @@
+"""Stage graphs: a bundle's pre and post ONNX graphs, each run in its own ONNX Runtime session on the CPU provider.
+
+Serving, the self-test and `bundle create` take pre- and postprocessing from `preprocessor_for` and
+`postprocessor_for`, so the declarative vocabulary and a graph are one interface to them. No Python travels in a
+bundle: a stage is an ONNX file listed in the manifest's `files`, hashed and signed like a variant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from agent.bundle.load import Bundle
+from agent.errors import BundleError, PreprocessError, StageOutputError
+from agent.spec.decoders import check_result_size, decode
+from agent.spec.manifest import (
+    FRAME_SIZE,
+    GEOMETRY,
+    PRE_GRAPH_INPUT,
+    FrameSpec,
+    PostprocessSpec,
+    PreprocessSpec,
+    ResultSpec,
+    TensorSpec,
+)
+from agent.spec.preprocess import Geometry, Preprocessor
+from agent.proof.terms import CPU
+
+GEOMETRY_VALUES = 6  # scale_x, scale_y, pad_x, pad_y, crop_x, crop_y (agent.spec.preprocess.Geometry)
+
+
+def stage_session(path: Path, stage: str, threads: int = 1) -> ort.InferenceSession:
+    """A stage's own session: CPU provider, one intra-op thread (stages run in the pools' many workers)."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        return ort.InferenceSession(str(path), so, providers=[CPU])
+    except Exception as exc:  # ORT raises several unrelated types for a bad model file
+        raise BundleError(f"{path}: ONNX Runtime cannot load the {stage} graph: {' '.join(str(exc).split())[:300]}") from exc
+
+
+def geometry_of(values: np.ndarray | None, height: int, width: int) -> Geometry:
+    """A pre graph's `geometry` output [6] as the Geometry that maps result coordinates back to the frame."""
+    if values is None:
+        return Geometry(1.0, 1.0, 0.0, 0.0, frame_w=width, frame_h=height, input_w=width, input_h=height)
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if v.size != GEOMETRY_VALUES or not np.all(np.isfinite(v)) or v[0] <= 0 or v[1] <= 0:
+        raise PreprocessError(f"stage pre: output {GEOMETRY!r} is {v.tolist()}: expected {GEOMETRY_VALUES} finite values "
+                              "(scale_x > 0, scale_y > 0, pad_x, pad_y, crop_x, crop_y)")
+    return Geometry(float(v[0]), float(v[1]), float(v[2]), float(v[3]), float(v[4]), float(v[5]),
+                    frame_w=width, frame_h=height)
+
+
+def geometry_values(g: Geometry) -> np.ndarray:
+    """The [6] float32 a post graph takes as `geometry`."""
+    return np.array([g.scale_x, g.scale_y, g.pad_x, g.pad_y, g.crop_x, g.crop_y], dtype=np.float32)
+
+
+def pre_fixed_size(model_input_shape: Sequence[Any]) -> bool:
+    """A pre graph makes tensors of one shape (frames may share a batch) when the model's input fixes it."""
+    return all(isinstance(d, int) for d in model_input_shape[1:])
+
+
+class GraphPreprocessor:
+    """`preprocess.graph`: raw frame (uint8 H x W x C of any size within the frame's bounds) -> the model's frame
+    input with a batch axis of 1, and the geometry of the graph's `geometry` output. Same interface as
+    agent.spec.preprocess.Preprocessor."""
+
+    def __init__(self, path: Path, frame: FrameSpec, spec: PreprocessSpec, model_input: TensorSpec):
+        self.frame = frame
+        self.spec = spec
+        self.path = path
+        self.session = stage_session(path, "pre")
+        self.output_name = model_input.name
+        names = [o.name for o in self.session.get_outputs()]
+        self._wanted = [self.output_name] + ([GEOMETRY] if GEOMETRY in names else [])
+        self._rank = len(model_input.shape)
+        # frames share a batch only when every frame makes a tensor of one shape: the model's input fixes it
+        self.fixed_size = pre_fixed_size(model_input.shape)
+
+    def check(self, raw: np.ndarray) -> None:
+        f = self.frame
+        if not isinstance(raw, np.ndarray):
+            raise PreprocessError(f"expected a numpy array frame, got {type(raw).__name__}")
+        if raw.ndim == 2 and f.channels == 1:
+            return self.check(raw[:, :, None])
+        if raw.ndim != 3 or raw.shape[2] != f.channels:
+            raise PreprocessError(f"image frame shape {raw.shape} does not have {f.channels} channel(s) "
+                                  f"(expected HxWx{f.channels})")
+        if raw.dtype != np.uint8:
+            raise PreprocessError(f"image frame dtype {raw.dtype} is not uint8")
+        if raw.shape[0] == 0 or raw.shape[1] == 0:
+            raise PreprocessError(f"empty image frame {raw.shape}")
+        if not f.any_size and raw.shape[:2] != (f.height, f.width):
+            raise PreprocessError(f"image frame size {raw.shape[1]}x{raw.shape[0]} is not the declared "
+                                  f"{f.width}x{f.height} (input.frame; width/height 0 with max_size take any size)")
+        if (why := f.size_problem(raw.shape[0], raw.shape[1])) is not None:
+            raise PreprocessError(why)
+
+    def run(self, raw: np.ndarray) -> dict[str, np.ndarray]:
+        """Every output of the pre graph on one frame (what `bundle create` records)."""
+        self.check(raw)
+        frame = np.ascontiguousarray(raw if raw.ndim == 3 else raw[:, :, None])
+        try:
+            outs = self.session.run(self._wanted, {PRE_GRAPH_INPUT: frame})
+        except Exception as exc:  # ORT's errors for a frame the graph cannot take
+            raise PreprocessError(f"stage pre ({self.path.name}) failed on a {raw.shape[1]}x{raw.shape[0]} frame: "
+                                  f"{' '.join(str(exc).split())[:300]}") from exc
+        result = dict(zip(self._wanted, outs))
+        t = result[self.output_name]
+        if t.ndim == self._rank - 1:  # a graph that gives one sample: the batch axis is added here
+            result[self.output_name] = t = t[np.newaxis]
+        if t.ndim != self._rank or t.shape[0] != 1:
+            raise PreprocessError(f"stage pre: output {self.output_name!r} has shape {list(t.shape)}, the model takes "
+                                  f"rank {self._rank} with a batch of 1")
+        return result
+
+    def with_geometry(self, raw: np.ndarray) -> tuple[np.ndarray, Geometry]:
+        outs = self.run(raw)
+        return np.ascontiguousarray(outs[self.output_name]), geometry_of(outs.get(GEOMETRY), raw.shape[0], raw.shape[1])
+
+    def __call__(self, raw: np.ndarray) -> np.ndarray:
+        return self.with_geometry(raw)[0]
+
+    def geometry(self, raw: np.ndarray) -> Geometry:
+        return self.with_geometry(raw)[1]
+
+
+class VocabularyPostprocessor:
+    """The declarative decoders (agent.spec.decoders), behind the interface a post graph has too."""
+
+    stage_graph = False
+
+    def __init__(self, spec: PostprocessSpec, labels: Sequence[str]):
+        self.spec = spec
+        self.labels = tuple(labels)
+
+    def decode(self, outputs: Mapping[str, np.ndarray], geometry: Geometry, max_bytes: int) -> dict[str, Any]:
+        return decode(self.spec, outputs, self.labels, geometry, max_bytes)
+
+
+class GraphPostprocessor:
+    """`postprocess.graph`: one sample's model outputs (and the frame size, the geometry) -> result tensors, checked
+    and made compact by the result kind (agent.results)."""
+
+    stage_graph = True
+
+    def __init__(self, path: Path, spec: PostprocessSpec, labels: Sequence[str], charset: Sequence[str] | None):
+        from agent.results import kind_for
+
+        if spec.result is None:
+            raise BundleError(f"{path}: key postprocess.result: a post graph needs the result kind it serves")
+        self.spec = spec
+        self.result: ResultSpec = spec.result
+        self.kind = kind_for(self.result.kind)
+        self._spec = self.result.as_mapping()
+        self.labels = tuple(labels)
+        self.charset = None if charset is None else tuple(charset)
+        self.path = path
+        self.session = stage_session(path, "post")
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = list(dict.fromkeys(self.result.fields.values()))
+
+    def tensors(self, outputs: Mapping[str, np.ndarray], geometry: Geometry) -> dict[str, np.ndarray]:
+        """The post graph's outputs on one sample, by graph output name (what `bundle create` records)."""
+        feeds: dict[str, np.ndarray] = {}
+        for name in self.input_names:
+            if name == FRAME_SIZE:
+                feeds[name] = np.array([geometry.frame_h, geometry.frame_w], dtype=np.int64)
+            elif name == GEOMETRY:
+                feeds[name] = geometry_values(geometry)
+            elif name in outputs:
+                feeds[name] = np.asarray(outputs[name])[np.newaxis]  # one sample, batch axis of 1 kept
+            else:
+                raise StageOutputError(f"stage post: input {name!r} is not among the model outputs {sorted(outputs)}")
+        try:
+            outs = self.session.run(self.output_names, feeds)
+        except Exception as exc:  # ORT's errors for tensors the graph cannot take
+            raise StageOutputError(f"stage post ({self.path.name}) failed: {' '.join(str(exc).split())[:300]}") from exc
+        return dict(zip(self.output_names, outs))
+
+    def compact(self, tensors: Mapping[str, np.ndarray], max_bytes: int) -> dict[str, Any]:
+        """Graph outputs (by name) -> the kind's checked, compact result."""
+        problems = self.kind.check(tensors, self._spec)
+        if problems:
+            raise StageOutputError(f"stage post ({self.path.name}): " + "; ".join(problems))
+        result = self.kind.compact(tensors, self._spec, self.labels, self.charset or ())
+        check_result_size(result, max_bytes)
+        return result
+
+    def decode(self, outputs: Mapping[str, np.ndarray], geometry: Geometry, max_bytes: int) -> dict[str, Any]:
+        return self.compact(self.tensors(outputs, geometry), max_bytes)
+
+
+Postprocessor = VocabularyPostprocessor | GraphPostprocessor
+AnyPreprocessor = Preprocessor | GraphPreprocessor
+
+
+def preprocessor_for(bundle: Bundle) -> AnyPreprocessor:
+    """The bundle's preprocessing: its pre graph in its own session, or the declarative vocabulary."""
+    m = bundle.manifest
+    if m.preprocess.graph is not None:
+        return GraphPreprocessor(bundle.path(m.preprocess.graph), m.frame, m.preprocess, m.input)
+    return Preprocessor(m.preprocess, m.frame)
+
+
+def read_charset(path: Path) -> list[str]:
+    """A charset file: one character per line (a line holding one space is the space; never stripped)."""
+    lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8").split("\n")]
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
+def postprocessor_for(bundle: Bundle) -> Postprocessor:
+    """The bundle's postprocessing: its post graph in its own session with its result kind, or the decoders."""
+    m = bundle.manifest
+    if m.postprocess.graph is None:
+        return VocabularyPostprocessor(m.postprocess, bundle.labels())
+    r = m.postprocess.result
+    charset = read_charset(bundle.path(r.charset)) if r is not None and r.charset is not None else None
+    return GraphPostprocessor(bundle.path(m.postprocess.graph), m.postprocess, bundle.labels(), charset)
