@@ -80,7 +80,7 @@ def build_args(out: Path, pre: Path, post: Path, *extra: str) -> list[str]:
 _BUILT: dict[str, Path] = {}
 
 
-def built(workdir: Path, stage_graphs: tuple[Path, Path], *extra: str) -> Path:
+def built(workdir: Path, stage_graphs: tuple[Path, Path], tag: str, *extra: str) -> Path:
     """The bundle from these inputs, cached (by the hash of everything the build reads) across runs."""
     key = " ".join(extra)
     if key in _BUILT:
@@ -95,7 +95,7 @@ def built(workdir: Path, stage_graphs: tuple[Path, Path], *extra: str) -> Path:
     r = cli(*args)
     seconds = time.monotonic() - t0
     assert r.returncode == 0, f"bundle create failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    record(f"build{('_' + key) if key else ''}", {"seconds": round(seconds, 1), "load": os.getloadavg()})
+    record(f"build_{tag}", {"seconds": round(seconds, 1), "load": os.getloadavg()})
     if BUILT.parent.exists():
         BUILT.mkdir(exist_ok=True)
         tmp = cached.with_name(cached.name + f".{os.getpid()}.part")
@@ -111,7 +111,7 @@ def built(workdir: Path, stage_graphs: tuple[Path, Path], *extra: str) -> Path:
 
 @pytest.fixture(scope="module")
 def bundle(workdir: Path, stage_graphs: tuple[Path, Path]) -> Path:
-    return built(workdir, stage_graphs, "--heldout", str(D / "heldout"), "--keep-low-quality")
+    return built(workdir, stage_graphs, "fp32_int8", "--heldout", str(D / "heldout"), "--keep-low-quality")
 
 
 def answers(split: str) -> list[dict[str, Any]]:

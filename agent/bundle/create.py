@@ -83,6 +83,7 @@ class CreateOptions:
     keep_low_quality: bool = False
     pre_graph: Path | None = None  # preprocess.graph: copied into the bundle (hashed, signed), never quantised
     post_graph: Path | None = None  # postprocess.graph: likewise
+    charset: Path | None = None  # postprocess.result.charset (kind text): copied into the bundle, hashed and signed
 
 
 STAGE_DEFAULT_NAMES = {"preprocess": "pre.onnx", "postprocess": "post.onnx"}
@@ -102,7 +103,26 @@ def with_stage_graphs(spec: dict[str, Any], opts: CreateOptions) -> dict[str, An
             spec[key] = block
         elif "graph" in block:
             raise BundleError(f"{opts.spec}: key {key}.graph: names {block['graph']!r}; give the ONNX file with {flag}")
+    result = dict((spec.get("postprocess") or {}).get("result") or {})
+    if opts.charset is not None:
+        if not Path(opts.charset).is_file():
+            raise BundleError(f"{opts.charset}: --charset: not a file")
+        if not result:
+            raise BundleError(f"{opts.spec}: key postprocess.result: --charset needs a result of kind text")
+        result.setdefault("charset", CHARSET_DEFAULT_NAME)
+        spec["postprocess"] = {**spec["postprocess"], "result": result}
+    elif "charset" in result:
+        raise BundleError(f"{opts.spec}: key postprocess.result.charset: names {result['charset']!r}; give the file "
+                          "with --charset")
     return spec
+
+
+CHARSET_DEFAULT_NAME = "charset.txt"
+
+
+def charset_file(spec: Mapping[str, Any]) -> str | None:
+    """Where the spec's text result keeps its charset inside the bundle, or None."""
+    return ((spec.get("postprocess") or {}).get("result") or {}).get("charset")
 
 
 def stage_files(spec: Mapping[str, Any]) -> dict[str, str]:
@@ -549,6 +569,7 @@ def provisional_manifest(spec: Mapping[str, Any], input_spec: Mapping[str, Any] 
         "selftest": spec.get("selftest") or {}, "golden": ["golden.npz"],
         "files": {"model.onnx": PLACEHOLDER_SHA, "golden.npz": PLACEHOLDER_SHA,
                   **{rel: PLACEHOLDER_SHA for rel in stage_files(spec).values()},
+                  **({charset_file(spec): PLACEHOLDER_SHA} if charset_file(spec) else {}),
                   **({spec["postprocess"]["labels"]: PLACEHOLDER_SHA} if "labels" in spec["postprocess"] else {})},
     }
 
@@ -696,6 +717,9 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
             dest = root / stage_files(spec)[key]
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(given, dest)
+    if opts.charset is not None and (rel := charset_file(spec)):  # bytes as given: a space line stays a space
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(opts.charset, root / rel)
     try:
         extra_inputs: tuple[ExtraInput, ...] = inputs_from_list(spec.get("inputs"))
     except TypeError as exc:
@@ -988,7 +1012,11 @@ class GoldenStages:
         from agent.proof.stages import GEOMETRY, GraphPostprocessor, GraphPreprocessor, VocabularyPostprocessor
 
         post_spec = postprocess_from_dict(spec["postprocess"])
-        post: Any = (GraphPostprocessor(root / post_spec.graph, post_spec, labels, None) if post_spec.graph
+        from agent.proof.stages import read_charset
+
+        rel = charset_file(spec)
+        charset = read_charset(root / rel) if rel else None
+        post: Any = (GraphPostprocessor(root / post_spec.graph, post_spec, labels, charset) if post_spec.graph
                      else VocabularyPostprocessor(post_spec, labels))
         if sequence:
             return cls(pre, post, [], [])
