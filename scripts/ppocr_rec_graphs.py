@@ -51,6 +51,10 @@ class _Graph:
         self.inits.append(nh.from_array(np.asarray(value, dtype), name))
         return name
 
+    def used_initializers(self) -> list[Any]:
+        names = {i for n in self.nodes for i in n.input}
+        return [t for t in self.inits if t.name in names]
+
     def op(self, op: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
         self._n += 1
         name = out or f"t{self._n}_{op.lower()}"
@@ -92,10 +96,9 @@ def _coefficients(g: _Graph, src: str, dst: str, clamp: bool) -> tuple[str, str,
 def pre_graph(height: int = HEIGHT, min_width: int = MIN_WIDTH, input_name: str = MODEL_INPUT) -> onnx.ModelProto:
     g = _Graph()
     shape = g.op("Shape", "frame")
-    i0, i1, i2, i3 = (g.const([k], np.int64) for k in range(4))
+    i0, i1, i2 = (g.const([k], np.int64) for k in range(3))
     h = g.op("Slice", shape, i0, i1)
     w = g.op("Slice", shape, i1, i2)
-    ch = g.op("Slice", shape, i2, i3)
     out_h = g.const([height], np.int64)
     # widths in double, as Python computes them: w * 1.0 / h; int(48 * max(320 / 48, ratio)); ceil(48 * ratio)
     ratio = g.op("Div", g.op("Cast", w, to=T.DOUBLE), g.op("Cast", h, to=T.DOUBLE))
@@ -136,9 +139,8 @@ def pre_graph(height: int = HEIGHT, min_width: int = MIN_WIDTH, input_name: str 
     z = g.const([0], np.int64)
     pads = g.op("Concat", z, z, z, z, z, z, z, g.op("Sub", pad_w, res_w), axis=0)
     g.op("Pad", x, pads, out=input_name, mode="constant")
-    del ch
     graph = oh.make_graph(g.nodes, "ppocr_rec_pre", [oh.make_tensor_value_info("frame", T.UINT8, ["H", "W", 3])],
-                          [oh.make_tensor_value_info(input_name, T.FLOAT, [1, 3, height, "PW"])], g.inits)
+                          [oh.make_tensor_value_info(input_name, T.FLOAT, [1, 3, height, "PW"])], g.used_initializers())
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", OPSET)], producer_name="scripts/ppocr_rec_graphs.py")
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
@@ -157,7 +159,7 @@ def post_graph(output: str = MODEL_OUTPUT, classes: int = 6625) -> onnx.ModelPro
     g.op("Compress", prob, keep, out="token_scores", axis=0)
     graph = oh.make_graph(g.nodes, "ctc_greedy", [oh.make_tensor_value_info(output, T.FLOAT, [1, "T", classes])],
                           [oh.make_tensor_value_info("tokens", T.INT64, ["N"]),
-                           oh.make_tensor_value_info("token_scores", T.FLOAT, ["N"])], g.inits)
+                           oh.make_tensor_value_info("token_scores", T.FLOAT, ["N"])], g.used_initializers())
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", OPSET)], producer_name="scripts/ppocr_rec_graphs.py")
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
