@@ -16,7 +16,11 @@ floor, padding to a data-dependent width, and OpenCV's integer arithmetic): a fl
 differs by one level on about a tenth of the values, which flips a space at a line's end on about
 one frame in twenty. No Python travels in a bundle: this script writes the graphs at build time.
 
-  python scripts/ppocr_rec_graphs.py --out DIR        # DIR/pre.onnx, DIR/post.onnx
+The direction classifier (TextClassifier) shares the pre stage with a fixed width of 192 (its lines are
+resized to min(ceil(48 * ratio), 192) and padded to 192); its post stage keeps P('180'), the one score
+its decision reads (it turns a line when that is over cls_thresh 0.9).
+
+  python scripts/ppocr_rec_graphs.py --out DIR   # DIR/pre.onnx, post.onnx (recogniser), cls_pre.onnx, cls_post.onnx
 """
 
 from __future__ import annotations
@@ -93,7 +97,10 @@ def _coefficients(g: _Graph, src: str, dst: str, clamp: bool) -> tuple[str, str,
     return idx, w0, w1
 
 
-def pre_graph(height: int = HEIGHT, min_width: int = MIN_WIDTH, input_name: str = MODEL_INPUT) -> onnx.ModelProto:
+def pre_graph(height: int = HEIGHT, min_width: int = MIN_WIDTH, input_name: str = MODEL_INPUT,
+              fixed_width: int | None = None) -> onnx.ModelProto:
+    """The recogniser's resize_norm_img; with `fixed_width` the direction classifier's (TextClassifier:
+    width min(ceil(48 * ratio), fixed_width), padded to fixed_width)."""
     g = _Graph()
     shape = g.op("Shape", "frame")
     i0, i1, i2 = (g.const([k], np.int64) for k in range(3))
@@ -103,7 +110,10 @@ def pre_graph(height: int = HEIGHT, min_width: int = MIN_WIDTH, input_name: str 
     # widths in double, as Python computes them: w * 1.0 / h; int(48 * max(320 / 48, ratio)); ceil(48 * ratio)
     ratio = g.op("Div", g.op("Cast", w, to=T.DOUBLE), g.op("Cast", h, to=T.DOUBLE))
     h48 = g.const([float(height)], np.float64)
-    pad_w_f = g.op("Floor", g.op("Mul", h48, g.op("Max", g.const([min_width / height], np.float64), ratio)))
+    if fixed_width is None:
+        pad_w_f = g.op("Floor", g.op("Mul", h48, g.op("Max", g.const([min_width / height], np.float64), ratio)))
+    else:
+        pad_w_f = g.const([float(fixed_width)], np.float64)
     res_w_f = g.op("Min", g.op("Ceil", g.op("Mul", h48, ratio)), pad_w_f)
     pad_w = g.op("Cast", pad_w_f, to=T.INT64)
     res_w = g.op("Cast", res_w_f, to=T.INT64)
@@ -140,7 +150,8 @@ def pre_graph(height: int = HEIGHT, min_width: int = MIN_WIDTH, input_name: str 
     pads = g.op("Concat", z, z, z, z, z, z, z, g.op("Sub", pad_w, res_w), axis=0)
     g.op("Pad", x, pads, out=input_name, mode="constant")
     graph = oh.make_graph(g.nodes, "ppocr_rec_pre", [oh.make_tensor_value_info("frame", T.UINT8, ["H", "W", 3])],
-                          [oh.make_tensor_value_info(input_name, T.FLOAT, [1, 3, height, "PW"])], g.used_initializers())
+                          [oh.make_tensor_value_info(input_name, T.FLOAT, [1, 3, height, fixed_width or "PW"])],
+                          g.used_initializers())
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", OPSET)], producer_name="scripts/ppocr_rec_graphs.py")
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
@@ -166,6 +177,23 @@ def post_graph(output: str = MODEL_OUTPUT, classes: int = 6625) -> onnx.ModelPro
     return model
 
 
+CLS_OUTPUT = "save_infer_model/scale_0.tmp_1"
+CLS_WIDTH = 192  # cls_image_shape [3, 48, 192]
+
+
+def cls_post_graph(output: str = CLS_OUTPUT, channel: int = 1) -> onnx.ModelProto:
+    """softmax [1, 2] (labels '0', '180') -> scores [1]: P('180'), the one score the package decides on."""
+    g = _Graph()
+    g.op("Reshape", g.op("Slice", output, g.const([channel], np.int64), g.const([channel + 1], np.int64),
+                         g.const([1], np.int64)), g.const([1], np.int64), out="scores")
+    graph = oh.make_graph(g.nodes, "cls_180_score", [oh.make_tensor_value_info(output, T.FLOAT, [1, 2])],
+                          [oh.make_tensor_value_info("scores", T.FLOAT, [1])], g.used_initializers())
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", OPSET)], producer_name="scripts/ppocr_rec_graphs.py")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -173,7 +201,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     onnx.save(pre_graph(), str(args.out / "pre.onnx"))
     onnx.save(post_graph(), str(args.out / "post.onnx"))
-    print(f"{args.out / 'pre.onnx'} {args.out / 'post.onnx'}")
+    onnx.save(pre_graph(fixed_width=CLS_WIDTH), str(args.out / "cls_pre.onnx"))
+    onnx.save(cls_post_graph(), str(args.out / "cls_post.onnx"))
+    print(" ".join(str(args.out / f) for f in ("pre.onnx", "post.onnx", "cls_pre.onnx", "cls_post.onnx")))
     return 0
 
 

