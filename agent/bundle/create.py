@@ -188,7 +188,7 @@ def _check_selftest_block(selftest: Any, path: Path) -> None:
 def _dims(value_info: Any) -> list[int | str]:
     out: list[int | str] = []
     for i, d in enumerate(value_info.type.tensor_type.shape.dim):
-        if d.HasField("dim_value"):
+        if d.HasField("dim_value") and d.dim_value > 0:  # Paddle2ONNX writes -1 for a dynamic dim
             out.append(int(d.dim_value))
         elif d.HasField("dim_param") and d.dim_param.isidentifier():
             out.append(d.dim_param)
