@@ -73,3 +73,177 @@ def softmax_post(path: Path, logits: str, classes: int, output: str = "probabili
     inputs = [helper.make_tensor_value_info(logits, TensorProto.FLOAT, [1, classes])]
     outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [classes])]
     return _save(nodes, inputs, outputs, path, "softmax_post")
+
+
+def constant_head_model(path: Path, head: np.ndarray, input_name: str = "images", size: int = 32,
+                        output: str = "output") -> Path:
+    """A stand-in detector: input [B, 3, size, size] float32 -> `head` [1, N, D] plus 0 * mean(input), so the
+    graph depends on its input (calibration and the contract see a real model) and answers are known exactly."""
+    nodes = [
+        helper.make_node("ReduceMean", [input_name], ["m"], keepdims=1),  # [B, 1, 1, 1]
+        _const("zero", np.array(0.0, np.float32)),
+        helper.make_node("Mul", ["m", "zero"], ["z4"]),
+        _const("shape3", np.array([-1, 1, 1], np.int64)),
+        helper.make_node("Reshape", ["z4", "shape3"], ["z"]),
+        _const("head", head.astype(np.float32)),
+        helper.make_node("Add", ["head", "z"], [output]),
+    ]
+    inputs = [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 3, size, size])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["batch", head.shape[1], head.shape[2]])]
+    return _save(nodes, inputs, outputs, path, "constant_head")
+
+
+def yolox_head(grid: int, stride: int, boxes: Sequence[tuple[int, int, float, float, float, float]]) -> np.ndarray:
+    """A YOLOX-style raw head [1, grid*grid, 6] for one class: per cell (dx, dy, log w, log h, objectness,
+    class score), grid-relative; `boxes`: (cell x, cell y, dx, dy, w px, h px) cells that hold an object."""
+    head = np.zeros((1, grid * grid, 6), np.float32)
+    head[0, :, 2:4] = np.log(1.0)
+    head[0, :, 4] = 0.01
+    head[0, :, 5] = 0.5
+    for cx, cy, dx, dy, w, h in boxes:
+        k = cy * grid + cx
+        head[0, k] = [dx, dy, np.log(w / stride), np.log(h / stride), 0.95, 0.9]
+    return head
+
+
+def yolox_answers(head: np.ndarray, grid: int, stride: int, scale_x: float, scale_y: float,
+                  threshold: float = 0.25) -> dict:
+    """What the package's own decode serves for this head: grid/stride decode, objectness x class, boxes mapped
+    to frame pixels by the stretch's scale (the reference a wrong decoder must fail against)."""
+    out = []
+    for k in range(grid * grid):
+        dx, dy, lw, lh, obj, cls = head[0, k].astype(np.float64)
+        score = obj * cls
+        if score <= threshold:
+            continue
+        cx, cy = (dx + k % grid) * stride, (dy + k // grid) * stride
+        w, h = np.exp(lw) * stride, np.exp(lh) * stride
+        box = [(cx - w / 2) / scale_x, (cy - h / 2) / scale_y, (cx + w / 2) / scale_x, (cy + h / 2) / scale_y]
+        out.append({"box": [round(float(v), 3) for v in box], "score": round(float(score), 6), "class_id": 0})
+    return {"type": "boxes", "boxes": out}
+
+
+def grid_decode_post(path: Path, grid: int, stride: int, head_name: str = "output", threshold: float = 0.25) -> Path:
+    """The YOLOX-style decode as a post graph: head [1, N, 6] + geometry [6] -> det_boxes [M, 4] (frame pixels),
+    det_scores [M], det_classes [M] int64, for cells whose objectness x class score is over `threshold`."""
+    xs, ys = np.meshgrid(np.arange(grid), np.arange(grid))
+    cells = np.stack([xs.ravel(), ys.ravel()], axis=1).astype(np.float32)  # [N, 2] (x, y)
+    nodes = [
+        _const("axes0", np.array([0], np.int64)),
+        helper.make_node("Squeeze", [head_name, "axes0"], ["h"]),  # [N, 6]
+        _const("s0", np.array([0], np.int64)), _const("s2", np.array([2], np.int64)),
+        _const("s4", np.array([4], np.int64)), _const("s5", np.array([5], np.int64)),
+        _const("s6", np.array([6], np.int64)), _const("ax1", np.array([1], np.int64)),
+        helper.make_node("Slice", ["h", "s0", "s2", "ax1"], ["dxy"]),
+        helper.make_node("Slice", ["h", "s2", "s4", "ax1"], ["lwh"]),
+        helper.make_node("Slice", ["h", "s4", "s5", "ax1"], ["obj"]),
+        helper.make_node("Slice", ["h", "s5", "s6", "ax1"], ["cls"]),
+        _const("cells", cells), _const("stride", np.array(float(stride), np.float32)),
+        helper.make_node("Add", ["dxy", "cells"], ["cxy_g"]),
+        helper.make_node("Mul", ["cxy_g", "stride"], ["cxy"]),
+        helper.make_node("Exp", ["lwh"], ["ewh"]),
+        helper.make_node("Mul", ["ewh", "stride"], ["wh"]),
+        _const("half", np.array(0.5, np.float32)),
+        helper.make_node("Mul", ["wh", "half"], ["hwh"]),
+        helper.make_node("Sub", ["cxy", "hwh"], ["xy1"]),
+        helper.make_node("Add", ["cxy", "hwh"], ["xy2"]),
+        helper.make_node("Concat", ["xy1", "xy2"], ["xyxy_in"], axis=1),  # [N, 4] input pixels
+        # frame pixels: (x - pad_x + crop_x) / scale_x, likewise y
+        _const("g_s", np.array([0], np.int64)), _const("g_e", np.array([2], np.int64)),
+        _const("g_ps", np.array([2], np.int64)), _const("g_pe", np.array([4], np.int64)),
+        _const("g_cs", np.array([4], np.int64)), _const("g_ce", np.array([6], np.int64)),
+        helper.make_node("Slice", ["geometry", "g_s", "g_e"], ["sc"]),
+        helper.make_node("Slice", ["geometry", "g_ps", "g_pe"], ["pad"]),
+        helper.make_node("Slice", ["geometry", "g_cs", "g_ce"], ["crop"]),
+        helper.make_node("Concat", ["sc", "sc"], ["sc4"], axis=0),
+        helper.make_node("Concat", ["pad", "pad"], ["pad4"], axis=0),
+        helper.make_node("Concat", ["crop", "crop"], ["crop4"], axis=0),
+        helper.make_node("Sub", ["xyxy_in", "pad4"], ["b1"]),
+        helper.make_node("Add", ["b1", "crop4"], ["b2"]),
+        helper.make_node("Div", ["b2", "sc4"], ["xyxy"]),
+        helper.make_node("Mul", ["obj", "cls"], ["score2"]),
+        helper.make_node("Squeeze", ["score2", "ax1"], ["score"]),  # [N]
+        _const("thr", np.array(threshold, np.float32)),
+        helper.make_node("Greater", ["score", "thr"], ["keep"]),
+        helper.make_node("NonZero", ["keep"], ["nz"]),  # [1, M]
+        helper.make_node("Squeeze", ["nz", "axes0"], ["idx"]),  # [M]
+        helper.make_node("Gather", ["xyxy", "idx"], ["det_boxes"], axis=0),
+        helper.make_node("Gather", ["score", "idx"], ["det_scores"], axis=0),
+        helper.make_node("Mul", ["idx", "zero_i"], ["det_classes"]),
+        _const("zero_i", np.array(0, np.int64)),
+    ]
+    # a topological order: the constant feeding Mul must come first
+    nodes = [n for n in nodes if n.output[0] == "zero_i"] + [n for n in nodes if n.output[0] != "zero_i"]
+    inputs = [helper.make_tensor_value_info(head_name, TensorProto.FLOAT, [1, grid * grid, 6]),
+              helper.make_tensor_value_info("geometry", TensorProto.FLOAT, [6])]
+    outputs = [helper.make_tensor_value_info("det_boxes", TensorProto.FLOAT, ["m", 4]),
+               helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, ["m"]),
+               helper.make_tensor_value_info("det_classes", TensorProto.INT64, ["m"])]
+    return _save(nodes, inputs, outputs, path, "grid_decode_post")
+
+
+def boxes_keypoints_post(path: Path, head_name: str, n: int, k: int) -> Path:
+    """head [1, N, 5 + 2K] (x1, y1, x2, y2, score, K keypoints x, y; input pixels) + geometry -> det_boxes [N, 4],
+    det_scores [N], det_kps [N, K, 2] in frame pixels (x / scale_x, y / scale_y: a stretch, no padding)."""
+    nodes = [
+        _const("axes0", np.array([0], np.int64)), _const("ax1", np.array([1], np.int64)),
+        helper.make_node("Squeeze", [head_name, "axes0"], ["h"]),
+        _const("s0", np.array([0], np.int64)), _const("s4", np.array([4], np.int64)),
+        _const("s5", np.array([5], np.int64)), _const("send", np.array([5 + 2 * k], np.int64)),
+        helper.make_node("Slice", ["h", "s0", "s4", "ax1"], ["b_in"]),
+        helper.make_node("Slice", ["h", "s4", "s5", "ax1"], ["sc2"]),
+        helper.make_node("Squeeze", ["sc2", "ax1"], ["det_scores"]),
+        helper.make_node("Slice", ["h", "s5", "send", "ax1"], ["kp_flat"]),
+        _const("kshape", np.array([n, k, 2], np.int64)),
+        helper.make_node("Reshape", ["kp_flat", "kshape"], ["kp_in"]),
+        _const("g_s", np.array([0], np.int64)), _const("g_e", np.array([2], np.int64)),
+        helper.make_node("Slice", ["geometry", "g_s", "g_e"], ["sc"]),  # (scale_x, scale_y)
+        helper.make_node("Concat", ["sc", "sc"], ["sc4"], axis=0),
+        helper.make_node("Div", ["b_in", "sc4"], ["det_boxes"]),
+        helper.make_node("Div", ["kp_in", "sc"], ["det_kps"]),
+    ]
+    inputs = [helper.make_tensor_value_info(head_name, TensorProto.FLOAT, [1, n, 5 + 2 * k]),
+              helper.make_tensor_value_info("geometry", TensorProto.FLOAT, [6])]
+    outputs = [helper.make_tensor_value_info("det_boxes", TensorProto.FLOAT, [n, 4]),
+               helper.make_tensor_value_info("det_scores", TensorProto.FLOAT, [n]),
+               helper.make_tensor_value_info("det_kps", TensorProto.FLOAT, [n, k, 2])]
+    return _save(nodes, inputs, outputs, path, "boxes_keypoints_post")
+
+
+def native_pre(path: Path, output: str, scale: float = 1 / 255, channels: int = 3) -> Path:
+    """frame uint8 [H, W, C] -> NCHW float32 [1, C, H, W] * scale at the frame's own size (a native-resolution
+    input, no resize); no geometry output (identity)."""
+    nodes = [
+        helper.make_node("Cast", ["frame"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["f"], ["chw"], perm=[2, 0, 1]),
+        _const("axes0", np.array([0], np.int64)),
+        helper.make_node("Unsqueeze", ["chw", "axes0"], ["nchw"]),
+        _const("scale", np.array(scale, np.float32)),
+        helper.make_node("Mul", ["nchw", "scale"], [output]),
+    ]
+    inputs = [helper.make_tensor_value_info("frame", TensorProto.UINT8, ["h", "w", channels])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, channels, "h", "w"])]
+    return _save(nodes, inputs, outputs, path, "native_pre")
+
+
+def width_coordinate_model(path: Path, input_name: str = "images", output: str = "extent") -> Path:
+    """A dynamic-size model computing a coordinate from its input's width (as in-graph prior centres do):
+    extent = max over x of (2 * x + mean of a 1x1 conv), about 2 * (W - 1). A whole-graph INT8 calibrated on
+    narrow frames clips it to the calibrated range on wider ones (the face detector's priors at ~512 px)."""
+    w = np.full((1, 3, 1, 1), 1 / 3, np.float32)
+    nodes = [
+        _const("w", w), helper.make_node("Conv", [input_name, "w"], ["feat"]),
+        helper.make_node("ReduceMean", ["feat"], ["fm"], keepdims=0),
+        helper.make_node("Shape", [input_name], ["shp"]), _const("i3", np.array([3], np.int64)),
+        helper.make_node("Gather", ["shp", "i3"], ["W"]), helper.make_node("Squeeze", ["W"], ["Ws"]),
+        _const("z", np.array(0, np.int64)), _const("one", np.array(1, np.int64)),
+        helper.make_node("Range", ["z", "Ws", "one"], ["xs"]),
+        helper.make_node("Cast", ["xs"], ["xf"], to=TensorProto.FLOAT),
+        _const("k", np.array([2.0], np.float32)), helper.make_node("Mul", ["xf", "k"], ["xk"]),
+        helper.make_node("Add", ["xk", "fm"], ["xa"]),
+        helper.make_node("ReduceMax", ["xa"], ["xmax"], keepdims=1),
+        _const("shape11", np.array([1, 1], np.int64)), helper.make_node("Reshape", ["xmax", "shape11"], [output]),
+    ]
+    inputs = [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [1, 3, "h", "w"])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, 1])]
+    return _save(nodes, inputs, outputs, path, "width_coordinate")

@@ -14,16 +14,17 @@ AGENT = Path(__file__).resolve().parents[1] / "agent"
 # `__main__` over everything. Packages on one floor (serving, link, updates) do not import each other.
 FLOOR = {
     "__init__": 0, "errors": 0, "fsio": 0, "hashing": 0, "logsetup": 0, "keydoc": 0,
-    "spec": 1, "bundle": 2, "proof": 3, "config": 4, "config_schema": 4,
+    "spec": 1, "bundle": 2, "proof": 3, "results": 3, "config": 4, "config_schema": 4,
     "serving": 5, "link": 5, "updates": 5,
     "report": 6, "service": 6, "fleet": 6, "testing": 7, "__main__": 7,
 }
-# The one upward arrow: `bundle create` measures each variant it builds through the proof's sessions.
-ALLOWED_UP = {("bundle/create.py", "proof")}
+# The upward arrows: `bundle create` measures each variant it builds through the proof's sessions
+# ... and judges the package's answers by their result kind (issue 21).
+ALLOWED_UP = {("bundle/create.py", "proof"), ("bundle/create.py", "results")}
 PURE = [
     "agent.spec.manifest", "agent.spec.preprocess", "agent.spec.decoders",
     "agent.proof.terms", "agent.proof.parity", "agent.proof.verdict", "agent.proof.selection", "agent.config",
-    "agent.config_schema",
+    "agent.config_schema", "agent.results", "agent.results.answers",
 ]
 
 

@@ -90,6 +90,9 @@ class _BrokenPreprocessor:
     def geometry(self, data: Any) -> Any:
         return self.inner.geometry(data)
 
+    def with_geometry(self, data: Any) -> Any:  # what the pipeline calls (a pre graph runs once per frame)
+        return self(data), self.geometry(data)
+
 
 def test_a_preprocessor_bug_in_every_worker_ends_every_thread(tmp_path: Path) -> None:
     engine = _engine()

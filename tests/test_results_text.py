@@ -25,6 +25,13 @@ def test_hello_against_helo_has_cer_02_and_fails_both_floors() -> None:
     assert [f.metric for f in findings] == ["exact text match (share of 1 samples)",
                                            "character error rate (pooled over 1 samples)"]
     assert findings[1].value == pytest.approx(0.2) and findings[1].bound == 0.02 and findings[1].sample == 0
+    assert figures["max_sample_cer"] == pytest.approx(0.2) and "worst sample 0: CER 0.2," in findings[1].detail
+
+
+def test_cer_is_pooled_over_characters_not_a_mean_of_samples() -> None:
+    figures, _ = text.fidelity([_res("ab"), _res("abcdefghiX")], [_res("ab"), _res("abcdefghij")])
+    assert figures["cer"] == pytest.approx(1 / 12)  # a mean of per-sample rates would say 0.05
+    assert figures["worst_sample"] == 1 and figures["max_sample_cer"] == pytest.approx(0.1)
 
 
 def test_one_wrong_sample_in_100_passes_exact_match_but_its_cer_is_named() -> None:

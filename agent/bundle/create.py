@@ -11,6 +11,7 @@ refusal leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import re
@@ -682,12 +683,37 @@ def check_preprocess_drift(sets: Sequence[tuple[str, SampleSet, Sequence[np.ndar
         sset, tensors = next((s, t) for lab, s, t in sets if lab == label)
         assert sset.framework_inputs is not None  # only sets with the framework's tensors are compared
         raise BundleError(
-            f"{sset.source}: the spec's preprocessing does not reproduce the framework's input tensors (stage pre): max "
+            f"{sset.source}: stage pre: the spec's preprocessing does not reproduce the framework's input tensors: max "
             f"abs {measured:.4g} on {label} sample {i} (bound {bound:g}); "
             + (f"check {graph_key}" if graph_key else _drift_hint(tensors[i], sset.framework_inputs[i], layout)) +
             f"; or pass --allow-preprocess-drift {float(f'{measured * 1.1:.2g}'):g} to accept it (recorded in the manifest)"
         )
     return record
+
+
+def explaining_key(pre: Any, frame: Any, sets: Sequence[tuple[str, SampleSet, Sequence[np.ndarray]]],
+                   bound: float) -> str | None:
+    """A spec change that makes the framework's tensors reproduce, named by its key, or None: the letterbox's
+    rounding (packages that int() the resized side differ by up to a whole pixel row on about half of all frame
+    sizes, which a mean/scale hint would misname)."""
+    r = pre.spec.resize if isinstance(pre, Preprocessor) else None
+    if r is None or r.mode != "letterbox":
+        return None
+    other: Literal["round", "floor"] = "floor" if r.rounding == "round" else "round"
+    alt = Preprocessor(dataclasses.replace(pre.spec, resize=dataclasses.replace(r, rounding=other)), frame)
+    worst = 0.0
+    for _label, sset, _tensors in sets:
+        if sset.framework_inputs is None:
+            continue
+        for i, raw in enumerate(sset.raw):
+            t = alt(raw)
+            f = np.asarray(sset.framework_inputs[i])
+            if f.size != t.size:
+                return None
+            worst = max(worst, float(np.max(np.abs(t.astype(np.float64) - f.reshape(t.shape).astype(np.float64)))))
+            if worst > bound:
+                return None
+    return f"preprocess.resize.rounding: {other} (with it the max abs is {worst:.4g}, within {bound:g})"
 
 
 def _drift_hint(t: np.ndarray, f: np.ndarray, layout: str) -> str:
@@ -804,8 +830,13 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     if calib_set.framework_inputs is not None:
         drift_sets.append(("calibration", calib_set, _Prepared(calib_set.raw, prepare)))
     bound = DEFAULT_PREPROCESS_DRIFT if opts.allow_preprocess_drift is None else opts.allow_preprocess_drift
-    source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound,
-                                          "preprocess.graph" if opts.pre_graph is not None else None)
+    try:
+        source_drift = check_preprocess_drift(drift_sets, pre.spec.layout, bound,
+                                              "preprocess.graph" if opts.pre_graph is not None else None)
+    except BundleError as exc:
+        if (key := explaining_key(pre, frame, drift_sets, bound)) is not None:
+            raise BundleError(f"{exc}. The key that explains it: {key}") from exc
+        raise
     if source_drift:
         source_drift["accepted_by_author"] = opts.allow_preprocess_drift is not None
         log.info("bundle.create.preprocess_drift", **source_drift)
@@ -842,11 +873,14 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         log.info("bundle.create.prequantized", kept_as="int8", **already)
     else:
         builds = [VariantBuild("fp32", "fp32", fp32_file, dict(source_check))]
+    extremes = [] if sequence else size_extremes(frame, golden_set)
     if opts.int8 and not already:
         log.info("bundle.create.quantizing", method=opts.method, per_channel=opts.per_channel, samples=len(calib_set))
         dynamic_batch = not isinstance(input_spec["shape"][0], int) and pre.fixed_size and not sequence
-        calib = CalibrationFeeds(calib_set.raw, pre, feeder, opts.calibration_batch if dynamic_batch else 1,
-                                 fp32=fp32_ref_sess if sequence else None)
+        # frames of any size: calibrated at the smallest and the largest declared size too, so coordinates the
+        # graph computes from the frame's size are never clipped to the range the sample set happened to hold
+        calib = CalibrationFeeds(_Extended(calib_set.raw, extremes), pre, feeder,
+                                 opts.calibration_batch if dynamic_batch else 1, fp32=fp32_ref_sess if sequence else None)
         q = quantize_int8(root / fp32_file, root / "model_int8.onnx", calib, opts)
         builds.append(VariantBuild("int8", "int8", "model_int8.onnx", quantization=q))
     if opts.fp16 and not already:
@@ -863,7 +897,14 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         g = judge_fidelity(post, _unbatch(own[b.name], sequence), _unbatch(references, sequence), floors,
                            stage="build golden")
         b.quality.update(_figures("golden_", g))
-        problems = [f.text() for f in g.findings]
+        # a post graph's variant is gated by its final result's kind (as the device judges it), its raw outputs'
+        # figures kept for the record; with the package's answers every variant's final result is judged on them
+        problems = [] if post.graph is not None else [f.text() for f in g.findings]
+        if not sequence and (answers_text is not None or post.graph is not None):
+            figures, findings = judge_final_results(stages, own[b.name], stages.geometries,
+                                                    references, answers_text, spec, "build golden")
+            b.quality.update({f"golden_final_{k}": v for k, v in figures.items()})
+            problems += [f.text() for f in findings]
         if held:
             log.info("bundle.create.evaluating", variant=b.name, heldout=len(held))
             outs = _run_all(sess, held_inputs, feeder)
@@ -871,12 +912,23 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
                                stage="build held-out vs fp32")
             b.quality.update(_figures("heldout_", h))
             b.quality["heldout_samples"] = len(held)
-            problems += [f.text() for f in h.findings]
+            if post.graph is None:
+                problems += [f.text() for f in h.findings]
+            elif not sequence:
+                held_geoms = [pre.geometry(r) for r in held.raw]
+                figures, findings = judge_final_results(stages, outs, held_geoms, held_ref, None, spec,
+                                                        "build held-out vs fp32")
+                b.quality.update({f"heldout_final_{k}": v for k, v in figures.items()})
+                problems += [f.text() for f in findings]
             if held.labels is not None and task == "classification" and not sequence:
                 b.quality["heldout_top1"] = round(float(np.mean(_top1(outs, cls_out, post).ravel() == held.labels)), 5)
         feeder.reset("")
         b.quality.update(_latency_ms(sess, feeder.feeds(golden_inputs[0][0] if sequence else golden_inputs[0])))
         b.quality["size_bytes"] = (root / b.file).stat().st_size
+        if extremes and b is not builds[0]:
+            figures, more = judge_sizes(sess, fp32_ref_sess, extremes, pre, feeder, spec, stages, floors)
+            b.quality.update(figures)
+            problems += more
         b.problems = problems
     _quality_gate(builds, task, opts)
 
@@ -1045,24 +1097,11 @@ class GoldenStages:
 
 
 def golden_answers_text(golden: Path, samples: int) -> str | None:
-    """The package's own answers of a golden set: `answers.json` beside a directory's frames, or an npz's
-    `answers` (a 0-d unicode array holding the same JSON); checked (kind, one result per sample) here."""
-    golden = Path(golden)
-    text: str | None = None
-    where = golden / "answers.json" if golden.is_dir() else golden
-    if golden.is_dir() and where.is_file():
-        text = where.read_text()
-    elif golden.suffix == ".npz":
-        with np.load(golden, allow_pickle=False) as z:
-            if "answers" in z.files:
-                text = str(z["answers"])
-                where = Path(f"{golden}[answers]")
-    if text is None:
-        return None
-    from agent.results.answers import read_answers
+    """The package's own answers of a golden set (`answers.json` beside a directory's frames, or an npz's
+    `answers`), checked (kind, one result per sample, each readable by its kind), as the text the bundle keeps."""
+    from agent.results.answers import has_answers, read_answers
 
-    read_answers(json.loads(text), samples, str(where))
-    return text
+    return read_answers(golden, samples).to_json() if has_answers(golden) else None
 
 
 def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: Sequence[Mapping[str, np.ndarray]],
@@ -1072,11 +1111,11 @@ def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: S
     naming the stage, metric, value, bound and sample; a golden set that cannot fail a metric is warned about."""
     from agent.proof.stage_proof import kind_floors
     from agent.results import kind_for
-    from agent.results.answers import read_answers
+    from agent.results.answers import golden_warnings, read_answers
 
     answers = read_answers(json.loads(answers_text), samples, str(opts.golden))
     kind = kind_for(answers.kind)
-    for w in kind.golden_warnings(list(answers.results)):
+    for w in golden_warnings(answers):
         log.warning("bundle.create.golden_cannot_fail", kind=answers.kind, warning=w)
     served = [stages.post.decode(o, g, 0) for o, g in zip(fp32, stages.geometries)]
     floors = kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {})
@@ -1091,3 +1130,92 @@ def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: S
                  "(`input` in the golden set) to tell them apart")
         raise BundleError(f"{opts.golden}: the FP32 model with this spec does not reproduce the package's own "
                           f"answers (before quantisation): " + "; ".join(f.text() for f in findings[:4]) + f"; {where}")
+
+
+class _Extended(Sequence[np.ndarray]):
+    """A sample sequence with a few frames after it (lazy sets stay lazy)."""
+
+    def __init__(self, head: Sequence[np.ndarray], tail: Sequence[np.ndarray]):
+        self.head, self.tail = head, list(tail)
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, i: Any) -> Any:  # Sequence's overloads: an int gives a frame, a slice a list
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        return self.head[i] if i < len(self.head) else self.tail[i - len(self.head)]
+
+
+def size_extremes(frame: Any, golden: SampleSet) -> list[np.ndarray]:
+    """For frames of any size: the first golden frame at the smallest and at the largest declared size
+    (input.frame.min_size / max_size), the sizes a model must be calibrated and proven at."""
+    if not getattr(frame, "any_size", False) or frame.max_size is None or not len(golden):
+        return []
+    import cv2
+
+    base = golden.raw[0]
+    out = []
+    for h, w in (tuple(frame.min_size), tuple(frame.max_size)):
+        img = cv2.resize(base, (int(w), int(h)), interpolation=cv2.INTER_LINEAR)
+        out.append(img if img.ndim == base.ndim else img[..., None])
+    return out
+
+
+def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, feeder: InputFeeder,
+                spec: Mapping[str, Any], stages: GoldenStages, floors: Any) -> tuple[dict[str, Any], list[str]]:
+    """A reduced-precision variant against FP32 on the frames of `size_extremes`, by the final result's kind (or
+    the task's fidelity for raw outputs): an INT8 whose in-graph coordinates saturate beyond the calibrated
+    size is refused naming the frame size, metric, value and bound."""
+    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+
+    post_spec = postprocess_from_dict(spec["postprocess"])
+    kind_name = post_spec.result.kind if post_spec.result is not None else (
+        None if post_spec.type == "raw" and post_spec.decision is None else VOCABULARY_KINDS.get(post_spec.type))
+    figures: dict[str, Any] = {}
+    problems: list[str] = []
+    for raw in frames:
+        size = f"{raw.shape[1]}x{raw.shape[0]}"
+        t = pre(raw)
+        got, ref = (split_batch(_run_all(s, [t], feeder)[0], 0) for s in (sess, fp32))
+        stage = f"build frame size {size} vs fp32"
+        if kind_name is not None:
+            from agent.results import kind_for
+
+            kind = kind_for(kind_name)
+            geometry = pre.geometry(raw)
+            _figs, findings = kind.fidelity([stages.post.decode(got, geometry, 0)], [stages.post.decode(ref, geometry, 0)],
+                                            kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
+                                            stage=stage)
+        else:
+            q = judge_fidelity(post_spec, [got], [ref], floors, stage=stage)
+            findings = list(q.findings)
+            figures.update(_figures(f"size_{size}_", q))
+        figures[f"size_{size}_findings"] = len(findings)
+        problems += [f.text() for f in findings]
+    return figures, problems
+
+
+def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.ndarray]], geometries: Sequence[Any],
+                        references: Sequence[Mapping[str, np.ndarray]], answers_text: str | None,
+                        spec: Mapping[str, Any], stage: str) -> tuple[dict[str, float], list[Any]]:
+    """A variant's final results (its outputs -> post stage -> kind) against the package's answers, or without
+    them against the final results of the references' outputs, by the kind's fidelity: the gate the device applies."""
+    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+    from agent.results import kind_for
+
+    post_spec = postprocess_from_dict(spec["postprocess"])
+    if answers_text is not None:
+        doc = json.loads(answers_text)
+        name, want = doc["kind"], doc["results"]
+    else:
+        name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
+        want = [stages.post.decode(split_batch(r, 0), g, 0) for r, g in zip(references, geometries)]
+    kind = kind_for(name)
+    served = [stages.post.decode(split_batch(o, 0), g, 0) for o, g in zip(outs, geometries)]
+    figures, findings = kind.fidelity(served, want, kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),
+                                      stage=stage)
+    return ({k: round(float(v), 6) for k, v in figures.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}, list(findings))

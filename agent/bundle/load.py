@@ -263,10 +263,11 @@ def check_stage_contracts(root: Path, manifest: Manifest) -> None:
         r = m.postprocess.result
         assert r is not None  # the manifest's semantic check: a post graph names its result
         for fld in RESULT_FIELDS[r.kind]:
-            fld = fld.rstrip("?")
-            if fld in r.fields and r.fields[fld] not in outs:
-                problems.append(f"field {fld!r} of kind {r.kind}: postprocess.result.{fld} names output "
-                                f"{r.fields[fld]!r}, which the graph does not have (outputs {sorted(outs)})")
+            required, fld = not fld.endswith("?"), fld.rstrip("?")
+            if (required or fld in r.fields) and r.output_for(fld) not in outs:
+                named = f"postprocess.result.{fld} names" if fld in r.fields else "unnamed, it is"
+                problems.append(f"field {fld!r} of kind {r.kind}: {named} output {r.output_for(fld)!r}, which the "
+                                f"graph does not have (outputs {sorted(outs)})")
         if problems:
             raise ContractError(f"{path}: stage post (postprocess.graph) breaks the declared contract: " + "; ".join(problems))
 

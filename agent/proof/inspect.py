@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from agent.bundle.load import Bundle
+from agent.bundle.load import ANSWERS_FILE, Bundle
 from agent.proof.session import open_session
 from agent.proof.terms import CPU, SessionSettings
 
@@ -43,6 +43,10 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "preprocess": m.raw["preprocess"], "postprocess": m.raw["postprocess"],
         "variants": variants, "preference": {k: list(v) for k, v in m.preference.items()},
         "selftest": m.raw["selftest"], "golden_samples": len(m.golden), "files": len(m.files),
+        # stage graphs (issue 21): each file with its hash and ops; the package's own answers, when carried
+        "stages": {stage: {"file": rel, "sha256": m.files[rel], "ops": ops_by_type(bundle.path(rel))}
+                   for stage, rel in m.stage_files.items()},
+        "answers": ANSWERS_FILE if bundle.answers_path() is not None else None,
     }
 
 
@@ -56,7 +60,11 @@ def render_text(s: dict[str, Any]) -> str:
         "outputs  " + ", ".join(f"{o['name']} {o['dtype']} {o['shape']}" for o in s["outputs"]),
         f"preproc  {s['preprocess']}",
         f"postproc {s['postprocess']}",
-        f"golden   {s['golden_samples']} samples; {s['files']} files hashed",
+        *(["stages   " + "; ".join(f"{k} {v['file']} (sha256 {v['sha256'][:12]}...)" for k, v in s["stages"].items())]
+          if s.get("stages") else []),
+        f"golden   {s['golden_samples']} samples; {s['files']} files hashed; package answers: "
+        + (s["answers"] if s.get("answers") else "none (fidelity is judged against our own decoding of the source's "
+                                                   "tensors)"),
         "",
         f"{'variant':8} {'precision':9} {'size':>10} {'top-1':>7} {'agree':>7} {'cpu p50':>9}  providers",
     ]

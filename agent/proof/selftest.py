@@ -575,6 +575,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     costs = ProofCosts()
     with costs.part("golden samples: read"):
         golden = bundle.golden()
+        load_answers(bundle, len(golden))  # malformed package answers fail the bundle here, naming file and sample
     with costs.part("preprocessing check"):
         preprocessed = check_preprocessing(bundle, golden)  # the device's preprocessing: one check for all candidates
     with costs.part("provider probes"):

@@ -20,6 +20,7 @@ from agent.spec.manifest import (
     FRAME_SIZE,
     GEOMETRY,
     PRE_GRAPH_INPUT,
+    RESULT_FIELDS,
     FrameSpec,
     PostprocessSpec,
     PreprocessSpec,
@@ -165,7 +166,11 @@ class GraphPostprocessor:
         self.path = path
         self.session = stage_session(path, "post")
         self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output_names = list(dict.fromkeys(self.result.fields.values()))
+        graph_outputs = {o.name for o in self.session.get_outputs()}
+        # each field's output (named in `result`, else the field's own name) that the graph has: the load
+        # check refused a graph lacking a required or a named one
+        wanted = [self.result.output_for(f.rstrip("?")) for f in RESULT_FIELDS[self.result.kind]]
+        self.output_names = [n for n in dict.fromkeys(wanted) if n in graph_outputs]
 
     def tensors(self, outputs: Mapping[str, np.ndarray], geometry: Geometry) -> dict[str, np.ndarray]:
         """The post graph's outputs on one sample, by graph output name (what `bundle create` records)."""

@@ -23,6 +23,7 @@ class ResultKind(Protocol):
     FIELDS: tuple[Field, ...]
     DEFAULT_FLOORS: Mapping[str, float]
     READS: tuple[str, ...]  # result `type`s `normalise` accepts: its own, and the vocabulary's it maps to
+    OPTIONS: Mapping[str, str]  # postprocess.result keys read besides the fields, each with what it does
 
     def check(self, tensors: Mapping[str, np.ndarray], spec: Any) -> list[str]: ...
 

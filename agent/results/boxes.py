@@ -18,7 +18,9 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, lengths_agree, setting
-from agent.results.floors import Figures, count_mismatch, json_figures, merge_floors, over, sample_list, under
+from agent.results.floors import (
+    Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
+)
 from agent.spec.decoders import iou
 
 NAME = "boxes"
@@ -37,6 +39,11 @@ DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({
     "max_keypoint_error": 0.05,  # distance / the package box's diagonal
 })
 READS: tuple[str, ...] = ("boxes", "detection")
+# postprocess.result keys this kind reads besides its fields (and `kind`)
+OPTIONS: Mapping[str, str] = MappingProxyType({
+    "score_threshold": "rows scoring under it are no box (a padded fixed-size output); default: every row",
+    "max_detections": "at most this many boxes, best first; default: all",
+})
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,8 @@ def normalise(result: Mapping[str, Any]) -> Boxes:
 def _keypoint(p: Any, where: str) -> tuple[float, ...]:
     if not isinstance(p, list) or len(p) not in (2, 3):
         raise BundleError(f"field {where}: [x, y] or [x, y, v] wanted, found {p!r}")
+    if all(type(v) is float for v in p) and all(map(math.isfinite, p)):
+        return tuple(p)
     return tuple(parse.finite(v, f"{where}[{j}]") for j, v in enumerate(p))
 
 
@@ -150,7 +159,7 @@ def match(served: Sequence[Box], package: Sequence[Box], min_iou: float) -> list
     if not served or not package:
         return []
     m = iou(np.asarray([b.box for b in package], np.float64), np.asarray([b.box for b in served], np.float64))
-    same = np.asarray([[p.class_id == s.class_id for s in served] for p in package])
+    same = np.asarray([p.class_id for p in package])[:, None] == np.asarray([s.class_id for s in served])[None, :]
     m = np.where(same, m, -1.0)
     pairs = [(float(m[a, s]), a, s) for a, s in zip(*np.nonzero(m >= min_iou))]
     pairs.sort(key=lambda t: (-t[0], t[1], t[2]))
@@ -181,7 +190,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     max_keypoint_error, keypoints_judged, keypoints_over_floor, worst_sample (the lowest
     min(recall, precision) of one sample, ties to the lowest matched IoU)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     samples: list[_Sample] = []
@@ -189,8 +198,9 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     score_diffs: list[tuple[float, int, str]] = []
     kp_errors: list[tuple[float, int, str]] = []
     kp_findings: list[Finding] = []
-    for i, (s_raw, a_raw) in enumerate(zip(served, answers)):
-        got, want = normalise(s_raw).boxes, normalise(a_raw).boxes
+    values, unreadable = read_pairs(NAME, normalise, served, answers, stage)
+    for i, s_value, a_value in values:
+        got, want = s_value.boxes, a_value.boxes
         pairs = match(got, want, f["match_iou"])
         samples.append(_Sample(i, len(want), len(got), len(pairs)))
         for a, s, v in pairs:
@@ -201,7 +211,8 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
                 d = float("inf") if ps.score is None else abs(ps.score - pa.score)
                 score_diffs.append((d, i, f"{which}: served score {ps.score}, package {pa.score:.6g}"))
             kp_findings += _keypoint_errors(pa, ps, i, a, kp_errors, stage)
-    return _judge(samples, ious, score_diffs, kp_errors, kp_findings, f, stage)
+    figures, findings = _judge(samples, ious, score_diffs, kp_errors, kp_findings, f, stage)
+    return figures, unreadable + findings
 
 
 def _keypoint_errors(pa: Box, ps: Box, sample: int, a: int, errors: list[tuple[float, int, str]],

@@ -16,7 +16,9 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding, wilson_interval
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, rounded, setting
-from agent.results.floors import Figures, count_mismatch, json_figures, merge_floors, over, sample_list, under
+from agent.results.floors import (
+    Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
+)
 
 NAME = "classes"
 FIELDS: tuple[Field, ...] = (
@@ -29,6 +31,8 @@ DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({
     "negligible_margin": 0.02,
 })
 READS: tuple[str, ...] = ("classes", "classification")
+# postprocess.result keys this kind reads besides its fields (and `kind`)
+OPTIONS: Mapping[str, str] = MappingProxyType({"top_k": "classes served, best first (default 5)"})
 DEFAULT_TOP_K = 5
 
 
@@ -92,14 +96,14 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: top1_agreement, top1_flips, top1_counted, top1_ignored_negligible_margin, top1_wilson_high,
     max_score_diff, scores_over_tolerance, worst_sample (the first flip, else the largest score difference)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     flips: list[int] = []
     counted = ignored = 0
     diffs: list[tuple[float, int, str]] = []  # (|diff|, sample, what) per sample
-    for i, (s_raw, a_raw) in enumerate(zip(served, answers)):
-        s, a = normalise(s_raw), normalise(a_raw)
+    pairs, unreadable = read_pairs(NAME, normalise, served, answers, stage)
+    for i, s, a in pairs:
         want = a.top[0]
         margin = (want.score or 0.0) - (a.top[1].score or 0.0) if len(a.top) > 1 else float("inf")
         pick = s.top[0]
@@ -145,7 +149,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
         findings.append(over("|score - package score| of the package's top-1 class", worst_diff[0], tol, stage,
                              worst_diff[1], f"{worst_diff[2]}; {len(over_tol)} of {len(diffs)} samples over "
                              f"the tolerance"))
-    return json_figures(figures), findings
+    return json_figures(figures), unreadable + findings
 
 
 def golden_warnings(answers: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -5,7 +5,7 @@ kind's defaults (never a measured figure), and Finding builders that name metric
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from agent.errors import BundleError
 from agent.proof.parity import Finding
@@ -40,8 +40,17 @@ def over(metric: str, value: float, bound: float, stage: str, sample: int | None
     return Finding("fidelity", metric, float(value), float(bound), stage, sample, detail, "over")
 
 
-def count_mismatch(kind: str, served: Sequence[object], answers: Sequence[object], stage: str) -> Finding | None:
-    """Served results and answers must pair up one per sample."""
+def count_mismatch(kind: str, served: Sequence[object], answers: Sequence[Mapping[str, Any]], stage: str,
+                   normalise: Callable[[Mapping[str, Any]], object] | None = None) -> Finding | None:
+    """Served results and answers must pair up one per sample. With `normalise`, every package answer is read
+    first, whatever the counts: a malformed answer is the caller's error, named, never a quiet mismatch."""
+    for i, a in enumerate(answers):
+        if normalise is None:
+            break
+        try:
+            normalise(a)
+        except BundleError as exc:
+            raise BundleError(f"package answer for sample {i}: {exc}") from exc
     if len(served) == len(answers):
         return None
     return Finding("fidelity", f"{kind} results paired with package answers", float(len(served)),
@@ -52,3 +61,27 @@ def count_mismatch(kind: str, served: Sequence[object], answers: Sequence[object
 def sample_list(samples: Sequence[int], limit: int = 8) -> str:
     shown = ", ".join(str(s) for s in samples[:limit])
     return shown + (f" and {len(samples) - limit} more" if len(samples) > limit else "")
+
+
+V = TypeVar("V")
+
+
+def read_pairs(kind: str, normalise: Callable[[Mapping[str, Any]], V], served: Sequence[Mapping[str, Any]],
+               answers: Sequence[Mapping[str, Any]], stage: str) -> tuple[list[tuple[int, V, V]], list[Finding]]:
+    """(sample, served value, package value) per sample. A served result the kind cannot read is a finding on
+    its sample (the bundle served something else), never a crash; a package answer it cannot read is an error
+    naming the sample (answers are checked when read, so this is a caller's mistake)."""
+    pairs: list[tuple[int, V, V]] = []
+    unreadable: list[Finding] = []
+    for i, (s, a) in enumerate(zip(served, answers)):
+        try:
+            want = normalise(a)
+        except BundleError as exc:
+            raise BundleError(f"package answer for sample {i}: {exc}") from exc
+        try:
+            got = normalise(s)
+        except BundleError as exc:
+            unreadable.append(Finding("fidelity", f"served result readable as {kind}", None, None, stage, i, str(exc)))
+            continue
+        pairs.append((i, got, want))
+    return pairs, unreadable

@@ -18,7 +18,9 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, setting
-from agent.results.floors import Figures, count_mismatch, json_figures, merge_floors, sample_list, under
+from agent.results.floors import (
+    Figures, count_mismatch, json_figures, merge_floors, read_pairs, sample_list, under,
+)
 from agent.spec.decoders import rle as row_major_rle
 
 NAME = "masks"
@@ -28,6 +30,11 @@ FIELDS: tuple[Field, ...] = (
 )
 DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({"min_mask_iou": 0.9})
 READS: tuple[str, ...] = ("masks", "segmentation")
+# postprocess.result keys this kind reads besides its fields (and `kind`)
+OPTIONS: Mapping[str, str] = MappingProxyType({
+    "threshold": "a float mask is foreground where over it (required for float masks)",
+    "class_id": "a class-id mask is foreground where equal to it; default: non-zero",
+})
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,36 +178,37 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: mean_iou (reported, never judged), min_iou, worst_sample, samples_under_floor, both_empty
     (samples where both masks are empty, counted as IoU 1.0), size_mismatches, warnings (list of str)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None, "warnings": []}, [mismatch]
-    ious: list[float] = []
-    notes: list[str] = []
+    ious: dict[int, float] = {}  # by sample index
+    notes: dict[int, str] = {}
     both_empty: list[int] = []
     size_mismatch: list[int] = []
-    for i, (s_raw, a_raw) in enumerate(zip(served, answers)):
-        s, a = normalise(s_raw), normalise(a_raw)
+    pairs, unreadable = read_pairs(NAME, normalise, served, answers, stage)
+    for i, s, a in pairs:
         if s.size != a.size:
-            ious.append(0.0)
+            ious[i] = 0.0
             size_mismatch.append(i)
-            notes.append(f"served size {list(s.size)}, package size {list(a.size)}")
+            notes[i] = f"served size {list(s.size)}, package size {list(a.size)}"
             continue
         union = int(np.count_nonzero(s.foreground | a.foreground))
         if union == 0:
             both_empty.append(i)
-            ious.append(1.0)
+            ious[i] = 1.0
         else:
-            ious.append(int(np.count_nonzero(s.foreground & a.foreground)) / union)
-        notes.append(f"served area {s.area}, package area {a.area}")
+            ious[i] = int(np.count_nonzero(s.foreground & a.foreground)) / union
+        notes[i] = f"served area {s.area}, package area {a.area}"
     floor = f["min_mask_iou"]
-    worst = int(np.argmin(ious)) if ious else None
-    failing = [i for i, v in enumerate(ious) if v < floor]
+    worst = min(ious, key=lambda i: (ious[i], i)) if ious else None
+    failing = [i for i, v in ious.items() if v < floor]
+    mean = float(np.mean(list(ious.values()))) if ious else None
     warnings = []
     if both_empty:
         warnings.append(f"{len(both_empty)} of {len(ious)} samples have an empty mask on both sides, counted as IoU "
                         f"1.0: samples {sample_list(both_empty)}")
     figures: Figures = {
-        "mean_iou": float(np.mean(ious)) if ious else None, "min_iou": min(ious) if ious else None,
+        "mean_iou": mean, "min_iou": None if worst is None else ious[worst],
         "worst_sample": worst, "samples_under_floor": len(failing), "both_empty": len(both_empty),
         "size_mismatches": len(size_mismatch), "warnings": warnings,
     }
@@ -208,8 +216,8 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     if worst is not None and failing:
         findings.append(under("mask IoU of one sample", ious[worst], floor, stage, worst,
                               f"{notes[worst]}; {len(failing)} of {len(ious)} samples under the floor: "
-                              f"{sample_list(failing)}; mean IoU over all samples {np.mean(ious):.4g}"))
-    return json_figures(figures), findings
+                              f"{sample_list(failing)}; mean IoU over all samples {mean:.4g}"))
+    return json_figures(figures), unreadable + findings
 
 
 def golden_warnings(answers: Sequence[Mapping[str, Any]]) -> list[str]:

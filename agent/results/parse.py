@@ -42,6 +42,9 @@ def mapping(v: Any, where: str) -> Mapping[str, Any]:
 
 def number(v: Any, where: str, allow_none: bool = False) -> float | None:
     """A finite number (None allowed where a served result writes a non-finite score as null)."""
+    if type(v) is float or type(v) is int:  # the common case first: a result holds thousands of these
+        if math.isfinite(v):
+            return float(v)
     if v is None and allow_none:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):

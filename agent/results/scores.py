@@ -17,7 +17,9 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, rounded, setting
-from agent.results.floors import Figures, count_mismatch, json_figures, merge_floors, over, sample_list, under
+from agent.results.floors import (
+    Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
+)
 
 NAME = "scores"
 FIELDS: tuple[Field, ...] = (
@@ -25,6 +27,10 @@ FIELDS: tuple[Field, ...] = (
 )
 DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({"min_decision_agreement": 0.98, "score_tolerance": 0.02})
 READS: tuple[str, ...] = ("scores", "raw")
+# postprocess.result keys this kind reads besides its fields (and `kind`)
+OPTIONS: Mapping[str, str] = MappingProxyType({
+    "threshold": "a channel is decided at or over it: one number, or a list of one per channel (required)",
+})
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,8 @@ def normalise(result: Mapping[str, Any]) -> Scores:
         if label is None:
             label = str(parse.integer(parse.field(d, "class_id", "decision."), "decision.class_id"))
         return Scores((value,), frozenset([parse.text(label, "decision.label")]))
-    scores = tuple(parse.number(v, f"scores[{i}]", allow_none=True) for i, v in enumerate(parse.items(result, "scores")))
+    scores = tuple(parse.number(v, f"scores[{i}]", allow_none=True)
+                   for i, v in enumerate(parse.items(result, "scores")))
     decisions = frozenset(parse.text(v, f"decisions[{i}]") for i, v in enumerate(parse.items(result, "decisions")))
     return Scores(scores, decisions)
 
@@ -93,15 +100,15 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: decision_agreement (share of samples), disagreements, max_score_diff, scores_over_tolerance
     (values), worst_sample (the first disagreeing sample, else the largest score difference)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     disagree: list[int] = []
     shown: dict[int, str] = {}
     diffs: list[tuple[float, int, str]] = []
     channel_mismatch: dict[int, str] = {}
-    for i, (s_raw, a_raw) in enumerate(zip(served, answers)):
-        s, a = normalise(s_raw), normalise(a_raw)
+    pairs, unreadable = read_pairs(NAME, normalise, served, answers, stage)
+    for i, s, a in pairs:
         if s.decisions != a.decisions:
             disagree.append(i)
             shown[i] = f"served {sorted(s.decisions)}, package {sorted(a.decisions)}"
@@ -137,7 +144,7 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
                                 float(len(channel_mismatch)), 0.0, stage, i,
                                 f"sample {i}: {channel_mismatch[i]}; samples {sample_list(sorted(channel_mismatch))}",
                                 "over"))
-    return json_figures(figures), findings
+    return json_figures(figures), unreadable + findings
 
 
 def golden_warnings(answers: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -17,7 +17,9 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, lengths_agree, rounded, setting
-from agent.results.floors import Figures, count_mismatch, json_figures, merge_floors, over, sample_list, under
+from agent.results.floors import (
+    Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
+)
 
 NAME = "text"
 FIELDS: tuple[Field, ...] = (
@@ -27,6 +29,12 @@ FIELDS: tuple[Field, ...] = (
 )
 DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({"min_exact_match": 0.98, "max_cer": 0.02})
 READS: tuple[str, ...] = ("text",)
+# postprocess.result keys this kind reads besides its fields (and `kind`)
+OPTIONS: Mapping[str, str] = MappingProxyType({
+    "charset": "a file in the bundle, one entry per line (read by the caller, passed to compact)",
+    "charset_offset": "token id i is charset line i - charset_offset (default 0)",
+    "blank": "token id dropped as the CTC blank (default 0)",
+})
 DEFAULT_BLANK = 0
 
 
@@ -111,39 +119,40 @@ def fidelity(served: Sequence[Mapping[str, Any]], answers: Sequence[Mapping[str,
     """Figures: exact_match (share of samples), cer (edits / characters, pooled over samples), max_sample_cer,
     mismatched, worst_sample (the highest CER of one sample)."""
     f = merge_floors(NAME, DEFAULT_FLOORS, floors)
-    mismatch = count_mismatch(NAME, served, answers, stage)
+    mismatch = count_mismatch(NAME, served, answers, stage, normalise)
     if mismatch:
         return {"worst_sample": None}, [mismatch]
     edits = chars = 0
-    per: list[float] = []
+    per: dict[int, float] = {}  # CER by sample index
+    texts: dict[int, tuple[str, str]] = {}
     wrong: list[int] = []
-    pairs: list[tuple[str, str]] = []
-    for i, (s_raw, a_raw) in enumerate(zip(served, answers)):
-        s, a = normalise(s_raw).text, normalise(a_raw).text
+    values, unreadable = read_pairs(NAME, normalise, served, answers, stage)
+    for i, s_value, a_value in values:
+        s, a = s_value.text, a_value.text
         d = edit_distance(s, a)
         edits, chars = edits + d, chars + len(a)
-        per.append(d / max(len(a), 1))
-        pairs.append((s, a))
+        per[i] = cer(s, a)
+        texts[i] = (s, a)
         if s != a:
             wrong.append(i)
     n = len(per)
     exact = 1.0 - len(wrong) / n if n else 1.0
     pooled = edits / max(chars, 1)
-    worst = int(np.argmax(per)) if per and max(per) > 0 else None
-    figures: Figures = {"exact_match": exact, "cer": pooled, "max_sample_cer": max(per, default=0.0),
+    worst = max(per, key=lambda i: (per[i], -i)) if per and max(per.values()) > 0 else None
+    figures: Figures = {"exact_match": exact, "cer": pooled, "max_sample_cer": max(per.values(), default=0.0),
                         "mismatched": len(wrong), "worst_sample": worst}
     findings: list[Finding] = []
     if exact < f["min_exact_match"]:
-        s, a = pairs[wrong[0]]
+        s, a = texts[wrong[0]]
         findings.append(under(f"exact text match (share of {n} samples)", exact, f["min_exact_match"], stage,
                               wrong[0], f"served {s!r}, package {a!r}; {len(wrong)} samples differ: "
                               f"{sample_list(wrong)}"))
     if pooled > f["max_cer"] and worst is not None:
-        s, a = pairs[worst]
+        s, a = texts[worst]
         findings.append(over(f"character error rate (pooled over {n} samples)", pooled, f["max_cer"], stage, worst,
                              f"{edits} edits over {chars} package characters; worst sample {worst}: CER "
                              f"{per[worst]:.4g}, served {s!r}, package {a!r}"))
-    return json_figures(figures), findings
+    return json_figures(figures), unreadable + findings
 
 
 def golden_warnings(answers: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -769,12 +769,9 @@ def check_stages(m: Manifest, where: str) -> None:
     for key in r.fields:
         if key not in known:
             raise BundleError(f"{where}: key postprocess.result.{key}: not a field of kind {r.kind} (fields: {known})")
-    if post.graph is not None:
-        for f in RESULT_FIELDS[r.kind]:
-            if not f.endswith("?") and f not in r.fields:
-                raise BundleError(f"{where}: key postprocess.result.{f}: kind {r.kind} needs field {f!r}: name the "
-                                  "post graph output that holds it")
-        names = list(r.fields.values())
+    if post.graph is not None:  # a field not named is the graph output of the field's own name
+        names = [r.output_for(f.rstrip("?")) for f in RESULT_FIELDS[r.kind]
+                 if not f.endswith("?") or f.rstrip("?") in r.fields]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise BundleError(f"{where}: key postprocess.result: graph output(s) {dupes} named for two fields")
