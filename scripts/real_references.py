@@ -6,7 +6,10 @@ packages installed; nothing of the agent is imported here and the agent never im
 For each model and split (calibration, golden, heldout) it writes `<split>.npz` with `raw` (the
 frames), `input` (the package's preprocessed tensor), `reference.<output>` (the package model's
 outputs on that input) and `label` where meaningful, and `<split>.package.json` with the package's
-own end-to-end results per frame. Frames are deterministic (seeded) and drawn here.
+own end-to-end results per frame. Frames are deterministic (seeded) and drawn here. Models whose
+frames differ in size (DIR_BUILDERS: rapidocr's text recogniser and direction classifier) write a
+directory per split: NNNN.png frames, answers.json (the package's results in the form
+agent/results/answers.py reads) and <split>-inputs/NNNN.npy (the tensor the package's session got).
 """
 
 from __future__ import annotations
