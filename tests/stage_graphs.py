@@ -247,3 +247,36 @@ def width_coordinate_model(path: Path, input_name: str = "images", output: str =
     inputs = [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [1, 3, "h", "w"])]
     outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, 1])]
     return _save(nodes, inputs, outputs, path, "width_coordinate")
+
+
+def window_pre(path: Path, output: str, window: int, channels: int, divide: float) -> Path:
+    """A sensor window float32 [window, channels] -> [1, channels, window] / divide (NCW)."""
+    nodes = [
+        helper.make_node("Transpose", ["frame"], ["cw"], perm=[1, 0]),
+        _const("axes0", np.array([0], np.int64)),
+        helper.make_node("Unsqueeze", ["cw", "axes0"], ["ncw"]),
+        _const("d", np.array(divide, np.float32)),
+        helper.make_node("Div", ["ncw", "d"], [output]),
+    ]
+    inputs = [helper.make_tensor_value_info("frame", TensorProto.FLOAT, [window, channels])]
+    outputs = [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, channels, window])]
+    return _save(nodes, inputs, outputs, path, "window_pre")
+
+
+def two_output_model(path: Path, input_name: str = "images", size: int = 32) -> Path:
+    """`scores` [B, 3] (a 1x1 conv's channel means) and `aux` [B, 1], the log of a negative number: NaN, an
+    output no bundle should use."""
+    w = np.arange(9, dtype=np.float32).reshape(3, 3, 1, 1) / 9
+    nodes = [
+        _const("w", w), helper.make_node("Conv", [input_name, "w"], ["c"]),
+        helper.make_node("ReduceMean", ["c"], ["scores"], axes=[2, 3], keepdims=0),
+        helper.make_node("ReduceMean", [input_name], ["m"], axes=[1, 2, 3], keepdims=0),
+        _const("neg", np.array(-1.0, np.float32)), helper.make_node("Mul", ["m", "neg"], ["n"]),
+        _const("eps", np.array(-1e-3, np.float32)), helper.make_node("Add", ["n", "eps"], ["n2"]),
+        helper.make_node("Log", ["n2"], ["l"]),
+        _const("s", np.array([-1, 1], np.int64)), helper.make_node("Reshape", ["l", "s"], ["aux"]),
+    ]
+    inputs = [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["batch", 3, size, size])]
+    outputs = [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 3]),
+               helper.make_tensor_value_info("aux", TensorProto.FLOAT, ["batch", 1])]
+    return _save(nodes, inputs, outputs, path, "two_outputs")

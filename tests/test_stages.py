@@ -24,7 +24,7 @@ from stage_graphs import (
 
 from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
-from agent.errors import BundleError, ContractError, PreprocessError
+from agent.errors import BundleError, ContractError, PreprocessError, QualityError
 from agent.proof.selftest import evaluate
 from agent.proof.stages import preprocessor_for
 from agent.proof.terms import CPU, SessionSettings
@@ -497,3 +497,110 @@ def test_int8_of_a_graph_bundle_quantises_only_the_core_model_and_is_judged_on_i
     r = evaluate(b, Candidate(CPU, "int8", "int8"), SessionSettings(), b.golden(), latency=False)
     assert r.evidence.fidelity.against == "package answers"
     assert r.passed, r.reasons  # the build and the device judge the same final result by the same kind
+
+
+def test_variant_whose_quantisation_made_an_output_dim_concrete_keeps_its_own_recorded_contract(
+        tiny_bundle: Path) -> None:
+    """Issue 21: an INT8 whose output dims quantisation made concrete "broke the declared contract" after a
+    13-minute build. `bundle create` records what each variant really declares (`variants[].outputs`), before
+    evaluating it; the device checks the variant against that."""
+    import onnx
+    import onnxruntime as ort
+
+    from agent.bundle.create import variant_outputs
+
+    m = load_bundle(tiny_bundle).manifest
+    path = tiny_bundle / m.variant("int8").file
+    model = onnx.load(str(path))
+    for o in model.graph.output:
+        o.type.tensor_type.shape.dim[0].ClearField("dim_param")
+        o.type.tensor_type.shape.dim[0].dim_value = 1  # [batch, C] -> [1, C]
+    onnx.save(model, str(path))
+    rewrite_manifest(tiny_bundle)
+    with pytest.raises(ContractError, match=r"variant 'int8' breaks the declared contract: output 'logits' shape"):
+        load_bundle(tiny_bundle)
+    declared = [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape)} for o in m.outputs]
+    own = variant_outputs(ort.InferenceSession(str(path), providers=[CPU]), declared, "int8", path)
+    assert own == [{"name": "logits", "dtype": "float32", "shape": [1, declared[0]["shape"][1]]}]
+    assert variant_outputs(ort.InferenceSession(str(tiny_bundle / m.variant("fp32").file), providers=[CPU]),
+                           declared, "fp32", path) is None
+
+    def record(d: dict) -> None:
+        next(v for v in d["variants"] if v["name"] == "int8")["outputs"] = own
+
+    rewrite_manifest(tiny_bundle, record)
+    assert load_bundle(tiny_bundle).manifest.variant("int8").outputs[0].shape == (1, declared[0]["shape"][1])
+
+
+def test_sensor_window_pre_graph_serves_what_the_declarative_front_end_serves(tiny_sensor_bundle: Path,
+                                                                              tmp_path: Path) -> None:
+    """A pre graph takes a sensor window (samples x channels) as well: the tiny sensor bundle's (x - 0) / 2 in NCW
+    as a graph serves the very same results on its golden windows."""
+    from conftest import TINY_SENSOR_SPEC
+    from stage_graphs import window_pre
+
+    from agent.testing import make_tiny_sensor_model
+
+    spec = {k: v for k, v in TINY_SENSOR_SPEC.items() if k != "preprocess"}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({**spec, "name": "sensor-graph"}))
+    windows = np.stack([g.raw for g in load_bundle(tiny_sensor_bundle).golden()])
+    np.savez(tmp_path / "golden.npz", raw=windows)
+    root = create_bundle(CreateOptions(model=make_tiny_sensor_model(tmp_path / "s.onnx"), spec=tmp_path / "spec.yaml",
+                                       calibration=tmp_path / "golden.npz", golden=tmp_path / "golden.npz",
+                                       out=tmp_path / "b", int8=False,
+                                       pre_graph=window_pre(tmp_path / "pre.onnx", "window", 64, 3, 2.0)))
+    graphs = build_engine(load_bundle(root), FP32, SessionSettings())
+    declarative = build_engine(load_bundle(tiny_sensor_bundle), FP32, SessionSettings())
+    for w in windows:
+        assert _serve(graphs, w) == _serve(declarative, w)
+    with pytest.raises(PreprocessError, match=r"sensor window shape \(32, 3\) is not \(64, 3\)"):
+        graphs.preprocessor(windows[0][:32])
+    b = load_bundle(root)
+    assert evaluate(b, FP32, SessionSettings(), b.golden(), latency=False).passed
+
+
+def test_self_test_proves_each_candidate_at_the_declared_size_extremes(tmp_path: Path) -> None:
+    """The frames at min_size and max_size travel in the golden set with each variant's outputs there; a candidate
+    that computes something else at the largest size (here: the recorded INT8 answer of a saturating build) fails
+    reproduction naming the frame size."""
+    _d, made = _coordinate_bundle(tmp_path)
+    root = create_bundle(made["opts"])
+    b = load_bundle(root)
+    probes = b.golden()[0].size_probes
+    assert [p[0].shape for p in probes] == [(32, 32, 3), (32, 128, 3)] and set(probes[1][1]) == {"fp32", "int8"}
+    assert evaluate(b, Candidate(CPU, "int8", "int8"), SessionSettings(), b.golden(), latency=False).passed
+    sample = root / b.manifest.golden[0]
+    with np.load(sample) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["size.1.variant.int8.extent"] = np.full_like(arrays["size.1.variant.int8.extent"], 62.5)
+    np.savez(sample, **arrays)
+    rewrite_manifest(root)
+    b = load_bundle(root)
+    r = evaluate(b, Candidate(CPU, "int8", "int8"), SessionSettings(), b.golden(), latency=False)
+    assert not r.passed
+    f = next(f for f in r.findings if f.stage.startswith("frame size"))
+    assert f.stage == "frame size 128x32" and f.check == "reproduction", f.text()
+
+
+def test_outputs_the_bundle_does_not_use_are_never_judged_at_build_or_on_the_device(tmp_path: Path) -> None:
+    """Issue 21: "the bundle declares which model outputs it uses (the rest are never judged)". An auxiliary
+    output that is NaN refused the bundle; with `postprocess.uses: [scores]` it builds and proves."""
+    from stage_graphs import two_output_model
+
+    golden = _frames_dir(tmp_path / "golden", [(32, 32)] * 4)
+    model = two_output_model(tmp_path / "m.onnx")
+
+    def build(uses: list[str] | None, out: str) -> Path:
+        post = {"type": "raw", "outputs": ["scores"], "channel_axis": -1, **({"uses": uses} if uses else {})}
+        spec = {"name": "aux", "version": 1, "task": "raw",
+                "frame": {"kind": "image", "height": 32, "width": 32, "channels": 3, "color": "rgb"},
+                "preprocess": {"scale": 1 / 255, "layout": "nchw", "dtype": "float32"}, "postprocess": post}
+        (tmp_path / f"{out}.yaml").write_text(yaml.safe_dump(spec))
+        return create_bundle(CreateOptions(model=model, spec=tmp_path / f"{out}.yaml", calibration=golden,
+                                           golden=golden, out=tmp_path / out, int8=False))
+
+    with pytest.raises(QualityError, match=r"non-finite output aux"):
+        build(None, "all")
+    b = load_bundle(build(["scores"], "used"))
+    assert b.manifest.used_outputs == ("scores",)
+    assert evaluate(b, FP32, SessionSettings(), b.golden(), latency=False).passed

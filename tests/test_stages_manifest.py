@@ -89,3 +89,24 @@ def test_letterbox_rounding_floor_truncates_the_resized_side_as_int_truncating_p
     assert a.shape == b.shape == (64, 64, 3)
     assert a[23, 0, 0] == 200 and b[23, 0, 0] == 114  # row 23: image when rounded, padding when floored
     assert fit_geometry(37, 100, flo).scale_y == pytest.approx(0.64)
+
+
+def test_post_graph_bundle_judges_a_raw_head_per_declared_channel_so_coordinates_never_bound_scores() -> None:
+    """A decoded head [1, N, 6] (cx, cy, w, h in 0..640 pixels, objectness, class): with one range for the whole
+    output, FP32's atol (1e-4 x 640) let a score move by 0.05; with `channel_axis: -1` each column has its own."""
+    from agent.proof.parity import judge_reproduction, reproduction_bounds
+    from agent.proof.terms import CPU
+
+    rng = np.random.default_rng(0)
+    head = np.concatenate([rng.uniform(0, 640, (1, 50, 4)), rng.uniform(0, 1, (1, 50, 2))], axis=2).astype(np.float32)
+    moved = head.copy()
+    moved[0, 7, 4] += 0.05  # one objectness score
+    bounds = reproduction_bounds("fp32", CPU)
+    whole = _parse(lambda d: None).postprocess
+    per_channel = _parse(lambda d: d["postprocess"].update(channel_axis=-1)).postprocess
+    assert per_channel.stage_channel_axis == -1 and whole.stage_channel_axis is None
+    assert judge_reproduction(whole, [{"head": moved}], [{"head": head}], bounds).passed
+    q = judge_reproduction(per_channel, [{"head": moved}], [{"head": head}], bounds)
+    assert not q.passed and "output head channel 4" in q.findings[0].detail
+    with pytest.raises(BundleError, match=r"key postprocess.channel_axis: 0 is the batch axis"):
+        _parse(lambda d: d["postprocess"].update(channel_axis=0))

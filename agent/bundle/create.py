@@ -142,6 +142,26 @@ class VariantBuild:
     recorded: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # fidelity floors and author bounds it misses
     below_floor: str | None = None
+    outputs: list[dict[str, Any]] | None = None  # its own output contract, where quantisation changed dims
+
+
+def variant_outputs(sess: Any, outputs: Sequence[Mapping[str, Any]], name: str, where: Path) -> list[dict[str, Any]] | None:
+    """What a built variant really declares (ONNX Runtime's view, as the device's contract check opens it) when
+    its dims differ from FP32's (quantisation made a symbolic dim concrete, or the reverse): recorded as the
+    variant's own `outputs`. Other names, ranks or dtypes are refused here, before the variant is evaluated."""
+    from agent.bundle.load import _ORT_DTYPES, _ort_dims
+
+    own = [{"name": o.name, "dtype": _ORT_DTYPES.get(o.type, o.type), "shape": _ort_dims(list(o.shape))}
+           for o in sess.get_outputs()]
+    key = [(o["name"], o["dtype"], len(o["shape"])) for o in own]
+    if key != [(o["name"], o["dtype"], len(o["shape"])) for o in outputs]:
+        raise BundleError(f"{where}: variant {name} declares outputs {[(o['name'], o['dtype'], o['shape']) for o in own]}"
+                          f", FP32 {[(o['name'], o['dtype'], o['shape']) for o in outputs]}: names, dtypes and ranks "
+                          "must stay those of the model")
+    if [o["shape"] for o in own] == [list(o["shape"]) for o in outputs]:
+        return None
+    log.info("bundle.create.variant_contract", variant=name, outputs=own)
+    return own
 
 
 def _need_build_extra() -> Any:
@@ -530,6 +550,11 @@ def _latency_ms(sess: Any, feeds: dict[str, np.ndarray], runs: int = 40) -> dict
     return {"cpu_p50_ms": round(stats.p50_ms, 3), "cpu_p95_ms": round(stats.p95_ms, 3)}
 
 
+def _used(outs: list[dict[str, np.ndarray]], uses: Sequence[str]) -> list[dict[str, np.ndarray]]:
+    """Each sample's outputs narrowed to `postprocess.uses` (all of them when it is not given)."""
+    return outs if not uses else [{k: v for k, v in o.items() if k in uses} for o in outs]
+
+
 def _unbatch(outs: Sequence[Mapping[str, np.ndarray]], sequence: bool = False) -> list[dict[str, np.ndarray]]:
     """Per-sample outputs without the batch dimension; a sequence counts each of its steps as a sample."""
     if not sequence:
@@ -891,11 +916,14 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     cls_out = post.output or output_names[0]
     own: dict[str, list[dict[str, np.ndarray]]] = {}  # each variant's own golden outputs, recorded
     for b in builds:
+        if b is not builds[0]:  # before its evaluation: a contract quantisation changed is recorded or refused now
+            b.outputs = variant_outputs(_cpu_session(root / b.file, optimize=False), outputs, b.name, root / b.file)
         sess = _cpu_session(root / b.file, optimize=True)  # as a device runs it: graph optimisation "all"
         own[b.name] = _run_all(sess, golden_inputs, feeder)
         b.recorded = {"onnxruntime": _ort_version(), "provider": CPU, "graph_optimization": "all"}
-        g = judge_fidelity(post, _unbatch(own[b.name], sequence), _unbatch(references, sequence), floors,
-                           stage="build golden")
+        # the outputs the bundle uses (postprocess.uses) only: the rest are never judged, here as on the device
+        g = judge_fidelity(post, _used(_unbatch(own[b.name], sequence), post.uses),
+                           _used(_unbatch(references, sequence), post.uses), floors, stage="build golden")
         b.quality.update(_figures("golden_", g))
         # a post graph's variant is gated by its final result's kind (as the device judges it), its raw outputs'
         # figures kept for the record; with the package's answers every variant's final result is judged on them
@@ -908,7 +936,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         if held:
             log.info("bundle.create.evaluating", variant=b.name, heldout=len(held))
             outs = _run_all(sess, held_inputs, feeder)
-            h = judge_fidelity(post, _unbatch(outs, sequence), _unbatch(held_ref, sequence), floors,
+            h = judge_fidelity(post, _used(_unbatch(outs, sequence), post.uses),
+                               _used(_unbatch(held_ref, sequence), post.uses), floors,
                                stage="build held-out vs fp32")
             b.quality.update(_figures("heldout_", h))
             b.quality["heldout_samples"] = len(held)
@@ -946,6 +975,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         arrays = golden_arrays(raw, t, {n: ref[n] for n in output_names}, framework)
         arrays.update({f"variant.{b.name}.{n}": own[b.name][i][n] for b in builds for n in output_names})
         arrays.update(stages.recorded(i, {b.name: own[b.name][i] for b in builds}, ref))
+        if i == 0:  # the frames at the declared size extremes, with each variant's outputs: proven on the device too
+            arrays.update(size_probe_arrays(extremes, pre, feeder, {b.name: root / b.file for b in builds}))
         np.savez_compressed(root / rel, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
         golden_files.append(rel)
 
@@ -975,7 +1006,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
             {"name": b.name, "file": b.file, "precision": b.precision,
              "providers": PROVIDERS_BY_PRECISION[b.precision], "quality": b.quality,
              **({"quantization": b.quantization} if b.quantization else {}),
-             "recorded": b.recorded, **({"below_floor": b.below_floor} if b.below_floor else {})}
+             "recorded": b.recorded, **({"below_floor": b.below_floor} if b.below_floor else {}),
+             **({"outputs": b.outputs} if b.outputs else {})}
             for b in builds
         ],
         "preference": preference,
@@ -1219,3 +1251,21 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
                                       stage=stage)
     return ({k: round(float(v), 6) for k, v in figures.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)}, list(findings))
+
+
+def size_probe_arrays(frames: Sequence[np.ndarray], pre: Any, feeder: InputFeeder,
+                      variants: Mapping[str, Path]) -> dict[str, np.ndarray]:
+    """Golden arrays `size.<k>.raw` and `size.<k>.variant.<variant>.<output>`: each size-extreme frame and what
+    every variant computed on it here (graph optimisation "all", as a device runs it), for the device's
+    reproduction at the smallest and largest declared frame size."""
+    out: dict[str, np.ndarray] = {}
+    if not frames:
+        return out
+    tensors = [pre(f) for f in frames]
+    for name, path in variants.items():
+        sess = _cpu_session(path, optimize=True)
+        for k, outs in enumerate(_run_all(sess, tensors, feeder)):
+            out.update({f"size.{k}.variant.{name}.{o}": v for o, v in outs.items()})
+    for k, f in enumerate(frames):
+        out[f"size.{k}.raw"] = np.asarray(f)
+    return out

@@ -60,6 +60,8 @@ class GoldenSample:
     variant_outputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     sequence: bool = False
     stage_outputs: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # "pre" | "post.<variant>" -> outputs
+    # frames at the declared size extremes (npz `size.<k>.raw`) with each variant's outputs (`size.<k>.variant.*`)
+    size_probes: tuple[tuple[np.ndarray, dict[str, dict[str, np.ndarray]]], ...] = ()
 
     @property
     def tensor(self) -> np.ndarray:
@@ -222,6 +224,12 @@ def check_stage_contracts(root: Path, manifest: Manifest) -> None:
         problems = []
         if list(ins) != [PRE_GRAPH_INPUT]:
             problems.append(f"inputs {sorted(ins)}: a pre graph takes one input {PRE_GRAPH_INPUT!r} (the raw frame)")
+        elif m.frame.kind == "sensor":
+            dtype, dims = ins[PRE_GRAPH_INPUT]
+            want = (m.frame.window, m.frame.channels)
+            if dtype != m.frame.dtype or len(dims) != 2 or any(isinstance(d, int) and d != w for d, w in zip(dims, want)):
+                problems.append(f"input {PRE_GRAPH_INPUT!r} is {dtype} {dims}: expected {m.frame.dtype} "
+                                f"[{want[0]}, {want[1]}] (the sensor window, samples x channels)")
         else:
             dtype, dims = ins[PRE_GRAPH_INPUT]
             if dtype != "uint8" or len(dims) != 3:
@@ -307,7 +315,7 @@ def check_variant_contract(root: Path, manifest: Manifest, variant: str) -> None
         if list(outputs) != list(manifest.output_names):
             problems.append(f"outputs: manifest {list(manifest.output_names)}, model {list(outputs)}")
         else:
-            for spec in manifest.outputs:
+            for spec in v.outputs or manifest.outputs:  # the variant's own recorded contract, where it has one
                 o = outputs[spec.name]
                 problems += _contract_problems("output", spec, o.name, _ORT_DTYPES.get(o.type, o.type), list(o.shape))
             problems += layout_problems(manifest.postprocess, {n: _ort_dims(o.shape) for n, o in outputs.items()})
@@ -338,6 +346,17 @@ def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenS
             stages.setdefault(f"post.{name}", {})[out] = v
         elif k.startswith("pre."):
             stages.setdefault("pre", {})[k.removeprefix("pre.")] = v
+    probes: list[tuple[np.ndarray, dict[str, dict[str, np.ndarray]]]] = []
+    for j in range(len([k for k in arrays if k.startswith("size.") and k.endswith(".raw")])):
+        outs: dict[str, dict[str, np.ndarray]] = {}
+        for k, v in arrays.items():
+            prefix = f"size.{j}.variant."
+            if k.startswith(prefix) and k.count(".") >= 4:
+                name, out = k.removeprefix(prefix).split(".", 1)
+                outs.setdefault(name, {})[out] = v
+        if f"size.{j}.raw" not in arrays:
+            raise BundleError(f"{path}: golden sample {index}: size probes are numbered from 0; size.{j}.raw is missing")
+        probes.append((arrays[f"size.{j}.raw"], outs))
     return GoldenSample(
         index=index,
         file=rel,
@@ -348,6 +367,7 @@ def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenS
         variant_outputs=variants,
         sequence=manifest.stateful,
         stage_outputs=stages,
+        size_probes=tuple(probes),
     )
 
 
@@ -381,8 +401,9 @@ def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
     bundle = Bundle(root=root, manifest=manifest, manifest_sha256=digest)
     golden = bundle.golden()
     for g in golden:
-        if manifest.frame.kind == "image" and (why := manifest.frame.size_problem(*g.raw.shape[:2])) is not None:
-            raise BundleError(f"{root / g.file}: golden sample {g.index}: {why}")
+        for raw in [g.raw, *(p[0] for p in g.size_probes)]:
+            if manifest.frame.kind == "image" and (why := manifest.frame.size_problem(*raw.shape[:2])) is not None:
+                raise BundleError(f"{root / g.file}: golden sample {g.index}: {why}")
         expected = (1, *manifest.input.shape[1:])
         steps = g.input[0] if g.sequence and g.input.ndim else g.input
         if steps.ndim != len(manifest.input.shape) or any(

@@ -188,6 +188,8 @@ def _batched_axis(axis: int | None, ndim: int) -> int | None:
 
 def channel_axis(spec: PostprocessSpec) -> int | None:
     """The declared channel axis of raw outputs (batched numbering; 1 unless the bundle says otherwise)."""
+    if spec.type == "graph":  # a post-graph bundle's model outputs: the axis it declares, else one range each
+        return getattr(spec, "stage_channel_axis", None)
     return getattr(spec, "channel_axis", 1) if spec.type == "raw" else None
 
 

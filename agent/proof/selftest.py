@@ -41,6 +41,7 @@ from agent.proof.stage_proof import (
     golden_geometries,
     judge_final_fidelity,
     judge_post_reproduction,
+    judge_size_probes,
     load_answers,
     recorded_post,
     used_outputs,
@@ -312,6 +313,8 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
                 more_rep = judge_post_reproduction(m, post, got, geoms, recorded_post(golden, c.variant), bounds)
                 rep = replace(rep, findings=rep.findings + tuple(more_rep))
             fid = judge_final_fidelity(m, post, got_used, refs_used, geoms, load_answers(bundle, len(golden)), floors)
+            rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(opened, m, c.variant, golden, bounds,
+                                                                               preprocessor_for(bundle))))
         rep, fid = _locate(rep, origin), _locate(fid, origin)
         plain = not any(_is_sequence(g) for g in golden) and not m.stateful
         sizes = batch_sizes(bundle, max_batch) if plain else ()

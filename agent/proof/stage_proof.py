@@ -72,7 +72,9 @@ def judge_post_reproduction(m: Manifest, post: GraphPostprocessor, got: Sequence
     if recorded is None:
         return []
     mine = post_tensors(post, got, geoms)
-    q = judge_reproduction(m.postprocess, mine, [dict(r) for r in recorded], bounds, "variant", stage="post")
+    # the post outputs are the kind's fields, each its own tensor: one range per output (the model's axis is not theirs)
+    spec = replace(m.postprocess, stage_channel_axis=None)
+    q = judge_reproduction(spec, mine, [dict(r) for r in recorded], bounds, "variant", stage="post")
     return list(q.findings)
 
 
@@ -137,3 +139,26 @@ def recorded_post(golden: Sequence[GoldenSample], variant: str) -> list[dict[str
     if not golden or not all(key in g.stage_outputs for g in golden):
         return None
     return [g.stage_outputs[key] for g in golden]
+
+
+def judge_size_probes(opened: Any, m: Manifest, variant: str, golden: Sequence[GoldenSample],
+                      bounds: ReproductionBounds, pre: AnyPreprocessor) -> list[Finding]:
+    """The frames at the declared size extremes (`bundle create` records them for frames of any size): this
+    device's preprocessing and candidate against what the variant computed there at build time, findings at stage
+    `frame size <w>x<h>`; a kernel or an INT8 that breaks only on large frames is caught before serving."""
+    from agent.spec.inputs import InputFeeder
+
+    findings: list[Finding] = []
+    feeder = InputFeeder.for_manifest(m)
+    names = [o.name for o in opened.session.get_outputs()]
+    for g in golden:
+        for raw, recorded in g.size_probes:
+            if variant not in recorded:
+                continue
+            got = dict(zip(names, opened.session.run(None, feeder.feeds(pre(raw), "selftest"))))
+            mine, want = used_outputs(m, [{k: v[0] for k, v in got.items()}],
+                                      [{k: v[0] for k, v in recorded[variant].items()}])
+            q = judge_reproduction(m.postprocess, mine, want, bounds, "variant",
+                                   stage=f"frame size {raw.shape[1]}x{raw.shape[0]}")
+            findings += q.findings
+    return findings

@@ -27,7 +27,7 @@ from agent.spec.manifest import (
     ResultSpec,
     TensorSpec,
 )
-from agent.spec.preprocess import Geometry, Preprocessor
+from agent.spec.preprocess import IDENTITY, Geometry, Preprocessor
 from agent.proof.terms import CPU
 
 GEOMETRY_VALUES = 6  # scale_x, scale_y, pad_x, pad_y, crop_x, crop_y (agent.spec.preprocess.Geometry)
@@ -69,9 +69,9 @@ def pre_fixed_size(model_input_shape: Sequence[Any]) -> bool:
 
 
 class GraphPreprocessor:
-    """`preprocess.graph`: raw frame (uint8 H x W x C of any size within the frame's bounds) -> the model's frame
-    input with a batch axis of 1, and the geometry of the graph's `geometry` output. Same interface as
-    agent.spec.preprocess.Preprocessor."""
+    """`preprocess.graph`: raw frame (uint8 H x W x C of any size within the frame's bounds, or a sensor window
+    [window, channels]) -> the model's frame input with a batch axis of 1, and the geometry of the graph's
+    `geometry` output (identity for a window). Same interface as agent.spec.preprocess.Preprocessor."""
 
     def __init__(self, path: Path, frame: FrameSpec, spec: PreprocessSpec, model_input: TensorSpec):
         self.frame = frame
@@ -89,6 +89,10 @@ class GraphPreprocessor:
         f = self.frame
         if not isinstance(raw, np.ndarray):
             raise PreprocessError(f"expected a numpy array frame, got {type(raw).__name__}")
+        if f.kind == "sensor":
+            if raw.shape != (f.window, f.channels):
+                raise PreprocessError(f"sensor window shape {raw.shape} is not ({f.window}, {f.channels})")
+            return
         if raw.ndim == 2 and f.channels == 1:
             return self.check(raw[:, :, None])
         if raw.ndim != 3 or raw.shape[2] != f.channels:
@@ -107,11 +111,14 @@ class GraphPreprocessor:
     def run(self, raw: np.ndarray) -> dict[str, np.ndarray]:
         """Every output of the pre graph on one frame (what `bundle create` records)."""
         self.check(raw)
-        frame = np.ascontiguousarray(raw if raw.ndim == 3 else raw[:, :, None])
+        if self.frame.kind == "sensor":  # the window as the graph declares it (samples x channels)
+            frame = np.ascontiguousarray(raw, dtype=self.frame.dtype)
+        else:
+            frame = np.ascontiguousarray(raw if raw.ndim == 3 else raw[:, :, None])
         try:
             outs = self.session.run(self._wanted, {PRE_GRAPH_INPUT: frame})
         except Exception as exc:  # ORT's errors for a frame the graph cannot take
-            raise PreprocessError(f"stage pre ({self.path.name}) failed on a {raw.shape[1]}x{raw.shape[0]} frame: "
+            raise PreprocessError(f"stage pre ({self.path.name}) failed on a frame of shape {list(raw.shape)}: "
                                   f"{' '.join(str(exc).split())[:300]}") from exc
         result = dict(zip(self._wanted, outs))
         t = result[self.output_name]
@@ -124,6 +131,8 @@ class GraphPreprocessor:
 
     def with_geometry(self, raw: np.ndarray) -> tuple[np.ndarray, Geometry]:
         outs = self.run(raw)
+        if self.frame.kind == "sensor":
+            return np.ascontiguousarray(outs[self.output_name]), IDENTITY
         return np.ascontiguousarray(outs[self.output_name]), geometry_of(outs.get(GEOMETRY), raw.shape[0], raw.shape[1])
 
     def __call__(self, raw: np.ndarray) -> np.ndarray:

@@ -270,6 +270,8 @@ class PostprocessSpec:
     graph: str | None = None  # a post graph in the bundle (agent.proof.stages runs it)
     result: ResultSpec | None = None
     uses: tuple[str, ...] = ()  # the model outputs the bundle uses (empty: every output)
+    # with a post graph: the model outputs' channel axis for reproduction (manifest key channel_axis; None: whole)
+    stage_channel_axis: int | None = None
     output: str | None = None
     top_k: int = 5
     labels: str | None = None
@@ -326,6 +328,8 @@ class Variant:
     # what recorded this variant's own golden outputs (`variant.<name>.<output>`): onnxruntime, provider
     recorded: Mapping[str, str] = field(default_factory=dict)
     below_floor: str | None = None  # set by `bundle create --keep-low-quality`: never selected unless pinned
+    # the variant's own output contract where quantisation changed dims (symbolic <-> concrete); else the manifest's
+    outputs: tuple[TensorSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -494,6 +498,8 @@ def postprocess_from_dict(d: Mapping[str, Any]) -> PostprocessSpec:
         post["result"] = result_from_dict(post["result"])
     if "uses" in post:
         post["uses"] = tuple(post["uses"])
+    if "graph" in post and "channel_axis" in post:
+        post["stage_channel_axis"] = post.pop("channel_axis")
     return PostprocessSpec(**post)
 
 
@@ -525,6 +531,7 @@ def _build(d: Mapping[str, Any], where: str = MANIFEST_NAME) -> Manifest:
                 quantization=dict(v.get("quantization", {})),
                 recorded=dict(v.get("recorded", {})),
                 below_floor=v.get("below_floor"),
+                outputs=tuple(_tensor(o) for o in v.get("outputs", ())),
             )
             for v in d["variants"]
         ),
@@ -547,6 +554,11 @@ def _check_semantics(m: Manifest, where: str) -> None:
     for i, v in enumerate(m.variants):
         if v.file not in m.files:
             raise BundleError(f"{where}: key variants[{i}].file: {v.file!r} is not listed in files")
+        own = [(o.name, o.dtype, len(o.shape)) for o in v.outputs]
+        if own and own != [(o.name, o.dtype, len(o.shape)) for o in m.outputs]:
+            raise BundleError(f"{where}: key variants[{i}].outputs: a variant's own contract differs from outputs in "
+                              f"dims only; found {[(n, d) for n, d, _ in own]} (rank {[r for *_, r in own]}), outputs "
+                              f"{[(o.name, o.dtype) for o in m.outputs]}")
     for provider, prefs in m.preference.items():
         for n in prefs:
             if n not in names:
@@ -574,22 +586,25 @@ def _check_semantics(m: Manifest, where: str) -> None:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
     check_decisions(m, where)
+    if m.postprocess.stage_channel_axis == 0:
+        raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
+                          "later (-1: the last)")
     if m.postprocess.type == "raw" and m.postprocess.channel_axis == 0:
         raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
                           "later (-1: the last)")
     check_inputs(m, where)
     if pre_resize_problem := resize_problem(m.preprocess.resize):
         raise BundleError(f"{where}: key preprocess.resize: {pre_resize_problem}")
-    if pre.graph is not None:
+    if pre.graph is not None and frame.kind == "image":
         return  # the graph makes the model's tensor: check_stages refused the vocabulary's keys beside it
     if frame.kind == "image":
         if pre.layout not in ("nchw", "nhwc"):
             raise BundleError(f"{where}: key preprocess.layout: image frames need nchw or nhwc, found {pre.layout!r}")
         channels = 1 if (pre.color or frame.color) == "gray" else 3
     else:
-        if pre.layout not in ("ncw", "nwc", "nw"):
+        if pre.graph is None and pre.layout not in ("ncw", "nwc", "nw"):
             raise BundleError(f"{where}: key preprocess.layout: sensor frames need ncw, nwc or nw, found {pre.layout!r}")
-        if pre.layout == "nw" and frame.channels != 1:
+        if pre.graph is None and pre.layout == "nw" and frame.channels != 1:
             raise BundleError(f"{where}: key preprocess.layout: nw ([batch, window], no channel axis) needs a "
                               f"one-channel window, the frame has {frame.channels} channels: use ncw or nwc")
         if pre.resize is not None or pre.color is not None:
@@ -723,9 +738,6 @@ def check_stages(m: Manifest, where: str) -> None:
         if pre.dtype != m.input.dtype:
             raise BundleError(f"{where}: key preprocess.dtype: {pre.dtype} is not input.dtype {m.input.dtype} (with a "
                               "graph the dtype is the graph's output's)")
-        if frame.kind != "image":
-            raise BundleError(f"{where}: key preprocess.graph: a pre graph takes image frames (uint8 HxWxC); sensor "
-                              "windows take the declarative front-end")
         if m.stateful:
             raise BundleError(f"{where}: key preprocess.graph: stateful models take the declarative path")
     if frame.kind == "image" and frame.any_size:
