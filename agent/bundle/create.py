@@ -154,7 +154,10 @@ def variant_outputs(sess: Any, outputs: Sequence[Mapping[str, Any]], name: str, 
     own = [{"name": o.name, "dtype": _ORT_DTYPES.get(o.type, o.type), "shape": _ort_dims(list(o.shape))}
            for o in sess.get_outputs()]
     key = [(o["name"], o["dtype"], len(o["shape"])) for o in own]
-    if key != [(o["name"], o["dtype"], len(o["shape"])) for o in outputs]:
+    if key == [(o["name"], o["dtype"], len(o["shape"])) for o in outputs]:
+        for o, fp32 in zip(own, outputs):
+            o["shape"] = [_symbolic_as_recorded(d, f, i) for i, (d, f) in enumerate(zip(o["shape"], fp32["shape"]))]
+    else:
         raise BundleError(f"{where}: variant {name} declares outputs {[(o['name'], o['dtype'], o['shape']) for o in own]}"
                           f", FP32 {[(o['name'], o['dtype'], o['shape']) for o in outputs]}: names, dtypes and ranks "
                           "must stay those of the model")
@@ -162,6 +165,17 @@ def variant_outputs(sess: Any, outputs: Sequence[Mapping[str, Any]], name: str, 
         return None
     log.info("bundle.create.variant_contract", variant=name, outputs=own)
     return own
+
+
+def _symbolic_as_recorded(dim: int | str | None, fp32: int | str, axis: int) -> int | str:
+    """A variant's dim as the manifest records it: a symbolic dim is symbolic whatever ORT calls it (Paddle
+    exports' 'p2o.DynamicDimension.0', symbolic inference's 'floor(W/2 - 1/2) + 1'), so it takes FP32's name
+    where FP32's is symbolic too, else a name the schema accepts; only a size that changed is a difference."""
+    if isinstance(dim, int):
+        return dim
+    if not isinstance(fp32, int):
+        return fp32
+    return dim if isinstance(dim, str) and dim.isidentifier() else ("batch" if axis == 0 else f"dim{axis}")
 
 
 def _need_build_extra() -> Any:
