@@ -8,8 +8,8 @@ fixed-point bilinear: 11-bit coefficients rounded half to even, the row pass exa
 the column pass as its vector code does it: ((S0 >> 4) * b0 >> 16) + ((S1 >> 4) * b1 >> 16) + 2 >> 2,
 saturated to uint8; measured equal on every frame of the suite with opencv-python 5.0), then
 (x / 255 - 0.5) / 0.5 in float32 and zeros padded on the right up to PW.
-post: softmax [1, T, C] -> tokens [T'] int64 and token_scores [T'] float32: greedy CTC (argmax per
-step, a step kept when its id differs from the previous step's; blanks are dropped by the text kind).
+post: the `post.ctc` recipe (agent/bundle/graphs/post_ctc.py, `edge-agent bundle graph post.ctc`):
+softmax [1, T, C] -> tokens, token_scores, greedy CTC as CTCLabelDecode (repeats collapsed, blank 0 dropped).
 
 The vocabulary cannot state the pre stage (a width from the frame's own ratio, a ceiling capped by a
 floor, padding to a data-dependent width, and OpenCV's integer arithmetic): a float bilinear resize
@@ -158,25 +158,6 @@ def pre_graph(height: int = HEIGHT, min_width: int = MIN_WIDTH, input_name: str 
     return model
 
 
-def post_graph(output: str = MODEL_OUTPUT, classes: int = 6625) -> onnx.ModelProto:
-    g = _Graph()
-    i0 = g.const([0], np.int64)
-    p = g.op("Squeeze", output, i0)  # [T, C]
-    ids = g.op("ArgMax", p, axis=1, keepdims=0)
-    prob = g.op("ReduceMax", p, g.const([1], np.int64), keepdims=0)
-    prev = g.op("Concat", g.const([-1], np.int64), g.op("Slice", ids, i0, g.const([-1], np.int64)), axis=0)
-    keep = g.op("Not", g.op("Equal", ids, prev))
-    g.op("Compress", ids, keep, out="tokens", axis=0)
-    g.op("Compress", prob, keep, out="token_scores", axis=0)
-    graph = oh.make_graph(g.nodes, "ctc_greedy", [oh.make_tensor_value_info(output, T.FLOAT, [1, "T", classes])],
-                          [oh.make_tensor_value_info("tokens", T.INT64, ["N"]),
-                           oh.make_tensor_value_info("token_scores", T.FLOAT, ["N"])], g.used_initializers())
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", OPSET)], producer_name="scripts/ppocr_rec_graphs.py")
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
-
-
 CLS_OUTPUT = "save_infer_model/scale_0.tmp_1"
 CLS_WIDTH = 192  # cls_image_shape [3, 48, 192]
 
@@ -200,7 +181,9 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     onnx.save(pre_graph(), str(args.out / "pre.onnx"))
-    onnx.save(post_graph(), str(args.out / "post.onnx"))
+    from agent.bundle.graphs import build_graph
+
+    onnx.save(build_graph("post.ctc", {"input": MODEL_OUTPUT}), str(args.out / "post.onnx"))
     onnx.save(pre_graph(fixed_width=CLS_WIDTH), str(args.out / "cls_pre.onnx"))
     onnx.save(cls_post_graph(), str(args.out / "cls_post.onnx"))
     print(" ".join(str(args.out / f) for f in ("pre.onnx", "post.onnx", "cls_pre.onnx", "cls_post.onnx")))

@@ -1,10 +1,9 @@
 """A text result's charset travels in the bundle: `bundle create --charset FILE` copies it (hashed, signed)
-to the name `postprocess.result.charset` gives; the CTC post graph of scripts/ppocr_rec_graphs.py then
-serves the text, a charset line holding a space serving a space."""
+to the name `postprocess.result.charset` gives; the `post.ctc` recipe's graph then serves the text, a
+charset line holding a space serving a space."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import yaml
 from stage_graphs import constant_head_model
 
 from agent.bundle.create import CreateOptions, create_bundle
+from agent.bundle.graphs import build_graph
 from agent.bundle.load import load_bundle
 from agent.errors import BundleError
 from agent.proof.selftest import evaluate
@@ -25,11 +25,6 @@ from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
 from agent.spec.preprocess import read_image_file
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ppocr_rec_graphs", ROOT / "scripts" / "ppocr_rec_graphs.py")
-graphs = importlib.util.module_from_spec(_spec)
-assert _spec.loader is not None
-_spec.loader.exec_module(graphs)
 
 CHARSET = ["blank", "a", " ", "b"]  # id 0 the blank, id 2 the space
 STEPS = [1, 1, 0, 2, 3, 3, 0, 0, 1]  # CTC: a a _ ' ' b b _ _ a -> "a ba"
@@ -40,7 +35,7 @@ def _text_bundle(d: Path, charset: bool = True) -> Path:
     head[0, np.arange(len(STEPS)), STEPS] = 0.97
     model = constant_head_model(d / "m.onnx", head, input_name="x", size=32, output="softmax")
     post = d / "post.onnx"
-    onnx.save(graphs.post_graph(output="softmax", classes=len(CHARSET)), str(post))
+    onnx.save(build_graph("post.ctc", {"input": "softmax"}), str(post))
     golden = d / "golden"
     golden.mkdir()
     for i in range(2):

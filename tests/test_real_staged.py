@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import yaml
 
+from agent.bundle.graphs import build_graph
 from test_real_models import (BUILT, CACHE, MIN_AGREEMENT, REPEATS, SPECS, _corrupt_largest_weights, _summary,
                               build_key, cli, manifest_of, real_models, selftest)
 
@@ -61,7 +62,8 @@ class Staged:
 
 
 MODELS = {m.name: m for m in (
-    Staged("textrec", "text", lambda: (graphs.pre_graph(), graphs.post_graph()), graphs.MODEL_OUTPUT),
+    Staged("textrec", "text", lambda: (graphs.pre_graph(), build_graph("post.ctc", {"input": graphs.MODEL_OUTPUT})),
+           graphs.MODEL_OUTPUT),
     Staged("textcls", "scores", lambda: (graphs.pre_graph(fixed_width=graphs.CLS_WIDTH), graphs.cls_post_graph()),
            graphs.CLS_OUTPUT),
 )}
