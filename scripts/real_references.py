@@ -8,7 +8,10 @@ frames), `input` (the package's preprocessed tensor), `reference.<output>` (the 
 outputs on that input) and `label` where meaningful, and `<split>.package.json` with the package's
 own end-to-end results per frame. Frames are deterministic (seeded) and drawn here. A model in
 FOLDER_SPLITS also gets PNG folders of several frame sizes (`<split>/frame_NNNN.png` + `answers.json`,
-the package run on each file), for stage-graph bundles that take frames of any size.
+the package run on each file), for stage-graph bundles that take frames of any size. Models whose
+frames differ in size (DIR_BUILDERS: rapidocr's text recogniser and direction classifier) write a
+directory per split: NNNN.png frames, answers.json (the package's results in the form
+agent/results/answers.py reads) and <split>-inputs/NNNN.npy (the tensor the package's session got).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ SPLITS = {  # frames per split; small because each test run re-runs the golden s
     "layout": {"calibration": 16, "golden": 6, "heldout": 50},
     "vad": {"calibration": 8, "golden": 4, "heldout": 24},
     "picodet": {"calibration": 16, "golden": 6, "golden_sizes": 12, "heldout": 60},
+    "textrec": {"calibration": 24, "golden": 12, "heldout": 150},
+    "textcls": {"calibration": 24, "golden": 12, "heldout": 150},
 }
 SEEDS = {"calibration": 1000, "golden": 2000, "golden_sizes": 2500, "heldout": 3000}
 
@@ -335,6 +340,165 @@ def _answers(results: list[Any]) -> dict[str, Any]:
             "produced_by": "scripts/real_references.py: rapid_layout.RapidLayout(model_type='pp_layout_cdla') "
                            "load_img -> pp_preprocess -> session -> pp_postprocess (== RapidLayout()(image))",
             "results": results}
+# Text lines for the CTC recogniser: one line per frame, of its own size (height 24..80 px, width
+# from a short word to a long sentence), so the pre stage meets both of the package's cases: a line
+# narrower than 320/48 padded right, a wider one resized to its own (floored) width.
+_LINE_CHARS = _LETTERS + "0123456789" * 2 + "-.:,/()%#+"
+
+
+def draw_text_line(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """A BGR crop of one printed line: paper and ink tints, a Hershey font, mild blur and noise."""
+    words = []
+    for _ in range(int(rng.integers(1, 7))):
+        words.append("".join(rng.choice(list(_LINE_CHARS), size=int(rng.integers(1, 10)))))
+    text = " ".join(words)
+    font = int(rng.choice(_FONTS))
+    scale = float(rng.uniform(0.55, 1.6))
+    thick = int(rng.integers(1, 3)) if scale > 0.8 else 1
+    (tw, th), base = cv2.getTextSize(text, font, scale, thick)
+    pad_x, pad_top, pad_bottom = int(rng.integers(3, 16)), int(rng.integers(3, 12)), int(rng.integers(2, 10))
+    h, w = th + base + pad_top + pad_bottom, tw + 2 * pad_x
+    paper = np.array(rng.integers(190, 256, size=3), np.int16)
+    ink = tuple(int(v) for v in rng.integers(0, 90, size=3))
+    img = np.empty((h, w, 3), np.int16)
+    img[:] = paper
+    grad = np.linspace(0, rng.integers(-25, 10), w)[None, :, None]
+    img = np.clip(img + grad, 0, 255).astype(np.uint8)
+    cv2.putText(img, text, (pad_x, pad_top + th), font, scale, ink, thick, cv2.LINE_AA)
+    img = cv2.GaussianBlur(img, (3, 3), rng.uniform(0.2, 0.8))
+    noise = rng.normal(0, rng.uniform(0.5, 3), img.shape)
+    return np.clip(img + noise, 0, 255).astype(np.uint8), text
+
+
+def textrec_recognizer() -> Any:
+    import yaml
+    import rapidocr_onnxruntime
+    from rapidocr_onnxruntime.ch_ppocr_rec import TextRecognizer
+
+    root = Path(rapidocr_onnxruntime.__file__).parent
+    cfg = yaml.safe_load((root / "config.yaml").read_text())["Rec"]
+    cfg["model_path"] = str(root / cfg["model_path"])
+    return TextRecognizer(cfg)
+
+
+def build_textrec(n: int, seed: int) -> tuple[list[np.ndarray], list[Any], list[str], list[np.ndarray]]:
+    """Frames of several sizes, and the package's own TextRecognizer run on each frame alone (its
+    resize_norm_img, session and CTCLabelDecode): text, confidence and per-character scores, and the
+    tensor its session was given (to prove a pre stage reproduces it)."""
+    rec = textrec_recognizer()
+    run = rec.session.__call__
+    fed: list[np.ndarray] = []
+
+    def recording(x: np.ndarray) -> Any:  # the tensor the package's session is given, as given
+        fed.append(np.array(x, copy=True))
+        return run(x)
+
+    rec.session = type("Recording", (), {"__call__": staticmethod(recording)})()
+    frames, results, drawn, inputs = [], [], [], []
+    for i in range(n):
+        rng = np.random.default_rng(seed + i)
+        frame, text = draw_text_line(rng)
+        # one frame per call: the package pads a batch to its widest line, the agent serves one frame
+        fed.clear()
+        (res,), _ = rec([frame.copy()], return_word_box=True)
+        inputs.append(fed[0])
+        got, conf, info = res
+        scores = [float(s) for s in info[4]] if got else []
+        frames.append(frame)
+        drawn.append(text)
+        results.append({"type": "text", "text": got, "confidence": float(conf),
+                        "chars": [{"char": c, "score": s} for c, s in zip(got, scores)]})
+    return frames, results, drawn, inputs
+
+
+def textrec_charset() -> list[str]:
+    """The package's own id -> character table (CTCLabelDecode.character: blank, the model's
+    metadata, then the space it appends), line i for id i."""
+    return list(textrec_recognizer().postprocess_op.character)
+
+
+def build_textcls(n: int, seed: int) -> tuple[list[np.ndarray], list[Any], list[str], list[np.ndarray]]:
+    """Text lines, every other one turned 180 degrees, and the package's own TextClassifier run on each
+    alone: the probability of '180' its session returned, and its decision (it turned the line back when
+    the label is '180' and the score over cls_thresh 0.9), taken from the line it returned."""
+    import yaml
+    import rapidocr_onnxruntime
+    from rapidocr_onnxruntime.ch_ppocr_cls import TextClassifier
+
+    root = Path(rapidocr_onnxruntime.__file__).parent
+    cfg = yaml.safe_load((root / "config.yaml").read_text())["Cls"]
+    cfg["model_path"] = str(root / cfg["model_path"])
+    cls = TextClassifier(cfg)
+    run = cls.infer.__call__
+    fed: list[np.ndarray] = []
+    got: list[Any] = []
+
+    def recording(x: np.ndarray) -> Any:  # the tensor the package's session is given, and what it returned
+        fed.append(np.array(x, copy=True))
+        out = run(x)
+        got.append(np.array(out[0], copy=True))
+        return out
+
+    cls.infer = type("Recording", (), {"__call__": staticmethod(recording)})()
+    frames, results, drawn, inputs = [], [], [], []
+    for i in range(n):
+        rng = np.random.default_rng(seed + i)
+        line, text = draw_text_line(rng)
+        frame = np.ascontiguousarray(cv2.rotate(line, cv2.ROTATE_180)) if i % 2 else line
+        fed.clear()
+        got.clear()
+        (back,), (label_score,), _ = cls([frame.copy()])
+        turned = not np.array_equal(back, frame)
+        label, score = label_score
+        p180 = float(got[0][0, cfg["label_list"].index("180")])
+        if turned != (label == "180" and score > cfg["cls_thresh"]):
+            raise SystemExit(f"textcls frame {i}: the package turned it {turned}, label {label} score {score}")
+        frames.append(frame)
+        drawn.append(("180 " if i % 2 else "0 ") + text)
+        inputs.append(fed[0])
+        results.append({"type": "scores", "scores": [p180], "decisions": ["180"] if turned else []})
+    return frames, results, drawn, inputs
+
+
+# Models whose frames differ in size: each split is a directory of PNG frames (sorted by name) with
+# the package's answers beside them (answers.json in the form agent/results/answers.py reads).
+DIR_BUILDERS: dict[str, Callable[[int, int], tuple[list[np.ndarray], list[Any], list[str], list[np.ndarray]]]] = {
+    "textrec": build_textrec,
+    "textcls": build_textcls,
+}
+PACKAGES = {"textrec": "rapidocr-onnxruntime 1.4.4", "textcls": "rapidocr-onnxruntime 1.4.4"}
+KINDS = {"textrec": "text", "textcls": "scores"}
+PRODUCED_BY = {"textrec": "scripts/real_references.py textrec: rapidocr_onnxruntime TextRecognizer([frame], "
+                          "return_word_box=True), one frame per call (resize_norm_img, session, CTCLabelDecode)",
+               "textcls": "scripts/real_references.py textcls: rapidocr_onnxruntime TextClassifier([frame]), one frame "
+                          "per call (resize_norm_img, session, ClsPostProcess, its turn at cls_thresh 0.9)"}
+
+
+def write_dir_split(d: Path, name: str, split: str, count: int) -> dict[str, Any]:
+    import shutil
+
+    out = d / split
+    tmp = d / f"{split}.part"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    frames, results, drawn, inputs = DIR_BUILDERS[name](count, SEEDS[split])
+    for i, frame in enumerate(frames):
+        if not cv2.imwrite(str(tmp / f"{i:04d}.png"), frame):
+            raise SystemExit(f"{tmp / f'{i:04d}.png'}: cv2.imwrite failed")
+    # the package's input tensors, one .npy per frame (each its own width), outside the frame folder
+    tensors = d / f"{split}-inputs"
+    shutil.rmtree(tensors, ignore_errors=True)
+    tensors.mkdir()
+    for i, x in enumerate(inputs):
+        np.save(tensors / f"{i:04d}.npy", x)
+    answers = {"kind": KINDS[name], "package": PACKAGES[name], "produced_by": PRODUCED_BY[name], "results": results}
+    (tmp / "answers.json").write_text(json.dumps(answers, ensure_ascii=False, indent=1) + "\n")
+    (d / f"{split}.drawn.json").write_text(json.dumps(drawn, ensure_ascii=False) + "\n")  # what was drawn
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return {"frames": count, "sizes": sorted({f"{f.shape[0]}x{f.shape[1]}" for f in frames})[:8],
+            "heights": [min(f.shape[0] for f in frames), max(f.shape[0] for f in frames)],
+            "widths": [min(f.shape[1] for f in frames), max(f.shape[1] for f in frames)]}
 
 
 BUILDERS: dict[str, Callable[[int, int], tuple[dict[str, np.ndarray], list[Any]]]] = {
@@ -360,6 +524,16 @@ def main() -> int:
             print(f"{name}: references current", file=sys.stderr)
             continue
         summary: dict[str, Any] = {"version": VERSION, "splits": {}}
+        if name in DIR_BUILDERS:
+            if name == "textrec":
+                (d / "charset.txt").write_text("\n".join(textrec_charset()) + "\n", encoding="utf-8")
+            for split, count in SPLITS[name].items():
+                t0 = time.monotonic()
+                summary["splits"][split] = {**write_dir_split(d, name, split, count),
+                                            "seconds": round(time.monotonic() - t0, 1)}
+                print(f"{name} {split}: {count} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+            marker.write_text(json.dumps(summary, indent=2) + "\n")
+            continue
         for split, count in SPLITS[name].items():
             t0 = time.monotonic()
             folder_splits, folder_builder = FOLDER_SPLITS.get(name, (set(), None))

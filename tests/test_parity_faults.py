@@ -123,3 +123,22 @@ def test_a_one_logit_classifier_is_binary_so_an_inverted_variant_fails_fidelity(
     assert decode(spec, {"p": np.array([4.0], np.float32)})["top"][0]["class_id"] == 1
     assert decode(spec, {"p": np.array([-4.0], np.float32)})["top"][0]["class_id"] == 0
     assert decode(spec, {"p": np.array([-4.0], np.float32)})["top"][0]["score"] == pytest.approx(0.982, abs=1e-3)
+
+
+def test_outputs_whose_length_follows_each_frame_are_bounded_sample_by_sample() -> None:
+    # A text-line recogniser's output [1, T, C] has T from each line's width: stacking the golden samples'
+    # outputs failed, so reproduction compared 0 elements and the channel SNR reported its 120 dB cap; a
+    # corrupted FP32 of PP-OCRv4's recogniser was caught only by its post stage, an INT8 showed 120 dB.
+    from agent.proof.parity import channel_snr, judge_reproduction, reproduction_bounds
+
+    spec = PostprocessSpec(type="raw", output="p")
+    rng = np.random.default_rng(5)
+    ref = [{"p": rng.uniform(0, 1, (1, t, 12)).astype(np.float32)} for t in (20, 35, 27)]
+    got = [{"p": r["p"].copy()} for r in ref]
+    got[2]["p"][0, 3] += 0.3  # one step of the third line's scores drifts
+    rep = judge_reproduction(spec, got, ref, reproduction_bounds("fp32", "CPUExecutionProvider"))
+    assert rep.tolerance is not None and rep.tolerance.elements == sum(r["p"].size for r in ref)
+    assert not rep.passed and rep.tolerance.sample == 2, rep.findings
+    snr = channel_snr(spec, got, ref)
+    assert snr.metrics["min_channel_snr_db"] < 60 and snr.worst_sample == 2
+    assert judge_reproduction(spec, ref, ref, reproduction_bounds("fp32", "CPUExecutionProvider")).passed

@@ -84,6 +84,7 @@ class CreateOptions:
     keep_low_quality: bool = False
     pre_graph: Path | None = None  # preprocess.graph: copied into the bundle (hashed, signed), never quantised
     post_graph: Path | None = None  # postprocess.graph: likewise
+    charset: Path | None = None  # postprocess.result.charset (kind text): copied into the bundle, hashed and signed
 
 
 STAGE_DEFAULT_NAMES = {"preprocess": "pre.onnx", "postprocess": "post.onnx"}
@@ -103,7 +104,26 @@ def with_stage_graphs(spec: dict[str, Any], opts: CreateOptions) -> dict[str, An
             spec[key] = block
         elif "graph" in block:
             raise BundleError(f"{opts.spec}: key {key}.graph: names {block['graph']!r}; give the ONNX file with {flag}")
+    result = dict((spec.get("postprocess") or {}).get("result") or {})
+    if opts.charset is not None:
+        if not Path(opts.charset).is_file():
+            raise BundleError(f"{opts.charset}: --charset: not a file")
+        if not result:
+            raise BundleError(f"{opts.spec}: key postprocess.result: --charset needs a result of kind text")
+        result.setdefault("charset", CHARSET_DEFAULT_NAME)
+        spec["postprocess"] = {**spec["postprocess"], "result": result}
+    elif "charset" in result:
+        raise BundleError(f"{opts.spec}: key postprocess.result.charset: names {result['charset']!r}; give the file "
+                          "with --charset")
     return spec
+
+
+CHARSET_DEFAULT_NAME = "charset.txt"
+
+
+def charset_file(spec: Mapping[str, Any]) -> str | None:
+    """Where the spec's text result keeps its charset inside the bundle, or None."""
+    return ((spec.get("postprocess") or {}).get("result") or {}).get("charset")
 
 
 def stage_files(spec: Mapping[str, Any]) -> dict[str, str]:
@@ -134,7 +154,10 @@ def variant_outputs(sess: Any, outputs: Sequence[Mapping[str, Any]], name: str, 
     own = [{"name": o.name, "dtype": _ORT_DTYPES.get(o.type, o.type), "shape": _ort_dims(list(o.shape))}
            for o in sess.get_outputs()]
     key = [(o["name"], o["dtype"], len(o["shape"])) for o in own]
-    if key != [(o["name"], o["dtype"], len(o["shape"])) for o in outputs]:
+    if key == [(o["name"], o["dtype"], len(o["shape"])) for o in outputs]:
+        for o, fp32 in zip(own, outputs):
+            o["shape"] = [_symbolic_as_recorded(d, f, i) for i, (d, f) in enumerate(zip(o["shape"], fp32["shape"]))]
+    else:
         raise BundleError(f"{where}: variant {name} declares outputs {[(o['name'], o['dtype'], o['shape']) for o in own]}"
                           f", FP32 {[(o['name'], o['dtype'], o['shape']) for o in outputs]}: names, dtypes and ranks "
                           "must stay those of the model")
@@ -142,6 +165,17 @@ def variant_outputs(sess: Any, outputs: Sequence[Mapping[str, Any]], name: str, 
         return None
     log.info("bundle.create.variant_contract", variant=name, outputs=own)
     return own
+
+
+def _symbolic_as_recorded(dim: int | str | None, fp32: int | str, axis: int) -> int | str:
+    """A variant's dim as the manifest records it: a symbolic dim is symbolic whatever ORT calls it (Paddle
+    exports' 'p2o.DynamicDimension.0', symbolic inference's 'floor(W/2 - 1/2) + 1'), so it takes FP32's name
+    where FP32's is symbolic too, else a name the schema accepts; only a size that changed is a difference."""
+    if isinstance(dim, int):
+        return dim
+    if not isinstance(fp32, int):
+        return fp32
+    return dim if isinstance(dim, str) and dim.isidentifier() else ("batch" if axis == 0 else f"dim{axis}")
 
 
 def _need_build_extra() -> Any:
@@ -189,7 +223,7 @@ def _check_selftest_block(selftest: Any, path: Path) -> None:
 def _dims(value_info: Any) -> list[int | str]:
     out: list[int | str] = []
     for i, d in enumerate(value_info.type.tensor_type.shape.dim):
-        if d.HasField("dim_value"):
+        if d.HasField("dim_value") and d.dim_value > 0:  # Paddle2ONNX writes -1 for a dynamic dim
             out.append(int(d.dim_value))
         elif d.HasField("dim_param") and d.dim_param.isidentifier():
             out.append(d.dim_param)
@@ -575,6 +609,7 @@ def provisional_manifest(spec: Mapping[str, Any], input_spec: Mapping[str, Any] 
         "selftest": spec.get("selftest") or {}, "golden": ["golden.npz"],
         "files": {"model.onnx": PLACEHOLDER_SHA, "golden.npz": PLACEHOLDER_SHA,
                   **{rel: PLACEHOLDER_SHA for rel in stage_files(spec).values()},
+                  **({charset_file(spec): PLACEHOLDER_SHA} if charset_file(spec) else {}),
                   **({spec["postprocess"]["labels"]: PLACEHOLDER_SHA} if "labels" in spec["postprocess"] else {})},
     }
 
@@ -747,6 +782,9 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
             dest = root / stage_files(spec)[key]
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(given, dest)
+    if opts.charset is not None and (rel := charset_file(spec)):  # bytes as given: a space line stays a space
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(opts.charset, root / rel)
     try:
         extra_inputs: tuple[ExtraInput, ...] = inputs_from_list(spec.get("inputs"))
     except TypeError as exc:
@@ -1072,7 +1110,11 @@ class GoldenStages:
         from agent.proof.stages import GEOMETRY, GraphPostprocessor, GraphPreprocessor, VocabularyPostprocessor
 
         post_spec = postprocess_from_dict(spec["postprocess"])
-        post: Any = (GraphPostprocessor(root / post_spec.graph, post_spec, labels, None) if post_spec.graph
+        from agent.proof.stages import read_charset
+
+        rel = charset_file(spec)
+        charset = read_charset(root / rel) if rel else None
+        post: Any = (GraphPostprocessor(root / post_spec.graph, post_spec, labels, charset) if post_spec.graph
                      else VocabularyPostprocessor(post_spec, labels))
         if sequence:
             return cls(pre, post, [], [])

@@ -261,37 +261,54 @@ def allclose_check(got: Sequence[Outputs], recorded: Sequence[Outputs], b: Repro
     names = list(recorded[0]) if recorded else []
     for name in names:
         try:
-            a = np.stack([np.asarray(g[name], dtype=np.float64) for g in got])
-            r = np.stack([np.asarray(x[name], dtype=np.float64) for x in recorded])
-        except (KeyError, ValueError):
+            got_n = [np.asarray(g[name], dtype=np.float64) for g in got]
+            rec_n = [np.asarray(x[name], dtype=np.float64) for x in recorded]
+        except KeyError:
             continue  # named by output_problems
-        if a.shape != r.shape:
+        if len(got_n) != len(rec_n) or not rec_n:
             continue
-        for label, ga, gr in _split_groups(name, a, r, groups):
-            ca, cr = _channel_view(ga, axis), _channel_view(gr, axis)
-            if cr.size == 0:
-                continue
-            span = cr.max(axis=1) - cr.min(axis=1)
-            atol = np.maximum(b.atol_range * span, b.atol_min)[:, None]
-            atols[label] = float(atol.min())
-            bound = atol + b.rtol * np.abs(cr)
-            diff = np.abs(ca - cr)
-            diff = np.where(np.isfinite(diff), diff, np.inf)
-            bad = diff > bound
-            violations += int(bad.sum())
-            elements += int(diff.size)
-            excess = diff - bound
-            k = int(np.argmax(excess))
-            if worst is None or excess.flat[k] > worst[0]:
-                ch, pos = divmod(k, ca.shape[1])
-                # position inside the channel-major view back to the sample index
-                per_sample = ca.shape[1] // ga.shape[0]
-                worst = (float(excess.flat[k]), label, pos // max(per_sample, 1), ch,
-                         float(diff.flat[k]), float(bound.flat[k]))
+        if len({x.shape for x in got_n + rec_n}) == 1:
+            pieces = [(0, np.stack(got_n), np.stack(rec_n))]
+        else:  # a shape that follows the frame's size (a dynamic-size model): bounded sample by sample
+            pieces = [(i, a[None], r[None]) for i, (a, r) in enumerate(zip(got_n, rec_n))]
+        for first, a, r in pieces:
+            if a.shape != r.shape:
+                continue  # named by output_problems
+            worst, violations, elements = _allclose_piece(name, first, a, r, b, axis, groups, atols, worst,
+                                                          violations, elements)
     if worst is None:
         return ToleranceResult(True, atol_by_output=atols)
     return ToleranceResult(violations == 0, worst[1], worst[2], worst[3] if axis is not None else None,
                            worst[4], worst[5], violations, elements, atols)
+
+
+def _allclose_piece(name: str, first: int, a: np.ndarray, r: np.ndarray, b: ReproductionBounds, axis: int | None,
+                    groups: tuple[int, tuple[tuple[int, int | None], ...]] | None, atols: dict[str, float],
+                    worst: tuple[float, str, int, int, float, float] | None, violations: int, elements: int,
+                    ) -> tuple[tuple[float, str, int, int, float, float] | None, int, int]:
+    """One stacked output (samples `first`.. of it) against its recorded values: allclose_check's body."""
+    for label, ga, gr in _split_groups(name, a, r, groups):
+        ca, cr = _channel_view(ga, axis), _channel_view(gr, axis)
+        if cr.size == 0:
+            continue
+        span = cr.max(axis=1) - cr.min(axis=1)
+        atol = np.maximum(b.atol_range * span, b.atol_min)[:, None]
+        atols[label] = float(atol.min())
+        bound = atol + b.rtol * np.abs(cr)
+        diff = np.abs(ca - cr)
+        diff = np.where(np.isfinite(diff), diff, np.inf)
+        bad = diff > bound
+        violations += int(bad.sum())
+        elements += int(diff.size)
+        excess = diff - bound
+        k = int(np.argmax(excess))
+        if worst is None or excess.flat[k] > worst[0]:
+            ch, pos = divmod(k, ca.shape[1])
+            # position inside the channel-major view back to the sample index
+            per_sample = ca.shape[1] // ga.shape[0]
+            worst = (float(excess.flat[k]), label, first + pos // max(per_sample, 1), ch,
+                     float(diff.flat[k]), float(bound.flat[k]))
+    return worst, violations, elements
 
 
 def cosine(got: Sequence[Outputs], ref: Sequence[Outputs]) -> float | None:
@@ -438,14 +455,18 @@ def channel_snr(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Out
     axis = channel_axis(spec)
     names = tuple(getattr(spec, "outputs", ()) or ()) or tuple(ref[0]) if ref else ()
     worst_db, where, worst_sample = SNR_CAP_DB, "", None
+    pieces: list[tuple[str, int, np.ndarray, np.ndarray]] = []
     for name in names:
         try:
-            a = np.stack([np.asarray(g[name], dtype=np.float64) for g in got])
-            r = np.stack([np.asarray(x[name], dtype=np.float64) for x in ref])
-        except (KeyError, ValueError):
+            got_n = [np.asarray(g[name], dtype=np.float64) for g in got]
+            ref_n = [np.asarray(x[name], dtype=np.float64) for x in ref]
+        except KeyError:
             continue
-        if a.shape != r.shape:
-            continue
+        if len({x.shape for x in got_n + ref_n}) == 1 and got_n:
+            pieces.append((name, 0, np.stack(got_n), np.stack(ref_n)))
+        else:  # shapes that follow each frame's size: sample by sample (a stack would fail and judge nothing)
+            pieces += [(name, i, a[None], r[None]) for i, (a, r) in enumerate(zip(got_n, ref_n)) if a.shape == r.shape]
+    for name, first, a, r in pieces:
         ca, cr = _channel_view(a, axis), _channel_view(r, axis)
         ax = _batched_axis(axis, a.ndim)
         ax = ax if ax is not None and 1 <= ax < a.ndim else None
@@ -462,7 +483,7 @@ def channel_snr(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Out
             where = f"output {name} channel {c}" if ax is not None else f"output {name}"
             per_sample = np.moveaxis(a - r, ax, 1) if ax is not None else (a - r)
             sel = per_sample[:, c] if ax is not None else per_sample
-            worst_sample = int(np.argmax(np.nan_to_num(np.abs(sel.reshape(len(a), -1)), nan=np.inf).max(axis=1)))
+            worst_sample = first + int(np.argmax(np.nan_to_num(np.abs(sel.reshape(len(a), -1)), nan=np.inf).max(axis=1)))
     return TaskAgreement("raw", {"min_channel_snr_db": worst_db}, worst_sample,
                          f"worst at {where}" if where else "")
 

@@ -159,7 +159,7 @@ def _cmd_bundle_create(args: argparse.Namespace) -> int:
         allow_preprocess_drift=args.allow_preprocess_drift,
         int8=not args.no_int8, fp16=args.fp16, calibration_limit=args.calibration_limit,
         max_top1_drop=args.max_top1_drop, min_agreement=args.min_agreement, keep_low_quality=args.keep_low_quality,
-        pre_graph=args.pre_graph, post_graph=args.post_graph,
+        pre_graph=args.pre_graph, post_graph=args.post_graph, charset=args.charset,
     ))
     print(f"created {out}")
     return EXIT_OK
@@ -457,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pre-graph", type=Path, metavar="ONNX",
                    help="preprocess.graph: raw frame `frame` (uint8 HxWxC) -> the model input (+ `geometry`); copied "
                         "into the bundle, hashed and signed, never quantised")
+    c.add_argument("--charset", type=Path, metavar="FILE",
+                   help="postprocess.result.charset (kind text): one character per line, line i is token id i "
+                        "(minus charset_offset); copied into the bundle, hashed and signed")
     c.add_argument("--post-graph", type=Path, metavar="ONNX",
                    help="postprocess.graph: model outputs (+ `frame_size`, `geometry`) -> the result tensors named in "
                         "the spec's postprocess.result; copied into the bundle, hashed and signed, never quantised")
