@@ -12,7 +12,6 @@ stage and corrupted weights are rejected by the self-test naming the stage. Skip
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,9 +26,9 @@ import numpy as np
 import pytest
 import yaml
 
+from test_real_models import BUILT, CACHE, build_key
+
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("EDGE_AGENT_CACHE", Path.home() / ".cache" / "edge-agent")) / "real-models"
-BUILT = CACHE.parent / "real-bundles"
 SPECS = ROOT / "scripts" / "specs" / "real"
 REPEATS = int(os.environ.get("EDGE_AGENT_REAL_REPEATS", "3"))  # 20 for the issue's 20-of-20 statistic
 MIN_AGREEMENT = 0.98
@@ -112,28 +111,6 @@ def graph(workdir: Path, args: list[str], name: str) -> Path:
         r = cli("bundle", "graph", *args, "--out", str(out))
         assert r.returncode == 0, r.stderr
     return out
-
-
-def build_key(args: list[str], out: Path) -> str:
-    """Everything a build reads: flags, input files by their bytes, the agent's build code, ORT/onnx versions."""
-    import onnx
-    import onnxruntime
-
-    h = hashlib.sha256()
-    h.update(" ".join(a for a in args if a != str(out) and not Path(a).exists()).encode())
-    h.update(f"{onnxruntime.__version__} {onnx.__version__}".encode())
-    files: list[Path] = []
-    for a in args:
-        p = Path(a)
-        files += sorted(p.rglob("*")) if p.is_dir() else [p] if p.is_file() else []
-    for rel in ("agent/bundle", "agent/spec", "agent/proof", "agent/results", "agent/schema", "agent/testing.py"):
-        p = ROOT / rel
-        files += sorted(p.rglob("*")) if p.is_dir() else [p]
-    for f in files:
-        if f.is_file() and f.suffix != ".pyc":
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def create(args: list[str], out: Path) -> Path:

@@ -120,26 +120,31 @@ def results(workdir: Path) -> Any:
 # sample sets, the agent's build code and the onnxruntime/onnx versions. A commit that changes none of
 # them reuses the bundle (minutes per model on 2 cores); any change builds it again.
 BUILT = CACHE.parent / "real-bundles"
-BUILD_CODE = ("agent/bundle", "agent/spec", "agent/proof", "agent/schema", "agent/testing.py")
+BUILD_CODE = ("agent/bundle", "agent/spec", "agent/proof", "agent/results", "agent/schema", "agent/testing.py")
 
 
 def build_key(args: list[str], out: Path) -> str:
+    """Everything a build reads: flags and values as text; files (model, spec, labels, stage graphs) and
+    sample folders (frames, answers.json) by their bytes, not their paths; the agent's build code; the
+    onnxruntime/onnx versions."""
     import hashlib
 
     import onnx
     import onnxruntime
 
     h = hashlib.sha256()
-    # flags and values as text; files (model, spec, sample sets, labels) by their bytes, not their paths
-    h.update(" ".join(a for a in args if a != str(out) and not Path(a).is_file()).encode())
+    h.update(" ".join(a for a in args if a != str(out) and not Path(a).exists()).encode())
     h.update(f"{onnxruntime.__version__} {onnx.__version__}".encode())
-    files = [Path(a) for a in args if Path(a).is_file()]
+    files: list[Path] = []
+    for a in args:
+        p = Path(a)
+        files += sorted(p.rglob("*")) if p.is_dir() else [p] if p.is_file() else []
     for rel in BUILD_CODE:
         p = ROOT / rel
         files += sorted(p.rglob("*")) if p.is_dir() else [p]
     for f in files:
         if f.is_file() and f.suffix != ".pyc":
-            h.update(str(f.relative_to(ROOT)).encode() if f.is_relative_to(ROOT) else b"input")
+            h.update(str(f.relative_to(ROOT)).encode() if f.is_relative_to(ROOT) else f.name.encode())
             with f.open("rb") as fh:
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     h.update(block)
