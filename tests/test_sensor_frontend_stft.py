@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from sensor_streams import CACHE
+from frontend_bundles import mean_of_features_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 REF_PY = CACHE / "venv-real" / "bin" / "python"
@@ -64,31 +64,14 @@ def test_the_stft_graph_equals_torch_stft(tmp_path: Path, n_fft: int, hop: int, 
 
 def test_a_bundle_with_the_stft_front_end_takes_raw_samples(tmp_path: Path) -> None:
     import onnx
-    from onnx import TensorProto, helper
-
-    from agent.bundle.create import CreateOptions, create_bundle
 
     samples, n_fft, hop = 4000, 256, 128
     freqs, frames = n_fft // 2 + 1, 1 + samples // hop
-    # a model over the spectrogram: the mean magnitude of each frequency bin
-    g = helper.make_graph([helper.make_node("ReduceMean", ["spec"], ["y"], axes=[2], keepdims=0)], "m",
-                          [helper.make_tensor_value_info("spec", TensorProto.FLOAT, ["batch", freqs, frames])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", freqs])])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     audio = _audio(samples, batch=6)
-    np.savez(tmp_path / "calib.npz", raw=audio[:, :, None])
-    np.savez(tmp_path / "golden.npz", raw=audio[:3, :, None])
-    spec = {"name": "spec-mean", "version": 1, "label": "0.1.0", "task": "raw",
-            "frontend": {"type": "stft_magnitude", "samples": samples, "n_fft": n_fft, "hop": hop},
-            "frame": {"kind": "sensor", "window": samples, "channels": 1, "dtype": "float32", "sample_rate": 16000},
-            "preprocess": {"layout": "nw", "dtype": "float32"},
-            "postprocess": {"type": "raw", "outputs": ["y"], "max_values": 4}}
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    bundle = create_bundle(CreateOptions(model=tmp_path / "m.onnx", spec=tmp_path / "spec.yaml",
-                                         calibration=tmp_path / "calib.npz", golden=tmp_path / "golden.npz",
-                                         out=tmp_path / "bundle", int8=False))
-    manifest = yaml.safe_load((bundle / "bundle.yaml").read_text())
-    assert manifest["input"]["shape"] == ["batch", samples]
+    # a model over the spectrogram: the mean magnitude of each frequency bin
+    bundle = mean_of_features_bundle(tmp_path, "spec-mean",
+                                     {"type": "stft_magnitude", "samples": samples, "n_fft": n_fft, "hop": hop},
+                                     ("spec", ["batch", freqs, frames]), 2, audio)
     got = _run(onnx.load(str(bundle / "model_fp32.onnx")), audio[:3])
     want = _torch_stft(tmp_path, audio[:3], n_fft, hop, 1).mean(axis=2)
     assert float(np.max(np.abs(got - want)) / np.max(want)) <= BOUND
