@@ -207,23 +207,11 @@ def test_selftest_with_a_state_dir_it_cannot_write_is_one_line_not_a_traceback(t
 
 
 def test_stream_reconnects_leave_no_opencv_or_ffmpeg_lines_in_the_json_log(tmp_path: Path, agent_process) -> None:
-    import socket
-    import threading
+    from slow_servers import tcp_server
 
     # a camera that accepts and hangs up at once: every open fails, and each attempt is counted here
-    srv = socket.create_server(("127.0.0.1", 0))
-    attempts = []
-
-    def refuse() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            attempts.append(1)
-            conn.close()
-
-    threading.Thread(target=refuse, daemon=True).start()
+    attempts: list[int] = []
+    srv = tcp_server(lambda conn: (attempts.append(1), conn.close()))
     cfg = demo_config(tmp_path, output={"stdout": False})
     cfg["source"] = {"type": "stream", "url": f"http://127.0.0.1:{srv.getsockname()[1]}/cam.mjpg",
                      "open_timeout_ms": 500, "read_timeout_ms": 500, "reconnect_initial_s": 0.2, "reconnect_max_s": 0.5}
