@@ -278,7 +278,9 @@ def test_an_agent_with_one_stuck_camera_keeps_pinging_the_watchdog_and_stops_pro
         pings = lambda: [float(m["_t"]) for m in rx.with_key("WATCHDOG") if float(m["_t"]) > stuck_at]  # noqa: E731
         assert rx.wait(lambda: len(pings()) >= 6, 30), pings()
         assert not any(m.get("STATUS", "").startswith("STALLED") for m in rx.messages)
-        assert [e["source"] for e in agent.events("source.stuck")] == ["cam"]
+        # only the camera is ever stuck (on a loaded machine its first five frames may come slowly enough for
+        # an episode that ends with the next frame: a second "stuck" for it is the truth, not a fault)
+        assert {e["source"] for e in agent.events("source.stuck")} == {"cam"}, agent.events("source.stuck")
         health = [e for e in agent.events("health") if e.get("sources")][-1]["sources"]
         assert health["cam"]["state"] == "stuck" and health["door"]["state"] == "open"
         t0 = time.monotonic()
