@@ -291,7 +291,9 @@ def test_probation_failure_rolls_back_to_the_previous_bundle(env: dict, kit: dic
     assert any("tiny-classifier-v1-" in line and "current,committed" in line for line in out.splitlines())
 
 
-@pytest.mark.parametrize("step", ["verifying", "unpacking", "selftest_passed", "switched"])
+# before the switch and after it in the fast lane; every state of the machine in test_update_machine_kills (slow)
+@pytest.mark.parametrize("step", ["verifying", pytest.param("unpacking", marks=pytest.mark.slow),
+                                  pytest.param("selftest_passed", marks=pytest.mark.slow), "switched"])
 def test_sigkill_at_each_step_boots_into_the_committed_bundle(tmp_path: Path, kit: dict, step: str,
                                                               agent_process) -> None:
     with serving_v1(tmp_path, kit, agent_process) as (broker, col, agent):
