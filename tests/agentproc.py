@@ -62,6 +62,15 @@ def parse_events(text: str) -> list[dict[str, Any]]:
     return out
 
 
+def boot_to_end(factory: Callable[..., "AgentProcess"], config: Mapping[str, Any], fault: str | None = None,
+                timeout: float = 180) -> "AgentProcess":
+    """One boot from `factory` (the agent_process fixture) run to its end under EDGE_AGENT_FAULT=`fault`:
+    the process, ended, with its own log (its exit code in `returncode`)."""
+    agent = factory(config, env={"EDGE_AGENT_FAULT": fault or ""})
+    agent.run(timeout)
+    return agent
+
+
 class AgentProcess:
     """`python -m agent --log-json run --config <tmp>/<name>.yaml`, stdout and stderr in files under `tmp`.
 

@@ -16,7 +16,7 @@ import pytest
 
 from agent.proof.isolation import CrashLedger, CrashRecord, parse_faults
 from agent.proof.probe import provider_versions
-from agentproc import DEMO_FRAMES, ROOT, AgentProcess, demo_config
+from agentproc import DEMO_FRAMES, ROOT, boot_to_end, demo_config
 from waiting import wait_until
 
 INT8 = "candidate:CPUExecutionProvider:int8"
@@ -26,19 +26,12 @@ def _config(tmp_path: Path, **overrides) -> dict:
     return demo_config(tmp_path, loop=False, **overrides)
 
 
-def _run(agent_process, cfg: dict, fault: str | None = None, timeout: float = 180) -> AgentProcess:
-    """One boot to the end of the frames, each boot with its own log."""
-    agent = agent_process(cfg, env={"EDGE_AGENT_FAULT": fault or ""})
-    agent.run(timeout)
-    return agent
-
-
 def _crashes(tmp_path: Path) -> list[dict]:
     return json.loads((tmp_path / "state" / "selftest" / "crashes.json").read_text())
 
 
 def test_segfaulting_provider_probe_boots_to_serving_on_the_first_boot(tmp_path: Path, agent_process) -> None:
-    agent = _run(agent_process, _config(tmp_path), "probe:CUDAExecutionProvider=SIGSEGV")
+    agent = boot_to_end(agent_process, _config(tmp_path), "probe:CUDAExecutionProvider=SIGSEGV")
     assert agent.returncode == 0, agent.log_text()[-2000:]
     assert len(agent.results()) == len(list(DEMO_FRAMES.glob("*.png")))
     crashed = agent.events("selftest.step_crashed")
@@ -54,7 +47,7 @@ def test_segfaulting_provider_probe_boots_to_serving_on_the_first_boot(tmp_path:
                                        ("SIGKILL", "SIGKILL (out of memory?)")])
 def test_segfaulting_variant_boots_to_serving_on_the_next_candidate(tmp_path: Path, sig: str, named: str,
                                                                     agent_process) -> None:
-    agent = _run(agent_process, _config(tmp_path, selection={"use_cache": False}), f"{INT8}={sig}")
+    agent = boot_to_end(agent_process, _config(tmp_path, selection={"use_cache": False}), f"{INT8}={sig}")
     assert agent.returncode == 0, agent.log_text()[-2000:]
     results = agent.results()
     assert results and {r["variant"] for r in results} == {"fp32"}
@@ -64,9 +57,9 @@ def test_segfaulting_variant_boots_to_serving_on_the_next_candidate(tmp_path: Pa
 def test_segfaulting_cached_winner_boots_to_serving_on_the_first_boot_after_the_fault(tmp_path: Path,
                                                                                       agent_process) -> None:
     cfg = _config(tmp_path)
-    healthy = _run(agent_process, cfg)  # a healthy boot: int8 wins and is cached
+    healthy = boot_to_end(agent_process, cfg)  # a healthy boot: int8 wins and is cached
     assert healthy.returncode == 0 and {r["variant"] for r in healthy.results()} == {"int8"}
-    agent = _run(agent_process, cfg, f"{INT8}=SIGSEGV")  # the driver changed under the cached winner
+    agent = boot_to_end(agent_process, cfg, f"{INT8}=SIGSEGV")  # the driver changed under the cached winner
     assert agent.returncode == 0, agent.log_text()[-2000:]
     assert {r["variant"] for r in agent.results()} == {"fp32"}
     assert any(e["step"] == INT8 for e in agent.events("selftest.step_crashed"))
@@ -76,7 +69,7 @@ def test_hanging_trial_is_timed_out_and_the_next_candidate_serves(tmp_path: Path
     # The time-out bounds a whole self-test child (start-up, probes, every candidate), not one trial: at
     # 8 s a loaded CI machine timed out the healthy child too, or charged the hang to the step before it.
     cfg = _config(tmp_path, selection={"use_cache": False}, updates={"selftest_timeout_s": 30})
-    agent = _run(agent_process, cfg, f"{INT8}=hang", timeout=300)
+    agent = boot_to_end(agent_process, cfg, f"{INT8}=hang", timeout=300)
     assert agent.returncode == 0, agent.log_text()[-2000:]
     assert {r["variant"] for r in agent.results()} == {"fp32"}
     assert [(r["step"], r["signal"]) for r in _crashes(tmp_path)] == [(INT8, "timeout after 30 s")]
@@ -96,13 +89,13 @@ def test_crash_while_loading_the_bundle_is_not_serving_with_the_signal_named(tmp
 
 def test_forget_crashes_lets_a_crashed_step_be_tried_again(tmp_path: Path, agent_process) -> None:
     cfg = _config(tmp_path, selection={"use_cache": False})
-    assert {r["variant"] for r in _run(agent_process, cfg, f"{INT8}=SIGSEGV").results()} == {"fp32"}
+    assert {r["variant"] for r in boot_to_end(agent_process, cfg, f"{INT8}=SIGSEGV").results()} == {"fp32"}
     # the record still applies: int8 is skipped, not retried
-    assert {r["variant"] for r in _run(agent_process, cfg).results()} == {"fp32"}
+    assert {r["variant"] for r in boot_to_end(agent_process, cfg).results()} == {"fp32"}
     forget = subprocess.run([sys.executable, "-m", "agent", "selftest", "--forget-crashes", "--state-dir",
                              str(tmp_path / "state")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert forget.returncode == 0 and "forgot 1 crash record" in forget.stderr
-    assert {r["variant"] for r in _run(agent_process, cfg).results()} == {"int8"}
+    assert {r["variant"] for r in boot_to_end(agent_process, cfg).results()} == {"int8"}
 
 
 def test_selftest_command_survives_a_segfaulting_candidate(tmp_path: Path) -> None:

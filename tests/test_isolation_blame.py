@@ -18,20 +18,13 @@ from agent.config import Config
 from agent.proof.isolation import prove_in_child
 from agentproc import DEMO_BUNDLE as DIGITS
 from agentproc import DEMO_FRAMES as FRAMES
-from agentproc import AgentProcess, demo_config
+from agentproc import AgentProcess, boot_to_end, demo_config
 
 INT8 = "candidate:CPUExecutionProvider:int8"
 
 
 def _config(tmp_path: Path, **overrides) -> dict:
     return demo_config(tmp_path, loop=False, selection={"use_cache": False}, **overrides)
-
-
-def _run(agent_process, cfg: dict, fault: str = "", timeout: float = 180) -> AgentProcess:
-    """One boot to the end of the frames, each boot with its own log."""
-    agent = agent_process(cfg, env={"EDGE_AGENT_FAULT": fault})
-    agent.run(timeout)
-    return agent
 
 
 def _variants(agent: AgentProcess) -> set[str]:
@@ -47,14 +40,14 @@ def _crashes(tmp_path: Path) -> list[tuple[str, str, str]]:
 def test_crash_on_the_nth_timed_run_is_blamed_on_that_candidate_only(tmp_path: Path, agent_process) -> None:
     # fp32 runs before int8 in each round: the old single marker named fp32 for the whole loop, so both
     # were blacklisted (the second child then blamed int8) and nothing served
-    agent = _run(agent_process, _config(tmp_path), "run:CPUExecutionProvider:int8#30=SIGSEGV")
+    agent = boot_to_end(agent_process, _config(tmp_path), "run:CPUExecutionProvider:int8#30=SIGSEGV")
     assert agent.returncode == 0, agent.log_text()[-2000:]
     assert _variants(agent) == {"fp32"}
     assert _crashes(tmp_path) == [(INT8, "SIGSEGV", "latency run 30 of 55")]
 
 
 def test_crash_reading_one_variants_contract_skips_only_that_variant(tmp_path: Path, agent_process) -> None:
-    agent = _run(agent_process, _config(tmp_path), "contract:int8=SIGSEGV")
+    agent = boot_to_end(agent_process, _config(tmp_path), "contract:int8=SIGSEGV")
     assert agent.returncode == 0, agent.log_text()[-2000:]
     assert _variants(agent) == {"fp32"}
     assert _crashes(tmp_path) == [("contract:int8", "SIGSEGV", "")]
@@ -69,15 +62,15 @@ def test_crash_only_in_the_serving_process_serves_the_other_variant_on_the_next_
     """The int8 passes the self-test child and dies on its 3rd inference in the serving process; the
     restart (same fault, as systemd would restart it) serves fp32: one crash, no loop."""
     cfg, fault = _config(tmp_path), "serve:CPUExecutionProvider:int8#3=SIGSEGV"
-    first = _run(agent_process, cfg, fault)
+    first = boot_to_end(agent_process, cfg, fault)
     assert first.returncode == -signal.SIGSEGV, first.log_text()[-2000:]
     assert _crashes(tmp_path) == []  # nothing knew where the serving process died ...
-    second = _run(agent_process, cfg, fault)
+    second = boot_to_end(agent_process, cfg, fault)
     assert second.returncode == 0, second.log_text()[-2000:]  # ... until the next boot read its marker
     assert _variants(second) == {"fp32"}
     assert _crashes(tmp_path) == [(INT8, "the serving process died", "serving: first 64 inferences")]
     assert any(e["candidate"] == INT8.removeprefix("candidate:") for e in second.events("serving.crash_recorded"))
-    third = _run(agent_process, cfg, fault)  # and it stays that way: no crash loop
+    third = boot_to_end(agent_process, cfg, fault)  # and it stays that way: no crash loop
     assert third.returncode == 0 and _variants(third) == {"fp32"}
     assert not list((tmp_path / "state" / "selftest").glob("serving-*.json")), "a clean exit leaves no marker"
 
@@ -89,10 +82,10 @@ def test_a_clean_stop_while_serving_leaves_no_serving_marker(tmp_path: Path, age
     frames.mkdir()
     for f in sorted(FRAMES.glob("*.png"))[:3]:
         (frames / f.name).write_bytes(f.read_bytes())
-    out = _run(agent_process, _config(tmp_path, source={"path": str(frames)}))
+    out = boot_to_end(agent_process, _config(tmp_path, source={"path": str(frames)}))
     assert out.returncode == 0 and _variants(out) == {"int8"}
     assert not list((tmp_path / "state" / "selftest").glob("serving-*.json"))
-    again = _run(agent_process, _config(tmp_path, source={"path": str(frames)}))
+    again = boot_to_end(agent_process, _config(tmp_path, source={"path": str(frames)}))
     assert _variants(again) == {"int8"} and _crashes(tmp_path) == []
 
 
@@ -104,7 +97,7 @@ def test_sigterm_to_the_agent_during_the_self_test_is_not_a_crash(tmp_path: Path
     hung.wait(inflight.exists, 120, "the self-test reached the int8 trial")
     hung.signal(signal.SIGTERM)
     assert hung.wait_exit(60) == 0
-    out = _run(agent_process, cfg)  # the int8 was interrupted, not crashed: it is tried, and it wins
+    out = boot_to_end(agent_process, cfg)  # the int8 was interrupted, not crashed: it is tried, and it wins
     assert out.returncode == 0, out.log_text()[-2000:]
     assert _variants(out) == {"int8"}
     assert _crashes(tmp_path) == []
