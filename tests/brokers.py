@@ -199,3 +199,13 @@ class Collector:
     def close(self) -> None:
         self.c.loop_stop()
         self.c.disconnect()
+
+
+def demo_mqtt_config(device_id: str, state_dir: Path, port: int, *, stdout: bool = False, max_fps: float = 40,
+                     **mqtt: object) -> dict:
+    """The demo config with MQTT on `port` (agentproc.demo_config, the one definition), for tests that
+    build their own process; new tests take `demo_config` and the `agent_process` fixture."""
+    from agentproc import demo_config
+
+    return demo_config(Path(state_dir).parent, port=port, device_id=device_id, state_dir=str(state_dir),
+                       source={"max_fps": max_fps}, output={"stdout": stdout}, mqtt=mqtt)
