@@ -23,17 +23,25 @@ DEMO_BUNDLE = ROOT / "models" / "digits-classifier"
 DEMO_FRAMES = ROOT / "models" / "demo-frames" / "digits"
 
 
-def demo_config(tmp: Path, *, port: int | None = None, device_id: str = "dev-test", **overrides: Any) -> dict[str, Any]:
-    """The demo bundle on the demo frames, looping at 200 fps, health every 0.5 s; MQTT on `port`."""
+def demo_config(tmp: Path, *, port: int | None = None, device_id: str = "dev-test", loop: bool = True,
+                **overrides: Any) -> dict[str, Any]:
+    """The demo bundle on the demo frames, looping at 200 fps (`loop=False`: each frame once, unpaced),
+    health every 0.5 s; MQTT on `port`. A mapping override is merged into the default's mapping; `sources`
+    replaces `source`."""
+    source: dict[str, Any] = {"type": "folder", "path": str(DEMO_FRAMES)}
+    if loop:
+        source.update(loop=True, max_fps=200)
     cfg: dict[str, Any] = {
         "device_id": device_id,
         "state_dir": str(tmp / "state"),
         "bundle": str(DEMO_BUNDLE),
-        "source": {"type": "folder", "path": str(DEMO_FRAMES), "loop": True, "max_fps": 200},
+        "source": source,
         "output": {"health_interval_s": 0.5},
     }
     if port is not None:
         cfg["mqtt"] = {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1}
+    if "sources" in overrides:
+        del cfg["source"]  # many named sources instead of the one
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(cfg.get(key), Mapping):
             cfg[key] = {**cfg[key], **value}  # e.g. source={"loop": False} keeps the demo folder
@@ -54,11 +62,24 @@ def parse_events(text: str) -> list[dict[str, Any]]:
     return out
 
 
-class AgentProcess:
-    """`python -m agent --log-json run --config <tmp>/agent.yaml`, stdout and stderr in files under `tmp`."""
+def boot_to_end(factory: Callable[..., "AgentProcess"], config: Mapping[str, Any], fault: str | None = None,
+                timeout: float = 180) -> "AgentProcess":
+    """One boot from `factory` (the agent_process fixture) run to its end under EDGE_AGENT_FAULT=`fault`:
+    the process, ended, with its own log (its exit code in `returncode`)."""
+    agent = factory(config, env={"EDGE_AGENT_FAULT": fault or ""})
+    agent.run(timeout)
+    return agent
 
-    def __init__(self, tmp: Path, config: Mapping[str, Any] | None = None, *, env: Mapping[str, str] | None = None,
-                 args: Iterable[str] = (), name: str = "agent"):
+
+class AgentProcess:
+    """`python -m agent --log-json run --config <tmp>/<name>.yaml`, stdout and stderr in files under `tmp`.
+
+    `env` is added to this process's environment (a None value takes a variable out)."""
+
+    def __init__(self, tmp: Path, config: Mapping[str, Any] | None = None, *,
+                 env: Mapping[str, str | None] | None = None,
+                 args: Iterable[str] = (), name: str = "agent", log_args: Iterable[str] = ("--log-json",),
+                 preexec: Callable[[], None] | None = None):
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.name = name
@@ -68,6 +89,8 @@ class AgentProcess:
         self.out_path = self.tmp / f"{name}.out"
         self.env = dict(env or {})
         self.args = list(args)
+        self.log_args = list(log_args)  # global options before `run`, e.g. ("--log-level", "warning")
+        self.preexec = preexec  # run in the child before exec (a resource limit)
         self.proc: subprocess.Popen[str] | None = None
         self.starts = 0
 
@@ -83,10 +106,11 @@ class AgentProcess:
         """Start (or restart after it ended); logs of every start are kept, appended in order."""
         assert self.proc is None or self.proc.poll() is not None, "the agent is still running"
         self.write_config()
-        cmd = [sys.executable, "-m", "agent", "--log-json", "run", "--config", str(self.config_path), *self.args]
+        cmd = [sys.executable, "-m", "agent", *self.log_args, "run", "--config", str(self.config_path), *self.args]
+        env = {k: v for k, v in {**os.environ, **self.env}.items() if v is not None}  # None: taken out
         with self.log_path.open("a") as err, self.out_path.open("a") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True,
-                                         env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, text=True, env=env,
+                                         preexec_fn=self.preexec)
         self.starts += 1
         return self
 
@@ -98,9 +122,15 @@ class AgentProcess:
         evs = parse_events(self.log_text())
         return evs if name is None else [e for e in evs if e.get("event") == name]
 
+    def out_text(self) -> str:
+        return self.out_path.read_text() if self.out_path.exists() else ""
+
     def results(self) -> list[dict[str, Any]]:
-        text = self.out_path.read_text() if self.out_path.exists() else ""
-        return parse_events(text)
+        return parse_events(self.out_text())
+
+    def positions(self, name: str) -> list[int]:
+        """Where events called `name` stand in the sequence of all events (to check what came first)."""
+        return [i for i, e in enumerate(self.events()) if e.get("event") == name]
 
     # -- waiting ---------------------------------------------------------------------------------------
     def wait_event(self, name: str, pred: Callable[[dict[str, Any]], bool] | None = None,
@@ -118,6 +148,12 @@ class AgentProcess:
                                  f"{self.returncode}); last events: {names}\n{self.log_text()[-3000:]}")
         return found[count - 1]
 
+    def wait(self, pred: Callable[[], object], timeout: float = 60.0, what: str = "the condition") -> None:
+        """A barrier on anything the test can see; fails with the agent's log tail."""
+        if not self._poll(lambda: bool(pred()), timeout):
+            raise AssertionError(f"{self.name}: {what} did not hold within {timeout:g} s (exit "
+                                 f"{self.returncode})\n{self.log_text()[-3000:]}")
+
     def wait_results(self, n: int, timeout: float = 60.0) -> list[dict[str, Any]]:
         if not self._poll(lambda: len(self.results()) >= n, timeout):
             raise AssertionError(f"{self.name}: {len(self.results())} of {n} results within {timeout:g} s (exit "
@@ -130,6 +166,15 @@ class AgentProcess:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name}: still running after {timeout:g} s\n{self.log_text()[-3000:]}")
+
+    def run(self, timeout: float = 120.0) -> int:
+        """Start and wait for the end (a run with `--max-frames`, or one that must fail): the exit code."""
+        self.start()
+        try:
+            return self.wait_exit(timeout)
+        except AssertionError:
+            self.kill()
+            raise
 
     def _poll(self, pred: Callable[[], bool], timeout: float) -> bool:
         end = time.monotonic() + timeout

@@ -203,16 +203,9 @@ class Collector:
 
 def demo_mqtt_config(device_id: str, state_dir: Path, port: int, *, stdout: bool = False, max_fps: float = 40,
                      **mqtt: object) -> dict:
-    """An agent config (as a dict, for tests to extend) that serves the demo bundle on the demo frames in
-    a loop and talks to the broker on `port` with short keepalive and reconnect times."""
-    root = Path(__file__).resolve().parents[1]
-    return {
-        "device_id": device_id,
-        "state_dir": str(state_dir),
-        "bundle": str(root / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(root / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": max_fps},
-        "output": {"stdout": stdout, "health_interval_s": 0.5},
-        "mqtt": {"enabled": True, "host": "127.0.0.1", "port": port, "keepalive": 5, "reconnect_min_s": 1,
-                 "reconnect_max_s": 1, **mqtt},
-    }
+    """The demo config with MQTT on `port` (agentproc.demo_config, the one definition), for tests that
+    build their own process; new tests take `demo_config` and the `agent_process` fixture."""
+    from agentproc import demo_config
+
+    return demo_config(Path(state_dir).parent, port=port, device_id=device_id, state_dir=str(state_dir),
+                       source={"max_fps": max_fps}, output={"stdout": stdout}, mqtt=mqtt)

@@ -101,14 +101,17 @@ def tiny_sensor_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def agent_process(tmp_path: Path):
     """A factory of real agent processes (tests/agentproc.py), each stopped at the end of the test.
 
-    `agent_process(config=None, name="agent", env=None, args=())`: config defaults to the demo config in
-    this test's tmp_path; call `.start()` on what it returns."""
+    `agent_process(config=None, name="agent", env=None, args=(), log_args=("--log-json",))`: config
+    defaults to the demo config in this test's tmp_path; call `.start()` (or `.run()`) on what it returns.
+    Each process of a test gets its own name (agent, agent2, ...: a second boot keeps its own log)
+    unless `name` is given."""
     from agentproc import AgentProcess
 
     made: list[AgentProcess] = []
 
-    def make(config=None, name: str = "agent", env=None, args=()) -> AgentProcess:
-        a = AgentProcess(tmp_path, config, env=env, args=args, name=name)
+    def make(config=None, name: str | None = None, env=None, args=(), log_args=("--log-json",)) -> AgentProcess:
+        name = name or ("agent" if not made else f"agent{len(made) + 1}")
+        a = AgentProcess(tmp_path, config, env=env, args=args, name=name, log_args=log_args)
         made.append(a)
         return a
 

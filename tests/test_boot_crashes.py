@@ -13,51 +13,28 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from agent.proof.isolation import CrashLedger, CrashRecord, parse_faults
 from agent.proof.probe import provider_versions
+from agentproc import DEMO_FRAMES, ROOT, boot_to_end, demo_config
 from waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
-FRAMES = ROOT / "models" / "demo-frames" / "digits"
 INT8 = "candidate:CPUExecutionProvider:int8"
 
 
-def _config(tmp_path: Path, **overrides) -> Path:
-    cfg = {
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(FRAMES)},
-        "output": {"health_interval_s": 0.5},
-        **overrides,
-    }
-    p = tmp_path / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-def _run(cfg: Path, fault: str | None = None, timeout: float = 180) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    env = {**os.environ, "EDGE_AGENT_FAULT": fault or ""}
-    out = subprocess.run([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=timeout)
-    events = [json.loads(x) for x in out.stderr.splitlines() if x.startswith("{")]
-    return out, events
-
-
-def _results(out: subprocess.CompletedProcess) -> list[dict]:
-    return [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
+def _config(tmp_path: Path, **overrides) -> dict:
+    return demo_config(tmp_path, loop=False, **overrides)
 
 
 def _crashes(tmp_path: Path) -> list[dict]:
     return json.loads((tmp_path / "state" / "selftest" / "crashes.json").read_text())
 
 
-def test_segfaulting_provider_probe_boots_to_serving_on_the_first_boot(tmp_path: Path) -> None:
-    out, events = _run(_config(tmp_path), "probe:CUDAExecutionProvider=SIGSEGV")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert len(_results(out)) == len(list(FRAMES.glob("*.png")))
-    crashed = [e for e in events if e["event"] == "selftest.step_crashed"]
+def test_segfaulting_provider_probe_boots_to_serving_on_the_first_boot(tmp_path: Path, agent_process) -> None:
+    agent = boot_to_end(agent_process, _config(tmp_path), "probe:CUDAExecutionProvider=SIGSEGV")
+    assert agent.returncode == 0, agent.log_text()[-2000:]
+    assert len(agent.results()) == len(list(DEMO_FRAMES.glob("*.png")))
+    crashed = agent.events("selftest.step_crashed")
     assert [(e["step"], e["signal"]) for e in crashed] == [("probe:CUDAExecutionProvider", "SIGSEGV")]
     rec = _crashes(tmp_path)[0]
     assert rec["versions"]["onnxruntime"] and rec["expires"] > time.time()
@@ -68,63 +45,57 @@ def test_segfaulting_provider_probe_boots_to_serving_on_the_first_boot(tmp_path:
 
 @pytest.mark.parametrize("sig,named", [("SIGSEGV", "SIGSEGV"), ("SIGABRT", "SIGABRT"),
                                        ("SIGKILL", "SIGKILL (out of memory?)")])
-def test_segfaulting_variant_boots_to_serving_on_the_next_candidate(tmp_path: Path, sig: str, named: str) -> None:
-    out, events = _run(_config(tmp_path, selection={"use_cache": False}), f"{INT8}={sig}")
-    assert out.returncode == 0, out.stderr[-2000:]
-    results = _results(out)
+def test_segfaulting_variant_boots_to_serving_on_the_next_candidate(tmp_path: Path, sig: str, named: str,
+                                                                    agent_process) -> None:
+    agent = boot_to_end(agent_process, _config(tmp_path, selection={"use_cache": False}), f"{INT8}={sig}")
+    assert agent.returncode == 0, agent.log_text()[-2000:]
+    results = agent.results()
     assert results and {r["variant"] for r in results} == {"fp32"}
     assert [(r["step"], r["signal"]) for r in _crashes(tmp_path)] == [(INT8, named)]
 
 
-def test_segfaulting_cached_winner_boots_to_serving_on_the_first_boot_after_the_fault(tmp_path: Path) -> None:
+def test_segfaulting_cached_winner_boots_to_serving_on_the_first_boot_after_the_fault(tmp_path: Path,
+                                                                                      agent_process) -> None:
     cfg = _config(tmp_path)
-    out, _ = _run(cfg)  # a healthy boot: int8 wins and is cached
-    assert out.returncode == 0 and {r["variant"] for r in _results(out)} == {"int8"}
-    out, events = _run(cfg, f"{INT8}=SIGSEGV")  # the driver changed under the cached winner
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert {r["variant"] for r in _results(out)} == {"fp32"}
-    assert any(e["event"] == "selftest.step_crashed" and e["step"] == INT8 for e in events)
+    healthy = boot_to_end(agent_process, cfg)  # a healthy boot: int8 wins and is cached
+    assert healthy.returncode == 0 and {r["variant"] for r in healthy.results()} == {"int8"}
+    agent = boot_to_end(agent_process, cfg, f"{INT8}=SIGSEGV")  # the driver changed under the cached winner
+    assert agent.returncode == 0, agent.log_text()[-2000:]
+    assert {r["variant"] for r in agent.results()} == {"fp32"}
+    assert any(e["step"] == INT8 for e in agent.events("selftest.step_crashed"))
 
 
-def test_hanging_trial_is_timed_out_and_the_next_candidate_serves(tmp_path: Path) -> None:
+def test_hanging_trial_is_timed_out_and_the_next_candidate_serves(tmp_path: Path, agent_process) -> None:
     # The time-out bounds a whole self-test child (start-up, probes, every candidate), not one trial: at
     # 8 s a loaded CI machine timed out the healthy child too, or charged the hang to the step before it.
     cfg = _config(tmp_path, selection={"use_cache": False}, updates={"selftest_timeout_s": 30})
-    out, _ = _run(cfg, f"{INT8}=hang", timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert {r["variant"] for r in _results(out)} == {"fp32"}
+    agent = boot_to_end(agent_process, cfg, f"{INT8}=hang", timeout=300)
+    assert agent.returncode == 0, agent.log_text()[-2000:]
+    assert {r["variant"] for r in agent.results()} == {"fp32"}
     assert [(r["step"], r["signal"]) for r in _crashes(tmp_path)] == [(INT8, "timeout after 30 s")]
 
 
-def test_crash_while_loading_the_bundle_is_not_serving_with_the_signal_named(tmp_path: Path) -> None:
-    log = tmp_path / "agent.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(_config(tmp_path))],
-                            cwd=ROOT, env={**os.environ, "EDGE_AGENT_FAULT": "load=SIGABRT"},
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+def test_crash_while_loading_the_bundle_is_not_serving_with_the_signal_named(tmp_path: Path, agent_process) -> None:
+    agent = agent_process(_config(tmp_path), env={"EDGE_AGENT_FAULT": "load=SIGABRT"}).start()
     # wait for the verdict itself (a fixed 6 s was too short on a loaded machine: SIGTERM came first)
-    said = wait_until(lambda: '"boot.not_serving"' in log.read_text(), 120)
-    time.sleep(1.0)  # ... and it stays up after saying so
-    assert proc.poll() is None, "the agent died instead of staying up, not serving"
-    assert said, log.read_text()[-2000:]
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and out == ""
-    events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
-    reason = next(e for e in events if e["event"] == "boot.not_serving")["reason"]
-    assert "load crashed the self-test process (SIGABRT)" in reason
+    said = agent.wait_event("boot.not_serving", timeout=120)
+    # ... and it stays up after saying so: two health ticks after the verdict (a barrier, not a sleep)
+    after = agent.positions("boot.not_serving")[0]
+    agent.wait(lambda: sum(i > after for i in agent.positions("health")) >= 2, 30, "two health ticks after the verdict")
+    assert agent.returncode is None, "the agent died instead of staying up, not serving"
+    assert agent.stop() == 0 and agent.out_text() == ""
+    assert "load crashed the self-test process (SIGABRT)" in said["reason"]
 
 
-def test_forget_crashes_lets_a_crashed_step_be_tried_again(tmp_path: Path) -> None:
+def test_forget_crashes_lets_a_crashed_step_be_tried_again(tmp_path: Path, agent_process) -> None:
     cfg = _config(tmp_path, selection={"use_cache": False})
-    out, _ = _run(cfg, f"{INT8}=SIGSEGV")
-    assert {r["variant"] for r in _results(out)} == {"fp32"}
-    out, _ = _run(cfg)  # the record still applies: int8 is skipped, not retried
-    assert {r["variant"] for r in _results(out)} == {"fp32"}
+    assert {r["variant"] for r in boot_to_end(agent_process, cfg, f"{INT8}=SIGSEGV").results()} == {"fp32"}
+    # the record still applies: int8 is skipped, not retried
+    assert {r["variant"] for r in boot_to_end(agent_process, cfg).results()} == {"fp32"}
     forget = subprocess.run([sys.executable, "-m", "agent", "selftest", "--forget-crashes", "--state-dir",
                              str(tmp_path / "state")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert forget.returncode == 0 and "forgot 1 crash record" in forget.stderr
-    out, _ = _run(cfg)
-    assert {r["variant"] for r in _results(out)} == {"int8"}
+    assert {r["variant"] for r in boot_to_end(agent_process, cfg).results()} == {"int8"}
 
 
 def test_selftest_command_survives_a_segfaulting_candidate(tmp_path: Path) -> None:
@@ -160,17 +131,15 @@ def test_fault_hook_is_inert_without_the_variable() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_sigterm_during_a_hanging_boot_proof_exits_promptly_and_leaves_no_child(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, updates={"selftest_timeout_s": 300})
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
-                            env={**os.environ, "EDGE_AGENT_FAULT": "load=hang"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_sigterm_during_a_hanging_boot_proof_exits_promptly_and_leaves_no_child(tmp_path: Path, agent_process) -> None:
+    agent = agent_process(_config(tmp_path, updates={"selftest_timeout_s": 300}),
+                          env={"EDGE_AGENT_FAULT": "load=hang"}).start()
     children = lambda: subprocess.run(["pgrep", "-f", f"selftest_child.*{tmp_path}"],  # noqa: E731
                                       capture_output=True, text=True).stdout.strip()
     # SIGTERM while the child hangs in the proof (a fixed 3 s could land before the child existed)
-    assert wait_until(lambda: children() != "", 60), "the self-test child never started"
-    proc.send_signal(signal.SIGTERM)
+    agent.wait(lambda: children() != "", 60, "the self-test child started")
     # promptly: far inside the 300 s self-test time-out it would otherwise wait out (60 s is for load)
-    assert proc.wait(timeout=60) == 0
+    agent.signal(signal.SIGTERM)
+    assert agent.wait_exit(60) == 0
     left = children() if not wait_until(lambda: children() == "", 15) else ""
     assert left == "", f"self-test children left running: {left}"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-
+from agentproc import demo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO, FRAMES = ROOT / "models" / "digits-classifier", ROOT / "models" / "demo-frames" / "digits"
@@ -192,14 +192,11 @@ def test_cli_state_dir_defaults_to_the_users_not_the_services(tmp_path: Path) ->
     assert (tmp_path / "xdg" / "edge-agent" / "selftest" / "report.json").exists()
 
 
-def test_log_level_from_the_config_is_honoured(tmp_path: Path) -> None:
-    cfg = tmp_path / "a.yaml"
-    cfg.write_text(f"state_dir: {tmp_path / 's'}\nbundle: {DEMO}\nsource: {{type: folder, path: {FRAMES}}}\n"
-                   "output: {stdout: false}\nlog: {level: error, json: true}\n")
-    out = subprocess.run([sys.executable, "-m", "agent", "run", "--config", str(cfg), "--max-frames", "3"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert '"level": "info"' not in out.stderr and "boot.ready" not in out.stderr
+def test_log_level_from_the_config_is_honoured(tmp_path: Path, agent_process) -> None:
+    cfg = demo_config(tmp_path, loop=False, output={"stdout": False}, log={"level": "error", "json": True})
+    agent = agent_process(cfg, log_args=(), args=("--max-frames", "3"))  # no --log-json: the config's log
+    assert agent.run(300) == 0, agent.log_text()
+    assert '"level": "info"' not in agent.log_text() and "boot.ready" not in agent.log_text()
 
 
 def test_selftest_with_a_state_dir_it_cannot_write_is_one_line_not_a_traceback(tmp_path: Path) -> None:
@@ -209,27 +206,21 @@ def test_selftest_with_a_state_dir_it_cannot_write_is_one_line_not_a_traceback(t
     assert out.returncode == 1 and str(blocker) in _one_line(out.stderr), out.stderr
 
 
-def test_stream_reconnects_leave_no_opencv_or_ffmpeg_lines_in_the_json_log(tmp_path: Path) -> None:
-    import signal
-    import time
+def test_stream_reconnects_leave_no_opencv_or_ffmpeg_lines_in_the_json_log(tmp_path: Path, agent_process) -> None:
+    from slow_servers import tcp_server
 
-    from brokers import free_port
-
-    cfg = tmp_path / "a.yaml"
-    cfg.write_text(f"state_dir: {tmp_path / 's'}\nbundle: {DEMO}\noutput: {{stdout: false}}\n"
-                   f"source: {{type: stream, url: 'http://127.0.0.1:{free_port()}/cam.mjpg', open_timeout_ms: 500, "
-                   "read_timeout_ms: 500, reconnect_initial_s: 0.2, reconnect_max_s: 0.5}\n")
-    err = tmp_path / "err.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    # a camera that accepts and hangs up at once: every open fails, and each attempt is counted here
+    attempts: list[int] = []
+    srv = tcp_server(lambda conn: (attempts.append(1), conn.close()))
+    cfg = demo_config(tmp_path, output={"stdout": False})
+    cfg["source"] = {"type": "stream", "url": f"http://127.0.0.1:{srv.getsockname()[1]}/cam.mjpg",
+                     "open_timeout_ms": 500, "read_timeout_ms": 500, "reconnect_initial_s": 0.2, "reconnect_max_s": 0.5}
+    agent = agent_process(cfg).start()
     try:
-        end = time.monotonic() + 60
-        while time.monotonic() < end and '"source.lost"' not in err.read_text():
-            time.sleep(0.2)
-        time.sleep(3)  # a few reconnect attempts
+        agent.wait_event("source.lost")
+        agent.wait(lambda: len(attempts) >= 4, 60, "four reconnect attempts")  # a barrier: each had its chance to log
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
-    assert any('"source.lost"' in ln for ln in lines), lines[-5:]
+        assert agent.stop() == 0
+        srv.close()
+    lines = [ln for ln in agent.log_text().splitlines() if ln.strip()]
     assert [ln for ln in lines if not ln.startswith("{")] == []

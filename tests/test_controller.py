@@ -15,49 +15,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentproc import demo_config
+from agentproc import AgentProcess, demo_config, parse_events
 from brokers import Broker, Collector
-from waiting import end_process, wait_until
+from update_kits import key_and_frames
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-c"
 PREFIX = f"edge/{DEVICE}/"
-FRAMES = ROOT / "models" / "demo-frames" / "digits"
 
 pytestmark = pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).exists() and not os.environ.get("CI"),
                                 reason="mosquitto is not installed (scripts/test.sh installs it)")
 
 
 def _config(tmp_path: Path, port: int | None = None, **overrides) -> Path:
-    cfg = {
-        "device_id": DEVICE,
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(FRAMES), "loop": True, "max_fps": 200},
-        "output": {"health_interval_s": 0.5},
-        **overrides,
-    }
-    if port is not None:
-        cfg["mqtt"] = {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1}
+    """The demo config as a file, for a controller run in-process or under a test's own script."""
     p = tmp_path / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
+    p.write_text(yaml.safe_dump(demo_config(tmp_path, port=port, device_id=DEVICE, **overrides)))
     return p
-
-
-def _start(cfg: Path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
-                            stdout=stdout, stderr=stderr, text=True, env={**os.environ, **(env or {})})
-
-
-def _events(err: str) -> list[dict]:
-    out = []
-    for x in err.splitlines():
-        if x.startswith("{"):
-            try:
-                out.append(json.loads(x))
-            except ValueError:
-                pass
-    return out
 
 
 class Commander:
@@ -200,18 +174,16 @@ def _run_with_failing_sink(cfg: Path) -> subprocess.CompletedProcess:
 
 def test_dead_pipeline_stage_is_not_serving_and_run_exits_non_zero(tmp_path: Path) -> None:
     """Fault: when a pipeline thread died, run() returned 0 (no systemd restart) and health said serving."""
-    out = _run_with_failing_sink(_config(tmp_path, output={"stdout": False, "health_interval_s": 0.5}))
+    out = _run_with_failing_sink(_config(tmp_path, output={"stdout": False}))
     assert out.returncode != 0, out.stderr[-2000:]
-    failed = [e for e in _events(out.stderr) if e["event"] == "pipeline.failed"]
+    failed = [e for e in parse_events(out.stderr) if e["event"] == "pipeline.failed"]
     assert failed and "publish stage died: OSError" in failed[0]["reason"]
 
 
 def test_dead_pipeline_stage_withholds_health_and_exits_with_mqtt_on(broker: Broker, tmp_path: Path) -> None:
     col = Collector(broker.port, [PREFIX + "health"])
     assert col.wait(lambda: col.connects >= 1, 30)
-    out = _run_with_failing_sink(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.5},
-                                         source={"type": "folder", "path": str(FRAMES), "loop": True,
-                                                 "max_fps": 5}))
+    out = _run_with_failing_sink(_config(tmp_path, broker.port, output={"stdout": False}, source={"max_fps": 5}))
     assert out.returncode != 0, out.stderr[-2000:]  # with MQTT on too: Restart=on-failure restarts it
     # published before the exit; forwarded to this subscriber a moment later (maybe none arrived yet)
     assert col.wait(lambda: col.on(PREFIX + "health") and "died" in (
@@ -228,43 +200,42 @@ def _signed_v1_v2_and_frames(tmp_path: Path, master: Path) -> tuple[Path, Path, 
     """Bundle v1 to serve, v2 packed as an update (both signed by a fresh key), and a folder of frames."""
     import shutil
 
-    import cv2
-
     from agent.bundle.archive import pack
-    from agent.bundle.signing import keygen, sign_bundle
-    from agent.testing import rewrite_manifest, structured_frames
+    from agent.bundle.signing import sign_bundle
+    from agent.testing import rewrite_manifest
 
-    keygen(tmp_path / "k.pem", tmp_path / "k.pub")
+    frames = key_and_frames(tmp_path, 8, seed=3)
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     for d, version in ((v1, 1), (v2, 2)):
         shutil.copytree(master, d)
         rewrite_manifest(d, lambda m, v=version: m.update(version=v))
         sign_bundle(d, tmp_path / "k.pem")
     archive = pack(v2, tmp_path / "v2.tar.gz")
-    frames = tmp_path / "frames"
-    frames.mkdir()
-    for i, f in enumerate(structured_frames(8, 40, seed=3)):
-        cv2.imwrite(str(frames / f"{i:02d}.png"), f)
     return v1, archive, frames
 
 
+def _update_agent(agent_process, tmp_path: Path, port: int, master: Path, **updates) -> tuple[AgentProcess, Path]:
+    """An agent serving a signed v1 with updates on (not started), and the packed v2 to push to it."""
+    v1, archive, frames = _signed_v1_v2_and_frames(tmp_path, master)
+    cfg = demo_config(tmp_path, port=port, device_id=DEVICE, bundle=str(v1), output={"stdout": False},
+                      source={"path": str(frames), "max_fps": 60},
+                      updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], **updates})
+    return agent_process(cfg), archive
+
+
 def test_bundle_messages_queued_while_the_agent_was_down_are_not_lost(broker: Broker, tmp_path: Path,
-                                                                       tiny_bundle_master: Path) -> None:
+                                                                       tiny_bundle_master: Path, agent_process) -> None:
     """Fault: bundle messages the broker kept for the agent's session arrived before the receiver
     existed and were acknowledged and lost. Now the receiver exists before the link connects."""
     from agent.link.push import push
 
-    v1, archive, frames = _signed_v1_v2_and_frames(tmp_path, tiny_bundle_master)
-    cfg = _config(tmp_path, broker.port, bundle=str(v1), output={"stdout": False, "health_interval_s": 0.5},
-                  source={"type": "folder", "path": str(frames), "loop": True, "max_fps": 60},
-                  updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 1.0,
-                           "probation_frames": 20})
-    log = open(tmp_path / "agent.log", "a")
-    proc = _start(cfg, stdout=subprocess.DEVNULL, stderr=log)
+    agent, archive = _update_agent(agent_process, tmp_path, broker.port, tiny_bundle_master, probation_s=1.0,
+                                   probation_frames=20)
+    agent.start()
     col = Collector(broker.port, [PREFIX + "health"])
     try:  # a first run creates the persistent session with its bundle/# subscription
         assert col.wait(lambda: any(json.loads(m.payload)["serving"] for m in col.on(PREFIX + "health")), 60)
-        end_process(proc)
+        agent.stop()
         witness = Collector(broker.port, [PREFIX + "bundle/done"])  # sees what the broker queues for the agent
         assert witness.wait(lambda: witness.connects >= 1, 30)
         result: dict = {}
@@ -275,27 +246,24 @@ def test_bundle_messages_queued_while_the_agent_was_down_are_not_lost(broker: Br
         # on a loaded machine, and the test would pass without the queued messages it is about)
         assert witness.wait(lambda: witness.on(PREFIX + "bundle/done"), 60), "the pusher never sent done"
         witness.close()
-        proc = _start(cfg, stdout=subprocess.DEVNULL, stderr=log)
+        agent.start()
         pusher.join(100)
-        assert result.get("state") == "committed", (result, (tmp_path / "agent.log").read_text()[-3000:])
+        assert result.get("state") == "committed", (result, agent.log_text()[-3000:])
     finally:
-        end_process(proc)
+        agent.stop()
         col.close()
 
 
 def test_sighup_reload_under_an_update_waits_and_keeps_the_update(broker: Broker, tmp_path: Path,
-                                                                  tiny_bundle_master: Path) -> None:
+                                                                  tiny_bundle_master: Path, agent_process) -> None:
     """Fault: a SIGHUP reload ran store.recover() under an update in flight, deleted its staging and
     reverted `current`; the updater then committed a bundle that was not served."""
     from agent.link.push import push
 
-    v1, archive, frames = _signed_v1_v2_and_frames(tmp_path, tiny_bundle_master)
-    cfg = _config(tmp_path, broker.port, bundle=str(v1), output={"stdout": False, "health_interval_s": 0.5},
-                  source={"type": "folder", "path": str(frames), "loop": True, "max_fps": 60},
-                  updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 3.0,
-                           "probation_frames": 100000})
+    agent, archive = _update_agent(agent_process, tmp_path, broker.port, tiny_bundle_master, probation_s=3.0,
+                                   probation_frames=100000)
     col = Collector(broker.port, [PREFIX + "predictions", PREFIX + "update/status"])
-    proc = _start(cfg, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "a"))
+    agent.start()
     try:
         assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 5, 60)
         result: dict = {}
@@ -305,15 +273,13 @@ def test_sighup_reload_under_an_update_waits_and_keeps_the_update(broker: Broker
         on_probation = lambda: any(json.loads(m.payload)["state"] == "probation"  # noqa: E731
                                    for m in col.on(PREFIX + "update/status"))
         assert col.wait(on_probation, 60)
-        proc.send_signal(signal.SIGHUP)  # a reload while the update is on probation
+        agent.signal(signal.SIGHUP)  # a reload while the update is on probation
         pusher.join(100)
         assert result.get("state") == "committed", result
         # the deferred reload runs after the commit, on its own thread: wait until it has served again
         # (boot.ready after reload.start) before judging what it left, then for results of that pipeline
-        def reloaded() -> bool:
-            names = [e["event"] for e in _events((tmp_path / "agent.log").read_text())]
-            return "reload.start" in names and "boot.ready" in names[names.index("reload.start"):]
-        assert wait_until(reloaded, 120), (tmp_path / "agent.log").read_text()[-3000:]
+        agent.wait(lambda: agent.positions("reload.start") and agent.positions("boot.ready")[-1]
+                   > agent.positions("reload.start")[0], 120, "boot.ready after reload.start")
         n = len(col.on(PREFIX + "predictions"))
         assert col.wait(lambda: len(col.on(PREFIX + "predictions")) > n + 20, 60)
         last = json.loads(col.on(PREFIX + "predictions")[-1].payload)
@@ -321,54 +287,48 @@ def test_sighup_reload_under_an_update_waits_and_keeps_the_update(broker: Broker
         store = tmp_path / "state" / "store"
         assert os.readlink(store / "current") == os.readlink(store / "committed")
         assert "v2" in os.readlink(store / "committed")
-        events = _events((tmp_path / "agent.log").read_text())
-        names = [e["event"] for e in events]
-        assert "reload.deferred" in names
-        assert names.index("reload.start") > names.index("update.committed")
+        assert agent.events("reload.deferred")
+        assert agent.positions("reload.start")[0] > agent.positions("update.committed")[0]
     finally:
-        end_process(proc)
+        agent.stop()
         col.close()
 
 
-def test_outbox_stats_in_health_while_the_link_pumps(broker: Broker, tmp_path: Path) -> None:
+def test_outbox_stats_in_health_while_the_link_pumps(broker: Broker, tmp_path: Path, agent_process) -> None:
     """Fault: the outbox's SQLite connection and queues were used from three threads without a lock
     (`stats()` could raise IndexError in the main loop). Health at 10 Hz (the floor of output.health_interval_s) while the link pumps."""
-    # stderr to a file: a pipe nobody reads until the end fills at 64 KB and blocks the agent's logging
-    with (tmp_path / "agent.err").open("w") as err_file:
-        proc = _start(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.1}),
-                      stdout=subprocess.DEVNULL, stderr=err_file)
+    agent = _agent(agent_process, tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.1})
     col = Collector(broker.port, [PREFIX + "health"])
     try:
         assert col.wait(lambda: len(col.on(PREFIX + "health")) >= 60, 60)
-        assert proc.poll() is None
+        assert agent.returncode is None
     finally:
-        end_process(proc)
+        rc = agent.stop()
         col.close()
-    err = (tmp_path / "agent.err").read_text()
-    assert "Traceback" not in err and proc.returncode == 0
-
+    assert "Traceback" not in agent.log_text() and rc == 0
 
 
 @pytest.mark.slow  # 400 queued self-tests: a storm
-def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker, tmp_path: Path) -> None:
+def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker, tmp_path: Path,
+                                                                 agent_process) -> None:
     """Fault: 400 queued `selftest` commands plus a reload blocked the main loop 64 s (a watchdog gap of
     74 s against WatchdogSec=30). Now they are events and one operation at a time: the loop keeps ticking."""
     from test_sdnotify import NotifySocket
 
     rx = NotifySocket(tmp_path / "n.sock")
-    proc = _start(_config(tmp_path, broker.port, output={"stdout": False, "health_interval_s": 0.5}),
-                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                  env={"NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": "2000000"})
+    agent = agent_process(demo_config(tmp_path, port=broker.port, device_id=DEVICE, output={"stdout": False}),
+                          env={"NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": "2000000"}).start()
     cmd = Commander(broker.port)
     try:
         assert rx.wait(lambda: rx.with_key("READY"), 60)
         start = time.monotonic()
         for _ in range(400):
             cmd.send("selftest")
-        proc.send_signal(signal.SIGHUP)
+        agent.signal(signal.SIGHUP)
         assert cmd.col.wait(lambda: len(cmd.replies("selftest")) >= 400, 120)
         assert rx.wait(lambda: len(rx.with_key("READY")) >= 2, 60)  # the reload finished too
-        time.sleep(2)
+        reloaded = float(rx.with_key("READY")[1]["_t"])  # and the loop pings on after it (a barrier, not a sleep)
+        assert rx.wait(lambda: sum(float(m["_t"]) > reloaded for m in rx.with_key("WATCHDOG")) >= 2, 30)
         pings = [float(m["_t"]) for m in rx.with_key("WATCHDOG") if float(m["_t"]) >= start]
         gaps = [b - a for a, b in zip([start] + pings, pings + [time.monotonic()])]
         print(f"\n400 self-tests + a reload: longest watchdog gap {max(gaps):.2f} s")
@@ -377,7 +337,7 @@ def test_queued_selftests_and_a_reload_never_starve_the_watchdog(broker: Broker,
         # waits on queued operations without failing on a scheduler hiccup (the gap is printed above).
         assert max(gaps) < 8.0, f"the watchdog went {max(gaps):.1f} s without a ping (WatchdogSec 2 s)"
     finally:
-        end_process(proc)
+        agent.stop()
         cmd.close()
         rx.close()
 

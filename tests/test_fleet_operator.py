@@ -8,7 +8,10 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from brokers import Broker
@@ -52,33 +55,57 @@ def fake_device(c: FleetClient, d: str) -> None:
     c.publish(f"edge/{d}/facts", {"session": 1, "labels": {}, "bundle": {"committed": {"name": "tiny-classifier", "version": 1}}})
 
 
-def test_download_cap_holds_new_starts_until_a_device_is_past_its_download(broker: Broker) -> None:
-    devices = [f"dev{i}" for i in range(8)]
-    c = FleetClient(Connection("127.0.0.1", broker.port)).start(["edge/+/cmd/update"])
+class Ticks:
+    """The operator's loop asks `until` once a tick: counting the asks is the barrier before "nothing more
+    happened" (a fixed sleep passes vacuously when a loaded machine ran no tick in it)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.stop = threading.Event()
+
+    def __call__(self) -> bool:
+        self.n += 1
+        return self.stop.is_set()
+
+    def wait(self, more: int = 20) -> None:
+        k = self.n
+        assert wait_until(lambda: self.n >= k + more, 30), "the operator's loop stopped ticking"
+
+
+@contextmanager
+def running(port: int, rid: str, devices: list[str], subscribe: tuple[str, ...] = (), **plan: Any) -> Iterator[tuple]:
+    """Fake `devices`, publish the plan `rid` over them, and run its operator on a thread:
+    (operator, the devices' client, the loop's Ticks); all stopped at the end."""
+    c = FleetClient(Connection("127.0.0.1", port)).start(list(subscribe))
     for d in devices:
         fake_device(c, d)
-    plan = Plan(id="cap", artifact=ART, targets=tuple(devices), phases=(8,), rate_per_min=6000, max_downloads=3)
-    publish_plan(broker.port, plan)
-    op = operator(broker.port, "cap")
-    stop = threading.Event()
-    t = threading.Thread(target=op.run, kwargs={"until": stop.is_set}, daemon=True)
+    publish_plan(port, Plan(id=rid, artifact=ART, targets=tuple(devices), **plan))
+    op = operator(port, rid)
+    ticks = Ticks()
+    t = threading.Thread(target=op.run, kwargs={"until": ticks}, daemon=True)
     t.start()
     try:
+        yield op, c, ticks
+    finally:
+        ticks.stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_download_cap_holds_new_starts_until_a_device_is_past_its_download(broker: Broker) -> None:
+    with running(broker.port, "cap", [f"dev{i}" for i in range(8)], ("edge/+/cmd/update",), phases=(8,),
+                 rate_per_min=6000, max_downloads=3) as (op, c, ticks):
         assert wait_until(lambda: len(op.records) == 3, 20)
         first = sorted(op.records)
         # barrier: the broker carried the three commands (so the loop ran well past its first starts)
         assert wait_until(lambda: c.inbox.qsize() >= 3, 20)
-        time.sleep(1.0)  # many loop ticks (50 ms each) with the cap full: still three
+        ticks.wait()  # twenty loop ticks with the cap full: still three
         assert len(op.records) == 3, sorted(op.records)
         c.publish(f"edge/{first[0]}/update/status", {"update": "cap", "state": "verifying", "ts": time.time()})
         assert wait_until(lambda: len(op.records) == 4, 20)
-        time.sleep(1.0)
+        ticks.wait()
         assert len(op.records) == 4
-    finally:
-        stop.set()
-        t.join(10)
-        op.client.stop()
-        c.stop()
 
 
 def test_a_second_operator_is_refused_while_the_first_holds_a_fresh_heartbeat(broker: Broker) -> None:
@@ -114,7 +141,6 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     groups = [GroupProfile("a", 6), GroupProfile("b", 4, crash_pct=50, hang_pct=50, crash_down_s=30)]
-    stop = threading.Event()
     sims = SimFleet("127.0.0.1", broker.port, groups, tiny_bundle_master, [tmp_path / "k.pub"], tmp_path / "sims").start()
     op = None
     try:
@@ -127,12 +153,12 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
                     gates=Gates(abort_failure_pct=60, abort_min_finished=10, min_committed_pct=80))
         publish_plan(broker.port, plan)
         op = operator(broker.port, "gate")
-        stop = threading.Event()
-        t = threading.Thread(target=op.run, kwargs={"until": stop.is_set, "max_s": 120}, daemon=True)
+        ticks = Ticks()
+        t = threading.Thread(target=op.run, kwargs={"until": ticks, "max_s": 120}, daemon=True)
         t.start()
         assert wait_until(lambda: op.state.get("status") == "awaiting_approval", 60), op.state
         assert sorted(op.records) == sorted(order[:4]) and all(r["state"] == "committed" for r in op.records.values())
-        time.sleep(0.5)
+        ticks.wait()
         assert len(op.records) == 4, "nothing starts past the human gate"
         c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
         c.publish(RolloutTopics("gate").control, {"action": "approve", "ts": time.time(), "by": "test"})
@@ -147,7 +173,7 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
         assert json.dumps(op.state["decisions"][2]).count("approved by test")
     finally:
         if op is not None:
-            stop.set()
+            ticks.stop.set()
             t.join(10)
             op.client.stop()
         sims.close()
@@ -155,34 +181,20 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
 
 
 def test_pause_stops_new_starts_and_resume_continues(broker: Broker) -> None:
-    devices = [f"dev{i}" for i in range(6)]
-    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
-    for d in devices:
-        fake_device(c, d)
-    plan = Plan(id="pz", artifact=ART, targets=tuple(devices), phases=(6,), rate_per_min=6000, max_downloads=2)
-    publish_plan(broker.port, plan)
-    op = operator(broker.port, "pz")
-    stop = threading.Event()
-    t = threading.Thread(target=op.run, kwargs={"until": stop.is_set}, daemon=True)
-    t.start()
-    try:
+    with running(broker.port, "pz", [f"dev{i}" for i in range(6)], phases=(6,), rate_per_min=6000,
+                 max_downloads=2) as (op, c, ticks):
         assert wait_until(lambda: len(op.records) == 2, 20)
         c.publish(RolloutTopics("pz").control, {"action": "pause", "ts": time.time(), "by": "test"})
         assert wait_until(lambda: op.state.get("status") == "paused", 20)
         for d in sorted(op.records):  # both past their download: the cap no longer holds anything back
             c.publish(f"edge/{d}/update/status", {"update": "pz", "state": "selftest", "ts": time.time()})
         assert wait_until(lambda: all(op.devices.status.get(d) for d in op.records), 20)
-        time.sleep(1.0)
+        ticks.wait()
         assert len(op.records) == 2, "paused: nothing new starts"
         c.publish(RolloutTopics("pz").control, {"action": "resume", "ts": time.time() + 0.001, "by": "test"})
         assert wait_until(lambda: len(op.records) == 4, 20)
         events = [d["event"] for d in op.state["decisions"]]
         assert events == ["started", "paused", "unpaused"], events
-    finally:
-        stop.set()
-        t.join(10)
-        op.client.stop()
-        c.stop()
 
 
 def test_an_operator_that_was_taken_over_steps_aside(broker: Broker) -> None:

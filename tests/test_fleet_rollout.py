@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from brokers import Broker, Collector
-from waiting import end_process, wait_until
+from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
 from agent.fleet.simulator import GroupProfile, SimFleet
 from agent.testing import rewrite_manifest
+from agentproc import AgentProcess, demo_config
 
 pytestmark = pytest.mark.slow
 
@@ -78,24 +78,19 @@ def world(tmp_path_factory: pytest.TempPathFactory):
     agents = []
     for i in range(REAL_AGENTS):
         d = t / f"real-{i}"
-        d.mkdir()
-        cfg = {"device_id": f"real-{i}", "state_dir": str(d / "state"), "bundle": str(DEMO),
-               "labels": {"group": "real", "site": "lab"},
-               "source": {"type": "folder", "path": str(FRAMES), "loop": True, "max_fps": 15},
-               "output": {"stdout": False, "health_interval_s": 5},
-               "mqtt": {"enabled": True, "port": broker.port, "keepalive": 10, "reconnect_min_s": 1, "reconnect_max_s": 2},
-               "updates": {"enabled": True, "trusted_keys": [str(t / "k.pub")], "probation_s": 2.0,
-                           "probation_frames": 20}}
-        (d / "agent.yaml").write_text(yaml.safe_dump(cfg))
-        agents.append(subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(d / "agent.yaml")],
-                                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "w")))
+        cfg = demo_config(d, port=broker.port, device_id=f"real-{i}", labels={"group": "real", "site": "lab"},
+                          source={"max_fps": 15}, output={"stdout": False, "health_interval_s": 5},
+                          mqtt={"keepalive": 10, "reconnect_max_s": 2},
+                          updates={"enabled": True, "trusted_keys": [str(t / "k.pub")], "probation_s": 2.0,
+                                   "probation_frames": 20})
+        agents.append(AgentProcess(d, cfg).start())  # a module's agents: the per-test factory does not serve
     col = Collector(broker.port, ["edge/+/cmd/update", "edge/+/cmd/rollback"])
     assert col.wait(lambda: col.connects >= 1, 20)
     yield {"t": t, "port": broker.port, "url": f"http://127.0.0.1:{srv.server_address[1]}", "archives": archives,
            "col": col, "pub": t / "k.pub"}
     col.close()
     for a in agents:
-        end_process(a)
+        a.stop()
     srv.shutdown()
     broker.stop()
 

@@ -12,19 +12,17 @@ import json
 import os
 import random
 import string
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from brokers import MOSQUITTO, Broker, Collector
-from waiting import end_process, wait_until
+from waiting import wait_until
+from agentproc import demo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-fuzz"
@@ -87,27 +85,20 @@ def vm_hwm_mb(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def test_fuzzed_commands_and_bundle_messages_keep_the_agent_serving_bounded_and_answering(tmp_path: Path) -> None:
+def test_fuzzed_commands_and_bundle_messages_keep_the_agent_serving_bounded_and_answering(tmp_path: Path,
+                                                                                          agent_process) -> None:
     rng = random.Random(SEED)
     broker = Broker(tmp_path / "broker").start()
-    cfg = {"device_id": DEVICE, "state_dir": str(tmp_path / "state"),
-           "bundle": str(ROOT / "models" / "digits-classifier"),
-           "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                      "max_fps": 30},
-           "output": {"stdout": False, "health_interval_s": 0.5},
-           "mqtt": {"enabled": True, "port": broker.port, "reconnect_min_s": 1, "reconnect_max_s": 1},
-           "updates": {"enabled": True, "transfer_idle_s": IDLE_S, "max_bundle_bytes": 64 * 2**20,
-                       "download_timeout_s": 1.0, "download_deadline_s": 2.0, "min_free_bytes": 0}}
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    log = tmp_path / "agent.log"
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    cfg = demo_config(tmp_path, port=broker.port, device_id=DEVICE, source={"max_fps": 30}, output={"stdout": False},
+                      updates={"enabled": True, "transfer_idle_s": IDLE_S, "max_bundle_bytes": 64 * 2**20,
+                               "download_timeout_s": 1.0, "download_deadline_s": 2.0, "min_free_bytes": 0})
+    agent = agent_process(cfg).start()
     col = Collector(broker.port, [PREFIX + "#"])
     fuzz = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
     fuzz.max_inflight_messages_set(1000)
     try:
         preds = lambda: col.on(PREFIX + "predictions")  # noqa: E731
-        assert col.wait(lambda: len(preds()) >= 3, 90), log.read_text()[-3000:]
+        assert col.wait(lambda: len(preds()) >= 3, 90), agent.log_text()[-3000:]
         fuzz.connect("127.0.0.1", broker.port)
         fuzz.loop_start()
         expect_error: set[bytes] = set()
@@ -170,7 +161,7 @@ def test_fuzzed_commands_and_bundle_messages_keep_the_agent_serving_bounded_and_
             return out
 
         assert wait_until(lambda: answered() == expect_error, 120), f"{len(expect_error - answered())} unanswered"
-        assert agent.poll() is None, log.read_text()[-3000:]
+        assert agent.returncode is None, agent.log_text()[-3000:]
         fuzz.publish(PREFIX + "cmd/resume", b"{}", qos=1).wait_for_publish(30)
         k = len(preds())
         assert col.wait(lambda: len(preds()) > k + 5, 60), "stopped serving"
@@ -184,11 +175,11 @@ def test_fuzzed_commands_and_bundle_messages_keep_the_agent_serving_bounded_and_
               f"all answered; peak RSS {peak:.0f} MB (bound {PEAK_RSS_BOUND_MB} MB); staging empty after "
               f"{time.monotonic() - t0:.1f} s")
         assert peak < PEAK_RSS_BOUND_MB
-        text = log.read_text()
+        text = agent.log_text()
         for event in ('"bundle.message_failed"', '"command.failed"', '"outbox.pump_failed"', "Traceback"):
             assert event not in text, f"{event} in the agent's log"
     finally:
         fuzz.loop_stop()
-        end_process(agent)
+        agent.stop()
         col.close()
         broker.stop()

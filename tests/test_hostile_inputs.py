@@ -9,22 +9,19 @@ import http.server
 import json
 import os
 import resource
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from brokers import MOSQUITTO, Broker, Collector, demo_mqtt_config
-from waiting import end_process, wait_until
+from agentproc import AgentProcess, demo_config
+from brokers import MOSQUITTO, Broker, Collector
+from waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE, OTHER = "dev-h", "dev-other"
 PREFIX = f"edge/{DEVICE}/"
 IDLE_S = 3.0
@@ -50,22 +47,16 @@ def _limit_memory() -> None:
 def agent(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("hostile")
     broker = Broker(tmp / "broker").start()
-    cfg = {
-        **demo_mqtt_config(DEVICE, tmp / "state", broker.port, max_fps=30),
-        "updates": {"enabled": True, "max_bundle_bytes": 512 * 2**20, "transfer_idle_s": IDLE_S,
-                    "download_timeout_s": 1.0, "download_deadline_s": 3.0, "min_free_bytes": 0},
-    }
-    (tmp / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    log = tmp / "agent.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp / "agent.yaml")],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "a"), preexec_fn=_limit_memory)
+    cfg = demo_config(tmp, port=broker.port, device_id=DEVICE, source={"max_fps": 30}, output={"stdout": False},
+                      updates={"enabled": True, "max_bundle_bytes": 512 * 2**20, "transfer_idle_s": IDLE_S,
+                               "download_timeout_s": 1.0, "download_deadline_s": 3.0, "min_free_bytes": 0})
+    proc = AgentProcess(tmp, cfg, preexec=_limit_memory).start()  # one agent for the module
     col = Collector(broker.port, [PREFIX + "#", f"edge/{OTHER}/#"])
     try:
-        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 3, 90), log.read_text()[-3000:]
-        yield {"proc": proc, "col": col, "broker": broker, "tmp": tmp, "staging": tmp / "state" / "store" / "staging",
-               "log": log}
+        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 3, 90), proc.log_text()[-3000:]
+        yield {"proc": proc, "col": col, "broker": broker, "tmp": tmp, "staging": tmp / "state" / "store" / "staging"}
     finally:
-        end_process(proc)
+        proc.stop()
         col.close()
         broker.stop()
 
@@ -101,9 +92,17 @@ def replies(col: Collector, name: str) -> list[dict]:
     return [json.loads(m.payload) for m in col.on(PREFIX + f"cmd/{name}/reply")]
 
 
+def handled(agent: dict, client: Client, uid: str) -> None:
+    """A barrier: a status command sent after what the client sent before it is answered. Messages of one
+    client reach the agent in order and the controller handles them in order, so all before it are done."""
+    col = agent["col"]
+    client.pub(PREFIX + "cmd/status", json.dumps({"id": uid}))
+    assert col.wait(lambda: any(r.get("id") == uid for r in replies(col, "status")), 60), f"no reply to {uid}"
+
+
 def still_serving(agent: dict) -> bool:
     n = len(agent["col"].on(PREFIX + "predictions"))
-    return agent["proc"].poll() is None and agent["col"].wait(lambda: len(agent["col"].on(PREFIX + "predictions")) > n + 2, 30)
+    return agent["proc"].returncode is None and agent["col"].wait(lambda: len(agent["col"].on(PREFIX + "predictions")) > n + 2, 30)
 
 
 def test_offer_of_512_mib_in_1_byte_chunks_is_refused_and_memory_stays_bounded(agent: dict, client: Client) -> None:
@@ -198,7 +197,7 @@ def test_same_transfer_offered_twice_leaves_no_orphan(agent: dict, client: Clien
         client.pub(PREFIX + "bundle/offer", json.dumps(offer))
         client.pub(PREFIX + "bundle/chunk/twice/0", os.urandom(4096))
     assert col.wait(lambda: sum(s["state"] == "receiving" for s in statuses(col, "twice")) == 2, 30)
-    time.sleep(0.3)
+    handled(agent, client, "after-twice")  # both offers and both chunks are handled: not a fixed 0.3 s
     assert len(staged(agent)) == 1
     for _ in range(3):
         client.pub(PREFIX + "bundle/done", json.dumps({"transfer": "twice"}))
@@ -309,7 +308,8 @@ def test_five_url_updates_at_once_download_one_at_a_time(agent: dict, client: Cl
     n = len(replies(col, "update"))
     for i in range(5):
         client.pub(PREFIX + "cmd/update", json.dumps({"url": web.base + "/slow", "sha256": "0" * 64, "id": f"five{i}"}))
-    time.sleep(1.0)
+    # barrier: the four refusals are out while the first download trickles (its deadline is 3 s)
+    assert col.wait(lambda: len(replies(col, "update")) >= n + 4, 60), replies(col, "update")[n:]
     assert len([p for p in staged(agent) if p.startswith("download-")]) <= 1
     assert col.wait(lambda: len(replies(col, "update")) >= n + 5, 60), replies(col, "update")[n:]
     got = replies(col, "update")[n:]

@@ -8,41 +8,27 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
-import yaml
 from waiting import wait_until
 
 from agent.config import Config
 from agent.proof.isolation import prove_in_child
+from agentproc import DEMO_BUNDLE as DIGITS
+from agentproc import DEMO_FRAMES as FRAMES
+from agentproc import AgentProcess, boot_to_end, demo_config
 
-ROOT = Path(__file__).resolve().parents[1]
-DIGITS = ROOT / "models" / "digits-classifier"
-FRAMES = ROOT / "models" / "demo-frames" / "digits"
 INT8 = "candidate:CPUExecutionProvider:int8"
 
 
-def _config(tmp_path: Path, **overrides) -> Path:
-    cfg = {"state_dir": str(tmp_path / "state"), "bundle": str(DIGITS),
-           "source": {"type": "folder", "path": str(FRAMES)}, "output": {"health_interval_s": 0.5},
-           "selection": {"use_cache": False}, **overrides}
-    p = tmp_path / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
+def _config(tmp_path: Path, **overrides) -> dict:
+    return demo_config(tmp_path, loop=False, selection={"use_cache": False}, **overrides)
 
 
-def _run(cfg: Path, fault: str = "", timeout: float = 180) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    out = subprocess.run([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
-                         env={**os.environ, "EDGE_AGENT_FAULT": fault}, capture_output=True, text=True,
-                         timeout=timeout)
-    return out, [json.loads(x) for x in out.stderr.splitlines() if x.startswith("{")]
-
-
-def _variants(out: subprocess.CompletedProcess) -> set[str]:
-    return {json.loads(x)["variant"] for x in out.stdout.splitlines() if x.strip()}
+def _variants(agent: AgentProcess) -> set[str]:
+    return {r["variant"] for r in agent.results()}
 
 
 def _crashes(tmp_path: Path) -> list[tuple[str, str, str]]:
@@ -51,19 +37,19 @@ def _crashes(tmp_path: Path) -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.slow
-def test_crash_on_the_nth_timed_run_is_blamed_on_that_candidate_only(tmp_path: Path) -> None:
+def test_crash_on_the_nth_timed_run_is_blamed_on_that_candidate_only(tmp_path: Path, agent_process) -> None:
     # fp32 runs before int8 in each round: the old single marker named fp32 for the whole loop, so both
     # were blacklisted (the second child then blamed int8) and nothing served
-    out, _ = _run(_config(tmp_path), "run:CPUExecutionProvider:int8#30=SIGSEGV")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert _variants(out) == {"fp32"}
+    agent = boot_to_end(agent_process, _config(tmp_path), "run:CPUExecutionProvider:int8#30=SIGSEGV")
+    assert agent.returncode == 0, agent.log_text()[-2000:]
+    assert _variants(agent) == {"fp32"}
     assert _crashes(tmp_path) == [(INT8, "SIGSEGV", "latency run 30 of 55")]
 
 
-def test_crash_reading_one_variants_contract_skips_only_that_variant(tmp_path: Path) -> None:
-    out, _ = _run(_config(tmp_path), "contract:int8=SIGSEGV")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert _variants(out) == {"fp32"}
+def test_crash_reading_one_variants_contract_skips_only_that_variant(tmp_path: Path, agent_process) -> None:
+    agent = boot_to_end(agent_process, _config(tmp_path), "contract:int8=SIGSEGV")
+    assert agent.returncode == 0, agent.log_text()[-2000:]
+    assert _variants(agent) == {"fp32"}
     assert _crashes(tmp_path) == [("contract:int8", "SIGSEGV", "")]
     report = json.loads((tmp_path / "state" / "selftest" / "report.json").read_text())
     int8 = next(c for c in report["candidates"] if c["variant"] == "int8")
@@ -71,50 +57,48 @@ def test_crash_reading_one_variants_contract_skips_only_that_variant(tmp_path: P
 
 
 @pytest.mark.slow
-def test_crash_only_in_the_serving_process_serves_the_other_variant_on_the_next_boot(tmp_path: Path) -> None:
+def test_crash_only_in_the_serving_process_serves_the_other_variant_on_the_next_boot(tmp_path: Path,
+                                                                                    agent_process) -> None:
     """The int8 passes the self-test child and dies on its 3rd inference in the serving process; the
     restart (same fault, as systemd would restart it) serves fp32: one crash, no loop."""
     cfg, fault = _config(tmp_path), "serve:CPUExecutionProvider:int8#3=SIGSEGV"
-    first, _ = _run(cfg, fault)
-    assert first.returncode == -signal.SIGSEGV, first.stderr[-2000:]
+    first = boot_to_end(agent_process, cfg, fault)
+    assert first.returncode == -signal.SIGSEGV, first.log_text()[-2000:]
     assert _crashes(tmp_path) == []  # nothing knew where the serving process died ...
-    second, events = _run(cfg, fault)
-    assert second.returncode == 0, second.stderr[-2000:]  # ... until the next boot read its marker
+    second = boot_to_end(agent_process, cfg, fault)
+    assert second.returncode == 0, second.log_text()[-2000:]  # ... until the next boot read its marker
     assert _variants(second) == {"fp32"}
     assert _crashes(tmp_path) == [(INT8, "the serving process died", "serving: first 64 inferences")]
-    assert any(e["event"] == "serving.crash_recorded" and e["candidate"] == INT8.removeprefix("candidate:")
-               for e in events)
-    third, _ = _run(cfg, fault)  # and it stays that way: no crash loop
+    assert any(e["candidate"] == INT8.removeprefix("candidate:") for e in second.events("serving.crash_recorded"))
+    third = boot_to_end(agent_process, cfg, fault)  # and it stays that way: no crash loop
     assert third.returncode == 0 and _variants(third) == {"fp32"}
     assert not list((tmp_path / "state" / "selftest").glob("serving-*.json")), "a clean exit leaves no marker"
 
 
 @pytest.mark.slow
-def test_a_clean_stop_while_serving_leaves_no_serving_marker(tmp_path: Path) -> None:
+def test_a_clean_stop_while_serving_leaves_no_serving_marker(tmp_path: Path, agent_process) -> None:
     # a healthy boot that serves only 3 frames (fewer than the watched inferences) and exits cleanly
     frames = tmp_path / "frames"
     frames.mkdir()
     for f in sorted(FRAMES.glob("*.png"))[:3]:
         (frames / f.name).write_bytes(f.read_bytes())
-    out, _ = _run(_config(tmp_path, source={"type": "folder", "path": str(frames)}))
+    out = boot_to_end(agent_process, _config(tmp_path, source={"path": str(frames)}))
     assert out.returncode == 0 and _variants(out) == {"int8"}
     assert not list((tmp_path / "state" / "selftest").glob("serving-*.json"))
-    again, _ = _run(_config(tmp_path, source={"type": "folder", "path": str(frames)}))
+    again = boot_to_end(agent_process, _config(tmp_path, source={"path": str(frames)}))
     assert _variants(again) == {"int8"} and _crashes(tmp_path) == []
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_agent_during_the_self_test_is_not_a_crash(tmp_path: Path) -> None:
+def test_sigterm_to_the_agent_during_the_self_test_is_not_a_crash(tmp_path: Path, agent_process) -> None:
     cfg = _config(tmp_path, updates={"selftest_timeout_s": 300})
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
-                            env={**os.environ, "EDGE_AGENT_FAULT": f"{INT8}=hang"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hung = agent_process(cfg, env={"EDGE_AGENT_FAULT": f"{INT8}=hang"}).start()
     inflight = tmp_path / "state" / "selftest" / "inflight.json"
-    assert wait_until(inflight.exists, 120), "the self-test never reached the int8 trial"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    out, _ = _run(cfg)  # the int8 was interrupted, not crashed: it is tried, and it wins
-    assert out.returncode == 0, out.stderr[-2000:]
+    hung.wait(inflight.exists, 120, "the self-test reached the int8 trial")
+    hung.signal(signal.SIGTERM)
+    assert hung.wait_exit(60) == 0
+    out = boot_to_end(agent_process, cfg)  # the int8 was interrupted, not crashed: it is tried, and it wins
+    assert out.returncode == 0, out.log_text()[-2000:]
     assert _variants(out) == {"int8"}
     assert _crashes(tmp_path) == []
 

@@ -3,7 +3,6 @@ results under 64 KB, frames of different sizes never batched together, and a sel
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import cv2
@@ -17,10 +16,10 @@ from agent.config import PipelineConfig, SourceConfig
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
-from agent.serving.pipeline import Pipeline
 from agent.serving.sources import is_lossless, open_source
 from agent.spec.decoders import result_bytes
 from agent.testing import ListSink
+from pipelines import run_to_end
 
 SPEC = {
     "name": "tiny-map", "version": 1, "label": "0.1.0", "task": "segmentation",
@@ -96,13 +95,7 @@ def test_map_model_serves_regions_in_frame_pixels_under_64_kb_without_mixing_siz
     cfg = SourceConfig(type="folder", path=tmp_path / "frames")
     source = open_source(cfg, b.manifest.frame)
     sink = ListSink()
-    p = Pipeline(source, engine, sink, PipelineConfig(max_batch=4, batch_timeout_ms=50), is_lossless(cfg, source)).start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not p.done.is_set():
-        time.sleep(0.02)
-    p.stop()
-    assert p.join(timeout=15)
-    source.close()
+    p = run_to_end(source, engine, sink, PipelineConfig(max_batch=4, batch_timeout_ms=50), is_lossless(cfg, source))
     assert len(sink.results) == len(FRAMES) and p.metrics.bad_frames == 0 and p.metrics.inference_errors == 0
     for r, (_, boxes) in zip(sink.results, FRAMES):
         assert r["batch"] == 1 and result_bytes(r["result"]) < 64 * 1024

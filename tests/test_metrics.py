@@ -13,10 +13,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
+from agentproc import DEMO_FRAMES, demo_config
 from brokers import free_port
-from waiting import end_process, wait_until
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,20 +42,12 @@ def _try_scrape(port: int) -> dict | None:
         return None
 
 
-def test_metrics_counters_move_with_served_frames_and_agree_with_the_selftest_report(tmp_path: Path) -> None:
+def test_metrics_counters_move_with_served_frames_and_agree_with_the_selftest_report(tmp_path: Path,
+                                                                                      agent_process) -> None:
     port = free_port()
-    src = f"folder:{ROOT / 'models' / 'demo-frames' / 'digits'}"  # the source's name, as health reports it
-    cfg = {
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": 100},
-        "output": {"stdout": False, "health_interval_s": 1},
-        "metrics": {"listen": f"127.0.0.1:{port}"},
-    }
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    src = f"folder:{DEMO_FRAMES}"  # the source's name, as health reports it
+    agent = agent_process(demo_config(tmp_path, source={"max_fps": 100}, output={"stdout": False, "health_interval_s": 1},
+                                      metrics={"listen": f"127.0.0.1:{port}"})).start()
     try:
         box: dict = {}
         assert wait_until(lambda: (box.update(f=_try_scrape(port)) or box["f"]) and "edge_agent_frames_out" in box["f"]
@@ -89,8 +81,8 @@ def test_metrics_counters_move_with_served_frames_and_agree_with_the_selftest_re
             got = _value(second, "edge_agent_selftest_latency_p95_seconds", provider=c["provider"], variant=c["variant"])
             assert got == pytest.approx(c["latency"]["p95_ms"] / 1000, rel=1e-9)
     finally:
-        end_process(proc)
-    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+        rc = agent.stop()
+    assert rc == 0, agent.log_text()[-3000:]
 
 
 def test_bad_metrics_listen_is_refused_naming_the_key() -> None:
@@ -172,28 +164,19 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported() -> None:
     assert 'edge_agent_selftest_latency_budget_seconds{provider="CPUExecutionProvider",variant="int8"} 0.05' in text
 
 
-def test_health_metrics_and_report_page_show_the_same_selftest_figures_from_a_running_agent(tmp_path: Path) -> None:
+def test_health_metrics_and_report_page_show_the_same_selftest_figures_from_a_running_agent(tmp_path: Path,
+                                                                                            agent_process) -> None:
     """One agent with MQTT and /metrics: its retained health, its /metrics and the page rendered from its
     retained self-test report carry the same verdict, run time and p95 per candidate."""
     from brokers import Broker, Collector
 
     broker = Broker(tmp_path / "broker").start()
     port = free_port()
-    cfg = {
-        "device_id": "cam-9",
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": 50},
-        "output": {"stdout": False, "health_interval_s": 1},
-        "mqtt": {"enabled": True, "port": broker.port},
-        "metrics": {"listen": f"127.0.0.1:{port}"},
-    }
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    cfg = demo_config(tmp_path, device_id="cam-9", source={"max_fps": 50},
+                      output={"stdout": False, "health_interval_s": 1}, mqtt={"enabled": True, "port": broker.port},
+                      metrics={"listen": f"127.0.0.1:{port}"})
     sub = Collector(broker.port, ["edge/cam-9/health", "edge/cam-9/selftest"])
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config",
-                             str(tmp_path / "agent.yaml")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    agent = agent_process(cfg, log_args=("--log-level", "warning")).start()
     try:
         def serving_health() -> dict | None:
             docs = [json.loads(m.payload) for m in sub.on("edge/cam-9/health")]
@@ -221,7 +204,7 @@ def test_health_metrics_and_report_page_show_the_same_selftest_figures_from_a_ru
             assert _value(fams, "edge_agent_selftest_candidate_passed", provider=prov, variant=variant,
                           verdict=c["verdict"]) == (1 if c["verdict"] == "pass" else 0)
     finally:
-        end_process(proc)
+        rc = agent.stop()
         sub.close()
         broker.stop()
-    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    assert rc == 0, agent.log_text()[-3000:]

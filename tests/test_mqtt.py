@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,13 +12,12 @@ from pathlib import Path
 
 import paho.mqtt.client as paho
 import pytest
-import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from brokers import Broker, Collector, demo_mqtt_config, free_port, make_tls_material
+from agentproc import demo_config
+from brokers import Broker, Collector, free_port, make_tls_material
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-1"
 PREFIX = f"edge/{DEVICE}/"
 
@@ -35,27 +33,21 @@ def broker(tmp_path: Path):
     b.stop()
 
 
-def agent_config(tmp_path: Path, port: int, **mqtt) -> Path:
-    cfg = demo_mqtt_config(DEVICE, tmp_path / "state", port, **mqtt)
-    p = tmp_path / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-def start_agent(config: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(config)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "a"))
+def agent_config(tmp_path: Path, port: int, **mqtt) -> dict:
+    return demo_config(tmp_path, port=port, device_id=DEVICE, source={"max_fps": 40}, output={"stdout": False},
+                       mqtt=mqtt)
 
 
 def payloads(col: Collector, topic: str) -> list[dict]:
     return [json.loads(m.payload) for m in col.on(topic)]
 
 
-def test_availability_health_selftest_predictions_then_stopped_and_offline(broker: Broker, tmp_path: Path) -> None:
+def test_availability_health_selftest_predictions_then_stopped_and_offline(broker: Broker, tmp_path: Path,
+                                                                          agent_process) -> None:
     col = Collector(broker.port, [PREFIX + "#"])
-    agent = start_agent(agent_config(tmp_path, broker.port), tmp_path / "agent.log")
+    agent = agent_process(agent_config(tmp_path, broker.port)).start()
     try:
-        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 5, 60), (tmp_path / "agent.log").read_text()[-3000:]
+        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 5, 60), agent.log_text()[-3000:]
         # health goes out every 0.5 s from its own timer: the last one may predate serving, so wait for one
         # that says serving (and for the retained self-test) rather than read whatever came last
         assert col.wait(lambda: any(p["serving"] for p in payloads(col, PREFIX + "health"))
@@ -79,22 +71,18 @@ def test_availability_health_selftest_predictions_then_stopped_and_offline(broke
         assert all(late.on(PREFIX + t)[0].retain for t in ("availability", "health", "selftest"))
         late.close()
 
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=30) == 0
+        assert agent.stop() == 0
         assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "stopped", 30)
 
-        agent = start_agent(agent_config(tmp_path, broker.port), tmp_path / "agent.log")
+        agent.start()
         assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "online", 60)
         session = payloads(col, PREFIX + "availability")[-1]["session"]
         assert session > online["session"]
-        agent.send_signal(signal.SIGKILL)
-        agent.wait()
+        agent.kill()
         assert col.wait(lambda: payloads(col, PREFIX + "availability")[-1]["state"] == "offline", 30)
         will = payloads(col, PREFIX + "availability")[-1]
         assert will["session"] == session  # the will names the session it belongs to
     finally:
-        if agent.poll() is None:
-            agent.kill()
         col.close()
 
 
@@ -135,9 +123,9 @@ def _command(port: int, name: str, payload: bytes, props: Properties | None = No
     return {"topic": msg.topic, "body": json.loads(msg.payload), "props": msg.properties}
 
 
-def test_commands_reply_and_bad_ones_get_an_error(broker: Broker, tmp_path: Path) -> None:
+def test_commands_reply_and_bad_ones_get_an_error(broker: Broker, tmp_path: Path, agent_process) -> None:
     col = Collector(broker.port, [PREFIX + "health"])
-    agent = start_agent(agent_config(tmp_path, broker.port), tmp_path / "agent.log")
+    agent = agent_process(agent_config(tmp_path, broker.port)).start()
     try:
         assert col.wait(lambda: any(p["serving"] for p in payloads(col, PREFIX + "health")), 60)
         r = _command(broker.port, "status", b'{"id": 7}')
@@ -163,14 +151,13 @@ def test_commands_reply_and_bad_ones_get_an_error(broker: Broker, tmp_path: Path
         props.CorrelationData = b"corr-1"
         r = _command(broker.port, "status", b"{}", props)
         assert r["topic"] == PREFIX + "reply/op-42" and r["props"].CorrelationData == b"corr-1"
-        assert agent.poll() is None  # nothing crashed
+        assert agent.returncode is None  # nothing crashed
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
+        agent.stop()
         col.close()
 
 
-def test_broker_down_at_boot_does_not_stop_serving_and_results_arrive_later(tmp_path: Path) -> None:
+def test_broker_down_at_boot_does_not_stop_serving_and_results_arrive_later(tmp_path: Path, agent_process) -> None:
     # A persistent subscriber registered on this broker and saved (a graceful stop writes the session), so
     # the results the agent drains the moment the broker comes up are queued for it even if it reconnects
     # after the agent does; a subscriber that connected after the agent could miss seq 1 for good.
@@ -179,20 +166,15 @@ def test_broker_down_at_boot_does_not_stop_serving_and_results_arrive_later(tmp_
     assert sub.wait(lambda: sub.connects >= 1, 30)
     broker.stop()
     cfg = agent_config(tmp_path, broker.port)
-    data = yaml.safe_load(cfg.read_text())
-    data["output"]["stdout"] = True
-    cfg.write_text(yaml.safe_dump(data))
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-level", "warning", "run", "--config", str(cfg)],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    cfg["output"]["stdout"] = True
+    agent = agent_process(cfg, log_args=("--log-level", "warning")).start()
     try:
-        first = [agent.stdout.readline() for _ in range(10)]  # serving with no broker at all
-        assert all(json.loads(x)["seq"] for x in first)
+        assert all(r["seq"] for r in agent.wait_results(10))  # serving with no broker at all
         broker.start()
         assert sub.wait(lambda: any(p["seq"] == 1 for p in payloads(sub, PREFIX + "predictions")), 60)
     finally:
         sub.close()
-        agent.send_signal(signal.SIGTERM)
-        agent.communicate(timeout=30)
+        agent.stop()
         broker.stop()
 
 
@@ -201,28 +183,37 @@ def tls_material(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return make_tls_material(tmp_path_factory.mktemp("tls"))
 
 
-def test_tls_with_password_and_acl(tls_material: dict, tmp_path: Path) -> None:
+def test_tls_with_password_and_acl(tls_material: dict, tmp_path: Path, agent_process) -> None:
     broker = Broker(tmp_path / "broker", tls_port=free_port(), tls=tls_material).start()
     secret = tmp_path / "agent.pass"
     secret.write_text("agent-secret\n")
     cfg = agent_config(tmp_path, broker.tls_port, username="agent", password_file=str(secret),
                        tls={"ca_file": str(tls_material["ca"])})
-    agent = start_agent(cfg, tmp_path / "agent.log")
+    agent = agent_process(cfg).start()
     common = dict(tls=tls_material, tls_port=broker.tls_port)
     try:
         op = Collector(broker.port, [PREFIX + "#"], username="operator", password="operator-secret", **common)
-        assert op.wait(lambda: payloads(op, PREFIX + "predictions"), 60), (tmp_path / "agent.log").read_text()[-2000:]
-        assert "agent-secret" not in (tmp_path / "agent.log").read_text()  # secrets are never logged
+        assert op.wait(lambda: payloads(op, PREFIX + "predictions"), 60), agent.log_text()[-2000:]
+        assert "agent-secret" not in agent.log_text()  # secrets are never logged
         r = _command(broker.port, "status", b"{}", username="operator", password="operator-secret", **common)
         assert r["body"]["ok"]
-        # a client without ACL rights to publish commands gets no command through
-        viewer = Collector(broker.port, [PREFIX + "cmd/status/reply"], username="viewer", password="viewer-secret",
-                           **common)
-        assert viewer.wait(lambda: viewer.connects >= 1, 30)
-        viewer.c.publish(PREFIX + "cmd/status", b"{}", qos=1)
-        time.sleep(2)
-        assert viewer.on(PREFIX + "cmd/status/reply") == []
+        # a client without ACL rights to publish commands gets no command through. The broker drops the
+        # viewer's connection on the refused publish, so the replies are watched by a second, read-only client
+        watch = Collector(broker.port, [PREFIX + "cmd/status/reply"], username="viewer", password="viewer-secret",
+                          **common)
+        viewer = Collector(broker.port, [], username="viewer", password="viewer-secret", **common)
+        assert watch.wait(lambda: watch.connects >= 1 and viewer.connects >= 1, 30)
+        viewer.c.publish(PREFIX + "cmd/status", b'{"id": "viewer"}', qos=1).wait_for_publish(5)
+        # barrier: an operator's command sent after it is answered; the agent answers in order, so the
+        # viewer's command, had it got through, would have been answered first
+        after = _command(broker.port, "status", b'{"id": "after"}', username="operator", password="operator-secret",
+                         **common)
+        assert after["body"]["id"] == "after"
+        ids = lambda: [json.loads(m.payload).get("id") for m in watch.on(PREFIX + "cmd/status/reply")]  # noqa: E731
+        assert watch.wait(lambda: "after" in ids(), 30), ids()
+        assert ids() == ["after"]
         viewer.close()
+        watch.close()
         # a wrong password is refused
         bad = Collector(broker.port, [], username="operator", password="wrong", **common)
         assert bad.wait(lambda: bad.last_reason is not None, 30)
@@ -230,19 +221,16 @@ def test_tls_with_password_and_acl(tls_material: dict, tmp_path: Path) -> None:
         bad.close()
         op.close()
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
+        agent.stop()
         broker.stop()
 
 
-def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: Path) -> None:
+def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: Path, agent_process) -> None:
     # Stale means health older than 3 intervals: at the demo's 0.5 s an agent starved of CPU for 1.5 s
     # on a loaded machine would read stale; 5 s leaves the ghost (600 s old) stale and the live one not.
     cfg = agent_config(tmp_path, broker.port)
-    data = yaml.safe_load(cfg.read_text())
-    data["output"]["health_interval_s"] = 5
-    cfg.write_text(yaml.safe_dump(data))
-    agent = start_agent(cfg, tmp_path / "agent.log")
+    cfg["output"]["health_interval_s"] = 5
+    agent = agent_process(cfg).start()
     pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
     pub.connect("127.0.0.1", broker.port)
     pub.loop_start()
@@ -267,14 +255,13 @@ def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: 
         assert DEVICE in table and "STALE" in table
     finally:
         pub.loop_stop()
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
+        agent.stop()
 
 
-def test_mqtt_311_and_home_assistant_discovery_reannounced_on_ha_restart(broker: Broker, tmp_path: Path) -> None:
+def test_mqtt_311_and_home_assistant_discovery_reannounced_on_ha_restart(broker: Broker, tmp_path: Path,
+                                                                         agent_process) -> None:
     col = Collector(broker.port, ["homeassistant/#", PREFIX + "predictions"])
-    agent = start_agent(agent_config(tmp_path, broker.port, protocol="3.1.1", homeassistant=True),
-                        tmp_path / "agent.log")
+    agent = agent_process(agent_config(tmp_path, broker.port, protocol="3.1.1", homeassistant=True)).start()
     try:
         configs = lambda: [m for m in col.messages if m.topic.endswith("/config")]  # noqa: E731
         assert col.wait(lambda: len(configs()) >= 5 and col.on(PREFIX + "predictions"), 60)
@@ -290,28 +277,13 @@ def test_mqtt_311_and_home_assistant_discovery_reannounced_on_ha_restart(broker:
         assert col.wait(lambda: len(configs()) >= before + 5, 30)
         pub.loop_stop()
     finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
+        agent.stop()
         col.close()
 
 
-def test_unreachable_broker_is_a_structured_event_and_the_log_stays_json(tmp_path: Path) -> None:
-    port = free_port()  # nothing listens: connection refused, again and again
-    agent = start_agent(agent_config(tmp_path, port), tmp_path / "agent.log")
-    try:
-        log = tmp_path / "agent.log"
-        assert wait_until_text(log, '"mqtt.connect_failed"', 60), log.read_text()[-2000:]
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        agent.wait(timeout=30)
-    bad = [ln for ln in (tmp_path / "agent.log").read_text().splitlines() if ln.strip() and not ln.startswith("{")]
+def test_unreachable_broker_is_a_structured_event_and_the_log_stays_json(tmp_path: Path, agent_process) -> None:
+    agent = agent_process(agent_config(tmp_path, free_port())).start()  # nothing listens: refused, again and again
+    agent.wait_event("mqtt.connect_failed", timeout=60)
+    agent.stop()
+    bad = [ln for ln in agent.log_text().splitlines() if ln.strip() and not ln.startswith("{")]
     assert bad == [], bad[:5]
-
-
-def wait_until_text(path: Path, text: str, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists() and text in path.read_text():
-            return True
-        time.sleep(0.2)
-    return False

@@ -35,6 +35,7 @@ from agent.serving.sinks import OutboxSink
 from agent.serving.sources import open_source
 from agent.testing import ListSink
 from waiting import end_process, wait_until
+from agentproc import demo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits-classifier"
@@ -100,19 +101,16 @@ def test_source_and_sources_together_are_refused() -> None:
 
 # -- one agent, three sources --------------------------------------------------------------------------
 
-def test_two_folders_and_a_video_are_served_by_one_agent_every_frame_accounted(tmp_path: Path) -> None:
+def test_two_folders_and_a_video_are_served_by_one_agent_every_frame_accounted(tmp_path: Path, agent_process) -> None:
     a = folder_of(tmp_path, "a", DIGITS[:12])
     b = folder_of(tmp_path, "b", DIGITS[12:22])
     video = mjpeg_video(tmp_path / "c.avi", DIGITS[22:37])
-    cfg = {"state_dir": str(tmp_path / "state"), "bundle": str(DEMO), "output": {"health_interval_s": 0.2},
-           "sources": [{"name": "door", "type": "folder", "path": str(a)},
-                       {"name": "yard", "type": "folder", "path": str(b)},
-                       {"name": "gate", "type": "video", "path": str(video)}]}
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
+    agent = agent_process(demo_config(tmp_path, output={"health_interval_s": 0.2},
+                                      sources=[{"name": "door", "type": "folder", "path": str(a)},
+                                               {"name": "yard", "type": "folder", "path": str(b)},
+                                               {"name": "gate", "type": "video", "path": str(video)}]))
+    assert agent.run(240) == 0, agent.log_text()[-3000:]
+    results = agent.results()
     by = {name: [r for r in results if r["source"] == name] for name in ("door", "yard", "gate")}
     assert len(results) == 12 + 10 + 15 and set(Counter(r["source"] for r in results)) == set(by)
     for name, n in (("door", 12), ("yard", 10), ("gate", 15)):
@@ -125,8 +123,7 @@ def test_two_folders_and_a_video_are_served_by_one_agent_every_frame_accounted(t
     gate = sorted(by["gate"], key=lambda r: r["frame_index"])
     assert sum(r["result"]["top"][0]["label"] == label_of(p.name) for r, p in zip(gate, DIGITS[22:37])) >= 13
     assert max(r["batch"] for r in results) > 1  # one inference serves frames of several streams
-    events = [json.loads(x) for x in out.stderr.splitlines() if x.startswith("{")]
-    last = [e for e in events if e.get("event") == "shutdown"][-1]["sources"]
+    last = agent.events("shutdown")[-1]["sources"]
     assert {n: (s["frames"], s["served"], s["stale"]) for n, s in last.items()} == \
         {"door": (12, 12, 0), "yard": (10, 10, 0), "gate": (15, 15, 0)}
     assert last["gate"]["decoder"]["path"] == "jpeg"
@@ -235,25 +232,18 @@ needs_mosquitto = pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).e
 
 
 @needs_mosquitto
-def test_an_agent_with_two_sources_publishes_predictions_and_health_per_source(tmp_path: Path) -> None:
+def test_an_agent_with_two_sources_publishes_predictions_and_health_per_source(tmp_path: Path, agent_process) -> None:
     from brokers import Broker, Collector
 
     broker = Broker(tmp_path / "broker").start()
-    proc = None
     col = Collector(broker.port, ["edge/dev-m/#"])
     try:
-        cfg = {"device_id": "dev-m", "state_dir": str(tmp_path / "state"), "bundle": str(DEMO),
-               "output": {"health_interval_s": 0.3, "stdout": False},
-               "mqtt": {"enabled": True, "port": broker.port, "keepalive": 5, "reconnect_min_s": 1,
-                        "reconnect_max_s": 1},
-               "sources": [{"name": "door", "type": "folder", "path": str(folder_of(tmp_path, "a", DIGITS[:6])),
-                            "loop": True, "max_fps": 20},
-                           {"name": "yard", "type": "folder", "path": str(folder_of(tmp_path, "b", DIGITS[6:9])),
-                            "loop": True, "max_fps": 10}]}
-        (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-        proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config",
-                                 str(tmp_path / "agent.yaml")], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        agent_process(demo_config(
+            tmp_path, port=broker.port, device_id="dev-m", output={"health_interval_s": 0.3, "stdout": False},
+            sources=[{"name": "door", "type": "folder", "path": str(folder_of(tmp_path, "a", DIGITS[:6])),
+                      "loop": True, "max_fps": 20},
+                     {"name": "yard", "type": "folder", "path": str(folder_of(tmp_path, "b", DIGITS[6:9])),
+                      "loop": True, "max_fps": 10}])).start()
         topic = "edge/dev-m/"
         # the aggregate health is its own message on its own topic: wait for it too, not only health/yard
         assert col.wait(lambda: len(col.on(topic + "predictions/door")) >= 10 and
@@ -267,7 +257,6 @@ def test_an_agent_with_two_sources_publishes_predictions_and_health_per_source(t
         assert set(health["sources"]) == {"door", "yard"}
     finally:
         col.close()
-        end_process(proc)
         broker.stop()
 
 

@@ -11,18 +11,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import yaml
 
-from brokers import Broker, Collector, demo_mqtt_config
+from agentproc import AgentProcess, demo_config
+from brokers import Broker, Collector
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-nl"
 PREFIX = f"edge/{DEVICE}/"
 MAX_INFLIGHT = 20
@@ -32,51 +29,38 @@ pytestmark = pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).exists
                                 reason="mosquitto is not installed (scripts/test.sh installs it)")
 
 
-def _config(tmp_path: Path, port: int) -> Path:
-    cfg = {**demo_mqtt_config(DEVICE, tmp_path / "state", port, stdout=True, max_inflight=MAX_INFLIGHT),
-           "outbox": {"memory_messages": MEMORY_MESSAGES}}
-    p = tmp_path / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-class Boot:
+class Boot(AgentProcess):
     """One agent process; its stdout file is the record of every result it produced."""
 
-    def __init__(self, cfg: Path, tmp_path: Path, n: int):
-        self.out = tmp_path / f"boot{n}.jsonl"
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)],
-                                     cwd=ROOT, stdout=open(self.out, "w"), stderr=open(tmp_path / "agent.log", "a"))
-        self.how = "running"
+    how = "running"
 
     def produced(self) -> list[tuple[int, int]]:
-        keys = []
-        for line in self.out.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue  # the line a SIGKILL cut in half
-            keys.append((r["boot"], r["seq"]))
-        return keys
+        return [(r["boot"], r["seq"]) for r in self.results()]  # (the line a SIGKILL cut in half is skipped)
 
     def end(self, sig: int, how: str) -> None:
-        self.proc.send_signal(sig)
-        self.proc.wait(timeout=30)
+        self.signal(sig)
+        self.wait_exit(30)
         self.how = how
 
 
 @pytest.mark.slow  # broker and agent killed in turn: a storm, outside the fast lane
 def test_no_result_lost_across_broker_kills_agent_kills_and_the_end_of_the_run(tmp_path: Path) -> None:
+    def boot(n: int) -> Boot:
+        b = Boot(tmp_path, cfg, name=f"boot{n}")
+        b.start()
+        return b
+
     broker = Broker(tmp_path / "broker").start()
     sub = Collector(broker.port, [PREFIX + "predictions"], client_id="fleet-recorder-nl", persistent=True)
     assert sub.wait(lambda: sub.connects >= 1, 30)
     # the persistent subscription must be on disk before the first broker SIGKILL
     assert broker.wait_saved(after=time.time()), "mosquitto never autosaved the persistent subscription"
-    cfg = _config(tmp_path, broker.port)
-    boots = [Boot(cfg, tmp_path, 0)]
+    cfg = demo_config(tmp_path, port=broker.port, device_id=DEVICE, source={"max_fps": 40},
+                      mqtt={"max_inflight": MAX_INFLIGHT}, outbox={"memory_messages": MEMORY_MESSAGES})
+    boots = [boot(0)]
     got = lambda: len(sub.on(PREFIX + "predictions"))  # noqa: E731
     try:
-        assert sub.wait(lambda: got() >= 20, 60), (tmp_path / "agent.log").read_text()[-3000:]
+        assert sub.wait(lambda: got() >= 20, 60), boots[0].log_text()[-3000:]
         # 1. the broker dies and comes back: the agent serves into the outbox on disk meanwhile
         broker.kill()
         time.sleep(1.5)
@@ -86,19 +70,19 @@ def test_no_result_lost_across_broker_kills_agent_kills_and_the_end_of_the_run(t
         broker.kill()
         time.sleep(1.5)
         boots[-1].end(signal.SIGKILL, "killed, broker down")
-        boots.append(Boot(cfg, tmp_path, 1))
+        boots.append(boot(1))
         time.sleep(3)
         broker.start()
         n = got()
         assert sub.wait(lambda: got() >= n + 100, 60)
         # 3. the agent dies while the broker is up: what it held in memory is lost, and only that
         boots[-1].end(signal.SIGKILL, "killed, broker up")
-        boots.append(Boot(cfg, tmp_path, 2))
+        boots.append(boot(2))
         n = got()
         assert sub.wait(lambda: got() >= n + 100, 60)
         # 4. the end of the run: a graceful stop delivers everything, up to the last result
         boots[-1].end(signal.SIGTERM, "stopped")
-        assert boots[-1].proc.returncode == 0
+        assert boots[-1].returncode == 0
         # the broker acknowledged all of it before the agent exited; forwarding to this subscriber
         # follows a moment later, so wait for the stopped boot's record to be in (or time out: lost)
         last = boots[-1]
@@ -110,9 +94,7 @@ def test_no_result_lost_across_broker_kills_agent_kills_and_the_end_of_the_run(t
         sub.wait(stopped_boot_delivered, 60)  # the assertions below say what is missing
     finally:
         for b in boots:
-            if b.proc.poll() is None:
-                b.proc.kill()
-                b.proc.wait()
+            b.kill()
         sub.close()
         broker.stop()
 

@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from agent.config import OutboxConfig
 from agent.link.outbox import Message, Outbox
-from brokers import MOSQUITTO, Broker, Collector, demo_mqtt_config
+from agentproc import demo_config
+from brokers import MOSQUITTO, Broker, Collector
 from waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-df"
 PREFIX = f"edge/{DEVICE}/"
 BOUND = 60  # outbox.memory_messages: what a full disk may keep in memory
@@ -82,6 +79,17 @@ class Wire:
         return self.mid
 
 
+def drain(box: Outbox, rounds: int) -> Wire:
+    """The broker is back: pump `rounds` times, each sent message acknowledged; what was sent."""
+    box.on_connected()
+    wire = Wire()
+    for _ in range(rounds):
+        box.pump(wire, 100)
+        for mid in range(1, wire.mid + 1):
+            box.ack(mid)
+    return wire
+
+
 def test_full_disk_with_the_broker_away_keeps_results_in_memory_up_to_the_bound_and_counts_the_rest(
         small_disk: Path) -> None:
     box = Outbox(small_disk / "outbox.sqlite", OutboxConfig(memory_messages=BOUND))
@@ -101,12 +109,7 @@ def test_full_disk_with_the_broker_away_keeps_results_in_memory_up_to_the_bound_
     filler.unlink()
     box.pump(Wire(), 10)
     assert box.stats()["on_disk"] == BOUND and box.stats()["memory_only"] == 0
-    box.on_connected()
-    wire = Wire()
-    for _ in range(20):
-        box.pump(wire, 100)
-        for mid in range(1, wire.mid + 1):
-            box.ack(mid)
+    wire = drain(box, 20)
     assert wire.sent == list(range(25, BOUND + 25))  # in order; only the 25 counted drops are missing
     box.close()
 
@@ -133,52 +136,30 @@ pytestmark_agent = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.en
                                       reason="mosquitto is not installed")
 
 
-def _produced(out: Path) -> list[int]:
-    seqs = []
-    for line in out.read_text().splitlines():
-        try:
-            seqs.append(json.loads(line)["seq"])
-        except (ValueError, KeyError):
-            continue
-    return seqs
-
-
-def _events(log: Path, name: str) -> list[dict]:
-    out = []
-    for line in log.read_text().splitlines():
-        if line.startswith("{") and f'"{name}"' in line:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return [e for e in out if e.get("event") == name]
-
-
 @pytestmark_agent
 @pytest.mark.slow
-def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp_path: Path, small_disk: Path) -> None:
+def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp_path: Path, small_disk: Path,
+                                                                            agent_process) -> None:
     broker = Broker(tmp_path / "broker").start()
     sub = Collector(broker.port, [PREFIX + "predictions", PREFIX + "health", PREFIX + "cmd/status/reply"],
                     client_id="recorder-df", persistent=True)
     assert sub.wait(lambda: sub.connects >= 1, 30)
     assert broker.wait_saved(after=time.time()), "mosquitto never autosaved the persistent subscription"
-    cfg = {**demo_mqtt_config(DEVICE, small_disk / "state", broker.port, stdout=True, max_fps=40),
-           "outbox": {"memory_messages": BOUND}}
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    out, log = tmp_path / "results.jsonl", tmp_path / "agent.log"
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
-                             cwd=ROOT, stdout=open(out, "w"), stderr=open(log, "w"))
+    cfg = demo_config(tmp_path, port=broker.port, device_id=DEVICE, state_dir=str(small_disk / "state"),
+                      source={"max_fps": 40}, outbox={"memory_messages": BOUND})
+    agent = agent_process(cfg).start()
+    produced_seqs = lambda: [r["seq"] for r in agent.results()]  # noqa: E731
     got = lambda: {json.loads(m.payload)["seq"] for m in sub.on(PREFIX + "predictions")}  # noqa: E731
     try:
-        assert sub.wait(lambda: len(got()) >= 10, 90), log.read_text()[-3000:]
+        assert sub.wait(lambda: len(got()) >= 10, 90), agent.log_text()[-3000:]
         filler = fill(small_disk)
         # 1. a short outage, under the bound: every result arrives once the broker is back
         broker.kill()
         t0 = time.monotonic()
-        wait_until(lambda: len(_produced(out)) > max(got()) + 20, 30)
+        wait_until(lambda: len(produced_seqs()) > max(got()) + 20, 30)
         broker.start()
         t_back = time.monotonic()
-        cut = max(_produced(out))
+        cut = max(produced_seqs())
         assert sub.wait(lambda: set(range(1, cut + 1)) <= got(), 60), \
             f"lost with the disk full: {sorted(set(range(1, cut + 1)) - got())[:20]}"
         print(f"outage 1: {t_back - t0:.1f} s, all {cut} results delivered {time.monotonic() - t_back:.1f} s "
@@ -188,25 +169,22 @@ def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp
         assert sub.wait(lambda: sub.on(PREFIX + "cmd/status/reply"), 30), "connected but mute"
         # 2. a long outage, over the bound: drops are counted, and exactly those are missing
         broker.kill()
-        assert wait_until(lambda: _events(log, "outbox.dropped"), 60), "no outbox.dropped event"
+        agent.wait_event("outbox.dropped", timeout=60)
         broker.start()
         filler.unlink()  # space returns while the broker is up
         t_free = time.monotonic()
-        n = max(_produced(out))
+        n = max(produced_seqs())
         assert sub.wait(lambda: max(got()) >= n + 20, 60), "no delivery after the disk was freed"
         print(f"space returned: 20 newer results delivered {time.monotonic() - t_free:.1f} s later")
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=60) == 0
-        produced = _produced(out)
+        assert agent.stop(60) == 0
+        produced = produced_seqs()
         assert sub.wait(lambda: max(got()) >= max(produced), 30)
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+        agent.kill()
         sub.close()
         broker.stop()
     lost = sorted(set(produced) - got())
-    dropped = _events(log, "outbox.dropped")
+    dropped = agent.events("outbox.dropped")
     total = dropped[-1]["total"]
     assert {e["reason"] for e in dropped} == {"disk"}, dropped
     assert len(lost) == total and total > 0, f"lost {len(lost)} but counted {total}: {lost[:20]}"

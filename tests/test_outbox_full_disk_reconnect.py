@@ -9,7 +9,7 @@ from pathlib import Path
 
 from agent.config import OutboxConfig
 from agent.link.outbox import Outbox
-from test_outbox_disk_full import BOUND, Wire, fill, small_disk  # noqa: F401 - small_disk is a fixture
+from test_outbox_disk_full import BOUND, Wire, drain, fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 
 def test_new_results_are_sent_while_delivered_rows_wait_for_their_delete(small_disk: Path) -> None:  # noqa: F811
@@ -69,10 +69,5 @@ def test_a_size_drop_the_full_disk_cannot_delete_is_counted_once(small_disk: Pat
         box.pump(Wire(), 10)
     s = box.stats()
     assert s["dropped"] == 6 and s["depth"] == 5, s
-    box.on_connected()
-    wire = Wire()
-    for _ in range(5):
-        box.pump(wire, 100)
-        for mid in range(1, wire.mid + 1):
-            box.ack(mid)
+    wire = drain(box, 5)
     assert wire.sent == [6, 7, 8, 9, 10], wire.sent  # the 6 dropped are not sent; the rest in order

@@ -6,9 +6,6 @@ Every agent here is a real `edge-agent run` process on a real MJPEG video; every
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import cv2
@@ -21,6 +18,9 @@ from agent.proof.selftest import SelftestOptions, run_selftest
 from agent.service.cli import render_selftest
 from agent.service.controller import proven_decode
 from agent.config import SourceConfig
+from agentproc import AgentProcess, demo_config
+from pipelines import run_to_end
+from conftest import TINY_SPEC
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits-classifier"
@@ -45,17 +45,11 @@ def demo_frames_at(h: int, w: int) -> list[np.ndarray]:
 
 def run_agent(tmp_path: Path, bundle: Path, source: dict, name: str) -> tuple[list[dict], list[dict]]:
     """`edge-agent run` until the video ends: (results, structured log events)."""
-    d = tmp_path / name
-    d.mkdir()
-    cfg = {"state_dir": str(d / "state"), "bundle": str(bundle), "source": source,
-           "output": {"health_interval_s": 0.2}}
-    (d / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    out = subprocess.run([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(d / "agent.yaml")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
-    events = [json.loads(x) for x in out.stderr.splitlines() if x.startswith("{")]
-    return results, events
+    cfg = demo_config(tmp_path / name, bundle=str(bundle), output={"health_interval_s": 0.2})
+    cfg["source"] = source
+    agent = AgentProcess(tmp_path / name, cfg)
+    assert agent.run(240) == 0, agent.log_text()[-3000:]
+    return agent.results(), agent.events()
 
 
 def decoders_in_health(events: list[dict]) -> list[dict]:
@@ -88,21 +82,10 @@ def test_1080p_mjpeg_is_served_at_reduced_scale_and_agrees_with_full_decode(tmp_
     assert top(reduced) == top(full)
 
 
-RAW_SPEC = {
-    "name": "tiny-raw-strict",
-    "version": 1,
-    "label": "0.1.0",
-    "task": "raw",
-    "frame": {"kind": "image", "height": 40, "width": 40, "channels": 3, "color": "rgb"},
-    "preprocess": {
-        "resize": {"width": 32, "height": 32, "mode": "stretch", "interpolation": "linear"},
-        "color": "rgb", "scale": 1 / 255, "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
-        "layout": "nchw", "dtype": "float32",
-    },
-    "postprocess": {"type": "raw", "outputs": ["logits"]},
-    # an author who wants the logits to 80 dB: what JPEG's rounding on the reduced path cannot keep
-    "selftest": {"fidelity": {"min_channel_snr_db": 80.0}},
-}
+RAW_SPEC = {**TINY_SPEC, "name": "tiny-raw-strict", "task": "raw",  # the tiny spec with raw outputs
+            "postprocess": {"type": "raw", "outputs": ["logits"]},
+            # an author who wants the logits to 80 dB: what JPEG's rounding on the reduced path cannot keep
+            "selftest": {"fidelity": {"min_channel_snr_db": 80.0}}}
 
 
 @pytest.fixture(scope="module")
@@ -154,14 +137,12 @@ def test_a_forced_decode_scale_is_never_above_the_proven_one() -> None:
 def test_regions_of_a_frame_decoded_at_reduced_scale_are_in_camera_pixels(tmp_path: Path) -> None:
     """The pipeline maps geometry back with the frame's decode scale: regions found on a 1280x720 (1/4)
     and a 2560x1440 (1/8) JPEG land on the boxes drawn in the camera's pixels."""
-    import time
 
     from agent.bundle.create import CreateOptions, create_bundle
     from agent.config import PipelineConfig
     from agent.proof.terms import SessionSettings
     from agent.proof.verdict import Candidate
     from agent.serving.engine import build_engine
-    from agent.serving.pipeline import Pipeline
     from agent.serving.sources import open_source
     from agent.testing import ListSink
     from test_map_model import FRAMES, SPEC, _frame, _write, make_map_model
@@ -184,12 +165,7 @@ def test_regions_of_a_frame_decoded_at_reduced_scale_are_in_camera_pixels(tmp_pa
     m = bundle.manifest
     source = open_source(SourceConfig(type="folder", path=tmp_path / "frames"), m.frame, m.preprocess.resize)
     sink = ListSink()
-    p = Pipeline(source, engine, sink, PipelineConfig(), True).start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not p.done.is_set():
-        time.sleep(0.02)
-    p.stop()
-    assert p.join(timeout=15)
+    run_to_end(source, engine, sink, PipelineConfig(), True)
     assert source.stats.decoder["scale"] == 8  # the last frame, 2560x1440, decoded at 320x180
     assert len(sink.results) == 2
     for r, (_, boxes) in zip(sink.results, camera):

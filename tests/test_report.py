@@ -248,6 +248,7 @@ def test_report_reads_findings_and_the_two_questions_blocks_of_the_self_test(tin
     assert f"<td>{label}</td><td>parity</td><td>min_cosine</td>" not in judged_table
 
 
+@pytest.mark.slow  # a seeded fuzz: 20 mutated reports, each page with its plots (~100 s on a loaded machine)
 def test_report_renders_damaged_and_unexpected_reports_without_crashing(tiny_bundle: Path, tmp_path: Path) -> None:
     """Reports from other agent versions, cut-off JSON sections, wrong types: the page still renders,
     shows what it can, and never raises (seeded mutations of a real report)."""

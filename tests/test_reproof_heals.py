@@ -3,8 +3,6 @@ on a backoff schedule, and serves as soon as a proof passes, without a restart."
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import signal
 import subprocess
@@ -12,15 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from waiting import wait_until
 
 from agent.service.reproof import Reproof, ReproofSchedule
 from agent.testing import rewrite_manifest
-
-ROOT = Path(__file__).resolve().parents[1]
-DIGITS = ROOT / "models" / "digits-classifier"
-FRAMES = ROOT / "models" / "demo-frames" / "digits"
+from agentproc import DEMO_BUNDLE as DIGITS
+from agentproc import DEMO_FRAMES as FRAMES
+from agentproc import demo_config
 
 
 def test_schedule_backs_off_doubling_capped_and_stops_once_serving() -> None:
@@ -46,12 +41,9 @@ def test_schedule_backs_off_doubling_capped_and_stops_once_serving() -> None:
     assert not Reproof(ReproofSchedule(0.0)).schedule.enabled
 
 
-def _events(log: Path) -> list[dict]:
-    return [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
-
-
 @pytest.mark.slow
-def test_latency_only_failure_under_load_serves_once_the_load_stops_without_a_restart(tmp_path: Path) -> None:
+def test_latency_only_failure_under_load_serves_once_the_load_stops_without_a_restart(tmp_path: Path,
+                                                                                      agent_process) -> None:
     bundle = tmp_path / "bundle"
     shutil.copytree(DIGITS, bundle)
     rewrite_manifest(bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 12.0}))
@@ -59,35 +51,27 @@ def test_latency_only_failure_under_load_serves_once_the_load_stops_without_a_re
     # is) a slow-down of 30 ms per timed run while the flag file exists; both stop together.
     flag = tmp_path / "loaded"
     flag.touch()
-    cfg = {"state_dir": str(tmp_path / "state"), "bundle": str(bundle),
-           "source": {"type": "folder", "path": str(FRAMES)}, "output": {"health_interval_s": 0.5},
-           "selection": {"use_cache": False, "latency_retries": 0, "reproof_backoff_s": 2.0,
-                         "reproof_max_backoff_s": 4.0}}
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    cfg = demo_config(tmp_path, loop=False, bundle=str(bundle),
+                      selection={"use_cache": False, "latency_retries": 0, "reproof_backoff_s": 2.0,
+                                 "reproof_max_backoff_s": 4.0})
     fault = ";".join(f"slow:CPUExecutionProvider:{v}={flag}" for v in ("fp32", "int8"))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    log = tmp_path / "agent.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
-                            cwd=ROOT, env={**os.environ, "EDGE_AGENT_FAULT": fault}, stdout=subprocess.PIPE,
-                            stderr=open(log, "w"), text=True)
+    agent = agent_process(cfg, env={"EDGE_AGENT_FAULT": fault}).start()
     try:
         # proven again while up, and refused again while the load lasts
-        assert wait_until(lambda: sum(e["event"] == "boot.not_serving" for e in _events(log)) >= 2, 180), \
-            log.read_text()[-3000:]
-        scheduled = [e for e in _events(log) if e["event"] == "reproof.scheduled"]
+        agent.wait_event("boot.not_serving", timeout=180, count=2)
+        scheduled = agent.events("reproof.scheduled")
         assert scheduled[0]["next_attempt_in_s"] == 2.0 and scheduled[0]["schedule_s"][:3] == [2.0, 4.0, 4.0]
-        assert any(e["event"] == "health" and e.get("reproof", {}).get("armed") for e in _events(log))
+        assert any(e.get("reproof", {}).get("armed") for e in agent.events("health"))
     finally:
         flag.unlink()
         for b in busy:
             b.send_signal(signal.SIGKILL)
             b.wait()
-    stopped = sum(e["event"] == "reproof.start" for e in _events(log))
+    stopped = len(agent.events("reproof.start"))
     # the next scheduled attempt (at most 4 s away, plus one proof) serves: the same process, every frame
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, log.read_text()[-3000:]
-    events = _events(log)
-    assert len(out.splitlines()) == len(list(FRAMES.glob("*.png")))
-    healed = next(e for e in events if e["event"] == "reproof.serving")
+    assert agent.wait_exit(120) == 0, agent.log_text()[-3000:]
+    assert len(agent.results()) == len(list(FRAMES.glob("*.png")))
+    healed = agent.events("reproof.serving")[0]
     assert healed["variant"] in ("fp32", "int8")
-    assert sum(e["event"] == "reproof.start" for e in events) <= stopped + 2
+    assert len(agent.events("reproof.start")) <= stopped + 2

@@ -6,18 +6,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import yaml
-
 from agent.service.sdnotify import Notifier
+from agentproc import AgentProcess, demo_config
 from waiting import wait_until
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class NotifySocket:
@@ -80,60 +75,47 @@ def test_outside_systemd_notify_is_a_no_op_and_a_foreign_watchdog_pid_is_ignored
     assert Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_s is None
 
 
-def _run(tmp_path: Path, rx: NotifySocket, watchdog_usec: int, **cfg_overrides) -> subprocess.Popen:
-    cfg = {
-        "state_dir": str(tmp_path / "state"),
-        "bundle": str(ROOT / "models" / "digits-classifier"),
-        "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                   "max_fps": 50},
-        "output": {"stdout": False, "health_interval_s": 1},
-        **cfg_overrides,
-    }
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": str(watchdog_usec)}
-    return subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"))
+def _run(agent_process, tmp_path: Path, rx: NotifySocket, watchdog_usec: int, **cfg_overrides) -> AgentProcess:
+    cfg = demo_config(tmp_path, source={"max_fps": 50}, output={"stdout": False, "health_interval_s": 1})
+    cfg.update(cfg_overrides)  # a whole source replaced, not merged
+    return agent_process(cfg, env={"NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": str(watchdog_usec)}).start()
 
 
-def test_agent_is_ready_only_after_the_selftest_pings_while_serving_reloads_and_stops(tmp_path: Path) -> None:
+def test_agent_is_ready_only_after_the_selftest_pings_while_serving_reloads_and_stops(tmp_path: Path,
+                                                                                      agent_process) -> None:
     rx = NotifySocket(tmp_path / "n.sock")
-    proc = _run(tmp_path, rx, 2_000_000)
+    agent = _run(agent_process, tmp_path, rx, 2_000_000)
     try:
-        assert rx.wait(lambda: rx.with_key("READY"), 60), (tmp_path / "log").read_text()[-2000:]
+        assert rx.wait(lambda: rx.with_key("READY"), 60), agent.log_text()[-2000:]
         ready = rx.with_key("READY")[0]
         assert ready["STATUS"].startswith("serving digits-classifier v1 ") and "CPUExecutionProvider" in ready["STATUS"]
         report = json.loads((tmp_path / "state" / "selftest" / "report.json").read_text())
         assert report["passed"]  # written before READY
         assert rx.wait(lambda: len(rx.with_key("WATCHDOG")) >= 3, 30)
-        proc.send_signal(signal.SIGHUP)
+        agent.signal(signal.SIGHUP)
         assert rx.wait(lambda: rx.with_key("RELOADING") and len(rx.with_key("READY")) >= 2, 90)
         assert float(rx.with_key("READY")[-1]["_t"]) > float(rx.with_key("RELOADING")[0]["_t"])
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert agent.stop() == 0
         # sent before the agent exited; the receiving thread may read it a moment after the exit
         assert rx.wait(lambda: rx.with_key("STOPPING"), 10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
         rx.close()
 
 
-def test_not_serving_is_still_ready_and_says_so(tmp_path: Path, tiny_bundle: Path) -> None:
+def test_not_serving_is_still_ready_and_says_so(tmp_path: Path, tiny_bundle: Path, agent_process) -> None:
     from agent.testing import rewrite_manifest
 
     rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 0.0001}))
     rx = NotifySocket(tmp_path / "n.sock")
-    proc = _run(tmp_path, rx, 0, bundle=str(tiny_bundle))
+    _run(agent_process, tmp_path, rx, 0, bundle=str(tiny_bundle), selection={"latency_retries": 0})  # no re-runs: fails anyway
     try:
         assert rx.wait(lambda: rx.with_key("READY"), 60)
         assert rx.with_key("READY")[0]["STATUS"].startswith("NOT serving: no candidate passed")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
         rx.close()
 
 
-def test_a_hung_source_stops_the_watchdog_pings(tmp_path: Path) -> None:
+def test_a_hung_source_stops_the_watchdog_pings(tmp_path: Path, agent_process) -> None:
     # a "camera" that accepts the connection and never answers; OpenCV's time-outs are set far away
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -141,15 +123,16 @@ def test_a_hung_source_stops_the_watchdog_pings(tmp_path: Path) -> None:
     rx = NotifySocket(tmp_path / "n.sock")
     source = {"type": "stream", "url": f"http://127.0.0.1:{srv.getsockname()[1]}/cam.mjpg",
               "open_timeout_ms": 600000, "read_timeout_ms": 600000}
-    proc = _run(tmp_path, rx, 2_000_000, source=source)
+    agent = _run(agent_process, tmp_path, rx, 2_000_000, source=source)
     try:
         assert rx.wait(lambda: rx.with_key("READY"), 60)
         assert rx.wait(lambda: any(m.get("STATUS", "").startswith("STALLED: capture stuck") for m in rx.messages), 60)
         last_ping = float(rx.with_key("WATCHDOG")[-1]["_t"]) if rx.with_key("WATCHDOG") else 0.0
-        time.sleep(3)
+        # barrier: four more ping times came and each was withheld (logged), rather than a fixed sleep
+        n = len(agent.events("watchdog.withheld"))
+        agent.wait_event("watchdog.withheld", timeout=60, count=n + 4)
         assert not any(float(m["_t"]) > last_ping for m in rx.with_key("WATCHDOG"))  # systemd would restart us
     finally:
-        proc.kill()
-        proc.wait()
+        agent.kill()
         srv.close()
         rx.close()

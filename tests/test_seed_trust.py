@@ -6,50 +6,40 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
 from agent.link.push import push
 from agent.testing import rewrite_manifest
+from agentproc import DEMO_BUNDLE, demo_config
 from brokers import MOSQUITTO, Broker, Collector
-from waiting import end_process
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-seed"
 PREFIX = f"edge/{DEVICE}/"
 
 pytestmark = pytest.mark.skipif(not Path(MOSQUITTO).exists(), reason="mosquitto is not installed")
 
 
-def test_rollback_to_the_unsigned_seeded_bundle_works_after_one_pushed_update(tmp_path: Path) -> None:
+def test_rollback_to_the_unsigned_seeded_bundle_works_after_one_pushed_update(tmp_path: Path, agent_process) -> None:
     keygen(tmp_path / "k.pem", tmp_path / "k.pub")
     v2 = tmp_path / "v2"
-    shutil.copytree(ROOT / "models" / "digits-classifier", v2)
+    shutil.copytree(DEMO_BUNDLE, v2)
     rewrite_manifest(v2, lambda m: m.update(version=2))
     sign_bundle(v2, tmp_path / "k.pem")
     archive = pack(v2, tmp_path / "v2.tar.gz")
 
     broker = Broker(tmp_path / "broker").start()
-    cfg = {"device_id": DEVICE, "state_dir": str(tmp_path / "state"),
-           "bundle": str(ROOT / "models" / "digits-classifier"),  # unsigned, as shipped
-           "source": {"type": "folder", "path": str(ROOT / "models" / "demo-frames" / "digits"), "loop": True,
-                      "max_fps": 30},
-           "output": {"stdout": False, "health_interval_s": 0.5},
-           "mqtt": {"enabled": True, "port": broker.port, "reconnect_min_s": 1, "reconnect_max_s": 1},
-           "updates": {"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 1.0,
-                       "probation_frames": 10}}
-    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
+    # the demo bundle: unsigned, as shipped
+    cfg = demo_config(tmp_path, port=broker.port, device_id=DEVICE, source={"max_fps": 30}, output={"stdout": False},
+                      updates={"enabled": True, "trusted_keys": [str(tmp_path / "k.pub")], "probation_s": 1.0,
+                               "probation_frames": 10})
     col = Collector(broker.port, [PREFIX + "#"])
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp_path / "agent.yaml")],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "w"))
+    agent = agent_process(cfg).start()
     try:
-        assert col.wait(lambda: col.on(PREFIX + "predictions"), 90), (tmp_path / "agent.log").read_text()[-2000:]
+        assert col.wait(lambda: col.on(PREFIX + "predictions"), 90), agent.log_text()[-2000:]
         result = push(archive, DEVICE, "127.0.0.1", broker.port, timeout_s=120)
         assert result["state"] == "committed", result
         col.c.publish(PREFIX + "cmd/rollback", b'{"id": "back"}', qos=1)
@@ -64,6 +54,6 @@ def test_rollback_to_the_unsigned_seeded_bundle_works_after_one_pushed_update(tm
         seeds = json.loads((tmp_path / "state" / "store" / "seeds.json").read_text())
         assert len(seeds) == 1 and next(iter(seeds)).startswith("digits-classifier-v1-")
     finally:
-        end_process(agent)
+        agent.stop()
         col.close()
         broker.stop()

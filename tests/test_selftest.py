@@ -136,19 +136,18 @@ def test_killing_the_agent_mid_proof_is_an_interrupted_self_test_not_a_crash(tin
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the self-test never wrote its in-flight marker"
-    # The marker moves from candidate to candidate until the long latency loop; kill inside that loop
-    # (the marker unchanged for a second), then read what the dead process left, not what it once said.
-    def read() -> bytes:
+    # The marker moves from candidate to candidate until the long latency loop, where it names the run
+    # ("latency run N of M", rewritten before every run); kill inside that loop, then read what the dead
+    # process left, not what it once said. (Waiting for the marker to stay unchanged for a second never
+    # ended inside that loop, which rewrites it per run: the test waited out its 60 s deadline each time.)
+    def in_latency_loop() -> bool:
         try:
-            return marker.read_bytes()
+            return b'"detail": "latency run' in marker.read_bytes()
         except FileNotFoundError:  # between two candidates
-            return b""
-    seen, since = read(), time.monotonic()
-    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:
+            return False
+    while not in_latency_loop() and time.monotonic() < deadline:
         time.sleep(0.05)
-        now = read()
-        if now != seen:
-            seen, since = now, time.monotonic()
+    assert in_latency_loop(), "the self-test never reached its latency loop"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert marker.exists(), "the self-test was killed between two candidates"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from frontend_bundles import mean_of_features_bundle
 
 knf = pytest.importorskip("kaldi_native_fbank")
 
@@ -103,36 +104,18 @@ def test_a_bad_fbank_block_is_refused_naming_the_key(tmp_path: Path) -> None:
 
 
 def test_a_bundle_with_the_fbank_front_end_takes_raw_samples(tmp_path: Path) -> None:
-    import onnx
     import onnxruntime as ort
-    import yaml
-    from onnx import TensorProto, helper
 
-    from agent.bundle.create import CreateOptions, create_bundle
     from agent.bundle.frontends import KaldiFbank
 
     samples = 8000
     fe = KaldiFbank(samples=samples, input_scale=32768.0, lfr_m=7, lfr_n=6)
     frames, dim = fe.out_dims
-    # a model over the features: the mean of each LFR feature over the frames
-    g = helper.make_graph([helper.make_node("ReduceMean", ["feats"], ["y"], axes=[1], keepdims=0)], "m",
-                          [helper.make_tensor_value_info("feats", TensorProto.FLOAT, ["batch", frames, dim])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", dim])])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     audio = np.stack([_audio(samples, s) for s in range(6)])
-    np.savez(tmp_path / "calib.npz", raw=audio[:, :, None])
-    np.savez(tmp_path / "golden.npz", raw=audio[:3, :, None])
-    spec = {"name": "fbank-mean", "version": 1, "label": "0.1.0", "task": "raw",
-            "frontend": {"type": "kaldi_fbank", "samples": samples, "input_scale": 32768.0, "lfr_m": 7, "lfr_n": 6},
-            "frame": {"kind": "sensor", "window": samples, "channels": 1, "dtype": "float32", "sample_rate": 16000},
-            "preprocess": {"layout": "nw", "dtype": "float32"},
-            "postprocess": {"type": "raw", "outputs": ["y"], "max_values": 4}}
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    bundle = create_bundle(CreateOptions(model=tmp_path / "m.onnx", spec=tmp_path / "spec.yaml",
-                                         calibration=tmp_path / "calib.npz", golden=tmp_path / "golden.npz",
-                                         out=tmp_path / "bundle", int8=False))
-    manifest = yaml.safe_load((bundle / "bundle.yaml").read_text())
-    assert manifest["input"]["shape"] == ["batch", samples]
+    # a model over the features: the mean of each LFR feature over the frames
+    bundle = mean_of_features_bundle(tmp_path, "fbank-mean", {"type": "kaldi_fbank", "samples": samples,
+                                                              "input_scale": 32768.0, "lfr_m": 7, "lfr_n": 6},
+                                     ("feats", ["batch", frames, dim]), 1, audio)
     sess = ort.InferenceSession(str(bundle / "model_fp32.onnx"), providers=["CPUExecutionProvider"])
     got = sess.run(None, {sess.get_inputs()[0].name: audio[:3]})[0]
     want = np.stack([_funasr_lfr(_package_fbank(a, 32768.0), 7, 6).mean(axis=0) for a in audio[:3]])

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from sensor_streams import CACHE
+from frontend_bundles import mean_of_features_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 REF_PY = CACHE / "venv-real" / "bin" / "python"
@@ -29,17 +29,28 @@ def _audio(n: int, batch: int = 2) -> np.ndarray:
     return (chirp[None, :] * rng.uniform(0.2, 1.0, (batch, 1)) + rng.normal(0, 0.1, (batch, n))).astype(np.float32)
 
 
-def _torch_stft(tmp: Path, audio: np.ndarray, n_fft: int, hop: int, power: int) -> np.ndarray:
+# every torch reference the module needs, as (samples, batch, n_fft, hop, power): one subprocess for all
+PARAMS = [(512, 128, 1), (400, 160, 2), (256, 100, 1)]
+JOBS = [(8000, 2, *p) for p in PARAMS] + [(4000, 6, 256, 128, 1)]
+
+
+@pytest.fixture(scope="module")
+def torch_stft(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, np.ndarray]:
+    """torch.stft of `_audio(samples, batch)` for each job, from one run of the references venv (the torch
+    import is most of a run's cost)."""
     if not REF_PY.exists():
         pytest.skip(f"{REF_PY}: the references venv is missing (scripts/real_models.py builds it)")
-    np.save(tmp / "audio.npy", audio)
-    r = subprocess.run([str(REF_PY), str(ROOT / "scripts" / "stft_reference_run.py"), str(tmp / "audio.npy"),
-                        str(n_fft), str(hop), str(power), str(tmp / "ref.npy")], capture_output=True, text=True,
-                       timeout=300)
+    tmp = tmp_path_factory.mktemp("stft-refs")
+    argv = []
+    for j, (samples, batch, n_fft, hop, power) in enumerate(JOBS):
+        np.save(tmp / f"audio{j}.npy", _audio(samples, batch))
+        argv += [str(tmp / f"audio{j}.npy"), str(n_fft), str(hop), str(power), str(tmp / f"ref{j}.npy")]
+    r = subprocess.run([str(REF_PY), str(ROOT / "scripts" / "stft_reference_run.py"), *argv], capture_output=True,
+                       text=True, timeout=300)
     if r.returncode != 0 and "No module named 'torch'" in r.stderr:
         pytest.skip("torch is not installed in the references venv")
     assert r.returncode == 0, r.stderr[-2000:]
-    return np.load(tmp / "ref.npy")
+    return {job: np.load(tmp / f"ref{j}.npy") for j, job in enumerate(JOBS)}
 
 
 def _run(model: object, audio: np.ndarray) -> np.ndarray:
@@ -49,46 +60,29 @@ def _run(model: object, audio: np.ndarray) -> np.ndarray:
     return sess.run(None, {sess.get_inputs()[0].name: audio})[0]
 
 
-@pytest.mark.parametrize("n_fft, hop, power", [(512, 128, 1), (400, 160, 2), (256, 100, 1)])
-def test_the_stft_graph_equals_torch_stft(tmp_path: Path, n_fft: int, hop: int, power: int) -> None:
+@pytest.mark.parametrize("n_fft, hop, power", PARAMS)
+def test_the_stft_graph_equals_torch_stft(torch_stft: dict, n_fft: int, hop: int, power: int) -> None:
     from agent.bundle.frontends import StftMagnitude, stft_magnitude_graph
 
     audio = _audio(8000)
     fe = StftMagnitude(samples=8000, n_fft=n_fft, hop=hop, power=power)
     got = _run(stft_magnitude_graph(fe), audio)
-    want = _torch_stft(tmp_path, audio, n_fft, hop, power)
+    want = torch_stft[(8000, 2, n_fft, hop, power)]
     assert got.shape == want.shape == (2, n_fft // 2 + 1, 1 + 8000 // hop)
     rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     assert rel <= BOUND, rel
 
 
-def test_a_bundle_with_the_stft_front_end_takes_raw_samples(tmp_path: Path) -> None:
+def test_a_bundle_with_the_stft_front_end_takes_raw_samples(tmp_path: Path, torch_stft: dict) -> None:
     import onnx
-    from onnx import TensorProto, helper
-
-    from agent.bundle.create import CreateOptions, create_bundle
 
     samples, n_fft, hop = 4000, 256, 128
     freqs, frames = n_fft // 2 + 1, 1 + samples // hop
-    # a model over the spectrogram: the mean magnitude of each frequency bin
-    g = helper.make_graph([helper.make_node("ReduceMean", ["spec"], ["y"], axes=[2], keepdims=0)], "m",
-                          [helper.make_tensor_value_info("spec", TensorProto.FLOAT, ["batch", freqs, frames])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", freqs])])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
     audio = _audio(samples, batch=6)
-    np.savez(tmp_path / "calib.npz", raw=audio[:, :, None])
-    np.savez(tmp_path / "golden.npz", raw=audio[:3, :, None])
-    spec = {"name": "spec-mean", "version": 1, "label": "0.1.0", "task": "raw",
-            "frontend": {"type": "stft_magnitude", "samples": samples, "n_fft": n_fft, "hop": hop},
-            "frame": {"kind": "sensor", "window": samples, "channels": 1, "dtype": "float32", "sample_rate": 16000},
-            "preprocess": {"layout": "nw", "dtype": "float32"},
-            "postprocess": {"type": "raw", "outputs": ["y"], "max_values": 4}}
-    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    bundle = create_bundle(CreateOptions(model=tmp_path / "m.onnx", spec=tmp_path / "spec.yaml",
-                                         calibration=tmp_path / "calib.npz", golden=tmp_path / "golden.npz",
-                                         out=tmp_path / "bundle", int8=False))
-    manifest = yaml.safe_load((bundle / "bundle.yaml").read_text())
-    assert manifest["input"]["shape"] == ["batch", samples]
+    # a model over the spectrogram: the mean magnitude of each frequency bin
+    bundle = mean_of_features_bundle(tmp_path, "spec-mean",
+                                     {"type": "stft_magnitude", "samples": samples, "n_fft": n_fft, "hop": hop},
+                                     ("spec", ["batch", freqs, frames]), 2, audio)
     got = _run(onnx.load(str(bundle / "model_fp32.onnx")), audio[:3])
-    want = _torch_stft(tmp_path, audio[:3], n_fft, hop, 1).mean(axis=2)
+    want = torch_stft[(samples, 6, n_fft, hop, 1)][:3].mean(axis=2)  # torch's STFT is row by row
     assert float(np.max(np.abs(got - want)) / np.max(want)) <= BOUND

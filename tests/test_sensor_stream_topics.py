@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from brokers import MOSQUITTO, free_port
-from waiting import end_process, wait_until
+from waiting import wait_until
+from agentproc import demo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,24 +24,19 @@ pytestmark = [pytest.mark.slow,  # a real agent process and a real broker: about
               pytest.mark.skipif(not Path(MOSQUITTO).exists(), reason="mosquitto is not installed")]
 
 
-def test_each_udp_sender_publishes_on_its_own_predictions_topic(tiny_sensor_bundle: Path, tmp_path: Path) -> None:
+def test_each_udp_sender_publishes_on_its_own_predictions_topic(tiny_sensor_bundle: Path, tmp_path: Path,
+                                                               agent_process) -> None:
     from brokers import Broker, Collector
 
     broker = Broker(tmp_path / "broker").start()
     col = Collector(broker.port, ["edge/dev-s/#"])
     port = free_port()
-    proc = None
     senders = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
     try:
-        cfg = {"device_id": "dev-s", "state_dir": str(tmp_path / "state"), "bundle": str(tiny_sensor_bundle),
-               "output": {"health_interval_s": 0.3, "stdout": False},
-               "mqtt": {"enabled": True, "port": broker.port, "keepalive": 5, "reconnect_min_s": 1,
-                        "reconnect_max_s": 1},
-               "source": {"type": "udp", "host": "127.0.0.1", "port": port}}
-        (tmp_path / "agent.yaml").write_text(yaml.safe_dump(cfg))
-        proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config",
-                                 str(tmp_path / "agent.yaml")], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        cfg = demo_config(tmp_path, port=broker.port, device_id="dev-s", bundle=str(tiny_sensor_bundle),
+                          output={"health_interval_s": 0.3, "stdout": False})
+        cfg["source"] = {"type": "udp", "host": "127.0.0.1", "port": port}
+        agent_process(cfg).start()
         assert col.wait(lambda: col.on("edge/dev-s/health"), 90), "the agent never published health"
         for s in senders:
             s.bind(("127.0.0.1", 0))
@@ -66,5 +59,4 @@ def test_each_udp_sender_publishes_on_its_own_predictions_topic(tiny_sensor_bund
         for s in senders:
             s.close()
         col.close()
-        end_process(proc)
         broker.stop()

@@ -6,40 +6,18 @@ costs the candidate when it repeats in the next serving process (a one-off kill 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from waiting import wait_until
 
 from agent.fsio import write_json_atomic
 from agent.proof.isolation import CrashLedger
 from agent.service import serving_ledger
+from agentproc import demo_config
 
-ROOT = Path(__file__).resolve().parents[1]
-DIGITS = ROOT / "models" / "digits-classifier"
-FRAMES = ROOT / "models" / "demo-frames" / "digits"
 INT8 = "CPUExecutionProvider:int8"
 FAULT = f"serve:{INT8}#100=SIGSEGV"
-
-
-def _config(tmp_path: Path) -> Path:
-    cfg = {"state_dir": str(tmp_path / "state"), "bundle": str(DIGITS),
-           "source": {"type": "folder", "path": str(FRAMES), "loop": True, "max_fps": 200},
-           "output": {"health_interval_s": 0.5}, "selection": {"use_cache": False}}
-    p = tmp_path / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-def _popen(cfg: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(cfg)], cwd=ROOT,
-                            env={**os.environ, "EDGE_AGENT_FAULT": FAULT}, stdout=subprocess.PIPE,
-                            stderr=open(log, "w"), text=True)  # noqa: SIM115 (the process owns it)
 
 
 def _crashes(tmp_path: Path) -> list[tuple[str, str]]:
@@ -48,30 +26,17 @@ def _crashes(tmp_path: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_a_crash_past_the_first_64_inferences_ends_the_crash_loop(tmp_path: Path) -> None:
-    cfg = _config(tmp_path)
+def test_a_crash_past_the_first_64_inferences_ends_the_crash_loop(tmp_path: Path, agent_process) -> None:
+    cfg = demo_config(tmp_path, selection={"use_cache": False})
     for boot in (1, 2):  # the same candidate dies at inference 100 twice in a row
-        log = tmp_path / f"boot{boot}.log"
-        proc = _popen(cfg, log)
-        try:
-            rc = proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError(f"boot {boot} did not die: " + log.read_text()[-2000:]) from None
-        assert rc == -signal.SIGSEGV, log.read_text()[-2000:]
+        agent = agent_process(cfg, name=f"boot{boot}", env={"EDGE_AGENT_FAULT": FAULT})
+        assert agent.run(180) == -signal.SIGSEGV, agent.log_text()[-2000:]
     # the second boot recorded the first's death as noted only; the third records the second's
-    log = tmp_path / "boot3.log"
-    proc = _popen(cfg, log)
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert first, log.read_text()[-2000:]
-        assert json.loads(first)["variant"] == "fp32"
-        assert wait_until(lambda: "serving.watch_done" in log.read_text(), 60)
-        assert proc.poll() is None
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+    agent = agent_process(cfg, name="boot3", env={"EDGE_AGENT_FAULT": FAULT}).start()
+    assert agent.wait_results(1)[0]["variant"] == "fp32"
+    agent.wait_event("serving.watch_done")
+    assert agent.returncode is None
+    assert agent.stop(60) == 0
     assert _crashes(tmp_path) == [(f"candidate:{INT8}", "serving: past its first 64 inferences, 2 processes in a row")]
 
 

@@ -17,6 +17,7 @@ from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
 from agent.testing import rewrite_manifest
+from pipelines import run_to_end
 
 W, C, H, K = 8, 2, 6, 3  # window, channels, state width, classes
 T, N = 12, 6  # steps per sequence, sequences per set
@@ -178,32 +179,32 @@ def test_a_model_input_left_undeclared_is_refused_naming_it(tmp_path: Path) -> N
                                     golden=tmp_path / "s.npz", out=tmp_path / "b"))
 
 
-def test_a_state_fed_from_an_unknown_output_is_refused_at_load(stateful_bundle: Path, tmp_path: Path) -> None:
+def _with_manifest(stateful_bundle: Path, tmp_path: Path, mutate) -> Path:
+    """A copy of the stateful bundle whose manifest `mutate` changed (then rehashed)."""
     import shutil
 
     root = tmp_path / "b"
     shutil.copytree(stateful_bundle, root)
-    rewrite_manifest(root, lambda d: d["inputs"][1].update(from_output="hidden"))
+    rewrite_manifest(root, mutate)
+    return root
+
+
+def test_a_state_fed_from_an_unknown_output_is_refused_at_load(stateful_bundle: Path, tmp_path: Path) -> None:
+    root = _with_manifest(stateful_bundle, tmp_path, lambda d: d["inputs"][1].update(from_output="hidden"))
     with pytest.raises(BundleError, match=r"key inputs\[1\]\.from_output: 'hidden' is not a declared output"):
         load_bundle(root)
 
 
 def test_a_declared_input_of_the_wrong_dtype_breaks_the_contract(stateful_bundle: Path, tmp_path: Path) -> None:
-    import shutil
-
-    root = tmp_path / "b"
-    shutil.copytree(stateful_bundle, root)
-    rewrite_manifest(root, lambda d: d["inputs"][0].update(dtype="int32"))
+    root = _with_manifest(stateful_bundle, tmp_path, lambda d: d["inputs"][0].update(dtype="int32"))
     with pytest.raises(ContractError, match=r"input 'sr' dtype: manifest int32, model int64"):
         load_bundle(root)
 
 
 def test_a_stateful_model_serves_from_a_file_source_and_matches_the_numpy_recurrence(stateful_bundle: Path,
                                                                                      tmp_path: Path) -> None:
-    import time
 
     from agent.config import PipelineConfig, SourceConfig
-    from agent.serving.pipeline import Pipeline
     from agent.serving.sources import is_lossless, open_source
     from agent.testing import ListSink
 
@@ -215,13 +216,7 @@ def test_a_stateful_model_serves_from_a_file_source_and_matches_the_numpy_recurr
     cfg = SourceConfig(type="file", path=stream)
     source = open_source(cfg, b.manifest.frame)
     sink = ListSink()
-    p = Pipeline(source, engine, sink, PipelineConfig(inference_workers=4, max_batch=8), is_lossless(cfg, source)).start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not p.done.is_set():
-        time.sleep(0.02)
-    p.stop()
-    assert p.join(timeout=15)
-    source.close()
+    run_to_end(source, engine, sink, PipelineConfig(inference_workers=4, max_batch=8), is_lossless(cfg, source))
     want = numpy_reference(seq)
     assert len(sink.results) == T and all(r["batch"] == 1 for r in sink.results)
     got = [(r["result"]["top"][0]["class_id"], r["result"]["top"][0]["score"]) for r in sink.results]

@@ -6,37 +6,32 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
 
 from brokers import Broker, Collector
-from test_updates import PREFIX, AgentProc, _quiet, agent_config, kit, preds, send_archive, serving_version, statuses  # noqa: F401
-from waiting import wait_until
+from test_updates import PREFIX, agent_config, kit, preds, push_v2_until, serving_version, statuses  # noqa: F401
 
 
 @pytest.mark.slow
 def test_a_kill_in_probation_with_the_broker_down_boots_consistent_and_reports_when_it_returns(
-        tmp_path: Path, kit: dict) -> None:  # noqa: F811
+        tmp_path: Path, kit: dict, agent_process) -> None:  # noqa: F811
     broker = Broker(tmp_path / "broker").start()
     col = Collector(broker.port, [PREFIX + "#"])
     cfg = agent_config(tmp_path, kit, broker.port, probation_s=60.0, probation_frames=100000)
-    log = tmp_path / "agent.log"
-    agent = AgentProc(cfg, log).start()
+    agent = agent_process(cfg).start()
     col2: Collector | None = None
     try:
-        assert col.wait(lambda: len(preds(col)) >= 5, 90), log.read_text()[-3000:]
-        threading.Thread(target=lambda: _quiet(send_archive, kit["bundles"]["v2"], broker.port), daemon=True).start()
-        assert col.wait(lambda: any(s.get("phase") == "probation" for s in statuses(col)), 90)
-        update = [s for s in statuses(col) if s.get("phase") == "probation"][-1]["update"]
+        assert col.wait(lambda: len(preds(col)) >= 5, 90), agent.log_text()[-3000:]
+        update = push_v2_until(col, kit, broker.port, lambda s: s.get("phase") == "probation")["update"]
         col.close()
         broker.stop()
         agent.kill()  # power cut in probation, the broker away
         store = tmp_path / "state" / "store"
         assert json.loads((store / "update.json").read_text())["state"] == "probation"
-        agent = AgentProc(cfg, log).start()
-        assert wait_until(lambda: '"update.interrupted"' in log.read_text(), 90), log.read_text()[-3000:]
+        agent.start()
+        agent.wait_event("update.interrupted", timeout=90)
         assert os.readlink(store / "current") == os.readlink(store / "committed")
         assert all("-v2-" not in p.name for p in (store / "bundles").iterdir())
         broker.start()

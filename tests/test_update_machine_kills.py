@@ -9,38 +9,30 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
 
-from brokers import Broker, Collector
-from test_updates import AgentProc, _quiet, agent_config, kit, preds, send_archive, serving_version, statuses  # noqa: F401
+from test_updates import kit, preds, push_v2_until, serving_v1, serving_version, statuses  # noqa: F401
 
 PHASES = ["receiving", "verifying", "staged", "proving", "switching", "probation"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", PHASES)
-def test_sigkill_at_every_machine_state_boots_consistent(tmp_path: Path, kit: dict, phase: str) -> None:  # noqa: F811
-    broker = Broker(tmp_path / "broker").start()
-    col = Collector(broker.port, ["edge/dev-u/#"])
+def test_sigkill_at_every_machine_state_boots_consistent(tmp_path: Path, kit: dict, phase: str,  # noqa: F811
+                                                         agent_process) -> None:
     # a long probation, so that a kill "at probation" lands inside it
-    cfg = agent_config(tmp_path, kit, broker.port, probation_s=30.0, probation_frames=100000)
-    agent = AgentProc(cfg, tmp_path / "agent.log").start()
-    try:
-        assert col.wait(lambda: len(preds(col)) >= 5, 90)
-        threading.Thread(target=lambda: _quiet(send_archive, kit["bundles"]["v2"], broker.port), daemon=True).start()
-        assert col.wait(lambda: any(s.get("phase") == phase for s in statuses(col)), 90), \
-            [(s["state"], s.get("phase")) for s in statuses(col)]
+    with serving_v1(tmp_path, kit, agent_process, probation_s=30.0, probation_frames=100000) as (broker, col, agent):
+        push_v2_until(col, kit, broker.port, lambda s: s.get("phase") == phase)
         agent.kill()  # power cut in this state
         store = tmp_path / "state" / "store"
         recorded = json.loads((store / "update.json").read_text())["state"]
         n_status = len(statuses(col))
         before = len(preds(col))
-        agent = AgentProc(cfg, tmp_path / "agent.log").start()
+        agent.start()
         assert col.wait(lambda: len(preds(col)) > before + 5 and preds(col)[-1]["boot"] == 2, 90), \
-            (tmp_path / "agent.log").read_text()[-3000:]
+            agent.log_text()[-3000:]
         assert os.readlink(store / "current") == os.readlink(store / "committed")
         assert serving_version(col) == 1
         kept = {p.name for p in (store / "bundles").iterdir()}
@@ -53,30 +45,21 @@ def test_sigkill_at_every_machine_state_boots_consistent(tmp_path: Path, kit: di
         assert col.wait(lambda: any(s["state"] == verdict["state"] and "interrupted" in (s.get("reason") or "")
                                     for s in statuses(col)[n_status:]), 30), statuses(col)[n_status:]
         print(f"killed at phase {phase} (recorded {recorded}): {verdict['state']}, v1 serves")
-    finally:
-        agent.stop()
-        col.close()
-        broker.stop()
 
 
 @pytest.mark.slow
 def test_a_graceful_stop_during_probation_ends_it_at_the_next_tick_and_commits_nothing(tmp_path: Path,
-                                                                                       kit: dict) -> None:  # noqa: F811
+                                                                                       kit: dict,  # noqa: F811
+                                                                                       agent_process) -> None:
     """Probation is a controller tick: a SIGTERM ends it at once (not at probation_s), rolled back."""
-    broker = Broker(tmp_path / "broker").start()
-    col = Collector(broker.port, ["edge/dev-u/#"])
-    cfg = agent_config(tmp_path, kit, broker.port, probation_s=120.0, probation_frames=10**6)
-    agent = AgentProc(cfg, tmp_path / "agent.log").start()
-    try:
-        assert col.wait(lambda: len(preds(col)) >= 5, 90)
-        threading.Thread(target=lambda: _quiet(send_archive, kit["bundles"]["v2"], broker.port), daemon=True).start()
-        assert col.wait(lambda: any(s["state"] == "probation" for s in statuses(col)), 90)
+    with serving_v1(tmp_path, kit, agent_process, probation_s=120.0, probation_frames=10**6) as (broker, col, agent):
+        push_v2_until(col, kit, broker.port, lambda s: s["state"] == "probation")
         import time
 
         t0 = time.monotonic()
-        agent.stop()  # SIGTERM; end_process waits for the exit
+        rc = agent.stop()  # SIGTERM, and wait for the exit
         took = time.monotonic() - t0
-        assert agent.proc.returncode == 0
+        assert rc == 0
         last = statuses(col)[-1]
         assert last["state"] == "rolled_back" and "cut short by shutdown" in last["reason"], last
         assert took < 60, took  # not the 120 s probation
@@ -84,7 +67,3 @@ def test_a_graceful_stop_during_probation_ends_it_at_the_next_tick_and_commits_n
         assert os.readlink(store / "current") == os.readlink(store / "committed")
         assert json.loads((store / "update.json").read_text())["state"] == "rolled_back"
         print(f"SIGTERM during probation: stopped in {took:.1f} s, rolled back")
-    finally:
-        agent.stop()
-        col.close()
-        broker.stop()

@@ -15,7 +15,10 @@ import tarfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,8 +28,9 @@ from agent.bundle.archive import pack
 from agent.hashing import sha256_file
 from agent.bundle.signing import keygen, sign_bundle
 from agent.testing import rewrite_manifest, scale_initializer, structured_frames
+from agentproc import AgentProcess, demo_config
 from brokers import Broker, Collector
-from waiting import end_process
+from update_kits import key_and_frames
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-u"
@@ -37,14 +41,8 @@ PREFIX = f"edge/{DEVICE}/"
 def kit(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_master: Path) -> dict:
     """Keys, frames and signed bundle archives, good and bad, built once."""
     d = tmp_path_factory.mktemp("update-kit")
-    keygen(d / "k.pem", d / "k.pub")
+    frames = key_and_frames(d)
     keygen(d / "other.pem", d / "other.pub")
-    frames = d / "frames"
-    frames.mkdir()
-    import cv2
-
-    for i, f in enumerate(structured_frames(12, 40, seed=9)):
-        cv2.imwrite(str(frames / f"{i:02d}.png"), f)
 
     def variant(name: str, mutate=None, sign_with: str | None = "k", after=None, version: int = 2) -> Path:
         src = d / name
@@ -113,38 +111,11 @@ def kit(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_master: Path) -> d
     return {"dir": d, "frames": frames, "pub": d / "k.pub", "bundles": bundles, "v1_dir": d / "v1"}
 
 
-def agent_config(tmp: Path, kit: dict, port: int, **updates) -> Path:
-    cfg = {
-        "device_id": DEVICE,
-        "state_dir": str(tmp / "state"),
-        "bundle": str(kit["v1_dir"]),
-        "source": {"type": "folder", "path": str(kit["frames"]), "loop": True, "max_fps": 60},
-        "output": {"stdout": False, "health_interval_s": 0.5},
-        "mqtt": {"enabled": True, "port": port, "keepalive": 5, "reconnect_min_s": 1, "reconnect_max_s": 1},
-        "updates": {"enabled": True, "trusted_keys": [str(kit["pub"])], "probation_s": 2.0,
-                    "probation_frames": 40, "max_bundle_bytes": 2 * 2**20, **updates},
-    }
-    p = tmp / "agent.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
-
-
-class AgentProc:
-    def __init__(self, config: Path, log: Path, env: dict | None = None):
-        self.config, self.log, self.env = config, log, env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "AgentProc":
-        self.proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(self.config)],
-                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "a"),
-                                     env={**os.environ, **(self.env or {})})
-        return self
-
-    def kill(self) -> None:
-        end_process(self.proc, graceful=False)
-
-    def stop(self) -> None:
-        end_process(self.proc)
+def agent_config(tmp: Path, kit: dict, port: int, **updates) -> dict:
+    return demo_config(tmp, port=port, device_id=DEVICE, bundle=str(kit["v1_dir"]),
+                       source={"path": str(kit["frames"]), "max_fps": 60}, output={"stdout": False},
+                       updates={"enabled": True, "trusted_keys": [str(kit["pub"])], "probation_s": 2.0,
+                                "probation_frames": 40, "max_bundle_bytes": 2 * 2**20, **updates})
 
 
 def preds(col: Collector) -> list[dict]:
@@ -160,6 +131,30 @@ def serving_version(col: Collector) -> int:
     return preds(col)[-1]["bundle"]["version"]
 
 
+@contextmanager
+def serving_v1(tmp_path: Path, kit: dict, agent_process, env: dict | None = None,
+               **updates: Any) -> Iterator[tuple[Broker, Collector, AgentProcess]]:
+    """A broker, a collector on the device's topics, and an agent serving v1 (five predictions seen)."""
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    agent = agent_process(agent_config(tmp_path, kit, broker.port, **updates), env=env).start()
+    try:
+        assert col.wait(lambda: len(preds(col)) >= 5, 90), agent.log_text()[-3000:]
+        yield broker, col, agent
+    finally:
+        agent.stop()
+        col.close()
+        broker.stop()
+
+
+def push_v2_until(col: Collector, kit: dict, port: int, seen: Callable[[dict], bool], timeout: float = 90) -> dict:
+    """Push v2 on a thread (the test may kill the agent under it) until an update status satisfies `seen`."""
+    threading.Thread(target=lambda: _quiet(send_archive, kit["bundles"]["v2"], port), daemon=True).start()
+    assert col.wait(lambda: any(seen(s) for s in statuses(col)), timeout), \
+        [(s["state"], s.get("phase")) for s in statuses(col)]
+    return [s for s in statuses(col) if seen(s)][-1]
+
+
 def send_archive(archive: Path, port: int, drop: set[int] | None = None, chunk_size: int = 4096) -> dict:
     from agent.link.push import push
 
@@ -167,11 +162,11 @@ def send_archive(archive: Path, port: int, drop: set[int] | None = None, chunk_s
 
 
 @pytest.fixture
-def env(tmp_path: Path, kit: dict):
+def env(tmp_path: Path, kit: dict, agent_process):
     broker = Broker(tmp_path / "broker").start()
     col = Collector(broker.port, [PREFIX + "#"])
-    agent = AgentProc(agent_config(tmp_path, kit, broker.port), tmp_path / "agent.log").start()
-    assert col.wait(lambda: len(preds(col)) >= 5, 60), (tmp_path / "agent.log").read_text()[-3000:]
+    agent = agent_process(agent_config(tmp_path, kit, broker.port)).start()
+    assert col.wait(lambda: len(preds(col)) >= 5, 60), agent.log_text()[-3000:]
     yield {"broker": broker, "col": col, "agent": agent, "tmp": tmp_path}
     agent.stop()
     col.close()
@@ -223,7 +218,7 @@ def test_every_bad_bundle_is_refused_with_a_clear_status_and_the_old_one_keeps_s
         n = len(preds(col))
         assert col.wait(lambda: len(preds(col)) > n + 3, 30), f"stopped serving after {name}"
         assert serving_version(col) == 1
-    assert env["agent"].proc.poll() is None
+    assert env["agent"].returncode is None
 
 
 def test_truncated_upload_is_refused(env: dict, kit: dict) -> None:
@@ -248,22 +243,13 @@ def test_truncated_upload_is_refused(env: dict, kit: dict) -> None:
     assert serving_version(col) == 1
 
 
-def test_self_test_process_that_crashes_is_a_refusal_not_a_crash(tmp_path: Path, kit: dict) -> None:
-    broker = Broker(tmp_path / "broker").start()
-    col = Collector(broker.port, [PREFIX + "#"])
+def test_self_test_process_that_crashes_is_a_refusal_not_a_crash(tmp_path: Path, kit: dict, agent_process) -> None:
     # the v2 bundle's loading (its contract check opens every variant) takes the self-test child down
-    agent = AgentProc(agent_config(tmp_path, kit, broker.port), tmp_path / "agent.log",
-                      env={"EDGE_AGENT_FAULT": "load@2=SIGSEGV"}).start()
-    try:
-        assert col.wait(lambda: len(preds(col)) >= 5, 60)
+    with serving_v1(tmp_path, kit, agent_process, env={"EDGE_AGENT_FAULT": "load@2=SIGSEGV"}) as (broker, col, _):
         result = send_archive(kit["bundles"]["v2"], broker.port)
         assert result["state"] == "rejected" and "load crashed the self-test process (SIGSEGV)" in result["reason"]
         n = len(preds(col))
         assert col.wait(lambda: len(preds(col)) > n + 3, 30) and serving_version(col) == 1
-    finally:
-        agent.stop()
-        col.close()
-        broker.stop()
 
 
 def _sqrt_bundle(kit: dict, tiny_inputs: dict, out: Path) -> Path:
@@ -305,30 +291,23 @@ def test_probation_failure_rolls_back_to_the_previous_bundle(env: dict, kit: dic
     assert any("tiny-classifier-v1-" in line and "current,committed" in line for line in out.splitlines())
 
 
-@pytest.mark.parametrize("step", ["verifying", "unpacking", "selftest_passed", "switched"])
-def test_sigkill_at_each_step_boots_into_the_committed_bundle(tmp_path: Path, kit: dict, step: str) -> None:
-    broker = Broker(tmp_path / "broker").start()
-    col = Collector(broker.port, [PREFIX + "#"])
-    cfg = agent_config(tmp_path, kit, broker.port)
-    agent = AgentProc(cfg, tmp_path / "agent.log").start()
-    try:
-        assert col.wait(lambda: len(preds(col)) >= 5, 60)
-        threading.Thread(target=lambda: _quiet(send_archive, kit["bundles"]["v2"], broker.port), daemon=True).start()
-        assert col.wait(lambda: any(s["state"] == step for s in statuses(col)), 60)
+# before the switch and after it in the fast lane; every state of the machine in test_update_machine_kills (slow)
+@pytest.mark.parametrize("step", ["verifying", pytest.param("unpacking", marks=pytest.mark.slow),
+                                  pytest.param("selftest_passed", marks=pytest.mark.slow), "switched"])
+def test_sigkill_at_each_step_boots_into_the_committed_bundle(tmp_path: Path, kit: dict, step: str,
+                                                              agent_process) -> None:
+    with serving_v1(tmp_path, kit, agent_process) as (broker, col, agent):
+        push_v2_until(col, kit, broker.port, lambda s: s["state"] == step)
         agent.kill()  # power cut at this step
         before = len(preds(col))
-        agent = AgentProc(cfg, tmp_path / "agent.log").start()
+        agent.start()
         # results of the killed boot that were on disk drain first (in order): wait for the new boot's
         assert col.wait(lambda: len(preds(col)) > before + 5 and preds(col)[-1]["boot"] == 2, 60), \
-            (tmp_path / "agent.log").read_text()[-3000:]
+            agent.log_text()[-3000:]
         # a committed bundle serves; an interrupted update never left `current` off `committed`
         state = tmp_path / "state" / "store"
         assert os.readlink(state / "current") == os.readlink(state / "committed")
         assert serving_version(col) == 1
-    finally:
-        agent.stop()
-        col.close()
-        broker.stop()
 
 
 def _quiet(fn, *a) -> None:
@@ -338,11 +317,11 @@ def _quiet(fn, *a) -> None:
         pass  # the agent was killed mid-push on purpose
 
 
-def test_inbox_and_url_delivery_each_work_end_to_end(tmp_path: Path, kit: dict) -> None:
+def test_inbox_and_url_delivery_each_work_end_to_end(tmp_path: Path, kit: dict, agent_process) -> None:
     broker = Broker(tmp_path / "broker").start()
     col = Collector(broker.port, [PREFIX + "#"])
     inbox = tmp_path / "inbox"
-    agent = AgentProc(agent_config(tmp_path, kit, broker.port, inbox=str(inbox)), tmp_path / "agent.log").start()
+    agent = agent_process(agent_config(tmp_path, kit, broker.port, inbox=str(inbox))).start()
     web_root = tmp_path / "web"
     web_root.mkdir()
     shutil.copy(kit["bundles"]["v3"], web_root / "v3.tar.gz")
@@ -394,31 +373,23 @@ def test_keygen_sign_and_verify_with_the_cli(tmp_path: Path, tiny_bundle: Path) 
     assert bad.returncode == 1 and "signed by unknown key" in bad.stderr
 
 
-def test_a_step_that_crashed_an_update_proof_is_not_retried_at_the_next_boot(tmp_path: Path, kit: dict) -> None:
+def test_a_step_that_crashed_an_update_proof_is_not_retried_at_the_next_boot(tmp_path: Path, kit: dict,
+                                                                              agent_process) -> None:
     """The update's self-test child and the boot's share one crash ledger: a candidate that killed the
     update's child is skipped at the next boot, instead of killing one more child there."""
-    broker = Broker(tmp_path / "broker").start()
-    col = Collector(broker.port, [PREFIX + "#"])
-    cfg = agent_config(tmp_path, kit, broker.port)
-    agent = AgentProc(cfg, tmp_path / "agent.log",
-                      env={"EDGE_AGENT_FAULT": "candidate:CPUExecutionProvider:fp32@2=SIGSEGV"}).start()
-    try:
-        assert col.wait(lambda: len(preds(col)) >= 5, 60)
+    fault = {"EDGE_AGENT_FAULT": "candidate:CPUExecutionProvider:fp32@2=SIGSEGV"}
+    with serving_v1(tmp_path, kit, agent_process, env=fault) as (broker, col, agent):
         result = send_archive(kit["bundles"]["v2"], broker.port)
         assert result["state"] == "committed", result
         assert col.wait(lambda: serving_version(col) == 2 and preds(col)[-1]["variant"] == "int8", 60)
         agent.stop()
         records = json.loads((tmp_path / "state" / "selftest" / "crashes.json").read_text())
         assert [(r["step"], r["signal"]) for r in records] == [("candidate:CPUExecutionProvider:fp32", "SIGSEGV")]
-        agent = AgentProc(cfg, tmp_path / "agent.log").start()  # no fault now: the record still applies
+        agent = agent_process(agent.config).start()  # no fault now: the record still applies
         # judge the second boot's own results (the first boot's last ones may still be on their way)
         second = lambda: [p for p in preds(col) if p["boot"] == 2]  # noqa: E731
-        assert col.wait(lambda: len(second()) > 5, 60), (tmp_path / "agent.log").read_text()[-3000:]
+        assert col.wait(lambda: len(second()) > 5, 60), agent.log_text()[-3000:]
         assert second()[-1]["variant"] == "int8" and second()[-1]["bundle"]["version"] == 2
         report = json.loads((tmp_path / "state" / "selftest" / "report.json").read_text())
         fp32 = next(c for c in report["candidates"] if c["variant"] == "fp32")
         assert fp32["status"] == "skipped" and "crashed" in fp32["reasons"][0]
-    finally:
-        agent.stop()
-        col.close()
-        broker.stop()

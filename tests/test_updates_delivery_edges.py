@@ -11,18 +11,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from brokers import MOSQUITTO, Broker, Collector, demo_mqtt_config
-from waiting import end_process, wait_until
+from agentproc import AgentProcess, demo_config
+from brokers import MOSQUITTO, Broker, Collector
+from slow_servers import header_trickle
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "dev-de"
@@ -31,42 +28,6 @@ DEADLINE_S = 4.0
 
 needs_broker = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
                                   reason="mosquitto is not installed (scripts/test.sh installs it)")
-
-
-class HeaderTrickle:
-    """A raw TCP server that sends a status line, then one header byte every 0.5 s, for minutes."""
-
-    def __init__(self) -> None:
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        self.stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
-
-    def _trickle(self, conn: socket.socket) -> None:
-        try:
-            conn.recv(4096)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
-            for _ in range(600):
-                if self.stop.is_set():
-                    break
-                conn.sendall(b"a")
-                time.sleep(0.5)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.srv.close()
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +45,17 @@ def agent(tmp_path_factory: pytest.TempPathFactory):
     archive = pack(newer, tmp / "newer.tar.gz")
     broker = Broker(tmp / "broker").start()
     inbox = tmp / "inbox"
-    cfg = {**demo_mqtt_config(DEVICE, tmp / "state", broker.port, max_fps=30),
-           "updates": {"enabled": True, "trusted_keys": [str(tmp / "k.pub")], "inbox": str(inbox),
-                       "download_timeout_s": 2.0, "download_deadline_s": DEADLINE_S, "min_free_bytes": 0,
-                       "probation_s": 1.0, "probation_frames": 10}}
-    (tmp / "agent.yaml").write_text(yaml.safe_dump(cfg))
-    log = tmp / "agent.log"
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(tmp / "agent.yaml")],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "a"))
+    cfg = demo_config(tmp, port=broker.port, device_id=DEVICE, source={"max_fps": 30}, output={"stdout": False},
+                      updates={"enabled": True, "trusted_keys": [str(tmp / "k.pub")], "inbox": str(inbox),
+                               "download_timeout_s": 2.0, "download_deadline_s": DEADLINE_S, "min_free_bytes": 0,
+                               "probation_s": 1.0, "probation_frames": 10})
+    proc = AgentProcess(tmp, cfg).start()  # one agent for the module (the fixture factory is per test)
     col = Collector(broker.port, [PREFIX + "#"])
     try:
-        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 3, 120), log.read_text()[-3000:]
-        yield {"proc": proc, "col": col, "broker": broker, "tmp": tmp, "inbox": inbox, "log": log, "archive": archive}
+        assert col.wait(lambda: len(col.on(PREFIX + "predictions")) >= 3, 120), proc.log_text()[-3000:]
+        yield {"proc": proc, "col": col, "broker": broker, "tmp": tmp, "inbox": inbox, "archive": archive}
     finally:
-        end_process(proc)
+        proc.stop()
         col.close()
         broker.stop()
 
@@ -112,7 +70,7 @@ def replies(col: Collector, name: str) -> list[dict]:
 
 @needs_broker
 def test_header_slow_loris_is_refused_within_the_deadline(agent: dict) -> None:
-    web = HeaderTrickle()
+    web = header_trickle()
     col = agent["col"]
     try:
         n = len(replies(col, "update"))
@@ -131,7 +89,7 @@ def test_header_slow_loris_is_refused_within_the_deadline(agent: dict) -> None:
 
 @needs_broker
 def test_rollback_answers_while_a_download_is_in_flight(agent: dict) -> None:
-    web = HeaderTrickle()
+    web = header_trickle()
     col = agent["col"]
     try:
         nu, nr = len(replies(col, "update")), len(replies(col, "rollback"))
@@ -175,8 +133,8 @@ def test_dangling_symlink_fifo_and_directory_in_the_inbox_are_rejected_and_a_val
         [s["state"] for s in statuses(col, "good.tar.gz")]
     print(f"valid bundle after three hostile entries committed in {time.monotonic() - t0:.1f} s")
     assert wait_until(lambda: (inbox / "done" / "good.tar.gz").exists(), 30)
-    assert agent["proc"].poll() is None
-    errors = [line for line in agent["log"].read_text().splitlines() if line and not line.startswith("{")]
+    assert agent["proc"].returncode is None
+    errors = [line for line in agent["proc"].log_text().splitlines() if line and not line.startswith("{")]
     assert errors == [], errors[:5]  # every line is a JSON event: no bare traceback
 
 

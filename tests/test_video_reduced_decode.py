@@ -7,10 +7,8 @@ Videos are real (Debian's ffmpeg writes H.264), decoded by FFmpeg through PyAV; 
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,6 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-import yaml
 from waiting import wait_until
 
 from agent.config import SourceConfig
@@ -28,6 +25,7 @@ from agent.serving.sources import open_source
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import fit_geometry
 from agent.spec.yuv import camera_sized_reduced_yuv, reduced_yuv_decode, yuv420_to_frame
+from agentproc import AgentProcess, demo_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits-classifier"
@@ -181,17 +179,13 @@ def test_1080p_h264_is_served_at_reduced_scale_and_agrees_with_full_decode(tmp_p
     video = encode_h264(tmp_path / "digits.mp4", frames)
     runs = {}
     for name, extra in (("auto", {}), ("full", {"decode_scale": 1})):
-        d = tmp_path / name
-        d.mkdir()
-        cfg = {"state_dir": str(d / "state"), "bundle": str(DEMO), "source": {"type": "video", "path": str(video), **extra}}
-        (d / "agent.yaml").write_text(yaml.safe_dump(cfg))
+        cfg = demo_config(tmp_path / name, bundle=str(DEMO))
+        cfg["source"] = {"type": "video", "path": str(video), **extra}
+        agent = AgentProcess(tmp_path / name, cfg)
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "agent", "--log-json", "run", "--config", str(d / "agent.yaml")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs[name] = [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
-        events = [json.loads(x) for x in out.stderr.splitlines() if x.startswith("{")]
-        scales = [e["scale"] for e in events if e.get("event") == "source.decode_scale"]
+        assert agent.run(240) == 0, agent.log_text()[-3000:]
+        runs[name] = agent.results()
+        scales = [e["scale"] for e in agent.events("source.decode_scale")]
         assert scales == ([8] if name == "auto" else []), (name, scales, time.monotonic() - t0)
     assert len(runs["auto"]) == len(runs["full"]) == 16
     top = lambda rs: [r["result"]["top"][0]["label"] for r in sorted(rs, key=lambda r: r["frame_index"])]
