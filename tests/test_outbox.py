@@ -123,3 +123,17 @@ def test_outbox_stats_race_with_the_pump_thread(tmp_path: Path) -> None:
         t.join()
         sys.setswitchinterval(interval)
     assert not errors, errors
+
+
+def test_a_message_put_while_the_broker_is_away_is_on_disk_when_put_returns(tmp_path: Path) -> None:
+    """A SIGKILL right after put, before any pump: the next boot's outbox holds every message (the pump thread
+    used to be the one writing, so under load results already produced were lost with the process)."""
+    box = Outbox(tmp_path / "outbox.db", OutboxConfig())
+    box.on_disconnected()
+    for i in range(25):
+        box.put("edge/d/predictions", json.dumps({"seq": i}).encode())
+    # no pump, no close: what the file holds now is what a killed process leaves
+    again = Outbox(tmp_path / "outbox.db", OutboxConfig())
+    assert again.disk_count == 25
+    rows = [json.loads(r[0]) for r in again.db.execute("SELECT payload FROM messages ORDER BY id")]
+    assert [r["seq"] for r in rows] == list(range(25))
