@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import yaml
 
-from test_real_models import BUILT, CACHE, build_key
+from test_real_models import BUILT, CACHE, build_key, keep_built
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "scripts" / "specs" / "real"
@@ -120,15 +120,7 @@ def create(args: list[str], out: Path) -> Path:
         return cached
     r = cli("bundle", "create", *args, "--out", str(out))
     assert r.returncode == 0, f"bundle create failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    if BUILT.parent.exists():
-        BUILT.mkdir(exist_ok=True)
-        tmp = cached.with_name(cached.name + f".{os.getpid()}.part")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(out, tmp)
-        try:
-            tmp.rename(cached)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+    keep_built(out, cached)
     return out
 
 

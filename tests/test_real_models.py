@@ -151,6 +151,21 @@ def build_key(args: list[str], out: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def keep_built(out: Path, cached: Path) -> None:
+    """A fresh build into the cache (tests copy a bundle before they damage it: the cached one stays as
+    built), by rename, so two runs never see half a bundle."""
+    if not BUILT.parent.exists():
+        return
+    BUILT.mkdir(exist_ok=True)
+    tmp = cached.with_name(cached.name + f".{os.getpid()}.part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(out, tmp)
+    try:
+        tmp.rename(cached)
+    except OSError:  # another run cached the same build first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class Bundles:
     """Each model's bundle, built once per module by `bundle create` from the package's references:
     FP32 and a whole-graph INT8, kept (marked) even when under a floor so the self-test must refuse it.
@@ -184,15 +199,7 @@ class Bundles:
         if r.returncode != 0:
             self.errors[name] = f"bundle create {name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
             pytest.fail(self.errors[name])
-        if BUILT.parent.exists():  # tests copy a bundle before they damage it: the cached one stays as built
-            BUILT.mkdir(exist_ok=True)
-            tmp = cached.with_name(cached.name + f".{os.getpid()}.part")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(out, tmp)
-            try:
-                tmp.rename(cached)
-            except OSError:  # another run cached the same build first
-                shutil.rmtree(tmp, ignore_errors=True)
+        keep_built(out, cached)
         self.built[name] = out
         return out
 

@@ -29,7 +29,7 @@ import yaml
 
 from agent.bundle.graphs import build_graph
 from test_real_models import (BUILT, CACHE, MIN_AGREEMENT, REPEATS, SPECS, _corrupt_largest_weights, _summary,
-                              build_key, cli, manifest_of, real_models, selftest)
+                              build_key, cli, keep_built, manifest_of, real_models, selftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = CACHE / "results-staged.json"
@@ -135,15 +135,7 @@ def bundle_of(name: str, workdir: Path) -> Path:
         _FAILED[name] = f"bundle create {name} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
         pytest.fail(_FAILED[name])
     record(name, "build", {"seconds": round(seconds, 1), "load": os.getloadavg()})
-    if BUILT.parent.exists():
-        BUILT.mkdir(exist_ok=True)
-        tmp = cached.with_name(cached.name + f".{os.getpid()}.part")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(out, tmp)
-        try:
-            tmp.rename(cached)
-        except OSError:  # another run cached the same build first
-            shutil.rmtree(tmp, ignore_errors=True)
+    keep_built(out, cached)
     _BUILT[name] = out
     return out
 
