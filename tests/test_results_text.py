@@ -63,6 +63,7 @@ def test_compact_drops_blank_applies_charset_offset_and_scores_characters() -> N
 def test_charset_keeps_a_space_line_and_drops_only_the_final_newline() -> None:
     assert CHARSET[-1] == " " and len(CHARSET) == 9
     assert text.read_charset("x\r\ny") == ("x", "y")
+    assert text.read_charset("\ufeffx\ny\n") == ("x", "y")  # an editor's byte-order mark is not id 0
 
 
 def test_check_names_float_ids_and_disagreeing_lengths() -> None:

@@ -254,9 +254,10 @@ def preprocessor_for(bundle: Bundle) -> AnyPreprocessor:
 
 
 def read_charset(path: Path) -> list[str]:
-    """A charset file: one character per line (a line holding one space is the space; never stripped)."""
-    lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8").split("\n")]
-    return lines[:-1] if lines and lines[-1] == "" else lines
+    """A charset file, read by the text kind's own rule (agent.results.text.read_charset)."""
+    from agent.results.text import read_charset as parse
+
+    return list(parse(path.read_text(encoding="utf-8")))
 
 
 def postprocessor_for(bundle: Bundle) -> Postprocessor:

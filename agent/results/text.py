@@ -45,8 +45,9 @@ class Text:
 
 
 def read_charset(content: str) -> tuple[str, ...]:
-    """A charset file: one entry per line (a line holding a space is the space), line i is id i."""
-    lines = content.split("\n")
+    """A charset file: one entry per line (a line holding a space is the space), line i is id i. A UTF-8
+    byte-order mark some editors write is not part of the first entry."""
+    lines = content.removeprefix("\ufeff").split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the file's last newline ends the last line, it starts no empty entry
     return tuple(line.removesuffix("\r") for line in lines)
