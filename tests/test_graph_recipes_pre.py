@@ -158,6 +158,34 @@ def test_stretch_matches_bilinear_and_the_agents_geometry(hw: tuple[int, int]) -
     np.testing.assert_allclose(geometry, [g.scale_x, g.scale_y, 0, 0, 0, 0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("hw", [(480, 640), (97, 131), (320, 640), (1, 7), (721, 1279)])
+@pytest.mark.parametrize("out_hw", [(240, 320), (96, 128), (800, 608), (5, 3)])
+def test_stretch_cv2_exact_equals_cv2_resize_bit_for_bit(hw: tuple[int, int], out_hw: tuple[int, int]) -> None:
+    """resize=cv2_exact: OpenCV's fixed-point INTER_LINEAR on uint8, up- and down-scaling, odd sizes, a one-row
+    frame and an exact 2x shrink (where cv2 switches to INTER_AREA)."""
+    frame = frame_of(*hw, seed=hw[0] + out_hw[1])
+    oh, ow = out_hw
+    x, geometry = run(session("pre.stretch", width=ow, height=oh, resize="cv2_exact", layout="nhwc"), frame)
+    np.testing.assert_array_equal(x[0], cv2.resize(frame, (ow, oh), interpolation=cv2.INTER_LINEAR))
+    np.testing.assert_allclose(geometry, [ow / hw[1], oh / hw[0], 0, 0, 0, 0], rtol=1e-6)
+
+
+def test_cv2_exact_letterbox_and_colour_order_resize_as_cv2() -> None:
+    frame = frame_of(333, 500, seed=5)
+    x, _ = run(session("pre.letterbox", width=320, height=320, resize="cv2_exact", layout="nhwc", color="bgr",
+                       pad_value=0), frame)
+    r = min(320 / 333, 320 / 500)
+    nw, nh = round(500 * r), round(333 * r)
+    top = (320 - nh) // 2
+    ref = cv2.resize(frame[..., ::-1], (nw, nh), interpolation=cv2.INTER_LINEAR)
+    np.testing.assert_array_equal(x[0, top:top + nh, (320 - nw) // 2:(320 - nw) // 2 + nw], ref)
+
+
+def test_cv2_exact_with_another_filter_is_refused() -> None:
+    with pytest.raises(UsageError, match="pre.stretch: --param resize: cv2_exact is the linear resize"):
+        build_graph("pre.stretch", {"resize": "cv2_exact", "interpolation": "cubic"})
+
+
 @pytest.mark.parametrize("hw", [(300, 400), (256, 256), (500, 333)])
 def test_stretch_crop_is_resize_then_torchvision_centre_crop(hw: tuple[int, int]) -> None:
     frame = frame_of(*hw, seed=11)

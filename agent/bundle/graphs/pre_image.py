@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.bundle.graphs import resize_cv2
 from agent.bundle.graphs.builder import DOUBLE, FLOAT, FLOAT16, INT64, UINT8, Graph
 from agent.bundle.graphs.params import Param
 from agent.errors import UsageError
@@ -24,6 +25,9 @@ COMMON: dict[str, Param] = {
     "frame_color": Param("str", "rgb", "channel order of the frames the agent delivers (frame.color)", ("rgb", "bgr")),
     "color": Param("str", "rgb", "channel order the model takes", ("rgb", "bgr")),
     "interpolation": Param("str", "linear", "resize filter, as cv2 INTER_LINEAR/CUBIC/NEAREST", tuple(_INTERPOLATION)),
+    "resize": Param("str", "float", "linear resize arithmetic: float (onnxruntime Resize, then round_resize) or "
+                    "cv2_exact (cv2.resize INTER_LINEAR of a uint8 frame bit for bit, OpenCV's 11-bit fixed point)",
+                    ("float", "cv2_exact")),
     "round_resize": Param("bool", True, "round the resized image to whole levels (halves up), as a uint8 cv2.resize does"),
     "normalize": Param("str", "none", "per-image normalisation before mean/std: none (x * scale), "
                        "max (x / max(x)) or minmax ((x - min) / (max - min))", ("none", "max", "minmax")),
@@ -67,6 +71,9 @@ PARAMS: dict[str, dict[str, Param]] = {
 
 
 def build(recipe: str, p: dict[str, Any]) -> Any:
+    if p["resize"] == "cv2_exact" and p["interpolation"] != "linear":
+        raise UsageError(f"recipe {recipe}: --param resize: cv2_exact is the linear resize, found interpolation "
+                         f"{p['interpolation']}")
     g = Graph(recipe.replace(".", "_"))
     frame = g.input("frame", UINT8, ["frame_height", "frame_width", 3])
     shape = g.op("Shape", frame)
@@ -203,6 +210,12 @@ def _at_least_one(g: Graph, v: str) -> str:
 
 
 def _resize(g: Graph, x: str, new_h: str, new_w: str, p: dict[str, Any]) -> str:
+    if p["resize"] == "cv2_exact":
+        # x holds whole levels (the uint8 frame, cast): exact in int64, and whole levels again after
+        shape = g.op("Shape", x)
+        src = g.cast(g.squeeze(x, [0]), resize_cv2.INT32)
+        y = resize_cv2.linear(g, src, g.gather(shape, [1]), g.gather(shape, [2]), new_h, new_w)
+        return g.unsqueeze(g.cast(y, FLOAT), [0])
     empty = g.const([], FLOAT)
     if p["interpolation"] == "cubic":
         # onnxruntime refuses a cubic NHWC shrink, and its transpose optimiser turns an NCHW detour back into
