@@ -159,8 +159,14 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
         assert sorted(x["device"] for x in rows) == [f"real-{i}" for i in range(REAL_AGENTS)], rows
         assert all(x["committed"] == "digits-classifier@2" and x["fidelity_margin"] is not None for x in rows), rows
 
-        facts = retained(world["port"], "edge/+/facts")
-        committed = {k.split("/")[1]: (f["bundle"]["committed"] or {}).get("version") for k, f in facts.items()}
+        # a device publishes its update verdict, then its facts: the rollout may end on the last verdicts
+        # before their facts reach the broker, so the facts are waited for (a barrier), then judged
+        def committed_versions() -> dict[str, object]:
+            facts = retained(world["port"], "edge/+/facts")
+            return {k.split("/")[1]: (f["bundle"]["committed"] or {}).get("version") for k, f in facts.items()}
+
+        wait_until(lambda: all(committed_versions().get(d) == 2 for d in targets), 30, interval=0.5)
+        committed = committed_versions()
         assert all(committed[d] == 2 for d in targets), {d: committed[d] for d in targets if committed[d] != 2}
         # no device commanded twice: what the devices received (sims count), and what the broker carried
         assert all(d.update_commands == 1 for d in sims.devices), [d.id for d in sims.devices if d.update_commands != 1]
