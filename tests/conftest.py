@@ -125,3 +125,15 @@ def demo_bundle() -> Path:
     if not (DEMO / "bundle.yaml").exists():
         pytest.fail(f"{DEMO} is missing: run scripts/build_demo_classifier.py")
     return DEMO
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config_restored():
+    """A test that runs the CLI's main() in-process configures structlog for its own run (a level, a
+    stderr that pytest closes after the test): later tests in that worker then logged to a closed file and
+    captured no event under the level. Every test leaves the configuration as it found it."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
