@@ -35,6 +35,17 @@ def clip_boxes(g: Graph, boxes: str, frame_size: str) -> str:
     return g.op("Max", g.op("Min", boxes, hi), g.const(0.0, FLOAT))
 
 
+def box_outputs(g: Graph, boxes: str, scores: str, classes: str, frame_size: str, clip: bool) -> None:
+    """The boxes kind's outputs of a box recipe: `boxes` (clipped to the frame when asked), `scores` and, where
+    the recipe has classes, `class_ids`, one row per detection."""
+    if clip:
+        boxes = clip_boxes(g, boxes, frame_size)
+    g.output(boxes, "boxes", FLOAT, ["detections", 4])
+    g.output(scores, "scores", FLOAT, ["detections"])
+    if classes:
+        g.output(classes, "class_ids", INT64, ["detections"])
+
+
 def nms(g: Graph, boxes: str, scores: str, p: dict[str, Any]) -> str:
     """boxes [N, 4] xyxy, scores [C, N] -> selected [K, 3] (batch, class, box), per class in score order."""
     b = g.op("Add", boxes, g.const([0.0, 0.0, 1.0, 1.0], FLOAT)) if p["legacy_plus_one"] else boxes

@@ -94,3 +94,8 @@ def resolve(recipe: str, declared: Mapping[str, Param], given: Mapping[str, Any]
     for k, v in given.items():
         out[k] = declared[k].parse(recipe, k, v)
     return out
+
+
+def describe(p: dict[str, Any]) -> str:
+    """A recipe's parameters as the graph's doc string records them: `k=v, ...` in key order."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(p.items()))

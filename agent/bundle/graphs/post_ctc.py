@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent.bundle.graphs.builder import FLOAT, INT64, Graph
-from agent.bundle.graphs.params import Param
+from agent.bundle.graphs.params import Param, describe
 
 PARAMS: dict[str, dict[str, Param]] = {
     "post.ctc": {
@@ -34,4 +34,4 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
         keep = g.op("And", keep, g.op("Not", g.op("Equal", ids, g.const(p["blank"], INT64))))
     g.output(g.op("Compress", ids, keep, axis=0), "tokens", INT64, ["tokens"])
     g.output(g.op("Compress", probs, keep, axis=0), "token_scores", FLOAT, ["tokens"])
-    return g.model(f"{recipe}: " + ", ".join(f"{k}={v}" for k, v in sorted(p.items())))
+    return g.model(f"{recipe}: {describe(p)}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent.bundle.graphs.builder import FLOAT, INT64, UINT8, Graph
-from agent.bundle.graphs.params import Param
+from agent.bundle.graphs.params import Param, describe
 
 PARAMS: dict[str, dict[str, Param]] = {
     "post.saliency": {
@@ -61,7 +61,7 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
                  ["frame_height", "frame_width"])
     else:
         g.output(mask, "mask", FLOAT, ["frame_height", "frame_width"])
-    return g.model(f"{recipe}: " + ", ".join(f"{k}={v}" for k, v in sorted(p.items())))
+    return g.model(f"{recipe}: {describe(p)}")
 
 
 def _taps(g: Graph, n: str, geometry: str, axis: int, size_in: str, size_map: str) -> tuple[str, str, str]:

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from agent.bundle.graphs.builder import FLOAT, INT64, Graph
-from agent.bundle.graphs.frame_boxes import NMS_PARAMS, clip_boxes, frame_inputs, to_frame
-from agent.bundle.graphs.params import Param
+from agent.bundle.graphs.frame_boxes import NMS_PARAMS, box_outputs, frame_inputs, to_frame
+from agent.bundle.graphs.params import Param, describe
 from agent.errors import UsageError
 
 PARAMS: dict[str, dict[str, Param]] = {
@@ -103,9 +103,5 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
     out_classes = g.squeeze(g.slice(selected, [0], [1], [1]), [1])
     frame_size, geometry = frame_inputs(g)
     out_boxes = to_frame(g, out_boxes, geometry, 2)
-    if p["clip"]:
-        out_boxes = clip_boxes(g, out_boxes, frame_size)
-    g.output(out_boxes, "boxes", FLOAT, ["detections", 4])
-    g.output(out_scores, "scores", FLOAT, ["detections"])
-    g.output(out_classes, "class_ids", INT64, ["detections"])
-    return g.model(f"{recipe}: " + ", ".join(f"{k}={v}" for k, v in sorted(p.items())))
+    box_outputs(g, out_boxes, out_scores, out_classes, frame_size, p["clip"])
+    return g.model(f"{recipe}: {describe(p)}")

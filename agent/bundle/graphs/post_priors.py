@@ -15,8 +15,8 @@ from math import sqrt
 from typing import Any
 
 from agent.bundle.graphs.builder import FLOAT, INT64, Graph
-from agent.bundle.graphs.frame_boxes import NMS_PARAMS, clip_boxes, frame_inputs, nms, to_frame
-from agent.bundle.graphs.params import Param
+from agent.bundle.graphs.frame_boxes import NMS_PARAMS, box_outputs, frame_inputs, nms, to_frame
+from agent.bundle.graphs.params import Param, describe
 from agent.bundle.graphs.post_yolox import input_size
 from agent.errors import UsageError
 
@@ -92,15 +92,10 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
         kept = g.squeeze(g.slice(nms(g, top_boxes, g.unsqueeze(top_scores, [0]), p), [2], [3], [1]), [1])
         out_boxes, out_scores, picked = g.gather(top_boxes, kept), g.gather(top_scores, kept), g.gather(top_idx, kept)
         out_classes = ""
-    if p["clip"]:
-        out_boxes = clip_boxes(g, out_boxes, frame_size)
-    g.output(out_boxes, "boxes", FLOAT, ["detections", 4])
-    g.output(out_scores, "scores", FLOAT, ["detections"])
-    if out_classes:
-        g.output(out_classes, "class_ids", INT64, ["detections"])
+    box_outputs(g, out_boxes, out_scores, out_classes, frame_size, p["clip"])
     if points:
         g.output(g.gather(points, picked), "keypoints", FLOAT, ["detections", k, 2])
-    return g.model(f"{recipe}: " + ", ".join(f"{key}={v}" for key, v in sorted(p.items())))
+    return g.model(f"{recipe}: {describe(p)}")
 
 
 def _at_most(g: Graph, values: str, k: int) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent.bundle.graphs.builder import FLOAT, Graph
-from agent.bundle.graphs.params import Param
+from agent.bundle.graphs.params import Param, describe
 
 PARAMS: dict[str, dict[str, Param]] = {
     "post.classes": {
@@ -34,4 +34,4 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
         x = g.op("Sigmoid", x)
     name = "probabilities" if recipe == "post.classes" else "scores"
     g.output(x, name, FLOAT, ["classes"])
-    return g.model(f"{recipe}: " + ", ".join(f"{k}={v}" for k, v in sorted(p.items())))
+    return g.model(f"{recipe}: {describe(p)}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from agent.bundle.graphs.builder import FLOAT, INT64, Graph
-from agent.bundle.graphs.frame_boxes import NMS_PARAMS, clip_boxes, frame_inputs, nms, to_frame
-from agent.bundle.graphs.params import Param
+from agent.bundle.graphs.frame_boxes import NMS_PARAMS, box_outputs, frame_inputs, nms, to_frame
+from agent.bundle.graphs.params import Param, describe
 from agent.errors import UsageError
 
 PARAMS: dict[str, dict[str, Param]] = {
@@ -63,12 +63,8 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
         out_classes = g.squeeze(g.slice(selected, [1], [2], [1]), [1])
         out_scores = g.op("GatherND", scores, g.concat([g.unsqueeze(picked, [1]), g.unsqueeze(out_classes, [1])], 1))
     out_boxes = g.gather(boxes, picked)
-    if p["clip"]:
-        out_boxes = clip_boxes(g, out_boxes, frame_size)
-    g.output(out_boxes, "boxes", FLOAT, ["detections", 4])
-    g.output(out_scores, "scores", FLOAT, ["detections"])
-    g.output(out_classes, "class_ids", INT64, ["detections"])
-    return g.model(f"{recipe}: " + ", ".join(f"{k}={v}" for k, v in sorted(p.items())))
+    box_outputs(g, out_boxes, out_scores, out_classes, frame_size, p["clip"])
+    return g.model(f"{recipe}: {describe(p)}")
 
 
 def _grid_decode(g: Graph, head: str, p: dict[str, Any], frame_size: str) -> tuple[str, str]:

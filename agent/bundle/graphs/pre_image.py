@@ -11,7 +11,7 @@ from typing import Any
 
 from agent.bundle.graphs import resize_cv2
 from agent.bundle.graphs.builder import DOUBLE, FLOAT, FLOAT16, INT64, UINT8, Graph
-from agent.bundle.graphs.params import Param
+from agent.bundle.graphs.params import Param, describe
 from agent.errors import UsageError
 
 _INTERPOLATION: dict[str, dict[str, Any]] = {  # cv2 INTER_* -> ONNX Resize
@@ -199,10 +199,6 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
     geometry = g.cast(g.concat(parts, 0), FLOAT)
     g.output(geometry, "geometry", FLOAT, [6])
     return g.model(f"{recipe}: {describe(p)}")
-
-
-def describe(p: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
 
 
 def _at_least_one(g: Graph, v: str) -> str:
