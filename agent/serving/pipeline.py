@@ -595,8 +595,7 @@ class Pipeline:
             outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source,
                                                                   p.frames[0].captured_at, frame=p.frames[0])
             assert outputs is not None
-            manifest = p.engine.bundle.manifest  # declared outputs not in postprocess.uses are never judged, nor served
-            unused = set(manifest.output_names) - set(manifest.used_outputs)
+            unused = p.engine.bundle.manifest.unused_outputs  # not in postprocess.uses: never judged, nor served
             bad = [k for k, v in outputs.items()
                    if k not in unused and v.dtype.kind == "f" and not np.isfinite(v).all()]
             if bad:  # NaN/inf answers are wrong answers: counted, never published

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from typing import Any, Literal, Mapping
 
@@ -420,6 +420,12 @@ class Manifest:
     def used_outputs(self) -> tuple[str, ...]:
         """The model outputs the bundle uses (postprocess.uses; default every declared output)."""
         return self.postprocess.uses or self.output_names
+
+    @cached_property
+    def unused_outputs(self) -> frozenset[str]:
+        """Declared outputs outside postprocess.uses: never judged nor served (undeclared ones, a state's, are
+        not among them). Once per manifest: serving asks on every inference."""
+        return frozenset(self.output_names) - frozenset(self.used_outputs)
 
 
 def _key_path(path: Any) -> str:
