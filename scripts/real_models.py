@@ -207,6 +207,23 @@ def _selected(args: argparse.Namespace) -> list[RealModel]:
     return [BY_NAME[n] for n in names]
 
 
+def cpu_torch_wheels() -> list[str]:
+    """A CPU build of torch lying in pip's find-links folders (`+cpu` wheels for this Python), newest first;
+    empty when there is none (pip then resolves torch from the index as before)."""
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    links = os.environ.get("PIP_FIND_LINKS", "") + " " + _pip_config("global.find-links")
+    found: list[Path] = []
+    for folder in {Path(x) for x in links.split() if x and "://" not in x}:
+        if folder.is_dir():
+            found += folder.glob(f"torch-*+cpu-{tag}-{tag}-*.whl")
+    return [str(p) for p in sorted(found, reverse=True)[:1]]
+
+
+def _pip_config(key: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "pip", "config", "get", key], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
 def ensure_venv_real() -> Path:
     """A venv with the packages and their dependencies, only for generating references."""
     py = VENV_REAL / "bin" / "python"
@@ -216,10 +233,14 @@ def ensure_venv_real() -> Path:
     have = subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout.lower()
     missing = [p for p in pins if p.lower().replace("-", "_") not in have.replace("-", "_")]
     if missing:
-        # silero-vad's OnnxWrapper needs torch (CPU use only); the rest need opencv, pyclipper, shapely, pymupdf.
+        # silero-vad's OnnxWrapper needs torch (CPU use only; any torch>=1.12); the rest need opencv, pyclipper,
+        # shapely, pymupdf. Left to itself pip takes the newest torch, a CUDA build: 4.7 GB of downloads and
+        # disk for a model that runs on the CPU. A local CPU wheel is taken first where the machine has one.
         # PYTHONPATH dropped: the checkout's edge_agent.egg-info would look installed to this venv's pip
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *pins], env=env)
+        torch = [] if "torch==" in have else cpu_torch_wheels()
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *torch, *pins],
+                           env=env)
         if r.returncode != 0:
             raise Unavailable(f"pip install {' '.join(pins)} into {VENV_REAL} failed (rc {r.returncode})")
     return py

