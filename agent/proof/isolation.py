@@ -54,7 +54,7 @@ MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing st
 class CrashRecord:
     """One step that killed a self-test child."""
 
-    step: str               # "load", "contract:<variant>", "probe:<provider>" or "candidate:<provider>:<variant>"
+    step: str               # "load", "contract:<variant>", "stage:<pre|post>", "probe:<provider>" or "candidate:<provider>:<variant>"
     bundle: str             # manifest sha256; "" for a probe (it does not depend on the bundle)
     signal: str             # "SIGSEGV", "SIGABRT", "SIGKILL (out of memory?)", "timeout after 60 s"
     versions: Mapping[str, str]
@@ -267,6 +267,10 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
         active = ledger.active(sha)
         if "load" in active:
             return ChildProof(None, f"loading the bundle: {active['load'].describe()}", tuple(new))
+        stages = [step for step in active if step.startswith("stage:")]
+        if stages:  # no candidate serves without its bundle's pre/post graph: the bundle is refused, naming it
+            why = "; ".join(f"stage {step.split(':', 1)[1]}: {active[step].describe()}" for step in sorted(stages))
+            return ChildProof(None, f"{why}; no candidate can serve this bundle without it", tuple(new))
         ledger.write_skip_list(sha)
         with tempfile.TemporaryDirectory(prefix="selftest-") as tmp:
             out = Path(tmp) / "report.json"

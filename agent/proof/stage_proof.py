@@ -23,7 +23,8 @@ from agent.proof.parity import (
     judge_reproduction,
 )
 from agent.bundle.load import Bundle, GoldenSample
-from agent.proof.stages import AnyPreprocessor, GraphPostprocessor, Postprocessor
+from agent.proof.stages import AnyPreprocessor, GraphPostprocessor, Postprocessor, postprocessor_for, preprocessor_for
+from agent.spec.decoders import split_batch
 from agent.spec.manifest import Manifest
 from agent.spec.preprocess import Geometry
 
@@ -162,3 +163,24 @@ def judge_size_probes(opened: Any, m: Manifest, variant: str, golden: Sequence[G
                                    stage=f"frame size {raw.shape[1]}x{raw.shape[0]}")
             findings += q.findings
     return findings
+
+
+def exercise_stage(bundle: Bundle, stage: str, golden: Sequence[GoldenSample],
+                   geometries: Sequence[Geometry] | None = None) -> list[Geometry]:
+    """Run one stage graph ("pre" or "post") on the golden samples in its own session, as serving runs it: the
+    self-test child's `stage:<stage>` step, so a native crash inside a stage is charged to the stage (which no
+    candidate can serve without), never to a model candidate. Errors ORT raises are left to the candidates'
+    trials, which name the stage; returns each frame's geometry (for the post stage)."""
+    plain = [g for g in golden if not g.sequence]
+    pre = preprocessor_for(bundle)
+    try:
+        if stage == "pre":
+            return [pre.geometry(g.raw) for g in plain]
+        post = postprocessor_for(bundle)
+        if isinstance(post, GraphPostprocessor):
+            geoms = list(geometries) if geometries is not None else [pre.geometry(g.raw) for g in plain]
+            for g, geom in zip(plain, geoms):
+                post.tensors(split_batch(g.outputs, 0), geom)
+    except Exception:  # noqa: BLE001 -- a Python-level error is the trials' to report, with its stage
+        pass
+    return list(geometries or [])

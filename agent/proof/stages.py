@@ -8,7 +8,7 @@ bundle: a stage is an ONNX file listed in the manifest's `files`, hashed and sig
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -80,6 +80,25 @@ def pre_fixed_size(model_input_shape: Sequence[Any]) -> bool:
     return all(isinstance(d, int) for d in model_input_shape[1:])
 
 
+class StageWatch(Protocol):
+    """What covers a stage's runs while serving (agent.service.serving_ledger.ServingWatch): a native crash
+    inside the stage's session is charged to the stage, never to the model candidate that was not running."""
+
+    def before(self) -> None: ...
+    def after(self, outputs: dict[str, Any]) -> dict[str, Any]: ...
+
+
+def _watched_run(session: ort.InferenceSession, watch: StageWatch | None, names: list[str],
+                 feeds: dict[str, np.ndarray]) -> list[Any]:
+    if watch is None:
+        return session.run(names, feeds)
+    watch.before()
+    try:
+        return session.run(names, feeds)
+    finally:
+        watch.after({})
+
+
 class GraphPreprocessor:
     """`preprocess.graph`: raw frame (uint8 H x W x C of any size within the frame's bounds, or a sensor window
     [window, channels]) -> the model's frame input with a batch axis of 1, and the geometry of the graph's
@@ -97,6 +116,7 @@ class GraphPreprocessor:
         self._fixed_dims = {i: d for i, d in enumerate(model_input.shape) if i > 0 and isinstance(d, int)}
         # frames share a batch only when every frame makes a tensor of one shape: the model's input fixes it
         self.fixed_size = pre_fixed_size(model_input.shape)
+        self.watch: StageWatch | None = None  # set while serving (agent.service.boot)
 
     def check(self, raw: np.ndarray) -> None:
         f = self.frame
@@ -129,7 +149,7 @@ class GraphPreprocessor:
         else:
             frame = np.ascontiguousarray(raw if raw.ndim == 3 else raw[:, :, None])
         try:
-            outs = self.session.run(self._wanted, {PRE_GRAPH_INPUT: frame})
+            outs = _watched_run(self.session, self.watch, self._wanted, {PRE_GRAPH_INPUT: frame})
         except Exception as exc:  # ORT's errors for a frame the graph cannot take
             raise PreprocessError(f"stage pre ({self.path.name}) failed on a frame of shape {list(raw.shape)}: "
                                   f"{' '.join(str(exc).split())[:300]}") from exc
@@ -199,6 +219,7 @@ class GraphPostprocessor:
         # check refused a graph lacking a required or a named one
         wanted = [self.result.output_for(f.rstrip("?")) for f in RESULT_FIELDS[self.result.kind]]
         self.output_names = [n for n in dict.fromkeys(wanted) if n in graph_outputs]
+        self.watch: StageWatch | None = None  # set while serving (agent.service.boot)
 
     def tensors(self, outputs: Mapping[str, np.ndarray], geometry: Geometry) -> dict[str, np.ndarray]:
         """The post graph's outputs on one sample, by graph output name (what `bundle create` records)."""
@@ -213,7 +234,7 @@ class GraphPostprocessor:
             else:
                 raise StageOutputError(f"stage post: input {name!r} is not among the model outputs {sorted(outputs)}")
         try:
-            outs = self.session.run(self.output_names, feeds)
+            outs = _watched_run(self.session, self.watch, self.output_names, feeds)
         except Exception as exc:  # ORT's errors for tensors the graph cannot take
             raise StageOutputError(f"stage post ({self.path.name}) failed: {' '.join(str(exc).split())[:300]}") from exc
         return dict(zip(self.output_names, outs))

@@ -56,10 +56,20 @@ def open_engine(bundle: Bundle, candidate: Candidate, cfg: Config) -> Engine:
     """The serving session of a proven candidate; it must run on the provider that was proven.
 
     A crash marker names the candidate while the session opens and through its first inferences
-    (at boot and at every swap): a process that dies there costs this candidate at the next boot."""
-    watch = ServingWatch(cfg.state_dir / "selftest", bundle.manifest_sha256, candidate.key,
-                         faults=serving_faults(bundle.manifest.version))
-    engine = build_engine(bundle, candidate, cfg.session, watch=watch, tap=AuditTap())
+    (at boot and at every swap): a process that dies there costs this candidate at the next boot; each
+    stage graph has its own marker, so a death inside one costs the stage."""
+    faults = serving_faults(bundle.manifest.version)
+    watch = ServingWatch(cfg.state_dir / "selftest", bundle.manifest_sha256, candidate.key, faults=faults)
+
+    def stage_watch(stage: str) -> ServingWatch:
+        # the bundle's pre/post graph: a death inside its session costs the stage ("stage:post"), which no
+        # candidate can serve without, never the model candidate that was not running
+        w = ServingWatch(cfg.state_dir / "selftest", bundle.manifest_sha256, candidate.key, faults=faults,
+                         step=f"stage:{stage}", fault="stage")
+        watch.stages.append(w)
+        return w
+
+    engine = build_engine(bundle, candidate, cfg.session, watch=watch, tap=AuditTap(), stage_watch=stage_watch)
     if candidate.provider not in engine.opened.effective:
         raise AgentError(f"the serving session for {candidate.key} runs on {list(engine.opened.effective)}, "
                          "not the proven provider")

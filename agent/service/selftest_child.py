@@ -97,6 +97,18 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         inject_fault(f"contract:{v.name}", faults)
         check_variant_contract(args.bundle, bundle.manifest, v.name)
     mark_step(directory, None)
+    # Each stage graph is its own step too, run on the golden samples before any candidate: a native crash
+    # in the bundle's pre or post graph costs the stage (the parent then refuses the bundle naming it),
+    # never a model candidate, which would only move the crash to the next candidate.
+    from agent.proof.stage_proof import exercise_stage
+
+    geometries = None
+    golden = bundle.golden() if bundle.manifest.stage_files else []
+    for stage in bundle.manifest.stage_files:
+        mark_step(directory, f"stage:{stage}")
+        inject_fault(f"stage:{stage}", faults)
+        geometries = exercise_stage(bundle, stage, golden, geometries) or None
+    mark_step(directory, None)
 
     statuses: list[ProviderStatus] = []
     for name in opts.provider_order:

@@ -131,7 +131,7 @@ def serving_faults(version: int | str) -> dict[str, str]:
     if not raw:
         return {}
     return {k.removesuffix(f"@{version}"): v for k, v in parse_faults(raw).items()
-            if k.startswith(("serve:", "drift:", "audit:")) and ("@" not in k or k.endswith(f"@{version}"))}
+            if k.startswith(("serve:", "drift:", "audit:", "stage:")) and ("@" not in k or k.endswith(f"@{version}"))}
 
 
 _serving: "weakref.WeakSet[ServingWatch]" = weakref.WeakSet()  # this process's serving sessions' watches
@@ -152,7 +152,9 @@ class ServingWatch:
         # the ledger step a death here costs: the serving candidate, or (the audit's reference session)
         # `audit:<key>`, which turns the live audit off and costs no serving candidate
         self.step = step or f"candidate:{candidate}"
-        self.fault = fault  # the fault hook's name: "serve:<key>#N", "audit:<key>#N"
+        self.fault = fault  # the fault hook's name: "serve:<key>#N", "audit:<key>#N", a stage's "stage:post#N"
+        self._fault_key = step if fault == "stage" and step else f"{fault}:{candidate}"
+        self.stages: list[ServingWatch] = []  # the bundle's stage graphs' watches: they end with this one
         self.faults = dict(faults or {})
         prefix = f"drift:{candidate}#"
         self._drift = next(((int(k.removeprefix(prefix)), float(v)) for k, v in self.faults.items()
@@ -181,7 +183,7 @@ class ServingWatch:
             self._flight_fd = None  # no byte: a death under the marker is charged as before
         self._write("opening the serving session")
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
-        inject_fault(f"{fault}:{candidate}#0", self.faults)
+        inject_fault(f"{self._fault_key}#0", self.faults)
 
     def _write(self, phase: str, late: bool = False) -> None:
         write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
@@ -192,6 +194,8 @@ class ServingWatch:
         """This session no longer serves first: its marker goes (a death now is not its)."""
         self.active = False
         _serving.discard(self)
+        for stage in self.stages:
+            stage.end()
         self._finalizer()
         if self._flight_fd is not None:
             fd, self._flight_fd = self._flight_fd, None
@@ -221,7 +225,7 @@ class ServingWatch:
             self._started += 1
             n = self._started
         if self.faults:
-            inject_fault(f"{self.fault}:{self.candidate}#{n}", self.faults)
+            inject_fault(f"{self._fault_key}#{n}", self.faults)
 
     def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
         if self._drift is not None and self._started >= self._drift[0]:
@@ -279,7 +283,7 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
                 out.append(step)
             continue
         ledger.record(step, str(doc["bundle"]), "the serving process died", f"serving: {doc.get('phase', '')}")
-        log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"),
+        log.error("serving.crash_recorded", candidate=doc["candidate"], step=step, phase=doc.get("phase"),
                   reason="the last serving process died under this candidate; the self-test skips it")
         out.append(step)
     return out
@@ -302,7 +306,7 @@ def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], st
         _write_suspects(directory, suspects)
         ledger.record(step, str(doc["bundle"]), "the serving process died",
                       f"serving: past its first {WATCH_RUNS} inferences, {deaths} processes in a row")
-        log.error("serving.crash_recorded", candidate=doc["candidate"], phase=doc.get("phase"), deaths=deaths,
+        log.error("serving.crash_recorded", candidate=doc["candidate"], step=step, phase=doc.get("phase"), deaths=deaths,
                   reason="serving processes died under this candidate again and again; the self-test skips it")
         return True
     suspects[key] = {"deaths": deaths, "at": now}

@@ -11,7 +11,7 @@ import functools
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -136,13 +136,26 @@ class Engine:
 
 
 def build_engine(bundle: Bundle, candidate: Candidate, settings: SessionSettings, watch: Any = None,
-                 tap: Any = None) -> Engine:
-    """The serving session; `watch` (written before this is called) covers opening and first runs."""
+                 tap: Any = None, stage_watch: Callable[[str], Any] | None = None) -> Engine:
+    """The serving session; `watch` (written before this is called) covers opening and first runs.
+    `stage_watch(stage)` makes the watch of each stage graph the bundle ships ("pre", "post"), written
+    before its session opens: a native crash in a stage is the stage's, not the candidate's."""
     model = bundle.path(bundle.manifest.variant(candidate.variant).file)
     opened = open_session(model, candidate.provider, candidate.options, settings)
     if watch is not None:
         watch.opened()
     m = bundle.manifest
-    return Engine(bundle, candidate, opened, preprocessor_for(bundle), tuple(bundle.labels()), InputFeeder.for_manifest(m),
+    graphs = m.stage_files if stage_watch is not None else {}
+
+    def stage(name: str, make: Callable[[Bundle], Any]) -> Any:
+        w = stage_watch(name) if stage_watch is not None and name in graphs else None
+        runner = make(bundle)  # a stage's session opens under its own watch, one stage at a time
+        if w is not None:
+            w.opened()
+            runner.watch = w
+        return runner
+
+    pre, post = stage("pre", preprocessor_for), stage("post", postprocessor_for)
+    return Engine(bundle, candidate, opened, pre, tuple(bundle.labels()), InputFeeder.for_manifest(m),
                   events=tracker_for(m.postprocess, m.frame.sample_rate), watch=watch, tap=tap,
-                  postprocessor=postprocessor_for(bundle))
+                  postprocessor=post)
