@@ -100,19 +100,21 @@ def test_without_decoders_the_plan_is_what_it_was() -> None:
 
 # -- real decoders ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def full_hd_h264(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A camera-like 1080p H.264 file: sensor noise (a high bitrate, a costly decode), a keyframe every 10
-    frames, no B-frames, as cameras send."""
+def camera_h264(path: Path, w: int, h: int, frames: int) -> Path:
+    """A camera-like H.264 file: sensor noise (a high bitrate, a costly decode), a keyframe every 10 frames, no
+    B-frames, as cameras send."""
     if FFMPEG is None or not ffmpeg_decode.available():
         pytest.skip("needs Debian's ffmpeg and PyAV (scripts/test.sh installs both)")
-    path = tmp_path_factory.mktemp("h264") / "cam-1080p.mp4"
-    n = SIZING_WARMUP + SIZING_FRAMES + 64
     subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-f", "lavfi", "-i",
-                    "testsrc2=size=1920x1080:rate=30,noise=alls=10:allf=t", "-frames:v", str(n), "-c:v", "libx264",
+                    f"testsrc2=size={w}x{h}:rate=30,noise=alls=10:allf=t", "-frames:v", str(frames), "-c:v", "libx264",
                     "-preset", "veryfast", "-tune", "zerolatency", "-g", "10", "-bf", "0", "-threads", "2",
                     "-pix_fmt", "yuv420p", "-y", str(path)], check=True, timeout=300)
     return path
+
+
+@pytest.fixture(scope="module")
+def hd_h264(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return camera_h264(tmp_path_factory.mktemp("h264") / "cam-720p.mp4", 1280, 720, 48)
 
 
 def _plain_decode(path: Path) -> list[str]:
@@ -129,9 +131,9 @@ def _luma(frame: object) -> str:
 
 
 @needs_video
-def test_a_decoder_given_more_threads_mid_file_swaps_at_a_keyframe_and_loses_no_frame(full_hd_h264: Path) -> None:
-    want = _plain_decode(full_hd_h264)
-    source = open_source(SourceConfig(type="video", path=full_hd_h264), RGB, SMALL_MODEL)
+def test_a_decoder_given_more_threads_mid_file_swaps_at_a_keyframe_and_loses_no_frame(hd_h264: Path) -> None:
+    want = _plain_decode(hd_h264)
+    source = open_source(SourceConfig(type="video", path=hd_h264), RGB, SMALL_MODEL)
     stop = threading.Event()
     got, indices, threads = [], [], []
     try:
@@ -153,8 +155,10 @@ def test_a_decoder_given_more_threads_mid_file_swaps_at_a_keyframe_and_loses_no_
 
 
 @needs_video
+@pytest.mark.slow  # 1080p: 20-40 s on 2 loaded cores
 def test_a_decode_bound_full_hd_stream_ends_with_more_decoder_threads_and_every_result_in_order(
-        full_hd_h264: Path) -> None:
+        tmp_path: Path) -> None:
+    full_hd_h264 = camera_h264(tmp_path / "cam-1080p.mp4", 1920, 1080, SIZING_WARMUP + SIZING_FRAMES + 24)
     b = load_bundle(DEMO)
     variant = b.manifest.variants[0]
     engine = build_engine(b, Candidate(CPU, variant.name, variant.precision), SessionSettings())
@@ -180,17 +184,17 @@ def test_a_decode_bound_full_hd_stream_ends_with_more_decoder_threads_and_every_
 
 @needs_video
 def test_hardware_decode_asked_for_where_there_is_no_device_decodes_in_software_and_says_why(
-        full_hd_h264: Path) -> None:
+        hd_h264: Path) -> None:
     if Path("/dev/dri").exists() or Path("/dev/nvidia0").exists():
         pytest.skip("a GPU device node is here: this pins the fallback where there is none")
     for hw in ("vaapi", "cuda", "v4l2m2m", "any"):
-        source = open_source(SourceConfig(type="video", path=full_hd_h264, hw_decode=hw), RGB, SMALL_MODEL)
+        source = open_source(SourceConfig(type="video", path=hd_h264, hw_decode=hw), RGB, SMALL_MODEL)
         stop = threading.Event()
         try:
             frames = [source.read(stop) for _ in range(3)]
         finally:
             source.close()
-        assert all(f is not None and f.data.shape == (135, 240, 3) for f in frames)  # served, reduced to 1/8
+        assert all(f is not None and f.data.shape == (180, 320, 3) for f in frames)  # served, reduced to 1/4
         dec = source.stats.decoder
         assert (dec["path"], dec["binding"], dec["hw_requested"], dec["hw"]) == ("ffmpeg", "pyav", hw, "none")
         assert dec["hw_fallback"] and dec["hw_fallback"] != "not tried yet", dec
