@@ -200,3 +200,41 @@ def test_hardware_decode_asked_for_where_there_is_no_device_decodes_in_software_
         assert dec["hw_fallback"] and dec["hw_fallback"] != "not tried yet", dec
         if hw != "any":
             assert dec["hw_fallback"].startswith("cuda" if hw == "cuda" else hw), dec
+
+
+@needs_video
+def test_a_live_rtsp_camera_takes_its_new_decoder_at_a_keyframe_without_reconnecting(tmp_path: Path) -> None:
+    """A camera serving one client (ffmpeg -listen 1, many cameras) would refuse a second connection: the
+    decoder is replaced on the connection it has."""
+    import socket
+    import sys
+
+    from waiting import end_process
+
+    es = tmp_path / "cam.h264"  # Annex B, one slice per frame, a keyframe every 15 frames
+    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-f", "lavfi", "-i", "testsrc2=size=640x360:rate=30",
+                    "-frames:v", "60", "-c:v", "libx264", "-preset", "ultrafast", "-threads", "1", "-g", "15",
+                    "-bf", "0", "-pix_fmt", "yuv420p", "-f", "h264", "-y", str(es)], check=True, timeout=60)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fixtures" / "rtsp_server.py"), str(port),
+                               str(es), "--fps", "60"], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    source = open_source(SourceConfig(type="stream", url=f"rtsp://127.0.0.1:{port}/cam", open_timeout_ms=5000,
+                                      read_timeout_ms=3000), RGB, SMALL_MODEL)
+    stop = threading.Event()
+    timer = threading.Timer(60, stop.set)
+    timer.start()
+    threads = []
+    try:
+        while len(threads) < 40 and source.read(stop) is not None:
+            threads.append(source.stats.decoder["threads"])
+            if len(threads) == 3:
+                source.plan_decoder(3, "a test's plan")
+    finally:
+        timer.cancel()
+        source.close()
+        end_process(server, graceful=False)
+    assert len(threads) == 40 and threads[-1] == 3 and threads[0] == min(len(os.sched_getaffinity(0)), 2)
+    assert source.stats.reconnects == 0 and source.stats.losses == 0
