@@ -105,10 +105,12 @@ class SourceConfig:
     decode_scale: Annotated[Literal["auto", 1, 2, 4, 8], Key(
         "JPEG frames: decode at 1/2, 1/4 or 1/8; auto: the smallest the bundle's resize allows and the self-test "
         "proved; 1: full size", used_by=IMAGE_SOURCES)] = "auto"
-    decoder_threads: Annotated[int, Key("FFmpeg decoder threads (0: OpenCV's choice)", ge=0,
+    decoder_threads: Annotated[int, Key("FFmpeg decoder threads (0: 2 at open, or the cores shared among the "
+                                        "sources, then sized by the stage planner)", ge=0,
                                         used_by=FFMPEG_SOURCES)] = 0
-    hw_decode: Annotated[Literal["none", "any", "vaapi", "d3d11", "mfx", "drm"], Key(
-        "FFmpeg hardware decoding; falls back to software, reported in health", used_by=FFMPEG_SOURCES)] = "none"
+    hw_decode: Annotated[Literal["none", "any", "vaapi", "cuda", "d3d11", "mfx", "drm", "v4l2m2m"], Key(
+        "FFmpeg hardware decoding (PyAV's hwaccel; v4l2m2m: FFmpeg's V4L2 decoders); falls back to software, "
+        "the reason in health", used_by=FFMPEG_SOURCES)] = "none"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,20 @@ YUV420 = frozenset({"yuv420p", "yuvj420p"})
 SIGNATURE_STRIDE = 16  # the frozen-picture check compares every 16th luma sample of every 16th row
 _BT709 = 1             # AVCOL_SPC_BT709
 _FULL_RANGE = 2        # AVCOL_RANGE_JPEG
+# source.hw_decode -> PyAV's hardware device types (FFmpeg hwaccels), or "v4l2m2m": FFmpeg's V4L2
+# memory-to-memory decoders (h264_v4l2m2m...), which are codecs of their own, not a hwaccel
+HW_DEVICES = {"vaapi": "vaapi", "cuda": "cuda", "drm": "drm", "mfx": "qsv", "d3d11": "d3d11va"}
+HW_ANY = ("cuda", "vaapi", "qsv", "d3d11va", "drm")
+
+
+@dataclass
+class DecodeMeter:
+    """The capture thread's wall time inside the decoder (sending packets, taking frames: never the wait for
+    the network), across reopenings: the stage planner sizes the decoder's threads by it."""
+
+    wait_ns: int = 0
+    frames: int = 0
+    pixels: int = 0  # the frame size last decoded
 
 
 @functools.cache
@@ -52,10 +68,17 @@ def _av() -> Any:
 
 class AVReader:
     """One opened file or stream. `read()` -> (True, item): a JPEG packet (uint8 array, MJPEG) or a decoded
-    av.VideoFrame (other codecs); (False, None) at the end, on a time-out or a lost stream."""
+    av.VideoFrame (other codecs); (False, None) at the end, on a time-out or a lost stream.
+
+    The decoder is a codec context of its own (made from the stream's codec and extradata), so it can be
+    replaced while the container stays open: FFmpeg reads a decoder's thread count only when it opens, and
+    `request_threads` takes effect at the next keyframe, where the old decoder is drained (every frame it
+    holds is delivered) and a new one starts -- no frame lost or repeated, no reconnect (a camera serving one
+    client would refuse a second). `hw` (a PyAV device type or "v4l2m2m") is tried on the first packet and
+    given up, with the reason in `hw_why`, for software when it cannot decode."""
 
     def __init__(self, target: str, open_timeout_s: float, read_timeout_s: float, threads: int, live: bool,
-                 jpeg_packets: bool = True):
+                 jpeg_packets: bool = True, hw: str = "none", meter: DecodeMeter | None = None):
         # RTSP: TCP (as behind NAT); no probing beyond the SDP's parameter sets: FFmpeg's default probe buffered
         # 2.8 s of frames at open here (stale the moment they are served, and a slower reconnect)
         options = ({"rtsp_transport": "tcp", "analyzeduration": "0", "probesize": "32768"}
@@ -75,14 +98,57 @@ class AVReader:
         # the FourCC where the container has one, as OpenCV reports it (MJPG for an HTTP MJPEG stream too)
         self.codec = tag if tag.isprintable() and tag else ("MJPG" if ctx.name == "mjpeg" else ctx.name)
         self.packets = jpeg_packets and ctx.name in MJPEG_CODECS  # False: FFmpeg decodes MJPEG too
-        if not self.packets:
-            self.stream.thread_type = "AUTO"  # frame and slice threads, as many as asked (0: FFmpeg's choice)
-            ctx.thread_count = threads
-        self.threads = int(ctx.thread_count)
         self.live = live
+        self.meter = meter if meter is not None else DecodeMeter()
+        self.meter.pixels = int(ctx.width or 0) * int(ctx.height or 0) or self.meter.pixels
+        self.hw = "none"
+        self.hw_why = (None if hw == "none" else "JPEG packets are decoded by libjpeg" if self.packets
+                       else "not tried yet")
+        self._hw_asked = hw
+        self.want_threads: int | None = None  # set by another thread; taken at the next keyframe
+        self.swaps = 0
+        self.threads = 0
+        self.ctx: Any = None
+        if not self.packets:
+            self.ctx = self._decoder(threads)
         self._demux = self.container.demux(self.stream)
         self._pending: list[Any] = []
         self.bad = 0  # packets the decoder refused (counted, skipped, as FFmpeg inside OpenCV does)
+
+    def _decoder(self, threads: int, hw: Any = None, codec: str | None = None) -> Any:
+        """A new decoder for the stream, opened on its first packet; `threads` 0 is FFmpeg's own choice."""
+        ctx = av.CodecContext.create(codec or self.stream.codec_context.name, "r", hwaccel=hw)
+        if self.stream.codec_context.extradata:
+            ctx.extradata = self.stream.codec_context.extradata  # SPS/PPS of an MP4 (avcC), hvcC...
+        ctx.thread_type = "AUTO"  # frame and slice threads, as many as asked
+        ctx.thread_count = threads
+        self.threads = int(ctx.thread_count)
+        return ctx
+
+    def request_threads(self, threads: int) -> None:
+        """Decode with `threads` frame threads from the next keyframe on (the planner's call, any thread)."""
+        if not self.packets and self.hw == "none" and threads != self.threads:
+            self.want_threads = threads
+
+    def _decode(self, packet: Any) -> list[Any]:
+        if self.hw_why == "not tried yet":
+            return self._first_hw(packet)
+        if self.want_threads is not None and packet.is_keyframe and packet.size:
+            # drain the old decoder (its frame threads hold up to `threads` frames), then start the new one here
+            drained = list(self.ctx.decode(None))
+            self.ctx, self.want_threads = self._decoder(self.want_threads), None
+            self.swaps += 1
+            return drained + list(self.ctx.decode(packet))
+        return list(self.ctx.decode(packet))
+
+    def _first_hw(self, packet: Any) -> list[Any]:
+        """Decode the first packet on the device asked for; software, with the reason, when it cannot."""
+        soft, threads = self.ctx, self.threads
+        frames, self.hw_why = hw_decoder(self, self._hw_asked, packet)
+        if frames is None:
+            self.ctx, self.threads = soft, threads
+            return list(self.ctx.decode(packet))
+        return frames
 
     def read(self) -> tuple[bool, Any]:
         try:
@@ -92,14 +158,18 @@ class AVReader:
                     if packet.size:
                         return True, np.frombuffer(packet, np.uint8)  # no copy: the array holds the packet
                     continue
+                t0 = time.perf_counter_ns()
                 try:
-                    self._pending = list(packet.decode())  # an empty packet at the end flushes the decoder
+                    self._pending = self._decode(packet)  # an empty packet at the end flushes the decoder
                 except av.error.InvalidDataError:
                     self.bad += 1
+                self.meter.wait_ns += time.perf_counter_ns() - t0
         except StopIteration:
             return False, None
         except (av.error.FFmpegError, OSError):  # time-out, connection lost, stream ended badly
             return False, None
+        if not self.packets:
+            self.meter.frames += 1
         return True, self._pending.pop(0)
 
     def release(self) -> None:
@@ -107,6 +177,40 @@ class AVReader:
             self.container.close()
         except (av.error.FFmpegError, OSError):
             pass
+
+
+def hw_decoder(reader: AVReader, asked: str, packet: Any) -> tuple[list[Any] | None, str | None]:
+    """Try the device `asked` for ("any": each this FFmpeg build knows) on the stream's first packet. ->
+    (its frames, None) with `reader.ctx` and `reader.hw` set to the device's decoder, or (None, why not)."""
+    from av.codec import hwaccel
+
+    built = list(hwaccel.hwdevices_available())
+    tries = ([t for t in HW_ANY if t in built] + ["v4l2m2m"] if asked == "any"
+             else ["v4l2m2m"] if asked == "v4l2m2m" else [HW_DEVICES.get(asked, asked)])
+    why: list[str] = []
+    for kind in tries:
+        try:
+            if kind == "v4l2m2m":
+                name = f"{reader.stream.codec_context.name}_v4l2m2m"
+                if name not in av.codecs_available:
+                    why.append(f"v4l2m2m: no {name} decoder in this FFmpeg build")
+                    continue
+                ctx = reader._decoder(0, codec=name)
+            elif kind not in built:
+                why.append(f"{kind}: not in this FFmpeg build (it has {', '.join(built) or 'none'})")
+                continue
+            else:
+                ctx = reader._decoder(0, hwaccel.HWAccel(device_type=kind, allow_software_fallback=False))
+            frames = list(ctx.decode(packet))
+        except (av.error.FFmpegError, OSError, RuntimeError, ValueError) as exc:
+            why.append(f"{kind}: {type(exc).__name__}: {exc}"[:200])
+            continue
+        if kind != "v4l2m2m" and not ctx.is_hwaccel:  # FFmpeg opened it but decodes in software
+            why.append(f"{kind}: no usable device (FFmpeg fell back to software)")
+            continue
+        reader.ctx, reader.hw = ctx, kind
+        return frames, None
+    return None, "; ".join(why) or f"{asked}: nothing to try"
 
 
 def planes(frame: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

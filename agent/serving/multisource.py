@@ -68,12 +68,12 @@ class MultiSource:
                       for cfg, src in sources]
         # FFmpeg's decoder threads share the cores among the streams: each frame thread holds a decoding
         # context and its frames (about 25 MB at 1080p H.264), and one thread decodes a 1080p camera at 10-30
-        # fps with room to spare. Sources opened lazily take this before their first read; a configured
-        # decoder_threads is kept.
+        # fps with room to spare. Sources opened lazily open with this; a configured decoder_threads is kept,
+        # and the stage planner gives more to a decoder it measures as the bottleneck.
         share = max(1, len(os.sched_getaffinity(0)) // len(sources))
         for _, src in sources:
-            if getattr(src, "decoder_threads", None) == 0:
-                src.decoder_threads = share  # type: ignore[attr-defined]
+            if getattr(src, "open_threads", None) == 0:
+                src.open_threads = share  # type: ignore[attr-defined]
         self.name = "+".join(f.name for f in self.feeds)
         self.on_drop: Callable[[str, int], None] | None = None  # the pipeline's drop counter
         self._cond = threading.Condition()

@@ -32,7 +32,7 @@ from agent.serving.metrics import PipelineMetrics
 from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, split_batch
 from agent.serving.decoding import scaled_geometry
 from agent.serving.sizing import StageCosts, StagePlan, initial_plan, plan_stages
-from agent.serving.sources import BadFrame, Frame, FrameSource, UndecodableFrame
+from agent.serving.sources import BadFrame, Frame, FrameSource, UndecodableFrame, video_sources
 
 log = get_logger("pipeline")
 
@@ -228,6 +228,7 @@ class Pipeline:
         self._costs = _CostMeter()
         self._sized_results = 0  # results of the current engine counted towards its sizing
         self._process_ns0 = 0
+        self._decode0: dict[int, tuple[int, int]] = {}  # each video source's decode meter when measuring began
         self._take_lock = threading.Lock()  # frames are taken and numbered in capture order
         self._turns = _Turns()
         self._number = 0
@@ -622,6 +623,7 @@ class Pipeline:
         if self._sized_results == SIZING_WARMUP:
             self._costs.reset()
             self._process_ns0 = time.process_time_ns()
+            self._decode0 = {id(v): (v.decode_meter.wait_ns, v.decode_meter.frames) for v in video_sources(self.source)}
             return
         if self._sized_results != SIZING_WARMUP + SIZING_FRAMES:
             return
@@ -633,9 +635,13 @@ class Pipeline:
         other = max(0.0, process_ms - capture - sum(own))
         costs = StageCosts(capture, own[0], own[1], own[2], SIZING_FRAMES, other)
         in_order = self._in_order_only()
+        videos = {v.name: v for v in video_sources(src)}
+        loads = [load for v in videos.values() if (load := v.decoder_load(self._decode0.get(id(v), (0, 0))))]
         plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
                            preprocess_max=self._pre_max, inference_max=self._workers, in_order=in_order,
-                           fused=self._fused)
+                           fused=self._fused, decoders=loads)
+        for d in plan.decoders:  # taken by each decoder at its next keyframe
+            videos[d.source].plan_decoder(d.threads, d.reason)
         # configured sizes are kept, except that a stateful model's frames go one at a time (only the first
         # thread of each pool serves them): the plan, exported as gauges, says what really runs
         if self._pre_fixed and not in_order:
@@ -646,7 +652,8 @@ class Pipeline:
         self._pre_active, self._inf_active = plan.preprocess_workers, plan.inference_workers
         log.info("pipeline.stages_sized", preprocess_workers=plan.preprocess_workers,
                  inference_workers=plan.inference_workers, bottleneck=plan.bottleneck,
-                 pace_fps=round(plan.pace_fps, 1), reason=plan.reason)
+                 pace_fps=round(plan.pace_fps, 1), reason=plan.reason,
+                 decoder_threads={d.source: d.threads for d in plan.decoders} or None)
 
     def _in_order(self) -> Any:
         """Results from all inference workers, re-ordered by preparation number."""

@@ -30,6 +30,7 @@ from agent.errors import BadFrame, ConfigError, UndecodableFrame
 from agent.logsetup import get_logger
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
+from agent.serving.sizing import DecoderLoad
 from agent.serving.source_checks import video_problem
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, read_image_file
@@ -206,30 +207,72 @@ class OpenCVSource:
         self.prev: np.ndarray | None = None  # the previous frame's signature (frozen-picture check)
         self.same = 0
         self.pacer = _Pacer(cfg.max_fps if not self.live else 0.0)
-        # 0: the default (PyAV: min(cores, 2) frame threads; a MultiSource shares the cores among its streams)
+        # 0: the default (PyAV: min(cores, 2) frame threads at open; a MultiSource shares the cores among its
+        # streams), until the stage planner measures the decoder and plans its threads (`plan_decoder`)
         self.decoder_threads = cfg.decoder_threads
+        self.open_threads = 0  # not configured: what the decoder opens with (the share, then the planner's count)
+        self.decode_meter = ffmpeg_decode.DecodeMeter()
+        self.hw_gave_up: str | None = None  # why the device asked for could not decode: not tried again
 
     def _use_av(self) -> bool:
-        """PyAV for files and streams; V4L2 cameras and hardware decoding stay with OpenCV's own options."""
-        return (ffmpeg_decode.available() and not isinstance(self.target, int) and self.cfg.hw_decode == "none"
-                and self.frame.kind == "image")
+        """PyAV for files and streams (hardware decoding through PyAV's hwaccel too); V4L2 cameras stay with OpenCV."""
+        return ffmpeg_decode.available() and not isinstance(self.target, int) and self.frame.kind == "image"
 
     def _open_av(self) -> bool:
+        threads = self.decoder_threads or self.open_threads or min(len(os.sched_getaffinity(0)), 2)
         try:
             reader = ffmpeg_decode.AVReader(str(self.target), self.cfg.open_timeout_ms / 1000,
-                                            self.cfg.read_timeout_ms / 1000,
-                                            self.decoder_threads or min(len(os.sched_getaffinity(0)), 2), self.live,
-                                            jpeg_packets=self.packets_usable)
+                                            self.cfg.read_timeout_ms / 1000, threads, self.live,
+                                            jpeg_packets=self.packets_usable,
+                                            hw="none" if self.hw_gave_up else self.cfg.hw_decode,
+                                            meter=self.decode_meter)
         except (OSError, ValueError) as exc:
             self.stats.last_error = f"cannot open: {exc}"[:300]
             return False
         self.cap, self.av = reader, True
         self.packets = reader.packets
         self.stats.decoder = {
+            **{k: v for k, v in self.stats.decoder.items() if k.startswith("threads_")},  # the plan outlives a reopen
             "path": "jpeg" if self.packets else "ffmpeg", "codec": reader.codec, "scale": 1, "deferred": True,
-            "binding": "pyav", "threads": reader.threads, "hw": "none", "hw_requested": self.cfg.hw_decode,
+            "binding": "pyav", "threads": reader.threads, "hw": reader.hw, "hw_requested": self.cfg.hw_decode,
+            "hw_fallback": self.hw_gave_up or reader.hw_why,
         }
         return True
+
+    def _after_av_read(self, reader: ffmpeg_decode.AVReader) -> None:
+        """What the decoder's first packet (a device tried) or a keyframe (a new thread count) changed."""
+        d = self.stats.decoder
+        if d.get("hw_fallback") == "not tried yet" and reader.hw_why != "not tried yet":
+            self.stats.decoder = {**d, "hw": reader.hw, "hw_fallback": reader.hw_why, "threads": reader.threads}
+            if reader.hw_why is not None:
+                self.hw_gave_up = reader.hw_why
+                log.warning("source.hw_decode_unavailable", source=self.name, requested=self.cfg.hw_decode,
+                            codec=reader.codec, reason=reader.hw_why, decoding="software")
+        if d.get("threads") != reader.threads and reader.swaps:
+            log.info("source.decoder_threads_changed", source=self.name, threads=reader.threads,
+                     was=d.get("threads"), at_frame=self.stats.frames + 1,
+                     reason=d.get("threads_why"))
+            self.stats.decoder = {**self.stats.decoder, "threads": reader.threads}
+
+    def decoder_load(self, since: tuple[int, int] = (0, 0)) -> DecoderLoad | None:
+        """This source's decoder over the frames since `since` (a `decode_meter` reading), for the planner;
+        None when FFmpeg does not decode its frames in threads of its own (JPEG packets, OpenCV, nothing read)."""
+        m = self.decode_meter
+        frames = m.frames - since[1]
+        if not self.av or self.packets or frames <= 0 or not self.stats.decoder.get("threads"):
+            return None
+        return DecoderLoad(self.name, int(self.stats.decoder["threads"]), (m.wait_ns - since[0]) / 1e6 / frames,
+                           m.pixels, fixed=self.decoder_threads > 0, hw=self.stats.decoder.get("hw", "none") != "none")
+
+    def plan_decoder(self, threads: int, why: str) -> None:
+        """The planner's thread count: taken by the decoder at its next keyframe, and by every reopen after."""
+        self.stats.decoder = {**self.stats.decoder, "threads_planned": threads, "threads_why": why}
+        if self.decoder_threads or threads == self.stats.decoder.get("threads"):
+            return
+        self.open_threads = threads
+        reader = self.cap
+        if isinstance(reader, ffmpeg_decode.AVReader):
+            reader.request_threads(threads)
 
     def _open(self) -> bool:
         if self._use_av():
@@ -242,7 +285,8 @@ class OpenCVSource:
         api = cv2.CAP_V4L2 if isinstance(self.target, int) else cv2.CAP_FFMPEG
         cap = None
         if self.cfg.hw_decode != "none":
-            cap = cv2.VideoCapture(self.target, api, params + [cv2.CAP_PROP_HW_ACCELERATION, HW_DECODE[self.cfg.hw_decode]])
+            accel = HW_DECODE.get(self.cfg.hw_decode, cv2.VIDEO_ACCELERATION_ANY)  # cuda, v4l2m2m: PyAV's names
+            cap = cv2.VideoCapture(self.target, api, params + [cv2.CAP_PROP_HW_ACCELERATION, accel])
             if not cap.isOpened():  # no such device or driver here: decode in software rather than not at all
                 cap.release()
                 cap = None
@@ -340,6 +384,7 @@ class OpenCVSource:
                 return Frame(self.stats.frames, img, at, ns, self.name, scale, functools.partial(self._decode, scale=scale))
             self.stats.frames += 1
             if self.av:  # the planes reduced and converted by the preprocessing pool
+                self._after_av_read(self.cap)
                 scale = self._video_scale(img)
                 return Frame(self.stats.frames, img, at, ns, self.name, scale,
                              functools.partial(self._convert, scale=scale))
@@ -546,6 +591,12 @@ def retarget_decode(source: FrameSource, resize: ResizeSpec | None, max_scale: i
     """A new bundle's resize and proven decode scale, taken by a running source from its next frame on."""
     if hasattr(source, "max_scale"):
         source.resize, source.max_scale = resize, max_scale  # type: ignore[attr-defined]
+
+
+def video_sources(source: FrameSource) -> list[OpenCVSource]:
+    """The sources behind `source` (itself, or each of many) that decode video: the planner sizes their decoders."""
+    inner = [f.source for f in getattr(source, "feeds", ())] or [source]
+    return [s for s in inner if isinstance(s, OpenCVSource)]
 
 
 def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:
