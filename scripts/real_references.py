@@ -17,6 +17,7 @@ agent/results/answers.py reads) and <split>-inputs/NNNN.npy (the tensor the pack
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -509,6 +510,8 @@ BUILDERS: dict[str, Callable[[int, int], tuple[dict[str, np.ndarray], list[Any]]
 FOLDER_SPLITS: dict[str, tuple[set[str], Callable[[int, int, Path], list[Any]]]] = {
     "picodet": ({"golden_sizes", "heldout"}, build_picodet_folder),
 }
+# models whose reference builder is its own module beside this script: name -> module (its build(folder))
+OWN_MODULES = {"retinaface": "real_refs_retinaface"}
 
 
 def main() -> int:
@@ -524,6 +527,13 @@ def main() -> int:
             print(f"{name}: references current", file=sys.stderr)
             continue
         summary: dict[str, Any] = {"version": VERSION, "splits": {}}
+        if name in OWN_MODULES:  # a model whose builder lives in its own file (scripts/real_refs_<name>.py)
+            t0 = time.monotonic()
+            summary["splits"] = importlib.import_module(OWN_MODULES[name]).build(d)
+            summary["seconds"] = round(time.monotonic() - t0, 1)
+            marker.write_text(json.dumps(summary, indent=2) + "\n")
+            print(f"{name}: {summary['splits']} in {summary['seconds']} s", file=sys.stderr)
+            continue
         if name in DIR_BUILDERS:
             if name == "textrec":
                 (d / "charset.txt").write_text("\n".join(textrec_charset()) + "\n", encoding="utf-8")

