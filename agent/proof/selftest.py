@@ -180,11 +180,19 @@ def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple
     return PreprocessCheck(worst, worst_i), tensors
 
 
-def recorded_outputs(bundle: Bundle, variant: str) -> list[dict[str, np.ndarray]] | None:
+def recorded_outputs(bundle: Bundle, variant: str,
+                     golden: Sequence[GoldenSample] | None = None) -> list[dict[str, np.ndarray]] | None:
     """The variant's own outputs on each golden sample as `bundle create` recorded them
     (`variant.<name>.<output>`), or None when the bundle predates them (reproduction then falls
-    back to the source references: `reproduction.against = "source"`)."""
+    back to the source references: `reproduction.against = "source"`). From `golden` when the samples
+    are loaded already (they carry these arrays): each sample file is read once per proof, not once
+    more per variant."""
     m = bundle.manifest
+    if golden is not None:
+        have = [g.variant_outputs.get(variant, {}) for g in golden]
+        if not all(n in h for h in have for n in m.output_names):
+            return None
+        return [{n: h[n] for n in m.output_names} for h in have]
     out: list[dict[str, np.ndarray]] = []
     for rel in m.golden:
         with np.load(bundle.path(rel), allow_pickle=False) as z:
@@ -287,7 +295,8 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         # End to end (device preprocessing) when preprocessing holds; the bundled tensors otherwise,
         # so a model fault is still told apart from a preprocessing fault.
         use_device = pre_check.max_abs <= m.selftest.preprocess_max_abs
-        own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant)
+        own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant,
+                                                                                                     golden)
         got, refs, own = [], [], []
         origin: list[tuple[int, int | None]] = []  # per judged row: (golden sample, step of its sequence)
         for i, (t, g) in enumerate(zip(tensors, golden)):
@@ -681,7 +690,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                     return finish([quick], quick, cached=True, decode=decode)
                 log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
 
-    recorded = {v.name: recorded_outputs(bundle, v.name) for v in m.variants}
+    recorded = {v.name: recorded_outputs(bundle, v.name, golden) for v in m.variants}
     for name, rec in recorded.items():
         if rec is None:
             notes.append(f"variant {name}: no recorded outputs in the golden samples (bundle made before "
