@@ -27,6 +27,7 @@ from agent.errors import AgentError, ConfigError, Stopping
 from agent.fsio import bump_counter
 from agent.link.health import ProcessProbe
 from agent.logsetup import configure_logging, get_logger
+from agent.proof import spare
 from agent.proof.session import forbid_fd_capture
 from agent.serving.engine import Engine
 from agent.serving.pipeline import Pipeline, Sink
@@ -864,6 +865,7 @@ class Controller:
     def _boot_job(self) -> None:
         try:
             outcome = boot(self.cfg, self.store)
+            spare.discard()  # the boot's proof adopted it, or never will: it would only hold memory
             self.call(lambda: self._boot_done(outcome))
         finally:
             self._release_operation()  # no-op when _boot_done released it already
