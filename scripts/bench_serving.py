@@ -27,8 +27,9 @@ Usage: python scripts/bench_serving.py [--bundle DIR | --detector] [--inputs 720
        python scripts/bench_serving.py --sources 4 [--camera-input 1080p-h264 --rtsp] [--camera-fps 10] [--frames 100]
            (the many-sources row: N cameras through one agent, against one camera: fps per source, p95 capture
            to publish, peak and serving RSS, agent CPU per result)
-       python scripts/bench_serving.py --cold [--runs 3]   (first result after start, cold and with the cached
-           verdict, and the process's CPU seconds by then, for the demo and the detector)
+       python scripts/bench_serving.py --cold [--runs 3] [--no-bytecode]   (first result after start, cold and with
+           the cached verdict, the process's CPU seconds by then and the proof's own, for the demo and the
+           detector; agent/ byte-compiled first, as an installed agent is, unless --no-bytecode)
 
 --detector and the many-sources row serve the YOLO-class detector when the real-model cache holds the layout
 model (scripts/real_models.py fetch layout): the YOLOv8n DocLayNet model re-sized to a 320x320 input and
