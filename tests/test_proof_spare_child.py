@@ -50,15 +50,18 @@ def test_a_cold_run_proves_in_the_spare_with_the_same_verdict_and_leaves_no_chil
         {c["variant"]: c["status"] for c in report["candidates"]}
 
 
-def test_a_spare_is_refused_when_its_command_or_an_import_time_variable_differs(tmp_path: Path) -> None:
+def test_a_spare_is_refused_when_its_command_or_an_import_time_variable_differs_or_it_is_old(
+        tmp_path: Path) -> None:
     base = dict(os.environ)
-    for cmd, env in (
-        ([sys.executable, "-m", "agent.service.other_module", "--bundle", "x"], base),  # another program
-        ([*spare.child_prefix(), "--bundle", "x"], {**base, "OMP_NUM_THREADS": "1"}),  # read at import
+    for cmd, env, age in (
+        ([sys.executable, "-m", "agent.service.other_module", "--bundle", "x"], base, 0.0),  # another program
+        ([*spare.child_prefix(), "--bundle", "x"], {**base, "OMP_NUM_THREADS": "1"}, 0.0),  # read at import
+        ([*spare.child_prefix(), "--bundle", "x"], base, spare.ADOPT_WITHIN_S + 1),  # near its own idle exit
     ):
         spare.start(str(tmp_path))
         proc = spare._spare.proc if spare._spare else None
-        assert proc is not None
+        assert proc is not None and spare._spare is not None
+        spare._spare.started -= age
         assert spare.adopt(cmd, env) is None
         assert proc.poll() is not None, "a refused spare is ended, not left waiting"
         assert spare._spare is None

@@ -19,11 +19,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any, Mapping, Sequence
 
 CHILD_MODULE = "agent.service.selftest_child"
 SPARE_FLAG = "--spare-for"  # the child's argv: --spare-for <what it waits for> (named in ps, and by tests)
 IDLE_S = 120.0              # a spare nobody adopted exits by itself after this long
+ADOPT_WITHIN_S = IDLE_S / 2  # older ones are not adopted: the hand-over never races the spare's own exit
 # What may change in the agent's environment between the spare's spawn and its adoption: read by the child
 # after its arguments arrive (OpenCV's FFmpeg log level at first use, the agent's own variables), so the
 # spare takes the new values. Any other change (a variable a library reads at import) refuses the spare.
@@ -56,6 +58,7 @@ def child_prefix() -> list[str]:
 class Spare:
     def __init__(self, proc: subprocess.Popen, prefix: Sequence[str], env: Mapping[str, str]):
         self.proc, self.prefix, self.env = proc, list(prefix), dict(env)
+        self.started = time.monotonic()
 
     def env_change(self, now: Mapping[str, str]) -> dict[str, Any] | None:
         """The environment the child must take on ({"set": ..., "unset": ...}), or None when a change
@@ -101,7 +104,8 @@ def adopt(cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen | None
     if spare is None:
         return None
     change = spare.env_change(env)
-    if list(cmd[:len(spare.prefix)]) != spare.prefix or change is None or spare.proc.poll() is not None:
+    stale = time.monotonic() - spare.started > ADOPT_WITHIN_S
+    if list(cmd[:len(spare.prefix)]) != spare.prefix or change is None or stale or spare.proc.poll() is not None:
         spare.discard()
         return None
     stdin: IO[str] | None = spare.proc.stdin
