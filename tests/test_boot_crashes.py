@@ -136,8 +136,10 @@ def test_sigterm_during_a_hanging_boot_proof_exits_promptly_and_leaves_no_child(
                           env={"EDGE_AGENT_FAULT": "load=hang"}).start()
     children = lambda: subprocess.run(["pgrep", "-f", f"selftest_child.*{tmp_path}"],  # noqa: E731
                                       capture_output=True, text=True).stdout.strip()
-    # SIGTERM while the child hangs in the proof (a fixed 3 s could land before the child existed)
-    agent.wait(lambda: children() != "", 60, "the self-test child started")
+    # SIGTERM while the child hangs in the proof (a fixed 3 s could land before the child existed; the child
+    # process alone is no barrier: the boot's spare child exists before the agent handles signals)
+    marker = tmp_path / "state" / "selftest" / "step.json"
+    agent.wait(lambda: children() != "" and marker.exists(), 60, "the self-test child hangs in its load step")
     # promptly: far inside the 300 s self-test time-out it would otherwise wait out (60 s is for load)
     agent.signal(signal.SIGTERM)
     assert agent.wait_exit(60) == 0

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
+from agent.proof import spare
 from agent.proof.probe import provider_versions
 from agent.proof.terms import CPU
 
@@ -43,7 +44,7 @@ INFLIGHT_FILE = "inflight.json"  # written by the self-test before each candidat
 SKIP_FILE = "crashed.json"     # the self-test's skip list: "<bundle sha>|<provider>:<variant>" -> when
 RECORDS_FILE = "crashes.json"  # the full crash records, with signal, versions and expiry
 PROOF_LOCK = "proof.lock"      # held (flock) by the process running a proof on this state dir
-CHILD_MODULE = "agent.service.selftest_child"
+CHILD_MODULE = spare.CHILD_MODULE
 CRASH_TTL_S = 7 * 24 * 3600.0
 # How a stop ends a child: a shutdown, never a crash of the step it was in
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
@@ -205,17 +206,6 @@ class ChildProof:
         return self.error
 
 
-def _die_with_parent() -> None:
-    """In the forked child before exec: SIGKILL when the parent dies, so a killed agent leaves no
-    self-test running on (a leftover marker makes the next boot skip that step, as a crash would)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the child finishes on its own
-
-
 def bundle_digest(root: Path) -> str:
     from agent.bundle.load import read_manifest
 
@@ -274,7 +264,7 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
         ledger.write_skip_list(sha)
         with tempfile.TemporaryDirectory(prefix="selftest-") as tmp:
             out = Path(tmp) / "report.json"
-            cmd = [sys.executable, "-m", CHILD_MODULE, "--bundle", str(root), "--state-dir", str(state_dir),
+            cmd = [*spare.child_prefix(), "--bundle", str(root), "--state-dir", str(state_dir),
                    "--out", str(out), *extra_args]
             if isinstance(config, Path):
                 cmd += ["--config", str(config)]
@@ -285,12 +275,13 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
                 cmd.append("--no-cache")
             if records_dir is not None:
                 cmd += ["--crash-records", str(records_dir)]
-            wrapper = os.environ.get("EDGE_AGENT_SELFTEST_WRAPPER")
-            if wrapper:  # e.g. "nice -n 10" or "systemd-run --scope ..."
-                cmd = wrapper.split() + cmd
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                    env={**os.environ, **(env or {})}, start_new_session=True,
-                                    preexec_fn=_die_with_parent)
+            child_env = {**os.environ, **(env or {})}
+            # the boot's spare (agent.proof.spare) when it is this very process, its imports done already
+            proc = spare.adopt(cmd, child_env)
+            log.info("selftest.child_started", spare=proc is not None)
+            if proc is None:
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env=child_env, start_new_session=True, preexec_fn=spare.die_with_parent)
             relay = forward_child_log(proc)
             try:
                 proc.wait(timeout=timeout_s)

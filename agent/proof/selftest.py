@@ -58,7 +58,7 @@ from agent.proof.verdict import (
     json_safe,
 )
 from agent.spec.decoders import split_batch
-from agent.spec.jpeg import camera_sized_reduced
+from agent.spec.jpeg import camera_sized_reduced, max_decode_scale
 from agent.spec.yuv import camera_sized_reduced_yuv
 
 from agent.proof.costs import ProofCosts
@@ -83,6 +83,8 @@ class SelftestOptions:
     workers: int = 1    # inference callers serving runs at once on one session: the golden set runs so too
     # why no configured source can decode at a reduced scale (the check would buy nothing); None: prove them
     skip_reduced_decode: str | None = None
+    # what each configured source can choose of the reduced scales, known before it opens; (): unknown, all proven
+    source_limits: tuple["SourceScaleLimit", ...] = ()
     sleep: Callable[[float], None] = time.sleep  # the wait between latency re-measurements
 
 
@@ -178,11 +180,19 @@ def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple
     return PreprocessCheck(worst, worst_i), tensors
 
 
-def recorded_outputs(bundle: Bundle, variant: str) -> list[dict[str, np.ndarray]] | None:
+def recorded_outputs(bundle: Bundle, variant: str,
+                     golden: Sequence[GoldenSample] | None = None) -> list[dict[str, np.ndarray]] | None:
     """The variant's own outputs on each golden sample as `bundle create` recorded them
     (`variant.<name>.<output>`), or None when the bundle predates them (reproduction then falls
-    back to the source references: `reproduction.against = "source"`)."""
+    back to the source references: `reproduction.against = "source"`). From `golden` when the samples
+    are loaded already (they carry these arrays): each sample file is read once per proof, not once
+    more per variant."""
     m = bundle.manifest
+    if golden is not None:
+        have = [g.variant_outputs.get(variant, {}) for g in golden]
+        if not all(n in h for h in have for n in m.output_names):
+            return None
+        return [{n: h[n] for n in m.output_names} for h in have]
     out: list[dict[str, np.ndarray]] = []
     for rel in m.golden:
         with np.load(bundle.path(rel), allow_pickle=False) as z:
@@ -285,7 +295,8 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         # End to end (device preprocessing) when preprocessing holds; the bundled tensors otherwise,
         # so a model fault is still told apart from a preprocessing fault.
         use_device = pre_check.max_abs <= m.selftest.preprocess_max_abs
-        own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant)
+        own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant,
+                                                                                                     golden)
         got, refs, own = [], [], []
         origin: list[tuple[int, int | None]] = []  # per judged row: (golden sample, step of its sequence)
         for i, (t, g) in enumerate(zip(tensors, golden)):
@@ -443,18 +454,52 @@ def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Se
 REDUCED_SCALES = (2, 4, 8)
 
 
+@dataclass(frozen=True)
+class SourceScaleLimit:
+    """The largest reduced decode scale one configured source could ever choose, as far as it is known before
+    the source opens: a forced `decode_scale`, and the frame size a video file's header declares (a camera's or
+    a stream's is unknown until it sends)."""
+
+    forced: int | None = None             # decode_scale set to a number (1: the source never reduces)
+    frame: tuple[int, int] | None = None  # (height, width); None: unknown, every scale may be chosen
+
+    def largest(self, resize: Any) -> int:
+        cap = self.forced or max(REDUCED_SCALES)
+        if self.frame is None or resize is None:
+            return cap
+        h, w = self.frame
+        # either orientation: a decoder that applies the file's rotation delivers the frame transposed
+        return min(cap, max(max_decode_scale(resize, h, w), max_decode_scale(resize, w, h)))
+
+
+def choosable_scale(limits: Sequence[SourceScaleLimit], resize: Any) -> int:
+    """The largest scale any configured source can choose (a source serves min(what its frame allows, the proven
+    scale)): proving a larger one buys nothing. No limits known: every scale."""
+    return max((lim.largest(resize) for lim in limits), default=max(REDUCED_SCALES))
+
+
 def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                         opened: Any = None) -> dict[str, Any]:
+                         opened: Any = None, max_scale: int = max(REDUCED_SCALES)) -> dict[str, Any]:
     """Prove the reduced-scale decode paths on the winning candidate: each golden raw frame as a camera `s`
     times its size sends it, decoded at 1/s by JPEG's DCT scaling (jpeg.camera_sized_reduced) and by the
     video path's plane averaging (yuv.camera_sized_reduced_yuv), then the bundle's preprocessing and the
     model. A speed path must *reproduce* what the full path serves: its decoded results (classes,
     detections) agree with the same candidate's full-size decode within the candidate's reproduction
     bounds; the fidelity floors against the references are checked too, but staying above a floor is
-    never enough (a floor of 0.9 let 10 % of detections drop). Scales 2, 4, 8 in turn, stopping at the
-    first failure; `max_scale` is the largest that passed."""
+    never enough (a floor of 0.9 let 10 % of detections drop). Scales 2, 4, 8 in turn up to `max_scale` (the
+    largest any configured source can choose: `choosable_scale`), stopping at the first failure; `max_scale`
+    in the result is the largest that passed, `bound` the largest that was tried."""
+    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale)
+    return {**out, "bound": max(1, min(max_scale, max(REDUCED_SCALES)))}
+
+
+def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
+                    opened: Any, max_scale: int) -> dict[str, Any]:
     m = bundle.manifest
     resize = m.preprocess.resize
+    if max_scale < 2:
+        return {"max_scale": 1, "reason": "no configured source can choose a reduced scale for this bundle's resize "
+                "(its frames are too small): frames are decoded at full size", "scales": []}
     if m.frame.kind != "image" or resize is None:
         return {"max_scale": 1, "reason": "not an image bundle with a resize: frames are decoded at full size",
                 "scales": []}
@@ -476,7 +521,7 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
         full = [split_batch(o, 0) for g in golden for o in _run_golden(opened, m, pre(g.raw), False)]
     except Exception as exc:
         return {"max_scale": 1, "reason": f"full decode: {type(exc).__name__}: {exc}"[:400], "scales": []}
-    for s in REDUCED_SCALES:
+    for s in (s for s in REDUCED_SCALES if s <= max_scale):
         # Both reduced paths serve at this one proven scale, so both must reproduce the full path: JPEG
         # decoded in the DCT (MJPEG cameras, .jpg folders) and the H.264/H.265 decoder's planes averaged
         # down before the colour conversion (agent.spec.yuv, what the PyAV sources do).
@@ -513,6 +558,8 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
         best = s
     if best == 1 and reason is None:
         reason = "no reduced scale passed"
+    if reason is None and best < max(REDUCED_SCALES):
+        reason = f"scales above 1/{best} cannot be chosen by the configured sources (their frame size): not proven"
     log.info("selftest.reduced_decode", candidate=c.key, max_scale=best, reason=reason)
     return {"max_scale": best, "reason": reason, "scales": scales}
 
@@ -593,17 +640,20 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     directory = (state_dir / "selftest") if state_dir else None
     markers = CrashMarkers(directory) if directory else None
     crashed = markers.recover() if markers else {}
+    # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
+    # frames at 1/8); a cached check bounded lower than the sources now allow is run again
+    scale_bound = choosable_scale(opts.source_limits, m.preprocess.resize)
 
     def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
                attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
                opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
         if selected is not None and decode is None and opts.skip_reduced_decode is not None:
-            decode = {"max_scale": 1, "reason": opts.skip_reduced_decode, "scales": []}
+            decode = {"max_scale": 1, "reason": opts.skip_reduced_decode, "scales": [], "bound": 1}
         if selected is not None and decode is None:
-            with costs.part(f"{selected.candidate.key}: reduced-decode scales"):
+            with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{scale_bound}"):
                 decode = _guarded(markers, bundle, selected.candidate,
                                   lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden,
-                                                               opened))
+                                                               opened, max_scale=scale_bound))
         report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
                                 (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
                                 decode, tuple(costs.to_list()))
@@ -631,12 +681,16 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                         max_batch=opts.max_batch, workers=opts.workers))
                 if quick.passed:
                     log.info("selftest.cache_hit", candidate=hit.key)
-                    # the reduced-decode check depends on what the cache key covers: reused, not re-run
+                    # the reduced-decode check depends on what the cache key covers: reused, not re-run, unless
+                    # it was bounded below a scale today's sources can choose (no "bound": every scale was tried)
                     decode = (cached.get("report") or {}).get("decode")
-                    return finish([quick], quick, cached=True, decode=decode if isinstance(decode, dict) else None)
+                    if not isinstance(decode, dict) or (int(decode.get("bound", max(REDUCED_SCALES))) < scale_bound
+                                                        and opts.skip_reduced_decode is None):
+                        decode = None
+                    return finish([quick], quick, cached=True, decode=decode)
                 log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
 
-    recorded = {v.name: recorded_outputs(bundle, v.name) for v in m.variants}
+    recorded = {v.name: recorded_outputs(bundle, v.name, golden) for v in m.variants}
     for name, rec in recorded.items():
         if rec is None:
             notes.append(f"variant {name}: no recorded outputs in the golden samples (bundle made before "
@@ -761,7 +815,8 @@ def options_from_config(cfg: Any, provider: str | None = None, variant: str | No
     return SelftestOptions(policy=policy, settings=cfg.session, provider_order=order,
                            provider_options=with_compile_caches(cfg.providers.options, str(cfg.state_dir / "cache")),
                            use_cache=sel.use_cache if use_cache is None else use_cache, max_batch=max_batch,
-                           workers=serving_workers(pipe), skip_reduced_decode=no_reduced_decode(cfg))
+                           workers=serving_workers(pipe), skip_reduced_decode=no_reduced_decode(cfg),
+                           source_limits=source_scale_limits(cfg))
 
 
 JPEG_SUFFIXES = (".jpg", ".jpeg")
@@ -783,6 +838,31 @@ def no_reduced_decode(cfg: Any) -> str | None:
         return None
     return ("no configured source decodes at a reduced scale (sensor windows, decode_scale: 1, or folders "
             "without JPEGs): the scales are not proven, frames are decoded at full size")
+
+
+def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
+    """What each configured source can choose of the reduced scales, before it opens: a forced decode_scale, and a
+    video file's frame size from its header. () when there are no sources (every scale is proven)."""
+    out = []
+    for src in list(getattr(cfg, "source_list", ()) or ()):
+        forced = None if src.decode_scale == "auto" else int(src.decode_scale)
+        frame = video_frame_size(Path(src.path)) if src.type == "video" and src.path is not None else None
+        out.append(SourceScaleLimit(forced, frame))
+    return tuple(out)
+
+
+def video_frame_size(path: Path) -> tuple[int, int] | None:
+    """(height, width) a video file's header declares; None when it cannot be read (then nothing is assumed)."""
+    if not path.is_file():
+        return None
+    import cv2
+
+    cap = cv2.VideoCapture(str(path))
+    try:
+        h, w = int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)), int(cap.get(cv2.CAP_PROP_FRAME_WIDTH))
+    finally:
+        cap.release()
+    return (h, w) if h > 0 and w > 0 else None
 
 
 def serving_workers(pipe: Any) -> int:

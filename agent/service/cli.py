@@ -317,15 +317,22 @@ def render_selftest(doc: dict) -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from agent.service.daemon import Agent, demo_config
+    from agent.proof import spare
 
-    cfg = _load_cfg(args.config) if args.config else demo_config()
-    _apply_log_config(args, cfg)
-    if args.max_frames is not None:
-        from dataclasses import replace
+    # the boot proof's child, started now: its imports run on another core while the agent imports its own
+    spare.start(str(args.config) if args.config else "demo")
+    try:
+        from agent.service.daemon import Agent, demo_config
 
-        cfg = replace(cfg, pipeline=replace(cfg.pipeline, max_frames=args.max_frames))
-    return Agent(cfg).run()
+        cfg = _load_cfg(args.config) if args.config else demo_config()
+        _apply_log_config(args, cfg)
+        if args.max_frames is not None:
+            from dataclasses import replace
+
+            cfg = replace(cfg, pipeline=replace(cfg.pipeline, max_frames=args.max_frames))
+        return Agent(cfg).run()
+    finally:
+        spare.discard()
 
 
 def _cmd_push(args: argparse.Namespace) -> int:

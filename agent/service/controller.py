@@ -27,12 +27,13 @@ from agent.errors import AgentError, ConfigError, Stopping
 from agent.fsio import bump_counter
 from agent.link.health import ProcessProbe
 from agent.logsetup import configure_logging, get_logger
+from agent.proof import spare
 from agent.proof.session import forbid_fd_capture
 from agent.serving.engine import Engine
 from agent.serving.pipeline import Pipeline, Sink
 from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.serving.multisource import MultiSource
-from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode
+from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode, warm_decoder
 from agent.service.boot import BootOutcome, boot, open_engine, prove
 from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
@@ -863,7 +864,13 @@ class Controller:
 
     def _boot_job(self) -> None:
         try:
+            # while the proof runs in its child, the decoder binding the first frame needs is imported here
+            warm = threading.Thread(target=warm_decoder, args=(self.cfg.source_list,), name="warm-decoder",
+                                    daemon=True)
+            warm.start()
             outcome = boot(self.cfg, self.store)
+            warm.join(timeout=30)  # done long before, normally; the source would wait for it anyway
+            spare.discard()  # the boot's proof adopted it, or never will: it would only hold memory
             self.call(lambda: self._boot_done(outcome))
         finally:
             self._release_operation()  # no-op when _boot_done released it already

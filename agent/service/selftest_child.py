@@ -20,6 +20,7 @@ from typing import Any
 from agent.errors import AgentError
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import configure_logging, get_logger
+from agent.proof import spare
 from agent.proof.isolation import CrashLedger, bundle_digest, inject_fault, mark_step, parse_faults
 from agent.proof.terms import ProviderStatus
 
@@ -29,6 +30,13 @@ FAULT_ENV = "EDGE_AGENT_FAULT"
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [spare.SPARE_FLAG]:  # started before the agent needed it (agent.proof.spare)
+        _import_proof()
+        got = spare.wait_for_arguments(sys.stdin)
+        if got is None:
+            return 0  # not adopted: the agent exited or proved without it
+        argv = got
     p = argparse.ArgumentParser(prog="python -m agent.service.selftest_child")
     p.add_argument("--bundle", type=Path, required=True)
     p.add_argument("--state-dir", type=Path, required=True)
@@ -52,6 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     if "error" in doc:
         return 2
     return 0 if doc["report"]["passed"] else 3
+
+
+def _import_proof() -> None:
+    """What `_prove` imports, imported while a spare waits for its arguments."""
+    import cv2  # noqa: F401  preprocessing and the reduced-decode check
+    import onnxruntime  # noqa: F401
+
+    import agent.bundle.load  # noqa: F401
+    import agent.config  # noqa: F401
+    import agent.proof.probe  # noqa: F401
+    import agent.proof.selftest  # noqa: F401
 
 
 def _prove(args: argparse.Namespace) -> dict[str, Any]:

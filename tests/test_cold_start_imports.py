@@ -1,0 +1,65 @@
+"""Cold start (issue 24 item 4): what `edge-agent run` imports before its first result. PyAV is imported
+while the boot proof runs when a source decodes through it (not after the proof, on the first frame's
+path), and never for a folder source; nor are the modules only other commands and options need."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "digits-classifier"
+FRAMES = ROOT / "models" / "demo-frames" / "digits"
+
+# Runs `edge-agent run` in this process and prints which of the watched modules were imported by the time
+# the boot's outcome is applied (the proof done; the source not opened yet) and by the exit.
+PROBE = """
+import sys
+import agent.service.controller as controller
+from agent.service.cli import main
+watched = ("av", "jsonschema", "matplotlib", "prometheus_client", "paho", "cryptography", "agent.report.page")
+seen = {}
+real = controller.Controller._apply_boot
+def apply_boot(self, outcome):
+    seen["proof"] = sorted(m for m in watched if m in sys.modules)
+    return real(self, outcome)
+controller.Controller._apply_boot = apply_boot
+code = main(["--log-level", "error", "run", "--config", sys.argv[1], "--max-frames", "1"])
+print("proof", ",".join(seen.get("proof", [])))
+print("exit", ",".join(m for m in watched if m in sys.modules))
+sys.exit(code)
+"""
+
+
+def _run(tmp_path: Path, source: dict) -> dict[str, set[str]]:
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "bundle": str(DEMO), "source": source}))
+    out = subprocess.run([sys.executable, "-c", PROBE, str(cfg)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) if " " in line else (line, "") for line in out.stdout.splitlines()
+                 if line.startswith(("proof", "exit")))
+    return {k: set(filter(None, v.split(","))) for k, v in lines.items()}
+
+
+def test_a_folder_source_never_imports_pyav_nor_what_other_options_need(tmp_path: Path) -> None:
+    seen = _run(tmp_path, {"type": "folder", "path": str(FRAMES)})
+    # jsonschema validates the config and the manifest; nothing else watched belongs to this run
+    assert seen["exit"] == {"jsonschema"}, seen
+
+
+def test_a_video_source_has_pyav_imported_by_the_time_the_proof_returns(tmp_path: Path) -> None:
+    import cv2
+    import numpy as np
+
+    video = tmp_path / "cam.avi"
+    out = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 10, (320, 240))
+    for i in range(3):
+        out.write(np.full((240, 320, 3), 60 * i, np.uint8))
+    out.release()
+    seen = _run(tmp_path, {"type": "video", "path": str(video)})
+    assert "av" in seen["proof"], seen  # imported while the child proved, not on the first frame's path
+    assert seen["exit"] == {"av", "jsonschema"}, seen
