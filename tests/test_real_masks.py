@@ -234,6 +234,9 @@ def test_int8_is_selected_only_when_it_keeps_the_package_masks(bundle: Path, wor
     assert report["selected"] is not None, report["reason"]
     for name, why in below.items():
         assert name not in tested and re.search(r"(under|over) bound", why or ""), (name, why)
+    if "int8" in below:  # the kind's own metric, per sample: stage, metric, value, bound and sample named
+        assert re.search(rf"mask IoU of one sample = [\d.]+ under bound {MASK_IOU} on sample \d+ at stage build",
+                         below["int8"]), below["int8"]
     for c in tested.values():
         if not c["passed"]:
             assert any(_NAMED.search(r) for r in c["reasons"]), c["reasons"]
