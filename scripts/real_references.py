@@ -526,6 +526,11 @@ def main() -> int:
         if not args.force and marker.exists() and json.loads(marker.read_text()).get("version") == VERSION:
             print(f"{name}: references current", file=sys.stderr)
             continue
+        if name == "u2netp":  # its own builder (frames of several sizes, masks): scripts/real_refs_u2netp.py
+            import real_refs_u2netp
+
+            marker.write_text(json.dumps(real_refs_u2netp.build(d), indent=2) + "\n")
+            continue
         summary: dict[str, Any] = {"version": VERSION, "splits": {}}
         if name in OWN_MODULES:  # a model whose builder lives in its own file (scripts/real_refs_<name>.py)
             t0 = time.monotonic()

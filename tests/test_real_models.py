@@ -43,9 +43,9 @@ assert _spec.loader is not None
 sys.modules.setdefault("real_models", real_models)  # dataclasses look their module up while loading
 _spec.loader.exec_module(real_models)
 # Models whose bundles carry pre/post stage graphs and package answers have their own files
-# (tests/test_real_detectors.py, tests/test_real_staged.py, tests/test_real_keypoints.py); this file's machinery is the vocabulary's
-# (npz sets, decoders).
-STAGED = {"picodet", "textrec", "textcls", "retinaface"}
+# (tests/test_real_detectors.py, tests/test_real_staged.py, tests/test_real_keypoints.py, tests/test_real_masks.py);
+# this file's machinery is the vocabulary's (npz sets, decoders).
+STAGED = {"picodet", "textrec", "textcls", "retinaface", "u2netp"}
 NAMES = [m.name for m in real_models.MODELS if m.name not in STAGED]
 LABELS = {
     "orientation": ["0", "90", "180", "270"],

@@ -5,12 +5,16 @@ The map [1, C, h, w] (one channel used) is optionally sigmoided and min-max norm
 through `geometry` into the model input, separably (columns, then rows): a stretch is a plain half-pixel
 resize, and a letterbox's pad is never part of the mask. threshold > 0 gives a uint8 0/1 mask; otherwise the
 float map, for the masks kind's `postprocess.result.threshold`.
+With resize pil the map is first quantised to 8-bit levels as a package's `(map * 255).astype(uint8)` does
+(truncated), then resized straight to the frame size as PIL's Image.resize does it (a stretch: `geometry` is
+not read), and the threshold is compared on the levels (level >= threshold * 255).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from agent.bundle.graphs import resize_pil
 from agent.bundle.graphs.builder import FLOAT, INT64, UINT8, Graph
 from agent.bundle.graphs.params import Param, describe
 
@@ -23,6 +27,10 @@ PARAMS: dict[str, dict[str, Param]] = {
         "width": Param("int", 0, "model input width the map covers (0: the map's own width)", minimum=0),
         "height": Param("int", 0, "model input height (0: the map's own height)", minimum=0),
         "threshold": Param("float", 0.0, "> 0: output a uint8 mask, 1 where the map is at or over this"),
+        "resize": Param("str", "bilinear", "to frame size: bilinear (through geometry, in float) or pil (the map "
+                        "as 8-bit levels, truncated, then PIL Image.resize to the frame: a stretch)", ("bilinear", "pil")),
+        "interpolation": Param("str", "lanczos", "PIL's filter with resize pil (BILINEAR/BICUBIC/LANCZOS)",
+                               resize_pil.FILTERS),
     },
 }
 
@@ -47,6 +55,17 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
     m2 = g.squeeze(m, [0, 1])  # [h, w]
     map_hw = g.op("Shape", m2)
     fh, fw = g.gather(frame_size, [0]), g.gather(frame_size, [1])
+    if p["resize"] == "pil":
+        levels = g.cast(g.op("Floor", g.op("Mul", m2, g.const(255.0, FLOAT))), resize_pil.INT32)
+        sized = resize_pil.resize(g, g.unsqueeze(levels, [2]), g.gather(map_hw, [0]), g.gather(map_hw, [1]), fh, fw,
+                                  p["interpolation"])
+        level_map = g.cast(g.squeeze(sized, [2]), FLOAT)
+        if p["threshold"] > 0:
+            g.output(g.cast(g.op("GreaterOrEqual", level_map, g.const(p["threshold"] * 255.0, FLOAT)), UINT8), "mask",
+                     UINT8, ["frame_height", "frame_width"])
+        else:
+            g.output(g.op("Div", level_map, g.const(255.0, FLOAT)), "mask", FLOAT, ["frame_height", "frame_width"])
+        return g.model(f"{recipe}: {describe(p)}")
     y0, y1, fy = _taps(g, fh, geometry, 1, in_h, g.gather(map_hw, [0]))
     x0, x1, fx = _taps(g, fw, geometry, 0, in_w, g.gather(map_hw, [1]))
     # separable bilinear, both passes as row gathers (contiguous copies): columns on the small transposed map

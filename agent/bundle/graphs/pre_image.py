@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.bundle.graphs import resize_cv2
+from agent.bundle.graphs import resize_cv2, resize_pil
 from agent.bundle.graphs.builder import DOUBLE, FLOAT, FLOAT16, INT64, UINT8, Graph
 from agent.bundle.graphs.params import Param, describe
 from agent.errors import UsageError
@@ -24,10 +24,12 @@ COMMON: dict[str, Param] = {
     "input_name": Param("str", "images", "the model input this graph feeds (its output name)"),
     "frame_color": Param("str", "rgb", "channel order of the frames the agent delivers (frame.color)", ("rgb", "bgr")),
     "color": Param("str", "rgb", "channel order the model takes", ("rgb", "bgr")),
-    "interpolation": Param("str", "linear", "resize filter, as cv2 INTER_LINEAR/CUBIC/NEAREST", tuple(_INTERPOLATION)),
-    "resize": Param("str", "float", "linear resize arithmetic: float (onnxruntime Resize, then round_resize) or "
-                    "cv2_exact (cv2.resize INTER_LINEAR of a uint8 frame bit for bit, OpenCV's 11-bit fixed point)",
-                    ("float", "cv2_exact")),
+    "interpolation": Param("str", "linear", "resize filter, as cv2 INTER_LINEAR/CUBIC/NEAREST (or, with resize pil, "
+                           "PIL's BILINEAR/BICUBIC/LANCZOS)", (*_INTERPOLATION, "lanczos")),
+    "resize": Param("str", "float", "resize arithmetic: float (onnxruntime Resize, then round_resize), cv2_exact "
+                    "(cv2.resize INTER_LINEAR of a uint8 frame bit for bit, OpenCV's 11-bit fixed point) or pil "
+                    "(PIL Image.resize of the uint8 frame: antialiased when shrinking, two rounded passes)",
+                    ("float", "cv2_exact", "pil")),
     "round_resize": Param("bool", True, "round the resized image to whole levels (halves up), as a uint8 cv2.resize does"),
     "normalize": Param("str", "none", "per-image normalisation before mean/std: none (x * scale), "
                        "max (x / max(x)) or minmax ((x - min) / (max - min))", ("none", "max", "minmax")),
@@ -74,6 +76,10 @@ def build(recipe: str, p: dict[str, Any]) -> Any:
     if p["resize"] == "cv2_exact" and p["interpolation"] != "linear":
         raise UsageError(f"recipe {recipe}: --param resize: cv2_exact is the linear resize, found interpolation "
                          f"{p['interpolation']}")
+    pil_needed = p["interpolation"] == "lanczos"
+    if p["resize"] == "pil" and p["interpolation"] not in resize_pil.FILTERS or pil_needed and p["resize"] != "pil":
+        raise UsageError(f"recipe {recipe}: --param interpolation {p['interpolation']} with resize {p['resize']}: "
+                         f"resize pil takes {'/'.join(resize_pil.FILTERS)}; lanczos needs resize pil")
     g = Graph(recipe.replace(".", "_"))
     frame = g.input("frame", UINT8, ["frame_height", "frame_width", 3])
     shape = g.op("Shape", frame)
@@ -206,6 +212,11 @@ def _at_least_one(g: Graph, v: str) -> str:
 
 
 def _resize(g: Graph, x: str, new_h: str, new_w: str, p: dict[str, Any]) -> str:
+    if p["resize"] == "pil":
+        shape = g.op("Shape", x)
+        src = g.cast(g.squeeze(x, [0]), resize_pil.INT32)
+        y = resize_pil.resize(g, src, g.gather(shape, [1]), g.gather(shape, [2]), new_h, new_w, p["interpolation"])
+        return g.unsqueeze(g.cast(y, FLOAT), [0])
     if p["resize"] == "cv2_exact":
         # x holds whole levels (the uint8 frame, cast): exact in int64, and whole levels again after
         shape = g.op("Shape", x)
