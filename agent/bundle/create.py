@@ -926,6 +926,17 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         builds.append(VariantBuild("fp16", "fp16", "model_fp16.onnx", quantization=convert_fp16(root / fp32_file, root / "model_fp16.onnx")))
 
     held_ref = _run_all(_cpu_session(root / fp32_file, optimize=True), held_inputs, feeder) if held else []
+    held_vs = "fp32"
+    if held is not None and held.references:  # the author's own held-out references judge every variant, FP32 too
+        missing = [n for n in output_names if n not in held.references]
+        if missing:
+            raise BundleError(f"{opts.heldout}: reference outputs missing for {missing}")
+        held_ref = [{n: _as_batch(held.references[n][i], held_ref[i][n]) for n in output_names}
+                    for i in range(len(held))]
+        held_vs = "source"
+    # the package's own answers on the held-out set: every variant's final result is judged on them
+    held_answers = (golden_answers_text(opts.heldout, len(held))
+                    if held is not None and opts.heldout is not None and not sequence else None)
     floors = fidelity_floors(task, (spec.get("selftest") or {}).get("fidelity"))
     cls_out = post.output or output_names[0]
     own: dict[str, list[dict[str, np.ndarray]]] = {}  # each variant's own golden outputs, recorded
@@ -952,16 +963,21 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
             outs = _run_all(sess, held_inputs, feeder)
             h = judge_fidelity(post, _used(_unbatch(outs, sequence), post.uses),
                                _used(_unbatch(held_ref, sequence), post.uses), floors,
-                               stage="build held-out vs fp32")
+                               stage=f"build held-out vs {held_vs}")
             b.quality.update(_figures("heldout_", h))
             b.quality["heldout_samples"] = len(held)
+            held_geoms = [pre.geometry(r) for r in held.raw] if not sequence else []
             if post.graph is None:
                 problems += [f.text() for f in h.findings]
             elif not sequence:
-                held_geoms = [pre.geometry(r) for r in held.raw]
                 figures, findings = judge_final_results(stages, outs, held_geoms, held_ref, None, spec,
-                                                        "build held-out vs fp32")
+                                                        f"build held-out vs {held_vs}")
                 b.quality.update({f"heldout_final_{k}": v for k, v in figures.items()})
+                problems += [f.text() for f in findings]
+            if held_answers is not None:
+                figures, findings = judge_final_results(stages, outs, held_geoms, held_ref, held_answers, spec,
+                                                        "build held-out vs package")
+                b.quality.update({f"heldout_package_{k}": v for k, v in figures.items()})
                 problems += [f.text() for f in findings]
             if held.labels is not None and task == "classification" and not sequence:
                 b.quality["heldout_top1"] = round(float(np.mean(_top1(outs, cls_out, post).ravel() == held.labels)), 5)
