@@ -143,6 +143,24 @@ def test_tampered_post_graph_fails_reproduction_at_stage_post(demo_graph_bundle:
     assert "at stage post" in post[0].text()
 
 
+def test_stages_merged_into_the_model_by_onnx_compose_reproduce_the_separate_sessions_bit_for_bit(
+        demo_graph_bundle: Path, tmp_path: Path) -> None:
+    """The premise of scripts/bench_stages.py (and of docs/benchmarks.md's decision not to merge): one session
+    of pre + model + post gives what the three sessions give, so the benchmark compares like with like."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_stages", ROOT / "scripts" / "bench_stages.py")
+    assert spec is not None and spec.loader is not None
+    bench = sys.modules["bench_stages"] = importlib.util.module_from_spec(spec)  # its dataclass needs the entry
+    spec.loader.exec_module(bench)
+    b = load_bundle(demo_graph_bundle)
+    paths = bench.open_paths(b, SessionSettings(), tmp_path)
+    assert "pre/geometry" in paths.merged_outputs and "post/probabilities" in paths.merged_outputs
+    frames = [s.raw for s in b.golden()]
+    assert bench.compare(paths, frames).startswith("bit-exact on 8 frames")
+
+
 # ---------------------------------------------------------------- frames of any size
 
 def _tiny_pre_bundle(d: Path, golden: Path, **frame: object) -> Path:
