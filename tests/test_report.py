@@ -196,8 +196,8 @@ def test_report_reads_the_devices_retained_selftest_from_the_broker(tiny_bundle:
         c.connect("127.0.0.1", broker.port)
         c.loop_start()
         c.publish("edge/cam-7/selftest", json.dumps(doc), qos=1, retain=True).wait_for_publish(10)
+        c.disconnect()  # before loop_stop: no 1 s wait for paho's select
         c.loop_stop()
-        c.disconnect()
         out = tmp_path / "remote.html"
         assert edge_agent("report", "--broker", f"127.0.0.1:{broker.port}", "--device", "cam-7", "--out", str(out),
                      "--bundle", str(tiny_bundle)).returncode == 0
