@@ -104,9 +104,10 @@ EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/fetch_smart_turn.py >/dev/null || echo
 
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
 phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n 2)"
-"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"
-phase "main suite, slow tests (serially: real models, storms, fuzz)"
-"$CPU_PY" -m pytest -m "slow and not nspawn" "$@"
+"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 --durations=25 "$@"
+phase "main suite, slow tests: the independent ones on two workers, then (serial) real models, storms, fuzz alone"
+"$CPU_PY" -m pytest -m "slow and not serial and not nspawn" -n 2 --durations=25 "$@"
+"$CPU_PY" -m pytest -m "slow and serial and not nspawn" --durations=25 "$@"
 
 for flavour in openvino gpu; do
   FPY=$(make_venv "$flavour" "$COMMON_DEPS onnxruntime-$flavour")
