@@ -2,7 +2,8 @@
 # Install everything the tests need and run every test (what CI runs):
 #   0. lint (ruff) and types (mypy) over agent/;
 #   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider): the fast lane
-#      (`-m "not slow"`, two workers) then the slow tests (real models, storms, fuzz) serially;
+#      (`-m "not slow"`, two workers), then the slow tests: the independent ones on two workers, the
+#      `serial` ones (real models, storms, fuzz, real-time senders) alone;
 #   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
 #      replaces the `onnxruntime` module, so each gets its own venv;
 #   3. the service under real systemd (systemd-nspawn).
@@ -79,7 +80,7 @@ phase "lint (ruff) and types (mypy over agent/)"
 
 if [ "$QUICK" = 1 ]; then
   phase "fast lane (pytest -m 'not slow and not nspawn' -n 2)"
-  "$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"
+  "$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 --durations=25 "$@"
   phase "done (quick)"
   exit 0
 fi
@@ -130,7 +131,7 @@ fi
 
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
 phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n 2)"
-"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 "$@"
+"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 --durations=25 "$@"
 
 real_rc=0
 await real || real_rc=$?
@@ -141,8 +142,9 @@ elif [ "$real_rc" -ne 0 ]; then
   exit "$real_rc"
 fi
 await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
-phase "main suite, slow tests (serially: real models, storms, fuzz)"
-"$CPU_PY" -m pytest -m "slow and not nspawn" "$@"
+phase "main suite, slow tests: the independent ones on two workers, then (serial) real models, storms, fuzz alone"
+"$CPU_PY" -m pytest -m "slow and not serial and not nspawn" -n 2 --durations=25 "$@"
+"$CPU_PY" -m pytest -m "slow and serial and not nspawn" --durations=25 "$@"
 
 await provider_venvs
 for flavour in openvino gpu; do

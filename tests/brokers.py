@@ -197,8 +197,9 @@ class Collector:
         return wait_until(pred, timeout)
 
     def close(self) -> None:
-        self.c.loop_stop()
+        # disconnect first: loop_stop() alone waits out paho's 1 s select before the thread sees the stop
         self.c.disconnect()
+        self.c.loop_stop()
 
 
 def demo_mqtt_config(device_id: str, state_dir: Path, port: int, *, stdout: bool = False, max_fps: float = 40,

@@ -27,8 +27,8 @@ def _retain(broker: Broker, topic: str, doc: dict) -> None:
     c.connect("127.0.0.1", broker.port)
     c.loop_start()
     c.publish(topic, json.dumps(doc), qos=1, retain=True).wait_for_publish(10)
+    c.disconnect()  # before loop_stop: no 1 s wait for paho's select
     c.loop_stop()
-    c.disconnect()
 
 
 def test_push_to_a_device_the_broker_never_saw_fails_fast_naming_the_topic(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ IDLE_S = 3.0
 COMMANDS = ["status", "pause", "resume", "update", "rollback", "selftest", "reload"]
 CHEAP = ["status", "pause", "resume", "update", "rollback"]
 
-pytestmark = [pytest.mark.slow,  # 2,000 fuzzed commands: a storm, outside the fast lane
+pytestmark = [pytest.mark.slow, pytest.mark.serial,  # 2,000 fuzzed commands: a storm, outside the fast lane, alone
               pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
                                  reason="mosquitto is not installed (scripts/test.sh installs it)")]
 

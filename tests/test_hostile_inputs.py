@@ -73,8 +73,8 @@ class Client:
         self.c.publish(topic, payload, qos=1, properties=props).wait_for_publish(30)
 
     def close(self) -> None:
+        self.c.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
         self.c.loop_stop()
-        self.c.disconnect()
 
 
 @pytest.fixture

@@ -14,11 +14,20 @@ from pathlib import Path
 from waiting import wait_until
 
 from agent.config import Config
-from agent.proof.isolation import prove_in_child
+from agent.proof.isolation import PROOF_LOCK, prove_in_child
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "models" / "digits-classifier"
 INT8 = "candidate:CPUExecutionProvider:int8"
+
+
+def _blocked_on(lock: Path) -> bool:
+    """A process waits on `lock` (flock): /proc/locks lists its request with "->" and the file's inode."""
+    if not lock.exists():
+        return False
+    ino = f":{lock.stat().st_ino}"
+    return any("->" in line and any(f.endswith(ino) for f in line.split())
+               for line in Path("/proc/locks").read_text().splitlines())
 
 
 def test_a_second_proof_on_the_same_state_dir_never_steals_the_first_childs_marker(tmp_path: Path) -> None:
@@ -34,8 +43,11 @@ def test_a_second_proof_on_the_same_state_dir_never_steals_the_first_childs_mark
     second = threading.Thread(target=lambda: results.setdefault("second", prove_in_child(
         DIGITS, cfg.state_dir, cfg, 300, use_cache=False)))
     second.start()
-    # the old code cleared the marker at once (and its own child then wrote others): give it the chance
-    wait_until(lambda: not inflight.exists() or "int8" not in inflight.read_text(), 10)
+    # the old code cleared the marker at once (and its own child then wrote others): give it the chance,
+    # a barrier rather than 10 s: the marker cleared (the fault), or the second proof blocked on the lock
+    marker_cleared = lambda: not inflight.exists() or "int8" not in inflight.read_text()  # noqa: E731
+    assert wait_until(lambda: marker_cleared() or _blocked_on(inflight.parent / PROOF_LOCK), 120), \
+        "the second proof neither cleared the marker nor waited for the lock"
     os.kill(int(pids[0]), signal.SIGKILL)  # the first child dies in the int8 trial, as a driver crash would
     first.join(timeout=240)
     second.join(timeout=240)

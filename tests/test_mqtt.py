@@ -243,7 +243,7 @@ def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: 
         assert col.wait(lambda: any(p["serving"] for p in payloads(col, PREFIX + "health")), 60)
         col.close()
         out = subprocess.run([sys.executable, "-m", "agent", "monitor", "--broker", f"127.0.0.1:{broker.port}",
-                              "--once", "--wait", "5", "--json"], capture_output=True, text=True, timeout=60)
+                              "--once", "--wait", "2", "--json"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rows = {r["device"]: r for r in json.loads(out.stdout)}
         assert rows[DEVICE]["availability"] == "online" and not rows[DEVICE]["stale"]
@@ -251,7 +251,7 @@ def test_monitor_lists_devices_and_flags_stale_health(broker: Broker, tmp_path: 
         assert rows[DEVICE]["verdict"] == "pass"
         assert rows["ghost"]["stale"] is True
         table = subprocess.run([sys.executable, "-m", "agent", "monitor", "--broker", f"127.0.0.1:{broker.port}",
-                                "--once", "--wait", "5"], capture_output=True, text=True, timeout=60).stdout
+                                "--once", "--wait", "2"], capture_output=True, text=True, timeout=60).stdout
         assert DEVICE in table and "STALE" in table
     finally:
         pub.loop_stop()

@@ -44,6 +44,7 @@ class Boot(AgentProcess):
 
 
 @pytest.mark.slow  # broker and agent killed in turn: a storm, outside the fast lane
+@pytest.mark.serial
 def test_no_result_lost_across_broker_kills_agent_kills_and_the_end_of_the_run(tmp_path: Path) -> None:
     def boot(n: int) -> Boot:
         b = Boot(tmp_path, cfg, name=f"boot{n}")

@@ -60,7 +60,7 @@ NO_INT8 = {"vad"}
 # Held-out frames for the build's own quality figures where each frame is a large, slow model run.
 BUILD_HELDOUT = {"textdet": 16, "layout": 16}
 WITH_INT8 = [n for n in NAMES if n not in NO_INT8]
-pytestmark = pytest.mark.slow  # whole real models, built and proven: outside the fast lane
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # whole real models, built and proven (latency judged): alone
 
 
 def missing(name: str) -> str | None:

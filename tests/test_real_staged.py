@@ -33,7 +33,7 @@ from test_real_models import (BUILT, CACHE, MIN_AGREEMENT, REPEATS, SPECS, _corr
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = CACHE / "results-staged.json"
-pytestmark = pytest.mark.slow  # a whole real model, built and proven: outside the fast lane
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # a whole real model, built and proven (latency judged): alone
 
 _gspec = importlib.util.spec_from_file_location("ppocr_rec_graphs", ROOT / "scripts" / "ppocr_rec_graphs.py")
 graphs = importlib.util.module_from_spec(_gspec)

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import yaml
 
 from agent.bundle.load import load_bundle
 from agent.link.health import build_health, selftest_figures
+from agent.proof.selection import SelectionPolicy
 from agent.proof.selftest import SelftestOptions, run_selftest
 from agent.report.extract import candidate_metrics, sample_views
 from agent.report.page import render_report
@@ -38,16 +40,24 @@ def _selftest(bundle: Path, state: Path) -> dict:
     return json.loads((state / "selftest" / "report.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def passing(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_master: Path) -> tuple[Path, Path, dict]:
+    """One real self-test of the tiny bundle for the tests that only read its report: (bundle, state dir,
+    report). A test that changes the report takes `copy.deepcopy`; one that changes the bundle runs its own."""
+    d = tmp_path_factory.mktemp("report-passing")
+    bundle = shutil.copytree(tiny_bundle_master, d / "bundle")
+    return bundle, d / "state", _selftest(bundle, d / "state")
+
+
 def _browser(page: Path, shot: Path, tmp: Path, height: int = 2200) -> str:
     """Load the page in headless chromium: the DOM after parsing, and a screenshot."""
     if CHROMIUM is None:
         pytest.fail("chromium is not installed: scripts/test.sh installs it (apt-get install chromium)")
     common = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
               f"--user-data-dir={tmp / 'chromium-profile'}", "--no-first-run", "--disable-extensions"]
-    subprocess.run([*common, f"--window-size=1200,{height}", f"--screenshot={shot}", page.as_uri()],
-                   check=True, capture_output=True, timeout=120)
-    dom = subprocess.run([*common, "--dump-dom", page.as_uri()], check=True, capture_output=True, text=True,
-                         timeout=120).stdout
+    # one browser start for both: the screenshot file and the DOM on stdout
+    dom = subprocess.run([*common, f"--window-size=1200,{height}", f"--screenshot={shot}", "--dump-dom",
+                          page.as_uri()], check=True, capture_output=True, text=True, timeout=120).stdout
     assert shot.stat().st_size > 10_000, "the screenshot is empty"
     print(f"screenshot: {shot}")
     return dom
@@ -74,12 +84,12 @@ def _parse(dom: str) -> _Elements:
     return p
 
 
-def test_passing_bundle_report_opens_in_a_browser_with_plots_thumbnails_and_versions(tiny_bundle: Path,
+def test_passing_bundle_report_opens_in_a_browser_with_plots_thumbnails_and_versions(passing: tuple,
                                                                                      tmp_path: Path) -> None:
-    doc = _selftest(tiny_bundle, tmp_path / "state")
+    _, state, doc = passing
     assert doc["passed"]
     out = tmp_path / "pass.html"
-    assert edge_agent("report", str(tmp_path / "state"), "--out", str(out)).returncode == 0
+    assert edge_agent("report", str(state), "--out", str(out)).returncode == 0
     dom = _browser(out, tmp_path / "pass.png", tmp_path)
     el = _parse(dom)
     assert "latency-plot" in el.ids and el.tags.get("svg", 0) >= 1  # the latency histogram, inline
@@ -96,7 +106,9 @@ def test_failing_bundle_report_highlights_the_failing_sample_its_reason_and_stag
                                                                                  tmp_path: Path) -> None:
     scale_initializer(tiny_bundle / "model_fp32.onnx", "w2", 1.3)  # tampered weights: parity fails on fp32
     rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 0.001}))
-    doc = _selftest(tiny_bundle, tmp_path / "state")
+    # no latency re-measurements: 0.001 ms fails anyway (the retries would wait 2 + 4 + 8 s for nothing)
+    run_selftest(load_bundle(tiny_bundle), tmp_path / "state", replace(FAST, policy=SelectionPolicy(latency_retries=0)))
+    doc = json.loads((tmp_path / "state" / "selftest" / "report.json").read_text())
     assert not doc["passed"]
     fp32 = next(c for c in doc["candidates"] if c["variant"] == "fp32")
     parity_reason = next(r for r in fp32["reasons"] if r.startswith(("parity", "reproduction")) and "on sample" in r)
@@ -116,11 +128,10 @@ def test_failing_bundle_report_highlights_the_failing_sample_its_reason_and_stag
     assert "FAIL" in dom and "latency-plot" in el.ids
 
 
-def test_report_renders_new_per_sample_sections_with_their_bounds_without_code_changes(tiny_bundle: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_report_renders_new_per_sample_sections_with_their_bounds_without_code_changes(passing: tuple) -> None:
     """The self-test's schema grows (reproduction, fidelity): any per-sample metric with a bound is plotted,
     a sample out of bounds is highlighted with the stage its entry names."""
-    doc = _selftest(tiny_bundle, tmp_path / "state")
+    doc = copy.deepcopy(passing[2])
     c = doc["candidates"][0]
     c["reproduction"] = {"bounds": {"max_abs": {"max": 0.01}},
                          "samples": [{"sample": i, "max_abs": 0.5 if i == 5 else 0.001, "stage": "model"} for i in range(8)]}
@@ -137,12 +148,12 @@ def test_report_renders_new_per_sample_sections_with_their_bounds_without_code_c
     assert "top1_agreement" in page and "&gt;= 0.9" in page
 
 
-def test_update_report_shows_old_and_new_side_by_side(tiny_bundle: Path, tmp_path: Path) -> None:
-    old = _selftest(tiny_bundle, tmp_path / "old")
+def test_update_report_shows_old_and_new_side_by_side(passing: tuple, tiny_bundle: Path, tmp_path: Path) -> None:
+    _, old_state, old = passing  # v1
     rewrite_manifest(tiny_bundle, lambda d: d.update(version=2))
     _selftest(tiny_bundle, tmp_path / "new")
     out = tmp_path / "cmp.html"
-    assert edge_agent("report", str(tmp_path / "new"), "--compare", str(tmp_path / "old"), "--out", str(out)).returncode == 0
+    assert edge_agent("report", str(tmp_path / "new"), "--compare", str(old_state), "--out", str(out)).returncode == 0
     page = out.read_text()
     assert "Update: before and after" in page and "<h2>Before</h2>" in page and "<h2>After</h2>" in page
     assert f"{old['bundle']['name']} v1" in page and f"{old['bundle']['name']} v2" in page
@@ -184,20 +195,20 @@ def test_report_of_32_samples_is_small_enough_to_attach_to_a_ticket(tmp_path: Pa
     assert size < 2 * 2**20
 
 
-def test_report_reads_the_devices_retained_selftest_from_the_broker(tiny_bundle: Path, tmp_path: Path) -> None:
+def test_report_reads_the_devices_retained_selftest_from_the_broker(passing: tuple, tmp_path: Path) -> None:
     import paho.mqtt.client as paho
 
     from brokers import Broker
 
-    doc = _selftest(tiny_bundle, tmp_path / "state")
+    tiny_bundle, _, doc = passing
     broker = Broker(tmp_path / "broker").start()
     try:
         c = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         c.connect("127.0.0.1", broker.port)
         c.loop_start()
         c.publish("edge/cam-7/selftest", json.dumps(doc), qos=1, retain=True).wait_for_publish(10)
+        c.disconnect()  # before loop_stop: no 1 s wait for paho's select
         c.loop_stop()
-        c.disconnect()
         out = tmp_path / "remote.html"
         assert edge_agent("report", "--broker", f"127.0.0.1:{broker.port}", "--device", "cam-7", "--out", str(out),
                      "--bundle", str(tiny_bundle)).returncode == 0
@@ -208,8 +219,8 @@ def test_report_reads_the_devices_retained_selftest_from_the_broker(tiny_bundle:
         broker.stop()
 
 
-def test_health_carries_the_same_selftest_figures_the_page_shows(tiny_bundle: Path, tmp_path: Path) -> None:
-    doc = _selftest(tiny_bundle, tmp_path / "state")
+def test_health_carries_the_same_selftest_figures_the_page_shows(passing: tuple) -> None:
+    doc = passing[2]
     health = build_health(device_id="d", uptime_s=1, session=1, interval_s=10, serving=True, not_serving_reason=None,
                           engine=None, placement=None, selftest=doc, pipeline=None, source=None, outbox=None,
                           process={})
@@ -221,11 +232,11 @@ def test_health_carries_the_same_selftest_figures_the_page_shows(tiny_bundle: Pa
         assert f"{hc['p95_ms']:.3g} ms" in page
 
 
-def test_report_reads_findings_and_the_two_questions_blocks_of_the_self_test(tiny_bundle: Path, tmp_path: Path) -> None:
+def test_report_reads_findings_and_the_two_questions_blocks_of_the_self_test(passing: tuple) -> None:
     """The self-test's findings ({check, metric, value, bound, sample, stage}) and the reproduction and
     fidelity blocks (metrics with min_/max_ bounds, a tolerance with its bound): each on the page, the
     failing sample highlighted, the legacy parity summary no longer judged against the manifest."""
-    doc = _selftest(tiny_bundle, tmp_path / "state")
+    doc = copy.deepcopy(passing[2])
     c = doc["candidates"][0]
     text = ("reproduction: max |a-b| beyond atol + rtol*|b| = 0.5978 over bound 0.001646 on sample 4 at stage model")
     c["reasons"] = [text]
@@ -249,12 +260,12 @@ def test_report_reads_findings_and_the_two_questions_blocks_of_the_self_test(tin
 
 
 @pytest.mark.slow  # a seeded fuzz: 20 mutated reports, each page with its plots (~100 s on a loaded machine)
-def test_report_renders_damaged_and_unexpected_reports_without_crashing(tiny_bundle: Path, tmp_path: Path) -> None:
+def test_report_renders_damaged_and_unexpected_reports_without_crashing(passing: tuple) -> None:
     """Reports from other agent versions, cut-off JSON sections, wrong types: the page still renders,
     shows what it can, and never raises (seeded mutations of a real report)."""
     import random
 
-    base = _selftest(tiny_bundle, tmp_path / "state")
+    tiny_bundle, _, base = passing
     rng = random.Random(7)
     junk = [None, "text", 3, -1.5, float("nan"), [], {}, [1, "a"], {"x": {"value": "y"}}, True]
 

@@ -193,8 +193,8 @@ def test_report_command_reads_health_from_a_status_reply_and_from_the_broker(pro
         c.loop_start()
         c.publish("edge/cam-7/selftest", json.dumps(doc), qos=1, retain=True).wait_for_publish(10)
         c.publish("edge/cam-7/health", json.dumps(health), qos=1, retain=True).wait_for_publish(10)
+        c.disconnect()  # before loop_stop: no 1 s wait for paho's select
         c.loop_stop()
-        c.disconnect()
         remote = tmp_path / "remote.html"
         done = edge_agent("report", "--broker", f"127.0.0.1:{broker.port}", "--device", "cam-7", "--out", str(remote))
         assert done.returncode == 0, done.stderr

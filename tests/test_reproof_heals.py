@@ -42,6 +42,7 @@ def test_schedule_backs_off_doubling_capped_and_stops_once_serving() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # it makes the load itself and judges latency
 def test_latency_only_failure_under_load_serves_once_the_load_stops_without_a_restart(tmp_path: Path,
                                                                                       agent_process) -> None:
     bundle = tmp_path / "bundle"

@@ -112,8 +112,11 @@ def kit(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_master: Path) -> d
 
 
 def agent_config(tmp: Path, kit: dict, port: int, **updates) -> dict:
+    # latency_retries 0: the "slow" bundle is over its budget on any machine, and each re-measurement
+    # waited 2, 4, 8 s for a busy machine to calm down (the retries are pinned in test_latency_retry.py)
     return demo_config(tmp, port=port, device_id=DEVICE, bundle=str(kit["v1_dir"]),
                        source={"path": str(kit["frames"]), "max_fps": 60}, output={"stdout": False},
+                       selection={"latency_retries": 0},
                        updates={"enabled": True, "trusted_keys": [str(kit["pub"])], "probation_s": 2.0,
                                 "probation_frames": 40, "max_bundle_bytes": 2 * 2**20, **updates})
 

@@ -51,8 +51,11 @@ def test_a_pinned_below_floor_then_degraded_candidate_is_loud_on_every_channel(t
     rewrite_manifest(bundle, lambda d: next(v for v in d["variants"] if v["name"] == "int8").update(below_floor=BELOW))
     broker = Broker(tmp_path / "broker").start()
     rx = NotifySocket(tmp_path / "notify.sock")
-    port = free_port()
     col = Collector(broker.port, [PREFIX + "health", PREFIX + "cmd/+/reply"])
+    # the collector's own connection first: its client port could be the one free_port() had just let go
+    # ("cannot listen: Address already in use" with two workers), then the port, just before the start
+    assert col.wait(lambda: col.connects >= 1, 30)
+    port = free_port()
     cfg = demo_config(tmp_path, port=broker.port, device_id=DEVICE, bundle=str(bundle),
                       selection={"variant": "int8"}, metrics={"listen": f"127.0.0.1:{port}"},
                       output={"stdout": False, "health_interval_s": 0.5},
@@ -61,9 +64,10 @@ def test_a_pinned_below_floor_then_degraded_candidate_is_loud_on_every_channel(t
                       audit={"canary_period_s": 1.0, "live_period_s": 3600})
     agent = agent_process(cfg, env={"NOTIFY_SOCKET": rx.address, "EDGE_AGENT_FAULT": f"drift:{INT8}#200=1.5"})
     try:
-        assert col.wait(lambda: col.connects >= 1, 30)
         agent.start()
-        assert rx.wait(lambda: rx.with_key("READY"), 120), agent.log_text()[-3000:]
+        # READY, or the agent's end at once (a refused listen) rather than 120 s of waiting
+        assert rx.wait(lambda: rx.with_key("READY") or agent.returncode is not None, 120) and rx.with_key("READY"), \
+            agent.log_text()[-3000:]
 
         # -- pinned below floor ---------------------------------------------------------------------
         statuses = lambda: [m["STATUS"] for m in rx.with_key("STATUS")]  # noqa: E731

@@ -97,8 +97,8 @@ class Monitor:
         return self
 
     def stop(self) -> None:
+        self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
         self.client.loop_stop()
-        self.client.disconnect()
 
 
 def render(rows: list[dict[str, Any]]) -> str:

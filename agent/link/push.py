@@ -126,5 +126,5 @@ def push(archive: Path, device: str, host: str, port: int, prefix: str | None = 
                     send(doc["chunks"])  # resume: only what did not arrive
         raise TimeoutError(f"no verdict from {device} within {timeout_s:g} s")
     finally:
+        client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
         client.loop_stop()
-        client.disconnect()

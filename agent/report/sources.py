@@ -141,8 +141,8 @@ def fetch_device(host: str, port: int, device: str, prefix: str | None = None, t
         if done.wait(timeout_s):
             both.wait(HEALTH_GRACE_S)
     finally:
+        client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
         client.loop_stop()
-        client.disconnect()
     if failed:
         raise AgentError(f"broker {host}:{port} refused the connection: {failed[0]}")
     if "payload" not in got:

@@ -527,8 +527,8 @@ class MqttFrameSource:
         return None
 
     def close(self) -> None:
+        self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
         self.client.loop_stop()
-        self.client.disconnect()
 
 
 def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
