@@ -24,10 +24,8 @@ outputs are compared with the separate path's on every golden frame (exact, or t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
-import shutil
 import statistics
 import sys
 import tempfile
@@ -52,7 +50,6 @@ from agent.proof.terms import CPU, SessionSettings  # noqa: E402
 from agent.proof.verdict import Candidate  # noqa: E402
 from agent.serving.engine import Engine, build_engine  # noqa: E402
 from agent.spec.manifest import FRAME_SIZE, GEOMETRY, PRE_GRAPH_INPUT  # noqa: E402
-from agent.spec.preprocess import read_image_file  # noqa: E402
 
 DEMO = ROOT / "models" / "digits-classifier"
 DEMO_FRAMES = ROOT / "models" / "demo-frames" / "digits"
@@ -63,37 +60,10 @@ PRE, POST = "pre/", "post/"  # prefixes keep the three graphs' internal names ap
 
 
 def demo_graph_bundle(d: Path) -> Path:
-    """The demo classifier through equivalent graphs, built as tests/test_stages.py's fixture builds it."""
-    import yaml
-    from stage_graphs import softmax_post, stretch_pre
+    """The demo classifier through equivalent graphs, as tests/test_stages.py's fixture builds it."""
+    from stage_graphs import demo_graph_bundle as build
 
-    from agent.bundle.create import CreateOptions, create_bundle
-
-    m = load_bundle(DEMO).manifest
-    pre = stretch_pre(d / "pre.onnx", "input", 128, 128, m.preprocess.scale, m.preprocess.mean, m.preprocess.std)
-    post = softmax_post(d / "post.onnx", "logits", 10)
-    golden = d / "golden"
-    golden.mkdir()
-    for p in sorted(DEMO_FRAMES.glob("*.png"))[:8]:
-        shutil.copy(p, golden / p.name)
-    # the package's answers: what the declarative demo bundle serves on these frames (as the fixture makes them)
-    declarative = build_engine(load_bundle(DEMO), FP32, SessionSettings())
-    results = []
-    for p in sorted(golden.glob("*.png")):
-        raw = read_image_file(str(p), m.frame)
-        assert raw is not None, p
-        tensor, geometry = declarative.preprocessor.with_geometry(raw)
-        outs = declarative.run(tensor)
-        results.append({**declarative.decode({k: v[0] for k, v in outs.items()}, geometry, 65536), "type": "classes"})
-    (golden / "answers.json").write_text(json.dumps({"kind": "classes", "package": "digits-classifier declarative",
-                                                     "produced_by": "scripts/bench_stages.py", "results": results}))
-    spec = {"name": "digits-graph", "version": 1, "label": "1.0.0", "task": "classes",
-            "frame": {"kind": "image", "height": 160, "width": 160, "channels": 3, "color": "rgb"},
-            "postprocess": {"result": {"kind": "classes", "probabilities": "probabilities", "top_k": 3}}}
-    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
-    return create_bundle(CreateOptions(model=DEMO / "model_fp32.onnx", spec=d / "spec.yaml", calibration=golden,
-                                       golden=golden, out=d / "bundle", labels=DEMO / "labels.txt",
-                                       int8=False, pre_graph=pre, post_graph=post))
+    return build(d)
 
 
 def ppocr_bundles(d: Path) -> list[Path]:

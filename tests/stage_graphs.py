@@ -280,3 +280,62 @@ def two_output_model(path: Path, input_name: str = "images", size: int = 32) -> 
     outputs = [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", 3]),
                helper.make_tensor_value_info("aux", TensorProto.FLOAT, ["batch", 1])]
     return _save(nodes, inputs, outputs, path, "two_outputs")
+
+
+# ---------------------------------------------------------------- the demo classifier through equivalent graphs
+
+DEMO_GRAPH_SPEC = {"name": "digits-graph", "version": 1, "label": "1.0.0", "task": "classes",
+                   "frame": {"kind": "image", "height": 160, "width": 160, "channels": 3, "color": "rgb"},
+                   "postprocess": {"result": {"kind": "classes", "probabilities": "probabilities", "top_k": 3}}}
+
+
+def demo_answers(frames: Sequence[Path], d: Path, wrong: int = 0, produced_by: str = "tests/stage_graphs.py") -> Path:
+    """`d` with copies of `frames` and the package's answers beside them: what the declarative demo bundle
+    serves on each (kind classes); the first `wrong` are answered with the next label instead."""
+    import json
+    import shutil
+
+    from agent.bundle.load import load_bundle
+    from agent.proof.terms import CPU, SessionSettings
+    from agent.proof.verdict import Candidate
+    from agent.serving.engine import build_engine
+    from agent.spec.preprocess import read_image_file
+    from agentproc import DEMO_BUNDLE
+
+    d.mkdir(parents=True, exist_ok=True)
+    engine = build_engine(load_bundle(DEMO_BUNDLE), Candidate(CPU, "fp32", "fp32"), SessionSettings())
+    labels = list(engine.labels)
+    results = []
+    for i, p in enumerate(frames):
+        shutil.copy(p, d / p.name)
+        raw = read_image_file(str(p), engine.bundle.manifest.frame)
+        tensor, geometry = engine.preprocessor.with_geometry(raw)
+        r = engine.decode({k: v[0] for k, v in engine.run(tensor).items()}, geometry, 65536)
+        if i < wrong:
+            k = (labels.index(r["top"][0]["label"]) + 1) % len(labels)
+            r = {**r, "top": [{**r["top"][0], "label": labels[k], "class_id": k, "score": 0.99}]}
+        results.append({**r, "type": "classes"})
+    (d / "answers.json").write_text(json.dumps({"kind": "classes", "package": "digits-classifier declarative",
+                                                "produced_by": produced_by, "results": results}))
+    return d
+
+
+def demo_graph_bundle(d: Path, int8: bool = False, heldout: Path | None = None, keep_low_quality: bool = False) -> Path:
+    """The demo classifier built with `bundle create --pre-graph --post-graph`: the graphs state what the demo's
+    declarative preprocessing (stretch 160 -> 128, (x/255 - 0.5) / 0.25, NCHW) and softmax do; golden = the
+    first 8 demo frames with the declarative demo's answers."""
+    import yaml
+
+    from agent.bundle.create import CreateOptions, create_bundle
+    from agent.bundle.load import load_bundle
+    from agentproc import DEMO_BUNDLE, DEMO_FRAMES
+
+    m = load_bundle(DEMO_BUNDLE).manifest
+    pre = stretch_pre(d / "pre.onnx", "input", 128, 128, m.preprocess.scale, m.preprocess.mean, m.preprocess.std)
+    post = softmax_post(d / "post.onnx", "logits", 10)
+    golden = demo_answers(sorted(DEMO_FRAMES.glob("*.png"))[:8], d / "golden")
+    (d / "spec.yaml").write_text(yaml.safe_dump(DEMO_GRAPH_SPEC))
+    return create_bundle(CreateOptions(model=DEMO_BUNDLE / "model_fp32.onnx", spec=d / "spec.yaml",
+                                       calibration=golden, golden=golden, heldout=heldout, out=d / "bundle",
+                                       labels=DEMO_BUNDLE / "labels.txt", int8=int8, pre_graph=pre, post_graph=post,
+                                       keep_low_quality=keep_low_quality))

@@ -5,16 +5,13 @@ held-out figures read 1.0 by construction, whatever the package answered."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from stage_graphs import softmax_post, stretch_pre
+from stage_graphs import demo_answers, demo_graph_bundle
 
-from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
 from agent.errors import QualityError
 from agent.proof.terms import CPU, SessionSettings
@@ -24,54 +21,22 @@ from agent.spec.preprocess import read_image_file
 from agentproc import DEMO_BUNDLE, DEMO_FRAMES
 
 FP32 = Candidate(CPU, "fp32", "fp32")
-SPEC = {"name": "digits-graph", "version": 1, "label": "1.0.0", "task": "classes",
-        "frame": {"kind": "image", "height": 160, "width": 160, "channels": 3, "color": "rgb"},
-        "postprocess": {"result": {"kind": "classes", "probabilities": "probabilities", "top_k": 3}}}
-
-
-def _answers(frames: list[Path], d: Path, wrong: int = 0) -> Path:
-    """`d` holds the frames with the package's answers (what the declarative demo serves), the first `wrong`
-    of them answered with another label."""
-    d.mkdir()
-    engine = build_engine(load_bundle(DEMO_BUNDLE), FP32, SessionSettings())
-    m = engine.bundle.manifest
-    labels = list(engine.labels)
-    results = []
-    for i, p in enumerate(frames):
-        shutil.copy(p, d / p.name)
-        tensor, geometry = engine.preprocessor.with_geometry(read_image_file(str(p), m.frame))
-        r = engine.decode({k: v[0] for k, v in engine.run(tensor).items()}, geometry, 65536)
-        if i < wrong:
-            k = (labels.index(r["top"][0]["label"]) + 1) % len(labels)
-            r = {**r, "top": [{**r["top"][0], "label": labels[k], "class_id": k, "score": 0.99}]}
-        results.append({**r, "type": "classes"})
-    (d / "answers.json").write_text(json.dumps({"kind": "classes", "package": "digits-classifier declarative",
-                                                "produced_by": "tests/test_create_heldout.py", "results": results}))
-    return d
+FRAMES = sorted(DEMO_FRAMES.glob("*.png"))
 
 
 def _create(tmp: Path, heldout: Path, keep: bool = False) -> Path:
-    m = load_bundle(DEMO_BUNDLE).manifest
-    pre = stretch_pre(tmp / "pre.onnx", "input", 128, 128, m.preprocess.scale, m.preprocess.mean, m.preprocess.std)
-    post = softmax_post(tmp / "post.onnx", "logits", 10)
-    frames = sorted(DEMO_FRAMES.glob("*.png"))
-    golden = _answers(frames[:8], tmp / "golden")
-    (tmp / "spec.yaml").write_text(yaml.safe_dump(SPEC))
-    return create_bundle(CreateOptions(model=DEMO_BUNDLE / "model_fp32.onnx", spec=tmp / "spec.yaml",
-                                       calibration=golden, golden=golden, heldout=heldout, out=tmp / "bundle",
-                                       labels=DEMO_BUNDLE / "labels.txt", int8=False, pre_graph=pre, post_graph=post,
-                                       keep_low_quality=keep))
+    return demo_graph_bundle(tmp, heldout=heldout, keep_low_quality=keep)
 
 
 def test_held_out_answers_that_agree_are_recorded_as_the_variants_agreement_with_the_package(tmp_path: Path) -> None:
-    held = _answers(sorted(DEMO_FRAMES.glob("*.png"))[8:24], tmp_path / "held")
+    held = demo_answers(FRAMES[8:24], tmp_path / "held")
     root = _create(tmp_path, held)
     q = yaml.safe_load((root / "bundle.yaml").read_text())["variants"][0]["quality"]
     assert q["heldout_package_top1_agreement"] == 1.0, q
 
 
 def test_held_out_answers_the_fp32_does_not_reproduce_refuse_the_bundle_naming_the_held_out_stage(tmp_path: Path) -> None:
-    held = _answers(sorted(DEMO_FRAMES.glob("*.png"))[8:24], tmp_path / "held", wrong=4)  # 12 of 16 agree
+    held = demo_answers(FRAMES[8:24], tmp_path / "held", wrong=4)  # 12 of 16 agree
     with pytest.raises(QualityError) as e:
         _create(tmp_path, held)
     assert "variant fp32" in str(e.value) and "build held-out vs package" in str(e.value), str(e.value)
@@ -82,7 +47,7 @@ def test_held_out_source_references_judge_the_variants_not_the_fp32_built_here(t
     favour another class on 4 of 16 samples, as a different framework build would)."""
     engine = build_engine(load_bundle(DEMO_BUNDLE), FP32, SessionSettings())
     m = engine.bundle.manifest
-    raw = np.stack([read_image_file(str(p), m.frame) for p in sorted(DEMO_FRAMES.glob("*.png"))[8:24]])
+    raw = np.stack([read_image_file(str(p), m.frame) for p in FRAMES[8:24]])
     logits = np.stack([engine.run(engine.preprocessor(r))["logits"][0] for r in raw])
     shifted = logits.copy()
     shifted[:4] = np.roll(shifted[:4], 1, axis=1)  # the source's top class is another one on 4 samples

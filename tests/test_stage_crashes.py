@@ -8,40 +8,21 @@ Faults are real signals (`EDGE_AGENT_FAULT`); the agent is a real `edge-agent ru
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
-import yaml
-from stage_graphs import softmax_post, stretch_pre
+from stage_graphs import demo_graph_bundle
 
-from agent.bundle.create import CreateOptions, create_bundle
-from agent.bundle.load import load_bundle
 from agent.config import Config
 from agent.proof.isolation import prove_in_child
-from agentproc import DEMO_BUNDLE, DEMO_FRAMES, boot_to_end, demo_config
+from agentproc import boot_to_end, demo_config
 
 
 @pytest.fixture(scope="module")
 def graph_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo classifier with a pre graph (stretch and normalise) and a post graph (softmax), FP32 and INT8."""
-    d = tmp_path_factory.mktemp("stage-crash")
-    m = load_bundle(DEMO_BUNDLE).manifest
-    pre = stretch_pre(d / "pre.onnx", "input", 128, 128, m.preprocess.scale, m.preprocess.mean, m.preprocess.std)
-    post = softmax_post(d / "post.onnx", "logits", 10)
-    golden = d / "golden"
-    golden.mkdir()
-    for p in sorted(DEMO_FRAMES.glob("*.png"))[:8]:
-        shutil.copy(p, golden / p.name)
-    spec = {"name": "digits-graph", "version": 1, "label": "1.0.0", "task": "classes",
-            "frame": {"kind": "image", "height": 160, "width": 160, "channels": 3, "color": "rgb"},
-            "postprocess": {"result": {"kind": "classes", "probabilities": "probabilities", "top_k": 3}}}
-    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
-    return create_bundle(CreateOptions(model=DEMO_BUNDLE / "model_fp32.onnx", spec=d / "spec.yaml",
-                                       calibration=golden, golden=golden, out=d / "bundle",
-                                       labels=DEMO_BUNDLE / "labels.txt", pre_graph=pre, post_graph=post,
-                                       keep_low_quality=True))
+    return demo_graph_bundle(tmp_path_factory.mktemp("stage-crash"), int8=True, keep_low_quality=True)
 
 
 def _crashes(state: Path) -> list[tuple[str, str, str]]:

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from stage_graphs import (
+    demo_graph_bundle as build_demo_graph_bundle,
     boxes_keypoints_post,
     constant_head_model,
     grid_decode_post,
-    softmax_post,
     stretch_pre,
     yolox_answers,
     yolox_head,
@@ -59,31 +59,8 @@ def _serve(engine, raw: np.ndarray) -> dict:
 
 @pytest.fixture(scope="module", params=["fp32"])
 def demo_graph_bundle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo classifier built with `bundle create --pre-graph --post-graph`: the graphs state what the demo's
-    declarative preprocessing (stretch 160 -> 128, (x/255 - 0.5) / 0.25, NCHW) and softmax do."""
-    d = tmp_path_factory.mktemp("demo-graph")
-    m = load_bundle(DEMO).manifest
-    pre = stretch_pre(d / "pre.onnx", "input", 128, 128, m.preprocess.scale, m.preprocess.mean, m.preprocess.std)
-    post = softmax_post(d / "post.onnx", "logits", 10)
-    golden = d / "golden"
-    golden.mkdir()
-    for p in sorted(DEMO_FRAMES.glob("*.png"))[:8]:
-        shutil.copy(p, golden / p.name)
-    # the package's answers: what the declarative demo bundle serves on these frames (as kind classes)
-    engine = build_engine(load_bundle(DEMO), FP32, SessionSettings())
-    results = []
-    for p in sorted(golden.glob("*.png")):
-        r = _serve(engine, read_image_file(str(p), m.frame))
-        results.append({**r, "type": "classes"})
-    (golden / "answers.json").write_text(json.dumps({"kind": "classes", "package": "digits-classifier declarative",
-                                                     "produced_by": "tests/test_stages.py", "results": results}))
-    spec = {"name": "digits-graph", "version": 1, "label": "1.0.0", "task": "classes",
-            "frame": {"kind": "image", "height": 160, "width": 160, "channels": 3, "color": "rgb"},
-            "postprocess": {"result": {"kind": "classes", "probabilities": "probabilities", "top_k": 3}}}
-    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
-    return create_bundle(CreateOptions(model=DEMO / "model_fp32.onnx", spec=d / "spec.yaml", calibration=golden,
-                                       golden=golden, out=d / "bundle", labels=DEMO / "labels.txt",
-                                       int8=request.param == "int8", pre_graph=pre, post_graph=post))
+    """The demo classifier built with `bundle create --pre-graph --post-graph` (tests/stage_graphs.py)."""
+    return build_demo_graph_bundle(tmp_path_factory.mktemp("demo-graph"), int8=request.param == "int8")
 
 
 def test_demo_bundle_serves_the_same_results_through_equivalent_pre_and_post_graphs(demo_graph_bundle: Path) -> None:
