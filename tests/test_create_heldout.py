@@ -16,7 +16,7 @@ from stage_graphs import softmax_post, stretch_pre
 
 from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
-from agent.errors import QualityError
+from agent.errors import BundleError, QualityError
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
@@ -90,3 +90,19 @@ def test_held_out_source_references_judge_the_variants_not_the_fp32_built_here(t
     root = _create(tmp_path, tmp_path / "held.npz", keep=True)
     v = yaml.safe_load((root / "bundle.yaml").read_text())["variants"][0]
     assert "build held-out vs source" in v.get("below_floor", ""), v
+
+
+def test_held_out_answers_of_another_kind_than_the_bundle_serves_are_refused_naming_the_kind(tmp_path: Path) -> None:
+    """The golden answers' kind was checked against the kind the bundle serves; the held-out answers' was not:
+    a `boxes` answers.json on a classifier was found only after every variant was built, each variant refused
+    for "served result readable as boxes" (the author's file blamed on the variants; --keep-low-quality then
+    kept a bundle with every variant below floor). Now refused before quantising, naming the file and kinds."""
+    held = _answers(sorted(DEMO_FRAMES.glob("*.png"))[8:12], tmp_path / "held")
+    doc = json.loads((held / "answers.json").read_text())
+    doc["kind"] = "boxes"
+    doc["results"] = [{"type": "boxes", "boxes": [], "scores": [], "class_ids": []} for _ in doc["results"]]
+    (held / "answers.json").write_text(json.dumps(doc))
+    with pytest.raises(BundleError) as e:
+        _create(tmp_path, held)
+    assert "answers are of kind 'boxes'" in str(e.value) and "serves kind 'classes'" in str(e.value), str(e.value)
+    assert str(held) in str(e.value)
