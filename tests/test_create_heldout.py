@@ -106,3 +106,21 @@ def test_held_out_answers_of_another_kind_than_the_bundle_serves_are_refused_nam
         _create(tmp_path, held)
     assert "answers are of kind 'boxes'" in str(e.value) and "serves kind 'classes'" in str(e.value), str(e.value)
     assert str(held) in str(e.value)
+
+
+def test_held_out_source_references_the_post_stage_refuses_are_the_authors_refused_naming_set_and_sample(
+        tmp_path: Path) -> None:
+    """A `reference.logits` row with a NaN (the source framework's output on one held-out sample) made the post
+    graph's probabilities non-finite: create_bundle ended on a bare StageOutputError 'stage post ... not finite'
+    that named neither the held-out set, nor the sample, nor that the author's references (not a variant) broke."""
+    engine = build_engine(load_bundle(DEMO_BUNDLE), FP32, SessionSettings())
+    m = engine.bundle.manifest
+    raw = np.stack([read_image_file(str(p), m.frame) for p in sorted(DEMO_FRAMES.glob("*.png"))[8:14]])
+    logits = np.stack([engine.run(engine.preprocessor(r))["logits"][0] for r in raw])
+    logits[2, 3] = np.nan
+    np.savez(tmp_path / "held.npz", raw=raw, **{"reference.logits": logits})
+    with pytest.raises(BundleError) as e:
+        _create(tmp_path, tmp_path / "held.npz", keep=True)
+    text = str(e.value)
+    assert "build held-out vs source" in text and "sample 2" in text and "reference" in text, text
+    assert "not finite" in text, text

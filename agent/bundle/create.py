@@ -1297,7 +1297,13 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
         name, want = doc["kind"], doc["results"]
     else:
         name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
-        want = [stages.post.decode(split_batch(r, 0), g, 0) for r, g in zip(references, geometries)]
+        want = []
+        for i, (r, g) in enumerate(zip(references, geometries)):
+            try:
+                want.append(stages.post.decode(split_batch(r, 0), g, 0))
+            except StageOutputError as exc:  # what every variant is judged against: the author's set is at fault
+                raise BundleError(f"{stage}: the reference outputs of sample {i} (what every variant is judged "
+                                  f"against) are refused by the post stage: {exc}") from exc
     kind = kind_for(name)
     served = []
     for i, (o, g) in enumerate(zip(outs, geometries)):
