@@ -13,7 +13,7 @@ import yaml
 from stage_graphs import demo_answers, demo_graph_bundle
 
 from agent.bundle.load import load_bundle
-from agent.errors import QualityError
+from agent.errors import BundleError, QualityError
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
@@ -55,3 +55,37 @@ def test_held_out_source_references_judge_the_variants_not_the_fp32_built_here(t
     root = _create(tmp_path, tmp_path / "held.npz", keep=True)
     v = yaml.safe_load((root / "bundle.yaml").read_text())["variants"][0]
     assert "build held-out vs source" in v.get("below_floor", ""), v
+
+
+def test_held_out_answers_of_another_kind_than_the_bundle_serves_are_refused_naming_the_kind(tmp_path: Path) -> None:
+    """The golden answers' kind was checked against the kind the bundle serves; the held-out answers' was not:
+    a `boxes` answers.json on a classifier was found only after every variant was built, each variant refused
+    for "served result readable as boxes" (the author's file blamed on the variants; --keep-low-quality then
+    kept a bundle with every variant below floor). Now refused before quantising, naming the file and kinds."""
+    held = _answers(sorted(DEMO_FRAMES.glob("*.png"))[8:12], tmp_path / "held")
+    doc = json.loads((held / "answers.json").read_text())
+    doc["kind"] = "boxes"
+    doc["results"] = [{"type": "boxes", "boxes": [], "scores": [], "class_ids": []} for _ in doc["results"]]
+    (held / "answers.json").write_text(json.dumps(doc))
+    with pytest.raises(BundleError) as e:
+        _create(tmp_path, held)
+    assert "answers are of kind 'boxes'" in str(e.value) and "serves kind 'classes'" in str(e.value), str(e.value)
+    assert str(held) in str(e.value)
+
+
+def test_held_out_source_references_the_post_stage_refuses_are_the_authors_refused_naming_set_and_sample(
+        tmp_path: Path) -> None:
+    """A `reference.logits` row with a NaN (the source framework's output on one held-out sample) made the post
+    graph's probabilities non-finite: create_bundle ended on a bare StageOutputError 'stage post ... not finite'
+    that named neither the held-out set, nor the sample, nor that the author's references (not a variant) broke."""
+    engine = build_engine(load_bundle(DEMO_BUNDLE), FP32, SessionSettings())
+    m = engine.bundle.manifest
+    raw = np.stack([read_image_file(str(p), m.frame) for p in sorted(DEMO_FRAMES.glob("*.png"))[8:14]])
+    logits = np.stack([engine.run(engine.preprocessor(r))["logits"][0] for r in raw])
+    logits[2, 3] = np.nan
+    np.savez(tmp_path / "held.npz", raw=raw, **{"reference.logits": logits})
+    with pytest.raises(BundleError) as e:
+        _create(tmp_path, tmp_path / "held.npz", keep=True)
+    text = str(e.value)
+    assert "build held-out vs source" in text and "sample 2" in text and "reference" in text, text
+    assert "not finite" in text, text

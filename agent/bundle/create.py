@@ -905,6 +905,12 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     if answers_text is not None and not sequence:
         check_against_answers(spec, stages, [split_batch(o, 0) for o in ort_ref], answers_text, len(golden_set),
                               opts, golden_set.framework_inputs is not None)
+    # the package's own answers on the held-out set: every variant's final result is judged on them; answers
+    # of another kind than the bundle serves are the author's mistake, refused here (not each variant's, later)
+    held_answers = (golden_answers_text(opts.heldout, len(held))
+                    if held is not None and opts.heldout is not None and not sequence else None)
+    if held_answers is not None:
+        check_answers_kind(spec, json.loads(held_answers)["kind"], opts.heldout)
 
     if already:
         builds = [VariantBuild("int8", "int8", fp32_file, dict(source_check),
@@ -934,9 +940,6 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         held_ref = [{n: _as_batch(held.references[n][i], held_ref[i][n]) for n in output_names}
                     for i in range(len(held))]
         held_vs = "source"
-    # the package's own answers on the held-out set: every variant's final result is judged on them
-    held_answers = (golden_answers_text(opts.heldout, len(held))
-                    if held is not None and opts.heldout is not None and not sequence else None)
     floors = fidelity_floors(task, (spec.get("selftest") or {}).get("fidelity"))
     cls_out = post.output or output_names[0]
     own: dict[str, list[dict[str, np.ndarray]]] = {}  # each variant's own golden outputs, recorded
@@ -1166,22 +1169,29 @@ def golden_answers_text(golden: Path, samples: int) -> str | None:
     return read_answers(golden, samples).to_json() if has_answers(golden) else None
 
 
+def check_answers_kind(spec: Mapping[str, Any], kind: str, where: object) -> None:
+    """The package's answers (golden or held-out, at `where`) must be of the kind the bundle serves."""
+    from agent.proof.stage_proof import VOCABULARY_KINDS
+
+    post = spec.get("postprocess") or {}
+    serves = (post.get("result") or {}).get("kind") or VOCABULARY_KINDS.get(post.get("type", ""))
+    if serves is not None and serves != kind:
+        key = "postprocess.result.kind" if (post.get("result") or {}).get("kind") else f"postprocess.type {post.get('type')}"
+        raise BundleError(f"{where}: the package's answers are of kind {kind!r}, the bundle serves kind "
+                          f"{serves!r} ({key}): give answers of the kind the bundle serves")
+
+
 def check_against_answers(spec: Mapping[str, Any], stages: GoldenStages, fp32: Sequence[Mapping[str, np.ndarray]],
                           answers_text: str, samples: int, opts: CreateOptions, have_inputs: bool) -> None:
     """The FP32 model's FINAL result (pre stage -> model -> post stage -> kind) against the package's own answers,
     by the kind's metric, before quantisation: a wrong decoder (a YOLOX head declared as yolov5) is refused here
     naming the stage, metric, value, bound and sample; a golden set that cannot fail a metric is warned about."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+    from agent.proof.stage_proof import kind_floors
     from agent.results import kind_for
     from agent.results.answers import golden_warnings, read_answers
 
     answers = read_answers(json.loads(answers_text), samples, str(opts.golden))
-    post = spec.get("postprocess") or {}
-    serves = (post.get("result") or {}).get("kind") or VOCABULARY_KINDS.get(post.get("type", ""))
-    if serves is not None and serves != answers.kind:
-        key = "postprocess.result.kind" if (post.get("result") or {}).get("kind") else f"postprocess.type {post.get('type')}"
-        raise BundleError(f"{opts.golden}: the package's answers are of kind {answers.kind!r}, the bundle serves kind "
-                          f"{serves!r} ({key}): give answers of the kind the bundle serves")
+    check_answers_kind(spec, answers.kind, opts.golden)
     kind = kind_for(answers.kind)
     for w in golden_warnings(answers):
         log.warning("bundle.create.golden_cannot_fail", kind=answers.kind, warning=w)
@@ -1287,7 +1297,13 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
         name, want = doc["kind"], doc["results"]
     else:
         name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
-        want = [stages.post.decode(split_batch(r, 0), g, 0) for r, g in zip(references, geometries)]
+        want = []
+        for i, (r, g) in enumerate(zip(references, geometries)):
+            try:
+                want.append(stages.post.decode(split_batch(r, 0), g, 0))
+            except StageOutputError as exc:  # what every variant is judged against: the author's set is at fault
+                raise BundleError(f"{stage}: the reference outputs of sample {i} (what every variant is judged "
+                                  f"against) are refused by the post stage: {exc}") from exc
     kind = kind_for(name)
     served = []
     for i, (o, g) in enumerate(zip(outs, geometries)):

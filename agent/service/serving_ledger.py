@@ -253,7 +253,8 @@ class ServingWatch:
 
 def recover(directory: Path, ledger: CrashLedger) -> list[str]:
     """Record the candidate of each marker a dead serving process left; returns the steps recorded."""
-    out = []
+    out: list[str] = []
+    dead: list[tuple[dict[str, Any], bool]] = []  # each dead process's markers: (marker, in flight)
     for path in sorted(directory.glob(f"{PREFIX}*.json")):
         doc = read_json(path)
         if isinstance(doc, dict) and doc.get("process") == PROCESS_TOKEN:
@@ -272,12 +273,28 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
         flight.unlink(missing_ok=True)
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
+        dead.append((doc, not idle))
+    # Pre, model and post run on their own threads: a stage in flight beside the model's inference when the
+    # process died may not be what died. Charging it refused the whole bundle for a model's crash another
+    # candidate could avoid; so then the candidate is charged, and the stage only when it was in flight at
+    # LATE_DEATHS deaths in a row (a stage's own crash costs one more boot, on the next candidate, at most).
+    model_running = {_process(doc) for doc, running in dead
+                     if running and not str(doc.get("step") or "").startswith("stage:")}
+    for doc, running in dead:
+        idle = not running
         if idle:
             log.warning("serving.death_between_inferences", candidate=doc["candidate"], phase=doc.get("phase"),
                         reason="the serving process died while none of the candidate's work ran (a watchdog "
                                "abort, a kill): not charged to the candidate")
             continue
         step = str(doc.get("step") or f"candidate:{doc['candidate']}")
+        if step.startswith("stage:") and _process(doc) in model_running:
+            log.warning("serving.stage_beside_a_crash", step=step, candidate=doc["candidate"],
+                        reason="the stage ran beside the candidate's inference when the process died: the "
+                               "candidate is charged; the stage if it is in flight at the next death too")
+            if _late_death(directory, ledger, doc, step, "in flight beside the model's inference"):
+                out.append(step)
+            continue
         if doc.get("late"):
             if _late_death(directory, ledger, doc, step):
                 out.append(step)
@@ -289,9 +306,14 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
     return out
 
 
-def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], step: str) -> bool:
-    """A serving process died past its candidate's first inferences: recorded when it is the
-    `LATE_DEATHS`-th such death in a row on this machine boot; True when recorded."""
+def _process(doc: Mapping[str, Any]) -> str:
+    return str(doc.get("process") or doc.get("pid") or "")
+
+
+def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], step: str,
+                why: str = f"past its first {WATCH_RUNS} inferences") -> bool:
+    """A serving process died past its candidate's first inferences (or, `why`, beside another's run):
+    recorded when it is the `LATE_DEATHS`-th such death in a row on this machine boot; True when recorded."""
     if doc.get("boot_id") != boot_id():
         log.info("serving.marker_other_boot", candidate=doc["candidate"],
                  reason="left before the machine rebooted (a power cut): not a crash of the candidate")
@@ -305,7 +327,7 @@ def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], st
         suspects.pop(key, None)
         _write_suspects(directory, suspects)
         ledger.record(step, str(doc["bundle"]), "the serving process died",
-                      f"serving: past its first {WATCH_RUNS} inferences, {deaths} processes in a row")
+                      f"serving: {why}, {deaths} processes in a row")
         log.error("serving.crash_recorded", candidate=doc["candidate"], step=step, phase=doc.get("phase"), deaths=deaths,
                   reason="serving processes died under this candidate again and again; the self-test skips it")
         return True
