@@ -5,6 +5,7 @@ held-out figures read 1.0 by construction, whatever the package answered."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,7 @@ def test_held_out_answers_of_another_kind_than_the_bundle_serves_are_refused_nam
     a `boxes` answers.json on a classifier was found only after every variant was built, each variant refused
     for "served result readable as boxes" (the author's file blamed on the variants; --keep-low-quality then
     kept a bundle with every variant below floor). Now refused before quantising, naming the file and kinds."""
-    held = _answers(sorted(DEMO_FRAMES.glob("*.png"))[8:12], tmp_path / "held")
+    held = demo_answers(FRAMES[8:12], tmp_path / "held")
     doc = json.loads((held / "answers.json").read_text())
     doc["kind"] = "boxes"
     doc["results"] = [{"type": "boxes", "boxes": [], "scores": [], "class_ids": []} for _ in doc["results"]]
