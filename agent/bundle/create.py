@@ -1083,6 +1083,24 @@ def _ort_version() -> str:
     return str(ort.__version__)
 
 
+BELOW_FLOOR_CHARS = 4000  # the manifest's below_floor text: what a report shows beside the variant
+
+
+def _each_stage_first(problems: Sequence[str]) -> list[str]:
+    """The problems with the first of each stage ("at stage build golden", "... held-out vs package", "... frame
+    size 360x480") before the rest: the below_floor text is cut at BELOW_FLOOR_CHARS, and a long list of one
+    stage's findings must not cut every other stage's out of it."""
+    seen: set[str] = set()
+    first: list[str] = []
+    rest: list[str] = []
+    for text in problems:
+        m = re.search(r" at stage (.+?)(?: \(|$)", text)
+        stage = m.group(1) if m else text
+        (rest if stage in seen else first).append(text)
+        seen.add(stage)
+    return first + rest
+
+
 def _quality_gate(builds: Sequence[VariantBuild], task: str, opts: CreateOptions) -> None:
     """Refuse (or, with --keep-low-quality, mark `below_floor`) every variant under a fidelity floor
     or an author's bound. Floors come from the spec or the per-task defaults, never from a measurement."""
@@ -1104,11 +1122,11 @@ def _quality_gate(builds: Sequence[VariantBuild], task: str, opts: CreateOptions
                 problems.append(f"{b.name} {prefix}{key} with fp32 = {value:.4f}, under the bound {opts.min_agreement}")
         if not problems:
             continue
-        problem = f"variant {b.name}: " + "; ".join(problems)
+        problem = f"variant {b.name}: " + "; ".join(_each_stage_first(problems))
         if not opts.keep_low_quality:
             raise QualityError(f"refusing the bundle: {problem}; pass --keep-low-quality to keep it marked "
                                f"below_floor (never selected unless the config pins it)")
-        b.below_floor = problem[:2000]
+        b.below_floor = problem[:BELOW_FLOOR_CHARS]
         log.warning("bundle.create.below_floor_kept", variant=b.name, problem=problem)
 
 
