@@ -320,13 +320,14 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             fid = judge_fidelity(m.postprocess, got_used, refs_used, floors)
         else:  # the final served result: pre stage -> this candidate -> post stage -> result kind
             post = postprocessor_for(bundle)
-            geoms = golden_geometries(preprocessor_for(bundle), golden)
+            pre = preprocessor_for(bundle)  # one pre stage session for the geometries and the size probes
+            geoms = golden_geometries(pre, golden)
             if isinstance(post, GraphPostprocessor):
                 more_rep = judge_post_reproduction(m, post, got, geoms, recorded_post(golden, c.variant), bounds)
                 rep = replace(rep, findings=rep.findings + tuple(more_rep))
             fid = judge_final_fidelity(m, post, got_used, refs_used, geoms, load_answers(bundle, len(golden)), floors)
             rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(opened, m, c.variant, golden, bounds,
-                                                                               preprocessor_for(bundle))))
+                                                                               pre)))
         rep, fid = _locate(rep, origin), _locate(fid, origin)
         plain = not any(_is_sequence(g) for g in golden) and not m.stateful
         sizes = batch_sizes(bundle, max_batch) if plain else ()

@@ -172,13 +172,15 @@ def exercise_stage(bundle: Bundle, stage: str, golden: Sequence[GoldenSample],
     candidate can serve without), never to a model candidate. Errors ORT raises are left to the candidates'
     trials, which name the stage; returns each frame's geometry (for the post stage)."""
     plain = [g for g in golden if not g.sequence]
-    pre = preprocessor_for(bundle)
     try:
         if stage == "pre":
+            pre = preprocessor_for(bundle)
             return [pre.geometry(g.raw) for g in plain]
         post = postprocessor_for(bundle)
         if isinstance(post, GraphPostprocessor):
-            geoms = list(geometries) if geometries is not None else [pre.geometry(g.raw) for g in plain]
+            # the pre stage's geometries when its step just made them; else the (vocabulary) pre is built here
+            geoms = list(geometries) if geometries is not None else [
+                preprocessor_for(bundle).geometry(g.raw) for g in plain]
             for g, geom in zip(plain, geoms):
                 post.tensors(split_batch(g.outputs, 0), geom)
     except Exception:  # noqa: BLE001 -- a Python-level error is the trials' to report, with its stage
