@@ -50,6 +50,23 @@ def demo_config(tmp: Path, *, port: int | None = None, device_id: str = "dev-tes
     return cfg
 
 
+def int8_first(tmp: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` serving a copy of the demo bundle that prefers int8 (and, with `prefer_margin: 1`, keeps the
+    preferred variant whenever it passes): int8 is served, and fp32 when int8 fails or crashes.
+
+    Tests of crash and fallback paths need a known winner; the demo's own order (fp32 unless int8 is 10 %
+    faster) depends on the CPU: on AVX2 without VNNI its 7-bit INT8 is no faster, and fp32 wins."""
+    import shutil
+
+    from agent.testing import rewrite_manifest
+
+    bundle = tmp / "digits-int8-first"
+    if not bundle.exists():
+        shutil.copytree(DEMO_BUNDLE, bundle)
+        rewrite_manifest(bundle, lambda m: m["preference"].update(CPUExecutionProvider=["int8", "fp32"]))
+    return {**cfg, "bundle": str(bundle), "selection": {**cfg.get("selection", {}), "prefer_margin": 1.0}}
+
+
 def parse_events(text: str) -> list[dict[str, Any]]:
     """JSON-line events of a log (a line being written, or a non-JSON line, is skipped)."""
     out = []

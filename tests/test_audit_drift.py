@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from agentproc import AgentProcess, demo_config
+from agentproc import AgentProcess, demo_config, int8_first
 
 
 def _start(agent_process, tmp_path: Path, fault: str, audit: dict) -> AgentProcess:
-    cfg = demo_config(tmp_path, source={"max_fps": 20}, output={"stdout": False}, audit=audit)
+    cfg = int8_first(tmp_path, demo_config(tmp_path, source={"max_fps": 20}, output={"stdout": False}, audit=audit))
     return agent_process(cfg, env={"EDGE_AGENT_FAULT": fault}).start()
 
 

@@ -16,14 +16,14 @@ import pytest
 
 from agent.proof.isolation import CrashLedger, CrashRecord, parse_faults
 from agent.proof.probe import provider_versions
-from agentproc import DEMO_FRAMES, ROOT, boot_to_end, demo_config
+from agentproc import DEMO_FRAMES, ROOT, boot_to_end, demo_config, int8_first
 from waiting import wait_until
 
 INT8 = "candidate:CPUExecutionProvider:int8"
 
 
 def _config(tmp_path: Path, **overrides) -> dict:
-    return demo_config(tmp_path, loop=False, **overrides)
+    return int8_first(tmp_path, demo_config(tmp_path, loop=False, **overrides))  # int8 wins unless it fails
 
 
 def _crashes(tmp_path: Path) -> list[dict]:

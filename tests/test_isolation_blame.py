@@ -18,13 +18,13 @@ from agent.config import Config
 from agent.proof.isolation import prove_in_child
 from agentproc import DEMO_BUNDLE as DIGITS
 from agentproc import DEMO_FRAMES as FRAMES
-from agentproc import AgentProcess, boot_to_end, demo_config
+from agentproc import AgentProcess, boot_to_end, demo_config, int8_first
 
 INT8 = "candidate:CPUExecutionProvider:int8"
 
 
 def _config(tmp_path: Path, **overrides) -> dict:
-    return demo_config(tmp_path, loop=False, selection={"use_cache": False}, **overrides)
+    return int8_first(tmp_path, demo_config(tmp_path, loop=False, selection={"use_cache": False}, **overrides))
 
 
 def _variants(agent: AgentProcess) -> set[str]:

@@ -14,7 +14,7 @@ import pytest
 from agent.fsio import write_json_atomic
 from agent.proof.isolation import CrashLedger
 from agent.service import serving_ledger
-from agentproc import demo_config
+from agentproc import demo_config, int8_first
 
 INT8 = "CPUExecutionProvider:int8"
 FAULT = f"serve:{INT8}#100=SIGSEGV"
@@ -27,7 +27,7 @@ def _crashes(tmp_path: Path) -> list[tuple[str, str]]:
 
 @pytest.mark.slow
 def test_a_crash_past_the_first_64_inferences_ends_the_crash_loop(tmp_path: Path, agent_process) -> None:
-    cfg = demo_config(tmp_path, selection={"use_cache": False})
+    cfg = int8_first(tmp_path, demo_config(tmp_path, selection={"use_cache": False}))
     for boot in (1, 2):  # the same candidate dies at inference 100 twice in a row
         agent = agent_process(cfg, name=f"boot{boot}", env={"EDGE_AGENT_FAULT": FAULT})
         assert agent.run(180) == -signal.SIGSEGV, agent.log_text()[-2000:]

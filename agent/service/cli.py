@@ -154,6 +154,7 @@ def _cmd_bundle_create(args: argparse.Namespace) -> int:
     out = create_bundle(CreateOptions(
         model=args.model, spec=args.spec, calibration=args.calibration, golden=args.golden, out=args.out,
         heldout=args.heldout, labels=args.labels, method=args.method, per_channel=not args.no_per_channel,
+        reduce_range=not args.full_range_weights,
         exclude_nodes=tuple(args.exclude_node), exclude_op_types=tuple(args.exclude_op_type),
         exclude_node_patterns=tuple(args.exclude_node_pattern), exclude_after=tuple(args.exclude_after),
         allow_preprocess_drift=args.allow_preprocess_drift,
@@ -446,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax")
     c.add_argument("--no-per-channel", action="store_true")
+    c.add_argument("--full-range-weights", action="store_true",
+                   help="quantise weights to 8 bits, not 7: only for a fleet whose CPUs all have VNNI (or ARM "
+                        "dot-product); on AVX2 CPUs the fused int8 kernels saturate and answer differently")
     c.add_argument("--exclude-node", action="append", default=[], help="keep this node in float (repeatable)")
     c.add_argument("--exclude-op-type", action="append", default=[], help="keep nodes of this op type in float")
     c.add_argument("--exclude-node-pattern", action="append", default=[], metavar="REGEX",
