@@ -19,7 +19,7 @@ from agent.logsetup import get_logger
 from agent.proof.isolation import ChildProof, CrashLedger, prove_in_child
 from agent.proof.verdict import Candidate
 from agent.service.audit import AuditTap
-from agent.service.serving_ledger import ServingWatch, serving_faults
+from agent.service.serving_ledger import ServingWatch, serving_faults, watch_faults
 from agent.service.serving_ledger import recover as recover_serving_crashes
 from agent.serving.engine import Engine, build_engine
 
@@ -59,6 +59,7 @@ def open_engine(bundle: Bundle, candidate: Candidate, cfg: Config) -> Engine:
     (at boot and at every swap): a process that dies there costs this candidate at the next boot; each
     stage graph has its own marker, so a death inside one costs the stage."""
     faults = serving_faults(bundle.manifest.version)
+    watch_faults(cfg.state_dir / "selftest")  # a native crash's thread, for the next boot's blame
     watch = ServingWatch(cfg.state_dir / "selftest", bundle.manifest_sha256, candidate.key, faults=faults)
 
     def stage_watch(stage: str) -> ServingWatch:

@@ -7,12 +7,21 @@ restart, forever. With one, the next boot finds the marker the dead process left
 `candidate:<provider>:<variant>` in the same ledger as a crash in the self-test child
 (`agent.proof.isolation.CrashLedger`), and the child skips exactly that candidate.
 
+Which thread died: the serving process keeps Python's faulthandler writing to a file of its own
+(`serving-<pid>-<token>.fault`), and each marker's in-flight record names the threads running its
+session. A native crash dumps "Current thread 0x..." there; the next boot charges the marker whose
+session ran on that thread and no other that merely ran beside it (pre, model and post run on their own
+threads, so under load a stage is often in flight when the model dies, and the other way round). When
+the dump names no thread of a marker (SIGKILL, the OOM killer, a crash in one of ORT's own pool
+threads, a decoder's), the rules below decide as before.
+
 A marker is removed after the first `WATCH_RUNS` inferences completed, when its engine is dropped,
 and at a clean exit (a `weakref.finalize`, which also runs at interpreter exit): only a process that
 died without unwinding (a signal, the OOM killer) leaves one behind.
 
 Fault injection for tests: `EDGE_AGENT_FAULT="serve:<provider>:<variant>#N=SIGSEGV"` dies before the
-N-th inference of that candidate in the serving process (`#0`: while opening its session);
+N-th inference of that candidate in the serving process (`#0`: while opening its session), signalling
+the thread that runs it, as a driver's fault would;
 `drift:<provider>:<variant>#N=<factor>` multiplies its float outputs by factor from the N-th
 inference on (a weight change after boot, for the audit to find); `audit:<provider>:<variant>#N`
 dies in the audit's reference session (`#0`: while opening it). The hook is read only when the
@@ -21,9 +30,13 @@ variable is set.
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import itertools
 import os
+import re
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -35,7 +48,7 @@ import numpy as np
 
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
-from agent.proof.isolation import CrashLedger, inject_fault, parse_faults
+from agent.proof.isolation import CrashLedger, parse_faults
 
 log = get_logger("serving_ledger")
 
@@ -52,6 +65,10 @@ _ids = itertools.count(1)
 # Which process wrote a marker: a PID repeats across restarts (PID 1 in a container, every boot), a
 # token drawn at import does not.
 PROCESS_TOKEN = uuid.uuid4().hex
+FAULT_SUFFIX = ".fault"
+FLIGHT_BYTES = 128  # the in-flight record: "1 <thread>,<thread>..." or "0", padded, rewritten in place
+_CURRENT_THREAD = re.compile(r"^Current thread (0x[0-9a-f]+)", re.MULTILINE)
+_fault_file: Any = None  # this process's faulthandler file (kept open: faulthandler writes to its fd)
 
 
 def boot_id() -> str:
@@ -60,6 +77,85 @@ def boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+def watch_faults(directory: Path) -> None:
+    """Have Python's faulthandler write a native crash's thread and stack to this process's fault file in
+    `directory` (held under an flock while the process lives, removed at a clean exit)."""
+    global _fault_file
+    path = directory / f"{PREFIX}{os.getpid()}-{PROCESS_TOKEN[:12]}{FAULT_SUFFIX}"
+    if _fault_file is not None and Path(_fault_file.name) == path:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        f = open(path, "w", encoding="utf-8")
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        log.warning("serving.fault_file_unwritable", file=str(path), error=str(exc)[:200],
+                    reason="a native crash is then blamed on every session in flight, not on its thread")
+        return
+    if _fault_file is not None:
+        _end_fault_file(_fault_file)
+    faulthandler.enable(file=f, all_threads=True)
+    _fault_file = f
+    weakref.finalize(f, _end_fault_file, f)
+
+
+def _end_fault_file(f: Any) -> None:
+    if f is _fault_file:
+        faulthandler.disable()  # never a dump into a closed (or reused) descriptor
+    try:
+        Path(f.name).unlink(missing_ok=True)
+        f.close()
+    except (OSError, ValueError):
+        pass
+
+
+def _crashed_threads(directory: Path) -> dict[str, int | None]:
+    """The dead processes' fault files: process token prefix -> the crashing thread's id (None: the process
+    died without a dump naming its thread). Each file read is removed."""
+    out: dict[str, int | None] = {}
+    for path in sorted(directory.glob(f"{PREFIX}*{FAULT_SUFFIX}")):
+        if _fault_file is not None and Path(_fault_file.name) == path:
+            continue  # ours
+        try:
+            with open(path, "r+", encoding="utf-8", errors="replace") as f:
+                try:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live process's
+                text = f.read(1 << 16)
+        except OSError:
+            continue
+        path.unlink(missing_ok=True)
+        m = _CURRENT_THREAD.search(text)
+        token = path.name.removesuffix(FAULT_SUFFIX).split("-")[-1]
+        out[token] = int(m.group(1), 16) if m else None
+        if m:
+            log.error("serving.native_crash", thread=m.group(1), dump=text[:4000],
+                      reason="the last serving process died in native code; its threads' stacks follow")
+    return out
+
+
+def _flight_threads(raw: bytes) -> set[int]:
+    try:
+        head, _, rest = raw.decode("ascii").strip().partition(" ")
+        return {int(t, 16) for t in rest.split(",") if t} if head == "1" else set()
+    except ValueError:
+        return set()
+
+
+def inject_thread_fault(step: str, faults: Mapping[str, str]) -> None:
+    """Die at `step` as a broken driver would: the signal goes to the calling thread (a fault in native
+    code is delivered to the thread that ran it), so the fault file names it."""
+    action = faults.get(step)
+    if action is None:
+        return
+    sys.stderr.flush()
+    if action == "hang":
+        time.sleep(10**6)
+    signal.pthread_kill(threading.get_ident(), getattr(signal, action))
+    time.sleep(10)  # a signal that is caught or ignored must still not let the step pass
 
 
 def _suspects(directory: Path) -> dict[str, Any]:
@@ -175,15 +271,17 @@ class ServingWatch:
         # while nothing of the candidate ran (a hung camera's watchdog abort, an operator's SIGKILL between
         # frames) did not die of the candidate and is not charged to it.
         self._inflight = 0
+        self._threads: dict[int, int] = {}  # thread id -> its runs in flight (the session may be shared)
         self._flight_fd: int | None = None
         try:
             self._flight_fd = os.open(self.path.with_suffix(".inflight"), os.O_RDWR | os.O_CREAT, 0o600)
-            os.pwrite(self._flight_fd, b"1", 0)
+            self._threads[threading.get_ident()] = 1  # the opening thread, until opened()
+            self._flight(True)
         except OSError:
             self._flight_fd = None  # no byte: a death under the marker is charged as before
         self._write("opening the serving session")
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
-        inject_fault(f"{self._fault_key}#0", self.faults)
+        inject_thread_fault(f"{self._fault_key}#0", self.faults)
 
     def _write(self, phase: str, late: bool = False) -> None:
         write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
@@ -206,34 +304,48 @@ class ServingWatch:
 
     def _flight(self, running: bool) -> None:
         if self._flight_fd is not None:
+            record = ("1 " + ",".join(f"{t:x}" for t in self._threads)) if running else "0"
             try:
-                os.pwrite(self._flight_fd, b"1" if running else b"0", 0)
+                os.pwrite(self._flight_fd, record.encode("ascii")[:FLIGHT_BYTES].ljust(FLIGHT_BYTES), 0)
             except OSError:
                 pass
 
     def opened(self) -> None:
         """The session is open: the marker now covers its first inferences."""
         self._write(f"first {self.runs} inferences")
-        self._flight(False)
+        with self._lock:
+            self._threads.clear()
+            self._flight(False)
 
     def before(self) -> None:
-        with self._lock:  # the byte says whether any inference runs (several workers share the session)
+        me = threading.get_ident()
+        with self._lock:  # the record says which threads run an inference (several workers share the session)
             self._inflight += 1
+            self._threads[me] = self._threads.get(me, 0) + 1
             self._flight(True)
             if not self.active and not self.faults:
                 return
             self._started += 1
             n = self._started
         if self.faults:
-            inject_fault(f"{self._fault_key}#{n}", self.faults)
+            inject_thread_fault(f"{self._fault_key}#{n}", self.faults)
+
+    def abandon(self) -> None:
+        """The run that `before` announced is over (`after` calls it; alone when the run raised)."""
+        me = threading.get_ident()
+        with self._lock:
+            self._inflight = max(self._inflight - 1, 0)
+            left = self._threads.get(me, 0) - 1
+            if left > 0:
+                self._threads[me] = left
+            else:
+                self._threads.pop(me, None)
+            self._flight(self._inflight > 0)
 
     def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
         if self._drift is not None and self._started >= self._drift[0]:
             outputs = {k: v * np.float32(self._drift[1]) if v.dtype.kind == "f" else v for k, v in outputs.items()}
-        with self._lock:
-            self._inflight = max(self._inflight - 1, 0)
-            if self._inflight == 0:
-                self._flight(False)
+        self.abandon()
         if not self.active:
             return outputs
         with self._lock:
@@ -255,6 +367,8 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
     """Record the candidate of each marker a dead serving process left; returns the steps recorded."""
     out: list[str] = []
     dead: list[tuple[dict[str, Any], bool]] = []  # each dead process's markers: (marker, in flight)
+    threads: list[set[int]] = []  # beside each: the threads its session ran on when the process died
+    crashed = _crashed_threads(directory)
     for path in sorted(directory.glob(f"{PREFIX}*.json")):
         doc = read_json(path)
         if isinstance(doc, dict) and doc.get("process") == PROCESS_TOKEN:
@@ -265,30 +379,40 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
             continue
         flight = path.with_suffix(".inflight")
         try:
-            idle = flight.read_bytes()[:1] == b"0"
+            raw = flight.read_bytes()
+            idle = raw[:1] == b"0"
         except OSError:
-            idle = False  # no byte (an older marker, or it could not be written): charged as before
+            raw, idle = b"", False  # no byte (an older marker, or it could not be written): charged as before
         path.unlink(missing_ok=True)
         path.with_suffix(".lock").unlink(missing_ok=True)
         flight.unlink(missing_ok=True)
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
         dead.append((doc, not idle))
+        threads.append(_flight_threads(raw))
+    # The fault file named the thread that died: its marker is the culprit, the others ran beside it.
+    culprits = {i for i, (doc, running) in enumerate(dead)
+                if running and (t := crashed.get(_process(doc)[:12])) is not None and t in threads[i]}
+    named = {_process(dead[i][0]) for i in culprits}
     # Pre, model and post run on their own threads: a stage in flight beside the model's inference when the
     # process died may not be what died. Charging it refused the whole bundle for a model's crash another
     # candidate could avoid; so then the candidate is charged, and the stage only when it was in flight at
     # LATE_DEATHS deaths in a row (a stage's own crash costs one more boot, on the next candidate, at most).
     model_running = {_process(doc) for doc, running in dead
                      if running and not str(doc.get("step") or "").startswith("stage:")}
-    for doc, running in dead:
+    for i, (doc, running) in enumerate(dead):
         idle = not running
+        if running and _process(doc) in named and i not in culprits:
+            log.warning("serving.beside_the_crash", step=doc.get("step"), candidate=doc["candidate"],
+                        reason="it ran beside the thread that died (named by the fault file): not charged")
+            continue
         if idle:
             log.warning("serving.death_between_inferences", candidate=doc["candidate"], phase=doc.get("phase"),
                         reason="the serving process died while none of the candidate's work ran (a watchdog "
                                "abort, a kill): not charged to the candidate")
             continue
         step = str(doc.get("step") or f"candidate:{doc['candidate']}")
-        if step.startswith("stage:") and _process(doc) in model_running:
+        if step.startswith("stage:") and _process(doc) in model_running and i not in culprits:
             log.warning("serving.stage_beside_a_crash", step=step, candidate=doc["candidate"],
                         reason="the stage ran beside the candidate's inference when the process died: the "
                                "candidate is charged; the stage if it is in flight at the next death too")

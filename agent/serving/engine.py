@@ -74,10 +74,15 @@ class Engine:
         w, t = self.watch, self.tap
         if w is None and t is None:
             return self._run(tensor, source, at, metadata, frame)
-        if w is not None:
+        if w is None:
+            out = self._run(tensor, source, at, metadata, frame)
+        else:
             w.before()
-        out = self._run(tensor, source, at, metadata, frame)
-        if w is not None:
+            try:
+                out = self._run(tensor, source, at, metadata, frame)
+            except BaseException:
+                w.abandon()  # a run that raised is not in flight any more
+                raise
             out = w.after(out)
         if t is not None and t.fn is not None and source != AUDIT_SOURCE:
             t.fn(self, tensor, out)
