@@ -114,6 +114,27 @@ def test_full_disk_with_the_broker_away_keeps_results_in_memory_up_to_the_bound_
     box.close()
 
 
+def test_drops_of_results_sent_but_never_acknowledged_are_counted_as_such(small_disk: Path) -> None:
+    """The broker dies with results in flight: they go back to memory, the full disk refuses them, and
+    beyond the bound the oldest (those sent) are dropped. The subscriber may hold them (QoS 1 delivers
+    before PUBACK), so the event says how many of the drops were sent: the loss is within that of the count."""
+    box = Outbox(small_disk / "outbox.sqlite", OutboxConfig(memory_messages=BOUND))
+    box.on_connected()
+    filler = fill(small_disk)
+    for i in range(10):  # sent, never acknowledged
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    box.pump(Wire(), 100)
+    assert box.stats()["inflight"] == 10
+    box.on_disconnected()  # back to memory; the spill fails on the full disk
+    for i in range(10, BOUND + 25):
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+        box.pump(Wire(), 100)
+    s = box.stats()
+    assert s["dropped"] == 25 and box.dropped_unacked == 10, (s, box.dropped_unacked)
+    filler.unlink()
+    box.close()
+
+
 def test_full_disk_while_connected_to_a_slow_broker_loses_nothing_below_the_bound(small_disk: Path) -> None:
     box = Outbox(small_disk / "outbox.sqlite", OutboxConfig(memory_messages=BOUND))
     box.on_connected()
@@ -187,5 +208,9 @@ def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp
     dropped = agent.events("outbox.dropped")
     total = dropped[-1]["total"]
     assert {e["reason"] for e in dropped} == {"disk"}, dropped
-    assert len(lost) == total and total > 0, f"lost {len(lost)} but counted {total}: {lost[:20]}"
+    # A result sent once and dropped before its PUBACK (the broker was killed) may have reached the
+    # subscriber: the count is exact up to those, which the event names (a run under load: counted 5, lost 4).
+    unacked = dropped[-1]["unacknowledged_total"]
+    assert total > 0 and total - unacked <= len(lost) <= total, \
+        f"lost {len(lost)} but counted {total} ({unacked} unacknowledged): {lost[:20]}"
     print(f"disk full: produced {len(produced)}, dropped and counted {total}, lost uncounted 0")

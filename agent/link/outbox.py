@@ -50,6 +50,7 @@ class Message:
     qos: int
     created: float
     row: int | None = None  # SQLite id when the message lives on disk
+    sent: bool = False  # handed to the broker at least once: if dropped unacknowledged, it may have arrived
 
 
 # publish(message) -> mid (int) once handed to the client, or None when it could not be sent now
@@ -76,6 +77,7 @@ class Outbox:
         self.disk_count = self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
         self._disk_cursor = 0  # highest row sent on this connection
         self.dropped = self._meta("dropped")
+        self.dropped_unacked = 0  # of those dropped in this process: sent once, never acknowledged
         self.spilled = 0
         self.write_failures = 0         # failed spill writes (disk full); each one kept its messages in memory
         self._disk_error: str | None = None  # set while writes fail: logged once when it starts and ends
@@ -174,6 +176,7 @@ class Outbox:
                     return
                 self.memory.popleft()
                 self.inflight[mid] = msg
+                msg.sent = True
                 self.sent += 1
             if len(self.memory) > self.cfg.memory_messages:  # the broker is slow: spill the backlog
                 self._spill()
@@ -265,9 +268,11 @@ class Outbox:
         excess = len(self.memory) - self.cfg.memory_messages
         if excess <= 0:
             return
+        unacked = 0
         for _ in range(excess):
-            self.memory.pop() if self.cfg.policy == "drop_newest" else self.memory.popleft()
-        self._count_drops(excess, "disk")
+            gone = self.memory.pop() if self.cfg.policy == "drop_newest" else self.memory.popleft()
+            unacked += gone.sent
+        self._count_drops(excess, "disk", unacked)
 
     def _write(self, msgs: list[Message]) -> bool:
         """Append to disk in order, all or nothing; each message learns its row id. False when the write
@@ -371,16 +376,22 @@ class Outbox:
                                                  (n + len(gone),)) if r[0] not in gone][:n]
             self._delete_rows(ids)
             dropped += len(ids)
+        unacked = 0
         while dropped < n and self.memory:
-            self.memory.pop() if newest else self.memory.popleft()
+            msg = self.memory.pop() if newest else self.memory.popleft()
+            unacked += msg.sent
             dropped += 1
-        self._count_drops(dropped, why)
+        self._count_drops(dropped, why, unacked)
 
-    def _count_drops(self, n: int, why: str) -> None:
+    def _count_drops(self, n: int, why: str, unacked: int = 0) -> None:
+        """`unacked`: of the `n`, those sent once and never acknowledged (the broker went away first): the
+        subscriber may have them, so a count of drops is an upper bound on what was lost by that many."""
         if n <= 0:
             return
         self.dropped += n
-        log.warning("outbox.dropped", count=n, reason=why, policy=self.cfg.policy, total=self.dropped)
+        self.dropped_unacked += unacked
+        log.warning("outbox.dropped", count=n, reason=why, policy=self.cfg.policy, total=self.dropped,
+                    unacknowledged=unacked, unacknowledged_total=self.dropped_unacked)
         try:
             self.db.execute("INSERT INTO meta(key, value) VALUES('dropped', ?) "
                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (self.dropped,))
