@@ -88,8 +88,7 @@ def watch_faults(directory: Path) -> None:
         return
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        f = open(path, "w", encoding="utf-8")
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f = _locked_fault_file(path)
     except OSError as exc:
         log.warning("serving.fault_file_unwritable", file=str(path), error=str(exc)[:200],
                     reason="a native crash is then blamed on every session in flight, not on its thread")
@@ -99,6 +98,25 @@ def watch_faults(directory: Path) -> None:
     faulthandler.enable(file=f, all_threads=True)
     _fault_file = f
     weakref.finalize(f, _end_fault_file, f)
+
+
+def _locked_fault_file(path: Path) -> Any:
+    """The fault file, created and locked. Between the two another process's `recover` may lock it (not yet
+    locked: a dead process's), read it and remove it; faulthandler would then write into a removed file. So
+    the lock must be held on the file still at `path`, or it is created again."""
+    for _ in range(5):
+        f = open(path, "w", encoding="utf-8")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                return f
+        except (BlockingIOError, FileNotFoundError):
+            pass  # another process's recover holds it, or removed it: again
+        except OSError:
+            f.close()
+            raise
+        f.close()
+    raise OSError(f"{path}: removed by another process's recovery each time it was created")
 
 
 def _end_fault_file(f: Any) -> None:
@@ -124,10 +142,15 @@ def _crashed_threads(directory: Path) -> dict[str, int | None]:
                     fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a live process's
+                try:
+                    if os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
+                        continue  # removed by another recover, and the name since created again by its owner
+                except FileNotFoundError:
+                    continue
                 text = f.read(1 << 16)
+                path.unlink(missing_ok=True)  # under the lock: an owner locking it after this creates it again
         except OSError:
             continue
-        path.unlink(missing_ok=True)
         m = _CURRENT_THREAD.search(text)
         token = path.name.removesuffix(FAULT_SUFFIX).split("-")[-1]
         out[token] = int(m.group(1), 16) if m else None

@@ -1,0 +1,42 @@
+"""The serving process's fault file and in-flight record, attacked where the blame could go wrong: another
+agent's boot on the same state dir recovering the fault files at the moment this process creates its own,
+and more threads in flight than a short record could name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# argv: state dir. Another process's recover() runs between the fault file's creation and its flock.
+RECOVER_IN_BETWEEN = """
+import fcntl, os, sys
+from pathlib import Path
+from agent.service import serving_ledger as sl
+d = Path(sys.argv[1])
+real, hit = fcntl.flock, []
+def flock(fd, op):
+    name = os.readlink(f"/proc/self/fd/{fd}")
+    if not hit and name.endswith(sl.FAULT_SUFFIX) and sl._fault_file is None:
+        hit.append(name)
+        sl._crashed_threads(d)  # another agent's boot on this state dir, at the worst moment
+    return real(fd, op)
+fcntl.flock = flock
+sl.watch_faults(d)
+assert hit, "the fault file was never locked"
+f = sl._fault_file
+assert f is not None, "no fault file"
+path = Path(f.name)
+print(path.exists() and os.stat(path).st_ino == os.fstat(f.fileno()).st_ino)
+"""
+
+
+def test_a_fault_file_recovered_by_another_boot_while_it_is_created_is_created_again(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", RECOVER_IN_BETWEEN, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "True", "faulthandler writes into a file that another boot removed"
+
