@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+from agent.service import serving_ledger
+from agent.service.serving_ledger import ServingWatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,3 +43,29 @@ def test_a_fault_file_recovered_by_another_boot_while_it_is_created_is_created_a
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "True", "faulthandler writes into a file that another boot removed"
 
+
+def test_the_in_flight_record_names_every_thread_of_a_busy_session(tmp_path: Path) -> None:
+    watch = ServingWatch(tmp_path, "sha", "CPUExecutionProvider:int8")
+    watch.opened()
+    n, inside, release = 16, threading.Barrier(17), threading.Event()
+    idents: list[int] = []
+
+    def worker() -> None:
+        idents.append(threading.get_ident())
+        watch.before()
+        inside.wait()
+        release.wait()
+        watch.after({})
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        inside.wait(30)
+        raw = watch.path.with_suffix(".inflight").read_bytes()
+        assert serving_ledger._flight_threads(raw) == set(idents), "threads missing or a thread id cut short"
+    finally:
+        release.set()
+        for t in threads:
+            t.join(30)
+        watch.end()

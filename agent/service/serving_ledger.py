@@ -66,7 +66,9 @@ _ids = itertools.count(1)
 # token drawn at import does not.
 PROCESS_TOKEN = uuid.uuid4().hex
 FAULT_SUFFIX = ".fault"
-FLIGHT_BYTES = 128  # the in-flight record: "1 <thread>,<thread>..." or "0", padded, rewritten in place
+# the in-flight record: "1 <thread>,<thread>..." or "0", padded, rewritten in place; room for every thread
+# of the largest pools (pipeline workers le=64, 13 to 17 characters a thread)
+FLIGHT_BYTES = 2048
 _CURRENT_THREAD = re.compile(r"^Current thread (0x[0-9a-f]+)", re.MULTILINE)
 _fault_file: Any = None  # this process's faulthandler file (kept open: faulthandler writes to its fd)
 
@@ -327,9 +329,13 @@ class ServingWatch:
 
     def _flight(self, running: bool) -> None:
         if self._flight_fd is not None:
-            record = ("1 " + ",".join(f"{t:x}" for t in self._threads)) if running else "0"
+            record = "0"
+            if running:
+                ids = [f"{t:x}" for t in self._threads]
+                while len(record := "1 " + ",".join(ids)) > FLIGHT_BYTES:
+                    ids.pop()  # whole ids only: a cut one would name some other thread
             try:
-                os.pwrite(self._flight_fd, record.encode("ascii")[:FLIGHT_BYTES].ljust(FLIGHT_BYTES), 0)
+                os.pwrite(self._flight_fd, record.encode("ascii").ljust(FLIGHT_BYTES), 0)
             except OSError:
                 pass
 
