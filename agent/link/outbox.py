@@ -361,8 +361,8 @@ class Outbox:
                 self.disk_count -= cur.rowcount
                 self._count_drops(cur.rowcount, "age")
         while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
-            self.memory.popleft()
-            self._count_drops(1, "age")
+            msg = self.memory.popleft()
+            self._count_drops(1, "age", msg.sent)
 
     def _drop(self, n: int, why: str) -> None:
         newest = self.cfg.policy == "drop_newest"
