@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.config import OutboxConfig
-from agent.link.outbox import Outbox
+from agent.link.outbox import Message, Outbox
 
 
 def _wire() -> "itertools.count[int]":
@@ -31,3 +31,48 @@ def test_a_sent_result_that_ages_out_of_memory_on_a_full_disk_counts_as_unacknow
     box.pump(lambda m: None, 10)  # the age bound drops it
     assert (box.dropped, box.dropped_unacked) == (1, 1)
 
+
+def test_results_sent_from_disk_and_dropped_by_the_size_bound_count_as_unacknowledged(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.db", OutboxConfig(memory_messages=10, max_messages=3))
+    for i in range(3):
+        box.put("t", b"%d" % i, 1)  # the broker is away: on disk
+    box.on_connected()
+    mids = _wire()
+    sent: list[Message] = []
+    box.pump(lambda m: (sent.append(m), next(mids))[1], 10)  # all three sent from disk, none acknowledged
+    assert len(sent) == 3
+    box.on_disconnected()
+    for i in range(3, 5):
+        box.put("t", b"%d" % i, 1)
+    box.pump(lambda m: None, 10)  # 5 > 3: the two oldest go, both sent once
+    assert (box.dropped, box.dropped_unacked) == (2, 2)
+
+
+def test_results_sent_from_memory_then_spilled_and_dropped_from_disk_count_as_unacknowledged(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.db", OutboxConfig(memory_messages=10, max_messages=3))
+    box.on_connected()
+    for i in range(3):
+        box.put("t", b"%d" % i, 1)
+    mids = _wire()
+    box.pump(lambda m: next(mids), 10)  # sent from memory, none acknowledged
+    box.on_disconnected()  # spilled, in order
+    for i in range(3, 5):
+        box.put("t", b"%d" % i, 1)
+    box.pump(lambda m: None, 10)
+    assert (box.dropped, box.dropped_unacked) == (2, 2)
+
+
+def test_results_never_sent_or_acknowledged_do_not_count_as_unacknowledged(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.db", OutboxConfig(memory_messages=10, max_messages=3))
+    box.on_connected()
+    for i in range(2):
+        box.put("t", b"%d" % i, 1)
+    mids = _wire()
+    box.pump(lambda m: next(mids), 10)
+    box.ack(1)  # the first is delivered
+    box.pump(lambda m: None, 10)
+    box.on_disconnected()
+    for i in range(2, 6):
+        box.put("t", b"%d" % i, 1)
+    box.pump(lambda m: None, 10)  # 5 > 3: #1 (sent, unacknowledged) and #2 (never sent) go
+    assert (box.dropped, box.dropped_unacked) == (2, 1)

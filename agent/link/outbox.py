@@ -78,6 +78,7 @@ class Outbox:
         self._disk_cursor = 0  # highest row sent on this connection
         self.dropped = self._meta("dropped")
         self.dropped_unacked = 0  # of those dropped in this process: sent once, never acknowledged
+        self._sent_rows: dict[int, float] = {}  # row -> created: on disk, sent once, not acknowledged
         self.spilled = 0
         self.write_failures = 0         # failed spill writes (disk full); each one kept its messages in memory
         self._disk_error: str | None = None  # set while writes fail: logged once when it starts and ends
@@ -236,6 +237,7 @@ class Outbox:
             self.acked += 1
             if msg.row is not None:
                 rows.append(msg.row)
+                self._sent_rows.pop(msg.row, None)
         if rows or (acked and self._undeleted):  # the broker answers: retry the DELETEs the disk refused
             self._delete_rows(rows)
 
@@ -300,6 +302,8 @@ class Outbox:
             return False
         for m, row in zip(msgs, rows):
             m.row = row
+            if m.sent:
+                self._sent_rows[row] = m.created  # sent from memory before it was spilled
         self.disk_count += len(msgs)
         if self._disk_error is not None:
             log.info("outbox.spill_recovered", failed_writes=self.write_failures)
@@ -323,12 +327,14 @@ class Outbox:
             mid = publish(msg)
             if mid is None:
                 return
+            msg.sent = True
             self._disk_cursor = row
             self.sent += 1
             if qos == 0:
                 self._delete_rows([row])
             else:
                 self.inflight[mid] = msg
+                self._sent_rows[row] = created
         if not rows and not self.inflight and self.disk_count:
             self.disk_count = self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
 
@@ -359,14 +365,17 @@ class Outbox:
             cur = self.db.execute("DELETE FROM messages WHERE created < ?", (cutoff,))
             if cur.rowcount > 0:
                 self.disk_count -= cur.rowcount
-                self._count_drops(cur.rowcount, "age")
+                gone = [r for r, created in self._sent_rows.items() if created < cutoff]
+                for r in gone:
+                    del self._sent_rows[r]
+                self._count_drops(cur.rowcount, "age", len(gone))
         while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
             msg = self.memory.popleft()
             self._count_drops(1, "age", msg.sent)
 
     def _drop(self, n: int, why: str) -> None:
         newest = self.cfg.policy == "drop_newest"
-        dropped = 0
+        dropped = unacked = 0
         if self._pending_on_disk:
             order = "DESC" if newest else "ASC"
             # rows already dropped (or delivered) whose DELETE the full disk refused are still in the table:
@@ -376,7 +385,7 @@ class Outbox:
                                                  (n + len(gone),)) if r[0] not in gone][:n]
             self._delete_rows(ids)
             dropped += len(ids)
-        unacked = 0
+            unacked = sum(self._sent_rows.pop(r, None) is not None for r in ids)
         while dropped < n and self.memory:
             msg = self.memory.pop() if newest else self.memory.popleft()
             unacked += msg.sent
