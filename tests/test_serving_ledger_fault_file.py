@@ -4,10 +4,13 @@ and more threads in flight than a short record could name."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+import pytest
 
 from agent.service import serving_ledger
 from agent.service.serving_ledger import ServingWatch
@@ -69,3 +72,35 @@ def test_the_in_flight_record_names_every_thread_of_a_busy_session(tmp_path: Pat
         for t in threads:
             t.join(30)
         watch.end()
+
+
+def test_an_ended_watch_never_writes_its_record_into_a_reused_descriptor(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A swap ends the old watch while the old engine still finishes frames on its workers: a record written
+    as the descriptor closed went into whatever file opened next under its number (the new marker's record)."""
+    watch = ServingWatch(tmp_path, "sha", "CPUExecutionProvider:int8")
+    watch.opened()
+    real, writing, reused = os.pwrite, threading.Event(), threading.Event()
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if threading.current_thread().name == "old-worker":
+            writing.set()
+            reused.wait(2)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    worker = threading.Thread(target=watch.before, name="old-worker")
+    worker.start()
+    assert writing.wait(30)
+    ender = threading.Thread(target=watch.end)
+    ender.start()
+    ender.join(0.3)
+    fds = [os.open(tmp_path / f"next-file-{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(3)]  # its lock's too
+    try:
+        reused.set()
+        worker.join(30)
+        ender.join(30)
+        assert [os.fstat(fd).st_size for fd in fds] == [0, 0, 0], "the old watch's record went into another file"
+    finally:
+        for fd in fds:
+            os.close(fd)

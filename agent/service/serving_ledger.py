@@ -320,8 +320,9 @@ class ServingWatch:
         for stage in self.stages:
             stage.end()
         self._finalizer()
-        if self._flight_fd is not None:
+        with self._lock:  # never closed under a record being written: its number is soon another file's
             fd, self._flight_fd = self._flight_fd, None
+        if fd is not None:
             try:
                 os.close(fd)
             except OSError:
