@@ -104,3 +104,25 @@ def test_an_ended_watch_never_writes_its_record_into_a_reused_descriptor(tmp_pat
     finally:
         for fd in fds:
             os.close(fd)
+
+
+# argv: state dir. A filesystem without flock (ENOLCK): no fault file can be held, none may be left behind.
+NO_LOCKS = """
+import errno, fcntl, os, sys
+from pathlib import Path
+from agent.service import serving_ledger as sl
+def flock(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+fcntl.flock = flock
+for _ in range(3):  # boot, swap, swap
+    sl.watch_faults(Path(sys.argv[1]))
+print(sl._fault_file is None)
+"""
+
+
+def test_a_fault_file_that_cannot_be_locked_is_not_left_behind(tmp_path: Path) -> None:
+    for _ in range(2):  # two restarts
+        proc = subprocess.run([sys.executable, "-c", NO_LOCKS, str(tmp_path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
+    assert not list(tmp_path.glob("serving-*")), "an unlockable fault file stays forever (recover cannot lock it)"

@@ -116,6 +116,7 @@ def _locked_fault_file(path: Path) -> Any:
             pass  # another process's recover holds it, or removed it: again
         except OSError:
             f.close()
+            path.unlink(missing_ok=True)  # never held, so never removed by a recover (it cannot lock it either)
             raise
         f.close()
     raise OSError(f"{path}: removed by another process's recovery each time it was created")
