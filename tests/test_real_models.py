@@ -60,6 +60,13 @@ NO_INT8 = {"vad"}
 # Held-out frames for the build's own quality figures where each frame is a large, slow model run.
 BUILD_HELDOUT = {"textdet": 16, "layout": 16}
 WITH_INT8 = [n for n in NAMES if n not in NO_INT8]
+# The author's quantisation choices. DBNet's map loses boxes with 7-bit weights (the default, which answers
+# the same on CPUs without VNNI): end to end on the 50 held-out frames, 7-bit agreed with the package on
+# 0.96 of them (2 frames lost a box of 450; 16 calibration frames or the head kept in float, the same), 8-bit
+# on 0.98 (both measured on AVX-512 VNNI). So this bundle is built with 8-bit weights, as before, for VNNI
+# CPUs (its golden outputs are recorded on the machine that builds it, so the test's own device reproduces
+# them either way; a device of another CPU kind would refuse an INT8 it answers differently).
+BUILD_ARGS = {"textdet": ["--full-range-weights"]}
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # whole real models, built and proven (latency judged): alone
 
 
@@ -186,7 +193,8 @@ class Bundles:
         args = ["bundle", "create", "--model", str(d / "model.onnx"), "--spec", str(SPECS / f"{name}.yaml"),
                 "--calibration", str(d / "calibration.npz"), "--golden", str(d / "golden.npz"),
                 "--heldout", str(self.heldout_for_build(name)), "--out", str(out), "--keep-low-quality",
-                "--calibration-limit", str(CALIBRATION_LIMIT[name])] + (["--no-int8"] if name in NO_INT8 else [])
+                "--calibration-limit", str(CALIBRATION_LIMIT[name])] + (["--no-int8"] if name in NO_INT8 else []) \
+            + BUILD_ARGS.get(name, [])
         if name in LABELS:
             labels = self.workdir / f"{name}-labels.txt"
             labels.write_text("\n".join(LABELS[name]) + "\n")
