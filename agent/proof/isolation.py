@@ -360,14 +360,16 @@ def parse_faults(spec: str | None) -> dict[str, str]:
 
 
 def inject_fault(step: str, faults: Mapping[str, str]) -> None:
-    """Die at `step` as a broken driver would. Called only in the self-test child, only when the variable is set."""
+    """Die at `step` as a broken driver would: the signal goes to the calling thread (a fault in native code
+    is delivered to the thread that ran it, which the serving process's fault file names). Called only in
+    the self-test child and the serving process, only when the fault variable is set."""
     action = faults.get(step)
     if action is None:
         return
     sys.stderr.flush()
     if action == "hang":
         time.sleep(10**6)
-    os.kill(os.getpid(), getattr(signal, action))
+    signal.pthread_kill(threading.get_ident(), getattr(signal, action))
     time.sleep(10)  # a signal that is caught or ignored must still not let the step pass
 
 

@@ -35,8 +35,6 @@ import fcntl
 import itertools
 import os
 import re
-import signal
-import sys
 import threading
 import time
 import uuid
@@ -48,7 +46,7 @@ import numpy as np
 
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
-from agent.proof.isolation import CrashLedger, parse_faults
+from agent.proof.isolation import CrashLedger, inject_fault, parse_faults
 
 log = get_logger("serving_ledger")
 
@@ -169,19 +167,6 @@ def _flight_threads(raw: bytes) -> set[int]:
         return {int(t, 16) for t in rest.split(",") if t} if head == "1" else set()
     except ValueError:
         return set()
-
-
-def inject_thread_fault(step: str, faults: Mapping[str, str]) -> None:
-    """Die at `step` as a broken driver would: the signal goes to the calling thread (a fault in native
-    code is delivered to the thread that ran it), so the fault file names it."""
-    action = faults.get(step)
-    if action is None:
-        return
-    sys.stderr.flush()
-    if action == "hang":
-        time.sleep(10**6)
-    signal.pthread_kill(threading.get_ident(), getattr(signal, action))
-    time.sleep(10)  # a signal that is caught or ignored must still not let the step pass
 
 
 def _suspects(directory: Path) -> dict[str, Any]:
@@ -307,7 +292,7 @@ class ServingWatch:
             self._flight_fd = None  # no byte: a death under the marker is charged as before
         self._write("opening the serving session")
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
-        inject_thread_fault(f"{self._fault_key}#0", self.faults)
+        inject_fault(f"{self._fault_key}#0", self.faults)
 
     def _write(self, phase: str, late: bool = False) -> None:
         write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
@@ -359,7 +344,7 @@ class ServingWatch:
             self._started += 1
             n = self._started
         if self.faults:
-            inject_thread_fault(f"{self._fault_key}#{n}", self.faults)
+            inject_fault(f"{self._fault_key}#{n}", self.faults)
 
     def abandon(self) -> None:
         """The run that `before` announced is over (`after` calls it; alone when the run raised)."""
