@@ -281,13 +281,13 @@ class ServingWatch:
         # power cut): 1 while the session opens or an inference runs, 0 between them. A process killed
         # while nothing of the candidate ran (a hung camera's watchdog abort, an operator's SIGKILL between
         # frames) did not die of the candidate and is not charged to it.
-        self._inflight = 0
         self._threads: dict[int, int] = {}  # thread id -> its runs in flight (the session may be shared)
         self._flight_fd: int | None = None
+        self._flight_len = 0  # the longest record written: a shorter one is padded over it
         try:
             self._flight_fd = os.open(self.path.with_suffix(".inflight"), os.O_RDWR | os.O_CREAT, 0o600)
             self._threads[threading.get_ident()] = 1  # the opening thread, until opened()
-            self._flight(True)
+            self._flight()
         except OSError:
             self._flight_fd = None  # no byte: a death under the marker is charged as before
         self._write("opening the serving session")
@@ -314,15 +314,18 @@ class ServingWatch:
             except OSError:
                 pass
 
-    def _flight(self, running: bool) -> None:
+    def _flight(self) -> None:
+        """Rewrite the in-flight record: running while any thread has a run in flight (or the session opens).
+        Padded only over the longest record before it, so a run costs a write of a few bytes."""
         if self._flight_fd is not None:
             record = "0"
-            if running:
+            if self._threads:
                 ids = [f"{t:x}" for t in self._threads]
                 while len(record := "1 " + ",".join(ids)) > FLIGHT_BYTES:
                     ids.pop()  # whole ids only: a cut one would name some other thread
+            self._flight_len = max(self._flight_len, len(record))
             try:
-                os.pwrite(self._flight_fd, record.encode("ascii").ljust(FLIGHT_BYTES), 0)
+                os.pwrite(self._flight_fd, record.encode("ascii").ljust(self._flight_len), 0)
             except OSError:
                 pass
 
@@ -331,14 +334,13 @@ class ServingWatch:
         self._write(f"first {self.runs} inferences")
         with self._lock:
             self._threads.clear()
-            self._flight(False)
+            self._flight()
 
     def before(self) -> None:
         me = threading.get_ident()
         with self._lock:  # the record says which threads run an inference (several workers share the session)
-            self._inflight += 1
             self._threads[me] = self._threads.get(me, 0) + 1
-            self._flight(True)
+            self._flight()
             if not self.active and not self.faults:
                 return
             self._started += 1
@@ -350,13 +352,12 @@ class ServingWatch:
         """The run that `before` announced is over (`after` calls it; alone when the run raised)."""
         me = threading.get_ident()
         with self._lock:
-            self._inflight = max(self._inflight - 1, 0)
             left = self._threads.get(me, 0) - 1
             if left > 0:
                 self._threads[me] = left
             else:
                 self._threads.pop(me, None)
-            self._flight(self._inflight > 0)
+            self._flight()
 
     def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
         if self._drift is not None and self._started >= self._drift[0]:
