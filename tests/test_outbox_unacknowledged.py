@@ -17,6 +17,14 @@ def _wire() -> "itertools.count[int]":
     return itertools.count(1)
 
 
+def _overflow_while_away(box: Outbox, seqs: range) -> None:
+    """The broker goes away and these results come: over `max_messages`, the size bound drops the oldest."""
+    box.on_disconnected()
+    for i in seqs:
+        box.put("t", b"%d" % i, 1)
+    box.pump(lambda m: None, 10)
+
+
 def test_a_sent_result_that_ages_out_of_memory_on_a_full_disk_counts_as_unacknowledged(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     box = Outbox(tmp_path / "o.db", OutboxConfig(memory_messages=10, max_age_s=60))
@@ -41,10 +49,7 @@ def test_results_sent_from_disk_and_dropped_by_the_size_bound_count_as_unacknowl
     sent: list[Message] = []
     box.pump(lambda m: (sent.append(m), next(mids))[1], 10)  # all three sent from disk, none acknowledged
     assert len(sent) == 3
-    box.on_disconnected()
-    for i in range(3, 5):
-        box.put("t", b"%d" % i, 1)
-    box.pump(lambda m: None, 10)  # 5 > 3: the two oldest go, both sent once
+    _overflow_while_away(box, range(3, 5))  # 5 > 3: the two oldest go, both sent once
     assert (box.dropped, box.dropped_unacked) == (2, 2)
 
 
@@ -55,10 +60,7 @@ def test_results_sent_from_memory_then_spilled_and_dropped_from_disk_count_as_un
         box.put("t", b"%d" % i, 1)
     mids = _wire()
     box.pump(lambda m: next(mids), 10)  # sent from memory, none acknowledged
-    box.on_disconnected()  # spilled, in order
-    for i in range(3, 5):
-        box.put("t", b"%d" % i, 1)
-    box.pump(lambda m: None, 10)
+    _overflow_while_away(box, range(3, 5))  # spilled in order, then the two oldest go
     assert (box.dropped, box.dropped_unacked) == (2, 2)
 
 
@@ -71,8 +73,5 @@ def test_results_never_sent_or_acknowledged_do_not_count_as_unacknowledged(tmp_p
     box.pump(lambda m: next(mids), 10)
     box.ack(1)  # the first is delivered
     box.pump(lambda m: None, 10)
-    box.on_disconnected()
-    for i in range(2, 6):
-        box.put("t", b"%d" % i, 1)
-    box.pump(lambda m: None, 10)  # 5 > 3: #1 (sent, unacknowledged) and #2 (never sent) go
+    _overflow_while_away(box, range(2, 6))  # 5 > 3: #1 (sent, unacknowledged) and #2 (never sent) go
     assert (box.dropped, box.dropped_unacked) == (2, 1)
