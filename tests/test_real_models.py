@@ -171,6 +171,12 @@ def keep_built(out: Path, cached: Path) -> None:
         tmp.rename(cached)
     except OSError:  # another run cached the same build first
         shutil.rmtree(tmp, ignore_errors=True)
+    # the same bundle built by older build code is never read again (its key named that code): without
+    # this the cache grew by every real bundle (about 330 MB) each time agent/bundle, spec or proof changed
+    stem = cached.name.rsplit("-", 1)[0]
+    for old in BUILT.glob(f"{stem}-*"):
+        if old != cached and old.is_dir() and old.name.rsplit("-", 1)[0] == stem and not old.name.endswith(".part"):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class Bundles:
