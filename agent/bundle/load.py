@@ -14,6 +14,7 @@ import numpy as np
 
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
+from agent.npio import open_npz
 from agent.spec.manifest import (
     FRAME_SIZE,
     GEOMETRY,
@@ -326,7 +327,7 @@ def check_variant_contract(root: Path, manifest: Manifest, variant: str) -> None
 def load_golden(root: Path, rel: str, index: int, manifest: Manifest) -> GoldenSample:
     path = root / rel
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open_npz(path) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as exc:  # zipfile/ValueError/OSError: all mean the same to the user
         raise BundleError(f"{path}: golden sample {index} is not a readable .npz: {exc}") from exc

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from agent.errors import BundleError
+from agent.npio import open_npz, read_npy
 from agent.spec.manifest import FrameSpec
 from agent.spec.preprocess import IMAGE_SUFFIXES, read_image_file
 
@@ -34,7 +35,7 @@ class LazyFrames(Sequence[np.ndarray]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         p = self.files[i]
-        return np.load(p, allow_pickle=False) if p.suffix == ".npy" else read_image(p, self.frame)
+        return read_npy(p) if p.suffix == ".npy" else read_image(p, self.frame)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def load_samples(path: Path | str, frame: FrameSpec, limit: int | None = None, l
     path = Path(path)
     if path.suffix == ".npz":
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with open_npz(path) as z:
                 if "raw" not in z.files:
                     raise BundleError(f"{path}: sample set .npz needs an array 'raw' (has {z.files})")
                 raw = z["raw"]

@@ -24,6 +24,7 @@ from agent.bundle.load import Bundle, GoldenSample
 from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
+from agent.npio import open_npz
 from agent.proof.isolation import RunMarker
 from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.probe import detect_providers, device_fingerprint
@@ -195,7 +196,7 @@ def recorded_outputs(bundle: Bundle, variant: str,
         return [{n: h[n] for n in m.output_names} for h in have]
     out: list[dict[str, np.ndarray]] = []
     for rel in m.golden:
-        with np.load(bundle.path(rel), allow_pickle=False) as z:
+        with open_npz(bundle.path(rel)) as z:
             keys = {n: f"variant.{variant}.{n}" for n in m.output_names}
             if not all(k in z.files for k in keys.values()):
                 return None

@@ -10,6 +10,8 @@ from typing import Any, Mapping
 import numpy as np
 import yaml
 
+from agent.npio import open_npz
+
 THUMB_PX = 96
 
 
@@ -78,7 +80,7 @@ def golden_thumbnails(root: Path | None, manifest: Mapping[str, Any] | None) -> 
     out: dict[int, str] = {}
     for i, path in enumerate(golden_files(root, manifest)):
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with open_npz(path) as z:
                 raw = z["raw"]
         except Exception:  # a missing or unreadable sample only loses its thumbnail
             continue

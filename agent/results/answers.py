@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from agent.errors import BundleError
+from agent.npio import open_npz
 from agent.proof.parity import Finding
 from agent.results import KINDS, ResultKind
 
@@ -64,7 +65,7 @@ def has_answers(samples: Path | str) -> bool:
     if not path.is_file():
         return False
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open_npz(path) as z:
             return key in z.files
     except (OSError, ValueError):
         return False
@@ -101,7 +102,7 @@ def _load(obj: Any, where: str) -> tuple[Any, str]:
             raise BundleError(f"{label}: cannot read the package's answers: {exc}") from exc
         return _parse(text, label), label
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with open_npz(path) as z:
             if key not in z.files:
                 raise BundleError(f"{path}: no key {key!r} with the package's answers (has {z.files})")
             arr = z[key]

@@ -28,6 +28,7 @@ import numpy as np
 from agent.config import SourceConfig
 from agent.errors import BadFrame, ConfigError, UndecodableFrame
 from agent.logsetup import get_logger
+from agent.npio import read_npy
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
 from agent.serving.sizing import DecoderLoad
@@ -454,13 +455,11 @@ class MqttFrameSource:
     live = True
 
     def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
-        import io
-
         import paho.mqtt.client as paho
 
         if not cfg.topic:
             raise ConfigError("source.topic: an mqtt source needs the topic frames arrive on")
-        self.cfg, self.frame, self.resize, self.max_scale, self._io = cfg, frame, resize, max_scale, io
+        self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         self.name = cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
         self.stats = SourceStats()
         self._buf: deque[tuple[bytes, float, int]] = deque(maxlen=8)
@@ -499,7 +498,7 @@ class MqttFrameSource:
             return bgr_to_frame(img, f), 1
         if self.cfg.payload == "npy":
             try:
-                return np.load(self._io.BytesIO(data), allow_pickle=False), 1
+                return read_npy(bytes(data)), 1
             except (ValueError, OSError, EOFError) as exc:
                 raise BadFrame(f"{self.name}: payload is not a .npy array: {exc}") from exc
         dtype = np.dtype(f.dtype if f.kind == "sensor" else np.uint8)
