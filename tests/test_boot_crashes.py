@@ -65,6 +65,7 @@ def test_segfaulting_cached_winner_boots_to_serving_on_the_first_boot_after_the_
     assert any(e["step"] == INT8 for e in agent.events("selftest.step_crashed"))
 
 
+@pytest.mark.slow  # waits out a 30 s time-out by design: the slow lane, not the fast one
 def test_hanging_trial_is_timed_out_and_the_next_candidate_serves(tmp_path: Path, agent_process) -> None:
     # The time-out bounds a whole self-test child (start-up, probes, every candidate), not one trial: at
     # 8 s a loaded CI machine timed out the healthy child too, or charged the hang to the step before it.
@@ -87,6 +88,7 @@ def test_crash_while_loading_the_bundle_is_not_serving_with_the_signal_named(tmp
     assert "load crashed the self-test process (SIGABRT)" in said["reason"]
 
 
+@pytest.mark.slow  # three boots in a row (12 s)
 def test_forget_crashes_lets_a_crashed_step_be_tried_again(tmp_path: Path, agent_process) -> None:
     cfg = _config(tmp_path, selection={"use_cache": False})
     assert {r["variant"] for r in boot_to_end(agent_process, cfg, f"{INT8}=SIGSEGV").results()} == {"fp32"}
