@@ -71,3 +71,26 @@ def test_a_size_drop_the_full_disk_cannot_delete_is_counted_once(small_disk: Pat
     assert s["dropped"] == 6 and s["depth"] == 5, s
     wire = drain(box, 5)
     assert wire.sent == [6, 7, 8, 9, 10], wire.sent  # the 6 dropped are not sent; the rest in order
+
+
+def test_delivered_rows_that_age_out_after_the_disk_frees_are_not_counted_as_dropped(small_disk: Path) -> None:  # noqa: F811
+    """Acknowledged rows whose DELETE the full disk refused stay in the table; once space returns, the age
+    bound's DELETE removed them and counted them as results lost to age, though the broker had them."""
+    box = Outbox(small_disk / "outbox.sqlite", OutboxConfig(memory_messages=BOUND, max_age_s=3600))
+    box.on_disconnected()
+    for i in range(10):
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+        box.pump(Wire(), 10)
+    filler = fill(small_disk)
+    wire = drain(box, 5)  # delivered and acknowledged; their DELETE refused by the full disk
+    box.pump(wire, 100)  # the last acknowledgements are applied: their DELETE is refused again
+    assert wire.sent == list(range(10)) and box._undeleted, "this test needs the DELETE refused"
+    filler.unlink()
+    box.db.execute("UPDATE messages SET created = 0")  # the delivered rows are now older than max_age_s
+    box.put("t", json.dumps({"seq": 10}).encode(), 1)
+    box.pump(wire, 100)  # no acknowledgement arrives: the age bound deletes them first
+    s = box.stats()
+    assert s["dropped"] == 0, f"delivered rows counted as lost to age: {s}"
+    assert box.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0 and not box._undeleted
+    assert wire.sent == list(range(11)) and s["on_disk"] == 0, (wire.sent, s)
+    box.close()

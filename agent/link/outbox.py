@@ -362,13 +362,18 @@ class Outbox:
             self._drop(excess, "size")
         if self.disk_count:
             cutoff = time.time() - cfg.max_age_s
-            cur = self.db.execute("DELETE FROM messages WHERE created < ?", (cutoff,))
-            if cur.rowcount > 0:
-                self.disk_count -= cur.rowcount
-                gone = [r for r, created in self._sent_rows.items() if created < cutoff]
-                for r in gone:
-                    del self._sent_rows[r]
-                self._count_drops(cur.rowcount, "age", len(gone))
+            ids = [r[0] for r in self.db.execute("SELECT id FROM messages WHERE created < ?", (cutoff,))]
+            if ids:
+                # one thread owns the table (the pump's lock): the DELETE removes exactly these rows
+                self.db.execute("DELETE FROM messages WHERE created < ?", (cutoff,))
+                self.disk_count -= len(ids)
+                # rows delivered (or dropped) whose DELETE the full disk refused go now, but were never
+                # lost to age: only the others are counted
+                waited = set(self._undeleted)
+                self._undeleted = [r for r in self._undeleted if r not in set(ids)]
+                aged = [r for r in ids if r not in waited]
+                unacked = sum(self._sent_rows.pop(r, None) is not None for r in aged)
+                self._count_drops(len(aged), "age", unacked)
         while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
             msg = self.memory.popleft()
             self._count_drops(1, "age", msg.sent)
