@@ -126,3 +126,45 @@ def test_a_fault_file_that_cannot_be_locked_is_not_left_behind(tmp_path: Path) -
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]
     assert not list(tmp_path.glob("serving-*")), "an unlockable fault file stays forever (recover cannot lock it)"
+
+
+def _open_files(suffix: str) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if name.removesuffix(" (deleted)").endswith(suffix):  # the marker's files are unlinked first
+            out.append(name)
+    return out
+
+
+def test_a_watch_collected_without_end_closes_its_in_flight_descriptor(tmp_path: Path) -> None:
+    """An engine dropped on an error path never calls end(): its marker went with the collected watch,
+    but the in-flight record's descriptor stayed open for the life of the process, one per such engine."""
+    import gc
+
+    before = _open_files(".inflight")
+    watch = ServingWatch(tmp_path, "sha", "CPUExecutionProvider:fp32")
+    watch.opened()
+    assert len(_open_files(".inflight")) == len(before) + 1
+    del watch
+    gc.collect()
+    assert _open_files(".inflight") == before, "the collected watch left its in-flight descriptor open"
+    assert not list(tmp_path.glob("*.inflight")) and not list(tmp_path.glob(f"{serving_ledger.PREFIX}*.json"))
+
+
+def test_end_closes_the_descriptor_once_and_a_later_collect_closes_nothing_else(tmp_path: Path) -> None:
+    watch = ServingWatch(tmp_path, "sha", "CPUExecutionProvider:fp32")
+    fd = watch._flight_fd
+    assert fd is not None
+    watch.end()
+    other = os.open(tmp_path / "reused", os.O_RDWR | os.O_CREAT)  # likely the number just freed
+    try:
+        del watch
+        import gc
+        gc.collect()
+        os.fstat(other)  # still open: the finalizer did not close the reused number a second time
+    finally:
+        os.close(other)

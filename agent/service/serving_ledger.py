@@ -181,6 +181,14 @@ def _write_suspects(directory: Path, doc: dict[str, Any]) -> None:
         log.error("serving.suspects_unwritable", file=str(directory / SUSPECTS_FILE), error=str(exc)[:200])
 
 
+def _close_fd(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _unlink(path: Path, lock_fd: int | None = None, late: dict[str, Any] | None = None) -> None:
     try:
         path.unlink(missing_ok=True)
@@ -192,11 +200,7 @@ def _unlink(path: Path, lock_fd: int | None = None, late: dict[str, Any] | None 
                 _write_suspects(path.parent, doc)
     except OSError:
         pass  # at interpreter exit the directory may be gone (a test's temporary state)
-    if lock_fd is not None:
-        try:
-            os.close(lock_fd)
-        except OSError:
-            pass
+    _close_fd(lock_fd)
 
 
 def _hold_lock(path: Path) -> int | None:
@@ -290,6 +294,10 @@ class ServingWatch:
             self._flight()
         except OSError:
             self._flight_fd = None  # no byte: a death under the marker is charged as before
+        # a watch collected without end() (an engine dropped on an error path) closes its descriptor too;
+        # not at interpreter exit, where a daemon thread may still write the record (the exit closes it)
+        self._close_flight = weakref.finalize(self, _close_fd, self._flight_fd)
+        self._close_flight.atexit = False
         self._write("opening the serving session")
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
         inject_fault(f"{self._fault_key}#0", self.faults)
@@ -307,12 +315,8 @@ class ServingWatch:
             stage.end()
         self._finalizer()
         with self._lock:  # never closed under a record being written: its number is soon another file's
-            fd, self._flight_fd = self._flight_fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            self._flight_fd = None
+        self._close_flight()  # closes it once, here or when the watch is collected
 
     def _flight(self) -> None:
         """Rewrite the in-flight record: running while any thread has a run in flight (or the session opens).
