@@ -369,10 +369,14 @@ class Outbox:
                 self.disk_count -= len(ids)
                 # rows delivered (or dropped) whose DELETE the full disk refused go now, but were never
                 # lost to age: only the others are counted
-                waited = set(self._undeleted)
-                self._undeleted = [r for r in self._undeleted if r not in set(ids)]
+                waited, aged_ids = set(self._undeleted), set(ids)
+                self._undeleted = [r for r in self._undeleted if r not in aged_ids]
                 aged = [r for r in ids if r not in waited]
                 unacked = sum(self._sent_rows.pop(r, None) is not None for r in aged)
+                # a row in flight is gone with them: its PUBACK must not DELETE it again (on a full disk the
+                # refused DELETE would put a row no longer in the table into _undeleted, hiding a real one)
+                for mid in [mid for mid, m in self.inflight.items() if m.row in aged_ids]:
+                    del self.inflight[mid]
                 self._count_drops(len(aged), "age", unacked)
         while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
             msg = self.memory.popleft()
