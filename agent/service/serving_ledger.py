@@ -298,8 +298,9 @@ class ServingWatch:
         # not at interpreter exit, where a daemon thread may still write the record (the exit closes it)
         self._close_flight = weakref.finalize(self, _close_fd, self._flight_fd)
         self._close_flight.atexit = False
-        self._write("opening the serving session")
+        # before the marker's write: a write that fails (a full disk) still closes the lock's descriptor
         self._finalizer = weakref.finalize(self, _unlink, self.path, lock_fd, self._late)
+        self._write("opening the serving session")
         inject_fault(f"{self._fault_key}#0", self.faults)
 
     def _write(self, phase: str, late: bool = False) -> None:
