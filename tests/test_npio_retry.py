@@ -5,12 +5,8 @@ another thread still fails with "AST constructor recursion depth mismatch" (pyth
 
 from __future__ import annotations
 
-import gc
 import io
 import sys
-import threading
-import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -21,53 +17,25 @@ from agent import npio
 pytestmark = pytest.mark.skipif(sys.version_info >= (3, 13), reason="the shared AST depth is fixed in 3.13")
 
 
-def _boom() -> int:
-    return 1 + (2 * [3][5])  # a caret line: traceback parses the segment with ast.parse
-
-
-def _race(read, n: int) -> list[str]:
-    """`read` n times while another thread formats tracebacks; a gc callback yields the GIL mid-parse
-    (what a finalizer does in a real process), so the interleaving shows within a few reads."""
-    stop, errors = threading.Event(), []
-
-    def fmt() -> None:
-        while not stop.is_set():
-            try:
-                _boom()
-            except Exception as exc:
-                traceback.format_exception(exc)
-
-    def yield_gil(phase: str, info: dict) -> None:
-        if phase == "start":
-            time.sleep(0)
-
-    threshold, interval = gc.get_threshold(), sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    gc.callbacks.append(yield_gil)
-    gc.set_threshold(5)
-    t = threading.Thread(target=fmt, daemon=True)
-    t.start()
-    try:
-        for _ in range(n):
-            try:
-                read()
-            except SystemError as exc:
-                errors.append(str(exc))
-    finally:
-        stop.set()
-        t.join(10)
-        gc.callbacks.remove(yield_gil)
-        gc.set_threshold(*threshold)
-        sys.setswitchinterval(interval)
-    return errors
-
-
-def test_a_npy_payload_read_while_another_thread_logs_an_exception() -> None:
+def test_a_npy_payload_read_that_meets_the_mismatch_is_read_again(monkeypatch) -> None:
+    """The interleaving itself is a race (forced with a 1 us switch interval and a GIL yield in every
+    collection, 513 of 1500 unretried reads failed; unforced, 0 of 5000): injected here, so the test is
+    the same on every run. A read that meets it is read again; any other SystemError is not."""
     buf = io.BytesIO()
     np.save(buf, np.zeros((2, 3), np.float32))
-    data = buf.getvalue()
-    errors = _race(lambda: npio.read_npy(data), 1500)
-    assert not errors, f"{len(errors)} of 1500 reads failed: {errors[0]}"
+    data, real, calls = buf.getvalue(), np.load, []
+
+    def once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise SystemError("AST constructor recursion depth mismatch (before=147, after=26)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(np, "load", once)
+    assert npio.read_npy(data).shape == (2, 3) and len(calls) == 2
+    monkeypatch.setattr(np, "load", lambda *a, **k: (_ for _ in ()).throw(SystemError("something else")))
+    with pytest.raises(SystemError, match="something else"):
+        npio.read_npy(data)
 
 
 def test_a_golden_npz_member_read_that_meets_the_mismatch_is_read_again(tmp_path: Path, monkeypatch) -> None:
