@@ -90,3 +90,35 @@ def test_rows_in_flight_that_age_out_do_not_hide_a_waiting_row_when_their_ack_ca
     assert sent[:4] == [0, 1, 2, 3], f"a new result went out ahead of one waiting on disk: {sent}"
     box.db.refuse = False
     box.close()
+
+
+def test_rows_in_flight_dropped_by_the_size_bound_do_not_hide_a_waiting_row_when_their_ack_cannot_delete(
+        tmp_path: Path) -> None:
+    """The same for outbox.max_messages: the oldest rows dropped while in flight stayed in `inflight`."""
+    box = Outbox(tmp_path / "outbox.sqlite", OutboxConfig(memory_messages=10, max_messages=3))
+    box.db = _RefusingDeletes(box.db)  # type: ignore[assignment]
+    sent: list[int] = []
+
+    def wire(m) -> int:
+        sent.append(json.loads(m.payload)["seq"])
+        return len(sent)
+
+    box.on_disconnected()
+    for i in range(3):
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    box.on_connected()
+    box.pump(wire, 3)  # rows of seq 0-2 in flight, window full
+    assert sent == [0, 1, 2]
+    for i in (3, 4, 5):  # over the bound by 3: the oldest (in flight) go, policy drop_oldest
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    box.pump(wire, 3)
+    assert box.stats()["dropped"] == 3, box.stats()
+    box.db.refuse = True  # the disk fills
+    for mid in (1, 2, 3):
+        box.ack(mid)
+    box.pump(wire, 3)
+    box.pump(wire, 3)
+    s = box.stats()
+    assert sent[:6] == [0, 1, 2, 3, 4, 5], f"results waiting on disk were hidden: {s}, sent {sent}"
+    box.db.refuse = False
+    box.close()

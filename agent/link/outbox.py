@@ -120,7 +120,9 @@ class Outbox:
     @property
     def depth(self) -> int:
         with self._lock:
-            return len(self._incoming) + len(self.memory) + len(self.inflight) + self._pending_on_disk
+            # a row sent from disk stays in the table until its PUBACK: counted once, as a row on disk
+            from_memory = sum(1 for m in self.inflight.values() if m.row is None)
+            return len(self._incoming) + len(self.memory) + from_memory + self._pending_on_disk
 
     @property
     def _pending_on_disk(self) -> int:
@@ -373,14 +375,17 @@ class Outbox:
                 self._undeleted = [r for r in self._undeleted if r not in aged_ids]
                 aged = [r for r in ids if r not in waited]
                 unacked = sum(self._sent_rows.pop(r, None) is not None for r in aged)
-                # a row in flight is gone with them: its PUBACK must not DELETE it again (on a full disk the
-                # refused DELETE would put a row no longer in the table into _undeleted, hiding a real one)
-                for mid in [mid for mid, m in self.inflight.items() if m.row in aged_ids]:
-                    del self.inflight[mid]
+                self._out_of_flight(aged_ids)
                 self._count_drops(len(aged), "age", unacked)
         while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
             msg = self.memory.popleft()
             self._count_drops(1, "age", msg.sent)
+
+    def _out_of_flight(self, rows: set[int]) -> None:
+        """Rows dropped while in flight: their PUBACK must not DELETE them again (on a full disk the refused
+        DELETE would put rows no longer in the table into _undeleted, hiding as many real ones)."""
+        for mid in [mid for mid, m in self.inflight.items() if m.row in rows]:
+            del self.inflight[mid]
 
     def _drop(self, n: int, why: str) -> None:
         newest = self.cfg.policy == "drop_newest"
@@ -393,6 +398,7 @@ class Outbox:
             ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?",
                                                  (n + len(gone),)) if r[0] not in gone][:n]
             self._delete_rows(ids)
+            self._out_of_flight(set(ids))
             dropped += len(ids)
             unacked = sum(self._sent_rows.pop(r, None) is not None for r in ids)
         while dropped < n and self.memory:
