@@ -6,7 +6,6 @@ and changes no state: the controller applies the outcome.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,9 +103,6 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         return BootOutcome(None, None, None, f"key bundle: {why}")
     # a serving process that died under its candidate's marker: recorded before the child reads the ledger
     recover_serving_crashes(cfg.state_dir / "selftest", CrashLedger(cfg.state_dir / "selftest"))
-    # The child checked every variant's contract; here only the files are read and their hashes checked,
-    # while the child proves (50-80 ms of the demo's cold start were spent after its verdict).
-    loading = _Load(root)
     try:
         proof = prove(root, cfg)
     except AgentError as exc:  # a reason, never a traceback in job.failed
@@ -116,7 +112,10 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
     if proof.report is None:
         return BootOutcome(None, None, None, proof.error)
     try:
-        bundle = loading.result()
+        # The child checked every variant's contract; here only the files are read and their hashes
+        # checked, and only after the verdict: loading is a step the child is isolated for ("load": a
+        # native fault, the OOM killer, a hang), never done in this process before the child survived it.
+        bundle = load_bundle(root, check_contracts=False)
     except AgentError as exc:
         return BootOutcome(None, None, proof.report, str(exc))
     proven = (proof.report.get("bundle") or {}).get("manifest_sha256")
@@ -132,29 +131,6 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         return BootOutcome(bundle, None, proof.report, str(exc))
     note_served(cfg.state_dir / "selftest", bundle, engine.candidate.key, proof.report)
     return BootOutcome(bundle, engine, proof.report, None)
-
-
-class _Load:
-    """`load_bundle(root, check_contracts=False)` on a thread; `result()` waits and raises what it raised."""
-
-    def __init__(self, root: Path):
-        self._bundle: Bundle | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(root,), name="boot-load", daemon=True)
-        self._thread.start()
-
-    def _run(self, root: Path) -> None:
-        try:
-            self._bundle = load_bundle(root, check_contracts=False)
-        except BaseException as exc:  # handed to the boot's thread, which decides what it means
-            self._error = exc
-
-    def result(self) -> Bundle:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._bundle is not None
-        return self._bundle
 
 
 def note_served(directory: Path, bundle: Bundle, candidate: str, report: dict[str, Any]) -> None:
