@@ -1,5 +1,5 @@
-"""The boot reads and hash-checks the bundle on a thread while the child proves it (not after the
-verdict), and serves it only if the manifest it read is the one the child proved."""
+"""After the child's verdict the boot reads and hash-checks the bundle itself, and serves it only if the
+manifest it read is the one the child proved."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_bundle_whose_manifest_is_not_the_one_proven_does_not_serve(tmp_path: 
     assert "changed while it was proven" in outcome.reason and "nothing unproven serves" in outcome.reason
 
 
-def test_the_load_runs_while_the_child_proves_and_its_error_is_the_boots_reason(tmp_path: Path,
+def test_a_load_error_after_the_verdict_is_the_boots_reason(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "bundle"
     shutil.copytree(DIGITS, root)
@@ -51,7 +51,7 @@ def test_the_load_runs_while_the_child_proves_and_its_error_is_the_boots_reason(
     monkeypatch.setattr(boot_mod, "prove", prove)
     outcome = boot_mod.boot(Config(state_dir=tmp_path / "state", bundle=root), None)
     assert outcome.engine is None and "hash mismatch" in (outcome.reason or ""), outcome
-    assert sorted(seen) == ["load", "prove"]
+    assert seen == ["prove", "load"], "the agent loads only after the child survived loading"
 
 
 def test_a_proven_unchanged_bundle_serves(tmp_path: Path) -> None:
