@@ -56,12 +56,10 @@ class _RefusingDeletes:
         return getattr(self._db, name)
 
 
-def test_rows_in_flight_that_age_out_do_not_hide_a_waiting_row_when_their_ack_cannot_delete(tmp_path: Path) -> None:
-    """Rows sent from disk and in flight are deleted by the age bound but stay in `inflight`; their PUBACK
-    then DELETEs them again, and on a full disk that DELETE puts rows no longer in the table into
-    `_undeleted`: `_pending_on_disk` (disk_count - len(_undeleted)) hides real rows still to send, and the
-    next results go out from memory ahead of them."""
-    box = Outbox(tmp_path / "outbox.sqlite", OutboxConfig(memory_messages=10, max_age_s=3600))
+def _three_rows_in_flight(tmp_path: Path, cfg: OutboxConfig):
+    """An outbox whose DELETEs can be refused (`box.db.refuse`), with seq 0-2 spilled while the broker was
+    away and now sent from disk, in flight (the window of 3 full); (box, what was sent, the publisher)."""
+    box = Outbox(tmp_path / "outbox.sqlite", cfg)
     box.db = _RefusingDeletes(box.db)  # type: ignore[assignment]
     sent: list[int] = []
 
@@ -73,8 +71,17 @@ def test_rows_in_flight_that_age_out_do_not_hide_a_waiting_row_when_their_ack_ca
     for i in range(3):
         box.put("t", json.dumps({"seq": i}).encode(), 1)
     box.on_connected()
-    box.pump(wire, 3)  # rows of seq 0-2 in flight, window full
+    box.pump(wire, 3)
     assert sent == [0, 1, 2]
+    return box, sent, wire
+
+
+def test_rows_in_flight_that_age_out_do_not_hide_a_waiting_row_when_their_ack_cannot_delete(tmp_path: Path) -> None:
+    """Rows sent from disk and in flight are deleted by the age bound but stay in `inflight`; their PUBACK
+    then DELETEs them again, and on a full disk that DELETE puts rows no longer in the table into
+    `_undeleted`: `_pending_on_disk` (disk_count - len(_undeleted)) hides real rows still to send, and the
+    next results go out from memory ahead of them."""
+    box, sent, wire = _three_rows_in_flight(tmp_path, OutboxConfig(memory_messages=10, max_age_s=3600))
     box.db.execute("UPDATE messages SET created = 0")  # they age out before their PUBACK
     box.put("t", json.dumps({"seq": 3}).encode(), 1)
     box.pump(wire, 3)  # seq 3 goes to disk behind them; the age bound deletes seq 0-2
@@ -95,20 +102,7 @@ def test_rows_in_flight_that_age_out_do_not_hide_a_waiting_row_when_their_ack_ca
 def test_rows_in_flight_dropped_by_the_size_bound_do_not_hide_a_waiting_row_when_their_ack_cannot_delete(
         tmp_path: Path) -> None:
     """The same for outbox.max_messages: the oldest rows dropped while in flight stayed in `inflight`."""
-    box = Outbox(tmp_path / "outbox.sqlite", OutboxConfig(memory_messages=10, max_messages=3))
-    box.db = _RefusingDeletes(box.db)  # type: ignore[assignment]
-    sent: list[int] = []
-
-    def wire(m) -> int:
-        sent.append(json.loads(m.payload)["seq"])
-        return len(sent)
-
-    box.on_disconnected()
-    for i in range(3):
-        box.put("t", json.dumps({"seq": i}).encode(), 1)
-    box.on_connected()
-    box.pump(wire, 3)  # rows of seq 0-2 in flight, window full
-    assert sent == [0, 1, 2]
+    box, sent, wire = _three_rows_in_flight(tmp_path, OutboxConfig(memory_messages=10, max_messages=3))
     for i in (3, 4, 5):  # over the bound by 3: the oldest (in flight) go, policy drop_oldest
         box.put("t", json.dumps({"seq": i}).encode(), 1)
     box.pump(wire, 3)

@@ -1,4 +1,5 @@
-"""ServingWatch descriptors when the watch never finishes its constructor (agent/service/serving_ledger.py)."""
+"""ServingWatch descriptors (agent/service/serving_ledger.py): closed when the watch is collected without
+end(), once when it ends, and when its constructor fails."""
 
 from __future__ import annotations
 
@@ -12,16 +13,23 @@ from agent.service import serving_ledger
 from agent.service.serving_ledger import ServingWatch
 
 
-def _open_under(directory: Path) -> list[str]:
+def open_descriptors() -> list[str]:
+    """What this process's descriptors point at (an unlinked file ends in " (deleted)")."""
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:
-            continue
-        if target.startswith(str(directory)):
-            out.append(target)
+            continue  # the listing's own descriptor, closed by now
     return out
+
+
+def _open_under(directory: Path) -> list[str]:
+    return [t for t in open_descriptors() if t.startswith(str(directory))]
+
+
+def _open_files(suffix: str) -> list[str]:
+    return [t for t in open_descriptors() if t.removesuffix(" (deleted)").endswith(suffix)]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd")
@@ -40,3 +48,30 @@ def test_a_watch_whose_marker_write_fails_leaves_no_descriptor_lock_or_file(tmp_
     gc.collect()
     assert _open_under(tmp_path) == [], "descriptors left open by a watch that failed to start"
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "files left by a watch that failed to start"
+
+
+def test_a_watch_collected_without_end_closes_its_in_flight_descriptor(tmp_path: Path) -> None:
+    """An engine dropped on an error path never calls end(): its marker went with the collected watch,
+    but the in-flight record's descriptor stayed open for the life of the process, one per such engine."""
+    before = _open_files(".inflight")
+    watch = ServingWatch(tmp_path, "sha", "CPUExecutionProvider:fp32")
+    watch.opened()
+    assert len(_open_files(".inflight")) == len(before) + 1
+    del watch
+    gc.collect()
+    assert _open_files(".inflight") == before, "the collected watch left its in-flight descriptor open"
+    assert not list(tmp_path.glob("*.inflight")) and not list(tmp_path.glob(f"{serving_ledger.PREFIX}*.json"))
+
+
+def test_end_closes_the_descriptor_once_and_a_later_collect_closes_nothing_else(tmp_path: Path) -> None:
+    watch = ServingWatch(tmp_path, "sha", "CPUExecutionProvider:fp32")
+    fd = watch._flight_fd
+    assert fd is not None
+    watch.end()
+    other = os.open(tmp_path / "reused", os.O_RDWR | os.O_CREAT)  # likely the number just freed
+    try:
+        del watch
+        gc.collect()
+        os.fstat(other)  # still open: the finalizer did not close the reused number a second time
+    finally:
+        os.close(other)
