@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -41,33 +41,22 @@ def _retried(read: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-class _Npz:
-    """An NpzFile whose member reads are retried (each read parses the member again)."""
+class Npz:
+    """An open .npz: its member names, and members read (and retried) on indexing."""
 
     def __init__(self, z: np.lib.npyio.NpzFile):
         self._z = z
+        self.files: list[str] = z.files
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> np.ndarray:
         return _retried(lambda: self._z[key])
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._z
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._z)
-
-    def __len__(self) -> int:
-        return len(self._z)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._z, name)
 
 
 @contextmanager
-def open_npz(path: Path | str) -> Iterator[np.lib.npyio.NpzFile]:
+def open_npz(path: Path | str) -> Iterator[Npz]:
     """`np.load(path, allow_pickle=False)` of an .npz, its members read inside the block."""
     with _HEADERS, np.load(path, allow_pickle=False) as z:
-        yield _Npz(z)  # type: ignore[misc]
+        yield Npz(z)
 
 
 def read_npy(src: Path | str | bytes) -> np.ndarray:

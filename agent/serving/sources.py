@@ -498,7 +498,7 @@ class MqttFrameSource:
             return bgr_to_frame(img, f), 1
         if self.cfg.payload == "npy":
             try:
-                return read_npy(bytes(data)), 1
+                return read_npy(data), 1
             except (ValueError, OSError, EOFError) as exc:
                 raise BadFrame(f"{self.name}: payload is not a .npy array: {exc}") from exc
         dtype = np.dtype(f.dtype if f.kind == "sensor" else np.uint8)
