@@ -374,18 +374,19 @@ class Outbox:
                 waited, aged_ids = set(self._undeleted), set(ids)
                 self._undeleted = [r for r in self._undeleted if r not in aged_ids]
                 aged = [r for r in ids if r not in waited]
-                unacked = sum(self._sent_rows.pop(r, None) is not None for r in aged)
-                self._out_of_flight(aged_ids)
-                self._count_drops(len(aged), "age", unacked)
+                self._count_drops(len(aged), "age", self._forget_sent(aged))
         while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
             msg = self.memory.popleft()
             self._count_drops(1, "age", msg.sent)
 
-    def _out_of_flight(self, rows: set[int]) -> None:
-        """Rows dropped while in flight: their PUBACK must not DELETE them again (on a full disk the refused
-        DELETE would put rows no longer in the table into _undeleted, hiding as many real ones)."""
-        for mid in [mid for mid, m in self.inflight.items() if m.row in rows]:
+    def _forget_sent(self, rows: list[int]) -> int:
+        """Rows dropped from the table: how many had been sent and never acknowledged. Those in flight leave
+        it: their PUBACK must not DELETE them again (on a full disk the refused DELETE would put rows no
+        longer in the table into _undeleted, hiding as many real ones)."""
+        gone = set(rows)
+        for mid in [mid for mid, m in self.inflight.items() if m.row in gone]:
             del self.inflight[mid]
+        return sum(self._sent_rows.pop(r, None) is not None for r in rows)
 
     def _drop(self, n: int, why: str) -> None:
         newest = self.cfg.policy == "drop_newest"
@@ -398,9 +399,8 @@ class Outbox:
             ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?",
                                                  (n + len(gone),)) if r[0] not in gone][:n]
             self._delete_rows(ids)
-            self._out_of_flight(set(ids))
             dropped += len(ids)
-            unacked = sum(self._sent_rows.pop(r, None) is not None for r in ids)
+            unacked = self._forget_sent(ids)
         while dropped < n and self.memory:
             msg = self.memory.pop() if newest else self.memory.popleft()
             unacked += msg.sent
