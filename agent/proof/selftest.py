@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -533,8 +534,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
             stage = f"decode 1/{s}" + (" (video planes)" if path == "video" else "")
             try:
                 got = []
-                for g in golden:
-                    frame = reduce(g.raw, s, m.frame.color)
+                for frame in _camera_frames(reduce, golden, s, m.frame.color):
                     got += [split_batch(o, 0) for o in _run_golden(opened, m, pre(frame), False)]
                 # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
                 got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
@@ -564,6 +564,19 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         reason = f"scales above 1/{best} cannot be chosen by the configured sources (their frame size): not proven"
     log.info("selftest.reduced_decode", candidate=c.key, max_scale=best, reason=reason)
     return {"max_scale": best, "reason": reason, "scales": scales}
+
+
+def _camera_frames(reduce: Callable[[np.ndarray, int, str], np.ndarray], golden: Sequence[GoldenSample],
+                   scale: int, color: str) -> list[np.ndarray]:
+    """Each golden frame as a camera `scale` times its size delivers it, made on up to two threads: the
+    encoding and decoding of camera-sized frames is most of the reduced-decode check (1/8 of a 160x160
+    golden frame is a 1280x1280 JPEG), OpenCV releases the GIL there, and at boot the agent's own process
+    is idle on the other core while its child proves."""
+    workers = min(2, os.cpu_count() or 1, len(golden))
+    if workers < 2:
+        return [reduce(g.raw, scale, color) for g in golden]
+    with ThreadPoolExecutor(workers, thread_name_prefix="reduced-decode") as pool:
+        return list(pool.map(lambda g: reduce(g.raw, scale, color), golden))
 
 
 class CrashMarkers:
