@@ -319,7 +319,9 @@ def render_selftest(doc: dict) -> str:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from agent.proof import spare
+    from agent.service.malloc import cap_arenas
 
+    cap_arenas()  # before any thread, and before the spare inherits the environment (agent/service/malloc.py)
     # the boot proof's child, started now: its imports run on another core while the agent imports its own
     spare.start(str(args.config) if args.config else "demo")
     try:
