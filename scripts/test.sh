@@ -2,8 +2,9 @@
 # Install everything the tests need and run every test (what CI runs):
 #   0. lint (ruff) and types (mypy) over agent/;
 #   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider): the fast lane
-#      (`-m "not slow"`, two workers), then the slow tests: the independent ones on two workers, the
-#      `serial` ones (real models, storms, fuzz, real-time senders) alone;
+#      (`-m "not slow"`, two workers), then the slow tests: the real models and the other independent
+#      ones on two workers, a test file per worker (its module fixtures build once), the `serial` ones
+#      (storms, fuzz, real-time senders, load made on purpose) alone;
 #   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
 #      replaces the `onnxruntime` module, so each gets its own venv;
 #   3. the service under real systemd (systemd-nspawn).
@@ -142,8 +143,8 @@ elif [ "$real_rc" -ne 0 ]; then
   exit "$real_rc"
 fi
 await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
-phase "main suite, slow tests: the independent ones on two workers, then (serial) real models, storms, fuzz alone"
-"$CPU_PY" -m pytest -m "slow and not serial and not nspawn" -n 2 --durations=25 "$@"
+phase "main suite, slow tests: real models and the independent ones on two workers (a file per worker), then (serial) storms, fuzz, real-time senders alone"
+"$CPU_PY" -m pytest -m "slow and not serial and not nspawn" -n 2 --dist loadfile --durations=25 "$@"
 "$CPU_PY" -m pytest -m "slow and serial and not nspawn" --durations=25 "$@"
 
 await provider_venvs
