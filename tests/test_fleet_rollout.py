@@ -47,10 +47,14 @@ def retained(port: int, topic: str) -> dict[str, dict]:
     col = Collector(port, [topic])
     try:
         wait_until(lambda: col.connects >= 1, 20)
-        # retained messages arrive at once after SUBACK, flagged retain: wait for them to settle (live ones,
-        # facts a device republishes meanwhile, are not counted: they need not ever settle)
+        # Retained messages arrive at once after SUBACK: wait until nothing more arrives for 0.5 s. Counting
+        # only retained deliveries returned mid-burst, and the operator below was then killed between a
+        # device's "started" record and its update command: that device waited out the plan's device
+        # time-out uncommanded and stayed on v1 (found 3 December 2026, in 3 of 6 runs; not fixed:
+        # docs/testing.md). Waiting for a quiet 0.5 s kills the operator between two publishing bursts.
         n = -1
-        while n != (n := sum(1 for m in list(col.messages) if m.retain)):
+        while n != len(col.messages):
+            n = len(col.messages)
             time.sleep(0.5)
         return {m.topic: json.loads(m.payload) for m in list(col.messages) if m.payload}
     finally:
@@ -167,9 +171,7 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
             return {k.split("/")[1]: (f["bundle"]["committed"] or {}).get("version") for k, f in facts.items()}
 
         # One read of the broker per check: all() over a generator that read it per device made 205 reads of
-        # 0.6 s each (two of this test's three minutes), which also hid a slow device: in one run of four here
-        # a simulated device committed about 4 min after its start, past the plan's 240 s time-out, and its
-        # facts came after the resumed rollout had ended; the deadline keeps that slack (not understood yet).
+        # 0.6 s each (two of this test's three minutes).
         wait_until(lambda: all(v.get(d) == 2 for v in [committed_versions()] for d in targets), 150, interval=0.5)
         committed = committed_versions()
         assert all(committed[d] == 2 for d in targets), {d: committed[d] for d in targets if committed[d] != 2}
