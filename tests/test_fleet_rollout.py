@@ -48,10 +48,10 @@ def retained(port: int, topic: str) -> dict[str, dict]:
     try:
         wait_until(lambda: col.connects >= 1, 20)
         # Retained messages arrive at once after SUBACK: wait until nothing more arrives for 0.5 s. Counting
-        # only retained deliveries returned mid-burst, and the operator below was then killed between a
-        # device's "started" record and its update command: that device waited out the plan's device
-        # time-out uncommanded and stayed on v1 (found 3 December 2026, in 3 of 6 runs; not fixed:
-        # docs/testing.md). Waiting for a quiet 0.5 s kills the operator between two publishing bursts.
+        # only retained deliveries returned mid-burst, the operator below was then killed mid-burst, and in
+        # 3 of 6 runs one device stayed on v1 after the resumed rollout (3 December 2026; likeliest cause a
+        # kill between a device's "started" record and its update command; not fixed: docs/testing.md).
+        # Waiting for a quiet 0.5 s kills the operator between two publishing bursts.
         n = -1
         while n != len(col.messages):
             n = len(col.messages)
