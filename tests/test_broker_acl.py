@@ -81,7 +81,9 @@ def test_a_device_cannot_command_another_device_or_read_its_commands(tmp_path: P
         # Barrier: a message on a topic dev-a may read, published after the reply was seen, reaches dev-a
         # after anything the broker would have forwarded to it before.
         operator.c.publish("edge/dev-a/cmd/witness", b"{}", qos=1).wait_for_publish(5)
-        assert rogue.wait(lambda: rogue.on("edge/dev-a/cmd/witness"), 30), "the witness never reached dev-a"
+        assert rogue.wait(lambda: rogue.on("edge/dev-a/cmd/witness"), 30), (
+            f"the witness never reached dev-a (connects {rogue.connects}, connected {rogue.c.is_connected()}, "
+            f"last reason {rogue.last_reason}, got {[m.topic for m in rogue.messages]})")
         assert [m.topic for m in rogue.messages] == ["edge/dev-a/cmd/witness"]
         # and dev-a cannot speak for dev-b: its forged health never reaches the operator (barrier: the
         # operator's own message, published after the broker answered dev-a, comes back after it would)

@@ -79,6 +79,15 @@ def test_each_failure_kind_is_named() -> None:
     assert observe(p, 0, 59, {"update": "r1", "state": "selftest"}, None, on, None) is None
 
 
+def test_busy_from_a_device_working_on_this_rollout_is_in_flight_not_refused() -> None:
+    # the answer to a command sent again on resume, when the first one did arrive
+    p, on = plan(), {"state": "online"}
+    busy = {"command": "update", "ok": False, "busy": True, "error": "busy: update state is receiving"}
+    assert observe(p, 0, 1, {"update": "r1", "state": "downloading"}, None, on, busy) is None
+    assert observe(p, 0, 1, {"update": "r0", "state": "downloading"}, None, on, busy).kind == "refused"
+    assert observe(p, 0, 1, None, None, on, busy).kind == "refused"
+
+
 def test_abort_fires_at_the_threshold_only_after_the_minimum_count() -> None:
     p = plan(gates=Gates(abort_failure_pct=20, abort_min_finished=10))
     assert abort_reason(9, 9, p) is None  # under the minimum count, whatever the rate

@@ -230,3 +230,65 @@ def test_an_operator_that_stopped_cleanly_releases_the_lease_at_once(broker: Bro
     for op in (first, second):
         op.client.stop()
     c.stop()
+
+
+class Killed(BaseException):
+    """The operator's process dying at one exact line (BaseException: nothing in the loop catches it)."""
+
+
+def test_a_device_recorded_as_started_that_no_command_reached_is_commanded_again_on_resume(broker: Broker) -> None:
+    # the fault: `_start_one` writes the device's `started` record, then its command; an operator killed
+    # between the two left the device waiting for nobody until the plan's device time-out failed it
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start(["edge/+/cmd/update"])
+    fake_device(c, "dev0")
+    publish_plan(broker.port, Plan(id="lost", artifact=ART, targets=("dev0",), phases=(1,), rate_per_min=60,
+                                   device_timeout_s=600))
+    first = operator(broker.port, "lost")
+
+    def killed(device: str) -> None:
+        raise Killed(device)
+
+    first._command = killed  # type: ignore[method-assign]
+    with pytest.raises(Killed):
+        first.run(max_s=30)
+    first.client.stop()
+
+    second = operator(broker.port, "lost")
+    assert second.records["dev0"]["state"] == "started"  # the record reached the broker, the command did not
+    second.take_over()
+    ticks = Ticks()
+    t = threading.Thread(target=second.run, kwargs={"until": ticks}, daemon=True)
+    t.start()
+    try:
+        topic, payload, _ = c.inbox.get(timeout=20)  # the only command: the first operator never sent one
+        assert topic == "edge/dev0/cmd/update" and json.loads(payload)["id"] == "lost"
+        assert second.records["dev0"].get("commanded_again")
+        assert any(d["event"] == "recommanded" for d in second.state["decisions"])
+        now = time.time()  # the device does its update: the resumed rollout sees it through
+        c.publish("edge/dev0/update/status", {"update": "lost", "state": "committed", "ts": now})
+        c.publish("edge/dev0/facts", {"session": 1, "ts": now + 0.1, "labels": {},
+                                      "bundle": {"committed": {"name": "tiny-classifier", "version": 2}}})
+        assert wait_until(lambda: second.records["dev0"].get("state") == "committed", 20), second.records["dev0"]
+        assert c.inbox.empty()
+    finally:
+        ticks.stop.set()
+        t.join(10)
+        second.client.stop()
+        c.stop()
+
+
+def test_a_device_that_shows_the_rollout_is_not_commanded_again_on_resume(broker: Broker) -> None:
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start(["edge/+/cmd/update"])
+    fake_device(c, "dev0")
+    publish_plan(broker.port, Plan(id="seen", artifact=ART, targets=("dev0",), phases=(1,), rate_per_min=60))
+    first = operator(broker.port, "seen")
+    first.run(until=lambda: "dev0" in first.records)
+    first.client.stop()
+    assert c.inbox.get(timeout=20)[0] == "edge/dev0/cmd/update"
+    c.publish("edge/dev0/update/status", {"update": "seen", "state": "downloading", "ts": time.time()})
+    second = operator(broker.port, "seen")
+    second.take_over(force=True)
+    assert second.records["dev0"].get("commanded") and "commanded_again" not in second.records["dev0"]
+    assert not any(d["event"] == "recommanded" for d in second.state["decisions"])
+    second.client.stop()
+    c.stop()

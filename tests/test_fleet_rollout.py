@@ -47,14 +47,17 @@ def retained(port: int, topic: str) -> dict[str, dict]:
     col = Collector(port, [topic])
     try:
         wait_until(lambda: col.connects >= 1, 20)
-        # Retained messages arrive at once after SUBACK: wait until nothing more arrives for 0.5 s. Counting
-        # only retained deliveries returned mid-burst, the operator below was then killed mid-burst, and in
-        # 3 of 6 runs one device stayed on v1 after the resumed rollout (3 December 2026; likeliest cause a
-        # kill between a device's "started" record and its update command; not fixed: docs/testing.md).
-        # Waiting for a quiet 0.5 s kills the operator between two publishing bursts.
+        # Retained messages arrive at once after SUBACK, flagged retain: wait for them to settle (live ones,
+        # facts a device republishes meanwhile, are not counted: they need not ever settle). This returns
+        # in the middle of the operator's publishing bursts, so the kill below lands mid-burst too: in 3 of
+        # 6 runs (3 December 2026) one device was then left on v1. The likeliest cause: the operator wrote
+        # a device's `started` record, then its update command without waiting for the broker (a SIGKILL
+        # can drop it from paho's queue), and resume never commanded it again. The command is now
+        # acknowledged, then recorded (`commanded`), and resume re-commands a device without it
+        # (tests/test_fleet_operator.py); 8 of 8 runs passed since. (In one failing run the device did
+        # commit v2, late: that one this does not explain.)
         n = -1
-        while n != len(col.messages):
-            n = len(col.messages)
+        while n != (n := sum(1 for m in list(col.messages) if m.retain)):
             time.sleep(0.5)
         return {m.topic: json.loads(m.payload) for m in list(col.messages) if m.payload}
     finally:
@@ -174,7 +177,14 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
         # 0.6 s each (two of this test's three minutes).
         wait_until(lambda: all(v.get(d) == 2 for v in [committed_versions()] for d in targets), 150, interval=0.5)
         committed = committed_versions()
-        assert all(committed[d] == 2 for d in targets), {d: committed[d] for d in targets if committed[d] != 2}
+        behind = [d for d in targets if committed[d] != 2]
+        if behind:  # what each left-behind device's record, retained status and simulator say
+            records = retained(world["port"], "fleet/rollout/one/device/+")
+            status = retained(world["port"], "edge/+/update/status")
+            sim = {d.id: {"commands": d.update_commands, "fate": d.fate} for d in sims.devices if d.id in behind}
+            pytest.fail(f"left on an older version: {behind}; records "
+                        f"{ {d: records.get(f'fleet/rollout/one/device/{d}') for d in behind} }; status "
+                        f"{ {d: status.get(f'edge/{d}/update/status') for d in behind} }; simulator {sim}")
         # no device commanded twice: what the devices received (sims count), and what the broker carried
         assert all(d.update_commands == 1 for d in sims.devices), [d.id for d in sims.devices if d.update_commands != 1]
         seen = commands(world, "update")

@@ -50,7 +50,10 @@ def observe(plan: Plan, started_ts: float, now: float, status: Mapping[str, Any]
         return Outcome("failed", "rejected", reason)
     elif state == "rolled_back":
         return Outcome("failed", "rolled_back", str(status.get("reason")))  # type: ignore[union-attr]
-    if reply is not None and not reply.get("ok") and "update" not in reply:
+    # "busy" while its status names this rollout in flight: the answer to a command sent again on resume
+    # (the first one arrived), not a refusal
+    ours_in_flight = mine and state not in FINAL_STATES and bool(state)
+    if reply is not None and not reply.get("ok") and "update" not in reply and not (ours_in_flight and reply.get("busy")):
         return Outcome("failed", "refused", str(reply.get("error")))
     av = availability or {}
     # devices are started only while online, so offline now means it went away during the update (a

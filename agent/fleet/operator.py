@@ -198,6 +198,38 @@ class Operator:
         if st.get("owner"):
             self.decide("resumed", previous_owner=st.get("owner"), heartbeat_age_s=round(age, 1),
                         started=self.counts()["started"])
+        if st.get("status") not in TERMINAL:  # an operator killed on its first tick published no state
+            self._recommand_unacknowledged()
+
+    def _recommand_unacknowledged(self) -> None:
+        """A device's `started` record is written before its command (so no command goes out unrecorded);
+        an operator killed between the two leaves a device recorded as started that no command reached.
+        Such a device has no `commanded` in its record and shows no sign of this rollout (no status naming
+        it, no reply, the bundle not committed): it is commanded again, its device time-out counted afresh.
+        Killed after the broker took the command but before `commanded` was recorded, the device may get
+        it twice: the second is answered "busy" while its status names this rollout, and `observe` keeps
+        it in flight."""
+        plan = self.plan
+        assert plan is not None
+        now = self.clock()
+        again = []
+        for d, rec in sorted(self.records.items()):
+            if rec.get("state") != "started" or rec.get("rollback") or rec.get("commanded"):
+                continue
+            status = self.devices.status.get(d) or {}
+            reply = self.devices.replies.get(d) or {}
+            com = FactsRow(d, self.devices.facts.get(d) or {}, {}).committed()
+            if (status.get("update") == plan.id or reply.get("command") == "update"
+                    or (com.get("name") == plan.artifact.name and com.get("version") == plan.artifact.version)):
+                continue
+            if not self.devices.online(d):
+                continue  # `observe` names it went_offline; a command would wait for nobody
+            self.save_record(d, started=round(now, 3), commanded_again=round(now, 3),
+                             first_started=rec.get("first_started", rec.get("started")))
+            self._command(d)
+            again.append(d)
+        if again:
+            self.decide("recommanded", devices=again, reason="recorded as started, but no sign the command arrived")
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, max_s: float | None = None) -> dict[str, Any]:
@@ -358,11 +390,19 @@ class Operator:
         com = FactsRow(device, self.devices.facts.get(device) or {}, {}).committed()
         self.save_record(device, state="started", phase=int(self.state.get("phase", 0)), started=round(now, 3),
                          previous={"name": com.get("name"), "version": com.get("version")} if com else None)
+        self._command(device)
+        self._dirty = True
+
+    def _command(self, device: str) -> None:
+        """The update command, acknowledged by the broker, then `commanded` in the device's record: what a
+        resumed operator reads to tell a command that went out from one that never did."""
+        plan = self.plan
+        assert plan is not None
         a = plan.artifact
         self.devices.replies.pop(device, None)
         self.client.publish(f"{self.devices.root}{device}/cmd/update",
-                            {"url": a.url, "sha256": a.sha256, "id": plan.id}, retain=False, wait=False)
-        self._dirty = True
+                            {"url": a.url, "sha256": a.sha256, "id": plan.id}, retain=False)
+        self.save_record(device, commanded=round(self.clock(), 3))
 
 
 class FleetRollback:
