@@ -452,6 +452,9 @@ def main() -> int:
     ap.add_argument("--intra", type=int, default=None,
                     help="intra-op threads for the naive loop and the agent (0: ORT's default; unset: the agent's default)")
     ap.add_argument("--spin", action="store_true", help="let ORT pool threads spin (ORT's default; off in the agent)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="the many-sources row: an agent config key (dotted) and its YAML value, e.g. "
+                         "session.memory_pattern=true; printed with the settings changed")
     ap.add_argument("--sources", type=int, default=0,
                     help="the many-sources row instead: this many cameras (--camera-input at --camera-fps each) "
                          "served by one agent, against the same agent with one of them")
@@ -607,7 +610,8 @@ def many_sources(args: argparse.Namespace) -> int:
         if cameras:
             videos = [c.url for c in cameras]
         settings = {"selection.variant": variant,
-                    **({"session.intra_op_threads": args.intra} if args.intra is not None else {})}
+                    **({"session.intra_op_threads": args.intra} if args.intra is not None else {}),
+                    **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)}}
         rows = []
         try:
             for _ in range(args.runs):

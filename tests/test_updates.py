@@ -328,9 +328,21 @@ def test_inbox_and_url_delivery_each_work_end_to_end(tmp_path: Path, kit: dict, 
     web_root = tmp_path / "web"
     web_root.mkdir()
     shutil.copy(kit["bundles"]["v3"], web_root / "v3.tar.gz")
-    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web_root), **k)  # noqa: E731
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
-    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    gets: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, directory=str(web_root), **k)
+
+        def do_GET(self) -> None:
+            gets.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *a) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    web.gets = gets  # type: ignore[attr-defined]
     threading.Thread(target=web.serve_forever, daemon=True).start()
     try:
         assert col.wait(lambda: len(preds(col)) >= 5, 60)
@@ -350,6 +362,13 @@ def test_inbox_and_url_delivery_each_work_end_to_end(tmp_path: Path, kit: dict, 
         reply = json.loads(cmd.on(PREFIX + "cmd/update/reply")[0].payload)
         assert reply["ok"] and reply["update"]["state"] == "committed", reply
         assert col.wait(lambda: serving_version(col) == 3, 30)
+        # the same update again (a resumed fleet operator): answered with its verdict, nothing fetched again
+        gets = len(web.gets)
+        cmd.c.publish(PREFIX + "cmd/update", json.dumps({"url": url, "sha256": sha256_file(kit["bundles"]["v3"])}), qos=1)
+        assert cmd.wait(lambda: len(cmd.on(PREFIX + "cmd/update/reply")) >= 2, 60)
+        again = json.loads(cmd.on(PREFIX + "cmd/update/reply")[1].payload)
+        assert again["ok"] and again["repeated"] and again["update"]["state"] == "committed", again
+        assert len(web.gets) == gets == 1 and serving_version(col) == 3
 
         # an explicit rollback goes back to the previous committed bundle (v2), self-tested again
         cmd.c.publish(PREFIX + "cmd/rollback", b"{}", qos=1)

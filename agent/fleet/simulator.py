@@ -42,6 +42,7 @@ from agent.link.topics import Topics, default_prefix
 from agent.logsetup import get_logger
 from agent.spec.manifest import MANIFEST_NAME, parse_manifest
 from agent.updates.delivery import ChunkReceiver, Downloader
+from agent.updates.machine import State
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation
 from agent.updates.store import BundleStore, bundle_id
 from agent.updates.updater import Updater, UpdateRejected
@@ -380,7 +381,12 @@ class SimDevice:
             if not isinstance(url, str) or not isinstance(sha, str):
                 self.reply(name, payload, {"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
                 return
-            self._job(name, payload, lambda: self.downloader.fetch(url, sha, str(payload.get("id", url.rsplit("/", 1)[-1]))))
+            uid = str(payload.get("id", url.rsplit("/", 1)[-1]))[:100]
+            snap = self.updater.machine.snapshot
+            if snap.update == uid and snap.state is State.COMMITTED:  # as the agent's controller answers it
+                self.reply(name, payload, {"ok": True, "repeated": True, "update": {"update": uid, "state": "committed"}})
+                return
+            self._job(name, payload, lambda: self.downloader.fetch(url, sha, uid))
         elif name == "rollback":
             self.rollback_commands += 1
             self._job(name, payload, lambda: self.updater.rollback(str(payload.get("id", "rollback"))))

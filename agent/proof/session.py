@@ -103,6 +103,10 @@ def session_options(settings: SessionSettings, record_assignment: bool = True) -
     so.intra_op_num_threads = settings.intra_op_threads
     so.inter_op_num_threads = settings.inter_op_threads
     so.log_severity_level = 2  # warnings: the fallback messages we want to capture
+    # ORT's memory pattern plans one buffer for a run's activations from the first runs' shapes; off, the
+    # arena serves each tensor. Measured on YOLOv8n (CPU, 1 thread, 3 December 2026): 1024 input 220 -> 162
+    # MB RSS, 320 input 98-100 -> 94 MB, CPU per inference the same within the rounds' spread.
+    so.enable_mem_pattern = settings.memory_pattern
     if not settings.allow_spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.add_session_config_entry("session.inter_op.allow_spinning", "0")

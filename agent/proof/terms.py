@@ -33,6 +33,8 @@ class SessionSettings:
     intra_op_threads: Annotated[int, Key("per inference worker; 0: ORT's default (all cores)", ge=0)] = 1
     inter_op_threads: Annotated[int, Key("0: ORT's default", ge=0)] = 0
     allow_spinning: Annotated[bool, Key("ORT's default spins, which starves capture and preprocessing")] = False
+    memory_pattern: Annotated[bool, Key("ORT's pre-planned activation buffer (its default: on); off keeps less "
+                                        "memory at the same CPU (docs/serving.md)")] = False
 
 
 @dataclass(frozen=True)

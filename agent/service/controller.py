@@ -39,6 +39,7 @@ from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.sdnotify import Notifier
+from agent.updates.machine import State
 from agent.updates.probation import probation_over
 
 if TYPE_CHECKING:  # imported at run time only when updates, MQTT or metrics are enabled (_start_*)
@@ -768,6 +769,14 @@ class Controller:
                 reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
                 return
             uid = str(cmd.payload.get("id", url.rsplit("/", 1)[-1]))[:100]
+            snap = updater.machine.snapshot
+            if snap.update == uid and snap.state is State.COMMITTED:
+                # the same update again (a fleet operator resumed after its first command went out): its
+                # verdict, not a second download and install of the bundle that already serves
+                reply({"ok": True, "repeated": True,
+                       "update": self._last_update if (self._last_update or {}).get("update") == uid
+                       else {"update": uid, "state": "committed"}})
+                return
             refused = downloader.refusal(url, uid)
             if refused is not None:
                 reply({"ok": False, "update": refused})
