@@ -19,7 +19,7 @@ from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
-from agent.fleet.operator import Operator, RolloutError
+from agent.fleet.operator import FleetRollback, Operator, RolloutError
 from agent.fleet.plan import Artifact, Gates, Plan, start_order
 from agent.fleet.simulator import GroupProfile, SimFleet
 from agent.fleet.state import Connection, FleetClient, RolloutTopics
@@ -262,8 +262,8 @@ def test_a_device_recorded_as_started_that_no_command_reached_is_commanded_again
     try:
         topic, payload, _ = c.inbox.get(timeout=20)  # the only command: the first operator never sent one
         assert topic == "edge/dev0/cmd/update" and json.loads(payload)["id"] == "lost"
+        assert wait_until(lambda: any(d["event"] == "recommanded" for d in second.state["decisions"]), 20)
         assert second.records["dev0"].get("commanded_again")
-        assert any(d["event"] == "recommanded" for d in second.state["decisions"])
         now = time.time()  # the device does its update: the resumed rollout sees it through
         c.publish("edge/dev0/update/status", {"update": "lost", "state": "committed", "ts": now})
         c.publish("edge/dev0/facts", {"session": 1, "ts": now + 0.1, "labels": {},
@@ -291,4 +291,56 @@ def test_a_device_that_shows_the_rollout_is_not_commanded_again_on_resume(broker
     assert second.records["dev0"].get("commanded") and "commanded_again" not in second.records["dev0"]
     assert not any(d["event"] == "recommanded" for d in second.state["decisions"])
     second.client.stop()
+    c.stop()
+
+
+def _crashed_rollout(port: int, rid: str, status: str, control: str | None = None) -> FleetClient:
+    """A rollout whose operator died: dev0 committed, dev1 recorded as started that no command reached."""
+    c = FleetClient(Connection("127.0.0.1", port)).start(["edge/+/cmd/update"])
+    for d in ("dev0", "dev1"):
+        fake_device(c, d)
+    publish_plan(port, Plan(id=rid, artifact=ART, targets=("dev0", "dev1"), phases=(1, 2), rate_per_min=60,
+                            human_gate=True, device_timeout_s=600))
+    t = RolloutTopics(rid)
+    c.publish(t.state, {"rev": 5, "status": status, "phase": 1, "owner": "dead:1", "heartbeat": 1.0})
+    c.publish(t.device("dev0"), {"device": "dev0", "rev": 3, "state": "committed", "phase": 0, "started": 1.0,
+                                 "commanded": 1.0, "previous": {"name": "tiny-classifier", "version": 1}})
+    c.publish(t.device("dev1"), {"device": "dev1", "rev": 1, "state": "started", "phase": 1, "started": time.time(),
+                                 "previous": {"name": "tiny-classifier", "version": 1}})
+    if control:
+        c.publish(t.control, {"action": control, "ts": time.time(), "by": "human"})
+    return c
+
+
+@pytest.mark.parametrize("status, control", [("running", "abort"), ("paused", None)])
+def test_resume_commands_no_device_again_after_an_abort_or_while_paused(broker: Broker, status: str,
+                                                                      control: str | None) -> None:
+    # found in review: re-commanding at take-over ran before the abort a human sent while no operator lived
+    c = _crashed_rollout(broker.port, "held", status, control)
+    op = operator(broker.port, "held")
+    op.take_over()
+    ticks = Ticks()
+    t = threading.Thread(target=op.run, kwargs={"until": ticks}, daemon=True)
+    t.start()
+    try:
+        ticks.wait()  # barrier: twenty loop ticks after the controls were applied
+        assert c.inbox.empty(), c.inbox.get_nowait()
+        assert "commanded_again" not in op.records["dev1"]
+    finally:
+        ticks.stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_a_fleet_rollback_never_sends_an_update_command(broker: Broker) -> None:
+    c = _crashed_rollout(broker.port, "rb", "awaiting_approval")
+    op = operator(broker.port, "rb")
+    op.take_over()  # what `fleet rollback` does first
+    FleetRollback(op).run(max_s=5)
+    topics = []  # the rollback ran to its end: anything take-over sent was published before it
+    while not c.inbox.empty():
+        topics.append(c.inbox.get_nowait()[0])
+    assert "edge/dev1/cmd/update" not in topics, topics
+    op.client.stop()
     c.stop()

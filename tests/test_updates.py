@@ -369,6 +369,11 @@ def test_inbox_and_url_delivery_each_work_end_to_end(tmp_path: Path, kit: dict, 
         again = json.loads(cmd.on(PREFIX + "cmd/update/reply")[1].payload)
         assert again["ok"] and again["repeated"] and again["update"]["state"] == "committed", again
         assert len(web.gets) == gets == 1 and serving_version(col) == 3
+        # the same id with another sha256 is no repeat: it gets its own verdict (refused)
+        cmd.c.publish(PREFIX + "cmd/update", json.dumps({"url": url, "sha256": "0" * 64}), qos=1)
+        assert cmd.wait(lambda: len(cmd.on(PREFIX + "cmd/update/reply")) >= 3, 60)
+        third = json.loads(cmd.on(PREFIX + "cmd/update/reply")[2].payload)
+        assert not third["ok"] and "repeated" not in third and third["update"]["state"] == "rejected", third
 
         # an explicit rollback goes back to the previous committed bundle (v2), self-tested again
         cmd.c.publish(PREFIX + "cmd/rollback", b"{}", qos=1)

@@ -109,6 +109,7 @@ class Operator:
         self._running = False
         self._handled_control = 0.0  # the newest control request applied (its ts), kept in the state
         self.taken_over: str | None = None
+        self._recommand_pending = False  # set by take_over: a resume looks for uncommanded devices once
 
     # -- loading ---------------------------------------------------------------------------------------
     def topics(self) -> list[str]:
@@ -198,8 +199,9 @@ class Operator:
         if st.get("owner"):
             self.decide("resumed", previous_owner=st.get("owner"), heartbeat_age_s=round(age, 1),
                         started=self.counts()["started"])
-        if st.get("status") not in TERMINAL:  # an operator killed on its first tick published no state
-            self._recommand_unacknowledged()
+        # re-commanding waits for the loop: after the controls a human sent meanwhile (an abort), only while
+        # running, and never for `fleet rollback` (which takes over too, but runs no step)
+        self._recommand_pending = st.get("status") not in TERMINAL
 
     def _recommand_unacknowledged(self) -> None:
         """A device's `started` record is written before its command (so no command goes out unrecorded);
@@ -266,6 +268,9 @@ class Operator:
         plan, now = self.plan, self.clock()
         assert plan is not None
         self._apply_control()
+        if self._recommand_pending and self.state.get("status") == "running":
+            self._recommand_pending = False
+            self._recommand_unacknowledged()
         self._observe(now)
         if self.state.get("status") == "running":
             self._advance(now)
@@ -300,8 +305,13 @@ class Operator:
         for d, rec in list(self.records.items()):
             if rec.get("state") != "started":
                 continue
+            reply = dv.replies.get(d) if (dv.replies.get(d) or {}).get("command") == "update" else None
+            if reply is not None and reply.get("busy") and rec.get("commanded_again"):
+                # commanded twice, its "busy" may answer the second while the first runs (published before
+                # the first's status): the verdict or the time-out decides
+                reply = None
             o = observe(plan, float(rec["started"]), now, dv.status.get(d), dv.facts.get(d), dv.availability.get(d),
-                        dv.replies.get(d) if (dv.replies.get(d) or {}).get("command") == "update" else None)
+                        reply)
             if o is None:
                 continue
             self.save_record(d, state=o.state, kind=o.kind, reason=o.reason[:300], finished=round(now, 3),

@@ -186,6 +186,7 @@ class Controller:
         self.boot_number = 0
         self._next_seq = 1  # seq never repeats within a boot, across reloads and updates
         self._last_update: dict[str, Any] | None = None
+        self._url_committed: tuple[str, str] | None = None  # (id, sha256) of the last URL update committed
         self._last_failure: dict[str, Any] | None = None  # the last rejected / rolled-back update, for the facts
         self._last_health: dict[str, Any] | None = None
         self._last_health_key: Any = None
@@ -769,10 +770,12 @@ class Controller:
                 reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
                 return
             uid = str(cmd.payload.get("id", url.rsplit("/", 1)[-1]))[:100]
-            snap = updater.machine.snapshot
-            if snap.update == uid and snap.state is State.COMMITTED:
-                # the same update again (a fleet operator resumed after its first command went out): its
-                # verdict, not a second download and install of the bundle that already serves
+            snap, store = updater.machine.snapshot, self.store
+            if (snap.update == uid and snap.state is State.COMMITTED and self._url_committed == (uid, sha)
+                    and store is not None and snap.bundle is not None
+                    and store.current_id == snap.bundle == store.committed_id):
+                # the same update again (same id and sha256; a fleet operator resumed after its first
+                # command went out), its bundle still the one serving: its verdict, not a second install
                 reply({"ok": True, "repeated": True,
                        "update": self._last_update if (self._last_update or {}).get("update") == uid
                        else {"update": uid, "state": "committed"}})
@@ -797,6 +800,8 @@ class Controller:
         def run() -> None:
             try:
                 result = work()
+                if cmd.name == "update" and result["state"] == "committed":
+                    self._url_committed = (uid, str(sha))  # a plain assignment: read on the controller's thread
                 reply({"ok": result["state"] == "committed", "update": result})
             except Exception as exc:
                 log.exception("update.command_failed")
