@@ -41,7 +41,7 @@ def observe(plan: Plan, started_ts: float, now: float, status: Mapping[str, Any]
         a = plan.artifact
         online = (availability or {}).get("state") == "online"
         fresh = float((facts or {}).get("ts") or 0) >= float(status.get("ts") or 0) - 1.0  # type: ignore[union-attr]
-        if com.get("name") == a.name and com.get("version") == a.version and online and fresh:
+        if a.names(com) and online and fresh:
             return Outcome("committed", "committed", f"committed {a.name} v{a.version} and reachable")
     elif state == "rejected":
         reason = str(status.get("reason"))  # type: ignore[union-attr]

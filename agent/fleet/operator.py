@@ -222,7 +222,7 @@ class Operator:
             reply = self.devices.replies.get(d) or {}
             com = FactsRow(d, self.devices.facts.get(d) or {}, {}).committed()
             if (status.get("update") == plan.id or reply.get("command") == "update"
-                    or (com.get("name") == plan.artifact.name and com.get("version") == plan.artifact.version)):
+                    or plan.artifact.names(com)):
                 continue
             if not self.devices.online(d):
                 continue  # `observe` names it went_offline; a command would wait for nobody

@@ -39,6 +39,10 @@ class Artifact:
     name: str
     version: int
 
+    def names(self, committed: Mapping[str, Any]) -> bool:
+        """Whether a device's committed bundle (its facts' `bundle.committed`) is this artifact."""
+        return committed.get("name") == self.name and committed.get("version") == self.version
+
 
 @dataclass(frozen=True)
 class Plan:
