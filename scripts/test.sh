@@ -2,9 +2,10 @@
 # Install everything the tests need and run every test (what CI runs):
 #   0. lint (ruff) and types (mypy) over agent/;
 #   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider): the fast lane
-#      (`-m "not slow"`, two workers), then the slow tests: the real models and the other independent
-#      ones on two workers, a test file per worker (its module fixtures build once), the `serial` ones
-#      (storms, fuzz, real-time senders, load made on purpose) alone;
+#      (`-m "not slow"`, cores + 1 workers), the slow tests that need no real model (a test file per
+#      worker: its module fixtures build once), then, once the real-model references are made, the
+#      tests marked `real` the same way, and the `serial` ones (storms, fuzz, real-time senders, load
+#      made on purpose) alone;
 #   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
 #      replaces the `onnxruntime` module, so each gets its own venv;
 #   3. the service under real systemd (systemd-nspawn).
@@ -22,6 +23,11 @@ ROOT=$PWD
 CACHE=${EDGE_AGENT_CACHE:-$HOME/.cache/edge-agent}
 PY=${PYTHON:-python3}
 QUICK=${EDGE_AGENT_QUICK:-0}
+# pytest-xdist workers. The fast lane: one more than the cores (at least 3), since many of its tests wait
+# on an agent process, a broker or a barrier (2 cores: 4 min 42 s at -n 2, 3 min 57 s at -n 3, 87 % of both
+# cores busy). The slow lanes: one per core (they are CPU-bound: 547.7 s at -n 3 against 544.6 s at -n 2).
+WORKERS=${EDGE_AGENT_TEST_WORKERS:-$(( $(nproc) + 1 > 3 ? $(nproc) + 1 : 3 ))}
+SLOW_WORKERS=${EDGE_AGENT_SLOW_WORKERS:-$(( $(nproc) > 2 ? $(nproc) : 2 ))}
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
 COMMON_DEPS="numpy opencv-python-headless av paho-mqtt pyyaml structlog jsonschema cryptography urllib3 pytest pytest-xdist onnx sympy pillow matplotlib jinja2 prometheus-client orjson kaldi-native-fbank"
 CHECK_DEPS="mypy ruff types-PyYAML"
@@ -80,8 +86,8 @@ phase "lint (ruff) and types (mypy over agent/)"
 "$CPU_PY" -m mypy
 
 if [ "$QUICK" = 1 ]; then
-  phase "fast lane (pytest -m 'not slow and not nspawn' -n 2)"
-  "$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 --durations=25 "$@"
+  phase "fast lane (pytest -m 'not slow and not nspawn' -n $WORKERS)"
+  "$CPU_PY" -m pytest -m "not slow and not nspawn" -n "$WORKERS" --durations=25 "$@"
   phase "done (quick)"
   exit 0
 fi
@@ -131,8 +137,12 @@ if [ "$(id -u)" -eq 0 ] && command -v systemd-nspawn >/dev/null 2>&1 && command 
 fi
 
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
-phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n 2)"
-"$CPU_PY" -m pytest -m "not slow and not nspawn" -n 2 --durations=25 "$@"
+phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n $WORKERS)"
+"$CPU_PY" -m pytest -m "not slow and not nspawn and not real" -n "$WORKERS" --durations=25 "$@"
+# The slow tests that need no real model run while the references may still be in the making (a cold run
+# waited ~3 min here for them with nothing else to do).
+phase "main suite, slow tests without real models (-n $SLOW_WORKERS, a file per worker)"
+"$CPU_PY" -m pytest -m "slow and not serial and not nspawn and not real" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
 
 real_rc=0
 await real || real_rc=$?
@@ -143,8 +153,8 @@ elif [ "$real_rc" -ne 0 ]; then
   exit "$real_rc"
 fi
 await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
-phase "main suite, slow tests: real models and the independent ones on two workers (a file per worker), then (serial) storms, fuzz, real-time senders alone"
-"$CPU_PY" -m pytest -m "slow and not serial and not nspawn" -n 2 --dist loadfile --durations=25 "$@"
+phase "main suite, real models (-n $SLOW_WORKERS, a file per worker), then (serial) storms, fuzz, real-time senders alone"
+"$CPU_PY" -m pytest -m "real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
 "$CPU_PY" -m pytest -m "slow and serial and not nspawn" --durations=25 "$@"
 
 await provider_venvs

@@ -14,10 +14,15 @@ from pathlib import Path
 
 from agent.bundle.load import load_bundle
 from agent.proof.parity import Finding
+import pytest
+
+from agent.proof import selftest as selftest_module
 from agent.proof.selection import (
+    SETTLE_MIN_RUNS,
     SelectionPolicy,
     fastest_proven,
     latency_retry_schedule,
+    latency_settled,
     should_remeasure_latency,
 )
 from agent.proof.selftest import SelftestOptions, run_selftest
@@ -47,6 +52,47 @@ def test_only_a_latency_only_failure_is_measured_again() -> None:
     assert not should_remeasure_latency([wrong])  # wrong answers are not a busy machine
     assert not should_remeasure_latency([slow, _result("ok", ())])  # something passed: nothing to retry
     assert fastest_proven([slower, wrong, slow]) is slow
+
+
+def test_latency_is_settled_only_far_under_budget_and_clear_of_the_margin() -> None:
+    assert latency_settled([200.0], [240.0], [3000.0], 0.10) is not None
+    assert latency_settled([200.0], [1600.0], [3000.0], 0.10) is None  # p95 over half the budget: timed in full
+    assert latency_settled([200.0, 100.0], [240.0, 120.0], [3000.0, 3000.0], 0.10) is not None  # int8 clearly faster
+    assert latency_settled([200.0, 200.0], [240.0, 240.0], [3000.0, 3000.0], 0.10) is not None  # clearly no faster
+    assert latency_settled([200.0, 180.0], [240.0, 220.0], [3000.0, 3000.0], 0.10) is None  # 10 % faster: at the margin
+    assert latency_settled([200.0, 100.0], [240.0, 1600.0], [3000.0, 3000.0], 0.10) is None  # one near its budget
+
+
+def _slowed_selftest(bundle: Path, state: Path, monkeypatch: pytest.MonkeyPatch, budget_ms: float,
+                     **opts: object) -> dict:
+    """The tiny bundle's self-test with every latency run slowed by 20 ms (inside the timed region), and the
+    settle time scaled down from 2 s to 0.2 s so that ten such runs reach it."""
+    rewrite_manifest(bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": budget_ms}))
+    monkeypatch.setattr(selftest_module, "BEFORE_RUN", lambda c, n: time.sleep(0.02))
+    monkeypatch.setattr(selftest_module, "SETTLE_AFTER_S", 0.2)
+    report = run_selftest(load_bundle(bundle), state, SelftestOptions(use_cache=False, **opts))  # type: ignore[arg-type]
+    return report.to_dict()
+
+
+def test_the_latency_loop_stops_once_its_answer_cannot_change_and_says_so(
+        tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _slowed_selftest(tiny_bundle, tmp_path / "settled", monkeypatch, budget_ms=1000.0)
+    tested = [c for c in report["candidates"] if c["status"] == "tested"]
+    assert report["selected"] and tested
+    for c in tested:  # both variants 20 ms a run: p95 far under 1000 ms after ten rounds
+        assert c["latency"]["runs"] == SETTLE_MIN_RUNS, c["latency"]["runs"]
+        ctx = c["latency_context"]
+        assert ctx["asked_runs"] == 50 and ctx["settled"].startswith(f"stopped after {SETTLE_MIN_RUNS} of 50 timed runs")
+    assert any("up to 50 timed runs" in p["part"] for p in report["costs"])
+
+
+def test_a_latency_near_its_budget_or_a_count_asked_for_is_timed_in_full(
+        tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    near = _slowed_selftest(tiny_bundle, tmp_path / "near", monkeypatch, budget_ms=30.0)  # p95 ~21 ms: over half
+    asked = _slowed_selftest(tiny_bundle, tmp_path / "asked", monkeypatch, budget_ms=1000.0, latency_runs=30)
+    for report, runs in ((near, 50), (asked, 30)):
+        for c in (c for c in report["candidates"] if c["status"] == "tested"):
+            assert c["latency"]["runs"] == runs and c["latency_context"]["settled"] is None, c["latency_context"]
 
 
 def test_device_that_stays_too_slow_serves_nothing_or_degraded_as_configured(tiny_bundle: Path, tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ MIN_AGREEMENT = 0.98
 MATCH_IOU, SCORE_TOLERANCE = 0.9, 0.02  # the bar for "the served result equals the package's"
 PACKAGE_THRESHOLD = 0.5  # rapid-layout's conf_thres: a box scored within the tolerance of it may fall either side
 RESULTS_COPY = CACHE / "results-detectors.json"
-pytestmark = pytest.mark.slow  # a real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
+pytestmark = [pytest.mark.slow, pytest.mark.real]  # a real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
 
 _spec = importlib.util.spec_from_file_location("real_models", ROOT / "scripts" / "real_models.py")
 real_models = importlib.util.module_from_spec(_spec)

@@ -31,7 +31,7 @@ from test_real_detectors import (MIN_AGREEMENT, REPEATS, SPECS, _iou, _rehash, c
                                  manifest_of, selftest)
 from test_real_models import CACHE
 
-pytestmark = pytest.mark.slow  # a whole real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
+pytestmark = [pytest.mark.slow, pytest.mark.real]  # a whole real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
 
 MATCH_IOU, SCORE_TOLERANCE, KEYPOINT_PX = 0.9, 0.02, 2.0  # the issue's bar for "the served result equals the package's"
 PACKAGE_THRESHOLD = 0.9  # detect_faces' score_threshold: a face scored within the tolerance of it may fall either side

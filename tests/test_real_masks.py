@@ -31,7 +31,7 @@ NAME = "u2netp"
 OUTPUT = "1959"  # the package uses ort_outs[0]: the fused side output
 MASK_IOU = 0.95  # the bar for "the served mask equals the package's"
 RESULTS = CACHE / "results-masks.json"
-pytestmark = pytest.mark.slow  # a whole real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
+pytestmark = [pytest.mark.slow, pytest.mark.real]  # a whole real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
 
 PRE = ["pre.stretch", "--input-name", "input.1", "--param", "width=320", "--param", "height=320",
        "--param", "resize=pil", "--param", "interpolation=lanczos", "--param", "normalize=max",

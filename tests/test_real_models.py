@@ -67,7 +67,7 @@ WITH_INT8 = [n for n in NAMES if n not in NO_INT8]
 # CPUs (its golden outputs are recorded on the machine that builds it, so the test's own device reproduces
 # them either way; a device of another CPU kind would refuse an INT8 it answers differently).
 BUILD_ARGS = {"textdet": ["--full-range-weights"]}
-pytestmark = pytest.mark.slow  # whole real models, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
+pytestmark = [pytest.mark.slow, pytest.mark.real]  # whole real models, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
 
 
 def missing(name: str) -> str | None:

@@ -33,7 +33,7 @@ from test_real_models import (BUILT, CACHE, MIN_AGREEMENT, REPEATS, SPECS, _corr
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = CACHE / "results-staged.json"
-pytestmark = pytest.mark.slow  # a whole real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
+pytestmark = [pytest.mark.slow, pytest.mark.real]  # a whole real model, built and proven: with -n 2, a file per worker (budgets have 10x headroom; variants are timed interleaved)
 
 _gspec = importlib.util.spec_from_file_location("ppocr_rec_graphs", ROOT / "scripts" / "ppocr_rec_graphs.py")
 graphs = importlib.util.module_from_spec(_gspec)

@@ -40,7 +40,7 @@ SPEC = {
                     "decision": {"rule": "threshold", "output": "logits", "threshold": 0.5,
                                  "labels": ["incomplete", "complete"]}},
 }
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # an 8 MB transformer over 8 s windows, the package in a subprocess
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.real]  # an 8 MB transformer over 8 s windows, the package in a subprocess
 
 
 @pytest.fixture(scope="module")

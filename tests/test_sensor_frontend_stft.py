@@ -19,6 +19,8 @@ import pytest
 from sensor_streams import CACHE
 from frontend_bundles import mean_of_features_bundle
 
+pytestmark = pytest.mark.real  # torch's answers come from the references venv (scripts/real_models.py makes it)
+
 ROOT = Path(__file__).resolve().parents[1]
 REF_PY = CACHE / "venv-real" / "bin" / "python"
 BOUND = 1e-4  # declared: max |graph - torch| relative to the largest reference value

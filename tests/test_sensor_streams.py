@@ -24,7 +24,7 @@ import pytest
 from sensor_streams import HOP, Served, build_vad_bundle, package_run, probability, send_chunks, speech
 from waiting import end_process, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # a real model, its package in a subprocess, real-time senders
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.real]  # a real model, its package in a subprocess, real-time senders
 
 TOL = 1e-4  # the same model, the same feeds: only float reordering between the two runs
 

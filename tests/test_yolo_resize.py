@@ -21,9 +21,15 @@ _spec.loader.exec_module(yolo_resize)
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-needs_layout = pytest.mark.skipif(not (yolo_resize.SOURCE.exists() and (yolo_resize.LAYOUT / "golden.npz").exists()),
-                                  reason="no cached layout model: python scripts/real_models.py fetch layout && "
-                                         "python scripts/real_models.py references layout")
+_skip_without_layout = pytest.mark.skipif(
+    not (yolo_resize.SOURCE.exists() and (yolo_resize.LAYOUT / "golden.npz").exists()),
+    reason="no cached layout model: python scripts/real_models.py fetch layout && "
+           "python scripts/real_models.py references layout")
+
+
+def needs_layout(test):  # noqa: ANN001, ANN201 - a pytest decorator
+    """The cached layout model and its references (`real`: scripts/test.sh runs it once they are made)."""
+    return pytest.mark.real(_skip_without_layout(test))
 
 
 def test_anchor_grid_is_cell_centres_x_fastest_per_stride_level():

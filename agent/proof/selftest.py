@@ -33,8 +33,11 @@ from agent.proof.selection import (
     SelectionPolicy,
     build_candidates,
     choose,
+    SETTLE_AFTER_S,
+    SETTLE_MIN_RUNS,
     fastest_proven,
     latency_retry_schedule,
+    latency_settled,
     provider_groups,
     should_remeasure_latency,
 )
@@ -388,12 +391,17 @@ BEFORE_RUN: Callable[[Candidate, int], None] | None = None
 
 
 def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
-                     attempt: int = 0, manifest: Any = None, marker: Any = None) -> None:
+                     attempt: int = 0, manifest: Any = None, marker: Any = None,
+                     settle_margin: float | None = None) -> None:
     """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
     machine lands on all candidates alike; the load average is recorded beside the figures.
 
     `marker` (a `RunMarker`) is switched to each candidate before each of its runs, outside the timed
-    region: a crash on the 30th run of one candidate is blamed on that candidate, not on the first."""
+    region: a crash on the 30th run of one candidate is blamed on that candidate, not on the first.
+
+    `settle_margin` (the selection's prefer_margin; None: always the full count): stop before `runs` once
+    the answer cannot change (`selection.latency_settled`), after SETTLE_MIN_RUNS rounds that took at least
+    SETTLE_AFTER_S of timed runs; the context says so."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
     if not live:
         return
@@ -420,18 +428,28 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                 enter(t)
                 hook(t)
                 calls[id(t)]()
-        for _ in range(runs):
+        budgets = ([manifest.selftest.budget_for(t.candidate.provider) for t in live]
+                   if manifest is not None and settle_margin is not None else None)
+        timed_ns, settled = 0, None
+        for done in range(1, runs + 1):
             for t in live:
                 enter(t)
                 t0 = time.perf_counter_ns()
                 hook(t)
                 calls[id(t)]()
-                samples[id(t)].append(time.perf_counter_ns() - t0)
+                samples[id(t)].append(ns := time.perf_counter_ns() - t0)
+                timed_ns += ns
+            if budgets is not None and settle_margin is not None and done < runs and done >= SETTLE_MIN_RUNS and timed_ns >= SETTLE_AFTER_S * 1e9:
+                p50s, p95s = zip(*(np.percentile(samples[id(t)], [50, 95]) / 1e6 for t in live))
+                if (why := latency_settled(p50s, p95s, budgets, settle_margin)) is not None:
+                    settled = f"stopped after {done} of {runs} timed runs: {why}"
+                    break
     except Exception as exc:
         for t in live:
             t.evidence = replace(t.evidence, error=f"inference error during timing: {type(exc).__name__}: {exc}"[:400])
         return
-    ctx = LatencyContext(round(before, 2), round(os.getloadavg()[0], 2), os.cpu_count() or 1, attempt, len(live) > 1)
+    ctx = LatencyContext(round(before, 2), round(os.getloadavg()[0], 2), os.cpu_count() or 1, attempt, len(live) > 1,
+                         runs, settled)
     for t in live:
         t.evidence = replace(t.evidence, latency=LatencyStats.from_ns(samples[id(t)]), latency_context=ctx)
 
@@ -714,6 +732,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         notes.append("selftest.parity (legacy) is not judged: reproduction and fidelity replace it")
     warmup = m.selftest.warmup_runs
     runs = opts.latency_runs or m.selftest.latency_runs
+    # a count asked for (--latency-runs) is run in full; the bundle's own may stop once settled
+    settle = None if opts.latency_runs else opts.policy.prefer_margin
     results: list[CandidateResult] = []
     trials: dict[str, _Trial] = {}
     selected: CandidateResult | None = None
@@ -744,10 +764,10 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         if proven:  # only candidates that answered both questions are worth timing
             # Each ran its golden samples under its own marker already; inside the interleaved loop the
             # marker switches to each candidate before each of its runs.
-            with costs.part(f"latency: {warmup} warm-up + {runs} timed runs each, {len(proven)} interleaved"):
+            with costs.part(f"latency: {warmup} warm-up + up to {runs} timed runs each, {len(proven)} interleaved"):
                 _interleaved(markers, bundle,
                              lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
-                                                         marker=mk))
+                                                         marker=mk, settle_margin=settle))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
@@ -766,7 +786,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             with costs.part(f"latency re-measurement {attempt}"):
                 _interleaved(markers, bundle,
                              lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt,
-                                                         manifest=m, marker=mk))
+                                                         manifest=m, marker=mk, settle_margin=settle))
             again = {t.candidate.key: judge(t.evidence, m) for t in slow}
             results = [again.get(r.candidate.key, r) for r in results]
             attempts.append({"attempt": attempt, "waited_s": delay,

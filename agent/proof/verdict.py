@@ -42,13 +42,16 @@ class PreprocessCheck:
 @dataclass(frozen=True)
 class LatencyContext:
     """What the machine was doing while the timing ran: 1-minute load average before and after,
-    CPU count, the attempt number (0: the first measurement) and whether runs were interleaved."""
+    CPU count, the attempt number (0: the first measurement), whether runs were interleaved, the timed
+    runs asked for, and why the loop stopped before them (`selection.latency_settled`), if it did."""
 
     load_before: float
     load_after: float
     cpus: int
     attempt: int = 0
     interleaved: bool = False
+    asked_runs: int = 0
+    settled: str | None = None
 
 
 @dataclass(frozen=True)
