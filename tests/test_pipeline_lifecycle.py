@@ -16,6 +16,7 @@ from agent.serving.engine import build_engine
 from agent.serving.pipeline import Pipeline
 from agent.serving.sources import Frame, SourceStats
 from agent.testing import ListSink
+from pipelines import run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,3 +72,38 @@ def test_stop_pipeline_never_releases_the_capture_while_read_is_in_progress() ->
     cam.release.set()  # the stream answers at last
     assert p.join(timeout=10)
     assert cam.closed and not cam.closed_during_read  # capture released it on its way out
+
+
+class KeptFrames:
+    """A finite lossless source that keeps every frame it handed out, to look at them after the run."""
+
+    live = False
+    name = "kept"
+
+    def __init__(self, n: int) -> None:
+        self.stats = SourceStats(state="open")
+        self.frames: list[Frame] = []
+        self.n = n
+
+    def read(self, stop: threading.Event) -> Frame | None:
+        if len(self.frames) >= self.n:
+            return None
+        rng = np.random.default_rng(len(self.frames))
+        f = Frame(len(self.frames) + 1, rng.integers(0, 255, (28, 28, 3), np.uint8), time.time(), time.perf_counter_ns(),
+                  self.name)
+        self.frames.append(f)
+        return f
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_frames_pixels_are_dropped_once_its_model_input_is_made() -> None:
+    """Fault (issue 24, memory): every decoded frame (6 MB at 1080p) stayed referenced by its batch until the
+    result was published, through inference and the publisher's in-order wait."""
+    b = load_bundle(ROOT / "models" / "digits-classifier", check_contracts=False)
+    engine = build_engine(b, Candidate("CPUExecutionProvider", "fp32", "fp32"), SessionSettings())
+    src, sink = KeptFrames(12), ListSink()
+    run_to_end(src, engine, sink, PipelineConfig(), lossless=True)
+    assert [r["frame_index"] for r in sink.results] == list(range(1, 13))  # every frame served, in order
+    assert all(f.data is None for f in src.frames), [f for f in src.frames if f.data is not None]

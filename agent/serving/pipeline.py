@@ -521,6 +521,8 @@ class Pipeline:
             try:
                 data = f.data  # a deferred decode or colour conversion happens here, once
                 tensor, geometry = engine.preprocessor.with_geometry(data)  # a pre graph runs once per frame
+                del data
+                f.release()  # nothing after this reads the pixels: only the tensor travels on
                 tensors.append(tensor)
                 # a frame decoded at 1/scale: boxes are mapped back to the camera's pixels
                 geoms.append(scaled_geometry(geometry, f.scale))

@@ -59,7 +59,7 @@ class Frame:
     def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, source: str,
                  scale: int = 1, convert: Callable[[np.ndarray], np.ndarray] | None = None):
         self.index = index
-        self._data = data
+        self._data: Any = data  # pixels, an encoded packet or a decoder frame still to convert; None once released
         self.captured_at = captured_at  # wall clock, for results
         self.captured_ns = captured_ns  # monotonic, for latency
         self.source = source
@@ -77,9 +77,14 @@ class Frame:
     def data(self, value: np.ndarray) -> None:
         self._data, self._convert = value, None
 
+    def release(self) -> None:
+        """Drop the pixels once the model's input is made: a full-size decoded frame (6 MB at 1080p) is then not
+        held while the model runs and the result waits its turn to be published. `data` is None after."""
+        self._data, self._convert = None, None
+
     def __repr__(self) -> str:
         data: Any = self._data
-        shape = getattr(data, "shape", None) or (data.height, data.width)  # an av.VideoFrame
+        shape = None if data is None else getattr(data, "shape", None) or (data.height, data.width)  # av.VideoFrame
         return (f"Frame(index={self.index}, source={self.source!r}, shape={shape}, scale={self.scale}, "
                 f"converted={self._convert is None})")
 
