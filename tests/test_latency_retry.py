@@ -61,6 +61,14 @@ def test_latency_is_settled_only_far_under_budget_and_clear_of_the_margin() -> N
     assert latency_settled([200.0, 200.0], [240.0, 240.0], [3000.0, 3000.0], 0.10) is not None  # clearly no faster
     assert latency_settled([200.0, 180.0], [240.0, 220.0], [3000.0, 3000.0], 0.10) is None  # 10 % faster: at the margin
     assert latency_settled([200.0, 100.0], [240.0, 1600.0], [3000.0, 3000.0], 0.10) is None  # one near its budget
+    # found by review: picks that agree at half and 1.5x the margin can still differ at the margin itself
+    assert latency_settled([100.0, 88.0, 80.0], [120.0, 100.0, 90.0], [1000.0] * 3, 0.10) is None
+    assert latency_settled([100.0, 99.9], [120.0, 120.0], [1000.0] * 2, 0.0) is None  # margin 0: a clear gap needed
+    # each provider chooses among its own: a near-margin pair on the GPU is not settled by a faster CPU
+    gpu_cpu = (["CUDA", "CUDA", "CPU"], [10.0, 9.05, 5.0])
+    assert latency_settled(gpu_cpu[1], [12.0, 11.0, 6.0], [1000.0] * 3, 0.10, gpu_cpu[0]) is None
+    assert latency_settled([10.0, 20.0, 5.0], [12.0, 24.0, 6.0], [1000.0] * 3, 0.10, gpu_cpu[0]) is not None
+    assert latency_settled([0.0], [0.0], [0.0], 0.10) is None  # a zero budget never settles (nor divides by zero)
 
 
 def _slowed_selftest(bundle: Path, state: Path, monkeypatch: pytest.MonkeyPatch, budget_ms: float,

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from agent.bundle.load import load_bundle
 from agent.config import PipelineConfig
@@ -106,4 +107,7 @@ def test_a_frames_pixels_are_dropped_once_its_model_input_is_made() -> None:
     src, sink = KeptFrames(12), ListSink()
     run_to_end(src, engine, sink, PipelineConfig(), lossless=True)
     assert [r["frame_index"] for r in sink.results] == list(range(1, 13))  # every frame served, in order
-    assert all(f.data is None for f in src.frames), [f for f in src.frames if f.data is not None]
+    held = [f for f in src.frames if f._data is not None]
+    assert not held, held
+    with pytest.raises(RuntimeError, match="released"):  # a late reader fails loudly, never sees None
+        _ = src.frames[0].data

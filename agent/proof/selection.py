@@ -110,27 +110,31 @@ def choose(results: Sequence[CandidateResult], margin: float) -> CandidateResult
 SETTLE_MIN_RUNS = 10      # timed runs each before the loop may stop
 SETTLE_AFTER_S = 2.0      # ...and only once the timed runs have taken this long: a fast model runs its full count
 SETTLE_HEADROOM = 0.5     # every candidate's p95 so far at most this fraction of its budget
+SETTLE_BAND = 0.03        # p50 ratios this close to 1 - prefer_margin (at least) keep the loop going
 
 
-def latency_settled(p50s: Sequence[float], p95s: Sequence[float], budgets: Sequence[float], margin: float) -> str | None:
+def latency_settled(p50s: Sequence[float], p95s: Sequence[float], budgets: Sequence[float], margin: float,
+                    providers: Sequence[str] | None = None) -> str | None:
     """Why the latency verdict can no longer change, or None. Per candidate in preference order: its p50 and
-    p95 so far and its p95 budget. Settled when every p95 is within SETTLE_HEADROOM of its budget (a
-    candidate near or over it is timed in full, so a latency failure is never judged on fewer runs) and the
-    choice among them does not sit near the margin (`choose` picks the same with half and one and a half
-    times `margin`). The budget is never moved: only how many runs it takes to know."""
-    over = [i for i, (p95, b) in enumerate(zip(p95s, budgets)) if not p95 <= SETTLE_HEADROOM * b]
-    if over:
-        return None
-
-    def pick(m: float) -> int:
-        best = 0
-        for i in range(1, len(p50s)):
-            if p50s[i] < p50s[best] * (1.0 - m):
-                best = i
-        return best
-
-    if pick(margin * 0.5) != pick(margin * 1.5):
-        return None
+    p95 so far, its p95 budget and its provider. Settled when every p95 is within SETTLE_HEADROOM of its
+    budget (a candidate near or over it is timed in full, so a latency failure is never judged on fewer
+    runs) and no comparison `choose` makes sits near the margin: within each provider, every later
+    candidate's p50 over every earlier one's is outside 1 - margin +- max(margin / 2, SETTLE_BAND), so no
+    small drift of the full count could change the pick. The budget is never moved: only how many runs it
+    takes to know."""
+    for p95, b in zip(p95s, budgets):
+        if not (b > 0 and p95 <= SETTLE_HEADROOM * b):  # NaN never settles
+            return None
+    half = max(margin / 2, SETTLE_BAND)
+    groups = providers if providers is not None else [""] * len(p50s)
+    for i in range(len(p50s)):
+        for j in range(i + 1, len(p50s)):
+            if groups[i] != groups[j]:
+                continue  # each provider chooses among its own
+            if not p50s[i] > 0:
+                return None
+            if abs(p50s[j] / p50s[i] - (1.0 - margin)) <= half:
+                return None
     worst = max(range(len(p95s)), key=lambda i: p95s[i] / budgets[i])
     return (f"p95 {p95s[worst]:.1f} ms at most {SETTLE_HEADROOM:g} of its budget {budgets[worst]:g} ms"
             + (" and the fastest clear of the margin" if len(p50s) > 1 else ""))

@@ -441,7 +441,8 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                 timed_ns += ns
             if budgets is not None and settle_margin is not None and done < runs and done >= SETTLE_MIN_RUNS and timed_ns >= SETTLE_AFTER_S * 1e9:
                 p50s, p95s = zip(*(np.percentile(samples[id(t)], [50, 95]) / 1e6 for t in live))
-                if (why := latency_settled(p50s, p95s, budgets, settle_margin)) is not None:
+                why = latency_settled(p50s, p95s, budgets, settle_margin, [t.candidate.provider for t in live])
+                if why is not None:
                     settled = f"stopped after {done} of {runs} timed runs: {why}"
                     break
     except Exception as exc:

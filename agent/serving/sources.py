@@ -45,6 +45,11 @@ HW_DECODE = {"none": cv2.VIDEO_ACCELERATION_NONE, "any": cv2.VIDEO_ACCELERATION_
              "mfx": cv2.VIDEO_ACCELERATION_MFX, "drm": cv2.VIDEO_ACCELERATION_DRM}
 
 
+def _released(_: Any) -> np.ndarray:
+    raise RuntimeError("this frame's pixels were released once its model input was made (Frame.release): "
+                       "read what you need before preprocessing")
+
+
 class Frame:
     """One captured frame. `data` is in the bundle's frame contract.
 
@@ -79,14 +84,14 @@ class Frame:
 
     def release(self) -> None:
         """Drop the pixels once the model's input is made: a full-size decoded frame (6 MB at 1080p) is then not
-        held while the model runs and the result waits its turn to be published. `data` is None after."""
-        self._data, self._convert = None, None
+        held while the model runs and the result waits its turn to be published. Reading `data` after raises."""
+        self._data, self._convert = None, _released
 
     def __repr__(self) -> str:
         data: Any = self._data
         shape = None if data is None else getattr(data, "shape", None) or (data.height, data.width)  # av.VideoFrame
         return (f"Frame(index={self.index}, source={self.source!r}, shape={shape}, scale={self.scale}, "
-                f"converted={self._convert is None})")
+                f"converted={self._convert is None}{', released' if self._convert is _released else ''})")
 
 
 @dataclass
