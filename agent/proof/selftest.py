@@ -428,8 +428,9 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                 enter(t)
                 hook(t)
                 calls[id(t)]()
-        budgets = ([manifest.selftest.budget_for(t.candidate.provider) for t in live]
-                   if manifest is not None and settle_margin is not None else None)
+        # what the stop rule needs, or None: the full count
+        settle = ((settle_margin, [manifest.selftest.budget_for(t.candidate.provider) for t in live])
+                  if manifest is not None and settle_margin is not None else None)
         timed_ns, settled = 0, None
         for done in range(1, runs + 1):
             for t in live:
@@ -439,9 +440,10 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                 calls[id(t)]()
                 samples[id(t)].append(ns := time.perf_counter_ns() - t0)
                 timed_ns += ns
-            if budgets is not None and settle_margin is not None and done < runs and done >= SETTLE_MIN_RUNS and timed_ns >= SETTLE_AFTER_S * 1e9:
+            if settle is not None and SETTLE_MIN_RUNS <= done < runs and timed_ns >= SETTLE_AFTER_S * 1e9:
+                margin, budgets = settle
                 p50s, p95s = zip(*(np.percentile(samples[id(t)], [50, 95]) / 1e6 for t in live))
-                why = latency_settled(p50s, p95s, budgets, settle_margin, [t.candidate.provider for t in live])
+                why = latency_settled(p50s, p95s, budgets, margin, [t.candidate.provider for t in live])
                 if why is not None:
                     settled = f"stopped after {done} of {runs} timed runs: {why}"
                     break
