@@ -16,6 +16,7 @@ from waiting import wait_until
 
 from agent.config import Config
 from agent.proof.isolation import prove_in_child
+from agent.testing import rewrite_manifest
 from agentproc import DEMO_BUNDLE as DIGITS
 from agentproc import DEMO_FRAMES as FRAMES
 from agentproc import AgentProcess, boot_to_end, demo_config, int8_first
@@ -44,6 +45,22 @@ def test_crash_on_the_nth_timed_run_is_blamed_on_that_candidate_only(tmp_path: P
     assert agent.returncode == 0, agent.log_text()[-2000:]
     assert _variants(agent) == {"fp32"}
     assert _crashes(tmp_path) == [(INT8, "SIGSEGV", "latency run 30 of 55")]
+
+
+@pytest.mark.slow
+def test_a_crash_fault_past_where_the_latency_loop_would_settle_still_fires(tmp_path: Path, agent_process) -> None:
+    # 30 ms a run and a 400 ms budget: the bundle's 50-run loop would settle after ~2 s (about 32 rounds),
+    # so a fault on the 45th run never fired and the crash this hook exists to test was never made
+    cfg = _config(tmp_path)
+    rewrite_manifest(Path(cfg["bundle"]), lambda d: d["selftest"].update(latency_budget_ms={"default": 400.0}))
+    flag = tmp_path / "slow"
+    flag.touch()
+    fault = ";".join([*(f"slow:CPUExecutionProvider:{v}={flag}" for v in ("fp32", "int8")),
+                      "run:CPUExecutionProvider:int8#45=SIGSEGV"])
+    agent = boot_to_end(agent_process, cfg, fault)
+    assert agent.returncode == 0, agent.log_text()[-2000:]
+    assert _variants(agent) == {"fp32"}
+    assert _crashes(tmp_path) == [(INT8, "SIGSEGV", "latency run 45 of 55")]
 
 
 def test_crash_reading_one_variants_contract_skips_only_that_variant(tmp_path: Path, agent_process) -> None:

@@ -84,6 +84,9 @@ class SelftestOptions:
     provider_options: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     use_cache: bool = True
     latency_runs: int | None = None  # None: the bundle's own setting
+    # the bundle's own count may stop once its answer cannot change (`selection.latency_settled`); False:
+    # every run is made (the child's `run:<key>#N` fault must reach its N-th run)
+    settle: bool = True
     max_batch: int = 1  # the largest micro-batch serving will run: every size up to it is proven
     workers: int = 1    # inference callers serving runs at once on one session: the golden set runs so too
     # why no configured source can decode at a reduced scale (the check would buy nothing); None: prove them
@@ -736,7 +739,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     warmup = m.selftest.warmup_runs
     runs = opts.latency_runs or m.selftest.latency_runs
     # a count asked for (--latency-runs) is run in full; the bundle's own may stop once settled
-    settle = None if opts.latency_runs else opts.policy.prefer_margin
+    settle = None if opts.latency_runs or not opts.settle else opts.policy.prefer_margin
     results: list[CandidateResult] = []
     trials: dict[str, _Trial] = {}
     selected: CandidateResult | None = None
