@@ -78,6 +78,19 @@ def test_frozen_h264_picture_is_reported_from_a_small_sample_not_the_full_frame(
     assert source.stats.frozen_events == 0 and source.stats.state != "frozen"
 
 
+def test_frozen_check_on_the_opencv_path_keeps_no_full_frame_alive(tmp_path: Path, monkeypatch) -> None:
+    """Without PyAV (and for V4L2 cameras) frames come from cv2.VideoCapture: the check's sample was a
+    strided view, so the previous full BGR frame (6 MB at 1080p) stayed alive per source after the pipeline
+    had dropped it. The sample is a copy; a frozen picture is still seen."""
+    monkeypatch.setattr(ffmpeg_decode, "available", lambda: False)
+    still = encode_h264(tmp_path / "still.mp4", [np.full((720, 1280, 3), 90, np.uint8)] * 12)
+    source = open_source(SourceConfig(type="video", path=still, frozen_after=10), RGB, SMALL_MODEL)
+    assert len(read_all(source, 12)) == 12
+    assert not source.av and source.stats.frozen_events == 1
+    assert source.prev is not None and source.prev.base is None, "the sample is a view into a full frame"
+    assert source.prev.nbytes <= (720 // 16 + 1) * (1280 // 16 + 1) * 3, source.prev.shape
+
+
 def test_reduced_planes_equal_the_full_conversion_area_reduced() -> None:
     """Area averaging commutes with the affine colour conversion: reducing the planes first gives the full
     conversion reduced, up to rounding inside the blocks of flat colour (at their edges the full path's

@@ -386,9 +386,10 @@ class OpenCVSource:
             if self.live and self.stats.last_frame_ns and ns - self.stats.last_frame_ns > self.cfg.stall_timeout_s * 1e9:
                 log.warning("source.stalled", source=self.name, seconds=(ns - self.stats.last_frame_ns) / 1e9)
             self.stats.last_frame_ns = ns
-            # on the encoded packet when there is one (smaller than the picture), else on a small sample
+            # on the encoded packet when there is one (smaller than the picture), else on a small sample,
+            # copied (a strided view would keep the previous full frame alive after the pipeline dropped it)
             self._watch_frozen(img if self.packets else
-                               ffmpeg_decode.signature(img) if self.av else img[::16, ::16])
+                               ffmpeg_decode.signature(img) if self.av else img[::16, ::16].copy())
             if self.packets:  # decoded by the preprocessing pool (a frame dropped as stale never is)
                 scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name)
                 self.stats.frames += 1
