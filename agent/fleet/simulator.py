@@ -386,20 +386,30 @@ class SimDevice:
             if snap.update == uid and snap.state is State.COMMITTED:  # as the agent's controller answers it
                 self.reply(name, payload, {"ok": True, "repeated": True, "update": {"update": uid, "state": "committed"}})
                 return
-            self._job(name, payload, lambda: self.downloader.fetch(url, sha, uid))
+            refused = self.downloader.refusal(url, uid)
+            if refused is not None:
+                self.reply(name, payload, {"ok": False, "update": refused})
+                return
+            # the machine is taken here, on the message thread, as the agent's controller takes it: a check
+            # here and a BEGIN on the job's thread let a second command through, whose fetch then published
+            # "rejected" for the update the first was still installing
+            cancel = self.updater.machine.cancel if (busy := self.updater.begin(uid, "url")) is None else None
+            self._job(name, payload, busy, lambda: self.downloader.fetch_started(url, sha, uid, cancel))
         elif name == "rollback":
             self.rollback_commands += 1
-            self._job(name, payload, lambda: self.updater.rollback(str(payload.get("id", "rollback"))))
+            rid = str(payload.get("id", "rollback"))[:100]
+            self._job(name, payload, self.updater.begin_rollback(rid), lambda: self.updater.rollback_started(rid))
         elif name == "status":
             self.reply(name, payload, {"ok": True, "facts": self.facts()})
         else:
             self.reply(name, payload, {"ok": False, "error": f"unknown command {name!r} (simulated device: update, "
                                                              "rollback, status)"})
 
-    def _job(self, name: str, payload: dict[str, Any], fn: Any) -> None:
-        if self.updater.machine.snapshot.active:  # the machine is the one guard, as on a real device
+    def _job(self, name: str, payload: dict[str, Any], busy: str | None, fn: Any) -> None:
+        """`fn` on the pool once the machine took the command (`busy` None), else the busy answer now."""
+        if busy is not None:  # the machine is the one guard, as on a real device
             self.reply(name, payload, {"ok": False, "already_running": True, "busy": True,
-                                       "error": f"busy: an {name} command is already running; send it again after its verdict"})
+                                       "error": f"{busy}; send it again after its verdict"})
             return
 
         def run() -> None:
