@@ -344,3 +344,65 @@ def test_a_fleet_rollback_never_sends_an_update_command(broker: Broker) -> None:
     assert "edge/dev1/cmd/update" not in topics, topics
     op.client.stop()
     c.stop()
+
+
+def _dead_operator(port: int, rid: str, records: dict[str, dict[str, Any]], **plan: Any) -> FleetClient:
+    """A rollout whose operator died mid-phase, leaving `records`; every target a fake online device."""
+    c = FleetClient(Connection("127.0.0.1", port)).start(["edge/+/cmd/update"])
+    targets = ("dev0", "dev1", "dev2", "dev3")
+    for d in targets:
+        fake_device(c, d)
+    publish_plan(port, Plan(id=rid, artifact=ART, targets=targets, phases=(4,), device_timeout_s=600, **plan))
+    t = RolloutTopics(rid)
+    c.publish(t.state, {"rev": 5, "status": "running", "phase": 0, "owner": "dead:1", "heartbeat": 1.0})
+    for d, rec in records.items():
+        c.publish(t.device(d), {"device": d, "rev": 1, "phase": 0, **rec})
+    return c
+
+
+def test_a_resumed_operator_counts_the_dead_ones_starts_against_the_rate_cap(broker: Broker) -> None:
+    # the fault: the rate window and token bucket lived only in memory, so every resume (a crash loop under
+    # systemd) started a full minute's devices afresh
+    now = time.time()
+    c = _dead_operator(broker.port, "rated", {d: {"state": "started", "started": now - 5, "commanded": now - 5}
+                                              for d in ("dev0", "dev1")}, rate_per_min=2)
+    op = operator(broker.port, "rated")
+    op.take_over()
+    ticks = Ticks()
+    t = threading.Thread(target=op.run, kwargs={"until": ticks}, daemon=True)
+    t.start()
+    try:
+        ticks.wait()  # barrier: twenty loop ticks in which the rate cap held
+        assert c.inbox.empty(), c.inbox.get_nowait()
+        assert set(op.records) == {"dev0", "dev1"}
+    finally:
+        ticks.stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_a_command_sent_again_on_resume_waits_for_the_download_cap(broker: Broker) -> None:
+    # the fault: the device no command reached was commanded at take-over over the fleet-wide download cap
+    now = time.time()
+    c = _dead_operator(broker.port, "capped", {"dev0": {"state": "started", "started": now - 120, "commanded": now - 120},
+                                               "dev1": {"state": "started", "started": now - 119}},
+                       rate_per_min=600, max_downloads=1)
+    c.publish("edge/dev0/update/status", {"update": "capped", "state": "downloading", "ts": now})
+    op = operator(broker.port, "capped")
+    op.take_over()
+    ticks = Ticks()
+    t = threading.Thread(target=op.run, kwargs={"until": ticks}, daemon=True)
+    t.start()
+    try:
+        ticks.wait()  # barrier: dev0 holds the one download slot
+        assert c.inbox.empty(), c.inbox.get_nowait()
+        c.publish("edge/dev0/update/status", {"update": "capped", "state": "verifying", "ts": time.time()})
+        topic, payload, _ = c.inbox.get(timeout=20)  # past its download: the slot goes to dev1, sent again
+        assert topic == "edge/dev1/cmd/update" and json.loads(payload)["id"] == "capped"
+        assert wait_until(lambda: bool(op.records["dev1"].get("commanded_again")), 10)
+    finally:
+        ticks.stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()

@@ -202,6 +202,22 @@ class Operator:
         # re-commanding waits for the loop: after the controls a human sent meanwhile (an abort), only while
         # running, and never for `fleet rollback` (which takes over too, but runs no step)
         self._recommand_pending = st.get("status") not in TERMINAL
+        self._seed_rate(self.clock())
+
+    def _seed_rate(self, now: float) -> None:
+        """The rate cap spans operators: the starts its records show in the last minute count, and the
+        token bucket is as drained as the newest of them left it. A fresh bucket on every resume let an
+        operator restarted in a loop start a full minute's devices each time."""
+        plan = self.plan
+        if plan is None:
+            return
+        recent = sorted(float(r["started"]) for r in self.records.values()  # starts whose command went out
+                        if r.get("commanded") and isinstance(r.get("started"), (int, float))
+                        and 0.0 <= now - float(r["started"]) < 60.0)
+        self._starts = [float(t) for t in recent]
+        if recent:
+            rate = plan.rate_per_min / 60.0
+            self._tokens, self._tokens_at = min(max(1.0, rate), (now - float(recent[-1])) * rate), now
 
     def _recommand_unacknowledged(self) -> None:
         """A device's `started` record is written before its command (so no command goes out unrecorded);
@@ -214,7 +230,7 @@ class Operator:
         plan = self.plan
         assert plan is not None
         now = self.clock()
-        again = []
+        lost = []
         for d, rec in sorted(self.records.items()):
             if rec.get("state") != "started" or rec.get("rollback") or rec.get("commanded"):
                 continue
@@ -224,12 +240,20 @@ class Operator:
             if (status.get("update") == plan.id or reply.get("command") == "update"
                     or plan.artifact.names(com)):
                 continue
-            if not self.devices.online(d):
-                continue  # `observe` names it went_offline; a command would wait for nobody
+            if self.devices.online(d):  # offline: `observe` names it went_offline; a command would wait for nobody
+                lost.append((d, rec))
+        in_download = self._refill(now) - len(lost)  # the download cap counts them before any command reached them
+        again, waiting = [], False
+        for d, rec in lost:
+            if not self._slot(now, in_download):  # a command sent again is a start: the caps hold for it too
+                waiting = True
+                break
+            in_download += 1
             self.save_record(d, started=round(now, 3), commanded_again=round(now, 3),
                              first_started=rec.get("first_started", rec.get("started")))
             self._command(d)
             again.append(d)
+        self._recommand_pending = waiting  # the rest on a later tick, once the caps allow
         if again:
             self.decide("recommanded", devices=again, reason="recorded as started, but no sign the command arrived")
 
@@ -373,26 +397,44 @@ class Operator:
         plan = self.plan
         assert plan is not None
         end = plan.phases[int(self.state.get("phase", 0))]
-        self._starts = [t for t in self._starts if now - t < 60.0]
-        rate = plan.rate_per_min / 60.0
-        self._tokens = min(max(1.0, rate), self._tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
-        in_download = sum(1 for d, r in self.records.items()
-                          if r.get("state") == "started" and downloading(plan, self.devices.status.get(d)))
+        in_download = self._refill(now)
         for d in plan.targets[:end]:
             if d in self.records:
                 continue
-            if self._tokens < 1.0 or len(self._starts) >= plan.rate_per_min or in_download >= plan.max_downloads:
+            if not self._may_start(in_download):
                 return
             if not self.devices.online(d):  # a command to an offline device would wait for nobody
                 self.save_record(d, state="failed", kind="went_offline", phase=int(self.state.get("phase", 0)),
                                  started=round(now, 3), finished=round(now, 3), reason="offline when its turn came")
                 self._dirty = True
                 continue
-            self._tokens -= 1.0
-            self._starts.append(now)
+            self._slot(now, in_download)
             in_download += 1
             self._start_one(d, now)
+
+    def _refill(self, now: float) -> int:
+        """Age the rate window, refill the token bucket; the devices now counted against the download cap."""
+        plan = self.plan
+        assert plan is not None
+        self._starts = [t for t in self._starts if now - t < 60.0]
+        rate = plan.rate_per_min / 60.0
+        self._tokens = min(max(1.0, rate), self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        return sum(1 for d, r in self.records.items()
+                   if r.get("state") == "started" and downloading(plan, self.devices.status.get(d)))
+
+    def _may_start(self, in_download: int) -> bool:
+        plan = self.plan
+        assert plan is not None
+        return self._tokens >= 1.0 and len(self._starts) < plan.rate_per_min and in_download < plan.max_downloads
+
+    def _slot(self, now: float, in_download: int) -> bool:
+        """Take one start from the caps (rate window, token bucket, downloads); False when they are full."""
+        if not self._may_start(in_download):
+            return False
+        self._tokens -= 1.0
+        self._starts.append(now)
+        return True
 
     def _start_one(self, device: str, now: float) -> None:
         plan = self.plan
