@@ -78,6 +78,7 @@ class Auditor:
         self._expected: list[dict[str, np.ndarray]] = []
         self._reference: Engine | None = None
         self._reference_error: str | None = None
+        self.reference_shared = False  # the served session is the reference (no second session)
         self._next_canary = self._next_live = 0.0
         self._canary_i = 0
         self._samples: queue.Queue = queue.Queue(maxsize=4)
@@ -152,6 +153,7 @@ class Auditor:
             old.tap.fn = None
         self._engine, self._golden, self._expected, self._window = engine, [], [], []
         self._reference, self._reference_error, self.degraded = None, None, None
+        self.reference_shared = False
         while not self._samples.empty():
             self._samples.get_nowait()
         if engine is None:
@@ -195,6 +197,12 @@ class Auditor:
 
     def _reference_engine(self, engine: Engine) -> Engine | None:
         if self._reference is None and self._reference_error is None:
+            if engine.candidate.provider == CPU and engine.candidate.variant == self.s.reference:
+                # The served session is the reference (same variant, provider and settings): a second
+                # session of the same model cost 25 MB on a one-camera YOLO-320 agent and could only repeat
+                # it. Here the live audit checks that the served outputs are what the session gives now.
+                self._reference, self.reference_shared = engine, True
+                return engine
             live = engine.watch
             if live is not None and live.active:
                 # While the served candidate's crash marker is up, a death opening the reference would be
@@ -276,6 +284,7 @@ class Auditor:
         state = "off" if not self.s.enabled else ("degraded" if self.degraded else ("ok" if e else "idle"))
         return {"state": state, "candidate": e.candidate.key if e else None,
                 "reference": f"CPUExecutionProvider:{self.s.reference}", "reference_error": self._reference_error,
+                "reference_shared": self.reference_shared,
                 "canary_period_s": self.s.canary_period_s, "live_period_s": self.s.live_period_s,
                 **self.counters, "last": dict(self.last), "degraded": self.degraded}
 
