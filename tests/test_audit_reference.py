@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 from agentproc import DEMO_BUNDLE
 
@@ -38,3 +40,26 @@ def test_a_served_int8_is_audited_against_its_own_fp32_session() -> None:
     assert auditor._reference is not None and auditor._reference is not engine
     assert auditor._reference.candidate.variant == "fp32" and auditor.to_dict()["reference_shared"] is False
     assert auditor.counters["live_windows"] >= 1
+
+
+def test_the_audit_keeps_each_golden_tensor_and_its_outputs_not_the_raw_frame() -> None:
+    # the fault: the audit held every GoldenSample while the engine served, raw frames included
+    # (14 MB of the YOLO-320 bundle's 24, never read by a canary); glibc kept the rest of the list's load
+    bundle = load_bundle(DEMO_BUNDLE)
+    golden = bundle.golden()
+    tensors = sum(g.input.nbytes + sum(a.nbytes for a in g.variant_outputs["fp32"].values()) for g in golden)
+    raw = sum(g.raw.nbytes for g in golden)
+    del golden
+    engine = build_engine(bundle, Candidate(CPU, "fp32", "fp32"), SessionSettings())
+    auditor = Auditor(AuditSettings(), lambda: engine, SessionSettings())
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        auditor._attach(engine)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(auditor._golden) == 16
+    assert held < tensors + raw / 2, (held, tensors, raw)
+    auditor._canary()  # the canary still runs, from what was kept
+    assert auditor.counters["canary_runs"] == 1 and auditor.counters["canary_failures"] == 0

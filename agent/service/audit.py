@@ -67,6 +67,17 @@ class AuditSettings:
                              a.switch_on_drift)
 
 
+@dataclass(frozen=True)
+class Canary:
+    """What a canary run needs of one golden sample: its tensor and the outputs it must reproduce. Not the
+    GoldenSample itself, whose raw frame (2.4 MB each on the YOLO-320 bundle, 14 MB for its six) the audit
+    never reads and would hold for as long as the engine serves."""
+
+    index: int
+    input: np.ndarray
+    expected: dict[str, np.ndarray]
+
+
 class Auditor:
     """Watches whatever engine `current()` returns (re-attaching after a boot, reload or swap)."""
 
@@ -74,8 +85,7 @@ class Auditor:
                  clock: Callable[[], float] = time.monotonic):
         self.s, self.current, self.session_settings, self.clock = settings, current, session_settings, clock
         self._engine: Engine | None = None
-        self._golden: list[Any] = []
-        self._expected: list[dict[str, np.ndarray]] = []
+        self._golden: list[Canary] = []
         self._reference: Engine | None = None
         self._reference_error: str | None = None
         self.reference_shared = False  # the served session is the reference (no second session)
@@ -151,7 +161,7 @@ class Auditor:
         old = self._engine
         if old is not None and old.tap is not None:
             old.tap.fn = None
-        self._engine, self._golden, self._expected, self._window = engine, [], [], []
+        self._engine, self._golden, self._window = engine, [], []
         self._reference, self._reference_error, self.degraded = None, None, None
         self.reference_shared = False
         while not self._samples.empty():
@@ -160,14 +170,12 @@ class Auditor:
             return
         m = engine.bundle.manifest
         if not m.stateful:  # a stateful model's canary would disturb no source, but its state is per sequence
-            golden = engine.bundle.golden()
-            for g in golden:
+            for g in engine.bundle.golden_samples():
                 rec = g.variant_outputs.get(engine.candidate.variant)
                 # recorded outputs are the reference; a bundle without them: the engine as it was attached
                 expected = ({k: rec[k] for k in m.output_names} if rec and all(k in rec for k in m.output_names)
                             else engine.run(g.input, AUDIT_SOURCE))
-                self._golden.append(g)
-                self._expected.append(split_batch(expected, 0))
+                self._golden.append(Canary(g.index, g.input, split_batch(expected, 0)))
         # the first checks soon after a new engine serves (a swap's fault shows in seconds), then the periods
         self._next_canary = self.clock() + min(self.s.canary_period_s, FIRST_CHECK_S)
         self._next_live = self.clock() + min(self.s.live_period_s, FIRST_CHECK_S)
@@ -187,7 +195,7 @@ class Auditor:
         got = split_batch(engine.run(g.input, AUDIT_SOURCE), 0)
         m = engine.bundle.manifest
         bounds = reproduction_bounds(engine.candidate.precision, engine.candidate.provider, m.selftest.reproduction)
-        mine, want = used_outputs(m, [got], [self._expected[i]])  # postprocess.uses: the rest are never judged
+        mine, want = used_outputs(m, [got], [g.expected])  # postprocess.uses: the rest are never judged
         q = judge_reproduction(m.postprocess, mine, want, bounds, "variant", stage="canary")
         self.counters["canary_runs"] += 1
         self.last["canary"] = {"sample": g.index, "passed": q.passed, "at_unix": round(time.time(), 3)}
