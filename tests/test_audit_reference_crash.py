@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from agentproc import AgentProcess, demo_config
+from agentproc import AgentProcess, demo_config, int8_first
 
 FAULT = "audit:CPUExecutionProvider:fp32#0=SIGSEGV"  # dies while opening the reference session
 
 
 def _boot(agent_process, tmp_path: Path, name: str) -> AgentProcess:
-    cfg = demo_config(tmp_path, source={"max_fps": 40}, output={"stdout": False},
-                      audit={"canary_period_s": 3600, "live_period_s": 0.2, "live_window": 4})
+    # int8 served: a served CPU:fp32 is its own reference (no second session, so no such crash)
+    cfg = int8_first(tmp_path, demo_config(tmp_path, source={"max_fps": 40}, output={"stdout": False},
+                                           audit={"canary_period_s": 3600, "live_period_s": 0.2, "live_window": 4}))
     return agent_process(cfg, name=name, env={"EDGE_AGENT_FAULT": FAULT}).start()
 
 

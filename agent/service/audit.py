@@ -89,6 +89,7 @@ class Auditor:
         self._reference: Engine | None = None
         self._reference_error: str | None = None
         self.reference_shared = False  # the served session is the reference (no second session)
+        self._recorded = False  # every golden sample has this variant's recorded outputs (the canary's reference)
         self._next_canary = self._next_live = 0.0
         self._canary_i = 0
         self._samples: queue.Queue = queue.Queue(maxsize=4)
@@ -169,13 +170,17 @@ class Auditor:
         if engine is None:
             return
         m = engine.bundle.manifest
+        self._recorded = False
         if not m.stateful:  # a stateful model's canary would disturb no source, but its state is per sequence
-            for g in engine.bundle.golden_samples():
+            golden, recorded = [], True
+            for g in engine.bundle.golden_samples():  # one at a time; kept only whole (a bad file: none)
                 rec = g.variant_outputs.get(engine.candidate.variant)
+                has = bool(rec) and all(k in rec for k in m.output_names)
+                recorded = recorded and has
                 # recorded outputs are the reference; a bundle without them: the engine as it was attached
-                expected = ({k: rec[k] for k in m.output_names} if rec and all(k in rec for k in m.output_names)
-                            else engine.run(g.input, AUDIT_SOURCE))
-                self._golden.append(Canary(g.index, g.input, split_batch(expected, 0)))
+                expected = {k: rec[k] for k in m.output_names} if has else engine.run(g.input, AUDIT_SOURCE)
+                golden.append(Canary(g.index, g.input, split_batch(expected, 0)))
+            self._golden, self._recorded = golden, recorded and bool(golden)
         # the first checks soon after a new engine serves (a swap's fault shows in seconds), then the periods
         self._next_canary = self.clock() + min(self.s.canary_period_s, FIRST_CHECK_S)
         self._next_live = self.clock() + min(self.s.live_period_s, FIRST_CHECK_S)
@@ -205,10 +210,14 @@ class Auditor:
 
     def _reference_engine(self, engine: Engine) -> Engine | None:
         if self._reference is None and self._reference_error is None:
-            if engine.candidate.provider == CPU and engine.candidate.variant == self.s.reference:
+            if (engine.candidate.provider == CPU and engine.candidate.variant == self.s.reference
+                    and not engine.candidate.options and self._recorded):
                 # The served session is the reference (same variant, provider and settings): a second
-                # session of the same model cost 25 MB on a one-camera YOLO-320 agent and could only repeat
-                # it. Here the live audit checks that the served outputs are what the session gives now.
+                # session of the same model cost 25 MB on a one-camera YOLO-320 agent. What it would catch, a
+                # served session whose answers changed, the canary catches against the bundle's RECORDED
+                # outputs of this variant (hence only where every golden sample has them: a canary judged
+                # against the engine as attached would share the change). The live check then pins that
+                # what was served is what the session gives for that tensor now.
                 self._reference, self.reference_shared = engine, True
                 return engine
             live = engine.watch
