@@ -175,10 +175,11 @@ class Auditor:
             golden, recorded = [], True
             for g in engine.bundle.golden_samples():  # one at a time; kept only whole (a bad file: none)
                 rec = g.variant_outputs.get(engine.candidate.variant)
-                has = bool(rec) and all(k in rec for k in m.output_names)
-                recorded = recorded and has
                 # recorded outputs are the reference; a bundle without them: the engine as it was attached
-                expected = {k: rec[k] for k in m.output_names} if has else engine.run(g.input, AUDIT_SOURCE)
+                if rec and all(k in rec for k in m.output_names):
+                    expected = {k: rec[k] for k in m.output_names}
+                else:
+                    expected, recorded = engine.run(g.input, AUDIT_SOURCE), False
                 golden.append(Canary(g.index, g.input, split_batch(expected, 0)))
             self._golden, self._recorded = golden, recorded and bool(golden)
         # the first checks soon after a new engine serves (a swap's fault shows in seconds), then the periods
