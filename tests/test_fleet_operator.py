@@ -352,7 +352,7 @@ def _dead_operator(port: int, rid: str, records: dict[str, dict[str, Any]], **pl
     targets = ("dev0", "dev1", "dev2", "dev3")
     for d in targets:
         fake_device(c, d)
-    publish_plan(port, Plan(id=rid, artifact=ART, targets=targets, phases=(4,), device_timeout_s=600, **plan))
+    publish_plan(port, Plan(id=rid, artifact=ART, targets=targets, phases=(4,), **{"device_timeout_s": 600, **plan}))
     t = RolloutTopics(rid)
     c.publish(t.state, {"rev": 5, "status": "running", "phase": 0, "owner": "dead:1", "heartbeat": 1.0})
     for d, rec in records.items():
@@ -401,6 +401,57 @@ def test_a_command_sent_again_on_resume_waits_for_the_download_cap(broker: Broke
         topic, payload, _ = c.inbox.get(timeout=20)  # past its download: the slot goes to dev1, sent again
         assert topic == "edge/dev1/cmd/update" and json.loads(payload)["id"] == "capped"
         assert wait_until(lambda: bool(op.records["dev1"].get("commanded_again")), 10)
+    finally:
+        ticks.stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_a_dead_operators_starts_from_a_clock_ahead_still_count_against_the_rate_cap(broker: Broker) -> None:
+    # the fault a helper found: starts recorded "in the future" (the previous operator on another host, or
+    # before an NTP step back) fell outside the minute, and the resumed operator's rate cap was fresh
+    now = time.time()
+    c = _dead_operator(broker.port, "ahead", {d: {"state": "started", "started": now + 2, "commanded": now + 2}
+                                              for d in ("dev0", "dev1")}, rate_per_min=2)
+    op = operator(broker.port, "ahead")
+    op.take_over()
+    ticks = Ticks()
+    t = threading.Thread(target=op.run, kwargs={"until": ticks}, daemon=True)
+    t.start()
+    try:
+        ticks.wait()  # barrier: twenty loop ticks in which the rate cap held
+        assert c.inbox.empty(), c.inbox.get_nowait()
+    finally:
+        ticks.stop.set()
+        t.join(10)
+        op.client.stop()
+        c.stop()
+
+
+def test_a_device_waiting_for_a_slot_on_resume_is_not_timed_out_before_its_command(broker: Broker) -> None:
+    # the fault a helper found: the device no command reached waited for the download cap while its time-out
+    # ran from the dead operator's `started`, and failed `timed_out` (towards the abort) never commanded
+    now = time.time()
+    c = _dead_operator(broker.port, "waits", {"dev0": {"state": "started", "started": now - 5, "commanded": now - 5},
+                                              "dev1": {"state": "started", "started": now - 29}},
+                       rate_per_min=600, max_downloads=1, device_timeout_s=30)
+    c.publish("edge/dev0/update/status", {"update": "waits", "state": "downloading", "ts": now})
+    op = operator(broker.port, "waits")
+    op.take_over()
+    ticks = Ticks()
+    t = threading.Thread(target=op.run, kwargs={"until": ticks}, daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: time.time() > now + 2, 10)  # past dev1's time-out counted from `started`
+        ticks.wait()  # barrier: twenty loop ticks after it
+        assert op.records["dev1"]["state"] == "started", op.records["dev1"]
+        assert c.inbox.empty(), c.inbox.get_nowait()
+        c.publish("edge/dev0/update/status", {"update": "waits", "state": "verifying", "ts": time.time()})
+        topic, _, _ = c.inbox.get(timeout=20)  # the slot is free: dev1 commanded, its time-out from now
+        assert topic == "edge/dev1/cmd/update"
+        assert wait_until(lambda: bool(op.records["dev1"].get("commanded_again")), 10)
+        assert op.records["dev1"]["state"] == "started"
     finally:
         ticks.stop.set()
         t.join(10)

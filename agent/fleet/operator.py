@@ -110,6 +110,7 @@ class Operator:
         self._handled_control = 0.0  # the newest control request applied (its ts), kept in the state
         self.taken_over: str | None = None
         self._recommand_pending = False  # set by take_over: a resume looks for uncommanded devices once
+        self._awaiting_slot: set[str] = set()  # found uncommanded on resume, waiting for the caps
 
     # -- loading ---------------------------------------------------------------------------------------
     def topics(self) -> list[str]:
@@ -211,9 +212,11 @@ class Operator:
         plan = self.plan
         if plan is None:
             return
-        recent = sorted(float(r["started"]) for r in self.records.values()  # starts whose command went out
+        # starts whose command went out; one "in the future" (the previous operator's clock ahead of ours: a
+        # `resume --force` from another host, an NTP step) counts as now, never as outside the minute
+        recent = sorted(min(float(r["started"]), now) for r in self.records.values()
                         if r.get("commanded") and isinstance(r.get("started"), (int, float))
-                        and 0.0 <= now - float(r["started"]) < 60.0)
+                        and now - float(r["started"]) < 60.0)
         self._starts = [float(t) for t in recent]
         if recent:
             rate = plan.rate_per_min / 60.0
@@ -254,6 +257,9 @@ class Operator:
             self._command(d)
             again.append(d)
         self._recommand_pending = waiting  # the rest on a later tick, once the caps allow
+        # no command reached these yet: their time-out counts from the command they are waiting for, not
+        # from the dead operator's `started` (they timed out while waiting for a slot)
+        self._awaiting_slot = {d for d, _ in lost[len(again):]}
         if again:
             self.decide("recommanded", devices=again, reason="recorded as started, but no sign the command arrived")
 
@@ -329,6 +335,8 @@ class Operator:
         for d, rec in list(self.records.items()):
             if rec.get("state") != "started":
                 continue
+            if d in self._awaiting_slot and self.state.get("status") == "running":
+                continue  # not commanded yet (stopped otherwise: judged as it stands, its time-out from `started`)
             reply = dv.replies.get(d) if (dv.replies.get(d) or {}).get("command") == "update" else None
             if reply is not None and reply.get("busy") and rec.get("commanded_again"):
                 # commanded twice, its "busy" may answer the second while the first runs (published before
