@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 
 from agent.config_schema import build, validate
+from agent.fsio import load_yaml
 from agent.errors import ConfigError, PayloadError
 from agent.keydoc import Key
 from agent.proof.selection import SelectionPolicy
@@ -296,7 +297,7 @@ class Config:
 
 def parse_config(text: str, where: str) -> Config:
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: malformed YAML: {exc}") from exc
     if data is None:

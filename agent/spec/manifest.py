@@ -16,6 +16,7 @@ import jsonschema
 import yaml
 
 from agent.errors import BundleError
+from agent.fsio import load_yaml
 
 MANIFEST_NAME = "bundle.yaml"
 SIGNATURE_NAME = "bundle.sig"
@@ -468,7 +469,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
 def parse_manifest(text: str, where: str = MANIFEST_NAME) -> Manifest:
     """Parse and validate manifest text; `where` names the file in every error."""
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise BundleError(f"{where}: malformed YAML: {exc}") from exc
     if not isinstance(data, dict):
