@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 from agentproc import DEMO_BUNDLE
+from auditing import audited
 
 from agent.bundle.load import load_bundle
 from agent.service.serving_ledger import ServingWatch
@@ -20,15 +21,7 @@ from agent.serving.engine import Engine, build_engine
 
 def _audited(variant: str, precision: str) -> tuple[Auditor, object]:
     engine = build_engine(load_bundle(DEMO_BUNDLE), Candidate(CPU, variant, precision), SessionSettings())
-    now = [0.0]
-    auditor = Auditor(AuditSettings(canary_period_s=1.0, live_period_s=1.0, live_window=2), lambda: engine,
-                      SessionSettings(), clock=lambda: now[0])
-    tensor = engine.preprocessor(np.zeros((64, 64, 3), np.uint8))
-    for step in range(1, 4):
-        now[0] = step * 10.0
-        auditor._step()
-        auditor._live(tensor, engine.run(tensor))
-    return auditor, engine
+    return audited(engine, 64, 3), engine
 
 
 def test_a_served_fp32_on_the_cpu_is_its_own_reference_with_no_second_session() -> None:

@@ -249,19 +249,11 @@ def test_the_audit_never_judges_a_model_output_the_bundle_does_not_use(tmp_path:
     """The canary and the live audit judged every output: the unused NaN `aux` made a healthy engine DEGRADED
     ("canary audit drifted"), and the controller re-proves on each drift."""
     from agent.serving.engine import build_engine
-    from agent.service.audit import AuditSettings, Auditor
+    from auditing import audited
     from agent.testing import structured_frames
 
     b, _golden = _aux_bundle(tmp_path, list(structured_frames(4, 32, 0)))
-    engine = build_engine(b, FP32, SessionSettings())
-    now = [0.0]
-    auditor = Auditor(AuditSettings(canary_period_s=1.0, live_period_s=1.0, live_window=2), lambda: engine,
-                      SessionSettings(), clock=lambda: now[0])
-    tensor = engine.preprocessor(np.zeros((32, 32, 3), np.uint8))
-    for step in range(1, 7):
-        now[0] = step * 10.0
-        auditor._step()  # attach, then a canary each step
-        auditor._live(tensor, engine.run(tensor))  # a served frame against the CPU reference
+    auditor = audited(build_engine(b, FP32, SessionSettings()), 32, 6)
     assert auditor.counters["canary_runs"] >= 5 and auditor.counters["live_windows"] >= 2
     assert auditor.counters["canary_failures"] == 0 and auditor.counters["live_drift"] == 0
     assert auditor.degraded is None
