@@ -248,8 +248,9 @@ def test_a_variant_whose_post_stage_refuses_a_golden_sample_is_rejected_at_build
 def test_the_audit_never_judges_a_model_output_the_bundle_does_not_use(tmp_path: Path) -> None:
     """The canary and the live audit judged every output: the unused NaN `aux` made a healthy engine DEGRADED
     ("canary audit drifted"), and the controller re-proves on each drift."""
-    from agent.serving.engine import build_engine
     from auditing import audited
+
+    from agent.serving.engine import build_engine
     from agent.testing import structured_frames
 
     b, _golden = _aux_bundle(tmp_path, list(structured_frames(4, 32, 0)))
