@@ -9,6 +9,7 @@ decoder that ignores its time-outs would); it can be told to carry on, and the r
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -268,8 +269,16 @@ def test_an_agent_with_one_stuck_camera_keeps_pinging_the_watchdog_and_stops_pro
                        "loop": True, "max_fps": 20},
                       {"name": "cam", "type": "stream", "url": cam.url, "open_timeout_ms": 600_000,
                        "read_timeout_ms": 600_000}]
+    # Interpreter teardown under the stuck read was a use after free (PyAV's interrupt callback takes the GIL
+    # every ~100 ms; the agent ended -11 on SIGTERM in 1 CI run): an atexit hook, planted through
+    # sitecustomize, marks a teardown; the agent must end without one while the read is in flight.
+    site, torn = tmp_path / "site", tmp_path / "torn-down"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import atexit, os\natexit.register(lambda: open(f'{torn}.{{os.getpid()}}', 'w').close())\n")
     # horizon: 1 s
-    agent = agent_process(cfg, env={"NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": "2000000"}).start()
+    agent = agent_process(cfg, env={"NOTIFY_SOCKET": rx.address, "WATCHDOG_USEC": "2000000",
+                                    "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}).start()
     try:
         assert rx.wait(lambda: rx.with_key("READY"), 60), agent.log_text()[-2000:]
         agent.wait_event("source.stuck", timeout=30)
@@ -287,6 +296,10 @@ def test_an_agent_with_one_stuck_camera_keeps_pinging_the_watchdog_and_stops_pro
         assert agent.stop(20) == 0
         took = time.monotonic() - t0
         assert took < 8, took
+        # (its self-test children end as usual: each marks its own pid)
+        assert not Path(f"{torn}.{agent.pid}").exists(), "the interpreter was torn down under the camera's read"
+        ended = agent.events("agent.exit_past_stuck_reads")
+        assert [e["threads"] for e in ended] == [["capture:cam"]], ended
     finally:
         agent.kill()
         cam.close()

@@ -333,9 +333,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             cfg = replace(cfg, pipeline=replace(cfg.pipeline, max_frames=args.max_frames))
-        return Agent(cfg).run()
+        code = Agent(cfg).run()
     finally:
         spare.discard()
+    _end_past_stuck_reads(code)
+    return code
+
+
+def _end_past_stuck_reads(code: int) -> None:
+    """With a source's read still in flight after the agent stopped (a stuck camera), end the process now,
+    flushed, without interpreter teardown, which would free what that read's thread still uses
+    (agent.serving.sources.reads_in_flight); otherwise return, for the ordinary exit."""
+    from agent.logsetup import get_logger
+    from agent.serving.sources import reads_in_flight
+
+    left = reads_in_flight()
+    if not left:
+        return
+    get_logger("agent").warning("agent.exit_past_stuck_reads", threads=left, exit_code=code,
+                detail="a source is still inside a read: the process ends without interpreter teardown")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _cmd_push(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from agent.config import SourceConfig
 from agent.logsetup import get_logger
-from agent.serving.sources import BadFrame, Frame, FrameSource, SourceStats, is_lossless
+from agent.serving.sources import CAPTURE_THREAD, BadFrame, Frame, FrameSource, SourceStats, is_lossless
 
 log = get_logger("sources")
 
@@ -88,7 +88,7 @@ class MultiSource:
     # -- the capture thread of each source ------------------------------------------------------------
     def _start(self) -> None:
         for feed in self.feeds:
-            t = threading.Thread(target=self._capture, args=(feed,), name=f"capture:{feed.name}", daemon=True)
+            t = threading.Thread(target=self._capture, args=(feed,), name=f"{CAPTURE_THREAD}:{feed.name}", daemon=True)
             self._threads.append(t)
             t.start()
 

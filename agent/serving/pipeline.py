@@ -32,7 +32,7 @@ from agent.serving.metrics import PipelineMetrics
 from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, split_batch
 from agent.serving.decoding import scaled_geometry
 from agent.serving.sizing import StageCosts, StagePlan, initial_plan, plan_stages
-from agent.serving.sources import BadFrame, Frame, FrameSource, UndecodableFrame, video_sources
+from agent.serving.sources import CAPTURE_THREAD, BadFrame, Frame, FrameSource, UndecodableFrame, video_sources
 
 log = get_logger("pipeline")
 
@@ -237,7 +237,7 @@ class Pipeline:
         self._inf_closing = threading.Event()
         self.max_result_bytes = DEFAULT_MAX_RESULT_BYTES  # the daemon sets output.max_result_bytes
         self._threads = [
-            threading.Thread(target=self._guard(self._capture), name="capture", daemon=True),
+            threading.Thread(target=self._guard(self._capture), name=CAPTURE_THREAD, daemon=True),
             *(threading.Thread(target=self._guard(self._preprocess), args=(i,), name=f"preprocess-{i}", daemon=True)
               for i in range(self._pre_max)),
             *(threading.Thread(target=self._guard(self._infer), args=(i,), name=f"infer-{i}", daemon=True)

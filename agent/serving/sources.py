@@ -114,6 +114,17 @@ class SourceStats:
         self.heartbeat = time.monotonic()
 
 
+CAPTURE_THREAD = "capture"  # the name every thread that reads a source starts with (the pipeline's, one per source)
+
+
+def reads_in_flight() -> list[str]:
+    """The capture threads still alive, each inside a source's read that its stop could not end (a stuck
+    camera). Interpreter teardown must not run under such a read: FFmpeg's interrupt callback in PyAV takes
+    the GIL every ~100 ms, and once teardown has freed the thread's state that is a use after free (an agent
+    ended -11 on SIGTERM with a stuck camera). The CLI ends the process with os._exit when this is not empty."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(CAPTURE_THREAD) and t.is_alive())
+
+
 class FrameSource(Protocol):
     name: str
     live: bool
