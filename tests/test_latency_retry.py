@@ -16,13 +16,17 @@ from agent.bundle.load import load_bundle
 from agent.proof.parity import Finding
 import pytest
 
+from agent.proof import selection as selection_module
 from agent.proof import selftest as selftest_module
 from agent.proof.selection import (
+    SETTLE_FAST_RUNS,
     SETTLE_MIN_RUNS,
     SelectionPolicy,
     fastest_proven,
     latency_retry_schedule,
     latency_settled,
+    may_settle,
+    samples_settled,
     should_remeasure_latency,
 )
 from agent.proof.selftest import SelftestOptions, run_selftest
@@ -71,13 +75,45 @@ def test_latency_is_settled_only_far_under_budget_and_clear_of_the_margin() -> N
     assert latency_settled([0.0], [0.0], [0.0], 0.10) is None  # a zero budget never settles (nor divides by zero)
 
 
+def test_the_loop_asks_whether_it_settled_only_after_enough_rounds_or_enough_time() -> None:
+    assert not may_settle(SETTLE_MIN_RUNS - 1, 50, 60.0)  # never before the minimum rounds, however long
+    assert may_settle(SETTLE_MIN_RUNS, 50, 2.0)  # a slow model: ten rounds of two seconds
+    assert not may_settle(SETTLE_MIN_RUNS, 50, 0.1)  # a fast model: not on ten rounds...
+    assert may_settle(SETTLE_FAST_RUNS, 50, 0.1)  # ...but on twenty
+    assert not may_settle(50, 50, 60.0) and not may_settle(SETTLE_FAST_RUNS, SETTLE_FAST_RUNS, 0.1)  # the last: done
+
+
+def test_a_pick_settles_only_when_both_halves_of_the_runs_make_it_too() -> None:
+    cpu = ["CPU", "CPU"]
+    steady = [[2.0] * 20, [1.0] * 20]  # int8 twice as fast in every run
+    assert samples_settled(steady, [50.0, 50.0], 0.10, cpu) is not None
+    # a loaded machine: fp32 fast in the first half, slow in the second (time slices stolen); the whole looks
+    # clear of the margin (p50 ratio 1.0: fp32), but the second half alone picks int8: keep timing
+    flipped = [[1.0] * 10 + [3.0] * 10, [2.0] * 20]
+    assert samples_settled(flipped, [50.0, 50.0], 0.10, cpu) is None
+    assert samples_settled([[1.0], [2.0]], [50.0, 50.0], 0.10, cpu) is None  # too few runs to halve
+
+
+def test_a_fast_model_far_under_its_budget_is_timed_only_until_its_answer_is_clear(
+        tiny_bundle: Path, tmp_path: Path) -> None:
+    """One candidate well under a millisecond against its budget: nothing to compare, its p95 far under the
+    budget after SETTLE_FAST_RUNS rounds; the report says where it stopped."""
+    rewrite_manifest(tiny_bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": 1000.0}))
+    report = run_selftest(load_bundle(tiny_bundle), tmp_path / "fast", SelftestOptions(
+        use_cache=False, policy=SelectionPolicy(variant="fp32"))).to_dict()
+    tested = [c for c in report["candidates"] if c["status"] == "tested"]
+    assert [c["variant"] for c in tested] == ["fp32"] and report["selected"]["variant"] == "fp32"
+    assert tested[0]["latency"]["runs"] == SETTLE_FAST_RUNS, tested[0]["latency_context"]
+    assert tested[0]["latency_context"]["settled"].startswith(f"stopped after {SETTLE_FAST_RUNS} of 50 timed runs")
+
+
 def _slowed_selftest(bundle: Path, state: Path, monkeypatch: pytest.MonkeyPatch, budget_ms: float,
                      **opts: object) -> dict:
     """The tiny bundle's self-test with every latency run slowed by 20 ms (inside the timed region), and the
     settle time scaled down from 2 s to 0.2 s so that ten such runs reach it."""
     rewrite_manifest(bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": budget_ms}))
     monkeypatch.setattr(selftest_module, "BEFORE_RUN", lambda c, n: time.sleep(0.02))
-    monkeypatch.setattr(selftest_module, "SETTLE_AFTER_S", 0.2)
+    monkeypatch.setattr(selection_module, "SETTLE_AFTER_S", 0.2)
     report = run_selftest(load_bundle(bundle), state, SelftestOptions(use_cache=False, **opts))  # type: ignore[arg-type]
     return report.to_dict()
 

@@ -33,12 +33,11 @@ from agent.proof.selection import (
     SelectionPolicy,
     build_candidates,
     choose,
-    SETTLE_AFTER_S,
-    SETTLE_MIN_RUNS,
     fastest_proven,
     latency_retry_schedule,
-    latency_settled,
+    may_settle,
     provider_groups,
+    samples_settled,
     should_remeasure_latency,
 )
 from agent.proof.session import open_session
@@ -403,8 +402,9 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
     region: a crash on the 30th run of one candidate is blamed on that candidate, not on the first.
 
     `settle_margin` (the selection's prefer_margin; None: always the full count): stop before `runs` once
-    the answer cannot change (`selection.latency_settled`), after SETTLE_MIN_RUNS rounds that took at least
-    SETTLE_AFTER_S of timed runs; the context says so."""
+    the answer cannot change (`selection.latency_settled`), once `selection.may_settle` allows the question
+    (SETTLE_MIN_RUNS rounds that took SETTLE_AFTER_S of timed runs, or SETTLE_FAST_RUNS rounds); the context
+    says so."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
     if not live:
         return
@@ -443,10 +443,10 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                 calls[id(t)]()
                 samples[id(t)].append(ns := time.perf_counter_ns() - t0)
                 timed_ns += ns
-            if settle is not None and SETTLE_MIN_RUNS <= done < runs and timed_ns >= SETTLE_AFTER_S * 1e9:
+            if settle is not None and may_settle(done, runs, timed_ns / 1e9):
                 margin, budgets = settle
-                p50s, p95s = zip(*(np.percentile(samples[id(t)], [50, 95]) / 1e6 for t in live))
-                why = latency_settled(p50s, p95s, budgets, margin, [t.candidate.provider for t in live])
+                why = samples_settled([[ns / 1e6 for ns in samples[id(t)]] for t in live], budgets, margin,
+                                      [t.candidate.provider for t in live])
                 if why is not None:
                     settled = f"stopped after {done} of {runs} timed runs: {why}"
                     break
@@ -544,8 +544,12 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
     bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
     refs = [r for g in golden for r in _steps(g.outputs, False)]
     best, reason, scales = 1, None, []
+    def served(frame_of: Callable[[GoldenSample], np.ndarray]) -> Callable[[GoldenSample], list[dict[str, np.ndarray]]]:
+        """What serving outputs for the frame `frame_of` makes of a golden sample: preprocessing and the model."""
+        return lambda g: [split_batch(o, 0) for o in _run_golden(opened, m, pre(frame_of(g)), False)]
+
     try:  # what the full path serves on the same frames: the reference a shortcut must reproduce
-        full = [split_batch(o, 0) for g in golden for o in _run_golden(opened, m, pre(g.raw), False)]
+        full = _on_two_threads(served(lambda g: g.raw), golden)
     except Exception as exc:
         return {"max_scale": 1, "reason": f"full decode: {type(exc).__name__}: {exc}"[:400], "scales": []}
     for s in (s for s in REDUCED_SCALES if s <= max_scale):
@@ -557,9 +561,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         for path, reduce in (("jpeg", camera_sized_reduced), ("video", camera_sized_reduced_yuv)):
             stage = f"decode 1/{s}" + (" (video planes)" if path == "video" else "")
             try:
-                got = []
-                for frame in _camera_frames(reduce, golden, s, m.frame.color):
-                    got += [split_batch(o, 0) for o in _run_golden(opened, m, pre(frame), False)]
+                got = _on_two_threads(served(lambda g: reduce(g.raw, s, m.frame.color)), golden)
                 # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
                 got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
                 rep = judge_reproduction(m.postprocess, got_used, full_used, bounds, "full path", stage=stage,
@@ -590,17 +592,18 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
     return {"max_scale": best, "reason": reason, "scales": scales}
 
 
-def _camera_frames(reduce: Callable[[np.ndarray, int, str], np.ndarray], golden: Sequence[GoldenSample],
-                   scale: int, color: str) -> list[np.ndarray]:
-    """Each golden frame as a camera `scale` times its size delivers it, made on up to two threads: the
-    encoding and decoding of camera-sized frames is most of the reduced-decode check (1/8 of a 160x160
-    golden frame is a 1280x1280 JPEG), OpenCV releases the GIL there, and at boot the agent's own process
-    is idle on the other core while its child proves."""
+def _on_two_threads(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]],
+                    golden: Sequence[GoldenSample]) -> list[dict[str, np.ndarray]]:
+    """`fn` over every golden sample on up to two threads, outputs in the samples' order. Making camera-sized
+    frames (1/4 of a 160x160 golden frame is a 640x640 JPEG encoded and decoded), preprocessing and running
+    the model are the whole reduced-decode check; OpenCV and ONNX Runtime release the GIL there, and at boot
+    the agent's own process is idle on the other core while its child proves (the demo's check, in one
+    process: 149-189 ms with only the frames on two threads, 112-137 ms with everything)."""
     workers = min(2, os.cpu_count() or 1, len(golden))
     if workers < 2:
-        return [reduce(g.raw, scale, color) for g in golden]
+        return [o for g in golden for o in fn(g)]
     with ThreadPoolExecutor(workers, thread_name_prefix="reduced-decode") as pool:
-        return list(pool.map(lambda g: reduce(g.raw, scale, color), golden))
+        return [o for outs in pool.map(fn, golden) for o in outs]
 
 
 class CrashMarkers:
