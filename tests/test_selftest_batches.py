@@ -51,3 +51,36 @@ def test_the_golden_set_also_runs_from_as_many_concurrent_callers_as_serving_use
         selftest.judge_concurrent = real
     assert report.selected is not None and calls == [3]  # a healthy variant reproduces under 3 callers
     assert options_from_config(Config(pipeline=PipelineConfig(inference_workers=3))).workers == 3
+
+
+def test_concurrent_callers_share_the_golden_set_each_sample_once_under_concurrency(tiny_bundle: Path) -> None:
+    """Each caller runs its own share (every sample once, not the whole set per caller: twice the runs of a
+    two-caller proof bought nothing); fewer samples than callers: each caller still runs one."""
+    import numpy as np
+
+    from agent.proof import selftest
+    from agent.proof.session import open_session
+    from agent.proof.terms import SessionSettings
+
+    bundle = load_bundle(tiny_bundle)
+    m = bundle.manifest
+    golden = list(bundle.golden_samples())
+    opened = open_session(bundle.path(m.variant("fp32").file), "CPUExecutionProvider", {}, SessionSettings(),
+                          sample=golden[0].input)
+    tensors = [g.input for g in golden]
+    single = [selftest.split_batch(o, 0) for t in tensors for o in selftest._run_golden(opened, m, t, False)]
+    ran: list[int] = []
+    real_run = opened.session.run
+
+    def counted(names, feeds, *a):  # the real session, its runs counted by which golden tensor they were given
+        x = next(iter(feeds.values()))
+        ran.append(next(i for i, t in enumerate(tensors) if t.shape == x.shape and np.array_equal(t, x)))
+        return real_run(names, feeds, *a)
+
+    opened.session.run = counted
+    bounds = selftest.reproduction_bounds("fp32", "CPUExecutionProvider", m.selftest.reproduction)
+    assert len(tensors) >= 4 and selftest.judge_concurrent(opened, m, tensors, single, 2, bounds) == []
+    assert set(ran) == set(range(len(tensors))) and len(ran) == 2 * -(-len(tensors) // 2)  # once each (odd: one wraps)
+    ran.clear()
+    assert selftest.judge_concurrent(opened, m, tensors[:1], single[:1], 3, bounds) == []
+    assert ran == [0, 0, 0]

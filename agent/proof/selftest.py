@@ -262,18 +262,21 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
 def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
                      workers: int, bounds: Any) -> list[Any]:
     """The golden set from `workers` callers at once on the one session, as serving's inference pool runs
-    it (each caller starts at another sample), every output judged against batch 1 run alone: a crash
-    or a wrong answer that needs concurrent callers happens here, under this candidate's marker."""
+    it (each caller its own share of the samples, every sample run once; all of them when there are fewer
+    samples than callers), every output judged against batch 1 run alone: a crash or a wrong answer that
+    needs concurrent callers happens here, under this candidate's marker. (Each caller used to run the
+    whole set: twice the runs for the same samples judged, 58 of the demo FP32 proof's 111 ms.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     feeder = InputFeeder.for_manifest(m)
     names = [o.name for o in opened.session.get_outputs()]
     n = len(tensors)
+    share = max(-(-n // workers), 1)  # ceil: the callers cover every sample, each at least one
 
     def caller(k: int) -> list[tuple[int, dict[str, np.ndarray]]]:
         out = []
-        for j in range(n):
-            i = (j + k * max(n // workers, 1)) % n
+        for j in range(share):
+            i = (k * share + j) % n
             outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
             out.append((i, split_batch(outs, 0)))
         return out
