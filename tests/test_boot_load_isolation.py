@@ -24,7 +24,7 @@ def test_a_bundle_whose_load_crashed_the_child_is_not_loaded_by_the_agent(tmp_pa
     (state / "selftest").mkdir(parents=True)
     CrashLedger(state / "selftest").record("load", bundle_digest(root), "SIGSEGV")
     loaded = []
-    monkeypatch.setattr(boot_mod, "load_bundle", lambda r, check_contracts=True: loaded.append(r))
+    monkeypatch.setattr(boot_mod, "load_bundle", lambda r, **kw: loaded.append(r))
     outcome = boot_mod.boot(Config(state_dir=state, bundle=root), None)
     assert outcome.engine is None and "loading the bundle" in (outcome.reason or ""), outcome
     assert loaded == [], "the agent loaded a bundle whose load is recorded as killing a process"
@@ -37,7 +37,7 @@ def test_the_agent_loads_the_bundle_only_after_the_child_has_loaded_it(tmp_path:
     root = tmp_path / "bundle"
     shutil.copytree(DIGITS, root)
     order = []
-    monkeypatch.setattr(boot_mod, "load_bundle", lambda r, check_contracts=True: order.append("load")
+    monkeypatch.setattr(boot_mod, "load_bundle", lambda r, **kw: order.append("load")
                         or (_ for _ in ()).throw(boot_mod.AgentError("stop here")))
 
     def prove(r, cfg, use_cache=True):

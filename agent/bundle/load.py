@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -81,6 +81,9 @@ class Bundle:
     root: Path
     manifest: Manifest
     manifest_sha256: str
+    # the golden samples `load_bundle` read, kept only when asked (`keep_golden`: a self-test child reads them
+    # once, not again for its proof); a serving process never keeps them (the YOLO-320 bundle's six: 24 MB)
+    kept_golden: tuple["GoldenSample", ...] | None = field(default=None, compare=False, repr=False)
 
     def path(self, rel: str) -> Path:
         return self.root / rel
@@ -103,7 +106,7 @@ class Bundle:
         return self.path(ANSWERS_FILE) if ANSWERS_FILE in self.manifest.files else None
 
     def golden(self) -> list[GoldenSample]:
-        return list(self.golden_samples())
+        return list(self.kept_golden) if self.kept_golden is not None else list(self.golden_samples())
 
     def golden_samples(self) -> Iterator[GoldenSample]:
         """One golden sample at a time, for a reader that keeps a part of each (the serving audit): the
@@ -398,15 +401,24 @@ def read_manifest(root: Path) -> tuple[Manifest, str]:
     return parse_manifest(data.decode("utf-8", errors="replace"), where=str(path)), sha256_bytes(data)
 
 
-def load_bundle(root: Path | str, check_contracts: bool = True) -> Bundle:
-    """Manifest schema, file hashes, golden arrays and (by default) every variant's I/O contract."""
+def load_bundle(root: Path | str, check_contracts: bool = True, check_golden: bool = True,
+                keep_golden: bool = False) -> Bundle:
+    """Manifest schema, file hashes, golden arrays and (by default) every variant's I/O contract.
+
+    `check_golden=False`: the golden arrays are not read, only hashed with every file -- for a process whose
+    self-test child checked these very files under the same manifest (boot, after the verdict: 25 ms of a
+    cold start). `keep_golden`: the bundle keeps the samples it read (`Bundle.golden` returns them)."""
     root = Path(root)
     manifest, digest = read_manifest(root)
     verify_files(root, manifest)
     if check_contracts:
         check_contract(root, manifest)
     bundle = Bundle(root=root, manifest=manifest, manifest_sha256=digest)
+    if not check_golden:
+        return bundle
     golden = bundle.golden()
+    if keep_golden:
+        bundle = replace(bundle, kept_golden=tuple(golden))
     for g in golden:
         for raw in [g.raw, *(p[0] for p in g.size_probes)]:
             if manifest.frame.kind == "image" and (why := manifest.frame.size_problem(*raw.shape[:2])) is not None:

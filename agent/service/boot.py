@@ -112,10 +112,11 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
     if proof.report is None:
         return BootOutcome(None, None, None, proof.error)
     try:
-        # The child checked every variant's contract; here only the files are read and their hashes
-        # checked, and only after the verdict: loading is a step the child is isolated for ("load": a
-        # native fault, the OOM killer, a hang), never done in this process before the child survived it.
-        bundle = load_bundle(root, check_contracts=False)
+        # The child checked every variant's contract and the golden arrays; here only the files are read and
+        # their hashes checked (the manifest's sha is compared with the proven one below), and only after the
+        # verdict: loading is a step the child is isolated for ("load": a native fault, the OOM killer, a
+        # hang), never done in this process before the child survived it.
+        bundle = load_bundle(root, check_contracts=False, check_golden=False)
     except AgentError as exc:
         return BootOutcome(None, None, proof.report, str(exc))
     proven = (proof.report.get("bundle") or {}).get("manifest_sha256")

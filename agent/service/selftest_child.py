@@ -105,7 +105,7 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
 
     mark_step(directory, "load")  # manifest, file hashes, golden arrays: no session
     inject_fault("load", faults)
-    bundle = load_bundle(args.bundle, check_contracts=False)
+    bundle = load_bundle(args.bundle, check_contracts=False, keep_golden=True)  # read once, for the proof too
     # Each variant's contract is its own step (it opens a session): a driver that crashes on the INT8
     # file costs that variant, and the FP32 is still tried.
     for v in bundle.manifest.variants:
