@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from agent.bundle.load import load_bundle
 from agent.config import Config, PipelineConfig
 from agent.proof.selftest import batch_sizes, options_from_config, run_selftest
 from agent.testing import rewrite_manifest
 from batch_faults import batch_opts, wrong_at_batch
+
+DIGITS = Path(__file__).resolve().parents[1] / "models" / "digits-classifier"
 
 
 def test_a_variant_wrong_only_at_batch_4_is_rejected_when_serving_batches_up_to_4(tiny_bundle: Path) -> None:
@@ -84,3 +88,40 @@ def test_concurrent_callers_share_the_golden_set_each_sample_once_under_concurre
     ran.clear()
     assert selftest.judge_concurrent(opened, m, tensors[:1], single[:1], 3, bounds) == []
     assert ran == [0, 0, 0]
+
+
+def test_with_one_serving_worker_the_proof_never_calls_the_model_from_two_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving with `inference_workers: 1` never runs its session from two threads; the proof (its reduced-decode
+    check makes frames on two threads) must not either, or a provider unsafe under concurrent calls would be
+    charged for a crash serving never has (found by review)."""
+    import threading
+
+    from agent.proof import selftest
+    from agent.proof.selection import SelectionPolicy
+
+    real_open = selftest.open_session
+    lock, state = threading.Lock(), {"now": 0, "most": 0}
+
+    def open_session(*a, **kw):  # the real session, its runs in flight counted
+        opened = real_open(*a, **kw)
+        run = opened.session.run
+
+        def counted(*x, **y):
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            try:
+                return run(*x, **y)
+            finally:
+                with lock:
+                    state["now"] -= 1
+
+        opened.session.run = counted
+        return opened
+
+    monkeypatch.setattr(selftest, "open_session", open_session)
+    opts = selftest.SelftestOptions(use_cache=False, workers=1, policy=SelectionPolicy(variant="fp32"))
+    report = run_selftest(load_bundle(DIGITS), tmp_path, opts)
+    assert report.selected is not None and report.decode["max_scale"] > 1, report.decode  # the check ran, and passed
+    assert state["most"] == 1

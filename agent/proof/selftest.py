@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import platform
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -509,7 +510,7 @@ def choosable_scale(limits: Sequence[SourceScaleLimit], resize: Any) -> int:
 
 
 def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                         opened: Any = None, max_scale: int = max(REDUCED_SCALES)) -> dict[str, Any]:
+                         opened: Any = None, max_scale: int = max(REDUCED_SCALES), callers: int = 1) -> dict[str, Any]:
     """Prove the reduced-scale decode paths on the winning candidate: each golden raw frame as a camera `s`
     times its size sends it, decoded at 1/s by JPEG's DCT scaling (jpeg.camera_sized_reduced) and by the
     video path's plane averaging (yuv.camera_sized_reduced_yuv), then the bundle's preprocessing and the
@@ -518,13 +519,15 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
     bounds; the fidelity floors against the references are checked too, but staying above a floor is
     never enough (a floor of 0.9 let 10 % of detections drop). Scales 2, 4, 8 in turn up to `max_scale` (the
     largest any configured source can choose: `choosable_scale`), stopping at the first failure; `max_scale`
-    in the result is the largest that passed, `bound` the largest that was tried."""
-    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale)
+    in the result is the largest that passed, `bound` the largest that was tried. `callers`: how many run the
+    model at once in serving (`serving_workers`): never more run it at once here (the frames are made on two
+    threads either way)."""
+    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale, callers)
     return {**out, "bound": max(1, min(max_scale, max(REDUCED_SCALES)))}
 
 
 def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                    opened: Any, max_scale: int) -> dict[str, Any]:
+                    opened: Any, max_scale: int, callers: int) -> dict[str, Any]:
     m = bundle.manifest
     resize = m.preprocess.resize
     if max_scale < 2:
@@ -547,9 +550,15 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
     bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
     refs = [r for g in golden for r in _steps(g.outputs, False)]
     best, reason, scales = 1, None, []
+    model_gate = threading.Semaphore(max(callers, 1))  # the model is called at once by as many as serving calls it
+
     def served(frame_of: Callable[[GoldenSample], np.ndarray]) -> Callable[[GoldenSample], list[dict[str, np.ndarray]]]:
         """What serving outputs for the frame `frame_of` makes of a golden sample: preprocessing and the model."""
-        return lambda g: [split_batch(o, 0) for o in _run_golden(opened, m, pre(frame_of(g)), False)]
+        def one(g: GoldenSample) -> list[dict[str, np.ndarray]]:
+            tensor = pre(frame_of(g))
+            with model_gate:
+                return [split_batch(o, 0) for o in _run_golden(opened, m, tensor, False)]
+        return one
 
     try:  # what the full path serves on the same frames: the reference a shortcut must reproduce
         full = _on_two_threads(served(lambda g: g.raw), golden)
@@ -602,7 +611,7 @@ def _on_two_threads(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]],
     the model are the whole reduced-decode check; OpenCV and ONNX Runtime release the GIL there, and at boot
     the agent's own process is idle on the other core while its child proves (the demo's check, in one
     process: 149-189 ms with only the frames on two threads, 112-137 ms with everything)."""
-    workers = min(2, os.cpu_count() or 1, len(golden))
+    workers = min(2, len(os.sched_getaffinity(0)), len(golden))
     if workers < 2:
         return [o for g in golden for o in fn(g)]
     with ThreadPoolExecutor(workers, thread_name_prefix="reduced-decode") as pool:
@@ -698,7 +707,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{scale_bound}"):
                 decode = _guarded(markers, bundle, selected.candidate,
                                   lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden,
-                                                               opened, max_scale=scale_bound))
+                                                               opened, max_scale=scale_bound, callers=opts.workers))
         report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
                                 (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
                                 decode, tuple(costs.to_list()))

@@ -333,17 +333,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             cfg = replace(cfg, pipeline=replace(cfg.pipeline, max_frames=args.max_frames))
-        code = Agent(cfg).run()
+        return Agent(cfg).run()
     finally:
         spare.discard()
-    _end_past_stuck_reads(code)
-    return code
 
 
 def _end_past_stuck_reads(code: int) -> None:
     """With a source's read still in flight after the agent stopped (a stuck camera), end the process now,
     flushed, without interpreter teardown, which would free what that read's thread still uses
-    (agent.serving.sources.reads_in_flight); otherwise return, for the ordinary exit."""
+    (agent.serving.sources.reads_in_flight); otherwise return, for the ordinary exit.
+
+    The exit handlers still run first, as they do at an ordinary exit before any teardown (the serving
+    ledger's markers and fault file go there: left behind, a clean stop read as a death at the next boot)."""
+    import atexit
+
     from agent.logsetup import get_logger
     from agent.serving.sources import reads_in_flight
 
@@ -352,6 +355,7 @@ def _end_past_stuck_reads(code: int) -> None:
         return
     get_logger("agent").warning("agent.exit_past_stuck_reads", threads=left, exit_code=code,
                 detail="a source is still inside a read: the process ends without interpreter teardown")
+    atexit._run_exitfuncs()  # what Py_Finalize runs before its teardown, with every thread still alive
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -605,6 +609,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # unwritable (a service user), breaking one JSON object per line; a device sends no telemetry anyway.
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     configure_logging(args.log_level or "info", args.log_json)
+    code = _run_command(args)
+    if args.func is _cmd_run:  # however the agent ended: its error, if any, is printed by now
+        _end_past_stuck_reads(code)
+    return code
+
+
+def _run_command(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except UsageError as exc:
