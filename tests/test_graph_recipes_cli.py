@@ -97,14 +97,14 @@ def test_every_recipe_follows_the_stage_interface(name: str) -> None:
 
 
 def test_docs_recipes_md_carries_every_recipes_parameter_table() -> None:
-    from agent.bundle.graphs.command import markdown_table
+    from agent.bundle.graph_command import markdown_table
     from agent.bundle.graphs.pre_image import COMMON
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
     assert markdown_table("pre.stretch", skip=("width", "height")) in doc  # the common pre parameters
     for name in RECIPES:
         assert f"### `{name}`" in doc, (f"docs/recipes.md has no section for recipe {name}: add `### `{name}`` "
-                                         "with its table, markdown_table() in agent/bundle/graphs/command.py")
+                                         "with its table, markdown_table() in agent/bundle/graph_command.py")
         table = markdown_table(name, skip=tuple(COMMON) if name.startswith("pre.") else ())
         assert table in doc, f"docs/recipes.md: the parameter table of {name} differs from the code:\n{table}"
 
