@@ -100,10 +100,16 @@ def choose(results: Sequence[CandidateResult], margin: float) -> CandidateResult
     passing = [r for r in results if r.passed]
     if not passing:
         return None
-    best = passing[0]
-    for r in passing[1:]:
-        if r.p50 < best.p50 * (1.0 - margin):
-            best = r
+    return passing[pick_index([r.p50 for r in passing], margin)]
+
+
+def pick_index(p50s: Sequence[float], margin: float) -> int:
+    """The margin rule, on p50s in preference order: the first, unless a later one is at least `margin`
+    faster than the pick so far (`choose` on results, `picks` on the latency loop's figures)."""
+    best = 0
+    for i in range(1, len(p50s)):
+        if p50s[i] < p50s[best] * (1.0 - margin):
+            best = i
     return best
 
 
@@ -125,11 +131,10 @@ def may_settle(done: int, runs: int, timed_s: float) -> bool:
 
 def picks(p50s: Sequence[float], margin: float, providers: Sequence[str]) -> dict[str, int]:
     """What `choose` would pick within each provider if every candidate passed: the index per provider."""
-    best: dict[str, int] = {}
-    for i, (p50, group) in enumerate(zip(p50s, providers)):
-        if group not in best or p50 < p50s[best[group]] * (1.0 - margin):
-            best[group] = i
-    return best
+    groups: dict[str, list[int]] = {}
+    for i, group in enumerate(providers):
+        groups.setdefault(group, []).append(i)
+    return {g: idx[pick_index([p50s[i] for i in idx], margin)] for g, idx in groups.items()}
 
 
 def samples_settled(samples_ms: Sequence[Sequence[float]], budgets: Sequence[float], margin: float,

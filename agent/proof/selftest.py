@@ -272,7 +272,7 @@ def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single:
     feeder = InputFeeder.for_manifest(m)
     names = [o.name for o in opened.session.get_outputs()]
     n = len(tensors)
-    share = max(-(-n // workers), 1)  # ceil: the callers cover every sample, each at least one
+    share = -(-n // workers)  # ceil: the callers cover every sample (each runs at least one of them)
 
     def caller(k: int) -> list[tuple[int, dict[str, np.ndarray]]]:
         out = []
