@@ -63,3 +63,13 @@ def test_a_video_source_has_pyav_imported_by_the_time_the_proof_returns(tmp_path
     seen = _run(tmp_path, {"type": "video", "path": str(video)})
     assert "av" in seen["proof"], seen  # imported while the child proved, not on the first frame's path
     assert seen["exit"] == {"av", "jsonschema"}, seen
+
+
+def test_the_command_line_is_parsed_before_any_heavy_import() -> None:
+    """`edge-agent run` starts its proof child right after parsing its arguments, so the child's imports overlap
+    the agent's: a parser that imports numpy (the graph recipes did, 88 ms) delays the child on every cold start."""
+    code = ("import sys\nfrom agent.service.cli import build_parser\nbuild_parser().parse_args(['run'])\n"
+            "print(','.join(m for m in ('numpy', 'onnxruntime', 'cv2', 'onnx', 'jsonschema', 'yaml') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout.strip()
+    assert out == "", f"parsing the command line imported: {out}"

@@ -73,12 +73,3 @@ def test_pure_core_imports_no_onnxruntime_no_broker_client_and_no_shell_module()
                          cwd=AGENT.parent).stdout.strip()
     assert out == "", f"the pure core pulled in: {out}"
 
-
-def test_the_command_line_is_parsed_before_any_heavy_import():
-    """`edge-agent run` starts its proof child right after parsing its arguments, so the child's imports overlap
-    the agent's: a parser that imports numpy (the graph recipes did, 88 ms) delays the child on every cold start."""
-    code = ("import sys\nfrom agent.service.cli import build_parser\nbuild_parser().parse_args(['run'])\n"
-            "print(','.join(m for m in ('numpy', 'onnxruntime', 'cv2', 'onnx', 'jsonschema', 'yaml') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=AGENT.parent).stdout.strip()
-    assert out == "", f"parsing the command line imported: {out}"

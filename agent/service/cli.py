@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="postprocess.graph: model outputs (+ `frame_size`, `geometry`) -> the result tensors named in "
                         "the spec's postprocess.result; copied into the bundle, hashed and signed, never quantised")
     c.set_defaults(func=_cmd_bundle_create)
-    from agent.bundle.graph_command import add_graph_parser  # `edge-agent bundle graph`: agent/bundle/graphs/
+    from agent.bundle.graph_command import add_graph_parser  # `edge-agent bundle graph` (recipes: agent/bundle/graphs/)
 
     add_graph_parser(bsub)
 
