@@ -125,3 +125,86 @@ def test_with_one_serving_worker_the_proof_never_calls_the_model_from_two_thread
     report = run_selftest(load_bundle(DIGITS), tmp_path, opts)
     assert report.selected is not None and report.decode["max_scale"] > 1, report.decode  # the check ran, and passed
     assert state["most"] == 1
+
+
+def _counting_sessions(monkeypatch: pytest.MonkeyPatch,
+                       wrong_when_concurrent: bool = False) -> list[tuple[str, object]]:
+    """Every candidate session's runs: (the thread that made it, its first input); `wrong_when_concurrent`: the
+    outputs of runs made by the proof's concurrent callers are shifted (a session wrong only under concurrent
+    callers, as a thread-unsafe kernel would be; run alone it is exact)."""
+    import threading
+
+    import numpy as np
+
+    from agent.proof import selftest
+
+    threads: list[tuple[str, object]] = []
+    real_open = selftest.open_session
+
+    def open_session(*a, **kw):
+        opened = real_open(*a, **kw)
+        run = opened.session.run
+
+        def counted(*x, **y):
+            name = threading.current_thread().name
+            threads.append((name, next(iter(x[1].values()))))
+            outs = run(*x, **y)
+            if wrong_when_concurrent and name.startswith("selftest-concurrent"):
+                outs = [np.asarray(o) + np.float32(8.0) for o in outs]
+            return outs
+
+        opened.session.run = counted
+        return opened
+
+    monkeypatch.setattr(selftest, "open_session", open_session)
+    return threads
+
+
+def test_with_concurrent_callers_the_golden_set_runs_once_from_them_and_reproduces(
+        tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving with two inference workers and no micro-batches: the one golden pass runs from two callers (each
+    sample once), judged against the variant's recorded outputs; no second pass alone (it doubled the golden
+    runs: 4.5 of a U2-Net-p proof's 10.3 s)."""
+    from dataclasses import replace
+
+    from agent.proof.selection import SelectionPolicy
+    from agent.proof.selftest import SelftestOptions
+
+    import numpy as np
+
+    runs = _counting_sessions(monkeypatch)
+    bundle = load_bundle(tiny_bundle)
+    golden = [g.input for g in bundle.golden_samples()]
+    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
+                   workers=2, skip_reduced_decode="not this test's question")
+    report = run_selftest(bundle, None, opts)
+    assert report.selected is not None, report.reason
+
+    def sample(x: object) -> int | None:
+        return next((i for i, g in enumerate(golden) if np.shape(g) == np.shape(x) and np.array_equal(g, x)), None)
+
+    concurrent = [sample(x) for t, x in runs if t.startswith("selftest-concurrent")]
+    assert len(golden) >= 2 and sorted(concurrent) == list(range(len(golden))), concurrent  # each sample once
+    assert len({t for t, _ in runs if t.startswith("selftest-concurrent")}) == 2
+    # alone, only the latency loop's tensor (golden[0]) runs: no second golden pass
+    alone = {sample(x) for t, x in runs if not t.startswith("selftest-concurrent")} - {None}
+    assert alone <= {0}, alone
+
+
+def test_a_session_wrong_only_under_concurrent_callers_is_refused_naming_the_concurrent_callers(
+        tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reproduction under concurrent callers fails; the lone pass that follows tells the fault apart: the
+    candidate is refused at stage `2 concurrent callers`, not as a wrong model."""
+    from dataclasses import replace
+
+    from agent.proof.selection import SelectionPolicy
+    from agent.proof.selftest import SelftestOptions
+
+    _counting_sessions(monkeypatch, wrong_when_concurrent=True)
+    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
+                   workers=2, skip_reduced_decode="not this test's question")
+    report = run_selftest(load_bundle(tiny_bundle), None, opts)
+    assert report.selected is None
+    fp32 = next(r for r in report.results if r.candidate.variant == "fp32")
+    stages = {f.stage for f in fp32.findings if f.check == "reproduction"}
+    assert stages == {"2 concurrent callers"}, fp32.reasons

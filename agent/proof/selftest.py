@@ -260,13 +260,13 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
     return findings
 
 
-def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
-                     workers: int, bounds: Any) -> list[Any]:
-    """The golden set from `workers` callers at once on the one session, as serving's inference pool runs
-    it (each caller its own share of the samples, every sample run once; all of them when there are fewer
-    samples than callers), every output judged against batch 1 run alone: a crash or a wrong answer that
-    needs concurrent callers happens here, under this candidate's marker. (Each caller used to run the
-    whole set: twice the runs for the same samples judged, 58 of the demo FP32 proof's 111 ms.)"""
+def run_concurrently(opened: Any, m: Any, tensors: Sequence[np.ndarray], workers: int,
+                     wrap: bool = True) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """(golden sample, its outputs) of the golden set run from `workers` callers at once on the one session,
+    as serving's inference pool runs it: each caller its own share of the samples, every sample run once.
+    Where the shares do not come out even, `wrap` has the last caller run samples from the start again
+    (every caller runs as many; with fewer samples than callers, each still runs one); without it, that
+    caller runs fewer and every sample is run exactly once."""
     from concurrent.futures import ThreadPoolExecutor
 
     feeder = InputFeeder.for_manifest(m)
@@ -277,13 +277,24 @@ def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single:
     def caller(k: int) -> list[tuple[int, dict[str, np.ndarray]]]:
         out = []
         for j in range(share):
+            if not wrap and k * share + j >= n:
+                break
             i = (k * share + j) % n
             outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
             out.append((i, split_batch(outs, 0)))
         return out
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
-        runs = [r for rows in pool.map(caller, range(workers)) for r in rows]
+        return [r for rows in pool.map(caller, range(workers)) for r in rows]
+
+
+def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
+                     workers: int, bounds: Any) -> list[Any]:
+    """The golden set from `workers` concurrent callers (`run_concurrently`), every output judged against
+    batch 1 run alone: a crash or a wrong answer that needs concurrent callers happens here, under this
+    candidate's marker. (Each caller used to run the whole set: twice the runs for the same samples judged,
+    58 of the demo FP32 proof's 111 ms.)"""
+    runs = run_concurrently(opened, m, tensors, workers)
     got, want = used_outputs(m, [r for _, r in runs], [single[i] for i, _ in runs])  # the used outputs only
     q = judge_reproduction(m.postprocess, got, want, bounds, "batch 1", stage=f"{workers} concurrent callers")
     return list(q.findings)
@@ -308,19 +319,41 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         use_device = pre_check.max_abs <= m.selftest.preprocess_max_abs
         own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant,
                                                                                                      golden)
-        got, refs, own = [], [], []
-        origin: list[tuple[int, int | None]] = []  # per judged row: (golden sample, step of its sequence)
-        for i, (t, g) in enumerate(zip(tensors, golden)):
-            rows = [split_batch(o, 0) for o in _run_golden(opened, m, t if use_device else g.input, _is_sequence(g))]
-            origin += [(g.index, s if _is_sequence(g) else None) for s in range(len(rows))]
-            got += rows
-            refs += _steps(g.outputs, _is_sequence(g))
-            if own_batched is not None:
-                own += _steps(own_batched[i], _is_sequence(g))
+        fed = [t if use_device else g.input for t, g in zip(tensors, golden)]
+        plain = not any(_is_sequence(g) for g in golden) and not m.stateful
+        sizes = batch_sizes(bundle, max_batch) if plain else ()
+        # Serving's own way first: with recorded outputs to judge against, the one golden pass runs from as
+        # many callers as serving has, so a wrong answer that needs concurrent callers is caught by the
+        # reproduction itself. (A second pass from concurrent callers after the lone one doubled the golden
+        # runs: 4.5 of a U2-Net-p proof's 10.3 s.) Micro-batches are judged against lone batch-1 rows instead.
+        concurrent = plain and workers > 1 and not sizes and own_batched is not None and len(fed) > 1
         bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
+
+        def golden_pass(together: bool) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int | None]]]:
+            if together:
+                by_sample = dict(run_concurrently(opened, m, fed, workers, wrap=False))  # each sample once
+                return [by_sample[i] for i in range(len(fed))], [(g.index, None) for g in golden]
+            rows_of = [[split_batch(o, 0) for o in _run_golden(opened, m, x, _is_sequence(g))] for x, g in zip(fed, golden)]
+            return ([r for rows in rows_of for r in rows],
+                    [(g.index, s if _is_sequence(g) else None) for rows, g in zip(rows_of, golden) for s in range(len(rows))])
+
+        got, origin = golden_pass(concurrent)  # origin, per judged row: (golden sample, step of its sequence)
+        refs = [r for g in golden for r in _steps(g.outputs, _is_sequence(g))]
+        own = [] if own_batched is None else [r for i, g in enumerate(golden) for r in _steps(own_batched[i], _is_sequence(g))]
         got_used, own_used, refs_used = used_outputs(m, got, own, refs)  # outputs not in postprocess.uses: never judged
+        concurrent_findings: list[Any] = []
         if own_batched is not None:
             rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
+            if concurrent and not rep.passed:
+                # Which fault: the lone pass judged as before, and the concurrent outputs against it, so a
+                # variant wrong only under concurrent callers is named so (stage "N concurrent callers").
+                together = got
+                got, origin = golden_pass(False)
+                got_used, = used_outputs(m, got)
+                rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
+                shown, alone = used_outputs(m, together, got)
+                concurrent_findings = list(judge_reproduction(m.postprocess, shown, alone, bounds, "batch 1",
+                                                              stage=f"{workers} concurrent callers").findings)
         else:
             # no recorded outputs: FP32 is held to its tensor bound against the source; reduced
             # precisions only to decoded agreement (their own outputs were never recorded)
@@ -340,11 +373,10 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(opened, m, c.variant, golden, bounds,
                                                                                pre)))
         rep, fid = _locate(rep, origin), _locate(fid, origin)
-        plain = not any(_is_sequence(g) for g in golden) and not m.stateful
-        sizes = batch_sizes(bundle, max_batch) if plain else ()
-        fed = [t if use_device else g.input for t, g in zip(tensors, golden)]
         more = judge_batches(opened, m, fed, got, sizes, bounds) if sizes else []
-        if not more and plain and workers > 1:
+        if concurrent:
+            more = concurrent_findings
+        elif not more and plain and workers > 1:
             more = judge_concurrent(opened, m, fed, got, workers, bounds)
         if more:
             rep = replace(rep, findings=rep.findings + tuple(more))
