@@ -10,10 +10,10 @@ from pathlib import Path
 
 AGENT = Path(__file__).resolve().parents[1] / "agent"
 
-# Foundation modules (errors, fsio, hashing, logsetup, npio) sit under everything; `testing` and
+# Foundation modules (errors, fsio, hashing, logsetup, npio, quantiles) sit under everything; `testing` and
 # `__main__` over everything. Packages on one floor (serving, link, updates) do not import each other.
 FLOOR = {
-    "__init__": 0, "errors": 0, "fsio": 0, "hashing": 0, "logsetup": 0, "keydoc": 0, "npio": 0,
+    "__init__": 0, "errors": 0, "fsio": 0, "hashing": 0, "logsetup": 0, "keydoc": 0, "npio": 0, "quantiles": 0,
     "spec": 1, "bundle": 2, "proof": 3, "results": 3, "config": 4, "config_schema": 4,
     "serving": 5, "link": 5, "updates": 5,
     "report": 6, "service": 6, "fleet": 6, "testing": 7, "__main__": 7,

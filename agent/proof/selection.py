@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
-import numpy as np
-
 from agent.errors import ProviderError
 from agent.proof.terms import CPU, ProviderStatus
 from agent.proof.verdict import Candidate, CandidateResult
+from agent.quantiles import percentiles
 from agent.spec.manifest import Manifest
 
 
@@ -145,8 +144,8 @@ def samples_settled(samples_ms: Sequence[Sequence[float]], budgets: Sequence[flo
     the full count would have said (the demo under three busy loops flipped its pick in 3 of 10 settled
     proofs on the whole alone)."""
     def stats(part: Sequence[Sequence[float]]) -> tuple[list[float], list[float]]:
-        p50s = [float(np.percentile(s, 50)) for s in part]
-        return p50s, [float(np.percentile(s, 95)) for s in part]
+        both = [percentiles(s, (50, 95)) for s in part]
+        return [p50 for p50, _ in both], [p95 for _, p95 in both]
 
     half = min(len(s) for s in samples_ms) // 2
     if half < 1:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence
 import numpy as np
 
 from agent.keydoc import Key
+from agent.quantiles import percentiles
 
 CPU = "CPUExecutionProvider"
 TENSORRT = "TensorrtExecutionProvider"
@@ -122,8 +123,8 @@ class LatencyStats:
     @classmethod
     def from_ns(cls, samples_ns: Sequence[int]) -> "LatencyStats":
         ms = np.asarray(samples_ns, dtype=np.float64) / 1e6
-        p50, p95, p99 = np.percentile(ms, [50, 95, 99])
-        return cls(len(ms), round(float(p50), 4), round(float(p95), 4), round(float(p99), 4), round(float(ms.mean()), 4),
+        p50, p95, p99 = percentiles(ms.tolist(), (50, 95, 99))
+        return cls(len(ms), round(p50, 4), round(p95, 4), round(p99, 4), round(float(ms.mean()), 4),
                    tuple(round(float(x), 4) for x in ms))
 
 

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from agent.quantiles import percentiles
 
 STAGES = ("queue", "preprocess", "inference", "postprocess", "total")
 # Upper bounds of the cumulative latency histogram (ms): from sub-millisecond CPU inference to a
@@ -84,10 +84,9 @@ class PipelineMetrics:
     def percentiles(self) -> dict[str, dict[str, float]]:
         out = {}
         for stage, values in self.latency_ms.items():
-            vals = np.fromiter(list(values), dtype=np.float64)
-            if vals.size:
-                p50, p95, p99 = np.percentile(vals, [50, 95, 99])
-                out[stage] = {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "p99": round(float(p99), 3)}
+            if values:
+                p50, p95, p99 = percentiles(list(values), (50, 95, 99))
+                out[stage] = {"p50": round(p50, 3), "p95": round(p95, 3), "p99": round(p99, 3)}
         return out
 
     def snapshot(self) -> dict[str, Any]:

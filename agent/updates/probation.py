@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-import numpy as np
+from agent.quantiles import percentile
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def probation_over(seconds: float, results: int, errors: int, stopping: bool, li
 
 
 def p95(samples: Sequence[float]) -> float | None:
-    return float(np.percentile(np.asarray(samples, dtype=np.float64), 95)) if len(samples) else None
+    return percentile(samples, 95) if len(samples) else None
 
 
 def judge_probation(e: ProbationEvidence) -> ProbationVerdict:
