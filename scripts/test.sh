@@ -2,8 +2,9 @@
 # Install everything the tests need and run every test (what CI runs):
 #   0. lint (ruff) and types (mypy) over agent/;
 #   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider): the fast lane
-#      (`-m "not slow"`, cores + 1 workers), the slow tests that need no real model (a test file per
-#      worker: its module fixtures build once), then, once the real-model references are made, the
+#      (`-m "not slow"`, cores + 1 workers, with the slow tests marked `idle`: they mostly wait), the slow
+#      tests that need no real model (a test file per worker: its module fixtures build once), then, once
+#      the real-model references are made, the
 #      tests marked `real` the same way, and the `serial` ones (storms, fuzz, real-time senders, load
 #      made on purpose) alone;
 #   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
@@ -142,7 +143,7 @@ fi
 
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
 phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n $WORKERS)"
-"$CPU_PY" -m pytest -m "not slow and not nspawn and not real" -n "$WORKERS" --durations=25 "$@"
+"$CPU_PY" -m pytest -m "(not slow or idle) and not nspawn and not real" -n "$WORKERS" --durations=25 "$@"
 # References made (a warm run finds them at once): the slow tests with and without real models run as one
 # lane, the largest real-model files handed out first, so neither worker idles at a lane's end while the
 # other finishes its last file (a warm run, one tree and machine, 6 December: 2 min 33 s + 5 min 44 s as two
@@ -174,13 +175,13 @@ fi
 if made real && made smart_turn; then
   await_references
   phase "main suite, slow tests with and without real models (-n $SLOW_WORKERS, a file per worker, references ready), then (serial) storms, fuzz, real-time senders alone"
-  "$CPU_PY" -m pytest -m "(slow or real) and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+  "$CPU_PY" -m pytest -m "(slow or real) and not idle and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
 else
   phase "main suite, slow tests without real models (-n $SLOW_WORKERS, a file per worker; references still in the making)"
-  "$CPU_PY" -m pytest -m "slow and not serial and not nspawn and not real" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
+  "$CPU_PY" -m pytest -m "slow and not idle and not serial and not nspawn and not real" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
   await_references
   phase "main suite, real models (-n $SLOW_WORKERS, a file per worker), then (serial) storms, fuzz, real-time senders alone"
-  "$CPU_PY" -m pytest -m "real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+  "$CPU_PY" -m pytest -m "real and not idle and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
 fi
 "$CPU_PY" -m pytest -m "slow and serial and not nspawn" --durations=25 "$@"
 

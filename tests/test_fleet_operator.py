@@ -134,6 +134,7 @@ def test_a_second_operator_is_refused_while_the_first_holds_a_fresh_heartbeat(br
 
 
 @pytest.mark.slow
+@pytest.mark.idle  # 13.5 s of waiting on gates for 1.3 s of CPU
 def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(broker: Broker, tmp_path: Path,
                                                                                 tiny_bundle_master: Path) -> None:
     keygen(tmp_path / "k.pem", tmp_path / "k.pub")
