@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 def percentile(values: Iterable[float], q: float) -> float:
     """The `q`-th percentile (0..100) of `values`, as `float(numpy.percentile(values, q))` gives it: NaN when
-    any value is NaN; ValueError when there are none."""
+    any value is NaN; ValueError when there are none or `q` is out of range."""
     return percentiles(values, (q,))[0]
 
 
@@ -22,21 +22,26 @@ def percentiles(values: Iterable[float], qs: Sequence[float]) -> list[float]:
     s = sorted(float(v) for v in values)
     if not s:
         raise ValueError("percentile of no values")
+    if any(not 0 <= q <= 100 for q in qs):
+        raise ValueError(f"percentiles must be in the range [0, 100], got {list(qs)}")
     if any(math.isnan(v) for v in s):
         return [math.nan for _ in qs]
     return [_linear(s, q) for q in qs]
 
 
 def _linear(s: Sequence[float], q: float) -> float:
-    # numpy: virtual index (n - 1) * q/100, clipped to the ends, then `_lerp` -- which computes from the
-    # upper neighbour for weights >= 0.5 (b - (b - a) * (1 - t)), so both formulas are kept for equal bits
+    # numpy's steps, kept for equal bits at the ends too (an infinite or signed-zero end value): the virtual
+    # index (n - 1) * q/100; at or past the last index both neighbours are the last value and the weight is
+    # the index minus -1 (numpy's clipped "previous"); then `_lerp`, which computes from the upper neighbour
+    # for weights >= 0.5 (b - (b - a) * (1 - t)).
     n = len(s)
     v = (n - 1) * (q / 100)
     if v >= n - 1:
-        return s[-1]
-    if v <= 0:
-        return s[0]
-    lo = math.floor(v)
-    a, b, t = s[lo], s[lo + 1], v - lo
+        lo = hi = n - 1
+        t = v + 1
+    else:
+        lo = math.floor(v)
+        hi, t = lo + 1, v - lo
+    a, b = s[lo], s[hi]
     d = b - a
     return b - d * (1 - t) if t >= 0.5 else a + d * t

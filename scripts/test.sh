@@ -142,8 +142,11 @@ if [ "$(id -u)" -eq 0 ] && command -v systemd-nspawn >/dev/null 2>&1 && command 
 fi
 
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
+# The lanes split every test once: the fast lane, then the slow (and real) lane or its two halves, then serial,
+# then nspawn. `idle` slow tests mostly wait: the fast lane's spare worker takes them.
+FAST="(not slow or idle) and not real and not serial and not nspawn"
 phase "main suite, fast lane (onnxruntime $ORT_VERSION, -n $WORKERS)"
-"$CPU_PY" -m pytest -m "(not slow or idle) and not nspawn and not real" -n "$WORKERS" --durations=25 "$@"
+"$CPU_PY" -m pytest -m "$FAST" -n "$WORKERS" --durations=25 "$@"
 # References made (a warm run finds them at once): the slow tests with and without real models run as one
 # lane, the largest real-model files handed out first, so neither worker idles at a lane's end while the
 # other finishes its last file (a warm run, one tree and machine, 6 December: 2 min 33 s + 5 min 44 s as two
@@ -175,15 +178,15 @@ fi
 if made real && made smart_turn; then
   await_references
   phase "main suite, slow tests with and without real models (-n $SLOW_WORKERS, a file per worker, references ready), then (serial) storms, fuzz, real-time senders alone"
-  "$CPU_PY" -m pytest -m "(slow or real) and not idle and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+  "$CPU_PY" -m pytest -m "(real or slow and not idle) and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
 else
   phase "main suite, slow tests without real models (-n $SLOW_WORKERS, a file per worker; references still in the making)"
-  "$CPU_PY" -m pytest -m "slow and not idle and not serial and not nspawn and not real" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
+  "$CPU_PY" -m pytest -m "slow and not idle and not real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
   await_references
   phase "main suite, real models (-n $SLOW_WORKERS, a file per worker), then (serial) storms, fuzz, real-time senders alone"
-  "$CPU_PY" -m pytest -m "real and not idle and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+  "$CPU_PY" -m pytest -m "real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
 fi
-"$CPU_PY" -m pytest -m "slow and serial and not nspawn" --durations=25 "$@"
+"$CPU_PY" -m pytest -m "serial and not nspawn" --durations=25 "$@"
 
 await provider_venvs
 for flavour in openvino gpu; do

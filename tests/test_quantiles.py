@@ -28,8 +28,26 @@ def test_percentiles_equal_numpys_bit_for_bit_on_random_latency_samples() -> Non
         assert percentiles(xs, qs) == want, (xs, qs)
 
 
+def test_the_ends_equal_numpys_with_infinities_signed_zeros_and_overflow() -> None:
+    """Found by review: a shortcut that returned the end value gave -inf, inf and -0.0 where numpy interpolates
+    to nan and 0.0."""
+    inf = math.inf
+    cases = [([-inf, 1.0], 0), ([1.0, inf], 0), ([1.0, 2.0, inf], 100), ([inf], 50), ([inf], 95), ([-0.0, 1.0], 0),
+             ([-1e308, 1e308], 0), ([-1e308, 1e308], 50), ([5.0], 0), ([5.0], 100), ([-0.0], 50), ([-inf, inf], 50)]
+    for xs, q in cases:
+        with np.errstate(all="ignore"):  # numpy's own inf - inf, said as a warning
+            want = float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+        got = percentile(xs, q)
+        assert (math.isnan(want) and math.isnan(got)) or (got == want and math.copysign(1, got) == math.copysign(1, want)), \
+            (xs, q, got, want)
+    with pytest.raises(ValueError, match="range"):
+        percentile([1.0], 101)
+
+
 def test_a_nan_sample_gives_nan_as_numpy_does_and_no_samples_is_an_error() -> None:
-    assert math.isnan(percentile([1.0, math.nan, 3.0], 50)) and math.isnan(float(np.percentile([1.0, math.nan, 3.0], 50)))
+    with np.errstate(all="ignore"):
+        assert math.isnan(float(np.percentile([1.0, math.nan, 3.0], 50)))
+    assert math.isnan(percentile([1.0, math.nan, 3.0], 50))
     with pytest.raises(ValueError, match="no values"):
         percentile([], 50)
 

@@ -84,7 +84,10 @@ def test_concurrent_callers_share_the_golden_set_each_sample_once_under_concurre
     opened.session.run = counted
     bounds = selftest.reproduction_bounds("fp32", "CPUExecutionProvider", m.selftest.reproduction)
     assert len(tensors) >= 4 and selftest.judge_concurrent(opened, m, tensors, single, 2, bounds) == []
-    assert set(ran) == set(range(len(tensors))) and len(ran) == 2 * -(-len(tensors) // 2)  # once each (odd: one wraps)
+    assert sorted(ran) == list(range(len(tensors)))  # once each
+    ran.clear()
+    assert selftest.judge_concurrent(opened, m, tensors[:3], single[:3], 2, bounds) == []
+    assert sorted(ran) == [0, 1, 2]  # odd: still once each (the shares were cut in halves, and one wrapped)
     ran.clear()
     assert selftest.judge_concurrent(opened, m, tensors[:1], single[:1], 3, bounds) == []
     assert ran == [0, 0, 0]
@@ -127,11 +130,12 @@ def test_with_one_serving_worker_the_proof_never_calls_the_model_from_two_thread
     assert state["most"] == 1
 
 
-def _counting_sessions(monkeypatch: pytest.MonkeyPatch,
-                       wrong_when_concurrent: bool = False) -> list[tuple[str, object]]:
+def _counting_sessions(monkeypatch: pytest.MonkeyPatch, wrong_when_concurrent: bool = False,
+                       wrong_when_alone: bool = False) -> list[tuple[str, object]]:
     """Every candidate session's runs: (the thread that made it, its first input); `wrong_when_concurrent`: the
     outputs of runs made by the proof's concurrent callers are shifted (a session wrong only under concurrent
-    callers, as a thread-unsafe kernel would be; run alone it is exact)."""
+    callers, as a thread-unsafe kernel would be; run alone it is exact); `wrong_when_alone`: the other way
+    round (wrong only when one caller runs it, as serving does at light load)."""
     import threading
 
     import numpy as np
@@ -149,7 +153,8 @@ def _counting_sessions(monkeypatch: pytest.MonkeyPatch,
             name = threading.current_thread().name
             threads.append((name, next(iter(x[1].values()))))
             outs = run(*x, **y)
-            if wrong_when_concurrent and name.startswith("selftest-concurrent"):
+            if name.startswith("selftest-concurrent") and wrong_when_concurrent or \
+                    not name.startswith("selftest-concurrent") and wrong_when_alone:
                 outs = [np.asarray(o) + np.float32(8.0) for o in outs]
             return outs
 
@@ -208,3 +213,38 @@ def test_a_session_wrong_only_under_concurrent_callers_is_refused_naming_the_con
     fp32 = next(r for r in report.results if r.candidate.variant == "fp32")
     stages = {f.stage for f in fp32.findings if f.check == "reproduction"}
     assert stages == {"2 concurrent callers"}, fp32.reasons
+
+
+def test_every_concurrent_caller_runs_samples_of_its_own(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three callers, each its own thread and at least one sample (a fault needing all of serving's callers in
+    flight must meet all of them: cut in thirds of ceil(n/3), one caller ran nothing for some counts)."""
+    from dataclasses import replace
+
+    from agent.proof.selection import SelectionPolicy
+    from agent.proof.selftest import SelftestOptions
+
+    runs = _counting_sessions(monkeypatch)
+    bundle = load_bundle(tiny_bundle)
+    assert len(list(bundle.golden_samples())) >= 3
+    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
+                   workers=3, skip_reduced_decode="not this test's question")
+    assert run_selftest(bundle, None, opts).selected is not None
+    assert len({t for t, _ in runs if t.startswith("selftest-concurrent")}) == 3
+
+
+def test_a_session_wrong_only_when_one_caller_runs_it_is_refused(tiny_bundle: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The golden pass runs from the concurrent callers; one sample also runs alone, as serving runs at light
+    load: a session wrong only then is refused (found by review: no lone run was judged at all)."""
+    from dataclasses import replace
+
+    from agent.proof.selection import SelectionPolicy
+    from agent.proof.selftest import SelftestOptions
+
+    _counting_sessions(monkeypatch, wrong_when_alone=True)
+    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
+                   workers=2, skip_reduced_decode="not this test's question")
+    report = run_selftest(load_bundle(tiny_bundle), None, opts)
+    assert report.selected is None
+    fp32 = next(r for r in report.results if r.candidate.variant == "fp32")
+    assert "one caller alone" in {f.stage for f in fp32.findings if f.check == "reproduction"}, fp32.reasons

@@ -52,8 +52,10 @@ def ensure_rootfs() -> Path:
     return ROOTFS
 
 
-_NOT_BUILT = shutil.ignore_patterns(".venv", ".git", "state", "build", "*.egg-info", "calibration", "tests",
-                                    "__pycache__", "*.pyc")
+# dot-folders too: the checkout's .git, and the caches ruff, mypy and pytest write in every run (a hash over
+# them would never match the last run's)
+_NOT_BUILT = shutil.ignore_patterns(".*", "state", "build", "*.egg-info", "calibration", "tests", "__pycache__",
+                                    "*.pyc")
 
 
 def source_key() -> str:
@@ -78,6 +80,7 @@ def ensure_wheels() -> Path:
     if any(WHEELS.glob("edge_agent*-*.whl")) and stamp.exists() and stamp.read_text() == key:
         step(f"wheelhouse: the agent's wheel is built from these sources already ({key})")
         return WHEELS
+    stamp.unlink(missing_ok=True)  # first: a build cut short never leaves the old stamp beside a new wheel
     for old in WHEELS.glob("edge_agent*-*.whl"):
         old.unlink()
     step("building the wheelhouse (dependencies cached, the agent rebuilt)")

@@ -260,32 +260,33 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
     return findings
 
 
-def run_concurrently(opened: Any, m: Any, tensors: Sequence[np.ndarray], workers: int,
-                     wrap: bool = True) -> list[tuple[int, dict[str, np.ndarray]]]:
+def run_concurrently(opened: Any, m: Any, tensors: Sequence[np.ndarray],
+                     workers: int) -> list[tuple[int, dict[str, np.ndarray]]]:
     """(golden sample, its outputs) of the golden set run from `workers` callers at once on the one session,
-    as serving's inference pool runs it: each caller its own share of the samples, every sample run once.
-    Where the shares do not come out even, `wrap` has the last caller run samples from the start again
-    (every caller runs as many; with fewer samples than callers, each still runs one); without it, that
-    caller runs fewer and every sample is run exactly once."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    as serving's inference pool runs it: caller k runs samples k, k + workers, ... (every sample once, every
+    caller at least one); with fewer samples than callers, caller k runs sample k mod n (some twice). The
+    callers start together (a barrier): a pool thread that finished its share before the next was handed out
+    would otherwise run that one too, on one thread -- no concurrency at all (340 of 1,500 two-sample passes
+    under load, found by review)."""
     feeder = InputFeeder.for_manifest(m)
     names = [o.name for o in opened.session.get_outputs()]
     n = len(tensors)
-    share = -(-n // workers)  # ceil: the callers cover every sample (each runs at least one of them)
+    shares = [list(range(k, n, workers)) or [k % n] for k in range(workers)]
+    together = threading.Barrier(workers)
 
-    def caller(k: int) -> list[tuple[int, dict[str, np.ndarray]]]:
+    def caller(share: list[int]) -> list[tuple[int, dict[str, np.ndarray]]]:
+        try:
+            together.wait(timeout=10)
+        except threading.BrokenBarrierError:
+            pass  # a caller not started within 10 s (a starved machine): the others run anyway
         out = []
-        for j in range(share):
-            if not wrap and k * share + j >= n:
-                break
-            i = (k * share + j) % n
+        for i in share:
             outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
             out.append((i, split_batch(outs, 0)))
         return out
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
-        return [r for rows in pool.map(caller, range(workers)) for r in rows]
+        return [r for rows in pool.map(caller, shares) for r in rows]
 
 
 def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
@@ -293,11 +294,12 @@ def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single:
     """The golden set from `workers` concurrent callers (`run_concurrently`), every output judged against
     batch 1 run alone: a crash or a wrong answer that needs concurrent callers happens here, under this
     candidate's marker. (Each caller used to run the whole set: twice the runs for the same samples judged,
-    58 of the demo FP32 proof's 111 ms.)"""
+    58 of the demo FP32 proof's 111 ms.) Findings name the golden sample, not the row of the runs."""
     runs = run_concurrently(opened, m, tensors, workers)
     got, want = used_outputs(m, [r for _, r in runs], [single[i] for i, _ in runs])  # the used outputs only
     q = judge_reproduction(m.postprocess, got, want, bounds, "batch 1", stage=f"{workers} concurrent callers")
-    return list(q.findings)
+    return [replace(f, sample=runs[f.sample][0]) if f.sample is not None and 0 <= f.sample < len(runs) else f
+            for f in q.findings]
 
 
 def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
@@ -323,15 +325,16 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         plain = not any(_is_sequence(g) for g in golden) and not m.stateful
         sizes = batch_sizes(bundle, max_batch) if plain else ()
         # Serving's own way first: with recorded outputs to judge against, the one golden pass runs from as
-        # many callers as serving has, so a wrong answer that needs concurrent callers is caught by the
-        # reproduction itself. (A second pass from concurrent callers after the lone one doubled the golden
-        # runs: 4.5 of a U2-Net-p proof's 10.3 s.) Micro-batches are judged against lone batch-1 rows instead.
-        concurrent = plain and workers > 1 and not sizes and own_batched is not None and len(fed) > 1
+        # many callers as serving has (each at least one sample), so a wrong answer that needs concurrent
+        # callers is caught by the reproduction itself, and one sample runs alone besides. (A second pass
+        # from concurrent callers after the lone one doubled the golden runs: 4.5 of a U2-Net-p proof's
+        # 10.3 s.) Micro-batches and fewer samples than callers: the lone pass, then `judge_concurrent`.
+        concurrent = plain and workers > 1 and not sizes and own_batched is not None and len(fed) >= workers
         bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
 
         def golden_pass(together: bool) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int | None]]]:
             if together:
-                by_sample = dict(run_concurrently(opened, m, fed, workers, wrap=False))  # each sample once
+                by_sample = dict(run_concurrently(opened, m, fed, workers))  # each sample once, every caller busy
                 return [by_sample[i] for i in range(len(fed))], [(g.index, None) for g in golden]
             rows_of = [[split_batch(o, 0) for o in _run_golden(opened, m, x, _is_sequence(g))] for x, g in zip(fed, golden)]
             return ([r for rows in rows_of for r in rows],
@@ -344,16 +347,23 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         concurrent_findings: list[Any] = []
         if own_batched is not None:
             rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
-            if concurrent and not rep.passed:
-                # Which fault: the lone pass judged as before, and the concurrent outputs against it, so a
-                # variant wrong only under concurrent callers is named so (stage "N concurrent callers").
-                together = got
+            if concurrent and rep.passed:
+                # serving at light load runs one caller at a time: one sample alone is judged too
+                alone, = used_outputs(m, [split_batch(o, 0) for o in _run_golden(opened, m, fed[0], False)])
+                concurrent_findings = list(judge_reproduction(m.postprocess, alone, own_used[:1], bounds, "variant",
+                                                              stage="one caller alone").findings)
+            elif concurrent:
+                # Which fault: the whole set alone, judged as before. Wrong only from concurrent callers: the
+                # concurrent outputs' own findings, named so (stage "N concurrent callers") -- they are what
+                # serving produces, so they are never judged merely against the lone outputs.
+                together_used = got_used
                 got, origin = golden_pass(False)
                 got_used, = used_outputs(m, got)
                 rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
-                shown, alone = used_outputs(m, together, got)
-                concurrent_findings = list(judge_reproduction(m.postprocess, shown, alone, bounds, "batch 1",
-                                                              stage=f"{workers} concurrent callers").findings)
+                if rep.passed:
+                    concurrent_findings = list(judge_reproduction(
+                        m.postprocess, together_used, own_used, bounds, "variant",
+                        stage=f"{workers} concurrent callers").findings)
         else:
             # no recorded outputs: FP32 is held to its tensor bound against the source; reduced
             # precisions only to decoded agreement (their own outputs were never recorded)
