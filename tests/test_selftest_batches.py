@@ -9,7 +9,7 @@ import pytest
 
 from agent.bundle.load import load_bundle
 from agent.config import Config, PipelineConfig
-from agent.proof.selftest import batch_sizes, options_from_config, run_selftest
+from agent.proof.selftest import SelftestOptions, batch_sizes, options_from_config, run_selftest
 from agent.testing import rewrite_manifest
 from batch_faults import batch_opts, wrong_at_batch
 
@@ -165,23 +165,27 @@ def _counting_sessions(monkeypatch: pytest.MonkeyPatch, wrong_when_concurrent: b
     return threads
 
 
+def _fp32_with_callers(workers: int) -> SelftestOptions:
+    """The FP32 alone, proven for `workers` serving callers, no micro-batch, no reduced decode."""
+    from dataclasses import replace
+
+    from agent.proof.selection import SelectionPolicy
+
+    return replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
+                   workers=workers, skip_reduced_decode="not this test's question")
+
+
 def test_with_concurrent_callers_the_golden_set_runs_once_from_them_and_reproduces(
         tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Serving with two inference workers and no micro-batches: the one golden pass runs from two callers (each
     sample once), judged against the variant's recorded outputs; no second pass alone (it doubled the golden
     runs: 4.5 of a U2-Net-p proof's 10.3 s)."""
-    from dataclasses import replace
-
-    from agent.proof.selection import SelectionPolicy
-    from agent.proof.selftest import SelftestOptions
-
     import numpy as np
 
     runs = _counting_sessions(monkeypatch)
     bundle = load_bundle(tiny_bundle)
     golden = [g.input for g in bundle.golden_samples()]
-    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
-                   workers=2, skip_reduced_decode="not this test's question")
+    opts = _fp32_with_callers(2)
     report = run_selftest(bundle, None, opts)
     assert report.selected is not None, report.reason
 
@@ -200,14 +204,8 @@ def test_a_session_wrong_only_under_concurrent_callers_is_refused_naming_the_con
         tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reproduction under concurrent callers fails; the lone pass that follows tells the fault apart: the
     candidate is refused at stage `2 concurrent callers`, not as a wrong model."""
-    from dataclasses import replace
-
-    from agent.proof.selection import SelectionPolicy
-    from agent.proof.selftest import SelftestOptions
-
     _counting_sessions(monkeypatch, wrong_when_concurrent=True)
-    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
-                   workers=2, skip_reduced_decode="not this test's question")
+    opts = _fp32_with_callers(2)
     report = run_selftest(load_bundle(tiny_bundle), None, opts)
     assert report.selected is None
     fp32 = next(r for r in report.results if r.candidate.variant == "fp32")
@@ -218,16 +216,10 @@ def test_a_session_wrong_only_under_concurrent_callers_is_refused_naming_the_con
 def test_every_concurrent_caller_runs_samples_of_its_own(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three callers, each its own thread and at least one sample (a fault needing all of serving's callers in
     flight must meet all of them: cut in thirds of ceil(n/3), one caller ran nothing for some counts)."""
-    from dataclasses import replace
-
-    from agent.proof.selection import SelectionPolicy
-    from agent.proof.selftest import SelftestOptions
-
     runs = _counting_sessions(monkeypatch)
     bundle = load_bundle(tiny_bundle)
     assert len(list(bundle.golden_samples())) >= 3
-    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
-                   workers=3, skip_reduced_decode="not this test's question")
+    opts = _fp32_with_callers(3)
     assert run_selftest(bundle, None, opts).selected is not None
     assert len({t for t, _ in runs if t.startswith("selftest-concurrent")}) == 3
 
@@ -236,14 +228,8 @@ def test_a_session_wrong_only_when_one_caller_runs_it_is_refused(tiny_bundle: Pa
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The golden pass runs from the concurrent callers; one sample also runs alone, as serving runs at light
     load: a session wrong only then is refused (found by review: no lone run was judged at all)."""
-    from dataclasses import replace
-
-    from agent.proof.selection import SelectionPolicy
-    from agent.proof.selftest import SelftestOptions
-
     _counting_sessions(monkeypatch, wrong_when_alone=True)
-    opts = replace(SelftestOptions(use_cache=False, latency_runs=3, policy=SelectionPolicy(variant="fp32")),
-                   workers=2, skip_reduced_decode="not this test's question")
+    opts = _fp32_with_callers(2)
     report = run_selftest(load_bundle(tiny_bundle), None, opts)
     assert report.selected is None
     fp32 = next(r for r in report.results if r.candidate.variant == "fp32")
