@@ -37,6 +37,17 @@ def step(msg: str) -> None:
     print(f"\n[nspawn] {msg}", flush=True)
 
 
+def prepared() -> tuple[Path, Path]:
+    """The root file system and the wheelhouse, made under one lock: scripts/test.sh runs this file's tests in
+    two processes at once, and two builds of one cache would trample each other."""
+    import fcntl
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".nspawn-prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_rootfs(), ensure_wheels()
+
+
 def ensure_rootfs() -> Path:
     marker = ROOTFS / ".edge-agent-packages"
     if marker.exists() and marker.read_text() == PACKAGES:
@@ -123,14 +134,15 @@ def container_init(nspawn_pid: int) -> int:
 
 
 class Container:
-    def __init__(self, rootfs: Path, binds: dict[Path, str]):
+    def __init__(self, rootfs: Path, binds: dict[Path, str], name: str):
         # --volatile=overlay: the cached root read-only under a tmpfs that takes every write, gone with the
         # container. (--ephemeral copied the 308 MB root on this ext4 disk at each boot: 7 s of the 7.7 s.)
-        args = ["systemd-nspawn", "-q", "-D", str(rootfs), "--volatile=overlay", "--register=no", "--keep-unit",
-                "--private-network", "-b"]
+        # a machine name of its own: two containers of the one root run at once (scripts/test.sh)
+        args = ["systemd-nspawn", "-q", "-D", str(rootfs), f"--machine={name}", "--volatile=overlay", "--register=no",
+                "--keep-unit", "--private-network", "-b"]
         for host, inside in binds.items():
             args.append(f"--bind-ro={host}:{inside}")
-        self.log = open(CACHE / "nspawn-console.log", "w")
+        self.log = open(CACHE / f"nspawn-console-{name}.log", "w")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             self._wait_booted()
@@ -248,10 +260,9 @@ def _events(journal: str) -> list[dict]:
 
 
 def test_service_under_real_systemd() -> None:
-    rootfs = ensure_rootfs()
-    wheels = ensure_wheels()
+    rootfs, wheels = prepared()
     step("booting the container (systemd-nspawn -b, systemd as PID 1)")
-    c = Container(rootfs, {ROOT: "/src", wheels: "/wheels"})
+    c = Container(rootfs, {ROOT: "/src", wheels: "/wheels"}, "edge-test-service")
     try:
         step(f"container up: {c.sh('systemctl --version | head -1').stdout.strip()}")
         before = listing(c)
@@ -352,10 +363,9 @@ def test_a_crash_only_in_the_serving_process_restarts_once_and_serves_the_other_
     verdict cache on): the variant that won the proof dies (SIGSEGV) before its 3rd inference in the
     serving process, never in the self-test child; one restart, then the other variant serves, and the
     unit is not restarted again."""
-    rootfs = ensure_rootfs()
-    wheels = ensure_wheels()
+    rootfs, wheels = prepared()
     step("booting the container (systemd-nspawn -b, systemd as PID 1)")
-    c = Container(rootfs, {ROOT: "/src", wheels: "/wheels"})
+    c = Container(rootfs, {ROOT: "/src", wheels: "/wheels"}, "edge-test-crash")
     try:
         install(c, AGENT_YAML, [])
         active = lambda: c.sh("systemctl is-active edge-agent", check=False).stdout.strip() == "active"  # noqa: E731
