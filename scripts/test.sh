@@ -4,9 +4,8 @@
 #   1. the main suite in a venv with the plain `onnxruntime` wheel (CPU provider): the fast lane
 #      (`-m "not slow"`, cores + 2 workers, with the slow tests marked `idle`: they mostly wait), the slow
 #      tests that need no real model (a test file per worker: its module fixtures build once), then, once
-#      the real-model references are made, the
-#      tests marked `real` the same way, and the `serial` ones (storms, fuzz, real-time senders, load
-#      made on purpose) alone;
+#      the real-model references are made, the tests marked `real` the same way, and the `serial` ones
+#      (storms, fuzz, real-time senders, load made on purpose) alone;
 #   2. the provider matrix in venvs with `onnxruntime-openvino` and `onnxruntime-gpu`, each of which
 #      replaces the `onnxruntime` module, so each gets its own venv;
 #   3. the service under real systemd (systemd-nspawn).

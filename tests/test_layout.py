@@ -72,4 +72,3 @@ def test_pure_core_imports_no_onnxruntime_no_broker_client_and_no_shell_module()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=AGENT.parent).stdout.strip()
     assert out == "", f"the pure core pulled in: {out}"
-

@@ -383,11 +383,12 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(opened, m, c.variant, golden, bounds,
                                                                                pre)))
         rep, fid = _locate(rep, origin), _locate(fid, origin)
-        more = judge_batches(opened, m, fed, got, sizes, bounds) if sizes else []
-        if concurrent:
+        if concurrent:  # judged above, with the reproduction itself
             more = concurrent_findings
-        elif not more and plain and workers > 1:
-            more = judge_concurrent(opened, m, fed, got, workers, bounds)
+        else:
+            more = judge_batches(opened, m, fed, got, sizes, bounds) if sizes else []
+            if not more and plain and workers > 1:
+                more = judge_concurrent(opened, m, fed, got, workers, bounds)
         if more:
             rep = replace(rep, findings=rep.findings + tuple(more))
     except Exception as exc:
