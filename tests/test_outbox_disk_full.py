@@ -24,6 +24,7 @@ from waiting import wait_until
 DEVICE = "dev-df"
 PREFIX = f"edge/{DEVICE}/"
 BOUND = 60  # outbox.memory_messages: what a full disk may keep in memory
+FPS = 15  # the agent's rate in the broker test: BOUND is 4 s of results
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
@@ -168,22 +169,26 @@ def test_broker_restarts_while_the_disk_is_full_deliver_and_count_every_drop(tmp
     assert sub.wait(lambda: sub.connects >= 1, 30)
     assert broker.wait_saved(after=time.time()), "mosquitto never autosaved the persistent subscription"
     cfg = demo_config(tmp_path, port=broker.port, device_id=DEVICE, state_dir=str(small_disk / "state"),
-                      source={"max_fps": 40}, outbox={"memory_messages": BOUND})
+                      source={"max_fps": FPS}, outbox={"memory_messages": BOUND})
     agent = agent_process(cfg).start()
     produced_seqs = lambda: [r["seq"] for r in agent.results()]  # noqa: E731
     got = lambda: {json.loads(m.payload)["seq"] for m in sub.on(PREFIX + "predictions")}  # noqa: E731
     try:
         assert sub.wait(lambda: len(got()) >= 10, 90), agent.log_text()[-3000:]
         filler = fill(small_disk)
-        # 1. a short outage, under the bound: every result arrives once the broker is back
+        # 1. a short outage, under the bound: every result arrives once the broker is back. The outage lasts
+        # 10 results, the broker's start, and the agent's next reconnect (up to 1 s): well under BOUND / FPS
+        # (4 s). At 40 fps and 20 results it was 1.5 s against 1.5 s, and under load the bound was passed
+        # (CI, 7 December: result 12 missing; a run at load 6: four drops counted, two of them missing).
         broker.kill()
         t0 = time.monotonic()
-        wait_until(lambda: len(produced_seqs()) > max(got()) + 20, 30)
+        wait_until(lambda: len(produced_seqs()) > max(got()) + 10, 30)
         broker.start()
         t_back = time.monotonic()
         cut = max(produced_seqs())
         assert sub.wait(lambda: set(range(1, cut + 1)) <= got(), 60), \
-            f"lost with the disk full: {sorted(set(range(1, cut + 1)) - got())[:20]}"
+            f"lost with the disk full: {sorted(set(range(1, cut + 1)) - got())[:20]} (drops counted, the outage " \
+            f"{time.monotonic() - t0:.1f} s: {agent.events('outbox.dropped')[-1:]})"
         print(f"outage 1: {t_back - t0:.1f} s, all {cut} results delivered {time.monotonic() - t_back:.1f} s "
               f"after the broker returned, disk full")
         # the reconnect happened with the disk full: it is not mute (a command is answered)
