@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.spec.yuv import yuv420_to_frame
+from agent.spec.yuv import reduce_exact, yuv420_to_frame
 
 # PyAV is imported on the first video opened (90 ms and 22 MB here): folder, sensor and MQTT agents never pay.
 # Without it, video sources fall back to cv2.VideoCapture (full-size BGR).
@@ -117,9 +117,19 @@ class AVReader:
 
     def _decoder(self, threads: int, hw: Any = None, codec: str | None = None) -> Any:
         """A new decoder for the stream, opened on its first packet; `threads` 0 is FFmpeg's own choice."""
-        ctx = av.CodecContext.create(codec or self.stream.codec_context.name, "r", hwaccel=hw)
-        if self.stream.codec_context.extradata:
-            ctx.extradata = self.stream.codec_context.extradata  # SPS/PPS of an MP4 (avcC), hvcC...
+        stream = self.stream.codec_context
+        ctx = av.CodecContext.create(codec or stream.name, "r", hwaccel=hw)
+        if stream.extradata:
+            ctx.extradata = stream.extradata  # SPS/PPS of an MP4 (avcC), hvcC...
+        # Codecs whose packets do not say their size and pixel format (FFV1 version 1, rawvideo) take them from
+        # the container: without, every packet was refused and the file served nothing (a review, 7 December).
+        if stream.width and stream.height:
+            ctx.width, ctx.height = stream.width, stream.height
+        if stream.pix_fmt:
+            try:
+                ctx.pix_fmt = stream.pix_fmt
+            except (ValueError, TypeError):
+                pass
         ctx.thread_type = "AUTO"  # frame and slice threads, as many as asked
         ctx.thread_count = threads
         self.threads = int(ctx.thread_count)
@@ -223,28 +233,37 @@ def planes(frame: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return out[0], out[1], out[2]
 
 
+def _wide(frame: Any) -> bool:
+    """More than 8 bits a sample (yuv420p10le...): each sample is two bytes."""
+    comps: Any = getattr(frame.format, "components", None) or ()
+    return bool(comps) and comps[0].bits > 8
+
+
 def signature(frame: Any) -> np.ndarray:
     """A small sample of the picture for the frozen check: every 16th luma sample of every 16th row (8 kB at
     1080p, against 6 MB for the full frame), copied: the decoder reuses its buffers."""
     p = frame.planes[0]
-    y = np.frombuffer(p, np.uint8).reshape(-1, p.line_size)[: frame.height, : frame.width]
+    dtype = np.uint16 if _wide(frame) else np.uint8  # bytes of 10-bit samples would sample half the picture
+    y = np.frombuffer(p, dtype).reshape(-1, p.line_size // dtype().itemsize)[: frame.height, : frame.width]
     return y[::SIGNATURE_STRIDE, ::SIGNATURE_STRIDE].copy()
 
 
-def to_frame(frame: Any, scale: int, color: str) -> np.ndarray:
-    """A decoded frame -> the bundle's frame at 1/scale in `color`. At full size FFmpeg's own conversion
-    (swscale), the picture cv2.VideoCapture gives; reduced, the planes averaged down first (agent/spec/yuv.py);
-    formats other than 4:2:0 through swscale at the reduced size."""
+def to_frame(frame: Any, scale: int, color: str, turns: int = 0) -> np.ndarray:
+    """A decoded frame -> the bundle's frame at 1/scale in `color`, turned `turns` quarter turns counter-clockwise
+    (the stream's display matrix: our own decoder's frames do not carry it). At full size FFmpeg's
+    own conversion (swscale), the picture cv2.VideoCapture gives; reduced, 8-bit 4:2:0 planes averaged down
+    first (agent/spec/yuv.py). Other formats (4:2:2, 4:4:4, 10-bit) are converted at full size, then reduced:
+    swscale's own reduced conversion of them differed from the full picture by up to 255 on colour edges."""
     fmt = frame.format.name
     if scale == 1 or fmt not in YUV420:
-        out = {"rgb": "rgb24", "bgr": "bgr24", "gray": "gray"}[color]
-        if scale == 1:
-            return frame.to_ndarray(format=out)
-        h, w = -(-frame.height // scale), -(-frame.width // scale)
-        return frame.to_ndarray(width=w, height=h, format=out, interpolation="AREA")
-    full = fmt == "yuvj420p" or frame.color_range == _FULL_RANGE
-    return yuv420_to_frame(*planes(frame), scale, color, "bt709" if frame.colorspace == _BT709 else "bt601", full)
+        img = reduce_exact(frame.to_ndarray(format={"rgb": "rgb24", "bgr": "bgr24", "gray": "gray"}[color]), scale)
+    else:
+        full = fmt == "yuvj420p" or frame.color_range == _FULL_RANGE
+        img = yuv420_to_frame(*planes(frame), scale, color, "bt709" if frame.colorspace == _BT709 else "bt601", full)
+    return np.ascontiguousarray(np.rot90(img, turns)) if turns else img
 
 
-def frame_size(frame: Any) -> tuple[int, int]:
-    return int(frame.height), int(frame.width)
+def frame_size(frame: Any, turns: int = 0) -> tuple[int, int]:
+    """(height, width) as displayed: a stream turned a quarter turn is served upright."""
+    h, w = int(frame.height), int(frame.width)
+    return (w, h) if turns % 2 else (h, w)

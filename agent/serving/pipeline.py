@@ -525,7 +525,7 @@ class Pipeline:
                 f.release()  # nothing after this reads the pixels: only the tensor travels on
                 tensors.append(tensor)
                 # a frame decoded at 1/scale: boxes are mapped back to the camera's pixels
-                geoms.append(scaled_geometry(geometry, f.scale))
+                geoms.append(scaled_geometry(geometry, f.scale, f.full))
                 frames.append(f)
             except PreprocessError as exc:
                 with self._tally_lock:

@@ -59,10 +59,11 @@ class Frame:
     preprocessing stage, so the capture thread never converts a full frame.
     """
 
-    __slots__ = ("index", "_data", "captured_at", "captured_ns", "source", "scale", "_convert", "item")
+    __slots__ = ("index", "_data", "captured_at", "captured_ns", "source", "scale", "_convert", "item", "full")
 
     def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, source: str,
-                 scale: int = 1, convert: Callable[[np.ndarray], np.ndarray] | None = None):
+                 scale: int = 1, convert: Callable[[np.ndarray], np.ndarray] | None = None,
+                 full: tuple[int, int] | None = None):
         self.index = index
         self._data: Any = data  # pixels, an encoded packet or a decoder frame still to convert; None once released
         self.captured_at = captured_at  # wall clock, for results
@@ -71,6 +72,7 @@ class Frame:
         self.scale = scale
         self._convert = convert
         self.item: str | None = None  # within a named source of many: the file the frame came from
+        self.full = full  # the camera frame's (height, width) where a reduced decode knows it (boxes clip to it)
 
     @property
     def data(self) -> np.ndarray:
@@ -235,10 +237,14 @@ class OpenCVSource:
         self.open_threads = 0  # not configured: what the decoder opens with (the share, then the planner's count)
         self.decode_meter = ffmpeg_decode.DecodeMeter()
         self.hw_gave_up: str | None = None  # why the device asked for could not decode: not tried again
+        self.av_refused: str | None = None  # PyAV decoded nothing of this file: OpenCV's FFmpeg reads it instead
+        self._av_bad = 0  # the reader's refused packets already counted in stats.bad
+        self.turns: int | None = None  # quarter turns that display a file's frames upright (read once)
 
     def _use_av(self) -> bool:
         """PyAV for files and streams (hardware decoding through PyAV's hwaccel too); V4L2 cameras stay with OpenCV."""
-        return ffmpeg_decode.available() and not isinstance(self.target, int) and self.frame.kind == "image"
+        return (ffmpeg_decode.available() and not isinstance(self.target, int) and self.frame.kind == "image"
+                and self.av_refused is None)
 
     def _open_av(self) -> bool:
         threads = self.decoder_threads or self.open_threads or min(len(os.sched_getaffinity(0)), 2)
@@ -252,6 +258,9 @@ class OpenCVSource:
             self.stats.last_error = f"cannot open: {exc}"[:300]
             return False
         self.cap, self.av = reader, True
+        self._av_bad = 0
+        if self.turns is None:
+            self.turns = 0 if self.live else _display_turns(str(self.target))
         self.packets = reader.packets
         self.stats.decoder = {
             **{k: v for k, v in self.stats.decoder.items() if k.startswith("threads_")},  # the plan outlives a reopen
@@ -379,6 +388,17 @@ class OpenCVSource:
             assert self.cap is not None
             self.pacer.wait(stop, self.stats)
             ok, img = self.cap.read()
+            if self.av:
+                self._count_refused(self.cap)
+            if not ok and self.av and not self.live and not self.stats.frames and self.cap.bad:
+                # every packet refused, not one frame: cv2.VideoCapture (which the boot's check opened the file
+                # with) reads it instead of a clean, empty run
+                self.av_refused = f"PyAV's decoder refused all {self.cap.bad} packets"
+                log.warning("source.pyav_refused", source=self.name, codec=self.stats.decoder.get("codec"),
+                            reason=self.av_refused, decoding="opencv")
+                self.close()
+                self.stats.bad = 0
+                continue
             if ok and self.packets and not is_jpeg(img):  # the backend gave something else: decode with FFmpeg
                 log.warning("source.not_jpeg_packets", source=self.name, codec=self.stats.decoder.get("codec"))
                 self.packets_usable = False
@@ -410,9 +430,23 @@ class OpenCVSource:
                 self._after_av_read(self.cap)
                 scale = self._video_scale(img)
                 return Frame(self.stats.frames, img, at, ns, self.name, scale,
-                             functools.partial(self._convert, scale=scale))
+                             functools.partial(self._convert, scale=scale, turns=self.turns or 0),
+                             ffmpeg_decode.frame_size(img, self.turns or 0))
             return Frame(self.stats.frames, img, at, ns, self.name, 1, self._to_frame)
         return None
+
+    def _count_refused(self, reader: ffmpeg_decode.AVReader) -> None:
+        """Packets the decoder refused (skipped, as FFmpeg inside OpenCV does) are bad frames: counted in health,
+        logged at the 1st, 10th, 100th..."""
+        new = reader.bad - self._av_bad
+        if new <= 0:
+            return
+        self._av_bad = reader.bad
+        before = self.stats.bad
+        self.stats.bad += new
+        if len(str(self.stats.bad)) > len(str(before)) or before == 0:
+            log.warning("source.packets_refused", source=self.name, bad=self.stats.bad,
+                        codec=self.stats.decoder.get("codec"), detail="the decoder refused these packets: skipped")
 
     def _rewind(self) -> None:
         if self.av:  # reopening a file costs less than a seek and a decoder flush
@@ -425,7 +459,7 @@ class OpenCVSource:
 
     def _video_scale(self, img: Any) -> int:
         """The scale to reduce this decoded frame to (recorded in the source's stats when it changes)."""
-        h, w = ffmpeg_decode.frame_size(img)
+        h, w = ffmpeg_decode.frame_size(img, self.turns or 0)
         scale = decode_scale(self.cfg.decode_scale, self.resize, h, w, limit=self.max_scale)
         if self.stats.decoder.get("scale") != scale:
             log.info("source.decode_scale", source=self.name, scale=scale, frame=f"{w}x{h}",
@@ -433,8 +467,8 @@ class OpenCVSource:
             self.stats.decoder = {**self.stats.decoder, "scale": scale, "reduce": "yuv-planes" if scale > 1 else None}
         return scale
 
-    def _convert(self, img: Any, scale: int) -> np.ndarray:
-        return ffmpeg_decode.to_frame(img, scale, self.frame.color)
+    def _convert(self, img: Any, scale: int, turns: int = 0) -> np.ndarray:
+        return ffmpeg_decode.to_frame(img, scale, self.frame.color, turns)
 
     def _to_frame(self, img: np.ndarray) -> np.ndarray:
         return bgr_to_frame(img, self.frame)
@@ -550,6 +584,21 @@ class MqttFrameSource:
     def close(self) -> None:
         self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
         self.client.loop_stop()
+
+
+def _display_turns(path: str) -> int:
+    """Quarter turns counter-clockwise that display a video file upright: its display matrix, read as OpenCV reads
+    it (OpenCV turns the frames it decodes; the boot's check and the fallback path see them upright). Streams are
+    not asked: a camera may serve one client, and they rarely carry one."""
+    cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
+    try:
+        degrees = cap.get(cv2.CAP_PROP_ORIENTATION_META) if cap.isOpened() else 0.0
+    finally:
+        cap.release()
+    turns = round(-float(degrees or 0.0) / 90) % 4  # OpenCV's degrees turn clockwise
+    if turns:
+        log.info("source.rotated", source=path, degrees_counter_clockwise=90 * turns)
+    return turns
 
 
 def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,

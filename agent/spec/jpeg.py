@@ -141,13 +141,16 @@ def reduced_decode(raw: np.ndarray, scale: int, color: str = "rgb", quality: int
     return out
 
 
-def scaled_geometry(geometry: Any, scale: int) -> Any:
-    """The geometry of a frame decoded at 1/scale, re-expressed in full-frame pixels (boxes map to the camera's frame)."""
+def scaled_geometry(geometry: Any, scale: int, full: tuple[int, int] | None = None) -> Any:
+    """The geometry of a frame decoded at 1/scale, re-expressed in full-frame pixels (boxes map to the camera's frame).
+    `full`: the camera frame's (height, width) where known; else the reduced size times the scale, which is up to
+    scale - 1 pixels more where the scale does not divide the size."""
     if scale == 1:
         return geometry
     # The frame size too: boxes are clipped to the frame, and the frame is the camera's, not the reduced one.
+    frame_h, frame_w = full if full is not None else (geometry.frame_h * scale, geometry.frame_w * scale)
     return dataclasses.replace(geometry, scale_x=geometry.scale_x / scale, scale_y=geometry.scale_y / scale,
-                               frame_w=geometry.frame_w * scale, frame_h=geometry.frame_h * scale)
+                               frame_w=frame_w, frame_h=frame_h)
 
 
 def camera_sized_reduced(raw: np.ndarray, scale: int, color: str = "rgb", quality: int = 95) -> np.ndarray:

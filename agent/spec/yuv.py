@@ -70,12 +70,34 @@ def area_reduce(plane: np.ndarray, height: int, width: int) -> np.ndarray:
     return plane
 
 
+def pad_to(plane: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The plane with its last row and column repeated out to height x width (a copy; the plane when it fits)."""
+    if plane.shape[:2] == (height, width):
+        return plane
+    return cv2.copyMakeBorder(plane, 0, height - plane.shape[0], 0, width - plane.shape[1], cv2.BORDER_REPLICATE)
+
+
+def reduce_exact(img: np.ndarray, scale: int) -> np.ndarray:
+    """A picture at 1/scale where each output pixel is the mean of the scale x scale block at scale times its
+    position, as libjpeg's reduced decode: boxes map back by the scale alone. A size the scale does not divide is
+    padded out by its edge first (an area resize straight to the rounded-up size would stretch the picture by
+    up to scale - 1 pixels: 1366 wide at 1/4 mapped back to 1368)."""
+    if scale == 1:
+        return img
+    rh, rw = reduced_size(img.shape[0], img.shape[1], scale)
+    return area_reduce(pad_to(img, rh * scale, rw * scale), rh, rw)
+
+
 def yuv420_to_frame(y: np.ndarray, u: np.ndarray, v: np.ndarray, scale: int, color: str = "rgb",
                     matrix: str = "bt601", full_range: bool = False) -> np.ndarray:
     """4:2:0 planes (luma h x w, chroma (h+1)//2 x (w+1)//2; strided views are fine, nothing is copied
-    at full size) -> the frame at 1/scale in `color` (rgb, bgr or gray)."""
+    at full size unless the scale does not divide the size) -> the frame at 1/scale in `color` (rgb, bgr or
+    gray), each pixel the mean of its scale x scale block (`reduce_exact`)."""
     h, w = y.shape[:2]
     rh, rw = reduced_size(h, w, scale)
+    if scale > 1 and (h % scale or w % scale):  # scales are powers of two: the chroma pads to half of it
+        y = pad_to(y, rh * scale, rw * scale)
+        u, v = pad_to(u, rh * scale // 2, rw * scale // 2), pad_to(v, rh * scale // 2, rw * scale // 2)
     ys = y if scale == 1 else area_reduce(y, rh, rw)
     if color == "gray":
         return cv2.LUT(ys, _GRAY[full_range])
