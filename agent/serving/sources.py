@@ -32,7 +32,7 @@ from agent.npio import read_npy
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
 from agent.serving.sizing import DecoderLoad
-from agent.serving.source_checks import video_problem
+from agent.serving.source_checks import probe_video
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, read_image_file
 
@@ -209,9 +209,13 @@ class OpenCVSource:
 
     def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
+        self.turns = 0  # quarter turns that display a file's frames upright (streams are not asked)
         if cfg.type == "video":
-            if (why := video_problem(cfg.path)) is not None:  # missing, unreadable or not a video: refused now
+            why, self.turns = probe_video(cfg.path)
+            if why is not None:  # missing, unreadable or not a video: refused now
                 raise ConfigError(f"source.path: {why}")
+            if self.turns:
+                log.info("source.rotated", source=str(cfg.path), degrees_counter_clockwise=90 * self.turns)
             self.target: str | int = str(cfg.path)
         elif cfg.type == "camera":
             dev = cfg.device or "0"
@@ -239,7 +243,6 @@ class OpenCVSource:
         self.hw_gave_up: str | None = None  # why the device asked for could not decode: not tried again
         self.av_refused: str | None = None  # PyAV decoded nothing of this file: OpenCV's FFmpeg reads it instead
         self._av_bad = 0  # the reader's refused packets already counted in stats.bad
-        self.turns: int | None = None  # quarter turns that display a file's frames upright (read once)
 
     def _use_av(self) -> bool:
         """PyAV for files and streams (hardware decoding through PyAV's hwaccel too); V4L2 cameras stay with OpenCV."""
@@ -259,8 +262,6 @@ class OpenCVSource:
             return False
         self.cap, self.av = reader, True
         self._av_bad = 0
-        if self.turns is None:
-            self.turns = 0 if self.live else _display_turns(str(self.target))
         self.packets = reader.packets
         self.stats.decoder = {
             **{k: v for k, v in self.stats.decoder.items() if k.startswith("threads_")},  # the plan outlives a reopen
@@ -422,16 +423,20 @@ class OpenCVSource:
             self._watch_frozen(img if self.packets else
                                ffmpeg_decode.signature(img) if self.av else img[::16, ::16].copy())
             if self.packets:  # decoded by the preprocessing pool (a frame dropped as stale never is)
-                scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name)
+                turns, size = self.turns, jpeg_size(img)
+                if size is not None and turns % 2:
+                    size = (size[1], size[0])  # as displayed
+                scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name, size)
                 self.stats.frames += 1
-                return Frame(self.stats.frames, img, at, ns, self.name, scale, functools.partial(self._decode, scale=scale))
+                return Frame(self.stats.frames, img, at, ns, self.name, scale,
+                             functools.partial(self._decode, scale=scale, turns=turns), size)
             self.stats.frames += 1
             if self.av:  # the planes reduced and converted by the preprocessing pool
                 self._after_av_read(self.cap)
                 scale = self._video_scale(img)
                 return Frame(self.stats.frames, img, at, ns, self.name, scale,
-                             functools.partial(self._convert, scale=scale, turns=self.turns or 0),
-                             ffmpeg_decode.frame_size(img, self.turns or 0))
+                             functools.partial(self._convert, scale=scale, turns=self.turns),
+                             ffmpeg_decode.frame_size(img, self.turns))
             return Frame(self.stats.frames, img, at, ns, self.name, 1, self._to_frame)
         return None
 
@@ -459,7 +464,7 @@ class OpenCVSource:
 
     def _video_scale(self, img: Any) -> int:
         """The scale to reduce this decoded frame to (recorded in the source's stats when it changes)."""
-        h, w = ffmpeg_decode.frame_size(img, self.turns or 0)
+        h, w = ffmpeg_decode.frame_size(img, self.turns)
         scale = decode_scale(self.cfg.decode_scale, self.resize, h, w, limit=self.max_scale)
         if self.stats.decoder.get("scale") != scale:
             log.info("source.decode_scale", source=self.name, scale=scale, frame=f"{w}x{h}",
@@ -473,12 +478,12 @@ class OpenCVSource:
     def _to_frame(self, img: np.ndarray) -> np.ndarray:
         return bgr_to_frame(img, self.frame)
 
-    def _decode(self, packet: np.ndarray, scale: int) -> np.ndarray:
+    def _decode(self, packet: np.ndarray, scale: int, turns: int = 0) -> np.ndarray:
         img = decode_jpeg(packet, self.frame.color, scale)
         if img is None:
             self.stats.bad += 1
             raise UndecodableFrame(f"{self.name}: a JPEG frame of {packet.size} bytes does not decode")
-        return img
+        return np.ascontiguousarray(np.rot90(img, turns)) if turns else img
 
     def _watch_frozen(self, img: np.ndarray) -> None:
         if self.prev is not None and self.prev.shape == img.shape and np.array_equal(self.prev, img):
@@ -586,25 +591,10 @@ class MqttFrameSource:
         self.client.loop_stop()
 
 
-def _display_turns(path: str) -> int:
-    """Quarter turns counter-clockwise that display a video file upright: its display matrix, read as OpenCV reads
-    it (OpenCV turns the frames it decodes; the boot's check and the fallback path see them upright). Streams are
-    not asked: a camera may serve one client, and they rarely carry one."""
-    cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
-    try:
-        degrees = cap.get(cv2.CAP_PROP_ORIENTATION_META) if cap.isOpened() else 0.0
-    finally:
-        cap.release()
-    turns = round(-float(degrees or 0.0) / 90) % 4  # OpenCV's degrees turn clockwise
-    if turns:
-        log.info("source.rotated", source=path, degrees_counter_clockwise=90 * turns)
-    return turns
-
-
 def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
-                name: str) -> int:
-    """The scale to decode this JPEG at, from its header (recorded in the source's stats when it changes)."""
-    size = jpeg_size(data)
+                name: str, size: tuple[int, int] | None) -> int:
+    """The scale to decode this JPEG of `size` (its header's; None: unknown) at, recorded in the source's stats
+    when it changes."""
     scale = 1 if size is None else decode_scale(cfg.decode_scale, resize, *size, limit=max_scale)
     if stats.decoder.get("scale") != scale or stats.decoder.get("path") != "jpeg":
         log.info("source.decode_scale", source=name, scale=scale,
@@ -617,7 +607,7 @@ def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, 
 def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
                        max_scale: int, stats: SourceStats, name: str) -> tuple[np.ndarray | None, int]:
     """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale); (None, 1) when it does not decode."""
-    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name)
+    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name, jpeg_size(data))
     img = decode_jpeg(data, frame.color, scale)
     return (None, 1) if img is None else (img, scale)
 

@@ -174,3 +174,19 @@ def test_a_file_whose_every_packet_pyav_refuses_is_read_through_opencv_not_serve
     source.close()
     assert len(frames) == 10 and shapes == {(240, 320, 3)}, (len(frames), shapes)
     assert source.av_refused is not None and source.stats.bad == 0
+
+
+@pytest.mark.parametrize("rotate", [0, 90])
+def test_mjpeg_frames_carry_the_camera_size_and_turn_upright(tmp_path, rotate):
+    plain = make(tmp_path / "cam.mov", "1366x768", "-c:v", "mjpeg", "-q:v", "3", frames=2)
+    video = tmp_path / "rot.mov"  # QuickTime keeps a display matrix (AVI has none)
+    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-i", str(plain), "-c", "copy",
+                    "-metadata:s:v", f"rotate={rotate}", "-y", str(video)], check=True, timeout=60)
+    source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
+    frame = read_all(source, 1)[0]
+    got = frame.data.astype(np.float64)
+    source.close()
+    want = full_decode_reduced(video, frame.scale)  # OpenCV applies a display matrix where the file has one
+    assert frame.scale == 4 and frame.full == ((1366, 768) if rotate else (768, 1366)), (frame.scale, frame.full)
+    # libjpeg's reduced IDCT is not a block average of the full decode: a few codes (a wrong turn: about 100)
+    assert got.shape == want.shape and np.abs(got - want).mean() < 3.0, (got.shape, want.shape)
