@@ -32,6 +32,8 @@ av: Any = None
 
 MJPEG_CODECS = frozenset({"mjpeg", "jpegls", "ljpeg", "mjpegb"})
 YUV420 = frozenset({"yuv420p", "yuvj420p"})
+NV12 = frozenset({"nv12"})  # what hardware decoders hand back: luma, then U and V interleaved at half size
+YUV420_DEEP = {"yuv420p10le": 10, "yuv420p12le": 12}  # little-endian 16-bit words, as this machine reads them
 SIGNATURE_STRIDE = 16  # the frozen-picture check compares every 16th luma sample of every 16th row
 _BT709 = 1             # AVCOL_SPC_BT709
 _FULL_RANGE = 2        # AVCOL_RANGE_JPEG
@@ -172,7 +174,7 @@ class AVReader:
                 try:
                     self._pending = self._decode(packet)  # an empty packet at the end flushes the decoder
                 except av.error.InvalidDataError:
-                    self.bad += 1
+                    self.bad += packet.size > 0  # the empty flush packet at the end is not a frame refused
                 self.meter.wait_ns += time.perf_counter_ns() - t0
         except StopIteration:
             return False, None
@@ -224,13 +226,21 @@ def hw_decoder(reader: AVReader, asked: str, packet: Any) -> tuple[list[Any] | N
 
 
 def planes(frame: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A 4:2:0 frame's Y, U, V planes as views into the decoder's buffers (no copy)."""
+    """A 4:2:0 frame's Y, U, V planes as views into the decoder's buffers (no copy): planar 8-bit, planar 16-bit
+    words (10-bit: uint16 views), or NV12 (U and V as strided views into the interleaved plane)."""
     w, h = frame.width, frame.height
-    out = []
-    for i, (pw, ph) in enumerate(((w, h), ((w + 1) // 2, (h + 1) // 2), ((w + 1) // 2, (h + 1) // 2))):
+    cw, ch = (w + 1) // 2, (h + 1) // 2
+    dtype = np.uint16 if frame.format.name in YUV420_DEEP else np.uint8
+    size = np.dtype(dtype).itemsize
+
+    def view(i: int, pw: int, ph: int) -> np.ndarray:
         p = frame.planes[i]
-        out.append(np.frombuffer(p, np.uint8).reshape(-1, p.line_size)[:ph, :pw])
-    return out[0], out[1], out[2]
+        return np.frombuffer(p, dtype).reshape(-1, p.line_size // size)[:ph, :pw]
+
+    if frame.format.name in NV12:
+        uv = view(1, 2 * cw, ch)
+        return view(0, w, h), uv[:, 0::2], uv[:, 1::2]
+    return view(0, w, h), view(1, cw, ch), view(2, cw, ch)
 
 
 def _wide(frame: Any) -> bool:
@@ -252,14 +262,16 @@ def to_frame(frame: Any, scale: int, color: str, turns: int = 0) -> np.ndarray:
     """A decoded frame -> the bundle's frame at 1/scale in `color`, turned `turns` quarter turns counter-clockwise
     (the stream's display matrix: our own decoder's frames do not carry it). At full size FFmpeg's
     own conversion (swscale), the picture cv2.VideoCapture gives; reduced, 8-bit 4:2:0 planes averaged down
-    first (agent/spec/yuv.py). Other formats (4:2:2, 4:4:4, 10-bit) are converted at full size, then reduced:
-    swscale's own reduced conversion of them differed from the full picture by up to 255 on colour edges."""
+    first (agent/spec/yuv.py), NV12 (hardware decoders) and 10-bit 4:2:0 too. Other formats (4:2:2, 4:4:4) are
+    converted at full size, then reduced: swscale's own reduced conversion of them differed from the full picture
+    by up to 255 on colour edges."""
     fmt = frame.format.name
-    if scale == 1 or fmt not in YUV420:
+    if scale == 1 or fmt not in YUV420 | NV12 | YUV420_DEEP.keys():
         img = reduce_exact(frame.to_ndarray(format={"rgb": "rgb24", "bgr": "bgr24", "gray": "gray"}[color]), scale)
     else:
         full = fmt == "yuvj420p" or frame.color_range == _FULL_RANGE
-        img = yuv420_to_frame(*planes(frame), scale, color, "bt709" if frame.colorspace == _BT709 else "bt601", full)
+        img = yuv420_to_frame(*planes(frame), scale, color, "bt709" if frame.colorspace == _BT709 else "bt601", full,
+                              YUV420_DEEP.get(fmt, 8))
     return np.ascontiguousarray(np.rot90(img, turns)) if turns else img
 
 

@@ -9,6 +9,9 @@ from pathlib import Path
 import cv2
 
 
+PROBE_READS = 64  # reads before a file is refused as decoding nothing: past a damaged first group of pictures
+
+
 def video_problem(path: Path | None) -> str | None:
     """Why a video file cannot serve, or None: it exists, is a readable file, and FFmpeg decodes a frame of it.
     Opening is not enough: FFmpeg refuses a text file only when asked for a frame on some builds, and a video
@@ -31,9 +34,14 @@ def probe_video(path: Path | None) -> tuple[str | None, int]:
     try:
         if not cap.isOpened():
             return f"{path} is not a video FFmpeg can open", 0
-        ok, img = cap.read()
-        if not ok or img is None:
-            return f"{path}: FFmpeg opens it but decodes no frame from it (empty or damaged)", 0
+        # a damaged first keyframe fails the first reads, not the file (a review: 33 frames decoded after it)
+        for _ in range(PROBE_READS):
+            ok, img = cap.read()
+            if ok and img is not None:
+                break
+        else:
+            return (f"{path}: FFmpeg opens it but decodes no frame from its first {PROBE_READS} "
+                    f"(empty or damaged)"), 0
         degrees = float(cap.get(cv2.CAP_PROP_ORIENTATION_META) or 0.0)
     finally:
         cap.release()

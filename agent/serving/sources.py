@@ -265,7 +265,9 @@ class OpenCVSource:
         self.packets = reader.packets
         self.stats.decoder = {
             **{k: v for k, v in self.stats.decoder.items() if k.startswith("threads_")},  # the plan outlives a reopen
-            "path": "jpeg" if self.packets else "ffmpeg", "codec": reader.codec, "scale": 1, "deferred": True,
+            "path": "jpeg" if self.packets else "ffmpeg", "codec": reader.codec, "deferred": True,
+            # a file's rewind keeps its scale: logged when it changes, not at every loop
+            "scale": self.stats.decoder.get("scale", 1), "reduce": self.stats.decoder.get("reduce"),
             "binding": "pyav", "threads": reader.threads, "hw": reader.hw, "hw_requested": self.cfg.hw_decode,
             "hw_fallback": self.hw_gave_up or reader.hw_why,
         }
@@ -334,7 +336,7 @@ class OpenCVSource:
                         and cap.set(cv2.CAP_PROP_FORMAT, -1))
         hw = int(cap.get(cv2.CAP_PROP_HW_ACCELERATION))
         self.stats.decoder = {
-            "path": "jpeg" if self.packets else "ffmpeg", "codec": fourcc, "scale": 1,
+            "path": "jpeg" if self.packets else "ffmpeg", "codec": fourcc, "scale": 1, "pyav_refused": self.av_refused,
             # JPEG decoding waits for the first reader of Frame.data: the preprocessing pool, which decodes
             # on as many cores as the pipeline sizes it to (capture is one thread per source)
             "deferred": self.packets,
@@ -399,6 +401,7 @@ class OpenCVSource:
                             reason=self.av_refused, decoding="opencv")
                 self.close()
                 self.stats.bad = 0
+                self.stats.state = "starting"  # a change of decoder, not a lost source: no reconnect counted
                 continue
             if ok and self.packets and not is_jpeg(img):  # the backend gave something else: decode with FFmpeg
                 log.warning("source.not_jpeg_packets", source=self.name, codec=self.stats.decoder.get("codec"))
@@ -426,7 +429,7 @@ class OpenCVSource:
                 turns, size = self.turns, jpeg_size(img)
                 if size is not None and turns % 2:
                     size = (size[1], size[0])  # as displayed
-                scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name, size)
+                scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name, size, turns)
                 self.stats.frames += 1
                 return Frame(self.stats.frames, img, at, ns, self.name, scale,
                              functools.partial(self._decode, scale=scale, turns=turns), size)
@@ -465,7 +468,8 @@ class OpenCVSource:
     def _video_scale(self, img: Any) -> int:
         """The scale to reduce this decoded frame to (recorded in the source's stats when it changes)."""
         h, w = ffmpeg_decode.frame_size(img, self.turns)
-        scale = decode_scale(self.cfg.decode_scale, self.resize, h, w, limit=self.max_scale)
+        scale = _turnable(decode_scale(self.cfg.decode_scale, self.resize, h, w, limit=self.max_scale), h, w,
+                          self.turns)
         if self.stats.decoder.get("scale") != scale:
             log.info("source.decode_scale", source=self.name, scale=scale, frame=f"{w}x{h}",
                      decoded=f"{-(-w // scale)}x{-(-h // scale)}", codec=self.stats.decoder.get("codec"))
@@ -591,11 +595,21 @@ class MqttFrameSource:
         self.client.loop_stop()
 
 
+def _turnable(scale: int, height: int, width: int, turns: int) -> int:
+    """A turned picture keeps each reduced pixel on its block only where the scale divides its size: the rounded-up
+    edge (libjpeg's partial block, our padding) is at the right and bottom before the turn, elsewhere after it
+    (a review: boxes 2 pixels off at 1/4). Halved until it divides; phones' 1920 x 1080 and 4K keep 1/8."""
+    while turns and scale > 1 and (height % scale or width % scale):
+        scale //= 2
+    return scale
+
+
 def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
-                name: str, size: tuple[int, int] | None) -> int:
-    """The scale to decode this JPEG of `size` (its header's; None: unknown) at, recorded in the source's stats
-    when it changes."""
-    scale = 1 if size is None else decode_scale(cfg.decode_scale, resize, *size, limit=max_scale)
+                name: str, size: tuple[int, int] | None, turns: int = 0) -> int:
+    """The scale to decode this JPEG of `size` (its header's, as displayed; None: unknown) at, recorded in the
+    source's stats when it changes."""
+    scale = 1 if size is None else _turnable(decode_scale(cfg.decode_scale, resize, *size, limit=max_scale), *size,
+                                             turns)
     if stats.decoder.get("scale") != scale or stats.decoder.get("path") != "jpeg":
         log.info("source.decode_scale", source=name, scale=scale,
                  frame=None if size is None else f"{size[1]}x{size[0]}",

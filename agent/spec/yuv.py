@@ -89,16 +89,17 @@ def reduce_exact(img: np.ndarray, scale: int) -> np.ndarray:
 
 
 def yuv420_to_frame(y: np.ndarray, u: np.ndarray, v: np.ndarray, scale: int, color: str = "rgb",
-                    matrix: str = "bt601", full_range: bool = False) -> np.ndarray:
+                    matrix: str = "bt601", full_range: bool = False, bits: int = 8) -> np.ndarray:
     """4:2:0 planes (luma h x w, chroma (h+1)//2 x (w+1)//2; strided views are fine, nothing is copied
     at full size unless the scale does not divide the size) -> the frame at 1/scale in `color` (rgb, bgr or
-    gray), each pixel the mean of its scale x scale block (`reduce_exact`)."""
+    gray), each pixel the mean of its scale x scale block (`reduce_exact`). `bits` > 8: uint16 planes (10-bit video),
+    reduced at their depth, then brought to 8 bits."""
     h, w = y.shape[:2]
     rh, rw = reduced_size(h, w, scale)
     if scale > 1 and (h % scale or w % scale):  # scales are powers of two: the chroma pads to half of it
         y = pad_to(y, rh * scale, rw * scale)
         u, v = pad_to(u, rh * scale // 2, rw * scale // 2), pad_to(v, rh * scale // 2, rw * scale // 2)
-    ys = y if scale == 1 else area_reduce(y, rh, rw)
+    ys = to_8bit(y if scale == 1 else area_reduce(y, rh, rw), bits)
     if color == "gray":
         return cv2.LUT(ys, _GRAY[full_range])
     # chroma is at half size already: averaged by scale/2 (1/2: as it is; full size: interpolated up)
@@ -109,7 +110,16 @@ def yuv420_to_frame(y: np.ndarray, u: np.ndarray, v: np.ndarray, scale: int, col
         vs = cv2.resize(v, (rw, rh), interpolation=cv2.INTER_LINEAR)
     else:
         us, vs = area_reduce(u, rh, rw), area_reduce(v, rh, rw)
-    return cv2.transform(cv2.merge([ys, us, vs]), _matrix(matrix, full_range, color))
+    return cv2.transform(cv2.merge([ys, to_8bit(us, bits), to_8bit(vs, bits)]), _matrix(matrix, full_range, color))
+
+
+def to_8bit(plane: np.ndarray, bits: int) -> np.ndarray:
+    """Samples of `bits` bits (10-bit video: 64-940 limited range) as 8-bit codes, rounded: after the reduction,
+    so a 1080p picture's 16-bit planes are never shifted at full size."""
+    if bits <= 8:
+        return plane
+    shift = bits - 8
+    return ((plane.astype(np.uint32) + (1 << (shift - 1))) >> shift).clip(0, 255).astype(np.uint8)
 
 
 def rgb_to_yuv420(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
