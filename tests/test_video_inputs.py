@@ -32,6 +32,23 @@ def make(path: Path, size: str, *args: str, frames: int = 10) -> Path:
     return path
 
 
+def turned(video: Path, rotate: int) -> Path:
+    """A copy of `video` whose display matrix says: turn it `rotate` degrees (as a phone tags its videos)."""
+    out = video.with_name(f"rot{rotate}-{video.name}")
+    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-i", str(video), "-c", "copy",
+                    "-metadata:s:v", f"rotate={rotate}", "-y", str(out)], check=True, timeout=60)
+    return out
+
+
+def first_frame(video: Path):
+    """The first frame the agent's source gives for `video`, and its pixels (read before the source closes)."""
+    source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
+    frame = read_all(source, 1)[0]
+    data = frame.data
+    source.close()
+    return frame, data
+
+
 def read_all(source, limit: int = 100) -> list:
     stop = threading.Event()
     timer = threading.Timer(30, stop.set)
@@ -73,22 +90,14 @@ def test_refused_packets_are_counted(tmp_path):
 
 def test_rotation_metadata_is_applied(tmp_path):
     plain = make(tmp_path / "plain.mp4", "640x360", "-c:v", "libx264", "-pix_fmt", "yuv420p", frames=2)
-    rotated = tmp_path / "rot.mp4"
-    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-i", str(plain), "-c", "copy",
-                    "-metadata:s:v", "rotate=90", "-y", str(rotated)], check=True, timeout=60)
-    source = open_source(SourceConfig(type="video", path=rotated), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    data = frame.data
-    source.close()
+    rotated = turned(plain, 90)
+    frame, data = first_frame(rotated)
     assert data.shape[0] > data.shape[1], data.shape  # portrait, as displayed (and as cv2 decodes it)
 
 
 def test_boxes_map_to_camera_pixels_when_size_is_not_a_multiple_of_scale(tmp_path):
     video = make(tmp_path / "cam.mp4", "1366x768", "-c:v", "libx264", "-pix_fmt", "yuv420p", frames=2)
-    source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    data = frame.data
-    source.close()
+    frame, data = first_frame(video)
     assert frame.scale == 4 and data.shape[:2] == (192, 342)
     assert frame.full == (768, 1366)
     geometry = scaled_geometry(fit_geometry(data.shape[0], data.shape[1], SMALL_MODEL), frame.scale, frame.full)
@@ -121,10 +130,8 @@ def test_a_reduced_picture_is_the_full_picture_averaged_whatever_the_format_and_
         ["-profile:v", "high10"] if pix_fmt.endswith("10le") else [])
     video = make(tmp_path / "cam.mp4", size, "-c:v", "libx264", "-pix_fmt", pix_fmt, *profile, "-crf", "10",
                  frames=2)
-    source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    got = frame.data.astype(np.float64)
-    source.close()
+    frame, got = first_frame(video)
+    got = got.astype(np.float64)
     want = full_decode_reduced(video, frame.scale)
     assert frame.scale > 1 and got.shape == want.shape, (frame.scale, got.shape, want.shape)
     diff = np.abs(got - want)
@@ -145,13 +152,9 @@ def test_a_reduced_picture_is_the_full_picture_averaged_whatever_the_format_and_
 
 def test_a_rotated_stream_is_served_upright_at_the_scale_of_its_displayed_size(tmp_path):
     plain = make(tmp_path / "plain.mp4", "1280x720", "-c:v", "libx264", "-pix_fmt", "yuv420p", frames=2)
-    rotated = tmp_path / "rot.mp4"
-    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-i", str(plain), "-c", "copy",
-                    "-metadata:s:v", "rotate=270", "-y", str(rotated)], check=True, timeout=60)
-    source = open_source(SourceConfig(type="video", path=rotated), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    got = frame.data.astype(np.float64)
-    source.close()
+    rotated = turned(plain, 270)
+    frame, got = first_frame(rotated)
+    got = got.astype(np.float64)
     assert frame.full == (1280, 720)
     want = full_decode_reduced(rotated, frame.scale)  # OpenCV applies the display matrix
     assert got.shape == want.shape and np.abs(got - want).mean() < 1.5
@@ -192,13 +195,9 @@ def test_a_file_whose_every_packet_pyav_refuses_is_read_through_opencv_not_serve
 @pytest.mark.parametrize("rotate", [0, 90])
 def test_mjpeg_frames_carry_the_camera_size_and_turn_upright(tmp_path, rotate):
     plain = make(tmp_path / "cam.mov", "1366x768", "-c:v", "mjpeg", "-q:v", "3", frames=2)
-    video = tmp_path / "rot.mov"  # QuickTime keeps a display matrix (AVI has none)
-    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-i", str(plain), "-c", "copy",
-                    "-metadata:s:v", f"rotate={rotate}", "-y", str(video)], check=True, timeout=60)
-    source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    got = frame.data.astype(np.float64)
-    source.close()
+    video = turned(plain, rotate)
+    frame, got = first_frame(video)
+    got = got.astype(np.float64)
     want = full_decode_reduced(video, frame.scale)  # OpenCV applies a display matrix where the file has one
     # turned, 1/4 would put libjpeg's partial last block at the top: the scale is one that divides 1366
     assert frame.scale == (2 if rotate else 4) and frame.full == ((1366, 768) if rotate else (768, 1366)), \
@@ -212,13 +211,9 @@ def test_a_turned_picture_whose_size_the_scale_does_not_divide_keeps_each_pixel_
     # padding goes right and bottom before the turn and elsewhere after it: 1366 x 768 at 1/4 was shifted 2 rows
     plain = make(tmp_path / "plain.mp4", "1366x768", "-c:v", "libx264", "-pix_fmt", "yuv420p", "-crf", "10",
                  frames=2)
-    video = tmp_path / "rot.mp4"
-    subprocess.run([FFMPEG, "-hide_banner", "-loglevel", "error", "-i", str(plain), "-c", "copy",
-                    "-metadata:s:v", f"rotate={rotate}", "-y", str(video)], check=True, timeout=60)
-    source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    got = frame.data.astype(np.float64)
-    source.close()
+    video = turned(plain, rotate)
+    frame, got = first_frame(video)
+    got = got.astype(np.float64)
     want = full_decode_reduced(video, frame.scale)
     assert frame.scale == 2 and got.shape == want.shape, (frame.scale, got.shape, want.shape)
     assert np.abs(got - want).mean() < 1.0, np.abs(got - want).mean()
