@@ -249,3 +249,17 @@ def test_a_file_whose_first_keyframe_is_damaged_serves_the_frames_after_it(tmp_p
     source.close()
     assert 20 <= len(frames) < 40, len(frames)
     assert source.av_refused is None and source.stats.reconnects == 0
+
+
+def test_a_folder_jpeg_decoded_at_reduced_scale_carries_its_size_for_boxes_to_clip_to(tmp_path):
+    import cv2
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    cv2.imwrite(str(folder / "a.jpg"), np.full((768, 1366, 3), 90, np.uint8))
+    source = open_source(SourceConfig(type="folder", path=folder), RGB, SMALL_MODEL)
+    frame = read_all(source, 1)[0]
+    source.close()
+    assert frame.scale == 4 and frame.full == (768, 1366), (frame.scale, frame.full)
+    geometry = scaled_geometry(fit_geometry(*frame.data.shape[:2], SMALL_MODEL), frame.scale, frame.full)
+    assert (geometry.frame_w, geometry.frame_h) == (1366, 768)

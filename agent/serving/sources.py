@@ -33,6 +33,7 @@ from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
 from agent.serving.sizing import DecoderLoad
 from agent.serving.source_checks import probe_video
+from agent.spec.yuv import reduced_size
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, read_image_file
 
@@ -186,10 +187,12 @@ class FolderSource:
         self.pacer.wait(stop, self.stats)
         path = self.files[self.pos]
         self.pos += 1
-        scale = 1
+        scale, full = 1, None
         if path.suffix.lower() in JPEG_SUFFIXES and self.frame.kind == "image":
-            data, scale = _decode_jpeg_frame(np.fromfile(path, np.uint8), self.cfg, self.frame, self.resize,
-                                             self.max_scale, self.stats, self.name)
+            packet = np.fromfile(path, np.uint8)
+            data, scale = _decode_jpeg_frame(packet, self.cfg, self.frame, self.resize, self.max_scale, self.stats,
+                                             self.name)
+            full = _camera_size(packet, data, scale)
         else:
             data = read_image_file(str(path), self.frame)
         if data is None:
@@ -198,7 +201,7 @@ class FolderSource:
         at, ns = _now()
         self.stats.frames += 1
         self.stats.last_frame_ns = ns
-        return Frame(self.stats.frames, data, at, ns, str(path.name), scale)
+        return Frame(self.stats.frames, data, at, ns, str(path.name), scale, full=full)
 
     def close(self) -> None:
         pass
@@ -587,7 +590,8 @@ class MqttFrameSource:
                 raise
             self.stats.frames += 1
             self.stats.last_frame_ns = ns
-            return Frame(self.stats.frames, frame, at, ns, self.name, scale)
+            full = _camera_size(np.frombuffer(data, np.uint8), frame, scale)
+            return Frame(self.stats.frames, frame, at, ns, self.name, scale, full=full)
         return None
 
     def close(self) -> None:
@@ -616,6 +620,18 @@ def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, 
                  decoded=None if size is None else f"{-(-size[1] // scale)}x{-(-size[0] // scale)}")
         stats.decoder = {**stats.decoder, "path": "jpeg", "scale": scale}
     return scale
+
+
+def _camera_size(packet: np.ndarray, img: np.ndarray | None, scale: int) -> tuple[int, int] | None:
+    """The (height, width) of the picture a JPEG decoded at 1/scale into `img` came from (turned as its EXIF
+    orientation turned it), for boxes to clip to; None at full scale or where the header does not say."""
+    size = jpeg_size(packet) if scale > 1 and img is not None else None
+    if size is None or img is None:
+        return None
+    for hw in (size, (size[1], size[0])):
+        if reduced_size(*hw, scale) == img.shape[:2]:
+            return hw
+    return None
 
 
 def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
