@@ -471,12 +471,11 @@ class OpenCVSource:
     def _video_scale(self, img: Any) -> int:
         """The scale to reduce this decoded frame to (recorded in the source's stats when it changes)."""
         h, w = ffmpeg_decode.frame_size(img, self.turns)
-        scale = _turnable(decode_scale(self.cfg.decode_scale, self.resize, h, w, limit=self.max_scale), h, w,
-                          self.turns)
+        scale, lowered = _scale_for(self.cfg, self.resize, h, w, self.max_scale, self.turns)
         if self.stats.decoder.get("scale") != scale:
-            log.info("source.decode_scale", source=self.name, scale=scale, frame=f"{w}x{h}",
-                     decoded=f"{-(-w // scale)}x{-(-h // scale)}", codec=self.stats.decoder.get("codec"))
-            self.stats.decoder = {**self.stats.decoder, "scale": scale, "reduce": "yuv-planes" if scale > 1 else None}
+            _log_scale(self.name, scale, (h, w), lowered, self.cfg, codec=self.stats.decoder.get("codec"))
+            self.stats.decoder = {**self.stats.decoder, "scale": scale, "reduce": "yuv-planes" if scale > 1 else None,
+                                  "lowered_from": lowered}
         return scale
 
     def _convert(self, img: Any, scale: int, turns: int = 0) -> np.ndarray:
@@ -553,6 +552,8 @@ class MqttFrameSource:
 
     def _decode(self, data: bytes) -> tuple[np.ndarray, int]:
         f = self.frame
+        if not data:  # how MQTT clears a retained message: nothing to serve, and no decoder is asked
+            raise BadFrame(f"{self.name}: an empty payload")
         if self.cfg.payload == "image" and f.kind == "image" and is_jpeg(np.frombuffer(data[:4], np.uint8)):
             img, scale = _decode_jpeg_frame(np.frombuffer(data, np.uint8), self.cfg, f, self.resize,
                                             self.max_scale, self.stats, self.name)
@@ -599,32 +600,48 @@ class MqttFrameSource:
         self.client.loop_stop()
 
 
-def _turnable(scale: int, height: int, width: int, turns: int) -> int:
-    """A turned picture keeps each reduced pixel on its block only where the scale divides its size: the rounded-up
-    edge (libjpeg's partial block, our padding) is at the right and bottom before the turn, elsewhere after it
-    (a review: boxes 2 pixels off at 1/4). Halved until it divides; phones' 1920 x 1080 and 4K keep 1/8."""
+EXIF_TURNS = -1  # a still JPEG: libjpeg turns it by its EXIF orientation, which we do not read before decoding
+
+
+def _scale_for(cfg: SourceConfig, resize: ResizeSpec | None, height: int, width: int, max_scale: int,
+               turns: int) -> tuple[int, int | None]:
+    """(The scale to reduce a picture of this size to, the scale it was lowered from or None.) A turned picture
+    keeps each reduced pixel on its block only where the scale divides its size: the rounded-up edge (libjpeg's
+    partial block, our padding) is at the right and bottom before the turn, elsewhere after it (a review: boxes
+    2 pixels off at 1/4). Halved until it divides (phones' 1920 x 1080 and 4K keep 1/8); a forced scale too."""
+    wanted = scale = decode_scale(cfg.decode_scale, resize, height, width, limit=max_scale)
     while turns and scale > 1 and (height % scale or width % scale):
         scale //= 2
-    return scale
+    return scale, (wanted if scale != wanted else None)
+
+
+def _log_scale(name: str, scale: int, size: tuple[int, int] | None, lowered: int | None, cfg: SourceConfig,
+               **extra: Any) -> None:
+    h, w = size if size is not None else (0, 0)
+    why = None if lowered is None else (f"a turned picture is reduced only at a scale that divides its size "
+                                        f"({w}x{h}: not 1/{lowered})")
+    # a scale the config forced and the agent lowered is said as a warning: the user asked for it
+    (log.warning if lowered is not None and cfg.decode_scale != "auto" else log.info)(
+        "source.decode_scale", source=name, scale=scale, frame=None if size is None else f"{w}x{h}",
+        decoded=None if size is None else f"{-(-w // scale)}x{-(-h // scale)}", lowered_from=lowered,
+        reason=why, **extra)
 
 
 def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
                 name: str, size: tuple[int, int] | None, turns: int = 0) -> int:
     """The scale to decode this JPEG of `size` (its header's, as displayed; None: unknown) at, recorded in the
-    source's stats when it changes."""
-    scale = 1 if size is None else _turnable(decode_scale(cfg.decode_scale, resize, *size, limit=max_scale), *size,
-                                             turns)
+    source's stats when it changes. `turns` EXIF_TURNS: it may be turned, the scale must divide its size."""
+    scale, lowered = (1, None) if size is None else _scale_for(cfg, resize, *size, max_scale, turns)
     if stats.decoder.get("scale") != scale or stats.decoder.get("path") != "jpeg":
-        log.info("source.decode_scale", source=name, scale=scale,
-                 frame=None if size is None else f"{size[1]}x{size[0]}",
-                 decoded=None if size is None else f"{-(-size[1] // scale)}x{-(-size[0] // scale)}")
-        stats.decoder = {**stats.decoder, "path": "jpeg", "scale": scale}
+        _log_scale(name, scale, size, lowered, cfg)
+        stats.decoder = {**stats.decoder, "path": "jpeg", "scale": scale, "lowered_from": lowered}
     return scale
 
 
 def _camera_size(packet: np.ndarray, img: np.ndarray | None, scale: int) -> tuple[int, int] | None:
     """The (height, width) of the picture a JPEG decoded at 1/scale into `img` came from (turned as its EXIF
-    orientation turned it), for boxes to clip to; None at full scale or where the header does not say."""
+    orientation turned it), for boxes to clip to; None at full scale or where the header does not say. The scale
+    divides a still JPEG's size (EXIF_TURNS), so the reduced shape names the turn, except for a square."""
     size = jpeg_size(packet) if scale > 1 and img is not None else None
     if size is None or img is None:
         return None
@@ -637,7 +654,7 @@ def _camera_size(packet: np.ndarray, img: np.ndarray | None, scale: int) -> tupl
 def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
                        max_scale: int, stats: SourceStats, name: str) -> tuple[np.ndarray | None, int]:
     """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale); (None, 1) when it does not decode."""
-    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name, jpeg_size(data))
+    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name, jpeg_size(data), EXIF_TURNS)
     img = decode_jpeg(data, frame.color, scale)
     return (None, 1) if img is None else (img, scale)
 
