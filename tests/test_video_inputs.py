@@ -219,17 +219,22 @@ def test_a_turned_picture_whose_size_the_scale_does_not_divide_keeps_each_pixel_
     assert np.abs(got - want).mean() < 1.0, np.abs(got - want).mean()
 
 
-def test_nv12_frames_of_hardware_decoders_take_the_planes_path_and_give_the_same_picture(tmp_path):
+@pytest.mark.parametrize("fmt, tolerance", [("nv12", 0), ("p010le", 4)])
+def test_frames_of_hardware_decoders_take_the_planes_path_and_give_the_same_picture(tmp_path, fmt, tolerance):
     import av
 
     video = make(tmp_path / "cam.mp4", "1280x720", "-c:v", "libx264", "-pix_fmt", "yuv420p", frames=1)
     with av.open(str(video)) as c:
         frame = next(c.decode(video=0))
-        nv12 = frame.reformat(format="nv12")  # what a device's frames are once downloaded
+        device = frame.reformat(format=fmt)  # what a device's frames are once downloaded (NV12; P010 for 10-bit)
         want = ffmpeg_decode.to_frame(frame, 8, "rgb")
-        got = ffmpeg_decode.to_frame(nv12, 8, "rgb")
+        got = ffmpeg_decode.to_frame(device, 8, "rgb")
+        same = np.array_equal(ffmpeg_decode.signature(frame), ffmpeg_decode.signature(device) >> 8) \
+            if fmt == "p010le" else np.array_equal(ffmpeg_decode.signature(frame), ffmpeg_decode.signature(device))
     assert got.shape == want.shape == (90, 160, 3)
-    assert np.abs(got.astype(int) - want).max() <= 1  # the same planes (swscale's repacking rounds nothing)
+    # the same planes: swscale repacks NV12 exactly; its 8- to 16-bit repacking to P010 differs by up to 4 codes
+    assert np.abs(got.astype(int) - want).max() <= tolerance
+    assert same
 
 
 def test_a_file_whose_first_keyframe_is_damaged_serves_the_frames_after_it(tmp_path):

@@ -32,7 +32,9 @@ av: Any = None
 
 MJPEG_CODECS = frozenset({"mjpeg", "jpegls", "ljpeg", "mjpegb"})
 YUV420 = frozenset({"yuv420p", "yuvj420p"})
-NV12 = frozenset({"nv12"})  # what hardware decoders hand back: luma, then U and V interleaved at half size
+# what hardware decoders hand back: luma, then U and V interleaved at half size; P010 in 16-bit words, the 10 bits
+# at the top (so read as 16-bit samples)
+SEMI_PLANAR = {"nv12": 8, "p010le": 16}
 YUV420_DEEP = {"yuv420p10le": 10, "yuv420p12le": 12}  # little-endian 16-bit words, as this machine reads them
 SIGNATURE_STRIDE = 16  # the frozen-picture check compares every 16th luma sample of every 16th row
 _BT709 = 1             # AVCOL_SPC_BT709
@@ -230,14 +232,15 @@ def planes(frame: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     words (10-bit: uint16 views), or NV12 (U and V as strided views into the interleaved plane)."""
     w, h = frame.width, frame.height
     cw, ch = (w + 1) // 2, (h + 1) // 2
-    dtype = np.uint16 if frame.format.name in YUV420_DEEP else np.uint8
+    fmt = frame.format.name
+    dtype = np.uint16 if YUV420_DEEP.get(fmt, SEMI_PLANAR.get(fmt, 8)) > 8 else np.uint8
     size = np.dtype(dtype).itemsize
 
     def view(i: int, pw: int, ph: int) -> np.ndarray:
         p = frame.planes[i]
         return np.frombuffer(p, dtype).reshape(-1, p.line_size // size)[:ph, :pw]
 
-    if frame.format.name in NV12:
+    if fmt in SEMI_PLANAR:
         uv = view(1, 2 * cw, ch)
         return view(0, w, h), uv[:, 0::2], uv[:, 1::2]
     return view(0, w, h), view(1, cw, ch), view(2, cw, ch)
@@ -266,12 +269,12 @@ def to_frame(frame: Any, scale: int, color: str, turns: int = 0) -> np.ndarray:
     converted at full size, then reduced: swscale's own reduced conversion of them differed from the full picture
     by up to 255 on colour edges."""
     fmt = frame.format.name
-    if scale == 1 or fmt not in YUV420 | NV12 | YUV420_DEEP.keys():
+    if scale == 1 or fmt not in YUV420 | SEMI_PLANAR.keys() | YUV420_DEEP.keys():
         img = reduce_exact(frame.to_ndarray(format={"rgb": "rgb24", "bgr": "bgr24", "gray": "gray"}[color]), scale)
     else:
         full = fmt == "yuvj420p" or frame.color_range == _FULL_RANGE
         img = yuv420_to_frame(*planes(frame), scale, color, "bt709" if frame.colorspace == _BT709 else "bt601", full,
-                              YUV420_DEEP.get(fmt, 8))
+                              YUV420_DEEP.get(fmt, SEMI_PLANAR.get(fmt, 8)))
     return np.ascontiguousarray(np.rot90(img, turns)) if turns else img
 
 
