@@ -31,11 +31,11 @@ from agent.spec.yuv import reduce_exact, yuv420_to_frame
 av: Any = None
 
 MJPEG_CODECS = frozenset({"mjpeg", "jpegls", "ljpeg", "mjpegb"})
-YUV420 = frozenset({"yuv420p", "yuvj420p"})
-# what hardware decoders hand back: luma, then U and V interleaved at half size; P010 in 16-bit words, the 10 bits
-# at the top (so read as 16-bit samples)
-SEMI_PLANAR = {"nv12": 8, "p010le": 16}
-YUV420_DEEP = {"yuv420p10le": 10, "yuv420p12le": 12}  # little-endian 16-bit words, as this machine reads them
+# 4:2:0 formats reduced through their planes, and the bits their samples are read at: more than 8, little-endian
+# 16-bit words, as this machine reads them. P010 keeps its 10 bits at the top of each word (read as 16).
+PLANES_420 = {"yuv420p": 8, "yuvj420p": 8, "nv12": 8, "p010le": 16, "yuv420p10le": 10, "yuv420p12le": 12}
+# what hardware decoders hand back: luma, then U and V interleaved at half size
+SEMI_PLANAR = frozenset({"nv12", "p010le"})
 SIGNATURE_STRIDE = 16  # the frozen-picture check compares every 16th luma sample of every 16th row
 _BT709 = 1             # AVCOL_SPC_BT709
 _FULL_RANGE = 2        # AVCOL_RANGE_JPEG
@@ -232,53 +232,61 @@ def planes(frame: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     words (10-bit: uint16 views), or NV12 (U and V as strided views into the interleaved plane)."""
     w, h = frame.width, frame.height
     cw, ch = (w + 1) // 2, (h + 1) // 2
-    fmt = frame.format.name
-    dtype = np.uint16 if YUV420_DEEP.get(fmt, SEMI_PLANAR.get(fmt, 8)) > 8 else np.uint8
+    dtype = _sample_type(frame)
     size = np.dtype(dtype).itemsize
 
     def view(i: int, pw: int, ph: int) -> np.ndarray:
         p = frame.planes[i]
         return np.frombuffer(p, dtype).reshape(-1, p.line_size // size)[:ph, :pw]
 
-    if fmt in SEMI_PLANAR:
+    if frame.format.name in SEMI_PLANAR:
         uv = view(1, 2 * cw, ch)
         return view(0, w, h), uv[:, 0::2], uv[:, 1::2]
     return view(0, w, h), view(1, cw, ch), view(2, cw, ch)
 
 
-def _wide(frame: Any) -> bool:
-    """More than 8 bits a sample (yuv420p10le...): each sample is two bytes."""
+def _sample_type(frame: Any) -> type[np.unsignedinteger]:
+    """uint16 where a sample has more than 8 bits (yuv420p10le, P010...: two bytes each), else uint8."""
     comps: Any = getattr(frame.format, "components", None) or ()
-    return bool(comps) and comps[0].bits > 8
+    return np.uint16 if comps and comps[0].bits > 8 else np.uint8
 
 
 def signature(frame: Any) -> np.ndarray:
     """A small sample of the picture for the frozen check: every 16th luma sample of every 16th row (8 kB at
     1080p, against 6 MB for the full frame), copied: the decoder reuses its buffers."""
     p = frame.planes[0]
-    dtype = np.uint16 if _wide(frame) else np.uint8  # bytes of 10-bit samples would sample half the picture
+    dtype = _sample_type(frame)  # bytes of 10-bit samples would sample half the picture
     y = np.frombuffer(p, dtype).reshape(-1, p.line_size // dtype().itemsize)[: frame.height, : frame.width]
     return y[::SIGNATURE_STRIDE, ::SIGNATURE_STRIDE].copy()
 
 
 def to_frame(frame: Any, scale: int, color: str, turns: int = 0) -> np.ndarray:
     """A decoded frame -> the bundle's frame at 1/scale in `color`, turned `turns` quarter turns counter-clockwise
-    (the stream's display matrix: our own decoder's frames do not carry it). At full size FFmpeg's
-    own conversion (swscale), the picture cv2.VideoCapture gives; reduced, 8-bit 4:2:0 planes averaged down
-    first (agent/spec/yuv.py), NV12 (hardware decoders) and 10-bit 4:2:0 too. Other formats (4:2:2, 4:4:4) are
-    converted at full size, then reduced: swscale's own reduced conversion of them differed from the full picture
-    by up to 255 on colour edges."""
+    (the stream's display matrix: our own decoder's frames do not carry it). At full size FFmpeg's own conversion
+    (swscale), the picture cv2.VideoCapture gives; reduced, the planes of the 4:2:0 formats in `PLANES_420` (8- and
+    10-bit, NV12 and P010 from hardware decoders) averaged down first (agent/spec/yuv.py). Other formats (4:2:2,
+    4:4:4) are converted at full size, then reduced: swscale's own reduced conversion of them differed from the
+    full picture by up to 255 on colour edges."""
     fmt = frame.format.name
-    if scale == 1 or fmt not in YUV420 | SEMI_PLANAR.keys() | YUV420_DEEP.keys():
+    if scale == 1 or fmt not in PLANES_420:
         img = reduce_exact(frame.to_ndarray(format={"rgb": "rgb24", "bgr": "bgr24", "gray": "gray"}[color]), scale)
     else:
         full = fmt == "yuvj420p" or frame.color_range == _FULL_RANGE
         img = yuv420_to_frame(*planes(frame), scale, color, "bt709" if frame.colorspace == _BT709 else "bt601", full,
-                              YUV420_DEEP.get(fmt, SEMI_PLANAR.get(fmt, 8)))
+                              PLANES_420[fmt])
+    return upright(img, turns)
+
+
+def upright(img: np.ndarray, turns: int) -> np.ndarray:
+    """A picture turned `turns` quarter turns counter-clockwise (contiguous: OpenCV takes it next)."""
     return np.ascontiguousarray(np.rot90(img, turns)) if turns else img
+
+
+def displayed(size: tuple[int, int], turns: int) -> tuple[int, int]:
+    """A (height, width) as displayed after `turns` quarter turns."""
+    return (size[1], size[0]) if turns % 2 else size
 
 
 def frame_size(frame: Any, turns: int = 0) -> tuple[int, int]:
     """(height, width) as displayed: a stream turned a quarter turn is served upright."""
-    h, w = int(frame.height), int(frame.width)
-    return (w, h) if turns % 2 else (h, w)
+    return displayed((int(frame.height), int(frame.width)), turns)

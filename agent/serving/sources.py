@@ -189,10 +189,8 @@ class FolderSource:
         self.pos += 1
         scale, full = 1, None
         if path.suffix.lower() in JPEG_SUFFIXES and self.frame.kind == "image":
-            packet = np.fromfile(path, np.uint8)
-            data, scale = _decode_jpeg_frame(packet, self.cfg, self.frame, self.resize, self.max_scale, self.stats,
-                                             self.name)
-            full = _camera_size(packet, data, scale)
+            data, scale, full = _decode_jpeg_frame(np.fromfile(path, np.uint8), self.cfg, self.frame, self.resize,
+                                                   self.max_scale, self.stats, self.name)
         else:
             data = read_image_file(str(path), self.frame)
         if data is None:
@@ -430,8 +428,7 @@ class OpenCVSource:
                                ffmpeg_decode.signature(img) if self.av else img[::16, ::16].copy())
             if self.packets:  # decoded by the preprocessing pool (a frame dropped as stale never is)
                 turns, size = self.turns, jpeg_size(img)
-                if size is not None and turns % 2:
-                    size = (size[1], size[0])  # as displayed
+                size = None if size is None else ffmpeg_decode.displayed(size, turns)
                 scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name, size, turns)
                 self.stats.frames += 1
                 return Frame(self.stats.frames, img, at, ns, self.name, scale,
@@ -489,7 +486,7 @@ class OpenCVSource:
         if img is None:
             self.stats.bad += 1
             raise UndecodableFrame(f"{self.name}: a JPEG frame of {packet.size} bytes does not decode")
-        return np.ascontiguousarray(np.rot90(img, turns)) if turns else img
+        return ffmpeg_decode.upright(img, turns)
 
     def _watch_frozen(self, img: np.ndarray) -> None:
         if self.prev is not None and self.prev.shape == img.shape and np.array_equal(self.prev, img):
@@ -550,31 +547,32 @@ class MqttFrameSource:
             self._buf.append((msg.payload, at, ns))  # type: ignore[attr-defined]
             self._cond.notify()
 
-    def _decode(self, data: bytes) -> tuple[np.ndarray, int]:
+    def _decode(self, data: bytes) -> tuple[np.ndarray, int, tuple[int, int] | None]:
+        """The payload -> (the frame, the scale it was decoded at, the picture's (height, width) where reduced)."""
         f = self.frame
         if not data:  # how MQTT clears a retained message: nothing to serve, and no decoder is asked
             raise BadFrame(f"{self.name}: an empty payload")
         if self.cfg.payload == "image" and f.kind == "image" and is_jpeg(np.frombuffer(data[:4], np.uint8)):
-            img, scale = _decode_jpeg_frame(np.frombuffer(data, np.uint8), self.cfg, f, self.resize,
-                                            self.max_scale, self.stats, self.name)
+            img, scale, full = _decode_jpeg_frame(np.frombuffer(data, np.uint8), self.cfg, f, self.resize,
+                                                  self.max_scale, self.stats, self.name)
             if img is None:
                 raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable JPEG")
-            return img, scale
+            return img, scale, full
         if self.cfg.payload == "image":
             img = cv2.imdecode(np.frombuffer(data, np.uint8), imread_flag(f))
             if img is None:
                 raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable image")
-            return bgr_to_frame(img, f), 1
+            return bgr_to_frame(img, f), 1, None
         if self.cfg.payload == "npy":
             try:
-                return read_npy(data), 1
+                return read_npy(data), 1, None
             except (ValueError, OSError, EOFError) as exc:
                 raise BadFrame(f"{self.name}: payload is not a .npy array: {exc}") from exc
         dtype = np.dtype(f.dtype if f.kind == "sensor" else np.uint8)
         expected = int(np.prod(f.shape)) * dtype.itemsize
         if len(data) != expected:
             raise BadFrame(f"{self.name}: raw payload of {len(data)} bytes, expected {expected} for {f.shape} {dtype}")
-        return np.frombuffer(data, dtype).reshape(f.shape).copy(), 1
+        return np.frombuffer(data, dtype).reshape(f.shape).copy(), 1, None
 
     def read(self, stop: threading.Event) -> Frame | None:
         while not stop.is_set():
@@ -585,13 +583,12 @@ class MqttFrameSource:
                     continue
                 data, at, ns = self._buf.popleft()
             try:
-                frame, scale = self._decode(data)
+                frame, scale, full = self._decode(data)
             except BadFrame:
                 self.stats.bad += 1
                 raise
             self.stats.frames += 1
             self.stats.last_frame_ns = ns
-            full = _camera_size(np.frombuffer(data, np.uint8), frame, scale)
             return Frame(self.stats.frames, frame, at, ns, self.name, scale, full=full)
         return None
 
@@ -638,12 +635,11 @@ def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, 
     return scale
 
 
-def _camera_size(packet: np.ndarray, img: np.ndarray | None, scale: int) -> tuple[int, int] | None:
-    """The (height, width) of the picture a JPEG decoded at 1/scale into `img` came from (turned as its EXIF
-    orientation turned it), for boxes to clip to; None at full scale or where the header does not say. The scale
-    divides a still JPEG's size (EXIF_TURNS), so the reduced shape names the turn, except for a square."""
-    size = jpeg_size(packet) if scale > 1 and img is not None else None
-    if size is None or img is None:
+def _camera_size(size: tuple[int, int] | None, img: np.ndarray, scale: int) -> tuple[int, int] | None:
+    """The (height, width) of the picture of header size `size` that a JPEG decoded at 1/scale into `img` (turned
+    as its EXIF orientation turned it), for boxes to clip to; None at full scale or where the header does not
+    say. The scale divides a still JPEG's size (EXIF_TURNS), so the reduced shape names the turn, but a square's."""
+    if size is None or scale == 1:
         return None
     for hw in (size, (size[1], size[0])):
         if reduced_size(*hw, scale) == img.shape[:2]:
@@ -652,11 +648,14 @@ def _camera_size(packet: np.ndarray, img: np.ndarray | None, scale: int) -> tupl
 
 
 def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
-                       max_scale: int, stats: SourceStats, name: str) -> tuple[np.ndarray | None, int]:
-    """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale); (None, 1) when it does not decode."""
-    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name, jpeg_size(data), EXIF_TURNS)
+                       max_scale: int, stats: SourceStats,
+                       name: str) -> tuple[np.ndarray | None, int, tuple[int, int] | None]:
+    """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale, the picture's
+    (height, width) where reduced); (None, 1, None) when it does not decode."""
+    size = jpeg_size(data)
+    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name, size, EXIF_TURNS)
     img = decode_jpeg(data, frame.color, scale)
-    return (None, 1) if img is None else (img, scale)
+    return (None, 1, None) if img is None else (img, scale, _camera_size(size, img, scale))
 
 
 SourceFactory = Callable[..., FrameSource]

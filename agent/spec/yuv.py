@@ -94,22 +94,15 @@ def yuv420_to_frame(y: np.ndarray, u: np.ndarray, v: np.ndarray, scale: int, col
     at full size unless the scale does not divide the size) -> the frame at 1/scale in `color` (rgb, bgr or
     gray), each pixel the mean of its scale x scale block (`reduce_exact`). `bits` > 8: uint16 planes (10-bit video),
     reduced at their depth, then brought to 8 bits."""
-    h, w = y.shape[:2]
-    rh, rw = reduced_size(h, w, scale)
-    if scale > 1 and (h % scale or w % scale):  # scales are powers of two: the chroma pads to half of it
-        y = pad_to(y, rh * scale, rw * scale)
-        u, v = pad_to(u, rh * scale // 2, rw * scale // 2), pad_to(v, rh * scale // 2, rw * scale // 2)
-    ys = to_8bit(y if scale == 1 else area_reduce(y, rh, rw), bits)
+    ys = to_8bit(reduce_exact(y, scale), bits)
     if color == "gray":
         return cv2.LUT(ys, _GRAY[full_range])
-    # chroma is at half size already: averaged by scale/2 (1/2: as it is; full size: interpolated up)
-    if u.shape[:2] == (rh, rw):
-        us, vs = u, v
-    elif u.shape[0] < rh:  # full size: chroma interpolated up
+    if scale == 1:  # full size: chroma interpolated up
+        rh, rw = ys.shape[:2]
         us = cv2.resize(u, (rw, rh), interpolation=cv2.INTER_LINEAR)
         vs = cv2.resize(v, (rw, rh), interpolation=cv2.INTER_LINEAR)
-    else:
-        us, vs = area_reduce(u, rh, rw), area_reduce(v, rh, rw)
+    else:  # chroma is at half size already: the blocks of scale/2 (a power of two), ceil(ceil(h/2)/(s/2)) = ceil(h/s)
+        us, vs = reduce_exact(u, scale // 2), reduce_exact(v, scale // 2)
     return cv2.transform(cv2.merge([ys, to_8bit(us, bits), to_8bit(vs, bits)]), _matrix(matrix, full_range, color))
 
 
