@@ -1,7 +1,8 @@
-"""A serving pipeline run in the test's process to the end of a finite source."""
+"""A serving pipeline run in the test's process to the end of a finite source; a source read on its own."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from agent.config import PipelineConfig
@@ -16,3 +17,18 @@ def run_to_end(source: Any, engine: Any, sink: Any, cfg: PipelineConfig, lossles
     assert p.join(timeout=15)
     source.close()
     return p
+
+
+def read_frames(source: Any, n: int = 100, timeout: float = 60.0) -> list:
+    """Up to `n` frames from `source` (fewer where it ends; bounded by `timeout`), then the source closed."""
+    stop = threading.Event()
+    timer = threading.Timer(timeout, stop.set)
+    timer.start()
+    frames = []
+    try:
+        while len(frames) < n and (f := source.read(stop)) is not None:
+            frames.append(f)
+    finally:
+        timer.cancel()
+        source.close()
+    return frames

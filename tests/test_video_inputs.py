@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from agent.serving.decoding import scaled_geometry
 from agent.serving.sources import open_source
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import fit_geometry
+from pipelines import read_frames
 
 FFMPEG = shutil.which("ffmpeg")
 RGB = FrameSpec(kind="image", height=160, width=160, channels=3, color="rgb")
@@ -41,25 +41,9 @@ def turned(video: Path, rotate: int) -> Path:
 
 
 def first_frame(video: Path):
-    """The first frame the agent's source gives for `video`, and its pixels (read before the source closes)."""
-    source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    data = frame.data
-    source.close()
-    return frame, data
-
-
-def read_all(source, limit: int = 100) -> list:
-    stop = threading.Event()
-    timer = threading.Timer(30, stop.set)
-    timer.start()
-    frames = []
-    try:
-        while len(frames) < limit and (f := source.read(stop)) is not None:
-            frames.append(f)
-    finally:
-        timer.cancel()
-    return frames
+    """The first frame the agent's source gives for `video`, and its pixels."""
+    frame = read_frames(open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL), 1)[0]
+    return frame, frame.data
 
 
 def test_a_video_cv2_decodes_serves_or_is_refused(tmp_path):
@@ -68,8 +52,7 @@ def test_a_video_cv2_decodes_serves_or_is_refused(tmp_path):
         source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
     except Exception:
         return  # refused at open: acceptable
-    frames = read_all(source)
-    source.close()
+    frames = read_frames(source)
     assert len(frames) == 10, (len(frames), source.stats)
 
 
@@ -81,11 +64,9 @@ def test_refused_packets_are_counted(tmp_path):
     bad = tmp_path / "corrupt.mp4"
     bad.write_bytes(bytes(b))
     source = open_source(SourceConfig(type="video", path=bad), RGB, SMALL_MODEL)
-    frames = read_all(source)
-    refused = source.cap.bad if source.cap is not None else None
-    source.close()
+    frames = read_frames(source)
     assert len(frames) < 20  # some packets were refused by the decoder
-    assert source.stats.bad > 0, (len(frames), refused, source.stats)
+    assert source.stats.bad > 0, (len(frames), source.stats)
 
 
 def test_rotation_metadata_is_applied(tmp_path):
@@ -182,9 +163,8 @@ def test_a_file_whose_every_packet_pyav_refuses_is_read_through_opencv_not_serve
     # before, the source ended at once with no frame and `run` exited 0 having served nothing
     video = make(tmp_path / "rle.mov", "320x240", "-c:v", "qtrle", "-pix_fmt", "rgb24")
     source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frames = read_all(source)
+    frames = read_frames(source)
     shapes = {f.data.shape for f in frames}
-    source.close()
     assert len(frames) == 10 and shapes == {(240, 320, 3)}, (len(frames), shapes)
     assert source.av_refused is not None and source.stats.bad == 0
     # a change of decoder, said in health, not a lost source; the empty flush packet is not a packet refused
@@ -250,8 +230,7 @@ def test_a_file_whose_first_keyframe_is_damaged_serves_the_frames_after_it(tmp_p
     damaged = tmp_path / "damaged.mp4"
     damaged.write_bytes(bytes(b))
     source = open_source(SourceConfig(type="video", path=damaged), RGB, SMALL_MODEL)
-    frames = read_all(source)
-    source.close()
+    frames = read_frames(source)
     assert 20 <= len(frames) < 40, len(frames)
     assert source.av_refused is None and source.stats.reconnects == 0
 
@@ -263,8 +242,7 @@ def test_a_folder_jpeg_decoded_at_reduced_scale_carries_its_size_for_boxes_to_cl
     folder.mkdir()
     cv2.imwrite(str(folder / "a.jpg"), np.full((768, 1366, 3), 90, np.uint8))
     source = open_source(SourceConfig(type="folder", path=folder), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    source.close()
+    frame = read_frames(source, 1)[0]
     # libjpeg turns a still JPEG by its EXIF orientation: the scale divides its size (1/2, not 1/4), so no partial
     # block ends up on the top or left (a review: boxes 2 pixels off for orientations 3, 6, 8)
     assert frame.scale == 2 and frame.full == (768, 1366), (frame.scale, frame.full)
@@ -276,8 +254,7 @@ def test_a_folder_jpeg_decoded_at_reduced_scale_carries_its_size_for_boxes_to_cl
 def test_a_forced_decode_scale_a_turned_file_cannot_take_is_lowered_and_said(tmp_path):
     video = turned(make(tmp_path / "cam.mp4", "1366x768", "-c:v", "libx264", "-pix_fmt", "yuv420p", frames=2), 90)
     source = open_source(SourceConfig(type="video", path=video, decode_scale=4), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
-    source.close()
+    frame = read_frames(source, 1)[0]
     assert frame.scale == 2 and source.stats.decoder["lowered_from"] == 4, source.stats.decoder
 
 
@@ -295,8 +272,7 @@ def test_a_file_whose_first_hundred_packets_are_damaged_is_served_not_refused_at
     damaged = tmp_path / "damaged.mp4"
     damaged.write_bytes(bytes(b))
     source = open_source(SourceConfig(type="video", path=damaged), RGB, SMALL_MODEL)
-    frames = read_all(source, 300)
-    source.close()
+    frames = read_frames(source, 300)
     assert 150 <= len(frames) < 300 and source.stats.bad >= 90, (len(frames), source.stats.bad)
 
 

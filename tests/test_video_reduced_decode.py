@@ -26,6 +26,7 @@ from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import fit_geometry
 from agent.spec.yuv import camera_sized_reduced_yuv, reduced_yuv_decode, yuv420_to_frame
 from agentproc import AgentProcess, demo_config
+from pipelines import read_frames
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits-classifier"
@@ -46,26 +47,12 @@ def encode_h264(path: Path, frames: list[np.ndarray], fps: int = 15) -> Path:
     return path
 
 
-def read_all(source, n: int, timeout: float = 60.0) -> list:
-    stop = threading.Event()
-    timer = threading.Timer(timeout, stop.set)
-    timer.start()
-    frames = []
-    try:
-        while len(frames) < n and (f := source.read(stop)) is not None:
-            frames.append(f)
-    finally:
-        timer.cancel()
-        source.close()
-    return frames
-
-
 def test_frozen_h264_picture_is_reported_from_a_small_sample_not_the_full_frame(tmp_path: Path) -> None:
     """The fault: np.array_equal on every full decoded frame in the serial capture thread (1.7 ms at 1080p).
     The check keeps a strided luma sample (8 kB at 1080p) and still sees a frozen picture, and a moving one."""
     still = encode_h264(tmp_path / "still.mp4", [np.full((1080, 1920, 3), 90, np.uint8)] * 14)
     source = open_source(SourceConfig(type="video", path=still, frozen_after=10), RGB, SMALL_MODEL)
-    frames = read_all(source, 14)
+    frames = read_frames(source, 14)
     assert len(frames) == 14
     assert source.stats.frozen_events == 1 and source.same >= 10
     assert source.prev is not None and source.prev.nbytes <= (1080 // 16 + 1) * (1920 // 16 + 1), source.prev.shape
@@ -74,7 +61,7 @@ def test_frozen_h264_picture_is_reported_from_a_small_sample_not_the_full_frame(
         cv2.rectangle(f, (100 * i, 200), (100 * i + 300, 600), (200, 30, 30), -1)  # a 300 px object moving
     source = open_source(SourceConfig(type="video", path=encode_h264(tmp_path / "moving.mp4", moving),
                                       frozen_after=10), RGB, SMALL_MODEL)
-    assert len(read_all(source, 14)) == 14
+    assert len(read_frames(source, 14)) == 14
     assert source.stats.frozen_events == 0 and source.stats.state != "frozen"
 
 
@@ -85,7 +72,7 @@ def test_frozen_check_on_the_opencv_path_keeps_no_full_frame_alive(tmp_path: Pat
     monkeypatch.setattr(ffmpeg_decode, "available", lambda: False)
     still = encode_h264(tmp_path / "still.mp4", [np.full((720, 1280, 3), 90, np.uint8)] * 12)
     source = open_source(SourceConfig(type="video", path=still, frozen_after=10), RGB, SMALL_MODEL)
-    assert len(read_all(source, 12)) == 12
+    assert len(read_frames(source, 12)) == 12
     assert not source.av and source.stats.frozen_events == 1
     assert source.prev is not None and source.prev.base is None, "the sample is a view into a full frame"
     assert source.prev.nbytes <= (720 // 16 + 1) * (1280 // 16 + 1) * 3, source.prev.shape
@@ -148,7 +135,7 @@ def test_a_1080p_h264_frame_for_a_letterbox_detector_maps_boxes_to_camera_pixels
     small), and the frame's geometry, scaled back, maps model boxes to the same camera pixels as full size."""
     letterbox = ResizeSpec(width=640, height=640, mode="letterbox")
     video = encode_h264(tmp_path / "cam.mp4", [np.full((1080, 1920, 3), 120, np.uint8)] * 2)
-    frame = read_all(open_source(SourceConfig(type="video", path=video), RGB, letterbox), 1)[0]
+    frame = read_frames(open_source(SourceConfig(type="video", path=video), RGB, letterbox), 1)[0]
     assert frame.scale == 2 and frame.data.shape == (540, 960, 3)
     geometry = scaled_geometry(fit_geometry(*frame.data.shape[:2], letterbox), frame.scale)
     box = np.array([[100.0, 200.0, 300.0, 400.0]])
@@ -157,9 +144,9 @@ def test_a_1080p_h264_frame_for_a_letterbox_detector_maps_boxes_to_camera_pixels
 
 def test_decode_scale_one_and_the_proven_limit_keep_the_full_size(tmp_path: Path) -> None:
     video = encode_h264(tmp_path / "cam.mp4", [np.full((720, 1280, 3), 60, np.uint8)] * 2)
-    full = read_all(open_source(SourceConfig(type="video", path=video, decode_scale=1), RGB, SMALL_MODEL), 1)[0]
+    full = read_frames(open_source(SourceConfig(type="video", path=video, decode_scale=1), RGB, SMALL_MODEL), 1)[0]
     assert full.scale == 1 and full.data.shape == (720, 1280, 3)
-    capped = read_all(open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL, max_scale=2), 1)[0]
+    capped = read_frames(open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL, max_scale=2), 1)[0]
     assert capped.scale == 2  # 1/4 would do for the model, but the self-test proved 1/2 only
 
 
@@ -167,7 +154,7 @@ def test_without_pyav_video_falls_back_to_opencv_at_full_size(tmp_path: Path, mo
     video = encode_h264(tmp_path / "cam.mp4", [np.full((720, 1280, 3), 60, np.uint8)] * 2)
     monkeypatch.setattr(ffmpeg_decode, "available", lambda: False)  # the binding not installed
     source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
+    frame = read_frames(source, 1)[0]
     assert frame.scale == 1 and frame.data.shape == (720, 1280, 3)
     assert source.stats.decoder["path"] == "ffmpeg" and "binding" not in source.stats.decoder
 
@@ -175,7 +162,7 @@ def test_without_pyav_video_falls_back_to_opencv_at_full_size(tmp_path: Path, mo
 def test_the_planes_are_views_of_the_decoders_frame(tmp_path: Path) -> None:
     video = encode_h264(tmp_path / "cam.mp4", [np.full((720, 1280, 3), 60, np.uint8)] * 2)
     source = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    frame = read_all(source, 1)[0]
+    frame = read_frames(source, 1)[0]
     vf = frame._data  # the capture thread's hand-over: the decoder's frame itself, not a converted copy
     y, u, v = ffmpeg_decode.planes(vf)
     assert y.shape == (720, 1280) and u.shape == (360, 640) and not y.flags.owndata
@@ -214,7 +201,7 @@ def test_decoder_threads_are_shared_among_many_streams_and_a_configured_count_is
 
     video = encode_h264(tmp_path / "cam.mp4", [np.full((360, 640, 3), 60, np.uint8)] * 4)
     one = open_source(SourceConfig(type="video", path=video), RGB, SMALL_MODEL)
-    read_all(one, 1)
+    read_frames(one, 1)
     assert one.stats.decoder["threads"] == min(len(os.sched_getaffinity(0)), 2)
     cfgs = [SourceConfig(type="video", path=video, name=f"cam{i}") for i in range(4)]
     cfgs.append(SourceConfig(type="video", path=video, name="pinned", decoder_threads=3))
