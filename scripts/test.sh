@@ -48,6 +48,8 @@ command -v strace >/dev/null 2>&1 || need+=(strace)  # the durable-switch test r
 if [ "$QUICK" != 1 ]; then
   command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
   command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+  [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ] || need+=(qemu-user-static)  # the arm64 lane (tests/test_arm64.py)
+  command -v update-binfmts >/dev/null 2>&1 || need+=(binfmt-support)
 fi
 if [ ${#need[@]} -gt 0 ]; then
   phase "installing Debian packages: ${need[*]}"
@@ -141,6 +143,17 @@ if [ "$(id -u)" -eq 0 ] && command -v systemd-nspawn >/dev/null 2>&1 && command 
     'from tests.test_service_nspawn import ensure_rootfs; print(ensure_rootfs())'
 fi
 
+# The arm64 lane (tests/test_arm64.py): the agent in a Debian arm64 root under qemu-user, the shipped demos proven
+# and served there and compared with this machine's results. Its root (debootstrap under emulation, ~5 min cold)
+# and the demo tests run in the background beside the fast lane, awaited before the serial tests; its real-model
+# test runs at the end, beside the systemd containers, once the real lane built the bundle.
+arm64_test() { EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m "$1" -s -v -p no:cacheprovider tests/test_arm64.py; }
+arm64_ready=0
+if [ "$(id -u)" -eq 0 ] && command -v debootstrap >/dev/null 2>&1 && [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ]; then
+  arm64_ready=1
+  bg arm64 arm64_test "arm64 and not real"
+fi
+
 ORT_VERSION=$("$CPU_PY" -c 'import onnxruntime; print(onnxruntime.__version__)')
 # The lanes split every test once: the fast lane, then the slow (and real) lane or its two halves, then serial,
 # then nspawn. `idle` slow tests mostly wait: the fast lane's spare worker takes them.
@@ -178,15 +191,17 @@ fi
 if made real && made smart_turn; then
   await_references
   phase "main suite, slow tests with and without real models (-n $SLOW_WORKERS, a file per worker, references ready), then (serial) storms, fuzz, real-time senders alone"
-  "$CPU_PY" -m pytest -m "(real or slow and not idle) and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+  "$CPU_PY" -m pytest -m "(real or slow and not idle) and not serial and not nspawn and not arm64" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
 else
   phase "main suite, slow tests without real models (-n $SLOW_WORKERS, a file per worker; references still in the making)"
-  "$CPU_PY" -m pytest -m "slow and not idle and not real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
+  "$CPU_PY" -m pytest -m "slow and not idle and not real and not serial and not nspawn and not arm64" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@"
   await_references
   phase "main suite, real models (-n $SLOW_WORKERS, a file per worker), then (serial) storms, fuzz, real-time senders alone"
-  "$CPU_PY" -m pytest -m "real and not serial and not nspawn" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
+  "$CPU_PY" -m pytest -m "real and not serial and not nspawn and not arm64" -n "$SLOW_WORKERS" --dist loadfile --durations=25 "$@" "${BIGGEST_FIRST[@]}"
 fi
+[ "$arm64_ready" = 1 ] && { await arm64 || exit $?; }  # the serial tests run alone
 "$CPU_PY" -m pytest -m "serial and not nspawn" --durations=25 "$@"
+[ "$arm64_ready" = 1 ] && bg arm64_real arm64_test "arm64 and real"
 
 await provider_venvs
 # The provider matrix is CPU-light: it runs beside the systemd containers, which mostly wait.
@@ -211,5 +226,6 @@ nspawn_rc=0
 await nspawn_service || nspawn_rc=$?
 await nspawn_crash || nspawn_rc=$?
 await matrix
+[ "$arm64_ready" = 1 ] && { await arm64_real || exit $?; }
 [ "$nspawn_rc" = 0 ] || exit "$nspawn_rc"
 phase "done"

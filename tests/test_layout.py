@@ -23,7 +23,8 @@ FLOOR = {
 ALLOWED_UP = {("bundle/create.py", "proof"), ("bundle/create.py", "results")}
 PURE = [
     "agent.spec.manifest", "agent.spec.preprocess", "agent.spec.decoders",
-    "agent.proof.terms", "agent.proof.parity", "agent.proof.verdict", "agent.proof.selection", "agent.config",
+    "agent.proof.terms", "agent.proof.parity", "agent.proof.verdict", "agent.proof.selection", "agent.proof.pre_compare",
+    "agent.proof.isa", "agent.config",
     "agent.config_schema", "agent.results", "agent.results.answers",
 ]
 

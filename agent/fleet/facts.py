@@ -95,7 +95,8 @@ def candidate_proof(report: Mapping[str, Any] | None, budget_ms: float | None = 
 def device_facts(*, device_id: str, session: int, labels: Mapping[str, str], versions: Mapping[str, str],
                  report: Mapping[str, Any] | None, effective: list[str] | None, current: str | None,
                  committed: str | None, active: Mapping[str, Any] | None, last_failure: Mapping[str, Any] | None,
-                 budget_ms: float | None = None, ts: float | None = None) -> dict[str, Any]:
+                 budget_ms: float | None = None, ts: float | None = None,
+                 device: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The retained facts document. `current`/`committed` are store ids; without a store, `active`
     ({name, version, sha}) stands for both. `last_failure` is the last rejected or rolled-back update status."""
     usable = [str(p.get("name")) for p in (report or {}).get("providers") or [] if isinstance(p, Mapping) and p.get("usable")]
@@ -115,6 +116,7 @@ def device_facts(*, device_id: str, session: int, labels: Mapping[str, str], ver
         "last_failure": None if not last_failure else {
             k: last_failure.get(k) for k in ("update", "state", "reason", "ts") if k in last_failure},
         "proof": candidate_proof(report, budget_ms),
+        "device": dict(device) if device else None,  # {machine, features, from}: what the proof ran on
     }
 
 

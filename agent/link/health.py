@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any, Mapping
 
 from agent import __version__
+from agent.proof.isa import cpu_isa
 
 HEALTH_SCHEMA = 1
 
@@ -219,4 +220,5 @@ def build_health(
         "update": None if not update else {k: update[k] for k in ("update", "state", "ts", "reason") if k in update},
         "process": dict(process),
         "versions": versions(),
+        "device": cpu_isa(),  # the architecture and ISA features the proof ran on: from this device, not the build
     }

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from agent.proof.isa import cpu_isa, isa_line
 from agent.proof.session import open_session
 from agent.proof.terms import (
     CPU,
@@ -119,15 +120,17 @@ def detect_providers(
 
 def device_fingerprint() -> dict[str, str]:
     """What identifies this device's compute for cache keys: CPU model and flags, machine, GPU driver."""
-    info = {"machine": platform.machine(), "system": platform.system(), "python": platform.python_version()}
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        for key in ("model name", "flags", "Features"):
-            m = re.search(rf"^{key}\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
-            if m:
-                info[key.replace(" ", "_")] = m.group(1).strip()
-    except OSError:
-        pass
+    info = {"machine": platform.machine(), "system": platform.system(), "python": platform.python_version(),
+            "isa": isa_line()}
+    if cpu_isa()["from"] == "cpuinfo":  # on arm64 under qemu-user, /proc/cpuinfo names the x86 host: not this device
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+            for key in ("model name", "flags"):
+                m = re.search(rf"^{key}\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+                if m:
+                    info[key.replace(" ", "_")] = m.group(1).strip()
+        except OSError:
+            pass
     driver = Path("/proc/driver/nvidia/version")
     if driver.exists():
         info["nvidia"] = driver.read_text().splitlines()[0].strip()

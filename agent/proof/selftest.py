@@ -28,6 +28,7 @@ from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.npio import open_npz
 from agent.proof.isolation import RunMarker
+from agent.proof.pre_compare import Levels, SampleDiff, compare, explain
 from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.probe import detect_providers, device_fingerprint
 from agent.proof.selection import (
@@ -64,6 +65,7 @@ from agent.proof.verdict import (
 )
 from agent.spec.decoders import split_batch
 from agent.spec.jpeg import camera_sized_reduced, max_decode_scale
+from agent.spec.preprocess import Preprocessor
 from agent.spec.yuv import camera_sized_reduced_yuv
 
 from agent.proof.costs import ProofCosts
@@ -176,16 +178,27 @@ class SelftestReport:
 
 
 def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple[PreprocessCheck, list[np.ndarray]]:
-    """Run the device's preprocessing on each golden raw frame and compare with the bundled tensor."""
+    """Run the device's preprocessing on each golden raw frame and compare with the bundled tensor: exact, the
+    image library's rounding (agent.proof.pre_compare), or another preprocessing with the key that explains it."""
     pre = preprocessor_for(bundle)
-    worst, worst_i, tensors = 0.0, 0, []
+    steps = pre.source_steps() if isinstance(pre, Preprocessor) else None  # a pre graph's tensors: exact only
+    levels = Levels(*steps) if steps is not None else None
+    st = bundle.manifest.selftest
+    worst: SampleDiff | None = None
+    worst_i, tensors, rounding, explanation = 0, [], True, ""
     for g in golden:
         t = np.stack([pre(r) for r in g.raw]) if _is_sequence(g) else pre(g.raw)
         tensors.append(t)
-        d = float(np.max(np.abs(t.astype(np.float64) - g.input.astype(np.float64)))) if t.shape == g.input.shape else float("inf")
-        if d > worst:
+        d = compare(t, g.input, levels, st.preprocess_max_abs)
+        if d.max_abs > st.preprocess_max_abs and not d.within(st.preprocess_rounding_levels):
+            rounding = False
+            explanation = explanation or explain(t, g.input, levels)
+        if worst is None or d.max_abs > worst.max_abs:
             worst, worst_i = d, g.index
-    return PreprocessCheck(worst, worst_i), tensors
+    if worst is None:
+        return PreprocessCheck(0.0, 0), tensors
+    return PreprocessCheck(worst.max_abs, worst_i, worst.differing, worst.max_levels, worst.bias_levels,
+                           rounding and worst.max_abs > st.preprocess_max_abs, explanation), tensors
 
 
 def recorded_outputs(bundle: Bundle, variant: str,
@@ -336,9 +349,7 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             if together:
                 by_sample = dict(run_concurrently(opened, m, fed, workers))  # each sample once, every caller busy
                 return [by_sample[i] for i in range(len(fed))], [(g.index, None) for g in golden]
-            rows_of = [[split_batch(o, 0) for o in _run_golden(opened, m, x, _is_sequence(g))] for x, g in zip(fed, golden)]
-            return ([r for rows in rows_of for r in rows],
-                    [(g.index, s if _is_sequence(g) else None) for rows, g in zip(rows_of, golden) for s in range(len(rows))])
+            return golden_pass_of(opened, m, fed, golden)
 
         got, origin = golden_pass(concurrent)  # origin, per judged row: (golden sample, step of its sequence)
         refs = [r for g in golden for r in _steps(g.outputs, _is_sequence(g))]
@@ -370,8 +381,11 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             rep = judge_reproduction(m.postprocess, got_used, refs_used, bounds, "source",
                                      tensor_bound=c.precision == "fp32")
         floors = fidelity_floors(m.task, m.selftest.fidelity)
+        # The model is proven on the bundled tensors; where this device's image library rounds differently, the
+        # task is judged on what it will serve: its own tensors through the same candidate.
+        fid_got = used_outputs(m, golden_pass_of(opened, m, tensors, golden)[0])[0] if pre_check.rounding else got_used
         if any(_is_sequence(g) for g in golden):
-            fid = judge_fidelity(m.postprocess, got_used, refs_used, floors)
+            fid = judge_fidelity(m.postprocess, fid_got, refs_used, floors)
         else:  # the final served result: pre stage -> this candidate -> post stage -> result kind
             post = postprocessor_for(bundle)
             pre = preprocessor_for(bundle)  # one pre stage session for the geometries and the size probes
@@ -379,7 +393,11 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             if isinstance(post, GraphPostprocessor):
                 more_rep = judge_post_reproduction(m, post, got, geoms, recorded_post(golden, c.variant), bounds)
                 rep = replace(rep, findings=rep.findings + tuple(more_rep))
-            fid = judge_final_fidelity(m, post, got_used, refs_used, geoms, load_answers(bundle, len(golden)), floors)
+            fid = judge_final_fidelity(m, post, fid_got, refs_used, geoms, load_answers(bundle, len(golden)), floors)
+        if pre_check.rounding:
+            fid = replace(fid, findings=tuple(replace(f, detail="on this device's own preprocessing, which rounds "
+                                                      "differently from the bundle's" + (f"; {f.detail}" if f.detail else ""))
+                                              for f in fid.findings))
             rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(opened, m, c.variant, golden, bounds,
                                                                                pre)))
         rep, fid = _locate(rep, origin), _locate(fid, origin)
@@ -397,6 +415,15 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
     ev = Evidence(c, None, opened.effective, opened.placement, pre_check, rep, fid, None, None, opened.create_ms,
                   tuple(opened.ort_log))
     return _Trial(c, ev, opened)
+
+
+def golden_pass_of(opened: Any, m: Any, fed: Sequence[np.ndarray], golden: Sequence[GoldenSample],
+                   ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int | None]]]:
+    """Each golden tensor through the open session, one caller: the rows judged (a sequence's steps each) and,
+    per row, its golden sample and step."""
+    rows_of = [[split_batch(o, 0) for o in _run_golden(opened, m, x, _is_sequence(g))] for x, g in zip(fed, golden)]
+    return ([r for rows in rows_of for r in rows],
+            [(g.index, s if _is_sequence(g) else None) for rows, g in zip(rows_of, golden) for s in range(len(rows))])
 
 
 def _locate(q: Any, origin: Sequence[tuple[int, int | None]]) -> Any:

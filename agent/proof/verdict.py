@@ -37,6 +37,14 @@ class PreprocessCheck:
 
     max_abs: float
     worst_sample: int
+    # Beyond the exact bound, what the difference is (agent.proof.pre_compare): the worst sample's fraction of
+    # values that differ, its worst difference and channel bias in source levels, whether every sample differs
+    # only by the image library's rounding, and otherwise the key that most likely explains it.
+    differing: float = 0.0
+    max_levels: float | None = None
+    bias_levels: float | None = None
+    rounding: bool = False
+    explanation: str = ""
 
 
 @dataclass(frozen=True)
@@ -159,11 +167,21 @@ def judge(ev: Evidence, manifest: Manifest) -> CandidateResult:
             findings.append(Finding("placement", f"fraction of nodes on {c.provider}", frac,
                                     st.min_accelerator_fraction, "session", None,
                                     f"{on}/{ev.placement.total_nodes} nodes", "under"))
-    if ev.preprocess is not None and ev.preprocess.max_abs > st.preprocess_max_abs:
-        findings.append(Finding("preprocessing", "max_abs of device preprocessing vs bundled tensor",
-                                ev.preprocess.max_abs, st.preprocess_max_abs,
-                                "pre" if manifest.preprocess.graph else "preprocessing",
-                                ev.preprocess.worst_sample, "", "over"))
+    pre = ev.preprocess
+    if pre is not None and pre.max_abs > st.preprocess_max_abs:
+        stage = "pre" if manifest.preprocess.graph else "preprocessing"
+        if pre.rounding:
+            # the image library's rounding on this device: the model is proven on the bundled tensors, the task
+            # (fidelity) on the device's own; said, never hidden
+            warnings.append(Finding("preprocessing", "fraction of values that differ from the bundled tensor by "
+                                    "rounding", pre.differing, None, stage, pre.worst_sample,
+                                    f"at most {pre.max_levels:.2f} source level(s), channel bias {pre.bias_levels:.2f} "
+                                    f"level(s), max_abs {pre.max_abs:.4g}: this device's image library rounds "
+                                    "differently; fidelity judged on the device's own tensors"))
+        else:
+            findings.append(Finding("preprocessing", "max_abs of device preprocessing vs bundled tensor",
+                                    pre.max_abs, st.preprocess_max_abs, stage, pre.worst_sample, pre.explanation,
+                                    "over"))
     if ev.reproduction is not None:
         findings += ev.reproduction.findings
     if ev.fidelity is not None:

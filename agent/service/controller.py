@@ -501,6 +501,7 @@ class Controller:
         """The retained facts a fleet rollout targets on and gates with (agent/fleet/facts.py)."""
         from agent.fleet.facts import device_facts
         from agent.link.health import versions
+        from agent.proof.isa import cpu_isa
 
         b = self.bundle
         return device_facts(
@@ -512,7 +513,8 @@ class Controller:
             active=None if b is None else {"name": b.manifest.name, "version": b.manifest.version,
                                            "sha": b.manifest_sha256[:12]},
             last_failure=self._last_failure,
-            budget_ms=b.manifest.selftest.budget_for(self.engine.describe()["provider"]) if b and self.engine else None)
+            budget_ms=b.manifest.selftest.budget_for(self.engine.describe()["provider"]) if b and self.engine else None,
+            device=cpu_isa())
 
     def _publish_facts(self) -> None:
         if self.link is not None:

@@ -356,6 +356,10 @@ class SelftestSpec:
     reproduction: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     fidelity: Mapping[str, float] = field(default_factory=dict)  # the author's floors (per-task defaults otherwise)
     preprocess_max_abs: float = 1e-4
+    # beyond preprocess_max_abs, a difference of at most this many 8-bit source levels per value with no channel
+    # moved as a whole (agent.proof.pre_compare) is the device's image library rounding: allowed, said, and the
+    # task judged on the device's own tensors; 0 refuses any difference over preprocess_max_abs
+    preprocess_rounding_levels: float = 1.0
     min_accelerator_fraction: float = 0.9
     warmup_runs: int = 5
     latency_runs: int = 50

@@ -210,6 +210,14 @@ class Preprocessor:
             if raw.shape != (f.window, f.channels):
                 raise PreprocessError(f"sensor window shape {raw.shape} is not ({f.window}, {f.channels})")
 
+    def source_steps(self) -> tuple[tuple[float, ...], tuple[float, ...], int] | None:
+        """What one step of the 8-bit image is in tensor units per channel (x = level * step - offset): (steps,
+        offsets, channel axis counted from the end); None for sensor windows, whose values are not rounded here."""
+        if self.frame.kind != "image" or self.spec.layout not in ("nchw", "nhwc"):
+            return None
+        axis = -3 if self.spec.layout == "nchw" else -1
+        return tuple(float(v) for v in self._mul), tuple(float(v) for v in self._sub), axis
+
     def geometry(self, raw: np.ndarray) -> Geometry:
         return fit_geometry(raw.shape[0], raw.shape[1], self.spec.resize) if self.frame.kind == "image" else IDENTITY
 

@@ -1,0 +1,116 @@
+"""The device's preprocessing against the bundled tensors: equal, a rounding difference of the image library (every
+value within one step of the 8-bit source, no offset), or another preprocessing, with the key that most likely explains it.
+
+Pure numpy. Why a rounding rule at all: OpenCV's INTER_LINEAR (and its colour conversions) round differently on
+arm64 NEON than on x86 SSE/AVX (the same OpenCV release moved 27 % of the shipped demo's values by one level), so an
+exact bound refuses every correct ARM device; a wrong mean, std, colour order or size still moves values by more than
+a level, or all of them one way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# A rounding difference moves each value by at most this many source levels...
+ROUNDING_MAX_LEVELS = 1.0
+# ...and leaves each channel's mean where it was: at most this many levels of signed mean difference. Rounding that
+# differs in one direction only on every flipped value (arm64's resize: 27 % of values) gives 0.27; a mean wrong by one
+# level gives 1.0 on every value.
+ROUNDING_MAX_BIAS = 0.5
+# Float slack on "one level": levels computed from float32 tensors.
+_LEVEL_SLACK = 1e-3
+
+
+@dataclass(frozen=True)
+class Levels:
+    """What one step of the 8-bit source is in tensor units, per channel, and where the channel axis is
+    (negative: from the end, so batch and sequence axes in front do not matter)."""
+
+    step: tuple[float, ...]
+    offset: tuple[float, ...]  # the tensor value of source level 0 is -offset (x = level * step - offset)
+    channel_axis: int
+
+
+@dataclass(frozen=True)
+class SampleDiff:
+    """One golden sample's device tensor against the bundled one."""
+
+    max_abs: float
+    differing: float = 0.0  # fraction of values that differ more than the exact bound
+    max_levels: float | None = None  # worst |difference| in source levels (None: levels unknown or shapes differ)
+    bias_levels: float | None = None  # worst per-channel |mean signed difference| in levels
+
+    def within(self, max_levels: float = ROUNDING_MAX_LEVELS) -> bool:
+        """Only the image library's rounding: within `max_levels` (at most one) source levels everywhere, no
+        channel moved as a whole."""
+        bound = min(max_levels, ROUNDING_MAX_LEVELS)
+        return (bound > 0 and self.max_levels is not None and self.bias_levels is not None
+                and self.max_levels <= bound + _LEVEL_SLACK and self.bias_levels <= ROUNDING_MAX_BIAS)
+
+
+def _per_channel(a: np.ndarray, axis: int) -> np.ndarray:
+    """(channels, values) view of an array with its channel axis at `axis`."""
+    moved = np.moveaxis(a, axis, 0)
+    return moved.reshape(moved.shape[0], -1)
+
+
+def compare(device: np.ndarray, bundled: np.ndarray, levels: Levels | None, exact_bound: float) -> SampleDiff:
+    """How far the device's tensor is from the bundled one, in tensor units and (with `levels`) in source levels."""
+    if device.shape != bundled.shape:
+        return SampleDiff(float("inf"))
+    diff = device.astype(np.float64) - bundled.astype(np.float64)
+    mag = np.abs(diff)
+    max_abs = float(mag.max()) if mag.size else 0.0
+    differing = float(np.mean(mag > exact_bound)) if mag.size else 0.0
+    if levels is None or mag.size == 0 or device.ndim < -levels.channel_axis:
+        return SampleDiff(max_abs, differing)
+    d = _per_channel(diff, levels.channel_axis)
+    if d.shape[0] != len(levels.step):
+        return SampleDiff(max_abs, differing)
+    step = np.abs(np.asarray(levels.step, dtype=np.float64))[:, None]
+    in_levels = d / step
+    return SampleDiff(max_abs, differing, float(np.abs(in_levels).max()), float(np.abs(in_levels.mean(axis=1)).max()))
+
+
+def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> str:
+    """The manifest key most likely to explain a difference beyond rounding, read from the source pixels both
+    tensors stand for (each undone with the device's own scale, mean and std)."""
+    if device.shape != bundled.shape:
+        return (f"the device makes a tensor of shape {list(device.shape)} where the bundle holds "
+                f"{list(bundled.shape)}: check preprocess.resize and preprocess.layout")
+    if levels is None:
+        return ""
+    step = np.asarray(levels.step, dtype=np.float64)[:, None]
+    offset = np.asarray(levels.offset, dtype=np.float64)[:, None]
+    dev = (_per_channel(device.astype(np.float64), levels.channel_axis) + offset) / step
+    ref = (_per_channel(bundled.astype(np.float64), levels.channel_axis) + offset) / step
+    if dev.shape[0] != step.shape[0]:
+        return ""
+    near = ROUNDING_MAX_LEVELS + 0.5
+    if dev.shape[0] == 3 and np.abs(dev - ref[::-1]).max() <= near:
+        return "the channels are in reverse order: check preprocess.color (and the frame's color)"
+    gains, shifts, fits = [], [], True
+    for c in range(dev.shape[0]):
+        x, y = ref[c], dev[c]
+        if np.ptp(x) < 1:  # a flat channel: only the shift can be told
+            gains.append(1.0)
+            shifts.append(float(np.mean(y - x)))
+            fits = fits and float(np.abs(y - x - shifts[-1]).max()) <= near
+            continue
+        gain, shift = np.polyfit(x, y, 1)
+        gains.append(float(gain))
+        shifts.append(float(shift))
+        fits = fits and float(np.abs(y - (gain * x + shift)).max()) <= near
+    if fits and all(abs(g - 1.0) <= 0.01 for g in gains):
+        moved = ", ".join(f"{s:+.2f}" for s in shifts)
+        return f"every value of a channel moved by a constant ({moved} source levels per channel): check preprocess.mean"
+    if fits:
+        scaled = ", ".join(f"x{g:.4f}" for g in gains)
+        return f"values scaled per channel ({scaled}): check preprocess.std and preprocess.scale"
+    return ("the picture itself differs (size, crop, interpolation, resampler or colour conversion): check "
+            "preprocess.resize and preprocess.color")
+
+
+__all__ = ["ROUNDING_MAX_BIAS", "ROUNDING_MAX_LEVELS", "Levels", "SampleDiff", "compare", "explain"]
