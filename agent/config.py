@@ -62,6 +62,7 @@ SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdi
 IMAGE_SOURCES = ("folder", "video", "camera", "stream", "mqtt")
 FFMPEG_SOURCES = ("video", "camera", "stream")
 SENSOR_SOURCES = ("udp", "file", "stdin", "mqtt")
+STREAM_SOURCES = ("udp", "file", "stdin")  # sensor samples as a stream (stream time, sessions)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,17 @@ class SourceConfig:
                                     "counted", ge=1, used_by=("udp",))] = 16
     stream_timeout_s: Annotated[float, Key("udp: a sender quiet this long ends its stream and frees its place",
                                            ge=0.1, used_by=("udp",))] = 30.0
+    sample_rate: Annotated[float, Key("sensor: samples per second the senders send (0: not declared); refused unless "
+                                      "it is the bundle's frame.sample_rate, and a sender measured off it by more "
+                                      "than 10% is reported", ge=0, used_by=STREAM_SOURCES)] = 0.0
+    channels: Annotated[int, Key("sensor: interleaved channels the senders send (0: not declared); refused unless "
+                                 "it is the bundle's frame.channels", ge=0, used_by=STREAM_SOURCES)] = 0
+    max_backlog_s: Annotated[float, Key("udp: seconds of a stream's samples kept while the agent is behind; beyond "
+                                        "that they are shed, counted as lost and the stream (and its state) starts "
+                                        "again", ge=0.1, used_by=("udp",))] = 60.0
+    receive_buffer_bytes: Annotated[int, Key("udp: the socket's receive buffer (SO_RCVBUF; 0: the system's "
+                                             "default); datagrams it had no room for are counted as lost", ge=0,
+                                             used_by=("udp",))] = 0
     name: Annotated[str | None, Key("how results, topics and health name this source (required in sources:)",
                                     default_doc="type:target")] = None
     decode_scale: Annotated[Literal["auto", 1, 2, 4, 8], Key(

@@ -523,6 +523,10 @@ class MqttFrameSource:
 
         if not cfg.topic:
             raise ConfigError("source.topic: an mqtt source needs the topic frames arrive on")
+        if frame.kind == "sensor" and frame.stateful:
+            from agent.serving.sensors import mqtt_stateful_message
+
+            raise ConfigError(mqtt_stateful_message())
         self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         self.name = cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
         self.stats = SourceStats()
