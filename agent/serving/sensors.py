@@ -1,12 +1,12 @@
 """Sensor sources: windows of numeric samples from UDP senders, a FIFO / character device / file, or stdin.
 
 Each UDP sender (address), each FIFO writer session and each stdin/file stream is its own *stream*, with
-its own buffer and its own place in stream time; a window never mixes samples of two streams. A stream
-that ends, restarts, or falls silent for longer than the bundle's reset_on_gap_s (measured in stream
-time: arrival beyond the audio the stream already sent) is flushed and starts again, padded as the bundle
-declares. Every window carries a StreamSpan: which stream, which session of it, its index and the samples
-(and seconds) of stream time it covers; state is carried and reset by that span (agent/spec/inputs.py).
-"""
+its own buffer and its own place in stream time (agent/serving/stream_time.py); a window never mixes
+samples of two streams. A stream that ends, restarts, loses samples (datagrams the socket dropped, a
+backlog shed) or falls silent for longer than the bundle's reset_on_gap_s (in stream time, never the
+agent's own backlog) starts a new session, padded as the bundle declares, and says why. Every window
+carries a StreamSpan: which stream, which session of it, its index and the samples (and seconds) of
+stream time it covers; state is carried and reset by that span (agent/spec/inputs.py)."""
 
 from __future__ import annotations
 
