@@ -62,7 +62,7 @@ SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdi
 IMAGE_SOURCES = ("folder", "video", "camera", "stream", "mqtt")
 FFMPEG_SOURCES = ("video", "camera", "stream")
 SENSOR_SOURCES = ("udp", "file", "stdin", "mqtt")
-STREAM_SOURCES = ("udp", "file", "stdin")  # sensor samples as a stream (stream time, sessions)
+STREAM_SOURCES = ("udp", "file", "stdin", "mqtt")  # sensor samples as a stream (mqtt: payload: samples)
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class SourceConfig:
     port: Annotated[int, Key("udp: bind port; mqtt: the broker's port (0: 1883)", ge=0, le=65535,
                              used_by=("udp", "mqtt"))] = 0
     topic: Annotated[str | None, Key("mqtt: where frames arrive", used_by=("mqtt",))] = None
-    payload: Annotated[Literal["image", "npy", "raw"], Key("mqtt: an encoded image, .npy bytes, or raw frame bytes",
-                                                           used_by=("mqtt",))] = "image"
+    payload: Annotated[Literal["image", "npy", "raw", "samples"], Key(
+        "mqtt: an encoded image, .npy bytes, raw frame bytes, or samples: chunks of one sensor stream's samples "
+        "(any length; windows cut in stream time, as udp)", used_by=("mqtt",))] = "image"
     sample_dtype: Annotated[Literal["float32", "int16", "uint8"] | None,
                             Key("sensor samples, little-endian", default_doc="the bundle's frame.dtype",
                                 used_by=SENSOR_SOURCES)] = None
@@ -107,9 +108,9 @@ class SourceConfig:
                                       "than 10% is reported", ge=0, used_by=STREAM_SOURCES)] = 0.0
     channels: Annotated[int, Key("sensor: interleaved channels the senders send (0: not declared); refused unless "
                                  "it is the bundle's frame.channels", ge=0, used_by=STREAM_SOURCES)] = 0
-    max_backlog_s: Annotated[float, Key("udp: seconds of a stream's samples kept while the agent is behind; beyond "
-                                        "that they are shed, counted as lost and the stream (and its state) starts "
-                                        "again", ge=0.1, used_by=("udp",))] = 60.0
+    max_backlog_s: Annotated[float, Key("udp, mqtt samples: seconds of a stream's samples kept while the agent is "
+                                        "behind; beyond that they are shed, counted as lost and the stream (and its "
+                                        "state) starts again", ge=0.1, used_by=("udp", "mqtt"))] = 60.0
     receive_buffer_bytes: Annotated[int, Key("udp: the socket's receive buffer (SO_RCVBUF; 0: the system's "
                                              "default); datagrams it had no room for are counted as lost", ge=0,
                                              used_by=("udp",))] = 0

@@ -222,6 +222,53 @@ def test_a_udp_sender_at_4x_real_time_is_served_whole_by_a_slower_agent_which_sa
         served.close()
 
 
+def test_mqtt_samples_into_a_stateful_bundle_are_served_whole_and_a_lost_connection_resets_saying_so(
+        bundle: Path, tmp_path: Path) -> None:
+    """Before: MQTT into a stateful bundle was latest-frame-wins whole windows: windows dropped as stale and
+    the state carried across the holes, results without a stream or a state."""
+    import paho.mqtt.client as paho
+
+    from brokers import Broker
+
+    broker = Broker(tmp_path / "broker").start()
+    x, y = _stream(4), _stream(5)
+    topic, per = "audio/mic", 16 * W
+    served = _Served(bundle, type="mqtt", host="127.0.0.1", port=broker.port, topic=topic, payload="samples").start()
+    pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    pub.reconnect_delay_set(1, 2)
+    pub.connect("127.0.0.1", broker.port)
+    pub.loop_start()
+    bad = lambda: served.pipeline.metrics.bad_frames  # noqa: E731
+    try:
+        # a barrier, not a pause: a retained payload that is not whole samples is counted once subscribed
+        pub.publish(topic, b"bad", qos=1, retain=True).wait_for_publish(30)
+        assert wait_until(lambda: bad() >= 1, 30), "the source never subscribed"
+        for i in range(0, len(x), per):  # the whole stream at once: the agent is 3.75x slower than it
+            pub.publish(topic, x[i:i + per].astype("<f4").tobytes(), qos=1)
+        assert wait_until(lambda: len(served.results()) >= N, 60), len(served.results())
+        _assert_one_session_equal_to_real_time(served.results(), x)
+        broker.stop()  # the connection is lost: what is published meanwhile never arrives
+        broker.start()
+        assert wait_until(lambda: bad() >= 2 and pub.is_connected(), 60), "the source never subscribed again"
+        for i in range(0, len(y), per):
+            pub.publish(topic, y[i:i + per].astype("<f4").tobytes(), qos=1)
+        assert wait_until(lambda: len(served.results()) >= 2 * N, 60), len(served.results())
+        after = served.results()[N:]
+        first = after[0]["result"]["stream"]
+        assert (first["session"], first["window"]) == (2, 0)
+        assert first["state"] == ("reset: the MQTT connection was lost: samples published meanwhile were not "
+                                  "delivered")
+        assert all(r["result"]["stream"]["state"] == "carried" for r in after[1:])
+        got = np.asarray([r["result"]["outputs"]["scores"]["values"] for r in after])
+        assert float(np.abs(got - reference(y)).max()) < 1e-4
+        assert served.source.stats.losses == 1  # type: ignore[attr-defined]
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
+        served.close()
+        broker.stop()
+
+
 def _sensor_source(**cfg: Any) -> Any:
     from agent.serving.sensors import SensorSource
 

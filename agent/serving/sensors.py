@@ -32,7 +32,7 @@ from agent.spec.manifest import FrameSpec, ResizeSpec
 
 log = get_logger("source")
 
-SENSOR_TYPES = ("udp", "file", "stdin")
+SENSOR_TYPES = ("udp", "file", "stdin", "mqtt")  # mqtt: with payload: samples
 
 
 class SensorFrame(Frame):
@@ -107,12 +107,17 @@ class SensorSource:
         self._closing = threading.Event()
         self._idle_since: float | None = None  # a pipe: since when the reader has watched it empty
         self._thread: threading.Thread | None = None
+        self.client: Any = None  # paho's client for an mqtt source
+        # samples pushed by a thread (UDP's receiver, paho's network loop), not read when the pipeline asks
+        self._pushed = cfg.type in ("udp", "mqtt")
         if cfg.type == "udp":
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.bind((cfg.host, cfg.port))
             self.sock.settimeout(0.2)
             self.datagrams = Datagrams(self.sock, cfg.receive_buffer_bytes)
             self.name = cfg.name or f"udp:{cfg.host}:{self.sock.getsockname()[1]}"
+        elif cfg.type == "mqtt":
+            self.name = self._mqtt_open(cfg)
         elif cfg.type == "stdin":
             self.fd = sys.stdin.buffer.fileno()
             self.name = cfg.name or "stdin"
@@ -122,7 +127,7 @@ class SensorSource:
             self.fifo = cfg.path.exists() and stat.S_ISFIFO(os.stat(cfg.path).st_mode)
             self.fd = os.open(cfg.path, os.O_RDONLY | os.O_NONBLOCK)
             self.name = cfg.name or f"file:{cfg.path}"
-        if self.sock is None:
+        if self.sock is None:  # one stream (a pipe's, or an MQTT topic's)
             self.streams[None] = Stream(self.name, frame, self.hop)
         if frame.reset_on_gap_s is not None and not frame.sample_rate:
             # without a sample rate a gap can only be wall time between two arrivals: chunks that each hold
@@ -130,6 +135,9 @@ class SensorSource:
             log.warning("source.gap_in_wall_time", source=self.name, reset_on_gap_s=frame.reset_on_gap_s,
                         fix="declare input.frame.sample_rate so gaps are measured in stream time")
         self.stats.state = "open"
+        if self.client is not None:
+            self.client.connect_async(cfg.host, cfg.port or 1883, 30)
+            self.client.loop_start()
         if self.sock is not None:
             self._thread = threading.Thread(target=self._udp_loop, name=f"udp-receive {self.name}", daemon=True)
             self._thread.start()
@@ -315,6 +323,56 @@ class SensorSource:
             self._take(s, data, d.arrival, 0.0 if self.datagrams and self.datagrams.exact else None)
             self._shed(s)
 
+    def _mqtt_open(self, cfg: SourceConfig) -> str:
+        """An MQTT topic whose payloads are chunks of one stream's samples, in the order published."""
+        import paho.mqtt.client as paho
+
+        if not cfg.topic:
+            raise ConfigError("source.topic: an mqtt source needs the topic samples arrive on")
+        if "+" in cfg.topic or "#" in cfg.topic:
+            raise ConfigError(f"source.topic: {cfg.topic!r} with payload: samples is one stream: name one topic, "
+                              "not a filter (samples of two publishers would mix in one window)")
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
+        self.client.on_connect = self._mqtt_connected
+        self.client.on_disconnect = self._mqtt_disconnected
+        self.client.on_message = self._mqtt_message
+        self.client.reconnect_delay_set(int(max(cfg.reconnect_initial_s, 1)), int(cfg.reconnect_max_s))
+        return cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
+
+    def _mqtt_connected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        if not rc.is_failure:
+            # QoS 1: the broker hands the topic's messages over in order, resending what TCP did not confirm
+            client.subscribe(self.cfg.topic, qos=1)
+            self.stats.state = "open"
+
+    def _mqtt_disconnected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        """What was published while the agent was not connected never arrives: a hole in the stream."""
+        if self._closing.is_set():
+            return
+        with self._cond:
+            self.stats.losses += 1
+            self.stats.state = "lost"
+            for st in self.streams.values():
+                if st.received:
+                    st.hole(0, "the MQTT connection was lost: samples published meanwhile were not delivered")
+                    self.restarts += 1
+        log.warning("source.lost", source=self.name, reason="MQTT connection lost")
+
+    def _mqtt_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        now = time.time()
+        data = bytes(msg.payload)
+        with self._cond:
+            if not data or len(data) % self.sample_bytes:
+                self.stats.bad += 1
+                self._bad.append(f"{self.name}: payload of {len(data)} bytes is not whole samples of "
+                                 f"{self.sample_bytes} bytes")
+            else:
+                s = self.streams[None]
+                # read by paho's thread as it comes: silence before it is the publisher's
+                self._take(s, data, now, 0.0)
+                self._shed(s)
+            self._cond.notify_all()
+
     def _same_fifo(self) -> bool:
         assert self.cfg.path is not None and self.fd is not None
         try:
@@ -349,7 +407,7 @@ class SensorSource:
         return SensorFrame(self.stats.frames, win, at, ns, span)
 
     def read(self, stop: threading.Event) -> Frame | None:
-        if self.datagrams is not None:
+        if self._pushed:
             while not stop.is_set():
                 self.stats.beat()
                 with self._cond:
@@ -397,6 +455,9 @@ class SensorSource:
             self._thread.join(timeout=2)
         if self.sock is not None:
             self.sock.close()
+        if self.client is not None:
+            self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
+            self.client.loop_stop()
         if self.fd is not None and self.cfg.type != "stdin":
             os.close(self.fd)
             self.fd = None
@@ -422,9 +483,10 @@ def declared_mismatch(frame: FrameSpec, cfg: SourceConfig, key: str = "source") 
 
 
 def mqtt_stateful_message(where: str = "source") -> str:
-    return (f"key {where}.type: mqtt cannot keep a stateful bundle's contract (inputs with kind: state): its frames "
-            "are latest-frame-wins whole windows, with no stream time, so windows would be dropped and the state "
-            "carried across the hole; send the samples over udp, a FIFO (file) or stdin")
+    return (f"key {where}.type: mqtt cannot keep a stateful bundle's contract (inputs with kind: state) with payload "
+            "image, npy or raw: its frames are latest-frame-wins whole windows, with no stream time, so windows would "
+            f"be dropped and the state carried across the hole; set {where}.payload: samples (the topic's payloads "
+            "are the stream's samples, windows cut in stream time), or send over udp, a FIFO (file) or stdin")
 
 
 def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[SourceConfig],
@@ -433,13 +495,13 @@ def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[S
     out = []
     states = [f"inputs[{i}] ({x.name}, kind: state)" for i, x in enumerate(inputs) if x.kind == "state"]
     for key, src in zip(keys, sources):
-        if states and src.type == "mqtt":
+        if states and src.type == "mqtt" and src.payload != "samples":
             out.append(mqtt_stateful_message(key))
         if states and src.lossless is False:
             out.append(f"key {key}.lossless: false with a stateful bundle ({', '.join(states)}): windows would be "
                        "dropped and the state carried across the hole; remove the key (stateful bundles default to "
                        "lossless)")
-        if frame.kind == "sensor" and src.type in SENSOR_TYPES:
+        if frame.kind == "sensor" and src.type in SENSOR_TYPES and (src.type != "mqtt" or src.payload == "samples"):
             why = declared_mismatch(frame, src, key)
             if why is not None:
                 out.append(why)

@@ -671,6 +671,13 @@ def _sensor_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | Non
     return SensorSource(cfg, frame, resize, max_scale)
 
 
+def _mqtt_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8) -> FrameSource:
+    """payload: samples is a sensor stream (windows cut in stream time); other payloads are whole frames."""
+    if cfg.payload == "samples":
+        return _sensor_source(cfg, frame, resize, max_scale)
+    return MqttFrameSource(cfg, frame, resize, max_scale)
+
+
 SOURCES: dict[str, SourceFactory] = {
     "folder": FolderSource,
     "video": OpenCVSource,
@@ -679,7 +686,7 @@ SOURCES: dict[str, SourceFactory] = {
     "udp": _sensor_source,
     "file": _sensor_source,
     "stdin": _sensor_source,
-    "mqtt": MqttFrameSource,
+    "mqtt": _mqtt_source,
 }
 
 
