@@ -111,6 +111,10 @@ class SourceConfig:
     max_backlog_s: Annotated[float, Key("udp, mqtt samples: seconds of a stream's samples kept while the agent is "
                                         "behind; beyond that they are shed, counted as lost and the stream (and its "
                                         "state) starts again", ge=0.1, used_by=("udp", "mqtt"))] = 60.0
+    framing: Annotated[Literal["none", "seq32"], Key(
+        "udp: none: a datagram is samples; seq32: each starts with its sender's sequence number (uint32, "
+        "little-endian, +1 per datagram): a jump is counted as lost samples and resets the stream, a number "
+        "already passed is counted late and dropped", used_by=("udp",))] = "none"
     receive_buffer_bytes: Annotated[int, Key("udp: the socket's receive buffer (SO_RCVBUF; 0: the system's "
                                              "default); datagrams it had no room for are counted as lost", ge=0,
                                              used_by=("udp",))] = 0

@@ -14,6 +14,7 @@ import os
 import select
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -33,6 +34,8 @@ from agent.spec.manifest import FrameSpec, ResizeSpec
 log = get_logger("source")
 
 SENSOR_TYPES = ("udp", "file", "stdin", "mqtt")  # mqtt: with payload: samples
+SEQ = struct.Struct("<I")  # source.framing seq32: each datagram starts with its sender's sequence number
+SEQ_BYTES = SEQ.size
 
 
 class SensorFrame(Frame):
@@ -100,6 +103,8 @@ class SensorSource:
         self.lost_samples = 0        # samples that never reached a window: shed to keep up, or known lost
         self.lost_datagrams = 0      # datagrams the socket dropped (its receive buffer was full)
         self.restarts = 0
+        self.late_datagrams = 0      # sequenced datagrams that came after their place was passed
+        self.sequenced = cfg.type == "udp" and cfg.framing == "seq32"
         self._drop_count = 0         # the socket's drop counter as last seen
         self._turn = 0
         self._cond = threading.Condition()  # streams are filled by the UDP thread and emptied by read()
@@ -180,6 +185,7 @@ class SensorSource:
             if now - since > self.stream_timeout_s:
                 del self.streams[addr]
                 self.dropped_samples += s.end("timed out")
+                s.next_seq = None  # heard again: a new session, whatever number its sender is at
                 self.quiet[addr] = s
                 while len(self.quiet) > self.max_streams * 4:
                     self.quiet.popitem(last=False)
@@ -215,21 +221,48 @@ class SensorSource:
     def _overflow(self, lost: int, d: Datagram, samples: int) -> None:
         """The socket dropped `lost` datagrams just before `d`: a hole in the stream they belonged to. One
         stream: its own, of about `samples` each. Several: it cannot be told whose, so each starts again."""
-        self.lost_datagrams += lost
+        if not self.sequenced:  # sequenced: counted per stream where its sequence jumps
+            self.lost_datagrams += lost
         own = self.streams.get(d.sender)
         others = [s for a, s in self.streams.items() if a != d.sender and s.received]
         why = f"{lost} datagrams dropped by the socket: its receive buffer was full"
-        if not others:
+        if self.sequenced:
+            pass  # each sender's sequence numbers find its own hole (and count its samples): see _sequence
+        elif not others:
             if own is not None:
-                own.hole(lost * samples, lost_reason(lost * samples, why))
+                self.dropped_samples += own.hole(lost * samples, lost_reason(lost * samples, why))
             self.lost_samples += lost * samples
+            self.restarts += 1
         else:
             for s in [*others, *([own] if own is not None else [])]:
-                s.hole(0, f"{why}, from any of {len(others) + (own is not None)} senders")
-        self.restarts += 1
+                self.dropped_samples += s.hole(0, f"{why}, from any of {len(others) + (own is not None)} senders")
+            self.restarts += 1
         log.warning("source.datagrams_lost", source=self.name, lost_datagrams=lost, total=self.lost_datagrams,
                     receive_buffer_bytes=self.datagrams.receive_buffer if self.datagrams else None,
                     fix="raise source.receive_buffer_bytes, or give the agent more CPU")
+
+    def _sequence(self, s: Stream, seq: int, samples: int) -> bool:
+        """A sender's sequence number: a jump ahead is datagrams lost (a hole, counted exactly for datagrams of
+        this one's size); one already passed is late or a duplicate (counted, dropped: its place was taken).
+        False: drop this datagram."""
+        expect, s.next_seq = s.next_seq, (seq + 1) % 2**32
+        if expect is None or seq == expect:
+            return True
+        ahead = (seq - expect) % 2**32
+        if ahead >= 2**31:  # behind what was already taken
+            s.next_seq = expect
+            s.late_datagrams += 1
+            self.late_datagrams += 1
+            return False
+        lost = ahead * samples
+        self.lost_samples += lost
+        self.lost_datagrams += ahead
+        self.restarts += 1
+        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} datagrams missing: sequence {expect} to "
+                                                               f"{(seq - 1) % 2**32}"))
+        log.warning("source.datagrams_lost", source=self.name, stream=s.name, lost_datagrams=ahead,
+                    lost_samples=lost, detail="a gap in the sender's sequence numbers")
+        return True
 
     def _ready(self) -> tuple[np.ndarray, StreamSpan] | None:
         """A window of some stream, taking the streams in turn so one fast sender cannot starve the rest."""
@@ -307,17 +340,24 @@ class SensorSource:
 
     def _datagram(self, d: Datagram) -> None:
         data, addr = d.data, d.sender
-        whole = len(data) > 0 and len(data) % self.sample_bytes == 0
+        seq = None
+        if self.sequenced and len(data) >= SEQ_BYTES:
+            (seq,) = SEQ.unpack_from(data)
+            data = data[SEQ_BYTES:]
+        whole = len(data) > 0 and len(data) % self.sample_bytes == 0 and (seq is not None or not self.sequenced)
         if d.dropped is not None and d.dropped != self._drop_count:
             lost = (d.dropped - self._drop_count) % 2**32
             self._drop_count = d.dropped
             self._overflow(lost, d, len(data) // self.sample_bytes if whole else 0)
         if not whole:
             self.stats.bad += 1
-            self._bad.append(f"{self.name}: datagram of {len(data)} bytes from {addr[0]}:{addr[1]} is not whole "
-                             f"samples of {self.sample_bytes} bytes")
+            head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
+            self._bad.append(f"{self.name}: datagram of {len(d.data)} bytes from {addr[0]}:{addr[1]} is not {head}"
+                             f"whole samples of {self.sample_bytes} bytes")
             return
         s = self._stream_for(addr, d.arrival)
+        if s is not None and seq is not None and not self._sequence(s, seq, len(data) // self.sample_bytes):
+            return
         if s is not None:
             # the kernel's arrival time: silence before it is the sender's, whatever the agent was doing
             self._take(s, data, d.arrival, 0.0 if self.datagrams and self.datagrams.exact else None)
@@ -354,7 +394,8 @@ class SensorSource:
             self.stats.state = "lost"
             for st in self.streams.values():
                 if st.received:
-                    st.hole(0, "the MQTT connection was lost: samples published meanwhile were not delivered")
+                    self.dropped_samples += st.hole(0, "the MQTT connection was lost: samples published meanwhile "
+                                                       "were not delivered")
                     self.restarts += 1
         log.warning("source.lost", source=self.name, reason="MQTT connection lost")
 
@@ -445,6 +486,8 @@ class SensorSource:
                 "streams": streams}
             if self.datagrams is not None:
                 out.update(lost_datagrams=self.lost_datagrams, receive_buffer_bytes=self.datagrams.receive_buffer)
+                if self.sequenced:
+                    out["late_datagrams"] = self.late_datagrams
             return out
 
     def close(self) -> None:

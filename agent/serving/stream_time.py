@@ -82,6 +82,8 @@ class Stream:
         self.dropped_samples = 0
         self.measured_rate: float | None = None
         self.rate_said = False  # a rate off the declared one was logged (once per stream)
+        self.next_seq: int | None = None  # the sequence number the sender's next datagram should carry
+        self.late_datagrams = 0  # datagrams whose sequence number was already passed (late, duplicated)
         self._rate_from: tuple[float, int] | None = None
         self._restart("start")
 
@@ -126,17 +128,20 @@ class Stream:
         self._restart(why)
         return left
 
-    def hole(self, lost: int, reason: str) -> None:
+    def hole(self, lost: int, reason: str) -> int:
         """Samples that never arrived (datagrams the kernel dropped; `lost` where known, else 0): a new
-        session after what came before, its first window saying `reason`."""
+        session after what came before, its first window saying `reason`. Returns the old session's
+        leftover samples (dropped: fewer than a window)."""
         self.lost_samples += lost
         if not self.received:
-            return  # nothing of this stream yet: it starts at its first sample, no state to reset
+            return 0  # nothing of this stream yet: it starts at its first sample, no state to reset
         if not self.windows and not len(self.buf) and self.session > 1:
             self.reset = reason  # a session with no sample yet: it only takes the newer reason
-            return
-        self.dropped_samples += self._close()
+            return 0
+        left = self._close()
+        self.dropped_samples += left
         self._restart(reason)
+        return left
 
     def shed(self, why: str) -> int:
         """Drop every sample not yet served (the agent fell too far behind): counted as lost, and the stream
