@@ -74,9 +74,11 @@ class Stream:
         self.session = 0
         self.pending = b""
         self.last_arrival = 0.0
-        self.closed: deque[tuple[np.ndarray, StreamSpan]] = deque()  # full windows of sessions that ended
+        # full windows of sessions that ended, each with its own real samples (disposed of once served)
+        self.closed: deque[tuple[np.ndarray, StreamSpan, int]] = deque()
         self.received = 0  # real samples delivered, over every session
-        self.disposed = 0  # of those: served in a window, skipped between windows, dropped or lost
+        self.disposed = 0  # of those, in the order delivered: served in a window, skipped, dropped or lost
+        self.behind = 0  # leftovers dropped at a hole while the windows before them still wait (see _close)
         self.arrivals: deque[tuple[int, float]] = deque()  # (received after a delivery, its arrival)
         self.lost_samples = 0
         self.dropped_samples = 0
@@ -106,13 +108,20 @@ class Stream:
     def _close(self) -> int:
         """End this session: the windows it can still fill are kept (served before the next session's);
         returns the samples no window of it will serve."""
-        while (got := self._pop_current()) is not None:
-            self.closed.append(got)
+        while True:
+            before = self.disposed
+            got = self._pop_current()
+            if got is None:
+                break
+            own, self.disposed = self.disposed - before, before  # disposed of when served, not before
+            self.closed.append((*got, own))
         if not self.windows and not len(self.buf):
             return 0
         # samples no window served: those after the last window's end (its context was served already)
         left = max(0, self.first + len(self.buf) - max(self.served_to, self.first, 0))
-        self.disposed += left
+        # the newest samples: gone now, but behind the closed windows in the order samples are served
+        self.behind += left
+        self._settle()
         return left
 
     def end(self, why: str) -> int:
@@ -149,16 +158,20 @@ class Stream:
         lost = self.backlog
         self.closed.clear()
         self.buf = np.empty((0, self.frame.channels), np.float32)
-        self.disposed += lost
+        self.disposed, self.behind = self.received, 0
         self.lost_samples += lost
         self.arrivals.clear()
         self._restart(lost_reason(lost, why))
         return lost
 
+    def _settle(self) -> None:
+        if not self.closed:  # the windows before the dropped leftovers are served: count them as disposed
+            self.disposed, self.behind = self.disposed + self.behind, 0
+
     @property
     def backlog(self) -> int:
         """Real samples delivered and not yet served (or dropped)."""
-        return self.received - self.disposed
+        return self.received - self.disposed - self.behind
 
     def oldest_unserved(self) -> float | None:
         """The arrival of the oldest sample no window has served yet, None when none waits."""
@@ -242,8 +255,15 @@ class Stream:
     def pop(self) -> tuple[np.ndarray, StreamSpan] | None:
         """The next window: those of a session that ended first, then the current session's."""
         if self.closed:
-            return self.closed.popleft()
-        return self._pop_current()
+            win, span, own = self.closed.popleft()
+            self.disposed += own
+            self._settle()
+            got: tuple[np.ndarray, StreamSpan] | None = (win, span)
+        else:
+            got = self._pop_current()
+        while self.arrivals and self.arrivals[0][0] <= self.disposed:  # bounded by what waits
+            self.arrivals.popleft()
+        return got
 
     @property
     def ready(self) -> bool:
