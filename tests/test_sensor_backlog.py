@@ -424,3 +424,24 @@ def test_config_check_and_boot_refuse_mqtt_for_a_stateful_bundle_in_one_line(bun
     assert len(lines) == 1, r.stdout + r.stderr
     with pytest.raises(ConfigError, match=r"key source\.type: mqtt cannot keep a stateful bundle's contract"):
         open_source(SourceConfig(type="mqtt", topic="audio", payload="raw"), load_bundle(bundle).manifest.frame)
+
+
+def test_a_datagram_read_late_keeps_the_time_the_kernel_received_it() -> None:
+    """What makes a busy agent's late read no gap on UDP: the arrival is the kernel's (SO_TIMESTAMPNS)."""
+    from agent.serving.udp_receive import Datagrams
+
+    rx, tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rx.bind(("127.0.0.1", 0))
+        rx.settimeout(5)
+        d = Datagrams(rx)
+        tx.sendto(b"12345678", rx.getsockname())
+        assert wait_until(lambda: _queued_bytes(rx.getsockname()[1]) > 0, 10)  # queued by the kernel
+        time.sleep(0.5)  # the agent busy elsewhere: the datagram waits
+        read_at = time.time()
+        got = d.receive()
+        assert d.exact and got.data == b"12345678" and got.dropped == 0
+        assert got.arrival < read_at - 0.4, f"arrival {read_at - got.arrival:.3f} s before the read"
+    finally:
+        rx.close()
+        tx.close()
