@@ -228,11 +228,11 @@ class SensorSource:
         why = f"{lost} datagrams dropped by the socket: its receive buffer was full"
         if self.sequenced:
             pass  # each sender's sequence numbers find its own hole (and count its samples): see _sequence
-        elif not others:
-            if own is not None:
-                self.dropped_samples += own.hole(lost * samples, lost_reason(lost * samples, why))
+        elif not others:  # one sender: the hole is its own (before its first datagram: not counted as its)
             self.lost_samples += lost * samples
-            self.restarts += 1
+            if own is not None and own.received:
+                self.dropped_samples += own.hole(lost * samples, lost_reason(lost * samples, why))
+                self.restarts += 1
         else:
             for s in [*others, *([own] if own is not None else [])]:
                 self.dropped_samples += s.hole(0, f"{why}, from any of {len(others) + (own is not None)} senders")
