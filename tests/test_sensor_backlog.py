@@ -181,9 +181,15 @@ def test_a_stream_written_to_a_fifo_at_once_is_served_whole_by_a_slower_agent(bu
     x = _stream(2)
     fifo = tmp_path / "s.fifo"
     os.mkfifo(fifo)
-    served = _Served(bundle, type="file", path=fifo).start()
+    served = _Served(bundle, type="file", path=fifo)
     try:
+        served.pipeline.paused.set()  # behind from the start: the writer fills the pipe and waits
+        served.start()
         _write_all(str(fifo), x.astype("<f4").tobytes())
+        health = served.source.streams_health  # type: ignore[attr-defined]
+        # what waits in the pipe is the agent's backlog too (64 KiB: 32 windows of 8 ms)
+        assert wait_until(lambda: health()["streams"][served.source.name]["backlog_samples"] >= 32 * W, 10)
+        served.pipeline.paused.clear()
         assert wait_until(lambda: len(served.results()) >= N, 60), len(served.results())
         _assert_one_session_equal_to_real_time(served.results(), x)
     finally:

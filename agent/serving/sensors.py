@@ -10,12 +10,14 @@ stream time it covers; state is carried and reset by that span (agent/spec/input
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import socket
 import stat
 import struct
 import sys
+import termios
 import threading
 import time
 from collections import OrderedDict, deque
@@ -477,8 +479,9 @@ class SensorSource:
         """Per-stream names and counters for health (bounded: at most max_streams streams). `behind_s`: how
         far the agent is behind the stream furthest ahead of it (the oldest unserved sample's age)."""
         now = time.time()
+        in_pipe = self._in_pipe()
         with self._cond:
-            streams = {s.name: s.health(now) for s in self.streams.values()}
+            streams = {s.name: s.health(now, in_pipe) for s in self.streams.values()}
             out: dict[str, Any] = {
                 "max_streams": self.max_streams, "refused_datagrams": self.refused, "restarts": self.restarts,
                 "dropped_samples": self.dropped_samples, "lost_samples": self.lost_samples,
@@ -489,6 +492,17 @@ class SensorSource:
                 if self.sequenced:
                     out["late_datagrams"] = self.late_datagrams
             return out
+
+    def _in_pipe(self) -> int:
+        """Samples written into the pipe (FIFO, stdin) and not read yet: the agent's backlog there too."""
+        fd = self.fd
+        if fd is None or self._pushed:
+            return 0
+        try:
+            waiting = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:  # a regular file or device without FIONREAD, or closed meanwhile
+            return 0
+        return max(0, int(waiting)) // self.sample_bytes
 
     def close(self) -> None:
         self._closing.set()

@@ -269,15 +269,17 @@ class Stream:
     def ready(self) -> bool:
         return bool(self.closed) or len(self.buf) >= self.frame.window
 
-    def health(self, now: float) -> dict[str, Any]:
+    def health(self, now: float, in_pipe: int = 0) -> dict[str, Any]:
+        """`in_pipe`: samples still waiting in the pipe the stream is read from (its backlog too)."""
         oldest = self.oldest_unserved()
         sr = self.frame.sample_rate
+        backlog = self.backlog + in_pipe
         out: dict[str, Any] = {"session": self.session, "windows": self.windows, "buffered": len(self.buf),
                                "lost_samples": self.lost_samples, "dropped_samples": self.dropped_samples,
-                               "backlog_samples": self.backlog,
+                               "backlog_samples": backlog,
                                "oldest_unserved_age_s": round(max(0.0, now - oldest), 3) if oldest else 0.0}
         if sr:
-            out["backlog_s"] = round(self.backlog / sr, 3)
+            out["backlog_s"] = round(backlog / sr, 3)
         if self.measured_rate is not None:
             out["measured_rate"] = round(self.measured_rate, 1)
             off = self.rate_off()
