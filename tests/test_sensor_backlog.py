@@ -349,6 +349,26 @@ def test_datagrams_the_receive_buffer_had_no_room_for_are_counted_and_the_state_
         src.close()
 
 
+def test_a_backlog_beyond_max_backlog_s_is_shed_counted_and_the_stream_starts_again_at_the_newest_audio() -> None:
+    """The window dropped to keep up: counted as lost samples and said by the next window, never carried over."""
+    src = _sensor_source(max_backlog_s=0.1)  # 1,600 samples at 16 kHz
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stop = threading.Event()
+    try:
+        for k in range(10):  # nothing is read meanwhile: the 7th datagram takes the backlog to 1,792
+            tx.sendto(np.full(256, k, "<f4").tobytes(), ("127.0.0.1", src.port))
+        assert wait_until(lambda: sum(s.received for s in src.streams.values()) == 2560, 10)
+        frames = [src.read(stop) for _ in range(3)]
+        assert [(f.span.session, f.span.window, int(f.data[0, 0])) for f in frames] == [(2, 0, 7), (2, 1, 8), (2, 2, 9)]
+        assert frames[0].span.reset == "1,792 samples lost (the agent was more than source.max_backlog_s 0.1 s behind)"
+        h = src.streams_health()
+        assert (h["lost_samples"], h["restarts"]) == (1792, 1)
+        assert h["streams"][frames[0].span.stream]["backlog_samples"] == 0
+    finally:
+        tx.close()
+        src.close()
+
+
 def test_a_gap_in_a_senders_sequence_numbers_is_counted_and_resets_that_stream_only() -> None:
     """framing: seq32: the sender numbers its datagrams; lost ones are a hole of exactly their samples in
     their own stream, a late one is counted and dropped (its place in the stream was taken)."""
