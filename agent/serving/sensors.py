@@ -313,31 +313,34 @@ class SensorSource:
         if not ready:
             if self.fifo and not self._same_fifo():
                 # removed or replaced (a feeder that recreates its FIFO): the old one can never get a writer
-                os.close(self.fd)
-                self.fd = None
-                self.dropped_samples += s.end("FIFO replaced")
+                with self._cond:  # health reads the stream and the pipe's fd
+                    os.close(self.fd)
+                    self.fd = None
+                    self.dropped_samples += s.end("FIFO replaced")
                 return self._reopen(wait=0.0)
             return True
         data = os.read(self.fd, 65536)
         now, idle_since = time.time(), self._idle_since
         self._idle_since = None
         if not data:
-            left = s.end("writer restarted")
-            self.dropped_samples += left
-            if not self.fifo:
-                return False
-            # the writer went away: wait for the next one (a feeder restart is a new stream, not the end)
-            os.close(self.fd)
-            self.fd = None
+            with self._cond:
+                left = s.end("writer restarted")
+                self.dropped_samples += left
+                if not self.fifo:
+                    return False
+                # the writer went away: wait for the next one (a feeder restart is a new stream, not the end)
+                os.close(self.fd)
+                self.fd = None
             log.info("source.writer_gone", source=self.name, dropped_samples=left, sessions=s.session - 1)
             return self._reopen(wait=0.0)
-        data = s.pending + data
-        cut = len(data) - len(data) % self.sample_bytes
-        s.pending = data[cut:]
-        if cut:
-            # samples that were waiting in the pipe (idle_since None) came while the agent was busy: the
-            # agent's backlog, never a gap; only silence the reader watched can be the writer's
-            self._take(s, data[:cut], now, idle_since)
+        with self._cond:
+            data = s.pending + data
+            cut = len(data) - len(data) % self.sample_bytes
+            s.pending = data[cut:]
+            if cut:
+                # samples that were waiting in the pipe (idle_since None) came while the agent was busy: the
+                # agent's backlog, never a gap; only silence the reader watched can be the writer's
+                self._take(s, data[:cut], now, idle_since)
         return True
 
     def _datagram(self, d: Datagram) -> None:
@@ -466,7 +469,8 @@ class SensorSource:
             return None
         while not stop.is_set():
             self.stats.beat()
-            got = self._ready()
+            with self._cond:  # health reads the streams from its own thread
+                got = self._ready()
             if got is not None:
                 self._idle_since = None  # the reader stops watching the pipe while the window is served
                 return self._window(got)
@@ -479,8 +483,8 @@ class SensorSource:
         """Per-stream names and counters for health (bounded: at most max_streams streams). `behind_s`: how
         far the agent is behind the stream furthest ahead of it (the oldest unserved sample's age)."""
         now = time.time()
-        in_pipe = self._in_pipe()
         with self._cond:
+            in_pipe = self._in_pipe()
             streams = {s.name: s.health(now, in_pipe) for s in self.streams.values()}
             out: dict[str, Any] = {
                 "max_streams": self.max_streams, "refused_datagrams": self.refused, "restarts": self.restarts,
@@ -515,8 +519,9 @@ class SensorSource:
         if self.client is not None:
             self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
             self.client.loop_stop()
-        if self.fd is not None and self.cfg.type != "stdin":
-            os.close(self.fd)
+        with self._cond:
+            if self.fd is not None and self.cfg.type != "stdin":
+                os.close(self.fd)
             self.fd = None
 
 
