@@ -349,6 +349,36 @@ def test_datagrams_the_receive_buffer_had_no_room_for_are_counted_and_the_state_
         src.close()
 
 
+def test_with_two_senders_a_socket_drop_resets_both_streams_as_it_cannot_say_whose_datagrams_it_dropped() -> None:
+    src = _sensor_source(receive_buffer_bytes=4096)
+    a, b = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    stop = threading.Event()
+    try:
+        for tx in (a, b):
+            tx.sendto(np.zeros(256, "<f4").tobytes(), ("127.0.0.1", src.port))
+        before = [src.read(stop) for _ in range(2)]
+        with src._cond:  # the receiving thread is held: a's burst overflows the socket
+            for _ in range(60):
+                a.sendto(np.ones(256, "<f4").tobytes(), ("127.0.0.1", src.port))
+        assert wait_until(lambda: _queued_bytes(src.port) == 0, 10)
+        for tx in (b, a):  # queued after the drops: the first carries the kernel's count
+            tx.sendto(np.full(256, 2.0, "<f4").tobytes(), ("127.0.0.1", src.port))
+        assert wait_until(lambda: sum(s.received for s in src.streams.values()) // 256 + src.lost_datagrams == 64, 10)
+        lost = src.lost_datagrams
+        assert lost > 0, "the socket dropped nothing: the test did not overflow it"
+        after = [src.read(stop) for _ in range(64 - lost - 2)]
+        why = f"{lost} datagrams dropped by the socket: its receive buffer was full, from any of 2 senders"
+        for tx in (a, b):
+            mine = [f for f in before + after if f.span.sender == f"127.0.0.1:{tx.getsockname()[1]}"]
+            assert [f.span.session for f in mine] == [1] * (len(mine) - 1) + [2]  # the hole after the last kept
+            assert mine[-1].span.reset == why and mine[-1].data[0, 0] == 2.0
+        assert src.streams_health()["lost_datagrams"] == lost
+    finally:
+        a.close()
+        b.close()
+        src.close()
+
+
 def test_a_backlog_beyond_max_backlog_s_is_shed_counted_and_the_stream_starts_again_at_the_newest_audio() -> None:
     """The window dropped to keep up: counted as lost samples and said by the next window, never carried over."""
     src = _sensor_source(max_backlog_s=0.1)  # 1,600 samples at 16 kHz
