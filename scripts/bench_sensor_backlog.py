@@ -1,15 +1,19 @@
 """Sensor streams an agent slower than them: every served window equal to the stream served in real time,
 or counted as lost. Measured, not asserted (tests/test_sensor_backlog.py pins the behaviour).
 
-A small stateful model (a tanh recurrence over 512-sample windows at 16 kHz, one 32 ms window per step)
-built into a bundle, served by the agent's own UDP source, pipeline and engine, made slower than real
-time by a delay before each inference (--delay-ms, default 40: 0.8x real time). Two UDP senders: one at
---fast times real time, one in real time, each sending --seconds of audio; --busy processes spin on the
-CPU meanwhile. Per stream: windows sent and served, windows equal to the numpy recurrence from the
-stream's start (within 1e-4), resets, samples lost; and the largest `behind_s` health showed.
+Two UDP senders into one agent (its own UDP source, pipeline and engine): one at --fast times real time,
+one in real time, each sending --seconds of audio in 2,048-sample datagrams; --busy processes spin on the
+CPU meanwhile; --delay-ms before each inference makes the agent slower (0: as fast as it is). Per stream:
+windows sent and served, windows equal to the reference (within 1e-4), resets, samples lost; and the
+largest `behind_s` health showed.
 
-Usage: python scripts/bench_sensor_backlog.py [--seconds 5] [--fast 4] [--delay-ms 40] [--busy 2]
-"""
+  default  a small stateful model (a tanh recurrence over 512-sample windows at 16 kHz) built into a bundle;
+           the reference is the numpy recurrence from the stream's start (what real time serves)
+  --vad    the real Silero VAD from the model cache (scripts/real_models.py fetch vad) with speech-like
+           audio; the reference is the package's own OnnxWrapper run on each whole stream (the references
+           venv, scripts/vad_package_run.py, through tests/sensor_streams.py)
+
+Usage: python scripts/bench_sensor_backlog.py [--vad] [--seconds 5] [--fast 4] [--delay-ms 40] [--busy 2]"""
 
 from __future__ import annotations
 
@@ -110,7 +114,7 @@ def _send(port: int, x: np.ndarray, speed: float, chunk: int = 4 * W) -> socket.
 
     def run() -> None:
         t0 = time.monotonic()
-        for k, i in enumerate(range(0, len(x), chunk)):
+        for k, i in enumerate(range(0, len(x), chunk)):  # against an absolute schedule
             delay = t0 + k * chunk / SR / speed - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -120,8 +124,31 @@ def _send(port: int, x: np.ndarray, speed: float, chunk: int = 4 * W) -> socket.
     return tx
 
 
+def _recurrence_case(tmp: Path, seconds: float) -> tuple[Path, list[np.ndarray], list[np.ndarray], Any]:
+    audio = [_audio(1, seconds), _audio(2, seconds)]
+
+    def value(r: dict[str, Any]) -> np.ndarray:
+        return np.asarray(r["result"]["outputs"]["scores"]["values"])
+
+    return _bundle(tmp), audio, [reference(x) for x in audio], value
+
+
+def _vad_case(tmp: Path, seconds: float) -> tuple[Path, list[np.ndarray], list[np.ndarray], Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import sensor_streams as vad  # the suite's own VAD bundle and package runner (skips where the cache is missing)
+
+    audio = [vad.speech(61, seconds), vad.speech(62, seconds)]
+    refs = [np.asarray(r["probabilities"])[:, None] for r in vad.package_run(tmp / "pkg", audio)]
+
+    def value(r: dict[str, Any]) -> np.ndarray:
+        return np.asarray([vad.probability(r)])
+
+    return vad.build_vad_bundle(tmp / "vad"), audio, refs, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vad", action="store_true")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--fast", type=float, default=4.0)
     ap.add_argument("--delay-ms", type=float, default=40.0)
@@ -138,20 +165,25 @@ def main() -> None:
     from agent.testing import ListSink
 
     with tempfile.TemporaryDirectory() as tmp:
-        b = load_bundle(_bundle(Path(tmp)))
-        engine = dataclasses.replace(build_engine(b, Candidate(CPU, "fp32", "fp32"), SessionSettings(intra_op_threads=1)),
-                                     watch=_Delay(args.delay_ms / 1000))
+        path, audio, refs, value = (_vad_case if args.vad else _recurrence_case)(Path(tmp), args.seconds)
+        b = load_bundle(path)
+        v = b.manifest.variants[0]
+        engine = build_engine(b, Candidate(CPU, v.name, v.precision), SessionSettings(intra_op_threads=1))
+        if args.delay_ms:
+            engine = dataclasses.replace(engine, watch=_Delay(args.delay_ms / 1000))
+        frame = b.manifest.frame
+        window_ms = frame.step / (frame.sample_rate or SR) * 1000
         cfg = SourceConfig(type="udp", host="127.0.0.1", port=0)
-        source = open_source(cfg, b.manifest.frame)
+        source = open_source(cfg, frame)
         sink = ListSink()
         busy = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
         for p in busy:
             p.start()
         load0 = os.getloadavg()[0]
         pipe = Pipeline(source, engine, sink, PipelineConfig(inference_workers=1, max_batch=1), is_lossless(cfg, source)).start()
-        streams = {"fast": (_audio(1, args.seconds), args.fast), "real time": (_audio(2, args.seconds), 1.0)}
-        senders = {name: _send(source.port, x, speed) for name, (x, speed) in streams.items()}
-        want = sum(len(x) // W for x, _ in streams.values())
+        streams = {"fast": (audio[0], refs[0], args.fast), "real time": (audio[1], refs[1], 1.0)}
+        senders = {name: _send(source.port, x, speed) for name, (x, _, speed) in streams.items()}
+        want = sum(len(ref) for _, ref, _ in streams.values())
         behind, t0 = 0.0, time.monotonic()
         while len(sink.results) < want and time.monotonic() - t0 < 20 * args.seconds:
             behind = max(behind, source.streams_health().get("behind_s", 0.0))  # type: ignore[attr-defined]
@@ -164,20 +196,22 @@ def main() -> None:
         load1 = os.getloadavg()[0]
         for p in busy:
             p.kill()
-        print(f"agent: {args.delay_ms:g} ms per {W / SR * 1000:g} ms window ({W / SR * 1000 / args.delay_ms:.2f}x real time),"
-              f" {args.busy} busy loops, {os.cpu_count()} cores, load average {load0:.1f} -> {load1:.1f}, {wall:.1f} s")
-        for name, (x, speed) in streams.items():
+        speed = f"{window_ms / args.delay_ms:.2f}x real time" if args.delay_ms else "no delay"
+        print(f"{'Silero VAD (package reference)' if args.vad else 'recurrence (numpy reference)'}: "
+              f"{args.delay_ms:g} ms delay per {window_ms:g} ms window ({speed}), {args.busy} busy loops, "
+              f"{os.cpu_count()} cores, load average {load0:.1f} -> {load1:.1f}, {wall:.1f} s")
+        for name, (x, ref, speed_x) in streams.items():
             sname = f"{source.name}/127.0.0.1:{senders[name].getsockname()[1]}"
             rs = [r for r in sink.results if r["result"]["stream"]["name"] == sname]
-            ref = reference(x)
-            equal = sum(1 for r in rs if r["result"]["stream"]["session"] == 1
-                        and r["result"]["stream"]["window"] < len(ref)
-                        and np.abs(np.asarray(r["result"]["outputs"]["scores"]["values"])
-                                   - ref[r["result"]["stream"]["window"]]).max() < 1e-4)
+            equal = 0
+            for r in rs:
+                st = r["result"]["stream"]
+                if st["session"] == 1 and st["window"] < len(ref) and np.abs(value(r) - ref[st["window"]]).max() < 1e-4:
+                    equal += 1
             resets = sum(1 for r in rs if str(r["result"]["stream"].get("state", "")).startswith("reset"))
             st = health["streams"].get(sname, {})
-            print(f"  {name:>9} ({speed:g}x): {len(ref)} windows sent, {len(rs)} served, {equal} equal to the stream "
-                  f"served in real time, {resets} resets, {st.get('lost_samples', 0)} samples lost")
+            print(f"  {name:>9} ({speed_x:g}x): {len(ref)} windows sent, {len(rs)} served, {equal} equal to the "
+                  f"reference, {resets} resets, {st.get('lost_samples', 0)} samples lost")
             senders[name].close()
         print(f"  largest behind_s in health: {behind:.2f} s; lost_datagrams {health.get('lost_datagrams')}")
 
