@@ -62,6 +62,7 @@ SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdi
 IMAGE_SOURCES = ("folder", "video", "camera", "stream", "mqtt")
 FFMPEG_SOURCES = ("video", "camera", "stream")
 SENSOR_SOURCES = ("udp", "file", "stdin", "mqtt")
+STREAM_SOURCES = ("udp", "file", "stdin", "mqtt")  # sensor samples as a stream (mqtt: payload: samples)
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,9 @@ class SourceConfig:
     port: Annotated[int, Key("udp: bind port; mqtt: the broker's port (0: 1883)", ge=0, le=65535,
                              used_by=("udp", "mqtt"))] = 0
     topic: Annotated[str | None, Key("mqtt: where frames arrive", used_by=("mqtt",))] = None
-    payload: Annotated[Literal["image", "npy", "raw"], Key("mqtt: an encoded image, .npy bytes, or raw frame bytes",
-                                                           used_by=("mqtt",))] = "image"
+    payload: Annotated[Literal["image", "npy", "raw", "samples"], Key(
+        "mqtt: an encoded image, .npy bytes, raw frame bytes, or samples: chunks of one sensor stream's samples "
+        "(any length; windows cut in stream time, as udp)", used_by=("mqtt",))] = "image"
     sample_dtype: Annotated[Literal["float32", "int16", "uint8"] | None,
                             Key("sensor samples, little-endian", default_doc="the bundle's frame.dtype",
                                 used_by=SENSOR_SOURCES)] = None
@@ -101,6 +103,21 @@ class SourceConfig:
                                     "counted", ge=1, used_by=("udp",))] = 16
     stream_timeout_s: Annotated[float, Key("udp: a sender quiet this long ends its stream and frees its place",
                                            ge=0.1, used_by=("udp",))] = 30.0
+    sample_rate: Annotated[float, Key("sensor: samples per second the senders send (0: not declared); refused unless "
+                                      "it is the bundle's frame.sample_rate, and a sender measured off it by more "
+                                      "than 10% is reported", ge=0, used_by=STREAM_SOURCES)] = 0.0
+    channels: Annotated[int, Key("sensor: interleaved channels the senders send (0: not declared); refused unless "
+                                 "it is the bundle's frame.channels", ge=0, used_by=STREAM_SOURCES)] = 0
+    max_backlog_s: Annotated[float, Key("udp, mqtt samples: seconds of a stream's samples kept while the agent is "
+                                        "behind; beyond that they are shed, counted as lost and the stream (and its "
+                                        "state) starts again", ge=0.1, used_by=("udp", "mqtt"))] = 60.0
+    framing: Annotated[Literal["none", "seq32"], Key(
+        "udp: none: a datagram is samples; seq32: each starts with its sender's sequence number (uint32, "
+        "little-endian, +1 per datagram): a jump is counted as lost samples and resets the stream, a number "
+        "already passed is counted late and dropped", used_by=("udp",))] = "none"
+    receive_buffer_bytes: Annotated[int, Key("udp: the socket's receive buffer (SO_RCVBUF; 0: the system's "
+                                             "default); datagrams it had no room for are counted as lost", ge=0,
+                                             used_by=("udp",))] = 0
     name: Annotated[str | None, Key("how results, topics and health name this source (required in sources:)",
                                     default_doc="type:target")] = None
     decode_scale: Annotated[Literal["auto", 1, 2, 4, 8], Key(

@@ -50,3 +50,16 @@ def test_the_last_audit_is_in_metrics_with_its_time_and_verdict() -> None:
     fresh = _values({"uptime_s": 1, "serving": True, "selftest": {"passed": True, "bundle": {}},
                      "audit": {"state": "ok", "last": {}}})
     assert not any(k.startswith("edge_agent_audit_last_check") for k in fresh)
+
+
+def test_sensor_stream_losses_and_backlog_are_in_metrics_per_stream() -> None:
+    """Issue 44: lost samples were in no counter; now every stream's losses and backlog are exported."""
+    streams = {"lost_datagrams": 12, "streams": {"udp:0.0.0.0:9000/10.0.0.7:40112": {
+        "lost_samples": 3200, "dropped_samples": 17, "backlog_s": 1.5, "oldest_unserved_age_s": 1.75}}}
+    v = _values({"uptime_s": 1, "serving": True, "source": {"name": "udp:0.0.0.0:9000", "streams": streams}})
+    labels = "{source=udp:0.0.0.0:9000,stream=udp:0.0.0.0:9000/10.0.0.7:40112}"
+    assert v["edge_agent_sensor_lost_samples_total" + labels] == 3200
+    assert v["edge_agent_sensor_dropped_samples_total" + labels] == 17
+    assert v["edge_agent_sensor_backlog_seconds" + labels] == 1.5
+    assert v["edge_agent_sensor_oldest_unserved_age_seconds" + labels] == 1.75
+    assert v["edge_agent_sensor_lost_datagrams_total{source=udp:0.0.0.0:9000}"] == 12

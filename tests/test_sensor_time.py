@@ -145,3 +145,34 @@ def test_a_fifo_removed_between_writers_is_lost_not_ended_and_serves_again_when_
         stop.set()
         t.join(5)
         src.close()
+
+
+def test_a_hole_serves_the_windows_before_it_and_the_backlog_counts_every_sample_until_served() -> None:
+    """Issue 44: a hole (datagrams lost) starts a new session after the windows the old one can still fill;
+    the backlog (health's backlog_s, oldest_unserved_age_s) counts each sample until a window serves it."""
+    s = _Stream("s", _frame(), 50)
+    s.push(_chunk(330), arrival=10.0)
+    s.push(_chunk(100, 330), arrival=10.5)
+    assert s.backlog == 430 and s.oldest_unserved() == 10.0
+    s.hole(200, "200 samples lost (2 datagrams missing)")
+    assert (s.backlog, s.dropped_samples, s.lost_samples) == (400, 30, 200)  # 30 under a window: dropped
+    spans, oldest = [], []
+    while (got := s.pop()) is not None:
+        spans.append(got[1])
+        oldest.append(s.oldest_unserved())
+    assert [(sp.session, sp.start) for sp in spans] == [(1, k * 50) for k in range(7)]
+    assert oldest == [10.0] * 5 + [10.5, None] and s.backlog == 0
+    s.push(_chunk(100, 1000.0), arrival=10.6)
+    win, span = s.pop()
+    assert (span.session, span.window, span.start, span.reset) == (2, 0, 0, "200 samples lost (2 datagrams missing)")
+    assert win[0, 0] == 1000.0
+
+
+def test_samples_that_waited_in_a_pipe_are_no_gap_however_late_they_are_read() -> None:
+    """Issue 44: the agent's own backlog was taken for the writer's silence (a reset every pipe buffer)."""
+    s = _Stream("s", _frame(), 50)
+    s.push(_chunk(100), arrival=0.0, idle_since=0.0)
+    assert s.push(_chunk(100, 100), arrival=5.0, idle_since=None) is None  # waiting in the pipe when read
+    assert s.push(_chunk(100, 200), arrival=9.0, idle_since=8.9) is None  # watched empty for 0.1 s only
+    assert s.session == 1
+    assert s.push(_chunk(100, 300), arrival=20.0, idle_since=9.0) == 0 and s.session == 2  # watched 11 s

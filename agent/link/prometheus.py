@@ -40,6 +40,43 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _stream_families(health: Mapping[str, Any]) -> Iterator[Any]:
+    """Sensor streams (each UDP sender, each writer session; bounded by source.max_streams): what was lost,
+    and how far behind the agent is, one series per stream, from health's source.streams (and sources.*)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    found = []
+    one = health.get("source") or {}
+    if one.get("streams"):
+        found.append((str(one.get("name")), one["streams"]))
+    for name, doc in (health.get("sources") or {}).items():
+        if isinstance(doc, Mapping) and doc.get("streams"):
+            found.append((str(name), doc["streams"]))
+    if not found:
+        return
+    lost = CounterMetricFamily(f"{NS}_sensor_lost_samples", "Samples that never reached a window: dropped by the "
+                               "socket or shed to keep up (the stream's state started again after each hole)",
+                               labels=["source", "stream"])
+    dropped = CounterMetricFamily(f"{NS}_sensor_dropped_samples", "Leftover samples of a stream session that ended "
+                                  "(fewer than a window)", labels=["source", "stream"])
+    backlog = GaugeMetricFamily(f"{NS}_sensor_backlog_seconds", "Seconds of a stream's samples waiting to be served",
+                                labels=["source", "stream"])
+    oldest = GaugeMetricFamily(f"{NS}_sensor_oldest_unserved_age_seconds", "Age of the oldest sample of a stream "
+                               "not yet served: how far behind the agent is", labels=["source", "stream"])
+    datagrams = CounterMetricFamily(f"{NS}_sensor_lost_datagrams", "Datagrams the UDP socket dropped (its receive "
+                                    "buffer was full)", labels=["source"])
+    for src, doc in found:
+        if _num(doc.get("lost_datagrams")) is not None:
+            datagrams.add_metric([src], doc["lost_datagrams"])
+        for stream, st in (doc.get("streams") or {}).items():
+            lost.add_metric([src, stream], st.get("lost_samples", 0))
+            dropped.add_metric([src, stream], st.get("dropped_samples", 0))
+            if _num(st.get("backlog_s")) is not None:
+                backlog.add_metric([src, stream], st["backlog_s"])
+            oldest.add_metric([src, stream], st.get("oldest_unserved_age_s", 0.0))
+    yield from (lost, dropped, backlog, oldest, datagrams)
+
+
 def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
     """Metric families from one health document and the pipeline's histograms (pure over its inputs)."""
     from prometheus_client.core import (
@@ -77,6 +114,7 @@ def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
             g = GaugeMetricFamily(f"{NS}_source_last_frame_age_seconds", "Seconds since the last frame", labels=["source"])
             g.add_metric([src], st["last_frame_age_s"])
             yield g
+    yield from _stream_families(health)
     stages = pipe.get("stages") or {}
     if stages:  # how the pipeline sized its pools, and what each stage measurably costs per frame
         w = GaugeMetricFamily(f"{NS}_stage_threads", "Threads the pipeline gave each pool", labels=["stage"])

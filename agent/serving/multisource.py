@@ -258,6 +258,9 @@ class MultiSource:
                 "last_frame_age_s": round((now - s.last_frame_ns) / 1e9, 3) if s.last_frame_ns else None,
                 "last_error": s.last_error, "decoder": dict(s.decoder),
             }
+            streams = getattr(f.source, "streams_health", None)
+            if streams is not None:  # a sensor source: its streams, losses and backlog (as with one source)
+                out[f.name]["streams"] = streams()
         return out
 
     def close(self) -> None:

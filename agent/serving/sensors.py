@@ -1,24 +1,26 @@
 """Sensor sources: windows of numeric samples from UDP senders, a FIFO / character device / file, or stdin.
 
 Each UDP sender (address), each FIFO writer session and each stdin/file stream is its own *stream*, with
-its own buffer and its own place in stream time; a window never mixes samples of two streams. A stream
-that ends, restarts, or falls silent for longer than the bundle's reset_on_gap_s (measured in stream
-time: arrival beyond the audio the stream already sent) is flushed and starts again, padded as the bundle
-declares. Every window carries a StreamSpan: which stream, which session of it, its index and the samples
-(and seconds) of stream time it covers; state is carried and reset by that span (agent/spec/inputs.py).
-"""
+its own buffer and its own place in stream time (agent/serving/stream_time.py); a window never mixes
+samples of two streams. A stream that ends, restarts, loses samples (datagrams the socket dropped, a
+backlog shed) or falls silent for longer than the bundle's reset_on_gap_s (in stream time, never the
+agent's own backlog) starts a new session, padded as the bundle declares, and says why. Every window
+carries a StreamSpan: which stream, which session of it, its index and the samples (and seconds) of
+stream time it covers; state is carried and reset by that span (agent/spec/inputs.py)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import socket
 import stat
+import struct
 import sys
+import termios
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -27,49 +29,15 @@ from agent.config import SourceConfig
 from agent.errors import ConfigError
 from agent.logsetup import get_logger
 from agent.serving.sources import BadFrame, Frame, SourceStats
+from agent.serving.stream_time import Stream, StreamSpan, lost_reason
+from agent.serving.udp_receive import Datagram, Datagrams
 from agent.spec.manifest import FrameSpec, ResizeSpec
 
 log = get_logger("source")
 
-SENSOR_TYPES = ("udp", "file", "stdin")
-
-
-@dataclass(frozen=True)
-class StreamSpan:
-    """Where one window sits in its stream: samples [start, end) of session `session` of `stream`.
-
-    Samples count from the stream's first real sample (padding is before 0, so a padded first window
-    starts below 0). `reset`: why the stream (and its state) starts again at this window, else None.
-    """
-
-    stream: str
-    session: int
-    window: int  # index within the session, from 0
-    start: int
-    end: int
-    step: int  # the frame's hop: the last `step` samples are this window's own (the rest is context)
-    sample_rate: float | None = None
-    reset: str | None = None
-    sender: str | None = None  # a UDP stream's sender (host:port): a stream of its own within its source
-
-    def seconds(self, sample: int) -> float | None:
-        return None if not self.sample_rate else round(sample / self.sample_rate, 6)
-
-    @property
-    def own_start(self) -> int:
-        """The first of the samples this window adds to the stream (the window's time for decisions)."""
-        return self.end - self.step
-
-    def record(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.stream, "session": self.session, "window": self.window,
-                               "start_sample": self.start, "end_sample": self.end}
-        if self.sample_rate:
-            out.update(start_s=self.seconds(self.start), end_s=self.seconds(self.end))
-        if self.reset:
-            out["reset"] = self.reset
-        if self.sender:  # its results go to their own MQTT topic, predictions/<stream> (agent.serving.sinks)
-            out["sender"] = self.sender
-        return out
+SENSOR_TYPES = ("udp", "file", "stdin", "mqtt")  # mqtt: with payload: samples
+SEQ = struct.Struct("<I")  # source.framing seq32: each datagram starts with its sender's sequence number
+SEQ_BYTES = SEQ.size
 
 
 class SensorFrame(Frame):
@@ -84,100 +52,30 @@ class SensorFrame(Frame):
         self.state: str | None = None
 
 
-class _Stream:
-    """One stream's buffer and clock: samples in, windows out, restarts on a gap in stream time."""
-
-    def __init__(self, name: str, frame: FrameSpec, hop: int, sender: str | None = None):
-        self.name, self.frame, self.hop, self.sender = name, frame, hop, sender
-        self.session = 0
-        self.pending = b""
-        self.last_arrival = 0.0
-        self._restart("start")
-
-    def resume(self, why: str) -> None:
-        """Heard again after it ended (a UDP sender quiet for stream_timeout_s): the next session, saying why."""
-        self.reset = why if self.session > 1 else None
-
-    def _restart(self, why: str) -> None:
-        self.session += 1
-        self.buf = np.empty((0, self.frame.channels), np.float32)
-        self.first = -self.frame.pad  # stream sample index of buf[0] (negative: padding)
-        self.windows = 0
-        self.due: float | None = None  # wall time the received samples would take to arrive in real time
-        self.reset = why if self.session > 1 else None
-        self.padded = self.frame.pad == 0
-        self.skip = 0  # samples still to skip before the next window starts (a hop longer than the window)
-
-    def end(self, why: str) -> int:
-        """The stream ended or restarted: its leftover samples are dropped (never start another's window).
-        A session that had no sample yet is not ended again: it only takes the newer reason."""
-        if not self.windows and not len(self.buf):
-            self.pending = b""
-            if self.session > 1:
-                self.reset = why
-            return 0
-        # samples no window served: those after the last window's end (its context was served already)
-        served_to = self.first - self.hop + self.frame.window if self.windows else 0
-        left = max(0, self.first + len(self.buf) - max(served_to, self.first, 0))
-        self._restart(why)
-        self.pending = b""
-        return left
-
-    def push(self, samples: np.ndarray, arrival: float) -> int | None:
-        """Add samples that arrived at `arrival` (wall clock); the samples a gap restart dropped, None if none."""
-        dropped = None
-        gap_s = self.frame.reset_on_gap_s
-        if self.windows or len(self.buf):
-            if self.frame.sample_rate and self.due is not None:
-                gap = arrival - self.due  # silence beyond the audio already sent: stream time, not jitter
-            else:  # no sample rate: only the wall time between two arrivals can be measured
-                gap = arrival - self.last_arrival
-            if gap_s is not None and gap > gap_s:
-                dropped = self.end(f"gap of {gap:.3f} s > reset_on_gap_s {gap_s}")
-        arrived = len(samples)
-        if self.skip:  # between two windows of a hop longer than the window: never served, not leftovers
-            n = min(self.skip, arrived)
-            samples, self.skip = samples[n:], self.skip - n
-        if not self.padded and len(samples):
-            fill = np.zeros if self.frame.padding == "zero" else None
-            pad = (fill((self.frame.pad, self.frame.channels), np.float32) if fill is not None
-                   else np.repeat(samples[:1], self.frame.pad, axis=0))
-            self.buf = pad
-            self.padded = True
-        if len(samples):
-            self.buf = np.concatenate([self.buf, samples]) if len(self.buf) else samples
-        self.last_arrival = arrival
-        if self.frame.sample_rate:
-            self.due = max(self.due if self.due is not None else arrival, arrival) + arrived / self.frame.sample_rate
-        return dropped
-
-    def pop(self) -> tuple[np.ndarray, StreamSpan] | None:
-        w = self.frame.window
-        if len(self.buf) < w:
-            return None
-        win = self.buf[:w].copy()
-        span = StreamSpan(self.name, self.session, self.windows, self.first, self.first + w, self.hop,
-                          self.frame.sample_rate, self.reset, self.sender)
-        self.skip = max(0, self.hop - len(self.buf))
-        self.buf = self.buf[self.hop:]
-        self.first += self.hop
-        self.windows += 1
-        self.reset = None
-        return win, span
+_Stream = Stream  # the name the stream-time tests import
 
 
 class SensorSource:
     """Sensor windows, each stream on its own: see the module docstring.
 
-    Samples are little-endian `sample_dtype` (default: the bundle's frame.dtype), channels interleaved. A UDP datagram that is not a whole
-    number of samples is malformed: counted and dropped. At most `source.max_streams` UDP senders at once;
-    a new sender beyond that is refused (its datagrams are counted and dropped) until one goes quiet for
-    `source.stream_timeout_s`. A FIFO whose writer goes away is opened again and waits for the next writer.
+    Samples are little-endian `sample_dtype` (default: the bundle's frame.dtype), channels interleaved. A UDP
+    datagram that is not a whole number of samples is malformed: counted and dropped. At most
+    `source.max_streams` UDP senders at once; a new sender beyond that is refused (its datagrams are counted
+    and dropped) until one goes quiet for `source.stream_timeout_s`. A FIFO whose writer goes away is opened
+    again and waits for the next writer.
+
+    UDP is read by a thread of its own, whatever the pipeline does: a sender cannot be slowed down, so its
+    datagrams are taken off the socket as they come (their kernel arrival time kept) and wait in their
+    stream's buffer, at most `source.max_backlog_s` of them. A FIFO, file or stdin is read when the pipeline
+    takes windows: a writer is slowed by the full pipe (backpressure), and nothing is lost.
     """
 
     def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         if frame.kind != "sensor":
             raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes {frame.kind} frames")
+        why = declared_mismatch(frame, cfg)
+        if why is not None:
+            raise ConfigError(why)
         if frame.stateful and cfg.lossless is False:
             raise ConfigError(stateful_lossy_message())
         self.cfg, self.frame = cfg, frame
@@ -188,26 +86,45 @@ class SensorSource:
         self.hop = cfg.hop or frame.step
         self.max_streams = max(1, cfg.max_streams)
         self.stream_timeout_s = cfg.stream_timeout_s
+        # a stream's unserved samples beyond this are shed (counted as lost): without a sample rate, at 16 kHz's
+        self.max_backlog = int(cfg.max_backlog_s * (frame.sample_rate or 16000))
         self.stats = SourceStats()
         # a stateful model must see every window of a stream in order: lossless hand-over (never latest-wins)
         self.live = cfg.type == "udp" and not frame.stateful
         self.sock: socket.socket | None = None
+        self.datagrams: Datagrams | None = None
         self.fd: int | None = None
         self.fifo = False
-        self.streams: OrderedDict[Any, _Stream] = OrderedDict()
+        self.streams: OrderedDict[Any, Stream] = OrderedDict()
         # senders whose stream timed out, kept (empty) so one heard again goes on with its next session: its
         # results, state notes and segments never mistake the new stream for the old one (bounded, oldest out)
-        self.quiet: OrderedDict[Any, _Stream] = OrderedDict()
+        self.quiet: OrderedDict[Any, Stream] = OrderedDict()
         self.refused = 0             # datagrams of senders beyond max_streams
         self.refused_senders: set[Any] = set()  # bounded by max_streams * 4 (a count, not a list, beyond that)
         self.dropped_samples = 0     # leftovers of streams that ended or restarted
+        self.lost_samples = 0        # samples that never reached a window: shed to keep up, or known lost
+        self.lost_datagrams = 0      # datagrams the socket dropped (its receive buffer was full)
         self.restarts = 0
+        self.late_datagrams = 0      # sequenced datagrams that came after their place was passed
+        self.sequenced = cfg.type == "udp" and cfg.framing == "seq32"
+        self._drop_count = 0         # the socket's drop counter as last seen
         self._turn = 0
+        self._cond = threading.Condition()  # streams are filled by the UDP thread and emptied by read()
+        self._bad: deque[str] = deque(maxlen=64)  # malformed datagrams, raised from read() as BadFrame
+        self._closing = threading.Event()
+        self._idle_since: float | None = None  # a pipe: since when the reader has watched it empty
+        self._thread: threading.Thread | None = None
+        self.client: Any = None  # paho's client for an mqtt source
+        # samples pushed by a thread (UDP's receiver, paho's network loop), not read when the pipeline asks
+        self._pushed = cfg.type in ("udp", "mqtt")
         if cfg.type == "udp":
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.bind((cfg.host, cfg.port))
             self.sock.settimeout(0.2)
+            self.datagrams = Datagrams(self.sock, cfg.receive_buffer_bytes)
             self.name = cfg.name or f"udp:{cfg.host}:{self.sock.getsockname()[1]}"
+        elif cfg.type == "mqtt":
+            self.name = self._mqtt_open(cfg)
         elif cfg.type == "stdin":
             self.fd = sys.stdin.buffer.fileno()
             self.name = cfg.name or "stdin"
@@ -217,21 +134,27 @@ class SensorSource:
             self.fifo = cfg.path.exists() and stat.S_ISFIFO(os.stat(cfg.path).st_mode)
             self.fd = os.open(cfg.path, os.O_RDONLY | os.O_NONBLOCK)
             self.name = cfg.name or f"file:{cfg.path}"
-        if self.sock is None:
-            self.streams[None] = _Stream(self.name, frame, self.hop)
+        if self.sock is None:  # one stream (a pipe's, or an MQTT topic's)
+            self.streams[None] = Stream(self.name, frame, self.hop)
         if frame.reset_on_gap_s is not None and not frame.sample_rate:
             # without a sample rate a gap can only be wall time between two arrivals: chunks that each hold
             # more audio than reset_on_gap_s then reset the state at every chunk
             log.warning("source.gap_in_wall_time", source=self.name, reset_on_gap_s=frame.reset_on_gap_s,
                         fix="declare input.frame.sample_rate so gaps are measured in stream time")
         self.stats.state = "open"
+        if self.client is not None:
+            self.client.connect_async(cfg.host, cfg.port or 1883, 30)
+            self.client.loop_start()
+        if self.sock is not None:
+            self._thread = threading.Thread(target=self._udp_loop, name=f"udp-receive {self.name}", daemon=True)
+            self._thread.start()
 
     @property
     def port(self) -> int:
         return self.sock.getsockname()[1] if self.sock else 0
 
     # -- streams -----------------------------------------------------------------------------------
-    def _stream_for(self, addr: Any, now: float) -> _Stream | None:
+    def _stream_for(self, addr: Any, now: float) -> Stream | None:
         s = self.streams.get(addr)
         if s is not None:
             return s
@@ -248,7 +171,7 @@ class SensorSource:
             s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
         else:
             sender = f"{addr[0]}:{addr[1]}"
-            s = _Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
+            s = Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
         self.streams[addr] = s
         self.refused_senders.discard(addr)
         log.info("source.stream_started", source=self.name, stream=s.name, streams=len(self.streams))
@@ -256,25 +179,92 @@ class SensorSource:
 
     def _expire(self, now: float) -> None:
         for addr, s in list(self.streams.items()):
+            if s.ready:
+                continue  # windows still to serve: the stream is behind, not quiet
             # quiet like a gap, in stream time: beyond the audio the sender already sent (with a sample rate),
             # so a sender ahead of real time is never quiet between its datagrams
             since = s.due if s.due is not None else s.last_arrival
             if now - since > self.stream_timeout_s:
                 del self.streams[addr]
                 self.dropped_samples += s.end("timed out")
+                s.next_seq = None  # heard again: a new session, whatever number its sender is at
                 self.quiet[addr] = s
                 while len(self.quiet) > self.max_streams * 4:
                     self.quiet.popitem(last=False)
                 log.info("source.stream_ended", source=self.name, stream=s.name, reason="quiet for "
                          f"{self.stream_timeout_s} s")
 
-    def _take(self, s: _Stream, data: bytes, now: float) -> None:
+    def _take(self, s: Stream, data: bytes, arrival: float, idle_since: float | None) -> None:
         samples = np.frombuffer(data, self.dtype).astype(np.float32).reshape(-1, self.frame.channels)
-        dropped = s.push(samples, now)
+        dropped = s.push(samples, arrival, idle_since)
         if dropped is not None:
             self.restarts += 1
             self.dropped_samples += dropped
             log.info("source.stream_restarted", source=self.name, stream=s.name, reason=s.reset, dropped_samples=dropped)
+        ratio = s.rate_off()
+        if ratio is not None and not s.rate_said:
+            s.rate_said = True
+            log.warning("source.rate_mismatch", source=self.name, stream=s.name, declared=self.frame.sample_rate,
+                        measured=round(s.measured_rate or 0.0, 1), ratio=round(ratio, 3),
+                        fix="send at the rate the bundle declares (input.frame.sample_rate): a stream at another "
+                            "rate is served wrong, and one slower than real time is late")
+
+    def _shed(self, s: Stream) -> None:
+        """Beyond max_backlog_s behind: the stream's unserved samples are dropped and counted, and it starts
+        again at the newest audio (the state with it: never carried across the hole)."""
+        if s.backlog <= self.max_backlog:
+            return
+        lost = s.shed(f"the agent was more than source.max_backlog_s {self.cfg.max_backlog_s} s behind")
+        self.lost_samples += lost
+        self.restarts += 1
+        log.warning("source.backlog_shed", source=self.name, stream=s.name, lost_samples=lost,
+                    max_backlog_s=self.cfg.max_backlog_s)
+
+    def _overflow(self, lost: int, d: Datagram, samples: int) -> None:
+        """The socket dropped `lost` datagrams just before `d`: a hole in the stream they belonged to. One
+        stream: its own, of about `samples` each. Several: it cannot be told whose, so each starts again."""
+        if not self.sequenced:  # sequenced: counted per stream where its sequence jumps
+            self.lost_datagrams += lost
+        own = self.streams.get(d.sender)
+        others = [s for a, s in self.streams.items() if a != d.sender and s.received]
+        why = f"{lost} datagrams dropped by the socket: its receive buffer was full"
+        if self.sequenced:
+            pass  # each sender's sequence numbers find its own hole (and count its samples): see _sequence
+        elif not others:  # one sender: the hole is its own (before its first datagram: not counted as its)
+            self.lost_samples += lost * samples
+            if own is not None and own.received:
+                self.dropped_samples += own.hole(lost * samples, lost_reason(lost * samples, why))
+                self.restarts += 1
+        else:
+            for s in [*others, *([own] if own is not None else [])]:
+                self.dropped_samples += s.hole(0, f"{why}, from any of {len(others) + (own is not None)} senders")
+            self.restarts += 1
+        log.warning("source.datagrams_lost", source=self.name, lost_datagrams=lost, total=self.lost_datagrams,
+                    receive_buffer_bytes=self.datagrams.receive_buffer if self.datagrams else None,
+                    fix="raise source.receive_buffer_bytes, or give the agent more CPU")
+
+    def _sequence(self, s: Stream, seq: int, samples: int) -> bool:
+        """A sender's sequence number: a jump ahead is datagrams lost (a hole, counted exactly for datagrams of
+        this one's size); one already passed is late or a duplicate (counted, dropped: its place was taken).
+        False: drop this datagram."""
+        expect, s.next_seq = s.next_seq, (seq + 1) % 2**32
+        if expect is None or seq == expect:
+            return True
+        ahead = (seq - expect) % 2**32
+        if ahead >= 2**31:  # behind what was already taken
+            s.next_seq = expect
+            s.late_datagrams += 1
+            self.late_datagrams += 1
+            return False
+        lost = ahead * samples
+        self.lost_samples += lost
+        self.lost_datagrams += ahead
+        self.restarts += 1
+        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} datagrams missing: sequence {expect} to "
+                                                               f"{(seq - 1) % 2**32}"))
+        log.warning("source.datagrams_lost", source=self.name, stream=s.name, lost_datagrams=ahead,
+                    lost_samples=lost, detail="a gap in the sender's sequence numbers")
+        return True
 
     def _ready(self) -> tuple[np.ndarray, StreamSpan] | None:
         """A window of some stream, taking the streams in turn so one fast sender cannot starve the rest."""
@@ -288,53 +278,146 @@ class SensorSource:
         return None
 
     # -- reading -----------------------------------------------------------------------------------
+    def _udp_loop(self) -> None:
+        """The UDP thread: every datagram off the socket as it comes, into its stream."""
+        while not self._closing.is_set():
+            try:
+                self._receive()
+            except OSError as exc:
+                if self._closing.is_set():
+                    return
+                log.warning("source.receive_failed", source=self.name, error=str(exc))
+                self._closing.wait(0.2)
+
     def _receive(self) -> bool:
         """One datagram / read into its stream; False at the end of a file or stdin (a FIFO waits instead)."""
-        if self.sock is not None:
+        if self.datagrams is not None:
             try:
-                data, addr = self.sock.recvfrom(65536)
+                d = self.datagrams.receive()
             except TimeoutError:
-                self._expire(time.time())
+                with self._cond:
+                    self._expire(time.time())
                 return True
-            now = time.time()  # the arrival, after the wait: gaps are measured from it
-            if len(data) == 0 or len(data) % self.sample_bytes:
-                self.stats.bad += 1
-                raise BadFrame(f"{self.name}: datagram of {len(data)} bytes from {addr[0]}:{addr[1]} is not whole "
-                               f"samples of {self.sample_bytes} bytes")
-            s = self._stream_for(addr, now)
-            if s is not None:
-                self._take(s, data, now)
+            with self._cond:
+                self._datagram(d)
+                self._cond.notify_all()
             return True
         s = self.streams[None]
         if self.fd is None:  # the FIFO could not be opened again (removed, no permission): retry, never end
             return self._reopen(wait=0.5)
-        ready, _, _ = select.select([self.fd], [], [], 0.2)
+        ready, _, _ = select.select([self.fd], [], [], 0)
+        if not ready:
+            if self._idle_since is None:
+                self._idle_since = time.time()  # from here the reader watches: silence from now is the writer's
+            ready, _, _ = select.select([self.fd], [], [], 0.2)
         if not ready:
             if self.fifo and not self._same_fifo():
                 # removed or replaced (a feeder that recreates its FIFO): the old one can never get a writer
-                os.close(self.fd)
-                self.fd = None
-                self.dropped_samples += s.end("FIFO replaced")
+                with self._cond:  # health reads the stream and the pipe's fd
+                    os.close(self.fd)
+                    self.fd = None
+                    self.dropped_samples += s.end("FIFO replaced")
                 return self._reopen(wait=0.0)
             return True
         data = os.read(self.fd, 65536)
-        now = time.time()
+        now, idle_since = time.time(), self._idle_since
+        self._idle_since = None
         if not data:
-            left = s.end("writer restarted")
-            self.dropped_samples += left
-            if not self.fifo:
-                return False
-            # the writer went away: wait for the next one (a feeder restart is a new stream, not the end)
-            os.close(self.fd)
-            self.fd = None
+            with self._cond:
+                left = s.end("writer restarted")
+                self.dropped_samples += left
+                if not self.fifo:
+                    return False
+                # the writer went away: wait for the next one (a feeder restart is a new stream, not the end)
+                os.close(self.fd)
+                self.fd = None
             log.info("source.writer_gone", source=self.name, dropped_samples=left, sessions=s.session - 1)
             return self._reopen(wait=0.0)
-        data = s.pending + data
-        cut = len(data) - len(data) % self.sample_bytes
-        s.pending = data[cut:]
-        if cut:
-            self._take(s, data[:cut], now)
+        with self._cond:
+            data = s.pending + data
+            cut = len(data) - len(data) % self.sample_bytes
+            s.pending = data[cut:]
+            if cut:
+                # samples that were waiting in the pipe (idle_since None) came while the agent was busy: the
+                # agent's backlog, never a gap; only silence the reader watched can be the writer's
+                self._take(s, data[:cut], now, idle_since)
         return True
+
+    def _datagram(self, d: Datagram) -> None:
+        data, addr = d.data, d.sender
+        seq = None
+        if self.sequenced and len(data) >= SEQ_BYTES:
+            (seq,) = SEQ.unpack_from(data)
+            data = data[SEQ_BYTES:]
+        whole = len(data) > 0 and len(data) % self.sample_bytes == 0 and (seq is not None or not self.sequenced)
+        if d.dropped is not None and d.dropped != self._drop_count:
+            lost = (d.dropped - self._drop_count) % 2**32
+            self._drop_count = d.dropped
+            self._overflow(lost, d, len(data) // self.sample_bytes if whole else 0)
+        if not whole:
+            self.stats.bad += 1
+            head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
+            self._bad.append(f"{self.name}: datagram of {len(d.data)} bytes from {addr[0]}:{addr[1]} is not {head}"
+                             f"whole samples of {self.sample_bytes} bytes")
+            return
+        s = self._stream_for(addr, d.arrival)
+        if s is not None and seq is not None and not self._sequence(s, seq, len(data) // self.sample_bytes):
+            return
+        if s is not None:
+            # the kernel's arrival time: silence before it is the sender's, whatever the agent was doing
+            self._take(s, data, d.arrival, 0.0 if self.datagrams and self.datagrams.exact else None)
+            self._shed(s)
+
+    def _mqtt_open(self, cfg: SourceConfig) -> str:
+        """An MQTT topic whose payloads are chunks of one stream's samples, in the order published."""
+        import paho.mqtt.client as paho
+
+        if not cfg.topic:
+            raise ConfigError("source.topic: an mqtt source needs the topic samples arrive on")
+        if "+" in cfg.topic or "#" in cfg.topic:
+            raise ConfigError(f"source.topic: {cfg.topic!r} with payload: samples is one stream: name one topic, "
+                              "not a filter (samples of two publishers would mix in one window)")
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
+        self.client.on_connect = self._mqtt_connected
+        self.client.on_disconnect = self._mqtt_disconnected
+        self.client.on_message = self._mqtt_message
+        self.client.reconnect_delay_set(int(max(cfg.reconnect_initial_s, 1)), int(cfg.reconnect_max_s))
+        return cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
+
+    def _mqtt_connected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        if not rc.is_failure:
+            # QoS 1: the broker hands the topic's messages over in order, resending what TCP did not confirm
+            client.subscribe(self.cfg.topic, qos=1)
+            self.stats.state = "open"
+
+    def _mqtt_disconnected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+        """What was published while the agent was not connected never arrives: a hole in the stream."""
+        if self._closing.is_set():
+            return
+        with self._cond:
+            self.stats.losses += 1
+            self.stats.state = "lost"
+            for st in self.streams.values():
+                if st.received:
+                    self.dropped_samples += st.hole(0, "the MQTT connection was lost: samples published meanwhile "
+                                                       "were not delivered")
+                    self.restarts += 1
+        log.warning("source.lost", source=self.name, reason="MQTT connection lost")
+
+    def _mqtt_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        now = time.time()
+        data = bytes(msg.payload)
+        with self._cond:
+            if not data or len(data) % self.sample_bytes:
+                self.stats.bad += 1
+                self._bad.append(f"{self.name}: payload of {len(data)} bytes is not whole samples of "
+                                 f"{self.sample_bytes} bytes")
+            else:
+                s = self.streams[None]
+                # read by paho's thread as it comes: silence before it is the publisher's
+                self._take(s, data, now, 0.0)
+                self._shed(s)
+            self._cond.notify_all()
 
     def _same_fifo(self) -> bool:
         assert self.cfg.path is not None and self.fd is not None
@@ -359,36 +442,86 @@ class SensorSource:
         self.stats.state = "open"
         return True
 
+    def _window(self, got: tuple[np.ndarray, StreamSpan]) -> Frame:
+        win, span = got
+        at, ns = time.time(), time.perf_counter_ns()
+        if not np.all(np.isfinite(win)):
+            self.stats.bad += 1
+            raise BadFrame(f"{span.stream}: window {span.window} with non-finite samples")
+        self.stats.frames += 1
+        self.stats.last_frame_ns = ns
+        return SensorFrame(self.stats.frames, win, at, ns, span)
+
     def read(self, stop: threading.Event) -> Frame | None:
+        if self._pushed:
+            while not stop.is_set():
+                self.stats.beat()
+                with self._cond:
+                    if self._bad:
+                        raise BadFrame(self._bad.popleft())
+                    got = self._ready()
+                    if got is None:
+                        if self._closing.is_set():
+                            break
+                        self._cond.wait(0.2)
+                        continue
+                return self._window(got)
+            return None
         while not stop.is_set():
             self.stats.beat()
-            got = self._ready()
+            with self._cond:  # health reads the streams from its own thread
+                got = self._ready()
             if got is not None:
-                win, span = got
-                at, ns = time.time(), time.perf_counter_ns()
-                if not np.all(np.isfinite(win)):
-                    self.stats.bad += 1
-                    raise BadFrame(f"{span.stream}: window {span.window} with non-finite samples")
-                self.stats.frames += 1
-                self.stats.last_frame_ns = ns
-                return SensorFrame(self.stats.frames, win, at, ns, span)
+                self._idle_since = None  # the reader stops watching the pipe while the window is served
+                return self._window(got)
             if not self._receive():
                 self.stats.state = "ended"
                 return None
         return None
 
     def streams_health(self) -> dict[str, Any]:
-        """Per-stream names and counters for health (bounded: at most max_streams streams)."""
-        return {"max_streams": self.max_streams, "refused_datagrams": self.refused, "restarts": self.restarts,
-                "dropped_samples": self.dropped_samples,
-                "streams": {s.name: {"session": s.session, "windows": s.windows, "buffered": len(s.buf)}
-                            for s in self.streams.values()}}
+        """Per-stream names and counters for health (bounded: at most max_streams streams). `behind_s`: how
+        far the agent is behind the stream furthest ahead of it (the oldest unserved sample's age)."""
+        now = time.time()
+        with self._cond:
+            in_pipe = self._in_pipe()
+            streams = {s.name: s.health(now, in_pipe) for s in self.streams.values()}
+            out: dict[str, Any] = {
+                "max_streams": self.max_streams, "refused_datagrams": self.refused, "restarts": self.restarts,
+                "dropped_samples": self.dropped_samples, "lost_samples": self.lost_samples,
+                "behind_s": max((h["oldest_unserved_age_s"] for h in streams.values()), default=0.0),
+                "streams": streams}
+            if self.datagrams is not None:
+                out.update(lost_datagrams=self.lost_datagrams, receive_buffer_bytes=self.datagrams.receive_buffer)
+                if self.sequenced:
+                    out["late_datagrams"] = self.late_datagrams
+            return out
+
+    def _in_pipe(self) -> int:
+        """Samples written into the pipe (FIFO, stdin) and not read yet: the agent's backlog there too."""
+        fd = self.fd
+        if fd is None or self._pushed:
+            return 0
+        try:
+            waiting = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:  # a regular file or device without FIONREAD, or closed meanwhile
+            return 0
+        return max(0, int(waiting)) // self.sample_bytes
 
     def close(self) -> None:
+        self._closing.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
         if self.sock is not None:
             self.sock.close()
-        if self.fd is not None and self.cfg.type != "stdin":
-            os.close(self.fd)
+        if self.client is not None:
+            self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
+            self.client.loop_stop()
+        with self._cond:
+            if self.fd is not None and self.cfg.type != "stdin":
+                os.close(self.fd)
             self.fd = None
 
 
@@ -398,16 +531,42 @@ def stateful_lossy_message(where: str = "source") -> str:
             "default to lossless) or serve a stateless bundle")
 
 
+def declared_mismatch(frame: FrameSpec, cfg: SourceConfig, key: str = "source") -> str | None:
+    """Why what the source declares its senders send (sample rate, channels) is not what the bundle takes:
+    the answers would change (8 kHz audio through a 16 kHz model is served wrong, without an error)."""
+    if cfg.sample_rate and cfg.sample_rate != frame.sample_rate:
+        takes = f"{frame.sample_rate:g} samples/s" if frame.sample_rate else "no declared sample rate"
+        return (f"key {key}.sample_rate: the senders send {cfg.sample_rate:g} samples/s but the bundle's frame takes "
+                f"{takes} (input.frame.sample_rate): resample before sending, or serve a bundle built for this rate")
+    if cfg.channels and cfg.channels != frame.channels:
+        return (f"key {key}.channels: the senders send {cfg.channels} channels but the bundle's frame takes "
+                f"{frame.channels} (input.frame.channels)")
+    return None
+
+
+def mqtt_stateful_message(where: str = "source") -> str:
+    return (f"key {where}.type: mqtt cannot keep a stateful bundle's contract (inputs with kind: state) with payload "
+            "image, npy or raw: its frames are latest-frame-wins whole windows, with no stream time, so windows would "
+            f"be dropped and the state carried across the hole; set {where}.payload: samples (the topic's payloads "
+            "are the stream's samples, windows cut in stream time), or send over udp, a FIFO (file) or stdin")
+
+
 def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[SourceConfig],
                     keys: Sequence[str]) -> list[str]:
     """What `config check` refuses about serving this bundle's frames from these sources."""
     out = []
     states = [f"inputs[{i}] ({x.name}, kind: state)" for i, x in enumerate(inputs) if x.kind == "state"]
     for key, src in zip(keys, sources):
+        if states and src.type == "mqtt" and src.payload != "samples":
+            out.append(mqtt_stateful_message(key))
         if states and src.lossless is False:
             out.append(f"key {key}.lossless: false with a stateful bundle ({', '.join(states)}): windows would be "
                        "dropped and the state carried across the hole; remove the key (stateful bundles default to "
                        "lossless)")
+        if frame.kind == "sensor" and src.type in SENSOR_TYPES and (src.type != "mqtt" or src.payload == "samples"):
+            why = declared_mismatch(frame, src, key)
+            if why is not None:
+                out.append(why)
     return out
 
 

@@ -523,6 +523,10 @@ class MqttFrameSource:
 
         if not cfg.topic:
             raise ConfigError("source.topic: an mqtt source needs the topic frames arrive on")
+        if frame.kind == "sensor" and frame.stateful:
+            from agent.serving.sensors import mqtt_stateful_message
+
+            raise ConfigError(mqtt_stateful_message())
         self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         self.name = cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
         self.stats = SourceStats()
@@ -667,6 +671,13 @@ def _sensor_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | Non
     return SensorSource(cfg, frame, resize, max_scale)
 
 
+def _mqtt_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8) -> FrameSource:
+    """payload: samples is a sensor stream (windows cut in stream time); other payloads are whole frames."""
+    if cfg.payload == "samples":
+        return _sensor_source(cfg, frame, resize, max_scale)
+    return MqttFrameSource(cfg, frame, resize, max_scale)
+
+
 SOURCES: dict[str, SourceFactory] = {
     "folder": FolderSource,
     "video": OpenCVSource,
@@ -675,7 +686,7 @@ SOURCES: dict[str, SourceFactory] = {
     "udp": _sensor_source,
     "file": _sensor_source,
     "stdin": _sensor_source,
-    "mqtt": MqttFrameSource,
+    "mqtt": _mqtt_source,
 }
 
 
