@@ -17,10 +17,9 @@ import yaml
 
 from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
-from agent.proof.pre_compare import Levels, compare, explain
+from agent.proof.pre_compare import Levels
 from agent.proof.selftest import SelftestOptions, check_preprocessing, run_selftest
 from agent.spec import preprocess
-from agent.testing import rewrite_manifest
 
 LEVEL = (1 / 255) / 0.25  # the demo's scale / std: one 8-bit level in tensor units
 FAST = SelftestOptions(latency_runs=10)
