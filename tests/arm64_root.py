@@ -57,18 +57,10 @@ def _python() -> str:
 
 
 def ensure_rootfs() -> Path:
-    marker = ROOTFS / ".edge-agent-packages"
-    if marker.exists() and marker.read_text() == PACKAGES:
-        return ROOTFS
-    step(f"debootstrap --arch=arm64 bookworm into {ROOTFS} (cached for later runs; ~5 min under qemu)")
-    tmp = ROOTFS.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    subprocess.run(["debootstrap", "--arch=arm64", "--variant=minbase", f"--include={PACKAGES}", "bookworm", str(tmp),
-                    "http://deb.debian.org/debian"], check=True, stdout=subprocess.DEVNULL)
-    (tmp / ".edge-agent-packages").write_text(PACKAGES)
-    shutil.rmtree(ROOTFS, ignore_errors=True)
-    tmp.rename(ROOTFS)
-    return ROOTFS
+    """The arm64 root (debootstrap under emulation: ~5 min once, cached)."""
+    from test_service_nspawn import ensure_rootfs as debootstrapped
+
+    return debootstrapped(ROOTFS, PACKAGES, "arm64")
 
 
 def _pip(*args: str) -> None:

@@ -48,19 +48,21 @@ def prepared() -> tuple[Path, Path]:
         return ensure_rootfs(), ensure_wheels()
 
 
-def ensure_rootfs() -> Path:
-    marker = ROOTFS / ".edge-agent-packages"
-    if marker.exists() and marker.read_text() == PACKAGES:
-        return ROOTFS
-    step(f"debootstrap bookworm into {ROOTFS} (cached for later runs)")
-    tmp = ROOTFS.with_suffix(".tmp")
+def ensure_rootfs(rootfs: Path = ROOTFS, packages: str = PACKAGES, arch: str | None = None) -> Path:
+    """A Debian bookworm root with `packages` (cached: built again only when the list changes); `arch`: another
+    architecture's (tests/arm64_root.py), run under qemu-user."""
+    marker = rootfs / ".edge-agent-packages"
+    if marker.exists() and marker.read_text() == packages:
+        return rootfs
+    step(f"debootstrap bookworm{f' ({arch})' if arch else ''} into {rootfs} (cached for later runs)")
+    tmp = rootfs.with_suffix(".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    subprocess.run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", str(tmp),
-                    "http://deb.debian.org/debian"], check=True, stdout=subprocess.DEVNULL)
-    (tmp / ".edge-agent-packages").write_text(PACKAGES)
-    shutil.rmtree(ROOTFS, ignore_errors=True)
-    tmp.rename(ROOTFS)
-    return ROOTFS
+    subprocess.run(["debootstrap", *([f"--arch={arch}"] if arch else []), "--variant=minbase", f"--include={packages}",
+                    "bookworm", str(tmp), "http://deb.debian.org/debian"], check=True, stdout=subprocess.DEVNULL)
+    (tmp / ".edge-agent-packages").write_text(packages)
+    shutil.rmtree(rootfs, ignore_errors=True)
+    tmp.rename(rootfs)
+    return rootfs
 
 
 # dot-folders too: the checkout's .git, and the caches ruff, mypy and pytest write in every run (a hash over
