@@ -78,6 +78,7 @@ def test_verify_of_a_corrupt_bundle_exits_1_naming_the_file(tiny_bundle: Path) -
     out = edge_agent("bundle", "verify", str(tiny_bundle))
     assert out.returncode == 1
     assert "model_fp32.onnx: hash mismatch" in out.stderr
+    assert "copy or unpack the bundle again, or rebuild it" in out.stderr  # the fix, not only both hashes
 
 
 def test_providers_json_reports_cpu_usable() -> None:

@@ -35,9 +35,11 @@ from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode, warm_decoder
 from agent.service.boot import BootOutcome, boot, open_engine, prove
+from agent.service.advice import not_serving_advice
 from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
+from agent.service.preflight import can_receive_bundle, source_problems
 from agent.service.sdnotify import Notifier
 from agent.updates.machine import State
 from agent.updates.probation import probation_over
@@ -351,9 +353,9 @@ class Controller:
                 self.config_refused = str(exc)
             except AgentError as exc:
                 self.engine, self.not_serving_reason = None, str(exc)
-        if self.not_serving_reason is not None:
-            log.error("boot.not_serving", reason=self.not_serving_reason)
-        else:
+        if self.not_serving_reason is not None and (o.refused or (o.unservable and not can_receive_bundle(self.cfg))):
+            self.config_refused = self.not_serving_reason  # no bundle can ever come: exit 1, not idle forever
+        if self.not_serving_reason is None:
             assert self.engine is not None  # no reason: a proven engine serves
             log.info("boot.ready", **self.engine.describe())
             loud = loud_state(self.selftest_doc, None)
@@ -363,6 +365,11 @@ class Controller:
         self.reproof.after_proof(o.report, self.serving, self.not_serving_reason)
         if self.reproof.armed:
             log.warning("reproof.scheduled", **self.reproof.to_dict())
+        if self.not_serving_reason is not None and self.config_refused is None:
+            # the reason, the figure against its bound, the key to change and the next attempt, at once
+            log.error("boot.not_serving", reason=self.not_serving_reason,
+                      **not_serving_advice(self.not_serving_reason, self.selftest_doc if o.report else None,
+                                           self.reproof.to_dict(), can_receive_bundle(self.cfg)))
         self._publish_selftest()
 
     # -- updates (called by the updater, on its thread) --------------------------------------------------
@@ -882,7 +889,9 @@ class Controller:
             warm = threading.Thread(target=warm_decoder, args=(self.cfg.source_list,), name="warm-decoder",
                                     daemon=True)
             warm.start()
-            outcome = boot(self.cfg, self.store)
+            # a source `run` can never open is refused before a proof that would take minutes (config check's line)
+            bad = source_problems(self.cfg)
+            outcome = BootOutcome(None, None, None, bad[0], refused=True) if bad else boot(self.cfg, self.store)
             warm.join(timeout=30)  # done long before, normally; the source would wait for it anyway
             spare.discard()  # the boot's proof adopted it, or never will: it would only hold memory
             self.call(lambda: self._boot_done(outcome))
