@@ -225,3 +225,12 @@ def test_stream_reconnects_leave_no_opencv_or_ffmpeg_lines_in_the_json_log(tmp_p
         srv.close()
     lines = [ln for ln in agent.log_text().splitlines() if ln.strip()]
     assert [ln for ln in lines if not ln.startswith("{")] == []
+
+
+def test_monitor_of_an_unreachable_broker_says_the_cause_and_the_fix_as_push_does() -> None:
+    """Fault: `monitor` said only "cannot reach the broker at 127.0.0.1:1" (no cause, no fix) where push says both."""
+    out = edge_agent("monitor", "--broker", "127.0.0.1:1", "--once", "--wait", "0")
+    assert out.returncode == 1
+    line = _one_line(out.stderr)
+    assert "cannot reach the broker 127.0.0.1:1: Connection refused; is it running and listening there?" in line
+    assert "(--broker HOST:PORT)" in line

@@ -131,6 +131,27 @@ def candidate_figures(c: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+VERDICTS = ("pass", "degraded", "fail")
+
+
+def proof_verdict(doc: Mapping[str, Any]) -> str:
+    """The one word for a self-test report everywhere (health, monitor, /metrics, the report's banner, push):
+    fail when nothing was selected; degraded when what serves did not pass clean (too slow for its budget under
+    selection.when_too_slow: degraded, or a pinned variant below its floor); else pass."""
+    if not doc.get("passed"):
+        return "fail"
+    return "degraded" if doc.get("degraded") or doc.get("pinned_below_floor") else "pass"
+
+
+def audited(selftest: Mapping[str, Any], audit: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The health's self-test figures with the serving audit's word: answers that drifted while serving make a
+    passed proof `degraded` (the proof held at boot, the live session no longer does)."""
+    out = dict(selftest)
+    if out.get("verdict") == "pass" and audit and audit.get("state") == "degraded":
+        out.update(verdict="degraded", passed=False)
+    return out
+
+
 def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
     """The self-test figures health, /metrics and the report page show, from one report (or from the
     few keys an older caller passes: passed, created, cached, reason)."""
@@ -144,11 +165,12 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         except ValueError:
             created_ts = None
     sel = _map(doc.get("selected")) or None
-    passed = bool(doc.get("passed"))
+    verdict = proof_verdict(doc)
     bundle = _map(doc.get("bundle"))
     return {
-        "passed": passed,
-        "verdict": "pass" if passed else "fail",
+        # "pass" only when a candidate passed clean: one serving degraded is never shown as passed (issue 45)
+        "passed": verdict == "pass",
+        "verdict": verdict,
         "reason": doc.get("reason"),
         "created": created,
         "created_ts": created_ts,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 from agent.errors import AgentError, ConfigError, install_hint
+from agent.link.health import VERDICTS
 from agent.logsetup import get_logger
 
 log = get_logger("metrics")
@@ -116,10 +117,17 @@ def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
     fig = health.get("selftest") or {}
     if fig:
         b = fig.get("bundle") or {}
-        g = GaugeMetricFamily(f"{NS}_selftest_passed", "1 when the last self-test selected a candidate",
+        g = GaugeMetricFamily(f"{NS}_selftest_passed", "1 when the last self-test passed clean (0 when nothing "
+                              "passed or what serves is degraded: edge_agent_selftest_verdict says which)",
                               labels=["bundle", "version"])
-        g.add_metric([str(b.get("name")), str(b.get("version"))], int(bool(fig.get("passed"))))
+        said = fig.get("verdict") or ("pass" if fig.get("passed") else "fail")  # an older health: `passed` only
+        g.add_metric([str(b.get("name")), str(b.get("version"))], int(said == "pass"))
         yield g
+        word = GaugeMetricFamily(f"{NS}_selftest_verdict", "1 for the proof's verdict: pass, degraded (serving, "
+                                 "too slow, drifted or pinned below floor) or fail", labels=["verdict"])
+        for v in VERDICTS:
+            word.add_metric([v], int(said == v))
+        yield word
         if _num(fig.get("created_ts")) is not None:
             yield GaugeMetricFamily(f"{NS}_selftest_last_run_timestamp_seconds",
                                     "When the last self-test ran (Unix time)", value=fig["created_ts"])

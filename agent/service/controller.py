@@ -25,7 +25,7 @@ from agent.bundle.load import Bundle
 from agent.config import Config, load_config
 from agent.errors import AgentError, ConfigError, Stopping
 from agent.fsio import bump_counter
-from agent.link.health import ProcessProbe
+from agent.link.health import ProcessProbe, audited
 from agent.logsetup import configure_logging, get_logger
 from agent.proof import spare
 from agent.proof.session import forbid_fd_capture
@@ -449,7 +449,7 @@ class Controller:
         return self.pipeline.metrics if self.pipeline is not None else None
 
     def health(self) -> dict[str, Any]:
-        return health_document(
+        doc = health_document(
             device_id=self.cfg.device_id, started=self.started, session=self.link.session if self.link else 0,
             interval_s=self.cfg.output.health_interval_s, serving=self.serving,
             not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
@@ -458,6 +458,9 @@ class Controller:
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
             update_machine=self.updater.machine.snapshot.to_dict() if self.updater is not None else None,
         ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict()}
+        if doc["selftest"]:  # drift while serving: the proof's verdict is degraded here too, never "pass"
+            doc["selftest"] = audited(doc["selftest"], doc["audit"])
+        return doc
 
     def _status_text(self) -> str:
         """systemd's STATUS=, with what an operator must see beside "serving" (degraded, pinned); never "None"."""
