@@ -234,3 +234,32 @@ def test_monitor_of_an_unreachable_broker_says_the_cause_and_the_fix_as_push_doe
     line = _one_line(out.stderr)
     assert "cannot reach the broker 127.0.0.1:1: Connection refused; is it running and listening there?" in line
     assert "(--broker HOST:PORT)" in line
+
+
+def test_selftest_ends_on_ctrl_c_even_when_sigint_came_in_ignored_and_says_so(tmp_path: Path) -> None:
+    """Fault: started with SIGINT ignored (a script, cron, CI), `selftest` ran a 74 s proof to its end through
+    Ctrl-C, and printed no "interrupted" line on a terminal either."""
+    import signal
+    import time
+
+    from agentproc import parse_events
+
+    err = tmp_path / "err.log"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "selftest", "--bundle", str(DEMO),
+                                 "--state-dir", str(tmp_path / "state"), "--no-cache", "--latency-runs", "100000"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=f, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        end = time.monotonic() + 120
+        while not any(e.get("event") == "selftest.child_started" for e in parse_events(err.read_text())):
+            assert proc.poll() is None and time.monotonic() < end, err.read_text()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130, err.read_text()[-2000:]
+    assert "edge-agent: selftest interrupted (Ctrl-C)" in err.read_text()

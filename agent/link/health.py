@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any, Mapping
 
 from agent import __version__
+from agent.proof.overall import proof_verdict
 
 HEALTH_SCHEMA = 1
 
@@ -129,18 +130,6 @@ def candidate_figures(c: Mapping[str, Any]) -> dict[str, Any]:
         "provider_fraction": round(nodes.get(provider, 0) / total, 4) if total else None,
         "partitions": _int(place.get("partitions")),
     }
-
-
-VERDICTS = ("pass", "degraded", "fail")
-
-
-def proof_verdict(doc: Mapping[str, Any]) -> str:
-    """The one word for a self-test report everywhere (health, monitor, /metrics, the report's banner, push):
-    fail when nothing was selected; degraded when what serves did not pass clean (too slow for its budget under
-    selection.when_too_slow: degraded, or a pinned variant below its floor); else pass."""
-    if not doc.get("passed"):
-        return "fail"
-    return "degraded" if doc.get("degraded") or doc.get("pinned_below_floor") else "pass"
 
 
 def audited(selftest: Mapping[str, Any], audit: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 from agent.errors import AgentError, ConfigError, install_hint
-from agent.link.health import VERDICTS
+from agent.proof.overall import VERDICTS
 from agent.logsetup import get_logger
 
 log = get_logger("metrics")

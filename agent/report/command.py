@@ -54,7 +54,7 @@ def run_report(args: argparse.Namespace) -> int:
     if args.open:
         print(out.resolve().as_uri())
     else:
-        from agent.link.health import proof_verdict
+        from agent.proof.overall import proof_verdict
 
         verdict = proof_verdict(doc).upper()  # DEGRADED, never PASS, for what serves too slow or below floor
         print(f"{verdict}: wrote {out} ({out.stat().st_size:,} bytes)")

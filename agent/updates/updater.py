@@ -20,10 +20,10 @@ from agent.bundle.load import Bundle, load_bundle
 from agent.config import UpdatesConfig
 from agent.errors import AgentError, UpdateRejected
 from agent.hashing import sha256_file
-from agent.link.health import proof_verdict
 from agent.logsetup import get_logger
 from agent.bundle.signing import verify_signature
 from agent.proof.isolation import prove_in_child
+from agent.proof.overall import proof_verdict
 from agent.proof.verdict import Candidate
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation, p95
 from agent.updates.machine import AFTER_SWITCH, BEFORE_SWITCH, Busy, Event, Snapshot, State, UpdateMachine
