@@ -3,6 +3,8 @@ audit's counters, are in /metrics (the families the metrics server renders) and 
 
 from __future__ import annotations
 
+import json
+
 from agent.link.prometheus import families
 from agent.service.audit import loud_state
 
@@ -94,3 +96,19 @@ def test_monitor_shows_degraded_not_pass() -> None:
     row = view.row(0.0)
     assert row["verdict"] == "degraded"
     assert "degraded" in render([row]).splitlines()[1]
+
+
+def test_home_assistants_self_test_sensor_says_degraded() -> None:
+    """The discovery template rendered as Home Assistant renders it (Jinja): it said fail or pass from `passed`."""
+    import jinja2
+
+    from agent.config import Config
+    from agent.link.discovery import discovery_messages
+    from agent.link.health import selftest_figures
+    from agent.link.topics import Topics
+
+    msgs = {k.split("/")[-2]: json.loads(v) for k, v in discovery_messages(Config(), Topics("edge/dev/")).items()}
+    template = jinja2.Environment().from_string(next(m for k, m in msgs.items() if k.endswith("verdict"))
+                                                ["value_template"])
+    assert template.render(value_json={"selftest": selftest_figures(DEGRADED_REPORT)}) == "degraded"
+    assert template.render(value_json={"selftest": {}}) == "none"

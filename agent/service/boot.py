@@ -97,7 +97,8 @@ def bundle_path_problem(path: Path) -> str | None:
 
 def bundle_unreadable(root: Path) -> str | None:
     """Why the bundle at `root` cannot be read at all (its manifest, a file's hash), or None. Asked only after a
-    proof ended with no report: the child read the same files and survived, so reading them here is safe."""
+    proof ended with no report; it parses the manifest and hashes the files (pure Python: no session, no native
+    code a crash could hide in), which is all the agent itself does with them before a verdict anyway."""
     try:
         load_bundle(root, check_contracts=False, check_golden=False)
     except AgentError as exc:

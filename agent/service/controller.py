@@ -365,7 +365,7 @@ class Controller:
         self.reproof.after_proof(o.report, self.serving, self.not_serving_reason)
         if self.reproof.armed:
             log.warning("reproof.scheduled", **self.reproof.to_dict())
-        if self.not_serving_reason is not None and self.config_refused is None:
+        if self.not_serving_reason is not None:
             # the reason, the figure against its bound, the key to change and the next attempt, at once
             log.error("boot.not_serving", reason=self.not_serving_reason,
                       **not_serving_advice(self.not_serving_reason, self.selftest_doc if o.report else None,
