@@ -201,8 +201,9 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
-def start_metrics_server(listen: str | None, source: MetricsSource) -> MetricsServer | None:
-    """Serve /metrics on `listen` ("HOST:PORT"); None (and nothing imported) when it is unset."""
+def start_metrics_server(listen: str | None, source: MetricsSource, live: Any = None) -> MetricsServer | None:
+    """Serve /metrics on `listen` ("HOST:PORT"); None (and nothing imported) when it is unset. `live`: an
+    `agent.link.liveview.LiveView` whose /live pages the same listener serves beside /metrics."""
     if not listen:
         return None
     host, port = parse_listen(listen)
@@ -216,11 +217,28 @@ def start_metrics_server(listen: str | None, source: MetricsSource) -> MetricsSe
     registry.register(_Collector(source))
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
     try:
-        server, thread = start_http_server(port, host, registry=registry)
+        if live is None:
+            server, thread = start_http_server(port, host, registry=registry)
+        else:
+            server, thread = _serve_with_live(host, port, registry, live)
     except OSError as exc:
         raise AgentError(f"metrics.listen {listen}: cannot listen: {exc.strerror or exc}") from exc
-    log.info("metrics.listening", listen=f"{host}:{port}", path="/metrics")
+    log.info("metrics.listening", listen=f"{host}:{port}", path="/metrics", live_view="/live" if live else None)
     return MetricsServer(host, port, server, thread)
+
+
+def _serve_with_live(host: str, port: int, registry: Any, live: Any) -> tuple[Any, threading.Thread]:
+    """prometheus_client's own threaded WSGI server and /metrics app, with /live routed to the live view."""
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+
+    server = make_server(host, port, live.wsgi(make_wsgi_app(registry)), ThreadingWSGIServer,
+                         handler_class=_SilentHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return server, thread
 
 
 def _verdict_families(health: Mapping[str, Any], fig: Mapping[str, Any]) -> Iterator[Any]:

@@ -180,6 +180,7 @@ class Controller:
         self.receiver: ChunkReceiver | None = None
         self.downloader: Downloader | None = None
         self.metrics_server: MetricsServer | None = None
+        self.live_view: Any = None  # agent.link.liveview.LiveView with metrics.live_view
         self.link: MqttLink | None = None
         self.outbox: Outbox | None = None
         self.started = time.monotonic()
@@ -320,6 +321,7 @@ class Controller:
         self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline, lossless,
                                  boot=self.boot_number, first_seq=self._next_seq)
         self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
+        self.pipeline.live = self.live_view
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
         return self.pipeline.start()
 
@@ -876,7 +878,11 @@ class Controller:
         self._start_mqtt()  # a broker that is down never delays boot: the link connects in the background
         from agent.link.prometheus import start_metrics_server
 
-        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self)  # None unless metrics.listen
+        if self.cfg.metrics.listen and self.cfg.metrics.live_view:
+            from agent.link.liveview import LiveView
+
+            self.live_view = LiveView(self.health_snapshot)
+        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self, self.live_view)  # None unless set
         # The boot's proof runs on a job thread like any operation: the controller answers commands and
         # takes bundle messages meanwhile; an update that arrives now waits for the slot.
         self._try_operation("boot")

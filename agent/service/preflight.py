@@ -211,6 +211,9 @@ def _try_open(key: str, src: SourceConfig, bundle: Bundle, f: Findings) -> None:
 
 def _check_metrics(cfg: Config, f: Findings) -> None:
     if not cfg.metrics.listen:
+        if cfg.metrics.live_view:
+            f.problems.append("key metrics.live_view: the live view is served on metrics.listen, which is not set: "
+                              "set metrics.listen: 127.0.0.1:9108 (or another HOST:PORT)")
         return
     from agent.link.prometheus import parse_listen
 
