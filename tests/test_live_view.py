@@ -76,40 +76,87 @@ def _get(url: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def test_the_live_page_shows_the_demo_frame_with_its_result_drawn_in_chromium(tmp_path: Path, agent_process) -> None:
+def _watch(agent, port: int, tmp_path: Path) -> tuple[np.ndarray, str]:
+    """Look at the live view as a person does: the page until it shows the source, its drawn snapshot, then the
+    page in headless Chromium (DOM and screenshot). Returns the snapshot and the browser's DOM."""
     if CHROMIUM is None:
         pytest.fail("chromium is not installed: scripts/test.sh installs it (apt-get install chromium)")
+    base = f"http://127.0.0.1:{port}"
+    agent.wait_event("boot.ready", timeout=120)
+    first = _get(f"{base}/live")  # the first look: from now on frames are kept
+    assert first[0] == 200 and b"id='no-frames'" in first[1]  # nothing was kept before anyone looked
+    agent.wait(lambda: b"<img id='live-0'" in _get(f"{base}/live")[1], timeout=60, what="the source on the page")
+    name = _get(f"{base}/live")[1].split(b"/live/snapshot/")[1].split(b"'")[0].decode()
+    snap = f"{base}/live/snapshot/{name}"
+    agent.wait(lambda: _get(snap)[0] == 200, timeout=60, what="a drawn snapshot")
+    img = cv2.imdecode(np.frombuffer(_get(snap)[1], np.uint8), cv2.IMREAD_COLOR)
+    shot = tmp_path / "live.png"
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          f"--user-data-dir={tmp_path / 'chromium'}", "--no-first-run", "--window-size=1000,600",
+                          f"--screenshot={shot}", "--dump-dom", f"{base}/live"],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    assert "id=\"live-0\"" in dom and "id=\"verdict\"" in dom and ">PASS<" in dom
+    shown = cv2.imread(str(shot))
+    assert (np.abs(shown.astype(int) - shown[590, 990].astype(int)).sum(axis=2) > 60).sum() > 20_000  # the frame
+    assert _get(f"{base}/metrics")[0] == 200  # /metrics still served by the same listener
+    print(f"screenshot: {shot}")
+    return img, dom
+
+
+def test_the_live_page_shows_the_demo_frame_with_its_result_drawn_in_chromium(tmp_path: Path, agent_process) -> None:
     port = _free_port()
     agent = agent_process(demo_config(tmp_path, metrics={"listen": f"127.0.0.1:{port}", "live_view": True},
                                       output={"stdout": False, "health_interval_s": 0.5})).start()
-    base = f"http://127.0.0.1:{port}"
     try:
-        agent.wait_event("boot.ready", timeout=120)
-        first = _get(f"{base}/live")  # the first look: from now on frames are kept
-        assert first[0] == 200 and b"id='no-frames'" in first[1]  # nothing was kept before anyone looked
-        agent.wait(lambda: b"<img id='live-0'" in _get(f"{base}/live")[1], timeout=60, what="the source on the page")
-        page = _get(f"{base}/live")[1]
-        name = page.split(b"/live/snapshot/")[1].split(b"'")[0].decode()
-        snap = f"{base}/live/snapshot/{name}"
-        agent.wait(lambda: _get(snap)[0] == 200, timeout=60, what="a drawn snapshot")
-        jpeg = np.frombuffer(_get(snap)[1], np.uint8)
-        img = cv2.imdecode(jpeg, cv2.IMREAD_COLOR)
-        assert img.shape == (320, 320, 3)  # the 160 px demo frame, enlarged for legible words
-        assert (img[5:60, 5:150] > 230).all(axis=2).sum() > 50  # the top classes written in white, top left
-        shot = tmp_path / "live.png"
-        dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                              f"--user-data-dir={tmp_path / 'chromium'}", "--no-first-run", "--window-size=1000,600",
-                              f"--screenshot={shot}", "--dump-dom", f"{base}/live"],
-                             check=True, capture_output=True, text=True, timeout=120).stdout
-        assert "id=\"live-0\"" in dom and "id=\"verdict\"" in dom and ">PASS<" in dom
-        assert "digits-classifier v1" in dom  # what serves, beside the picture
-        assert shot.stat().st_size > 10_000
-        shown = cv2.imread(str(shot))
-        assert (np.abs(shown.astype(int) - shown[590, 990].astype(int)).sum(axis=2) > 60).sum() > 20_000  # the frame
-        assert _get(f"{base}/metrics")[0] == 200  # /metrics still served by the same listener
-        print(f"screenshot: {shot}")
+        img, dom = _watch(agent, port, tmp_path)
     finally:
         agent.stop()
+    assert img.shape == (320, 320, 3)  # the 160 px demo frame, enlarged for legible words
+    assert (img[5:60, 5:150] > 230).all(axis=2).sum() > 50  # the top classes written in white, top left
+    assert "digits-classifier v1" in dom  # what serves, beside the picture
+
+
+def test_the_live_page_draws_a_detectors_boxes_and_keypoints_where_it_served_them(tmp_path: Path,
+                                                                                 agent_process) -> None:
+    """A stand-in detector (a constant head and a boxes + keypoints post graph, tests/stage_graphs.py) serves
+    box [5, 10, 15, 20] and keypoints (7.5, 12.5), (10, 15) on 40x40 frames: drawn there, enlarged 8 times."""
+    from agent.bundle.create import CreateOptions, create_bundle
+    from stage_graphs import boxes_keypoints_post, constant_head_model
+
+    import yaml
+
+    head = np.array([[[4, 8, 12, 16, 0.9, 6, 10, 8, 12]]], np.float32)  # input pixels (32x32 of a 40x40 frame)
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for i in range(4):  # grey frames: nothing in them looks like the marks drawn
+        cv2.imwrite(str(frames / f"{i:03d}.png"), np.full((40, 40, 3), 90 + 10 * i, np.uint8))
+    spec = {"name": "det", "version": 1, "task": "boxes",
+            "frame": {"kind": "image", "height": 40, "width": 40, "channels": 3, "color": "rgb"},
+            "preprocess": {"resize": {"width": 32, "height": 32, "mode": "stretch"}, "scale": 1 / 255,
+                           "layout": "nchw", "dtype": "float32"},
+            "postprocess": {"result": {"kind": "boxes", "boxes": "det_boxes", "scores": "det_scores",
+                                       "keypoints": "det_kps"}}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    bundle = create_bundle(CreateOptions(model=constant_head_model(tmp_path / "m.onnx", head),
+                                         spec=tmp_path / "spec.yaml", calibration=frames, golden=frames,
+                                         out=tmp_path / "bundle", int8=False,
+                                         post_graph=boxes_keypoints_post(tmp_path / "post.onnx", "output", 1, 2)))
+    port = _free_port()
+    agent = agent_process(demo_config(tmp_path, bundle=str(bundle),
+                                      source={"path": str(frames), "loop": True, "max_fps": 50},
+                                      metrics={"listen": f"127.0.0.1:{port}", "live_view": True},
+                                      output={"stdout": False, "health_interval_s": 0.5})).start()
+    try:
+        img, dom = _watch(agent, port, tmp_path)
+    finally:
+        agent.stop()
+    assert img.shape == (320, 320, 3)
+    green = (img[:, :, 1] > 150) & (img[:, :, 0] < 120) & (img[:, :, 2] < 120)
+    assert green[157:164, 60:100].any(axis=0).all() and green[100:140, 117:124].any(axis=1).all()  # bottom, right
+    assert not green[100:140, 60:100].any()  # inside it: the frame
+    yellow = (img[:, :, 1] > 150) & (img[:, :, 2] > 150) & (img[:, :, 0] < 120)
+    assert yellow[97:103, 57:63].any() and yellow[117:123, 77:83].any()  # the keypoints at 8 x (7.5, 12.5), (10, 15)
+    assert "det v1" in dom
 
 
 def test_live_view_without_a_listener_is_refused_by_config_check(tmp_path: Path) -> None:
