@@ -99,6 +99,10 @@ def _watch(agent, port: int, tmp_path: Path) -> tuple[np.ndarray, str]:
     shown = cv2.imread(str(shot))
     assert (np.abs(shown.astype(int) - shown[590, 990].astype(int)).sum(axis=2) > 60).sum() > 20_000  # the frame
     assert _get(f"{base}/metrics")[0] == 200  # /metrics still served by the same listener
+    with urllib.request.urlopen(f"{base}/live/stream/{name.removesuffix('.jpg')}.mjpg", timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("multipart/x-mixed-replace")
+        head = r.read(200)  # the first part's headers and the start of its JPEG; then the viewer leaves
+        assert head.startswith(b"--edgeagentframe\r\nContent-Type: image/jpeg") and b"\xff\xd8" in head
     print(f"screenshot: {shot}")
     return img, dom
 
@@ -166,3 +170,26 @@ def test_live_view_without_a_listener_is_refused_by_config_check(tmp_path: Path)
     f = Findings()
     _check_metrics(Config(metrics=MetricsConfig(live_view=True)), f)
     assert f.problems and f.problems[0].startswith("key metrics.live_view: ")
+
+
+def test_mjpeg_streams_are_bounded_and_give_their_place_back_when_closed() -> None:
+    from agent.link import liveview
+
+    clock = Clock()
+    view = LiveView(lambda: {}, clock=clock)
+    view.sleep = lambda s: setattr(clock, "t", clock.t + s)  # the stream's pacing, on the test's clock
+    view.snapshot("cam")  # watched
+    view.keep(1, "cam", np.zeros((8, 8, 3), np.uint8), 1, True)
+    view.served(1, 1, {"type": "classes", "top": [{"label": "a", "score": 1.0}]})
+    app = view.wsgi(lambda env, start: [b"metrics"])
+    said: list[str] = []
+    opened = [app({"PATH_INFO": "/live/stream/cam.mjpg"}, lambda status, headers: said.append(status))
+              for _ in range(liveview.MAX_STREAMS + 1)]
+    assert said == ["200 OK"] * liveview.MAX_STREAMS + ["503 Service Unavailable"]
+    part = next(iter(opened[0]))
+    assert part.startswith(b"--edgeagentframe\r\nContent-Type: image/jpeg") and b"\xff\xd8" in part  # a JPEG
+    for body in opened[:-1]:
+        body.close()  # the viewers left (one before its first part)
+    assert app({"PATH_INFO": "/live/stream/cam.mjpg"}, lambda status, headers: said.append(status)) is not None
+    assert said[-1] == "200 OK"  # their places are free again
+    assert b"".join(app({"PATH_INFO": "/metrics"}, lambda s, h: None)) == b"metrics"  # the rest: /metrics

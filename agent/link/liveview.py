@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -25,6 +25,9 @@ KEEP_PER_S = 5.0       # at most this many frames a second per source are copied
 MAX_PENDING = 32       # kept pixels waiting for their result (a frame refused on the way never comes back)
 REFRESH_S = 1          # the page reloads its snapshots this often
 MIN_WIDTH = 320        # frames narrower than this are drawn enlarged (whole multiples, nearest neighbour)
+MAX_STREAMS = 4        # MJPEG viewers at once (each holds a server thread); more are answered 503
+STREAM_MAX_S = 600.0   # an MJPEG stream ends after this long (a forgotten tab does not keep frames kept forever)
+BOUNDARY = "edgeagentframe"
 
 GREEN, YELLOW, WHITE, BLACK = (60, 200, 60), (40, 220, 255), (255, 255, 255), (0, 0, 0)  # BGR
 
@@ -54,6 +57,8 @@ class LiveView:
         self._latest: dict[str, Kept] = {}
         self._jpeg: dict[str, tuple[int, bytes]] = {}  # each source's latest drawn snapshot, by seq
         self.drawn = 0  # frames drawn and encoded (the cost while watched; stays 0 while nobody watches)
+        self._streams = threading.BoundedSemaphore(MAX_STREAMS)
+        self.sleep = time.sleep
 
     # -- the pipeline's side -------------------------------------------------------------------------------
     def wanted(self, source: str) -> bool:
@@ -112,8 +117,21 @@ class LiveView:
         self.watched()
         return render_page(self.health(), {s: self._latest.get(s) for s in self.sources()})
 
+    def stream(self, source: str, max_s: float = STREAM_MAX_S) -> Iterable[bytes]:
+        """multipart/x-mixed-replace parts: each newly drawn frame of `source`, at most KEEP_PER_S a second, for
+        at most `max_s`."""
+        end, last = self.clock() + max_s, None
+        while self.clock() < end:
+            data = self.snapshot(source)  # keeps the view watched while the stream is open
+            if data is not None and data is not last:
+                last = data
+                yield (f"--{BOUNDARY}\r\nContent-Type: image/jpeg\r\nContent-Length: {len(data)}\r\n\r\n"
+                       .encode() + data + b"\r\n")
+            self.sleep(1.0 / KEEP_PER_S)
+
     def wsgi(self, fallback: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
-        """A WSGI app: /live (the page), /live/snapshot/<source>.jpg; anything else to `fallback` (/metrics)."""
+        """A WSGI app: /live (the page), /live/snapshot/<source>.jpg, /live/stream/<source>.mjpg; anything else to
+        `fallback` (/metrics)."""
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             path = environ.get("PATH_INFO") or "/"
             if path in ("/live", "/live/"):
@@ -128,9 +146,36 @@ class LiveView:
                     return [b"no frame served from this source yet (or it is not being watched yet: ask again)\n"]
                 start_response("200 OK", [("Content-Type", "image/jpeg"), ("Cache-Control", "no-store")])
                 return [data]
+            if path.startswith("/live/stream/") and path.endswith(".mjpg"):
+                if not self._streams.acquire(blocking=False):
+                    start_response("503 Service Unavailable", [("Content-Type", "text/plain"), ("Retry-After", "10")])
+                    return [f"{MAX_STREAMS} live streams are open already: use the snapshots (/live)\n".encode()]
+                start_response("200 OK", [("Content-Type", f"multipart/x-mixed-replace; boundary={BOUNDARY}"),
+                                          ("Cache-Control", "no-store")])
+                return _Held(self.stream(unquote(path[len("/live/stream/"):-len(".mjpg")])), self._streams.release)
             return fallback(environ, start_response)
 
         return app
+
+
+class _Held:
+    """A streamed response that gives its place back when the server closes it (a viewer left, the stream ended,
+    or it never started): WSGI calls `close` in every case, where a generator's own `finally` may never run."""
+
+    def __init__(self, parts: Iterable[bytes], release: Callable[[], None]):
+        self.parts, self._release = parts, release
+        self._released = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.parts)
+
+    def close(self) -> None:
+        close = getattr(self.parts, "close", None)
+        if close is not None:
+            close()
+        if not self._released:
+            self._released = True
+            self._release()
 
 
 def draw(kept: Kept) -> np.ndarray:
@@ -239,7 +284,8 @@ def render_page(health: Mapping[str, Any], latest: Mapping[str, Kept | None]) ->
         # snapshot, fetched a moment later, may be a newer one
         cards.append(f"<figure class='src'><img id='live-{i}' alt='{e(name)}' "
                      f"src='/live/snapshot/{quote(name, safe='')}.jpg'><figcaption><b>{e(name)}</b>: its latest "
-                     "served frame, the result drawn as served</figcaption></figure>")
+                     f"served frame, the result drawn as served (<a href='/live/stream/{quote(name, safe='')}.mjpg'>"
+                     "MJPEG stream</a>)</figcaption></figure>")
     if not cards:
         cards.append("<p id='no-frames'>No frame served yet: the page reloads until one is.</p>")
     cls = verdict if verdict in ("pass", "degraded", "fail") else "other"
