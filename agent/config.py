@@ -238,6 +238,9 @@ class UpdatesConfig:
 class MetricsConfig:
     listen: Annotated[str | None, Key("HOST:PORT for Prometheus /metrics, e.g. 127.0.0.1:9108 (needs the extra "
                                       "metrics); off when unset")] = None
+    live_view: Annotated[bool, Key("also serve /live on metrics.listen: the latest frame of each source with its "
+                                   "served result drawn, beside the verdict, health, audit and latency "
+                                   "(agent.link.liveview)")] = False
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ def test_verify_of_a_corrupt_bundle_exits_1_naming_the_file(tiny_bundle: Path) -
     out = edge_agent("bundle", "verify", str(tiny_bundle))
     assert out.returncode == 1
     assert "model_fp32.onnx: hash mismatch" in out.stderr
+    assert "copy or unpack the bundle again, or rebuild it" in out.stderr  # the fix, not only both hashes
 
 
 def test_providers_json_reports_cpu_usable() -> None:
@@ -224,3 +225,41 @@ def test_stream_reconnects_leave_no_opencv_or_ffmpeg_lines_in_the_json_log(tmp_p
         srv.close()
     lines = [ln for ln in agent.log_text().splitlines() if ln.strip()]
     assert [ln for ln in lines if not ln.startswith("{")] == []
+
+
+def test_monitor_of_an_unreachable_broker_says_the_cause_and_the_fix_as_push_does() -> None:
+    """Fault: `monitor` said only "cannot reach the broker at 127.0.0.1:1" (no cause, no fix) where push says both."""
+    out = edge_agent("monitor", "--broker", "127.0.0.1:1", "--once", "--wait", "0")
+    assert out.returncode == 1
+    line = _one_line(out.stderr)
+    assert "cannot reach the broker 127.0.0.1:1: Connection refused; is it running and listening there?" in line
+    assert "(--broker HOST:PORT)" in line
+
+
+def test_selftest_ends_on_ctrl_c_even_when_sigint_came_in_ignored_and_says_so(tmp_path: Path) -> None:
+    """Fault: started with SIGINT ignored (a script, cron, CI), `selftest` ran a 74 s proof to its end through
+    Ctrl-C, and printed no "interrupted" line on a terminal either."""
+    import signal
+    import time
+
+    from agentproc import parse_events
+
+    err = tmp_path / "err.log"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "agent", "--log-json", "selftest", "--bundle", str(DEMO),
+                                 "--state-dir", str(tmp_path / "state"), "--no-cache", "--latency-runs", "100000"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=f, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        end = time.monotonic() + 120
+        while not any(e.get("event") == "selftest.child_started" for e in parse_events(err.read_text())):
+            assert proc.poll() is None and time.monotonic() < end, err.read_text()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 130, err.read_text()[-2000:]
+    assert "edge-agent: selftest interrupted (Ctrl-C)" in err.read_text()

@@ -101,3 +101,52 @@ def test_a_read_only_state_dir_is_refused(tmp_path: Path) -> None:
 def test_an_unreadable_mqtt_password_file_is_refused(tmp_path: Path) -> None:
     out = _check(tmp_path, mqtt={"enabled": True, "password_file": str(tmp_path / "nope")})
     assert out.returncode == 1 and "key mqtt.password_file: cannot read" in _one_line(out.stderr)
+
+
+def _check_doc(tmp_path: Path, doc: dict) -> subprocess.CompletedProcess:
+    p = tmp_path / "agent.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return subprocess.run([sys.executable, "-m", "agent", "config", "check", str(p)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs sysfs")
+def test_a_state_dir_under_sysfs_is_refused_although_access_says_writable(tmp_path: Path) -> None:
+    """Fault: the check trusted os.access on the parent (root: yes for /sys); mkdir there fails. Now it creates."""
+    out = _check(tmp_path, state_dir="/sys/edge-agent-check")
+    assert out.returncode == 1, out.stderr
+    assert "key state_dir: /sys/edge-agent-check cannot be created: " in _one_line(out.stderr)
+    assert not Path("/sys/edge-agent-check").exists()
+
+
+def test_no_bundle_with_no_way_to_receive_one_is_refused(tmp_path: Path) -> None:
+    base = {"state_dir": str(tmp_path / "state"), "source": {"type": "folder", "path": str(FRAMES)}}
+    out = _check_doc(tmp_path, base)
+    assert out.returncode == 1
+    assert "key bundle: not set, and nothing could deliver one" in _one_line(out.stderr)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    ok = _check_doc(tmp_path, {**base, "updates": {"enabled": True, "inbox": str(inbox), "allow_unsigned": True}})
+    assert ok.returncode == 0, ok.stderr  # an inbox can deliver one: "not serving until one is pushed", a note
+
+
+def test_a_provider_pin_this_build_lacks_without_cpu_fallback_is_refused(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    out = _check(tmp_path, selection={"provider": "CUDAExecutionProvider", "allow_cpu_fallback": False})
+    assert out.returncode == 1
+    line = _one_line(out.stderr)
+    assert "key selection.provider: CUDAExecutionProvider is not in this onnxruntime build" in line
+    assert "allow_cpu_fallback: true" in line
+    assert _check(tmp_path, selection={"provider": "CUDAExecutionProvider"}).returncode == 0  # falls back: serves
+
+
+def test_a_camera_node_that_is_absent_is_refused(tmp_path: Path) -> None:
+    node = "/dev/video97"
+    if Path(node).exists():
+        pytest.skip(f"{node} exists here")
+    out = _check(tmp_path, source={"type": "camera", "device": node})
+    assert out.returncode == 1
+    assert f"key source.device: {node} does not exist" in _one_line(out.stderr)

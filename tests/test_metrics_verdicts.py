@@ -3,6 +3,8 @@ audit's counters, are in /metrics (the families the metrics server renders) and 
 
 from __future__ import annotations
 
+import json
+
 from agent.link.prometheus import families
 from agent.service.audit import loud_state
 
@@ -63,3 +65,63 @@ def test_sensor_stream_losses_and_backlog_are_in_metrics_per_stream() -> None:
     assert v["edge_agent_sensor_backlog_seconds" + labels] == 1.5
     assert v["edge_agent_sensor_oldest_unserved_age_seconds" + labels] == 1.75
     assert v["edge_agent_sensor_lost_datagrams_total{source=udp:0.0.0.0:9000}"] == 12
+
+
+DEGRADED_REPORT = {"passed": True, "too_slow": True, "bundle": {"name": "digits", "version": 1},
+                   "selected": {"provider": "CPUExecutionProvider", "variant": "fp32", "precision": "fp32"},
+                   "degraded": "serving CPUExecutionProvider:fp32 degraded: p95 63.00 ms stays over budget 50 ms",
+                   "candidates": []}
+
+
+def test_a_proof_serving_degraded_is_never_shown_as_passed() -> None:
+    """Fault: with when_too_slow: degraded, health said passed: true, verdict: pass and /metrics
+    edge_agent_selftest_passed 1 beside edge_agent_degraded{reason="too_slow"} 1."""
+    from agent.link.health import selftest_figures
+
+    fig = selftest_figures(DEGRADED_REPORT)
+    assert (fig["passed"], fig["verdict"]) == (False, "degraded")
+    v = _values({"uptime_s": 1, "serving": True, "selftest": fig, "audit": {"state": "ok"}})
+    assert v["edge_agent_selftest_passed{bundle=digits,version=1}"] == 0
+    assert v["edge_agent_selftest_verdict{verdict=degraded}"] == 1
+    assert v["edge_agent_selftest_verdict{verdict=pass}"] == 0 and v["edge_agent_degraded{reason=too_slow}"] == 1
+    pinned = selftest_figures({**DEGRADED_REPORT, "degraded": None, "pinned_below_floor": True})
+    assert pinned["verdict"] == "degraded"
+    clean = selftest_figures({**DEGRADED_REPORT, "degraded": None, "too_slow": False})
+    assert (clean["passed"], clean["verdict"]) == (True, "pass")
+    assert _values({"uptime_s": 1, "selftest": clean})["edge_agent_selftest_verdict{verdict=pass}"] == 1
+
+
+def test_drift_seen_by_the_audit_makes_the_health_verdict_degraded() -> None:
+    from agent.link.health import audited, selftest_figures
+
+    clean = selftest_figures({**DEGRADED_REPORT, "degraded": None, "too_slow": False})
+    assert audited(clean, {"state": "degraded"})["verdict"] == "degraded"
+    assert audited(clean, {"state": "degraded"})["passed"] is False
+    assert audited(clean, {"state": "ok"})["verdict"] == "pass"
+
+
+def test_monitor_shows_degraded_not_pass() -> None:
+    from agent.link.health import selftest_figures
+    from agent.link.monitor import DeviceView, render
+
+    view = DeviceView("cam-1", {"state": "online"}, {"ts": 0, "serving": True,
+                                                      "selftest": selftest_figures(DEGRADED_REPORT)})
+    row = view.row(0.0)
+    assert row["verdict"] == "degraded"
+    assert "degraded" in render([row]).splitlines()[1]
+
+
+def test_home_assistants_self_test_sensor_says_degraded() -> None:
+    """The discovery template rendered as Home Assistant renders it (Jinja): it said fail or pass from `passed`."""
+    import jinja2
+
+    from agent.config import Config
+    from agent.link.discovery import discovery_messages
+    from agent.link.health import selftest_figures
+    from agent.link.topics import Topics
+
+    msgs = {k.split("/")[-2]: json.loads(v) for k, v in discovery_messages(Config(), Topics("edge/dev/")).items()}
+    template = jinja2.Environment().from_string(next(m for k, m in msgs.items() if k.endswith("verdict"))
+                                                ["value_template"])
+    assert template.render(value_json={"selftest": selftest_figures(DEGRADED_REPORT)}) == "degraded"
+    assert template.render(value_json={"selftest": {}}) == "none"

@@ -88,3 +88,14 @@ def test_pipeline_tallies_a_swapped_engine_apart_and_probation_sees_its_refusals
                                           tally.non_finite, p95(tally.inference_ms), 50.0))
     assert not v.passed and "frame-format mismatch" in v.reasons[0]
     assert p.drops.get("refused_by_preprocessing") == tally.refused
+
+
+def test_probation_under_the_degraded_policy_takes_the_slowness_its_proof_accepted() -> None:
+    from dataclasses import replace
+
+    e = ProbationEvidence(seconds=5.0, frames=50, results=50, refused=0, inference_errors=0, non_finite=0,
+                          inference_p95_ms=9663.33, budget_ms=50.0, when_too_slow="degraded")
+    v = judge_probation(e)
+    assert v.passed and "DEGRADED: over budget 50 ms" in v.summary, v
+    assert not judge_probation(replace(e, when_too_slow="none")).passed  # the default policy still refuses it
+    assert not judge_probation(replace(e, inference_errors=1)).passed  # errors are never excused

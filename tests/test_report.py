@@ -317,3 +317,26 @@ def test_report_command_line_mistakes_exit_2_naming_the_flag(tiny_bundle: Path, 
     assert port.returncode == 2 and "--broker" in port.stderr and "internal error" not in port.stderr
     missing = edge_agent("report", str(tmp_path), "--bundle", str(tmp_path / "missing"))
     assert missing.returncode == 2 and "--bundle" in missing.stderr and "not a bundle directory" in missing.stderr
+
+
+def test_a_report_of_a_candidate_serving_degraded_opens_on_degraded_not_pass(passing: tuple, tmp_path: Path) -> None:
+    """Fault: the page opened on a green PASS banner above the candidates' red FAIL rows while it served degraded;
+    and the banner's self-test time read `8.924e+04 ms`."""
+    _, _, doc = passing
+    slow = copy.deepcopy(doc)
+    slow.update(degraded="serving CPUExecutionProvider:fp32 degraded: p95 over budget", too_slow=True,
+                duration_ms=89240.0)
+    page = render_report(slow)
+    assert 'class="banner degraded"' in page and ">DEGRADED<" in page
+    assert 'class="banner pass"' not in page and ">PASS<" not in page.split("<h2>")[0]
+    assert "1 min 29 s" in page and "e+04" not in page
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(slow))
+    out = edge_agent("report", str(report), "--out", str(tmp_path / "slow.html"))
+    assert out.returncode == 0 and out.stdout.startswith("DEGRADED: wrote"), out.stdout
+
+
+def test_readable_durations() -> None:
+    from agent.report.page import readable_duration
+
+    assert [readable_duration(v) for v in (532.4, 8924.0, 89240.0, None)] == ["532 ms", "8.9 s", "1 min 29 s", "-"]

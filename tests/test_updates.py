@@ -420,3 +420,27 @@ def test_a_step_that_crashed_an_update_proof_is_not_retried_at_the_next_boot(tmp
         report = json.loads((tmp_path / "state" / "selftest" / "report.json").read_text())
         fp32 = next(c for c in report["candidates"] if c["variant"] == "fp32")
         assert fp32["status"] == "skipped" and "crashed" in fp32["reasons"][0]
+
+
+def test_a_device_serving_under_when_too_slow_degraded_takes_an_update_its_proof_serves_degraded(
+        tmp_path: Path, kit: dict, agent_process) -> None:
+    """Fault: the update's self-test accepted the slow candidate (selection.when_too_slow: degraded), then
+    probation refused the same slowness (`rolled_back reason=probation: inference p95 ... over budget`): such a
+    device could never take an update. Now probation applies the same policy, and every status says DEGRADED."""
+    broker = Broker(tmp_path / "broker").start()
+    col = Collector(broker.port, [PREFIX + "#"])
+    cfg = agent_config(tmp_path, kit, broker.port)
+    cfg["selection"] = {**cfg["selection"], "when_too_slow": "degraded"}
+    agent = agent_process(cfg).start()
+    try:
+        assert col.wait(lambda: len(preds(col)) >= 5, 90), agent.log_text()[-3000:]
+        result = send_archive(kit["bundles"]["slow"], broker.port)
+        assert result["state"] == "committed", result
+        assert result["verdict"] == "degraded" and "DEGRADED: over budget 0.0001 ms" in result["detail"], result
+        proven = [s for s in statuses(col, result["update"]) if s["state"] == "selftest_passed"]
+        assert proven and proven[0]["verdict"] == "degraded" and "over budget" in proven[0]["degraded"], proven
+        assert col.wait(lambda: serving_version(col) == 2, 30)
+    finally:
+        agent.stop()
+        col.close()
+        broker.stop()

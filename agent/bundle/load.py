@@ -152,7 +152,9 @@ def verify_files(root: Path, manifest: Manifest) -> None:
             raise BundleError(f"{p}: missing (listed in {MANIFEST_NAME} files)")
         actual = sha256_file(p)
         if actual != expected:
-            raise BundleError(f"{p}: hash mismatch: manifest says sha256 {expected[:16]}..., file has {actual[:16]}...")
+            raise BundleError(f"{p}: hash mismatch: manifest says sha256 {expected[:16]}..., file has {actual[:16]}...: "
+                              "the file changed after the bundle was built (a damaged copy or an edit); copy or "
+                              "unpack the bundle again, or rebuild it (`edge-agent bundle create`)")
     extra = sorted(present - set(manifest.files))
     if extra:
         raise BundleError(f"{root}: files not listed in {MANIFEST_NAME} (so not covered by its hashes): {extra}")

@@ -233,13 +233,14 @@ class SimUpdater(Updater):
                     "reason": "no candidate passed: fidelity top1_agreement 0.91 under the floor 0.98 (simulated)"}
         return d.report(root, provider=CPU if d.fallback else None)
 
-    def _probation(self, bundle: Bundle, candidate: Any, swap: Any) -> ProbationVerdict:
+    def _probation(self, bundle: Bundle, candidate: Any, swap: Any, degraded: bool = False) -> ProbationVerdict:
         d = self.device
         time.sleep(d.group.probation_s)
         bad = d.fate == "rollback"
         return judge_probation(ProbationEvidence(
             seconds=d.group.probation_s, frames=40, results=40, refused=0, inference_errors=3 if bad else 0,
-            non_finite=0, inference_p95_ms=d.p95, budget_ms=bundle.manifest.selftest.budget_for(candidate.provider)))
+            non_finite=0, inference_p95_ms=d.p95, budget_ms=bundle.manifest.selftest.budget_for(candidate.provider),
+            when_too_slow="degraded" if degraded else "none"))
 
 
 class SimDevice:

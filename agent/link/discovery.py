@@ -26,7 +26,9 @@ def discovery_messages(cfg: Config, topics: Topics) -> dict[str, bytes]:
         "provider": {"name": "Execution provider", "state_topic": topics.health,
                      "value_template": "{{ value_json.provider.effective[0] if value_json.provider else 'none' }}"},
         "verdict": {"name": "Self-test", "state_topic": topics.health,
-                    "value_template": "{{ 'pass' if value_json.selftest.passed else 'fail' }}"},
+                    # health's one word (pass, degraded, fail): a device serving degraded is not "pass", nor "fail"
+                    "value_template": "{{ value_json.selftest.verdict if value_json.selftest.verdict is defined "
+                                      "else 'none' }}"},
         "last_prediction": {"name": "Last prediction", "state_topic": topics.predictions,
                             "value_template": _last_prediction_template()},
     }

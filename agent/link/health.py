@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from agent import __version__
 from agent.proof.isa import cpu_isa
+from agent.proof.overall import proof_verdict
 
 HEALTH_SCHEMA = 1
 
@@ -132,6 +133,15 @@ def candidate_figures(c: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def audited(selftest: Mapping[str, Any], audit: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The health's self-test figures with the serving audit's word: answers that drifted while serving make a
+    passed proof `degraded` (the proof held at boot, the live session no longer does)."""
+    out = dict(selftest)
+    if out.get("verdict") == "pass" and audit and audit.get("state") == "degraded":
+        out.update(verdict="degraded", passed=False)
+    return out
+
+
 def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
     """The self-test figures health, /metrics and the report page show, from one report (or from the
     few keys an older caller passes: passed, created, cached, reason)."""
@@ -145,11 +155,12 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         except ValueError:
             created_ts = None
     sel = _map(doc.get("selected")) or None
-    passed = bool(doc.get("passed"))
+    verdict = proof_verdict(doc)
     bundle = _map(doc.get("bundle"))
     return {
-        "passed": passed,
-        "verdict": "pass" if passed else "fail",
+        # "pass" only when a candidate passed clean: one serving degraded is never shown as passed (issue 45)
+        "passed": verdict == "pass",
+        "verdict": verdict,
         "reason": doc.get("reason"),
         "created": created,
         "created_ts": created_ts,

@@ -44,7 +44,9 @@ class DeviceView:
             "bundle": f"{bundle['bundle']}@{bundle['version']}" if bundle else None,
             "variant": h.get("variant"),
             "provider": (provider.get("effective") or [None])[0],
-            "verdict": None if not selftest else ("pass" if selftest.get("passed") else "fail"),
+            # health's own word (pass, degraded, fail); an older agent's health has only `passed`
+            "verdict": None if not selftest else (selftest.get("verdict") or ("pass" if selftest.get("passed")
+                                                                              else "fail")),
             "fps": (h.get("pipeline") or {}).get("fps_out"),
             "p95_ms": lat.get("p95"),
             "outbox": (h.get("outbox") or {}).get("depth"),
@@ -59,6 +61,7 @@ class Monitor:
         self.devices: dict[str, DeviceView] = {}
         self.lock = threading.Lock()
         self.connected = threading.Event()
+        self.refused: str | None = None  # the broker's own answer when it refused the connection (not authorised)
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
         if tls_ca or insecure:
             self.client.tls_set(ca_certs=tls_ca, cert_reqs=ssl.CERT_NONE if insecure else ssl.CERT_REQUIRED)
@@ -70,7 +73,9 @@ class Monitor:
         self.client.connect_async(host, port, 30)
 
     def _on_connect(self, c: paho.Client, u: Any, flags: Any, reason: Any, props: Any) -> None:
-        if not reason.is_failure:
+        if reason.is_failure:
+            self.refused = str(reason)
+        else:
             c.subscribe([(f"{self.root}/+/availability", 1), (f"{self.root}/+/health", 1)])
             self.connected.set()
 
@@ -102,23 +107,41 @@ class Monitor:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    head = f"{'device':16} {'state':8} {'bundle':24} {'variant':8} {'provider':10} {'test':5} {'fps':>7} {'p95 ms':>7} {'outbox':>7} {'seen':>6}"
+    head = f"{'device':16} {'state':8} {'bundle':24} {'variant':8} {'provider':10} {'test':8} {'fps':>7} {'p95 ms':>7} {'outbox':>7} {'seen':>6}"
     lines = [head]
     for r in rows:
         state = "STALE" if r["stale"] else r["availability"]
         prov = (r["provider"] or "-").replace("ExecutionProvider", "")
         fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"  # noqa: E731
         lines.append(f"{r['device']:16} {state:8} {r['bundle'] or '-':24} {r['variant'] or '-':8} {prov:10} "
-                     f"{r['verdict'] or '-':5} {fmt(r['fps'], '7.1f')} {fmt(r['p95_ms'], '7.2f')} "
+                     f"{r['verdict'] or '-':8} {fmt(r['fps'], '7.1f')} {fmt(r['p95_ms'], '7.2f')} "
                      f"{fmt(r['outbox'], '7d')} {fmt(r['last_seen_s'], '5.0f') + 's' if r['last_seen_s'] is not None else '-':>6}")
     return "\n".join(lines)
+
+
+def unreachable(host: str, port: int, refused: str | None, tls: bool) -> str:
+    """Why the broker did not answer, and what to change, as `push` says it: the broker's refusal, else the
+    socket's own error (refused, no route, timed out), else an MQTT handshake that never completed."""
+    if refused:
+        return (f"the broker {host}:{port} refused the connection: {refused}; check --username / --password-file "
+                "and the broker's ACL")
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as exc:
+        cause = exc.strerror or type(exc).__name__
+        return f"cannot reach the broker {host}:{port}: {cause}; is it running and listening there? (--broker HOST:PORT)"
+    return (f"cannot reach the broker {host}:{port}: the port answers but no MQTT connection completed; "
+            + ("check --tls-ca (TLS)" if tls else "a TLS port needs --tls-ca") + " and --broker HOST:PORT")
 
 
 def run_monitor(host: str, port: int, root: str, once: bool, wait_s: float, as_json: bool, **conn: Any) -> int:
     mon = Monitor(host, port, root, **conn).start()
     try:
         if not mon.connected.wait(timeout=max(wait_s, 5.0)):
-            print(f"edge-agent monitor: cannot reach the broker at {host}:{port}", file=sys.stderr)
+            print(f"edge-agent: {unreachable(host, port, mon.refused, bool(conn.get('tls_ca') or conn.get('insecure')))}",
+                  file=sys.stderr)
             return 1
         time.sleep(wait_s)  # retained messages arrive right after subscribing
         said_empty = False

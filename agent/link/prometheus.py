@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
 from agent.errors import AgentError, ConfigError, install_hint
+from agent.proof.overall import VERDICTS
 from agent.logsetup import get_logger
 
 log = get_logger("metrics")
@@ -154,10 +155,17 @@ def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
     fig = health.get("selftest") or {}
     if fig:
         b = fig.get("bundle") or {}
-        g = GaugeMetricFamily(f"{NS}_selftest_passed", "1 when the last self-test selected a candidate",
+        g = GaugeMetricFamily(f"{NS}_selftest_passed", "1 when the last self-test passed clean (0 when nothing "
+                              "passed or what serves is degraded: edge_agent_selftest_verdict says which)",
                               labels=["bundle", "version"])
-        g.add_metric([str(b.get("name")), str(b.get("version"))], int(bool(fig.get("passed"))))
+        said = fig.get("verdict") or ("pass" if fig.get("passed") else "fail")  # an older health: `passed` only
+        g.add_metric([str(b.get("name")), str(b.get("version"))], int(said == "pass"))
         yield g
+        word = GaugeMetricFamily(f"{NS}_selftest_verdict", "1 for the proof's verdict: pass, degraded (serving, "
+                                 "too slow, drifted or pinned below floor) or fail", labels=["verdict"])
+        for v in VERDICTS:
+            word.add_metric([v], int(said == v))
+        yield word
         if _num(fig.get("created_ts")) is not None:
             yield GaugeMetricFamily(f"{NS}_selftest_last_run_timestamp_seconds",
                                     "When the last self-test ran (Unix time)", value=fig["created_ts"])
@@ -231,8 +239,9 @@ class MetricsServer:
         self.thread.join(timeout=5)
 
 
-def start_metrics_server(listen: str | None, source: MetricsSource) -> MetricsServer | None:
-    """Serve /metrics on `listen` ("HOST:PORT"); None (and nothing imported) when it is unset."""
+def start_metrics_server(listen: str | None, source: MetricsSource, live: Any = None) -> MetricsServer | None:
+    """Serve /metrics on `listen` ("HOST:PORT"); None (and nothing imported) when it is unset. `live`: an
+    `agent.link.liveview.LiveView` whose /live pages the same listener serves beside /metrics."""
     if not listen:
         return None
     host, port = parse_listen(listen)
@@ -246,11 +255,28 @@ def start_metrics_server(listen: str | None, source: MetricsSource) -> MetricsSe
     registry.register(_Collector(source))
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
     try:
-        server, thread = start_http_server(port, host, registry=registry)
+        if live is None:
+            server, thread = start_http_server(port, host, registry=registry)
+        else:
+            server, thread = _serve_with_live(host, port, registry, live)
     except OSError as exc:
         raise AgentError(f"metrics.listen {listen}: cannot listen: {exc.strerror or exc}") from exc
-    log.info("metrics.listening", listen=f"{host}:{port}", path="/metrics")
+    log.info("metrics.listening", listen=f"{host}:{port}", path="/metrics", live_view="/live" if live else None)
     return MetricsServer(host, port, server, thread)
+
+
+def _serve_with_live(host: str, port: int, registry: Any, live: Any) -> tuple[Any, threading.Thread]:
+    """prometheus_client's own threaded WSGI server and /metrics app, with /live routed to the live view."""
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+
+    server = make_server(host, port, live.wsgi(make_wsgi_app(registry)), ThreadingWSGIServer,
+                         handler_class=_SilentHandler)
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return server, thread
 
 
 def _verdict_families(health: Mapping[str, Any], fig: Mapping[str, Any]) -> Iterator[Any]:

@@ -54,7 +54,9 @@ def run_report(args: argparse.Namespace) -> int:
     if args.open:
         print(out.resolve().as_uri())
     else:
-        verdict = "PASS" if doc.get("passed") else "FAIL"
+        from agent.proof.overall import proof_verdict
+
+        verdict = proof_verdict(doc).upper()  # DEGRADED, never PASS, for what serves too slow or below floor
         print(f"{verdict}: wrote {out} ({out.stat().st_size:,} bytes)")
     if not doc.get("passed"):
         print(f"edge-agent: the report's verdict: {doc.get('reason')}", file=sys.stderr)

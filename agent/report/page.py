@@ -24,7 +24,7 @@ from markupsafe import Markup
 from agent import __version__
 from agent.fsio import write_atomic
 from agent.logsetup import get_logger
-from agent.link.health import report_candidates, selftest_figures
+from agent.link.health import audited, report_candidates, selftest_figures
 from agent.report.extract import Metric, candidate_metrics, fmt, manifest_bounds, sample_views
 from agent.report.plots import LatencySeries, SamplePoint, latency_plot, sample_metric_plot
 from agent.report.serving import serving_view
@@ -46,6 +46,7 @@ th{background:#f0f0f0}td.num{text-align:right;font-variant-numeric:tabular-nums;
 .banner.pass{background:#e8f5e9;border:1px solid #2e7d32}.banner.fail{background:#ffebee;border:1px solid #c62828}
 .badge{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;font-weight:600;color:#fff}
 .badge.pass{background:#2e7d32}.badge.fail{background:#c62828}.badge.other{background:#78909c}
+.badge.degraded{background:#ef6c00}.banner.degraded{background:#fff3e0;border:1px solid #ef6c00}
 tr.fail td{background:#fff1f1}ul.reasons{margin:2px 0;padding-left:18px;min-width:240px}ul.reasons li{color:#b71c1c}
 .bar{display:flex;height:22px;width:100%;max-width:640px;border:1px solid #bbb;border-radius:3px;overflow:hidden}
 .bar span{display:block;height:100%;color:#fff;font-size:11px;line-height:22px;padding-left:4px;white-space:nowrap;overflow:hidden}
@@ -101,6 +102,18 @@ def _td(v: Any, num: bool = False) -> Markup:
     return _macros().td(v, num)
 
 
+def readable_duration(ms: Any) -> str:
+    """A self-test's time as a person reads it: 532 ms, 8.9 s, 1 min 29 s (never 8.924e+04 ms)."""
+    if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not math.isfinite(ms) or ms < 0:
+        return "-"
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    minutes, seconds = divmod(round(ms / 1000), 60)
+    return f"{minutes} min {seconds} s"
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g} ms"
 
@@ -111,7 +124,8 @@ class _Context:
     def __init__(self, doc: Mapping[str, Any], bundle_root: Path | None, health: Mapping[str, Any] | None = None):
         self.doc = doc
         self.health = health  # the device's health message: what serving has seen since this proof
-        self.figures = selftest_figures(doc)
+        # with the device's health: a drift its audit saw while serving makes a passed proof degraded here too
+        self.figures = audited(selftest_figures(doc), _map(_map(health).get("audit")))
         self.cands = report_candidates(doc)  # the same entries the figures were made from, in order
         root = bundle_root
         if root is None:
@@ -145,9 +159,9 @@ def _banner(ctx: _Context) -> Markup:
     f, doc = ctx.figures, ctx.doc
     b = _map(doc.get("bundle"))
     title = f"{b.get('name', '?')} v{b.get('version', '?')}" + (f" ({b['label']})" if b.get("label") else "")
-    return _macros().banner(title, bool(f.get("passed")), _map(f.get("selected")),
+    return _macros().banner(title, bool(f.get("selected")), _map(f.get("selected")),
                             doc.get("reason") or "no candidate passed", f.get("verdict", "fail"), doc.get("created"),
-                            doc.get("duration_ms"), bool(f.get("cached")), str(b.get("manifest_sha256", "-"))[:16])
+                            readable_duration(doc.get("duration_ms")), bool(f.get("cached")), str(b.get("manifest_sha256", "-"))[:16])
 
 
 def _versions(ctx: _Context) -> Markup:

@@ -32,6 +32,10 @@ class BootOutcome:
     engine: Engine | None
     report: dict[str, Any] | None  # the self-test report that proved (or refused) it
     reason: str | None             # why nothing serves; None when `engine` is ready
+    # the bundle can never be proven as it stands (missing, not a bundle, a file that fails its hash): no re-proof
+    # or reload of the same files changes that; only a new bundle does (the controller exits when none can come)
+    unservable: bool = False
+    refused: bool = False  # the config itself cannot serve (a source that cannot open): not even a new bundle helps
 
 
 def serving_root(cfg: Config, store: Any) -> Path | None:
@@ -91,6 +95,25 @@ def bundle_path_problem(path: Path) -> str | None:
     return None
 
 
+def bundle_unreadable(root: Path) -> str | None:
+    """Why the bundle at `root` cannot be read at all (its manifest, a file's hash), or None. Asked only after a
+    proof ended with no report; it parses the manifest and hashes the files (pure Python: no session, no native
+    code a crash could hide in), which is all the agent itself does with them before a verdict anyway."""
+    try:
+        load_bundle(root, check_contracts=False, check_golden=False)
+    except AgentError as exc:
+        return str(exc)
+    return None
+
+
+def _no_report(root: Path, error: str | None) -> BootOutcome:
+    """A proof with no report: an unreadable bundle is said as `config check` says it (key bundle: ...)."""
+    why = bundle_unreadable(root)
+    if why is not None:
+        return BootOutcome(None, None, None, f"key bundle: {why}", unservable=True)
+    return BootOutcome(None, None, None, error)
+
+
 def boot(cfg: Config, store: Any) -> BootOutcome:
     """Prove the serving bundle in a child and open its winner; any failure is a reason, never a raise."""
     try:
@@ -98,19 +121,20 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
     except AgentError as exc:
         return BootOutcome(None, None, None, str(exc))
     if root is None:
-        return BootOutcome(None, None, None, "no bundle configured (key bundle) and none in the store")
+        return BootOutcome(None, None, None, "key bundle: no bundle configured and none in the store (set bundle: "
+                           "to a bundle directory, or push one)", unservable=True)
     if store is None and (why := bundle_path_problem(root)) is not None:
-        return BootOutcome(None, None, None, f"key bundle: {why}")
+        return BootOutcome(None, None, None, f"key bundle: {why}", unservable=True)
     # a serving process that died under its candidate's marker: recorded before the child reads the ledger
     recover_serving_crashes(cfg.state_dir / "selftest", CrashLedger(cfg.state_dir / "selftest"))
     try:
         proof = prove(root, cfg)
     except AgentError as exc:  # a reason, never a traceback in job.failed
-        return BootOutcome(None, None, None, str(exc))
+        return _no_report(root, str(exc))
     for crash in proof.crashes:
         log.error("boot.step_crashed", step=crash.step, signal=crash.signal)
     if proof.report is None:
-        return BootOutcome(None, None, None, proof.error)
+        return _no_report(root, proof.error)
     try:
         # The child checked every variant's contract and the golden arrays; here only the files are read and
         # their hashes checked (the manifest's sha is compared with the proven one below), and only after the

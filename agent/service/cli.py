@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from agent import __version__
 from agent.errors import AgentError, UsageError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_SELECTED = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
 @contextmanager
@@ -234,9 +236,15 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
                                ("--latency-runs", args.latency_runs),
                                ("--latency-retries", args.latency_retries)) if v is not None and v is not False
              for a in (flag, str(v))]
-    with bundle_dir(args.bundle) as root:  # proven in a child: a crashing provider is a verdict, not exit 139
-        proof = prove_in_child(root, state, args.config or cfg, cfg.updates.selftest_timeout_s,
-                               use_cache=not args.no_cache, extra_args=extra)
+    # Ctrl-C ends a self-test even when SIGINT came in ignored (a script, cron, CI start commands so): Python
+    # installs its handler only for a SIGINT that is not ignored at start. The child dies with this process.
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        with bundle_dir(args.bundle) as root:  # proven in a child: a crashing provider is a verdict, not exit 139
+            proof = prove_in_child(root, state, args.config or cfg, cfg.updates.selftest_timeout_s,
+                                   use_cache=not args.no_cache, extra_args=extra)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     if proof.report is None:
         print(f"edge-agent: {proof.error}", file=sys.stderr)
         return EXIT_ERROR
@@ -252,6 +260,22 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
         print(f"edge-agent: {proof.reason}", file=sys.stderr)
         return EXIT_NOT_SELECTED
     return EXIT_OK
+
+
+INTERRUPT_GRACE_S = 3.0
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    """SIGINT during `selftest`: say so, then unwind. A KeyboardInterrupt that lands inside a fork hook (logging's,
+    while the child is being started) is swallowed there and the wait goes on: a timer ends the process then."""
+    os.write(2, b"edge-agent: selftest interrupted (Ctrl-C): no verdict, nothing cached; run it again to prove "
+                b"the bundle\n")  # os.write: safe inside a handler, whatever the main thread was printing
+    import threading
+
+    timer = threading.Timer(INTERRUPT_GRACE_S, os._exit, args=(EXIT_INTERRUPTED,))
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
 
 
 def _task_metric(q: dict | None) -> str:

@@ -25,7 +25,7 @@ from agent.bundle.load import Bundle
 from agent.config import Config, load_config
 from agent.errors import AgentError, ConfigError, Stopping
 from agent.fsio import bump_counter
-from agent.link.health import ProcessProbe
+from agent.link.health import ProcessProbe, audited
 from agent.logsetup import configure_logging, get_logger
 from agent.proof import spare
 from agent.proof.session import forbid_fd_capture
@@ -35,9 +35,11 @@ from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode, warm_decoder
 from agent.service.boot import BootOutcome, boot, open_engine, prove
+from agent.service.advice import not_serving_advice
 from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
+from agent.service.preflight import can_receive_bundle, source_problems
 from agent.service.sdnotify import Notifier
 from agent.updates.machine import State
 from agent.updates.probation import probation_over
@@ -178,6 +180,7 @@ class Controller:
         self.receiver: ChunkReceiver | None = None
         self.downloader: Downloader | None = None
         self.metrics_server: MetricsServer | None = None
+        self.live_view: Any = None  # agent.link.liveview.LiveView with metrics.live_view
         self.link: MqttLink | None = None
         self.outbox: Outbox | None = None
         self.started = time.monotonic()
@@ -318,6 +321,7 @@ class Controller:
         self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline, lossless,
                                  boot=self.boot_number, first_seq=self._next_seq)
         self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
+        self.pipeline.live = self.live_view
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
         return self.pipeline.start()
 
@@ -351,9 +355,9 @@ class Controller:
                 self.config_refused = str(exc)
             except AgentError as exc:
                 self.engine, self.not_serving_reason = None, str(exc)
-        if self.not_serving_reason is not None:
-            log.error("boot.not_serving", reason=self.not_serving_reason)
-        else:
+        if self.not_serving_reason is not None and (o.refused or (o.unservable and not can_receive_bundle(self.cfg))):
+            self.config_refused = self.not_serving_reason  # no bundle can ever come: exit 1, not idle forever
+        if self.not_serving_reason is None:
             assert self.engine is not None  # no reason: a proven engine serves
             log.info("boot.ready", **self.engine.describe())
             loud = loud_state(self.selftest_doc, None)
@@ -363,6 +367,11 @@ class Controller:
         self.reproof.after_proof(o.report, self.serving, self.not_serving_reason)
         if self.reproof.armed:
             log.warning("reproof.scheduled", **self.reproof.to_dict())
+        if self.not_serving_reason is not None:
+            # the reason, the figure against its bound, the key to change and the next attempt, at once
+            log.error("boot.not_serving", reason=self.not_serving_reason,
+                      **not_serving_advice(self.not_serving_reason, self.selftest_doc if o.report else None,
+                                           self.reproof.to_dict(), can_receive_bundle(self.cfg)))
         self._publish_selftest()
 
     # -- updates (called by the updater, on its thread) --------------------------------------------------
@@ -442,7 +451,7 @@ class Controller:
         return self.pipeline.metrics if self.pipeline is not None else None
 
     def health(self) -> dict[str, Any]:
-        return health_document(
+        doc = health_document(
             device_id=self.cfg.device_id, started=self.started, session=self.link.session if self.link else 0,
             interval_s=self.cfg.output.health_interval_s, serving=self.serving,
             not_serving_reason=None if self.serving else (self.not_serving_reason or self._idle_reason()),
@@ -451,6 +460,9 @@ class Controller:
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
             update_machine=self.updater.machine.snapshot.to_dict() if self.updater is not None else None,
         ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict()}
+        if doc["selftest"]:  # drift while serving: the proof's verdict is degraded here too, never "pass"
+            doc["selftest"] = audited(doc["selftest"], doc["audit"])
+        return doc
 
     def _status_text(self) -> str:
         """systemd's STATUS=, with what an operator must see beside "serving" (degraded, pinned); never "None"."""
@@ -868,7 +880,11 @@ class Controller:
         self._start_mqtt()  # a broker that is down never delays boot: the link connects in the background
         from agent.link.prometheus import start_metrics_server
 
-        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self)  # None unless metrics.listen
+        if self.cfg.metrics.listen and self.cfg.metrics.live_view:
+            from agent.link.liveview import LiveView
+
+            self.live_view = LiveView(self.health_snapshot)
+        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self, self.live_view)  # None unless set
         # The boot's proof runs on a job thread like any operation: the controller answers commands and
         # takes bundle messages meanwhile; an update that arrives now waits for the slot.
         self._try_operation("boot")
@@ -884,7 +900,9 @@ class Controller:
             warm = threading.Thread(target=warm_decoder, args=(self.cfg.source_list,), name="warm-decoder",
                                     daemon=True)
             warm.start()
-            outcome = boot(self.cfg, self.store)
+            # a source `run` can never open is refused before a proof that would take minutes (config check's line)
+            bad = source_problems(self.cfg)
+            outcome = BootOutcome(None, None, None, bad[0], refused=True) if bad else boot(self.cfg, self.store)
             warm.join(timeout=30)  # done long before, normally; the source would wait for it anyway
             spare.discard()  # the boot's proof adopted it, or never will: it would only hold memory
             self.call(lambda: self._boot_done(outcome))

@@ -43,7 +43,7 @@ def state_dir_problem(path: Path) -> str | None:
     if probe != path:
         if not os.access(probe, os.W_OK | os.X_OK):
             return f"{path} cannot be created: {probe} is not writable by this user"
-        return None
+        return _creatable(path, probe)
     try:  # a real write: access() says yes to root on a read-only bind mount on some kernels
         with tempfile.TemporaryFile(dir=path):
             pass
@@ -52,10 +52,39 @@ def state_dir_problem(path: Path) -> str | None:
     return None
 
 
+def _creatable(path: Path, existing: Path) -> str | None:
+    """Really create the first missing directory under `existing`, then take it away again: access() says yes for
+    root under /sys and /proc, and on a read-only mount, where mkdir still fails (EPERM, EROFS, ENOENT)."""
+    first = path
+    while first.parent != existing:
+        first = first.parent
+    try:
+        first.mkdir()
+    except FileExistsError:
+        return None  # made meanwhile (the agent itself): creatable
+    except OSError as exc:
+        return f"{path} cannot be created: {exc.strerror} (set state_dir to a directory this user can create)"
+    try:
+        first.rmdir()
+    except OSError:
+        pass  # something else wrote into it meanwhile: it exists, which is all `run` needs
+    return None
+
+
+def source_problems(cfg: Config) -> list[str]:
+    """What `run` checks of its sources before the self-test (no bundle needed): a missing, unreadable or
+    non-video file, a missing url or topic. A camera node may appear later (USB): only `config check` refuses
+    one that is absent."""
+    f = Findings()
+    _check_sources(cfg, None, True, f, devices=False)
+    return f.problems
+
+
 def check(cfg: Config, installed_here: bool = True) -> Findings:
     """`installed_here` False: a template read before install.sh (paths it installs are notes, not problems)."""
     f = Findings()
     bundle = _check_bundle(cfg, installed_here, f)
+    _check_selection(cfg, f)
     _check_sources(cfg, bundle, installed_here, f)
     why = state_dir_problem(cfg.state_dir)
     if why is not None:
@@ -70,9 +99,18 @@ def check(cfg: Config, installed_here: bool = True) -> Findings:
     return f
 
 
+def can_receive_bundle(cfg: Config) -> bool:
+    """Whether a bundle can reach this agent while it runs: updates on, over MQTT (push, url) or an inbox."""
+    return cfg.updates.enabled and (cfg.mqtt.enabled or cfg.updates.inbox is not None)
+
+
 def _check_bundle(cfg: Config, installed_here: bool, f: Findings) -> Bundle | None:
     if cfg.bundle is None:
-        f.notes.append("no bundle configured: the agent will run not serving until one is pushed")
+        if can_receive_bundle(cfg):
+            f.notes.append("no bundle configured: the agent will run not serving until one is pushed")
+        else:
+            f.problems.append("key bundle: not set, and nothing could deliver one (updates.enabled is off, or has "
+                              "neither mqtt.enabled nor updates.inbox): set bundle: to a bundle directory")
         return None
     if not installed_here and not cfg.bundle.exists():
         f.notes.append(f"bundle {cfg.bundle}: not installed here; checked when install.sh installs this config")
@@ -97,7 +135,33 @@ def _check_bundle(cfg: Config, installed_here: bool, f: Findings) -> Bundle | No
     return b
 
 
-def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: Findings) -> None:
+def _check_selection(cfg: Config, f: Findings) -> None:
+    """A CUDA (or any accelerator) pin with no CPU fallback on a machine that has no such provider serves nothing."""
+    pin = cfg.selection.provider
+    if pin is None or pin == "CPUExecutionProvider" or cfg.selection.allow_cpu_fallback:
+        return
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    if pin not in have:
+        f.problems.append(f"key selection.provider: {pin} is not in this onnxruntime build ({', '.join(have)}) and "
+                          "selection.allow_cpu_fallback is false: nothing could serve; install its onnxruntime "
+                          "package, or set allow_cpu_fallback: true")
+
+
+def _camera_problem(device: str | None) -> str | None:
+    """A camera index or /dev/video* path with no such node here (V4L2: index N is /dev/videoN)."""
+    dev = device or "0"
+    node = Path(f"/dev/video{dev}") if dev.isdigit() else Path(dev)
+    if not str(node).startswith("/dev/") or node.exists():
+        return None
+    have = sorted(str(p) for p in Path("/dev").glob("video*"))
+    return (f"{node} does not exist (this machine has {', '.join(have) if have else 'no /dev/video* node'}): plug "
+            "the camera in, or set source.device to one that is there")
+
+
+def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: Findings,
+                   devices: bool = True) -> None:
     from agent.serving.source_checks import video_problem
 
     for i, src in enumerate(cfg.source_list):
@@ -127,6 +191,8 @@ def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: 
             f.problems.append(f"key {key}.url: source type stream needs a url")
         elif src.type == "mqtt" and not src.topic:
             f.problems.append(f"key {key}.topic: source type mqtt needs a topic")
+        elif src.type == "camera" and devices and installed_here and (why := _camera_problem(src.device)):
+            f.problems.append(f"key {key}.device: {why}")
         else:
             f.notes.append(f"{key} {src.type}: cannot be opened by a check here; `edge-agent run` reports it")
 
@@ -145,6 +211,9 @@ def _try_open(key: str, src: SourceConfig, bundle: Bundle, f: Findings) -> None:
 
 def _check_metrics(cfg: Config, f: Findings) -> None:
     if not cfg.metrics.listen:
+        if cfg.metrics.live_view:
+            f.problems.append("key metrics.live_view: the live view is served on metrics.listen, which is not set: "
+                              "set metrics.listen: 127.0.0.1:9108 (or another HOST:PORT)")
         return
     from agent.link.prometheus import parse_listen
 

@@ -192,6 +192,10 @@ class Pipeline:
                  boot: int = 0, first_seq: int = 1):
         self.source, self.sink, self.cfg, self.lossless = source, sink, cfg, lossless
         self.boot = boot  # with seq, identifies a result across agent restarts
+        # the live view (agent.link.liveview), when someone may watch: asked per frame, keeps pixels only then
+        self.live: Any = None
+        self._view_name: Callable[[Frame], str] = ((lambda f: f.source) if hasattr(source, "feeds")
+                                                   else (lambda f: source.name))
         self.failed: str | None = None  # "<stage>: <error>" once a stage died
         self.drops: dict[str, int] = {}  # reason -> frames captured and not published
         self._tallies: dict[int, EngineTally] = {id(engine): EngineTally()}
@@ -521,6 +525,9 @@ class Pipeline:
             try:
                 data = f.data  # a deferred decode or colour conversion happens here, once
                 tensor, geometry = engine.preprocessor.with_geometry(data)  # a pre graph runs once per frame
+                live = self.live
+                if live is not None and live.wanted(name := self._view_name(f)):  # someone watches: a copy
+                    live.keep(id(f), name, data, f.scale, engine.bundle.manifest.frame.color == "rgb")
                 del data
                 f.release()  # nothing after this reads the pixels: only the tensor travels on
                 tensors.append(tensor)
@@ -744,6 +751,8 @@ class Pipeline:
                     "timings": timings,
                     "result": result,
                 })
+                if self.live is not None:
+                    self.live.served(id(frame), self._seq, result)
                 m.frames_out += 1
                 tally.results += 1
                 if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:

@@ -27,6 +27,9 @@ class ProbationEvidence:
     inference_p95_ms: float | None
     budget_ms: float | None  # the bundle's latency budget for the provider; None: no budget
     post_refused: int = 0  # results its post stage refused (a post graph's outputs its result kind refuses)
+    # the update's own proof served it degraded (selection.when_too_slow: degraded): the same policy here, so a
+    # device too slow for the budget takes an update that is no worse instead of refusing the slowness it accepted
+    when_too_slow: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,7 +47,9 @@ class ProbationVerdict:
         if not self.passed:
             return "probation: " + "; ".join(self.reasons)
         p95 = "-" if e.inference_p95_ms is None else f"{e.inference_p95_ms:.2f} ms"
-        return f"{e.results} results from {e.frames} frames, inference p95 {p95}, no errors"
+        return f"{e.results} results from {e.frames} frames, inference p95 {p95}, no errors" + (
+            f" (DEGRADED: over budget {e.budget_ms:g} ms, served under selection.when_too_slow: degraded)"
+            if over_budget(e) else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "reasons": list(self.reasons), "evidence": self.evidence.to_dict()}
@@ -75,7 +80,11 @@ def judge_probation(e: ProbationEvidence) -> ProbationVerdict:
         reasons.append(f"{e.non_finite} inferences with non-finite outputs")
     if e.post_refused:
         reasons.append(f"{e.post_refused} results refused by its post stage (postprocess.graph)")
-    if e.budget_ms is not None and e.inference_p95_ms is not None and (
-            not math.isfinite(e.inference_p95_ms) or e.inference_p95_ms > e.budget_ms):
+    if over_budget(e) and e.when_too_slow != "degraded":
         reasons.append(f"inference p95 = {e.inference_p95_ms:.2f} ms over budget {e.budget_ms:g} ms")
     return ProbationVerdict(not reasons, tuple(reasons), e)
+
+
+def over_budget(e: ProbationEvidence) -> bool:
+    return e.budget_ms is not None and e.inference_p95_ms is not None and (
+        not math.isfinite(e.inference_p95_ms) or e.inference_p95_ms > e.budget_ms)

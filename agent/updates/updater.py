@@ -23,6 +23,7 @@ from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.bundle.signing import verify_signature
 from agent.proof.isolation import prove_in_child
+from agent.proof.overall import proof_verdict
 from agent.proof.verdict import Candidate
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation, p95
 from agent.updates.machine import AFTER_SWITCH, BEFORE_SWITCH, Busy, Event, Snapshot, State, UpdateMachine
@@ -214,7 +215,10 @@ class Updater:
         candidate = Candidate(sel["provider"], sel["variant"], sel["precision"],
                               next((c.get("options") or {} for c in report["candidates"]
                                     if c["provider"] == sel["provider"] and c["variant"] == sel["variant"]), {}))
-        self.status(update, origin, "selftest_passed", selected=f"{candidate.provider}:{candidate.variant}")
+        proof = proof_verdict(report)  # a degraded proof says so in every status (push prints them), never "pass"
+        loud = {"degraded": report.get("degraded") or "pinned below its floor"} if proof == "degraded" else {}
+        self.status(update, origin, "selftest_passed", selected=f"{candidate.provider}:{candidate.variant}",
+                    verdict=proof, **loud)
 
         bid = stored_id or self.store.add(root, bundle)
         # recorded before `current` moves: a power cut from here on is rolled back at boot
@@ -233,7 +237,7 @@ class Updater:
         self._fire(Event.SWITCHED, expect=update, expect_origin=origin)
         self.status(update, origin, "probation", seconds=self.cfg.probation_s, frames=self.cfg.probation_frames)
         try:
-            verdict = self._probation(stored, candidate, swap)
+            verdict = self._probation(stored, candidate, swap, degraded=bool(report.get("degraded")))
         except Exception:
             self.agent.restore(swap)
             raise
@@ -253,7 +257,7 @@ class Updater:
         self.store.commit(bid)
         self._fire(Event.PASSED, reason=verdict.summary, expect=update, expect_origin=origin)
         removed = self.store.prune(self.cfg.keep)
-        return self.status(update, origin, "committed", bundle=bid, probation=verdict.to_dict(),
+        return self.status(update, origin, "committed", bundle=bid, probation=verdict.to_dict(), verdict=proof,
                            detail=verdict.summary, pruned=removed)
 
     def _check_version_and_compatibility(self, bundle: Bundle) -> None:
@@ -281,7 +285,7 @@ class Updater:
             raise UpdateRejected(f"self-test on this device: {proof.error}; the agent kept serving")
         return proof.report
 
-    def _probation(self, bundle: Bundle, candidate: Candidate, swap: Any) -> ProbationVerdict:
+    def _probation(self, bundle: Bundle, candidate: Candidate, swap: Any, degraded: bool = False) -> ProbationVerdict:
         """The controller's tick watches what the new engine serves (N seconds or frames, a first error, a
         shutdown); this thread only waits for its word. The judging is `judge_probation`."""
         tally, seconds = self.agent.watch_probation(swap, self.cfg.probation_s, self.cfg.probation_frames)
@@ -290,4 +294,5 @@ class Updater:
             refused=tally.refused, inference_errors=tally.inference_errors, non_finite=tally.non_finite,
             post_refused=tally.post_refused,
             inference_p95_ms=p95(list(tally.inference_ms)),
-            budget_ms=bundle.manifest.selftest.budget_for(candidate.provider)))
+            budget_ms=bundle.manifest.selftest.budget_for(candidate.provider),
+            when_too_slow="degraded" if degraded else "none"))
