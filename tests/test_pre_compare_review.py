@@ -17,7 +17,7 @@ import yaml
 
 from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
-from agent.proof.pre_compare import Levels, compare, explain
+from agent.proof.pre_compare import Levels, compare
 from agent.proof.selftest import SelftestOptions, check_preprocessing, run_selftest
 from agent.spec import preprocess
 from agent.testing import rewrite_manifest
