@@ -394,8 +394,8 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
                 more_rep = judge_post_reproduction(m, post, got, geoms, recorded_post(golden, c.variant), bounds)
                 rep = replace(rep, findings=rep.findings + tuple(more_rep))
             fid = judge_final_fidelity(m, post, fid_got, refs_used, geoms, load_answers(bundle, len(golden)), floors)
-            rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(opened, m, c.variant, golden, bounds,
-                                                                               pre)))
+            rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(
+                opened, m, c.variant, golden, bounds, pre, tensor_bound=not pre_check.rounding)))
         if pre_check.rounding:
             fid = replace(fid, findings=tuple(replace(f, detail="on this device's own preprocessing, which rounds "
                                                       "differently from the bundle's" + (f"; {f.detail}" if f.detail else ""))
