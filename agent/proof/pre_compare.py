@@ -41,13 +41,18 @@ class SampleDiff:
     differing: float = 0.0  # fraction of values that differ more than the exact bound
     max_levels: float | None = None  # worst |difference| in source levels (None: levels unknown or shapes differ)
     bias_levels: float | None = None  # worst per-channel |mean signed difference| in levels
+    # worst distance of a difference from a whole number of levels, beyond the float rounding of the tensor's dtype:
+    # two 8-bit images through the same scale, mean and std differ by whole levels only; a mean, std or scale a
+    # little off moves every value by a fraction of one
+    off_grid_levels: float | None = None
 
     def within(self, max_levels: float = ROUNDING_MAX_LEVELS) -> bool:
         """Only the image library's rounding: within `max_levels` (at most one) source levels everywhere, no
         channel moved as a whole."""
         bound = min(max_levels, ROUNDING_MAX_LEVELS)
         return (bound > 0 and self.max_levels is not None and self.bias_levels is not None
-                and self.max_levels <= bound + _LEVEL_SLACK and self.bias_levels <= ROUNDING_MAX_BIAS)
+                and self.off_grid_levels is not None and self.max_levels <= bound + _LEVEL_SLACK
+                and self.bias_levels <= ROUNDING_MAX_BIAS and self.off_grid_levels <= _LEVEL_SLACK)
 
 
 def _per_channel(a: np.ndarray, axis: int) -> np.ndarray:
@@ -60,7 +65,11 @@ def compare(device: np.ndarray, bundled: np.ndarray, levels: Levels | None, exac
     """How far the device's tensor is from the bundled one, in tensor units and (with `levels`) in source levels."""
     if device.shape != bundled.shape:
         return SampleDiff(float("inf"))
-    diff = device.astype(np.float64) - bundled.astype(np.float64)
+    dev, ref = device.astype(np.float64), bundled.astype(np.float64)
+    diff = dev - ref
+    diff[np.isnan(dev) & np.isnan(ref)] = 0.0  # NaN where the bundle holds NaN too: the same value
+    if not np.all(np.isfinite(diff)):  # NaN compares false with every bound: a NaN or Inf of its own is no rounding
+        return SampleDiff(float("inf"), float(np.mean(~np.isfinite(diff) | (np.abs(diff) > exact_bound))))
     mag = np.abs(diff)
     max_abs = float(mag.max()) if mag.size else 0.0
     differing = float(np.mean(mag > exact_bound)) if mag.size else 0.0
@@ -71,7 +80,15 @@ def compare(device: np.ndarray, bundled: np.ndarray, levels: Levels | None, exac
         return SampleDiff(max_abs, differing)
     step = np.abs(np.asarray(levels.step, dtype=np.float64))[:, None]
     in_levels = d / step
-    return SampleDiff(max_abs, differing, float(np.abs(in_levels).max()), float(np.abs(in_levels.mean(axis=1)).max()))
+    if np.issubdtype(device.dtype, np.floating) and np.issubdtype(bundled.dtype, np.floating):
+        # each tensor is rounded once to its dtype: at most one ulp of the largest value apart for the same level
+        eps = float(max(np.finfo(device.dtype).eps, np.finfo(bundled.dtype).eps))
+        float_slack = eps * float(np.abs(ref).max()) / float(step.min())
+        off_grid = max(0.0, float(np.abs(in_levels - np.round(in_levels)).max()) - float_slack)
+    else:  # an integer tensor with its own cast: the grid is not the source's
+        off_grid = 0.0
+    return SampleDiff(max_abs, differing, float(np.abs(in_levels).max()), float(np.abs(in_levels.mean(axis=1)).max()),
+                      off_grid)
 
 
 def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> str:
@@ -103,7 +120,8 @@ def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> s
         gains.append(float(gain))
         shifts.append(float(shift))
         fits = fits and float(np.abs(y - (gain * x + shift)).max()) <= near
-    if fits and all(abs(g - 1.0) <= 0.01 for g in gains):
+    # a gain counts once it moves the channel's picture apart by a quarter level (1 % of 255 levels is 2.5)
+    if fits and all(abs(g - 1.0) * max(float(np.ptp(x)), 1.0) <= 0.25 for g, x in zip(gains, ref)):
         moved = ", ".join(f"{s:+.2f}" for s in shifts)
         return f"every value of a channel moved by a constant ({moved} source levels per channel): check preprocess.mean"
     if fits:
