@@ -241,3 +241,31 @@ def test_a_small_gain_is_explained_as_std_or_scale_not_as_a_mean(tmp_path: Path,
     pc, _ = check_preprocessing(b, b.golden())
     assert not pc.rounding
     assert "preprocess.std" in pc.explanation and "preprocess.mean" not in pc.explanation, pc.explanation
+
+
+def test_a_float16_input_one_level_off_on_a_quarter_of_the_values_is_rounding() -> None:
+    """preprocess.dtype float16 (allowed for declarative preprocessing): each tensor is rounded to float16 once, so
+    one level reads as up to 1.06 levels (an fp16 ulp near 2 is an eighth of the demo's level) and a correct
+    rounding device was refused. The grid's whole levels are what is counted."""
+    rng = np.random.default_rng(4)
+    pixels = rng.integers(0, 256, (1, 3, 32, 32)).astype(np.float32)
+    flips = (rng.random(pixels.shape) < 0.27) * rng.choice([-1, 1], pixels.shape)
+    mul, sub = np.float32(LEVEL), np.float32(2.0)
+    bundled = (pixels * mul - sub).astype(np.float16)
+    device = (np.clip(pixels + flips, 0, 255) * mul - sub).astype(np.float16)
+    d = compare(device, bundled, _levels(), 1e-4)
+    assert d.within(), d
+    assert d.max_levels == 1.0
+    two = (np.clip(pixels + 2 * flips, 0, 255) * mul - sub).astype(np.float16)
+    assert not compare(two, bundled, _levels(), 1e-4).within()
+
+
+def test_the_explanation_of_a_nan_says_nan_not_another_picture() -> None:
+    from agent.proof.pre_compare import explain
+
+    rng = np.random.default_rng(5)
+    bundled = (rng.integers(0, 256, (1, 3, 8, 8)) * LEVEL - 2.0).astype(np.float32)
+    device = bundled.copy()
+    device[0, 1, 2, 3] = np.nan
+    assert "NaN" in explain(device, bundled, _levels())
+    assert "NaN" in explain(device, bundled, None)  # a pre graph's tensors: no levels, still said
