@@ -80,14 +80,17 @@ def compare(device: np.ndarray, bundled: np.ndarray, levels: Levels | None, exac
         return SampleDiff(max_abs, differing)
     step = np.abs(np.asarray(levels.step, dtype=np.float64))[:, None]
     in_levels = d / step
+    whole = np.round(in_levels)
     if np.issubdtype(device.dtype, np.floating) and np.issubdtype(bundled.dtype, np.floating):
         # each tensor is rounded once to its dtype: at most one ulp of the largest value apart for the same level
         eps = float(max(np.finfo(device.dtype).eps, np.finfo(bundled.dtype).eps))
         float_slack = eps * float(np.abs(ref).max()) / float(step.min())
-        off_grid = max(0.0, float(np.abs(in_levels - np.round(in_levels)).max()) - float_slack)
-    else:  # an integer tensor with its own cast: the grid is not the source's
+        off_grid = max(0.0, float(np.abs(in_levels - whole).max()) - float_slack)
+    else:  # raw pixels (uint8/int8 inputs take no scale, mean or std): whole levels by construction
         off_grid = 0.0
-    return SampleDiff(max_abs, differing, float(np.abs(in_levels).max()), float(np.abs(in_levels.mean(axis=1)).max()),
+    # on the grid, the whole levels are the difference (a float16 tensor's own rounding read 1 level as 1.06)
+    counted = whole if off_grid <= _LEVEL_SLACK else in_levels
+    return SampleDiff(max_abs, differing, float(np.abs(counted).max()), float(np.abs(counted.mean(axis=1)).max()),
                       off_grid)
 
 
@@ -97,6 +100,11 @@ def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> s
     if device.shape != bundled.shape:
         return (f"the device makes a tensor of shape {list(device.shape)} where the bundle holds "
                 f"{list(bundled.shape)}: check preprocess.resize and preprocess.layout")
+    dev_f, ref_f = device.astype(np.float64), bundled.astype(np.float64)
+    own = ~np.isfinite(dev_f) & ~(np.isnan(dev_f) & np.isnan(ref_f))
+    if own.any():
+        return (f"the device's tensor holds {int(own.sum())} NaN/Inf value(s) the bundled one does not: its "
+                "preprocessing computes no number there (a division by zero, a std of 0)")
     if levels is None:
         return ""
     step = np.asarray(levels.step, dtype=np.float64)[:, None]
