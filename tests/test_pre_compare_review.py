@@ -319,3 +319,31 @@ def test_a_pre_graph_whose_float_resize_rounds_one_value_differently_proves(tmp_
     pc, _ = check_preprocessing(b, b.golden())
     assert calls[0] >= 2 and pc.max_abs > 1e-4
     assert pc.rounding, pc
+
+
+def test_the_refusal_names_the_sample_that_is_not_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sample 0 rounds one level (max_abs 0.0157), sample 3 is moved a third of a level everywhere (max_abs 0.0052):
+    the finding named sample 0 -- the one that is only rounding -- with sample 3's explanation."""
+    from agent.proof.verdict import Candidate, Evidence, judge
+    from agent.spec.preprocess import Preprocessor
+
+    demo = load_bundle(Path(__file__).resolve().parent.parent / "models" / "digits-classifier")
+    golden = demo.golden()
+    own = Preprocessor.__call__
+
+    def device(self: Preprocessor, raw: np.ndarray) -> np.ndarray:
+        t = own(self, raw)
+        if raw is golden[0].raw:
+            t = t.copy()
+            t[0, 0, :4, :4] += np.float32(LEVEL)
+        elif raw is golden[3].raw:
+            t = t + np.float32(LEVEL / 3)
+        return t
+
+    monkeypatch.setattr(Preprocessor, "__call__", device)
+    pc, _ = check_preprocessing(demo, golden)
+    assert not pc.rounding and pc.worst_sample == 3, pc
+    assert "preprocess.mean" in pc.explanation
+    c = Candidate("CPUExecutionProvider", "fp32", "fp32")
+    reasons = judge(Evidence(c, preprocess=pc), demo.manifest).reasons
+    assert any("on sample 3 at stage preprocessing" in r and "preprocess.mean" in r for r in reasons), reasons
