@@ -347,3 +347,17 @@ def test_the_refusal_names_the_sample_that_is_not_rounding(monkeypatch: pytest.M
     c = Candidate("CPUExecutionProvider", "fp32", "fp32")
     reasons = judge(Evidence(c, preprocess=pc), demo.manifest).reasons
     assert any("on sample 3 at stage preprocessing" in r and "preprocess.mean" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("shift", [0.3, 1.0, 1.4])
+def test_a_mean_off_on_a_gray_picture_is_not_explained_as_reversed_channels(shift: float) -> None:
+    """R = G = B (an infrared or document camera): reversing the channels changes nothing, so every small shift
+    'fit' reversed channels and the hint said preprocess.color for a wrong mean."""
+    from agent.proof.pre_compare import explain
+
+    rng = np.random.default_rng(6)
+    gray = rng.integers(0, 256, (1, 1, 16, 16)).repeat(3, axis=1)
+    bundled = (gray * LEVEL - 2.0).astype(np.float32)
+    device = (bundled + np.float32(shift * LEVEL)).astype(np.float32)
+    why = explain(device, bundled, _levels())
+    assert "preprocess.mean" in why and "preprocess.color" not in why, why
