@@ -114,7 +114,8 @@ def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> s
     if dev.shape[0] != step.shape[0]:
         return ""
     near = ROUNDING_MAX_LEVELS + 0.5
-    if dev.shape[0] == 3 and np.abs(dev - ref[::-1]).max() <= near:
+    # reversed channels only where reversing changes the picture (R = G = B fits any small shift reversed)
+    if dev.shape[0] == 3 and np.abs(ref - ref[::-1]).max() > near and np.abs(dev - ref[::-1]).max() <= near:
         return "the channels are in reverse order: check preprocess.color (and the frame's color)"
     gains, shifts, fits = [], [], True
     for c in range(dev.shape[0]):
