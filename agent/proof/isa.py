@@ -57,7 +57,7 @@ def cpu_isa() -> dict[str, object]:
         feats, origin = _hwcap_features(), "hwcap"
     elif machine in ("x86_64", "AMD64", "i686", "i386"):
         feats, origin = _cpuinfo_flags(), "cpuinfo"
-    else:  # a 32-bit process on an arm64 kernel (uname says aarch64) gets the arm32 HWCAP layout: not decoded
+    else:  # other machines, and a 32-bit process on an arm64 kernel (uname says aarch64; its HWCAP is arm32's)
         feats, origin = None, "unknown"
     return {"machine": machine, "features": list(feats or []), "from": origin if feats is not None else "unknown"}
 

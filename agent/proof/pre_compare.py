@@ -47,8 +47,8 @@ class SampleDiff:
     off_grid_levels: float | None = None
 
     def within(self, max_levels: float = ROUNDING_MAX_LEVELS) -> bool:
-        """Only the image library's rounding: within `max_levels` (at most one) source levels everywhere, no
-        channel moved as a whole."""
+        """Only the image library's rounding: whole source levels, within `max_levels` (at most one) everywhere,
+        no channel moved as a whole."""
         bound = min(max_levels, ROUNDING_MAX_LEVELS)
         return (bound > 0 and self.max_levels is not None and self.bias_levels is not None
                 and self.off_grid_levels is not None and self.max_levels <= bound + _LEVEL_SLACK
