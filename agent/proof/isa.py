@@ -22,6 +22,10 @@ _HWCAP2 = {1: "sve2", 13: "i8mm", 14: "bf16"}
 _AT_HWCAP, _AT_HWCAP2 = 16, 26
 
 
+def _pointer_bits() -> int:
+    return ctypes.sizeof(ctypes.c_void_p) * 8
+
+
 def _hwcap_features() -> list[str] | None:
     try:
         getauxval = ctypes.CDLL(None).getauxval
@@ -49,11 +53,11 @@ def _cpuinfo_flags() -> list[str] | None:
 def cpu_isa() -> dict[str, object]:
     """{"machine": "aarch64" | "x86_64" | ..., "features": [...], "from": "hwcap" | "cpuinfo" | "unknown"}."""
     machine = platform.machine()
-    if machine in ("aarch64", "arm64"):
+    if machine in ("aarch64", "arm64") and _pointer_bits() == 64:
         feats, origin = _hwcap_features(), "hwcap"
     elif machine in ("x86_64", "AMD64", "i686", "i386"):
         feats, origin = _cpuinfo_flags(), "cpuinfo"
-    else:
+    else:  # other machines, and a 32-bit process on an arm64 kernel (uname says aarch64; its HWCAP is arm32's)
         feats, origin = None, "unknown"
     return {"machine": machine, "features": list(feats or []), "from": origin if feats is not None else "unknown"}
 

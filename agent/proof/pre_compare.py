@@ -41,13 +41,18 @@ class SampleDiff:
     differing: float = 0.0  # fraction of values that differ more than the exact bound
     max_levels: float | None = None  # worst |difference| in source levels (None: levels unknown or shapes differ)
     bias_levels: float | None = None  # worst per-channel |mean signed difference| in levels
+    # worst distance of a difference from a whole number of levels, beyond the float rounding of the tensor's dtype:
+    # two 8-bit images through the same scale, mean and std differ by whole levels only; a mean, std or scale a
+    # little off moves every value by a fraction of one
+    off_grid_levels: float | None = None
 
     def within(self, max_levels: float = ROUNDING_MAX_LEVELS) -> bool:
-        """Only the image library's rounding: within `max_levels` (at most one) source levels everywhere, no
-        channel moved as a whole."""
+        """Only the image library's rounding: whole source levels, within `max_levels` (at most one) everywhere,
+        no channel moved as a whole."""
         bound = min(max_levels, ROUNDING_MAX_LEVELS)
         return (bound > 0 and self.max_levels is not None and self.bias_levels is not None
-                and self.max_levels <= bound + _LEVEL_SLACK and self.bias_levels <= ROUNDING_MAX_BIAS)
+                and self.off_grid_levels is not None and self.max_levels <= bound + _LEVEL_SLACK
+                and self.bias_levels <= ROUNDING_MAX_BIAS and self.off_grid_levels <= _LEVEL_SLACK)
 
 
 def _per_channel(a: np.ndarray, axis: int) -> np.ndarray:
@@ -60,7 +65,11 @@ def compare(device: np.ndarray, bundled: np.ndarray, levels: Levels | None, exac
     """How far the device's tensor is from the bundled one, in tensor units and (with `levels`) in source levels."""
     if device.shape != bundled.shape:
         return SampleDiff(float("inf"))
-    diff = device.astype(np.float64) - bundled.astype(np.float64)
+    dev, ref = device.astype(np.float64), bundled.astype(np.float64)
+    diff = dev - ref
+    diff[np.isnan(dev) & np.isnan(ref)] = 0.0  # NaN where the bundle holds NaN too: the same value
+    if not np.all(np.isfinite(diff)):  # NaN compares false with every bound: a NaN or Inf of its own is no rounding
+        return SampleDiff(float("inf"), float(np.mean(~np.isfinite(diff) | (np.abs(diff) > exact_bound))))
     mag = np.abs(diff)
     max_abs = float(mag.max()) if mag.size else 0.0
     if max_abs <= exact_bound:  # the usual case, every proof on the build's own kind of CPU: nothing more to read
@@ -73,7 +82,18 @@ def compare(device: np.ndarray, bundled: np.ndarray, levels: Levels | None, exac
         return SampleDiff(max_abs, differing)
     step = np.abs(np.asarray(levels.step, dtype=np.float64))[:, None]
     in_levels = d / step
-    return SampleDiff(max_abs, differing, float(np.abs(in_levels).max()), float(np.abs(in_levels.mean(axis=1)).max()))
+    whole = np.round(in_levels)
+    if np.issubdtype(device.dtype, np.floating) and np.issubdtype(bundled.dtype, np.floating):
+        # each tensor is rounded once to its dtype: at most one ulp of the largest value apart for the same level
+        eps = float(max(np.finfo(device.dtype).eps, np.finfo(bundled.dtype).eps))
+        float_slack = eps * float(np.abs(ref).max()) / float(step.min())
+        off_grid = max(0.0, float(np.abs(in_levels - whole).max()) - float_slack)
+    else:  # raw pixels (uint8/int8 inputs take no scale, mean or std): whole levels by construction
+        off_grid = 0.0
+    # on the grid, the whole levels are the difference (a float16 tensor's own rounding read 1 level as 1.06)
+    counted = whole if off_grid <= _LEVEL_SLACK else in_levels
+    return SampleDiff(max_abs, differing, float(np.abs(counted).max()), float(np.abs(counted.mean(axis=1)).max()),
+                      off_grid)
 
 
 def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> str:
@@ -82,6 +102,11 @@ def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> s
     if device.shape != bundled.shape:
         return (f"the device makes a tensor of shape {list(device.shape)} where the bundle holds "
                 f"{list(bundled.shape)}: check preprocess.resize and preprocess.layout")
+    dev_f, ref_f = device.astype(np.float64), bundled.astype(np.float64)
+    own = ~np.isfinite(dev_f) & ~(np.isnan(dev_f) & np.isnan(ref_f))
+    if own.any():
+        return (f"the device's tensor holds {int(own.sum())} NaN/Inf value(s) the bundled one does not: its "
+                "preprocessing computes no number there (a division by zero, a std of 0)")
     if levels is None:
         return ""
     step = np.asarray(levels.step, dtype=np.float64)[:, None]
@@ -91,7 +116,8 @@ def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> s
     if dev.shape[0] != step.shape[0]:
         return ""
     near = ROUNDING_MAX_LEVELS + 0.5
-    if dev.shape[0] == 3 and np.abs(dev - ref[::-1]).max() <= near:
+    # reversed channels only where reversing changes the picture (R = G = B fits any small shift reversed)
+    if dev.shape[0] == 3 and np.abs(ref - ref[::-1]).max() > near and np.abs(dev - ref[::-1]).max() <= near:
         return "the channels are in reverse order: check preprocess.color (and the frame's color)"
     gains, shifts, fits = [], [], True
     for c in range(dev.shape[0]):
@@ -105,7 +131,8 @@ def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> s
         gains.append(float(gain))
         shifts.append(float(shift))
         fits = fits and float(np.abs(y - (gain * x + shift)).max()) <= near
-    if fits and all(abs(g - 1.0) <= 0.01 for g in gains):
+    # a gain counts once it moves the channel's picture apart by a quarter level (1 % of 255 levels is 2.5)
+    if fits and all(abs(g - 1.0) * max(float(np.ptp(x)), 1.0) <= 0.25 for g, x in zip(gains, ref)):
         moved = ", ".join(f"{s:+.2f}" for s in shifts)
         return f"every value of a channel moved by a constant ({moved} source levels per channel): check preprocess.mean"
     if fits:

@@ -190,10 +190,11 @@ def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple
         t = np.stack([pre(r) for r in g.raw]) if _is_sequence(g) else pre(g.raw)
         tensors.append(t)
         d = compare(t, g.input, levels, st.preprocess_max_abs)
-        if d.max_abs > st.preprocess_max_abs and not d.within(st.preprocess_rounding_levels):
-            rounding = False
-            explanation = explanation or explain(t, g.input, levels)
-        if worst is None or d.max_abs > worst.max_abs:
+        refused = d.max_abs > st.preprocess_max_abs and not d.within(st.preprocess_rounding_levels)
+        # beyond rounding, the worst refused sample is named with its own explanation (never one that only rounds)
+        if refused and (rounding or worst is None or d.max_abs > worst.max_abs):
+            rounding, explanation, worst, worst_i = False, explain(t, g.input, levels), d, g.index
+        elif rounding and (worst is None or d.max_abs > worst.max_abs):
             worst, worst_i = d, g.index
     if worst is None:
         return PreprocessCheck(0.0, 0), tensors
@@ -394,8 +395,8 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
                 more_rep = judge_post_reproduction(m, post, got, geoms, recorded_post(golden, c.variant), bounds)
                 rep = replace(rep, findings=rep.findings + tuple(more_rep))
             fid = judge_final_fidelity(m, post, fid_got, refs_used, geoms, load_answers(bundle, len(golden)), floors)
-            rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(opened, m, c.variant, golden, bounds,
-                                                                               pre)))
+            rep = replace(rep, findings=rep.findings + tuple(judge_size_probes(
+                opened, m, c.variant, golden, bounds, pre, tensor_bound=not pre_check.rounding)))
         if pre_check.rounding:
             fid = replace(fid, findings=tuple(replace(f, detail="on this device's own preprocessing, which rounds "
                                                       "differently from the bundle's" + (f"; {f.detail}" if f.detail else ""))

@@ -143,10 +143,12 @@ def recorded_post(golden: Sequence[GoldenSample], variant: str) -> list[dict[str
 
 
 def judge_size_probes(opened: Any, m: Manifest, variant: str, golden: Sequence[GoldenSample],
-                      bounds: ReproductionBounds, pre: AnyPreprocessor) -> list[Finding]:
+                      bounds: ReproductionBounds, pre: AnyPreprocessor, tensor_bound: bool = True) -> list[Finding]:
     """The frames at the declared size extremes (`bundle create` records them for frames of any size): this
     device's preprocessing and candidate against what the variant computed there at build time, findings at stage
-    `frame size <w>x<h>`; a kernel or an INT8 that breaks only on large frames is caught before serving."""
+    `frame size <w>x<h>`; a kernel or an INT8 that breaks only on large frames is caught before serving.
+    `tensor_bound=False` where this device's image library rounds differently (agent.proof.pre_compare): a probe
+    holds no bundled tensor to prove the model on, so its decoded answer is judged, as the golden set's task is."""
     from agent.spec.inputs import InputFeeder
 
     findings: list[Finding] = []
@@ -160,7 +162,7 @@ def judge_size_probes(opened: Any, m: Manifest, variant: str, golden: Sequence[G
             mine, want = used_outputs(m, [{k: v[0] for k, v in got.items()}],
                                       [{k: v[0] for k, v in recorded[variant].items()}])
             q = judge_reproduction(m.postprocess, mine, want, bounds, "variant",
-                                   stage=f"frame size {raw.shape[1]}x{raw.shape[0]}")
+                                   stage=f"frame size {raw.shape[1]}x{raw.shape[0]}", tensor_bound=tensor_bound)
             findings += q.findings
     return findings
 
