@@ -272,16 +272,14 @@ def test_the_explanation_of_a_nan_says_nan_not_another_picture() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="not fixed in review: a pre graph's tensors have no source levels "
-                   "(pre_compare.Levels), so they stay exact; the recipes' default `resize: float` (onnxruntime "
-                   "Resize, then Round) is not exact across CPUs")
 def test_a_pre_graph_whose_float_resize_rounds_one_value_differently_proves(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Measured under qemu-user with the official aarch64 wheels (onnxruntime 1.32.0): the `pre.letterbox` recipe
     with its default `resize: float` gave 1 and 2 values one level (0.0157) apart from x86 on 2 of 20 frames (the
     demo's golden frames and 157x143 crops of them), `pre.stretch` with cubic 1 value on 1 frame; `cv2_exact` and
     `pil` were identical. docs/selftest.md says pre graphs are 'ONNX integer arithmetic, the same on every CPU',
-    so they stay exact: such a bundle is refused on a correct arm64 device at stage pre."""
+    so they stayed exact and such a bundle was refused on a correct arm64 device at stage pre. Now one level is the
+    8-bit grid the bundled tensor sits on (pre_compare.lattice_levels)."""
     import cv2
 
     from agent.bundle.graphs import write_graph
@@ -361,3 +359,18 @@ def test_a_mean_off_on_a_gray_picture_is_not_explained_as_reversed_channels(shif
     device = (bundled + np.float32(shift * LEVEL)).astype(np.float32)
     why = explain(device, bundled, _levels())
     assert "preprocess.mean" in why and "preprocess.color" not in why, why
+
+
+def test_a_pre_graph_tensor_on_no_8_bit_grid_stays_exact_and_a_grid_gives_its_step() -> None:
+    """A float resize that never rounds back to 8 bits leaves values between levels: no step can be read, so such a
+    pre graph is judged exactly, as before; an 8-bit picture through scale/std sits on a grid of step scale/std."""
+    from agent.proof.pre_compare import lattice_levels
+
+    rng = np.random.default_rng(9)
+    pixels = rng.integers(0, 256, (1, 3, 16, 16)).astype(np.float64)
+    on_grid = (pixels * LEVEL - 2.0).astype(np.float32)
+    lv = lattice_levels(on_grid)
+    assert lv is not None and lv.channel_axis == -3
+    assert all(abs(s - LEVEL) < 1e-6 for s in lv.step)
+    assert lattice_levels((rng.random((1, 3, 16, 16)) * 4 - 2).astype(np.float32)) is None
+    assert lattice_levels(np.zeros((1, 3, 4, 4), np.float32)) is None  # flat: no step to read

@@ -96,6 +96,31 @@ def compare(device: np.ndarray, bundled: np.ndarray, levels: Levels | None, exac
                       off_grid)
 
 
+def lattice_levels(bundled: np.ndarray) -> Levels | None:
+    """The 8-bit source's step read from a bundled tensor a pre graph made (its scale, mean and std are inside the
+    graph, not in the manifest): per channel, its values must sit on one grid of at most 256 levels (an 8-bit
+    picture through an affine map); the grid's step is then one level. None when they do not (a float resize that
+    never rounds back to 8 bits: exact only), when the channel axis cannot be told, or a channel is flat."""
+    axis = -3 if bundled.ndim >= 3 and bundled.shape[-3] in (1, 3, 4) else (
+        -1 if bundled.ndim >= 1 and bundled.shape[-1] in (1, 3, 4) else 0)
+    if axis == 0 or not np.issubdtype(bundled.dtype, np.floating) and not np.issubdtype(bundled.dtype, np.integer):
+        return None
+    steps, offsets = [], []
+    for values in _per_channel(bundled.astype(np.float64), axis):
+        u = np.unique(values[np.isfinite(values)])
+        if len(u) < 2 or len(u) > 256:
+            return None
+        step = float(np.diff(u).min())
+        index = (u - u[0]) / step
+        eps = float(np.finfo(bundled.dtype).eps) * float(np.abs(u).max()) / step if np.issubdtype(
+            bundled.dtype, np.floating) else 0.0
+        if step <= 0 or float(np.abs(index - np.round(index)).max()) > _LEVEL_SLACK + eps or index[-1] > 255.5:
+            return None
+        steps.append(step)
+        offsets.append(-float(u[0]))  # the lowest value present taken as level 0: explain() reads shifts relative
+    return Levels(tuple(steps), tuple(offsets), axis)
+
+
 def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> str:
     """The manifest key most likely to explain a difference beyond rounding, read from the source pixels both
     tensors stand for (each undone with the device's own scale, mean and std)."""
@@ -142,4 +167,4 @@ def explain(device: np.ndarray, bundled: np.ndarray, levels: Levels | None) -> s
             "preprocess.resize and preprocess.color")
 
 
-__all__ = ["ROUNDING_MAX_BIAS", "ROUNDING_MAX_LEVELS", "Levels", "SampleDiff", "compare", "explain"]
+__all__ = ["ROUNDING_MAX_BIAS", "ROUNDING_MAX_LEVELS", "Levels", "SampleDiff", "compare", "explain", "lattice_levels"]
