@@ -28,7 +28,14 @@ from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.npio import open_npz
 from agent.proof.isolation import RunMarker
-from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
+from agent.proof.parity import (
+    agreement_score,
+    fidelity_floors,
+    judge_fidelity,
+    judge_reproduction,
+    reproduction_bounds,
+    task_agreement,
+)
 from agent.proof.probe import detect_providers, device_fingerprint
 from agent.proof.selection import (
     SelectionPolicy,
@@ -616,22 +623,33 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         for path, reduce in (("jpeg", camera_sized_reduced), ("video", camera_sized_reduced_yuv)):
             stage = f"decode 1/{s}" + (" (video planes)" if path == "video" else "")
             try:
-                got = _on_two_threads(served(lambda g: reduce(g.raw, s, m.frame.color)), golden)
-                # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
-                got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
-                rep = judge_reproduction(m.postprocess, got_used, full_used, bounds, "full path", stage=stage,
-                                         tensor_bound=False)
-                fid = judge_fidelity(m.postprocess, got_used, refs_used, floors, stage=stage)
+                def judge(got: list[dict[str, np.ndarray]], stage: str = stage) -> tuple[Any, Any]:
+                    # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
+                    got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
+                    return (judge_reproduction(m.postprocess, got_used, full_used, bounds, "full path", stage=stage,
+                                               tensor_bound=False),
+                            judge_fidelity(m.postprocess, got_used, refs_used, floors, stage=stage))
+
+                frame_of: Callable[[GoldenSample], np.ndarray] = functools.partial(_reduced_frame, reduce, s,
+                                                                                     m.frame.color)
+                got, judged = _until_decisive_miss(served(frame_of), golden,
+                                                   functools.partial(_decisive_miss, m, bounds, full, stage))
+                if judged < len(golden):  # refused already: the rest judged as the best they could be (= full)
+                    got = got + full[len(got):]
+                rep, fid = judge(got)
             except Exception as exc:
                 failed = f"{stage}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 entry["paths"][path] = {"passed": False, "reason": failed}
                 break
-            ok = rep.passed and fid.passed
-            entry["paths"][path] = {"passed": ok, "reproduction": rep.to_dict(), "fidelity": fid.to_dict()}
+            ok = rep.passed and fid.passed and judged == len(golden)
+            entry["paths"][path] = {"passed": ok, "reproduction": rep.to_dict(), "fidelity": fid.to_dict(),
+                                    "samples": judged, "of": len(golden)}
             if path == "jpeg":  # the keys earlier reports carried, kept for readers of the JPEG path
                 entry["reproduction"], entry["fidelity"] = rep.to_dict(), fid.to_dict()
             if not ok:
                 failed = f"{stage}: " + "; ".join(f.text() for f in rep.findings + fid.findings)
+                if judged < len(golden):
+                    failed += f" (decided after {judged} of {len(golden)} samples: the rest could not save it)"
                 break
         entry["passed"] = failed is None
         scales.append(entry)
@@ -645,6 +663,58 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         reason = f"scales above 1/{best} cannot be chosen by the configured sources (their frame size): not proven"
     log.info("selftest.reduced_decode", candidate=c.key, max_scale=best, reason=reason)
     return {"max_scale": best, "reason": reason, "scales": scales}
+
+
+def _reduced_frame(reduce: Callable[[np.ndarray, int, str], np.ndarray], scale: int, color: str,
+                   g: GoldenSample) -> np.ndarray:
+    return reduce(g.raw, scale, color)
+
+
+def _decisive_miss(m: Any, bounds: Any, full: Sequence[dict[str, np.ndarray]], stage: str,
+                   got: list[dict[str, np.ndarray]], last: int) -> bool:
+    """After the reduced path's outputs for the first samples (`got`, the newest `last` of them just made): is
+    the shortcut refused whatever the other samples give? Only a sample that does not reproduce the full path
+    exactly can make it so; then the judgement runs on these samples with every other one reproducing the full
+    path (the best any could do: the score cannot rise above it). Sequences never reach here."""
+    n = len(got)
+    new_got, new_full = used_outputs(m, got[n - last:], full[n - last:n])
+    try:
+        if agreement_score(task_agreement(m.postprocess, new_got, new_full)) >= 1.0:
+            return False
+    except Exception:  # noqa: BLE001 - outputs the decoder cannot read: the whole judgement says why
+        return True
+    best_got, best_full = used_outputs(m, list(got) + list(full[n:]), full)
+    return not judge_reproduction(m.postprocess, best_got, best_full, bounds, "full path", stage=stage,
+                                  tensor_bound=False).passed
+
+
+def _until_decisive_miss(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]], golden: Sequence[GoldenSample],
+                         refused: Callable[[list[dict[str, np.ndarray]], int], bool]
+                         ) -> tuple[list[dict[str, np.ndarray]], int]:
+    """`fn` over the golden samples in order, on up to two threads (one sample ahead), until `refused` says
+    the outputs so far refuse the shortcut: a refused speed path costs the samples up to its first decisive
+    miss (and the one then in flight on the other thread), not the whole set. The outputs of the samples judged, and how many."""
+    got: list[dict[str, np.ndarray]] = []
+    workers = min(2, len(os.sched_getaffinity(0)), len(golden))
+    if workers < 2:
+        for k, g in enumerate(golden):
+            outs = fn(g)
+            got += outs
+            if refused(got, len(outs)):
+                return got, k + 1
+        return got, len(golden)
+    with ThreadPoolExecutor(workers, thread_name_prefix="reduced-decode") as pool:
+        ahead = [pool.submit(fn, g) for g in golden[:workers]]
+        for k in range(len(golden)):
+            outs = ahead.pop(0).result()
+            got += outs
+            if refused(got, len(outs)):
+                for f in ahead:
+                    f.cancel()
+                return got, k + 1
+            if k + workers < len(golden):
+                ahead.append(pool.submit(fn, golden[k + workers]))
+    return got, len(golden)
 
 
 def _on_two_threads(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]],
