@@ -543,6 +543,8 @@ class SourceScaleLimit:
 
     forced: int | None = None             # decode_scale set to a number (1: the source never reduces)
     frame: tuple[int, int] | None = None  # (height, width); None: unknown, every scale may be chosen
+    # the reduced paths it can serve through ("jpeg": DCT scaling, "video": decoder planes); None: unknown, both
+    paths: frozenset[str] | None = None
 
     def largest(self, resize: Any) -> int:
         cap = self.forced or max(REDUCED_SCALES)
@@ -559,8 +561,21 @@ def choosable_scale(limits: Sequence[SourceScaleLimit], resize: Any) -> int:
     return max((lim.largest(resize) for lim in limits), default=max(REDUCED_SCALES))
 
 
+DECODE_PATHS = ("jpeg", "video")
+
+
+def decode_paths(limits: Sequence[SourceScaleLimit]) -> tuple[str, ...]:
+    """The reduced paths any configured source can serve through: a JPEG folder never needs the video planes
+    proven, an H.264 file never the DCT scaling. No sources, or one not known before it opens: both."""
+    if not limits or any(lim.paths is None for lim in limits):
+        return DECODE_PATHS
+    wanted = set().union(*(lim.paths or frozenset() for lim in limits))
+    return tuple(p for p in DECODE_PATHS if p in wanted)
+
+
 def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                         opened: Any = None, max_scale: int = max(REDUCED_SCALES), callers: int = 1) -> dict[str, Any]:
+                         opened: Any = None, max_scale: int = max(REDUCED_SCALES), callers: int = 1,
+                         paths: Sequence[str] = DECODE_PATHS) -> dict[str, Any]:
     """Prove the reduced-scale decode paths on the winning candidate: each golden raw frame as a camera `s`
     times its size sends it, decoded at 1/s by JPEG's DCT scaling (jpeg.camera_sized_reduced) and by the
     video path's plane averaging (yuv.camera_sized_reduced_yuv), then the bundle's preprocessing and the
@@ -572,12 +587,12 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
     in the result is the largest that passed, `bound` the largest that was tried. `callers`: how many run the
     model at once in serving (`serving_workers`): never more run it at once here (the frames are made on two
     threads either way)."""
-    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale, callers)
-    return {**out, "bound": max(1, min(max_scale, max(REDUCED_SCALES)))}
+    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale, callers, tuple(paths))
+    return {**out, "bound": max(1, min(max_scale, max(REDUCED_SCALES))), "paths": list(paths)}
 
 
 def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                    opened: Any, max_scale: int, callers: int) -> dict[str, Any]:
+                    opened: Any, max_scale: int, callers: int, paths: tuple[str, ...] = DECODE_PATHS) -> dict[str, Any]:
     m = bundle.manifest
     resize = m.preprocess.resize
     if max_scale < 2:
@@ -621,6 +636,8 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         entry: dict[str, Any] = {"scale": s, "passed": True, "paths": {}}
         failed: str | None = None
         for path, reduce in (("jpeg", camera_sized_reduced), ("video", camera_sized_reduced_yuv)):
+            if path not in paths:  # no configured source serves through it: proving it buys nothing
+                continue
             stage = f"decode 1/{s}" + (" (video planes)" if path == "video" else "")
             try:
                 def judge(got: list[dict[str, np.ndarray]], stage: str = stage) -> tuple[Any, Any]:
@@ -810,6 +827,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
     # frames at 1/8); a cached check bounded lower than the sources now allow is run again
     scale_bound = choosable_scale(opts.source_limits, m.preprocess.resize)
+    needed_paths = decode_paths(opts.source_limits)
 
     def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
                attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
@@ -820,7 +838,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{scale_bound}"):
                 decode = _guarded(markers, bundle, selected.candidate,
                                   lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden,
-                                                               opened, max_scale=scale_bound, callers=opts.workers))
+                                                               opened, max_scale=scale_bound, callers=opts.workers,
+                                                               paths=needed_paths))
         report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
                                 (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
                                 decode, tuple(costs.to_list()))
@@ -851,9 +870,10 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                     # the reduced-decode check depends on what the cache key covers: reused, not re-run, unless
                     # it was bounded below a scale today's sources can choose (no "bound": every scale was tried)
                     decode = (cached.get("report") or {}).get("decode")
-                    if not isinstance(decode, dict) or (int(decode.get("bound", max(REDUCED_SCALES))) < scale_bound
-                                                        and opts.skip_reduced_decode is None):
-                        decode = None
+                    if not isinstance(decode, dict) or (opts.skip_reduced_decode is None and (
+                            int(decode.get("bound", max(REDUCED_SCALES))) < scale_bound
+                            or not set(needed_paths) <= set(decode.get("paths", DECODE_PATHS)))):
+                        decode = None  # bounded below today's scales, or a path today's sources need unproven
                     return finish([quick], quick, cached=True, decode=decode)
                 log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
 
@@ -1015,23 +1035,46 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
     out = []
     for src in list(getattr(cfg, "source_list", ()) or ()):
         forced = None if src.decode_scale == "auto" else int(src.decode_scale)
-        frame = video_frame_size(Path(src.path)) if src.type == "video" and src.path is not None else None
-        out.append(SourceScaleLimit(forced, frame))
+        frame, fourcc = video_header(Path(src.path)) if src.type == "video" and src.path is not None else (None, None)
+        out.append(SourceScaleLimit(forced, frame, _paths_of(src, fourcc)))
     return tuple(out)
+
+
+def _paths_of(src: Any, fourcc: str | None) -> frozenset[str] | None:
+    """The reduced paths a source can serve through, known before it opens; None: unknown (a camera, a stream,
+    MQTT images, a folder not there yet). A video file's codec is in its header."""
+    from agent.serving.sources import MJPEG_FOURCCS
+
+    if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+        return frozenset()
+    if src.type == "folder" and src.path is not None and Path(src.path).is_dir():
+        has_jpeg = any(p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir())
+        return frozenset({"jpeg"}) if has_jpeg else frozenset()
+    if src.type == "video" and fourcc and fourcc not in MJPEG_FOURCCS:
+        return frozenset({"video"})  # H.264, H.265...: the decoder's planes, never JPEG's DCT scaling
+    return None  # an MJPEG file may be served either way (its packets to libjpeg, or FFmpeg's frames)
 
 
 def video_frame_size(path: Path) -> tuple[int, int] | None:
     """(height, width) a video file's header declares; None when it cannot be read (then nothing is assumed)."""
+    return video_header(path)[0]
+
+
+def video_header(path: Path) -> tuple[tuple[int, int] | None, str | None]:
+    """(height, width) and the codec's FourCC a video file's header declares; None for what cannot be read
+    (then nothing is assumed)."""
     if not path.is_file():
-        return None
+        return None, None
     import cv2
 
     cap = cv2.VideoCapture(str(path))
     try:
         h, w = int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)), int(cap.get(cv2.CAP_PROP_FRAME_WIDTH))
+        code = int(cap.get(cv2.CAP_PROP_FOURCC))
     finally:
         cap.release()
-    return (h, w) if h > 0 and w > 0 else None
+    fourcc = "".join(chr((code >> 8 * i) & 0xFF) for i in range(4)).strip("\0 ") if code > 0 else None
+    return ((h, w) if h > 0 and w > 0 else None), (fourcc or None)
 
 
 def serving_workers(pipe: Any) -> int:
