@@ -279,7 +279,9 @@ class Outbox:
             self._spill()
             if self.memory:  # the disk is full at stop: these cannot outlive the process, but their count does
                 self._lost.store(len(self.memory))
+                # those sent once and never acknowledged may have reached the subscriber: the count is an upper bound
                 log.error("outbox.lost_at_stop", count=len(self.memory), error=self._disk_error,
+                          unacknowledged=sum(m.sent for m in self.memory),
                           detail="counted in the next boot's outbox.dropped")
             self.db.close()
 
