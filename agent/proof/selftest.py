@@ -650,7 +650,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
                 frame_of: Callable[[GoldenSample], np.ndarray] = functools.partial(_reduced_frame, reduce, s,
                                                                                      m.frame.color)
                 got, judged = _until_decisive_miss(served(frame_of), golden,
-                                                   functools.partial(_decisive_miss, m, bounds, full, stage))
+                                                   _DecisiveMiss(m, bounds, full, stage))
                 if judged < len(golden):  # refused already: the rest judged as the best they could be (= full)
                     got = got + full[len(got):]
                 rep, fid = judge(got)
@@ -687,22 +687,35 @@ def _reduced_frame(reduce: Callable[[np.ndarray, int, str], np.ndarray], scale: 
     return reduce(g.raw, scale, color)
 
 
-def _decisive_miss(m: Any, bounds: Any, full: Sequence[dict[str, np.ndarray]], stage: str,
-                   got: list[dict[str, np.ndarray]], last: int) -> bool:
+class _DecisiveMiss:
     """After the reduced path's outputs for the first samples (`got`, the newest `last` of them just made): is
     the shortcut refused whatever the other samples give? Only a sample that does not reproduce the full path
     exactly can make it so; then the judgement runs on these samples with every other one reproducing the full
-    path (the best any could do: the score cannot rise above it). Sequences never reach here."""
-    n = len(got)
-    new_got, new_full = used_outputs(m, got[n - last:], full[n - last:n])
-    try:
-        if agreement_score(task_agreement(m.postprocess, new_got, new_full)) >= 1.0:
+    path (the best any could do: the score cannot rise above it). Sequences never reach here.
+    A mask's IoU is never exactly 1 after a reduced decode: the judgement (a decode of every sample) runs only
+    once the samples' shortfall could pull the mean IoU under its bound, not after every sample."""
+
+    def __init__(self, m: Any, bounds: Any, full: Sequence[dict[str, np.ndarray]], stage: str) -> None:
+        self.m, self.bounds, self.full, self.stage = m, bounds, full, stage
+        self.shortfall = 0.0
+
+    def __call__(self, got: list[dict[str, np.ndarray]], last: int) -> bool:
+        n = len(got)
+        new_got, new_full = used_outputs(self.m, got[n - last:], self.full[n - last:n])
+        try:
+            agreement = task_agreement(self.m.postprocess, new_got, new_full)
+        except Exception:  # noqa: BLE001 - outputs the decoder cannot read: the whole judgement says why
+            return True
+        score = agreement_score(agreement)
+        if score >= 1.0:
             return False
-    except Exception:  # noqa: BLE001 - outputs the decoder cannot read: the whole judgement says why
-        return True
-    best_got, best_full = used_outputs(m, list(got) + list(full[n:]), full)
-    return not judge_reproduction(m.postprocess, best_got, best_full, bounds, "full path", stage=stage,
-                                  tensor_bound=False).passed
+        if agreement.task == "segmentation":
+            self.shortfall += (1.0 - score) * last
+            if self.shortfall <= len(self.full) * (1.0 - self.bounds.min_agreement):
+                return False
+        best_got, best_full = used_outputs(self.m, list(got) + list(self.full[n:]), self.full)
+        return not judge_reproduction(self.m.postprocess, best_got, best_full, self.bounds, "full path",
+                                      stage=self.stage, tensor_bound=False).passed
 
 
 def _until_decisive_miss(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]], golden: Sequence[GoldenSample],
