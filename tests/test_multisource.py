@@ -277,6 +277,41 @@ def test_a_stale_frame_of_a_live_camera_is_never_converted(tmp_path: Path) -> No
         multi.close()
 
 
+def test_a_live_source_behind_its_consumer_does_not_decode_frames_nothing_references(tmp_path: Path) -> None:
+    """Issue 48: every frame of every camera was decoded before latest-frame-wins dropped most of them. While a
+    live source's last frame still waits, a frame no other frame references (an H.264 B-frame) is not decoded:
+    its decoder skips it. Reference frames are decoded whatever happens; every decoded frame is accounted."""
+    import av
+
+    path = tmp_path / "bframes.mp4"
+    out = av.open(str(path), "w")
+    stream = out.add_stream("libx264", rate=25)
+    stream.width, stream.height, stream.pix_fmt = 320, 240, "yuv420p"
+    stream.options = {"bf": "2", "g": "50"}
+    for i in range(50):
+        frame = av.VideoFrame.from_ndarray(np.full((240, 320, 3), i * 5, np.uint8), format="rgb24")
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    m = load_bundle(DEMO).manifest
+    cfg = SourceConfig(name="cam", type="video", path=path, lossless=False)  # served latest-frame-wins
+    src = open_source(cfg, m.frame, m.preprocess.resize)
+    multi = MultiSource([(cfg, src)])
+    stop = threading.Event()
+    try:
+        assert multi.read(stop) is not None  # one frame taken, then none: the consumer is behind from here on
+        assert wait_until(lambda: multi.feeds[0].ended, timeout=30)
+        h = multi.per_source()["cam"]
+        assert h["served"] + h["stale"] + h["waiting"] == h["frames"]
+        assert h["frames"] < 50, f"all {h['frames']} frames decoded, B-frames included, though none was taken"
+        assert h["frames"] >= 50 // 3  # the I- and P-frames (every third frame at 2 B-frames) still were
+    finally:
+        stop.set()
+        multi.close()
+
+
 # -- MQTT topics ---------------------------------------------------------------------------------------
 
 def test_results_go_to_predictions_of_their_source(tmp_path: Path) -> None:

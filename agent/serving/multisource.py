@@ -98,8 +98,13 @@ class MultiSource:
             t.start()
 
     def _capture(self, feed: Feed) -> None:
+        # a live source whose last frame still waits: the next one replaces it, so a frame nothing references
+        # (a B-frame) is not decoded at all (the codec decides; reference frames always are)
+        skip = None if feed.lossless else getattr(feed.source, "skip_nonref", None)
         try:
             while not self._stop.is_set():
+                if skip is not None:
+                    skip(bool(feed.waiting))
                 t_cpu = time.thread_time_ns()
                 try:
                     item: Any = feed.source.read(self._stop)

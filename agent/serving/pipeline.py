@@ -67,6 +67,11 @@ class LatestSlot:
                 self._item, self._full = item, True
             self._cond.notify()
 
+    @property
+    def waiting(self) -> bool:
+        """A frame is in the box, not taken yet: the next one will replace it."""
+        return self._full and self._item is not _END
+
     def get(self, timeout: float | None = None) -> Any:
         with self._cond:
             if not self._cond.wait_for(lambda: self._full, timeout):
@@ -402,10 +407,14 @@ class Pipeline:
     def _capture(self) -> None:
         src, m = self.source, self.metrics
         limit = self.cfg.max_frames
+        # latest-frame-wins: while the last frame still waits, a frame nothing references is not decoded
+        skip = getattr(src, "skip_nonref", None) if isinstance(self._frames_q, LatestSlot) else None
         while not self.stop_event.is_set():
             if self.paused.is_set():
                 self.stop_event.wait(0.05)
                 continue
+            if skip is not None:
+                skip(self._frames_q.waiting)
             t_cpu = time.thread_time_ns()
             try:
                 frame = src.read(self.stop_event)
