@@ -184,7 +184,7 @@ class MqttConfig:
     tls: Annotated[TlsConfig | None, Key("TLS to the broker")] = None
     reconnect_min_s: Annotated[int, Key("first reconnect wait", ge=1)] = 1
     reconnect_max_s: Annotated[int, Key("longest reconnect wait", ge=1)] = 30
-    max_inflight: Annotated[int, Key("QoS 1 messages awaiting PUBACK at once", ge=1)] = 500
+    max_inflight: Annotated[int, Key("QoS 1 messages awaiting PUBACK at once", ge=1)] = 100
     batch_predictions: Annotated[int, Key("results per predictions message (1: one message per result)", ge=1)] = 1
     homeassistant: Annotated[bool, Key("Home Assistant MQTT discovery")] = False
     homeassistant_prefix: Annotated[str, Key("Home Assistant's discovery prefix")] = "homeassistant"

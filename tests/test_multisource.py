@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import functools
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -32,7 +35,7 @@ from agent.serving.engine import build_engine
 from agent.serving.multisource import MultiSource
 from agent.serving.pipeline import Pipeline
 from agent.serving.sinks import OutboxSink
-from agent.serving.sources import open_source
+from agent.serving.sources import Frame, SourceStats, open_source
 from agent.testing import ListSink
 from waiting import end_process, wait_until
 from agentproc import demo_config
@@ -193,6 +196,120 @@ def test_sources_are_taken_in_turn_so_a_fast_one_cannot_starve_a_slow_one(tmp_pa
     small = [i for i, s in enumerate(order) if s == "small"]
     last_big = max(i for i, s in enumerate(order) if s == "big")
     assert small[-1] - small[0] < 15 and small[-1] < last_big, order
+
+
+class _FastCamera:
+    """A live camera as fast as it is read (a frame every 2 ms), whose frames count their conversion; once
+    `hold` is set it sends nothing more and says so (`paused`)."""
+
+    live = True
+
+    def __init__(self, name: str, hold: threading.Event, conversions: list[tuple[str, int]]) -> None:
+        self.name, self.hold, self.conversions = name, hold, conversions
+        self.stats = SourceStats(state="open")
+        self.paused = threading.Event()
+
+    def read(self, stop: threading.Event) -> Frame | None:
+        while self.hold.is_set() and not stop.is_set():
+            self.paused.set()
+            self.stats.beat()
+            stop.wait(0.02)
+        if stop.is_set():
+            return None
+        time.sleep(0.002)
+        self.stats.frames += 1
+        ns = time.perf_counter_ns()
+        self.stats.last_frame_ns = ns
+        return Frame(self.stats.frames, np.zeros((160, 160, 3), np.uint8), time.time(), ns, self.name, 1,
+                     functools.partial(self._convert, self.stats.frames))
+
+    def _convert(self, index: int, img: np.ndarray) -> np.ndarray:
+        self.conversions.append((self.name, index))
+        return img
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stale_frame_of_a_live_camera_is_never_converted(tmp_path: Path) -> None:
+    """Issue 48: with the model at its limit, frames queued for preprocessing were converted (and run) although
+    their camera had newer ones: CPU per result rose with every camera added. A frame is swapped for its
+    camera's newest at the take, before conversion; an older one still queued is skipped, counted stale."""
+    engine = _engine()
+    gate = threading.Event()
+    entered: list[int] = []
+    run = engine.run
+
+    def slow_run(*a: Any, **k: Any) -> Any:  # the model at its limit: held until the test lets it go
+        entered.append(1)
+        gate.wait(30)
+        return run(*a, **k)
+
+    object.__setattr__(engine, "run", slow_run)  # a frozen dataclass: the real model, held at the gate
+    hold, conversions = threading.Event(), []
+    cams = [_FastCamera(n, hold, conversions) for n in ("a", "b")]
+    multi = MultiSource([(SourceConfig(name=c.name, type="stream", url="rtsp://127.0.0.1/x"), c) for c in cams])
+    sink = ListSink()
+    p = Pipeline(multi, engine, sink, PipelineConfig(), True).start()
+    try:
+        # every worker inside the model, the queue before preprocessing full, the cameras well ahead of it
+        assert wait_until(lambda: len(entered) >= p._pre_active and p._frames_q.full()
+                          and min(c.stats.frames for c in cams) > 20, timeout=30)
+        hold.set()
+        assert all(c.paused.wait(10) for c in cams)
+        newest = {c.name: c.stats.frames for c in cams}
+        before = len(conversions)
+        gate.set()
+        health = lambda: multi.per_source()  # noqa: E731
+        # every frame accounted for (served or stale) and every served one published: nothing left to convert
+        assert wait_until(lambda: all(h["waiting"] == 0 and h["served"] + h["stale"] == h["frames"]
+                                      for h in health().values())
+                          and len(sink.results) == sum(h["served"] for h in health().values()), timeout=30), health()
+        after = conversions[before:]
+        assert sorted(after) == sorted(newest.items()), \
+            f"frames converted after the cameras paused: {after}; their newest: {newest}"
+        assert {r["source"] for r in sink.results} == {"a", "b"}  # each camera served: fairness as before
+        assert p.drops.get("stale", 0) == sum(h["stale"] for h in health().values())
+    finally:
+        gate.set()
+        p.stop()
+        assert p.join(timeout=20)
+        multi.close()
+
+
+def test_a_live_source_behind_its_consumer_does_not_decode_frames_nothing_references(tmp_path: Path) -> None:
+    """Issue 48: every frame of every camera was decoded before latest-frame-wins dropped most of them. While a
+    live source's last frame still waits, a frame no other frame references (an H.264 B-frame) is not decoded:
+    its decoder skips it. Reference frames are decoded whatever happens; every decoded frame is accounted."""
+    import av
+
+    path = tmp_path / "bframes.mp4"
+    out = av.open(str(path), "w")
+    stream = out.add_stream("libx264", rate=25)
+    stream.width, stream.height, stream.pix_fmt = 320, 240, "yuv420p"
+    stream.options = {"bf": "2", "g": "50"}
+    for i in range(50):
+        frame = av.VideoFrame.from_ndarray(np.full((240, 320, 3), i * 5, np.uint8), format="rgb24")
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    m = load_bundle(DEMO).manifest
+    cfg = SourceConfig(name="cam", type="video", path=path, lossless=False)  # served latest-frame-wins
+    src = open_source(cfg, m.frame, m.preprocess.resize)
+    multi = MultiSource([(cfg, src)])
+    stop = threading.Event()
+    try:
+        assert multi.read(stop) is not None  # one frame taken, then none: the consumer is behind from here on
+        assert wait_until(lambda: multi.feeds[0].ended, timeout=30)
+        h = multi.per_source()["cam"]
+        assert h["served"] + h["stale"] + h["waiting"] == h["frames"]
+        assert h["frames"] < 50, f"all {h['frames']} frames decoded, B-frames included, though none was taken"
+        assert h["frames"] >= 50 // 3  # the I- and P-frames (every third frame at 2 B-frames) still were
+    finally:
+        stop.set()
+        multi.close()
 
 
 # -- MQTT topics ---------------------------------------------------------------------------------------

@@ -116,3 +116,25 @@ def test_rows_in_flight_dropped_by_the_size_bound_do_not_hide_a_waiting_row_when
     assert sent[:6] == [0, 1, 2, 3, 4, 5], f"results waiting on disk were hidden: {s}, sent {sent}"
     box.db.refuse = False
     box.close()
+
+
+def test_a_forward_wall_clock_step_longer_than_max_age_drops_nothing(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43: the age bound read the wall clock, so an NTP step (or an RTC set late) forward by more than
+    outbox.max_age_s dropped the whole backlog, on disk and in memory. Within a boot it runs on a monotonic
+    clock."""
+    box = Outbox(tmp_path / "outbox.sqlite", OutboxConfig(memory_messages=10, max_age_s=60))
+    box.on_disconnected()
+    for i in range(5):  # the broker away: on disk
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    box.on_connected()
+    for i in range(5, 10):  # back, but nothing acknowledged yet: in memory
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    box.pump(lambda m: None, 10)
+    assert box.stats()["depth"] == 10
+    stepped = outbox_mod.time.time() + 3600
+    monkeypatch.setattr(outbox_mod.time, "time", lambda: stepped)
+    box.pump(lambda m: None, 10)
+    s = box.stats()
+    assert s["dropped"] == 0 and s["depth"] == 10, s
+    box.close()

@@ -154,6 +154,28 @@ def test_full_disk_while_connected_to_a_slow_broker_loses_nothing_below_the_boun
     assert box.stats()["dropped"] == 5
 
 
+def test_results_a_stop_on_a_full_disk_cannot_keep_are_counted_in_the_next_boot(small_disk: Path) -> None:
+    """Issue 43: with the disk full and the broker away, a stop logged `outbox.lost_at_stop` and the results
+    vanished: `dropped` stayed 0 and the next boot did not know. The count goes into a file allocated while
+    there was space, and the next boot adds it to `dropped` (health's outbox section) once."""
+    path = small_disk / "outbox.sqlite"
+    box = Outbox(path, OutboxConfig(memory_messages=BOUND))
+    box.on_disconnected()
+    filler = fill(small_disk)
+    for i in range(17):  # nothing can be spilled: all in memory
+        box.put("t", json.dumps({"seq": i}).encode(), 1)
+    box.close()
+    filler.unlink()
+    again = Outbox(path, OutboxConfig(memory_messages=BOUND))
+    s = again.stats()
+    assert s["dropped"] == 17 and s["lost_at_previous_stop"] == 17, s
+    again.close()
+    third = Outbox(path, OutboxConfig(memory_messages=BOUND))  # counted once, and the total kept
+    s = third.stats()
+    assert s["dropped"] == 17 and s["lost_at_previous_stop"] == 0, s
+    third.close()
+
+
 pytestmark_agent = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
                                       reason="mosquitto is not installed")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import pytest
 
 from agent.bundle.load import load_bundle
 from agent.config import Config, SourceConfig
@@ -14,6 +15,7 @@ from agent.proof.selftest import (
     SourceScaleLimit,
     check_reduced_decode,
     choosable_scale,
+    decode_paths,
     options_from_config,
     run_selftest,
     source_scale_limits,
@@ -96,3 +98,41 @@ def test_only_what_is_known_before_opening_bounds_the_scales(tmp_path: Path) -> 
                            SourceConfig(type="stream", url="rtsp://127.0.0.1:1/cam", decode_scale=4, name="b")))
     assert choosable_scale(source_scale_limits(both), resize) == 4
     assert choosable_scale((), resize) == 8
+
+
+def test_a_reduced_path_no_configured_source_serves_through_is_not_proven(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: a shortcut that cannot pay off for the configured source is skipped. A folder of JPEGs is served
+    through JPEG's DCT scaling only and an H.264/MPEG-4 file through the decoder's planes only: the other path's
+    half of the check bought nothing. A camera or a stream, unknown before it opens, proves both."""
+    from agent.proof import selftest as selftest_mod
+
+    jpegs = tmp_path / "jpegs"
+    jpegs.mkdir()
+    cv2.imwrite(str(jpegs / "a.jpg"), np.full((480, 640, 3), 90, np.uint8))
+    mp4 = tmp_path / "cam.mp4"
+    out = cv2.VideoWriter(str(mp4), cv2.VideoWriter_fourcc(*"mp4v"), 10, (640, 480))
+    assert out.isOpened()
+    for i in range(3):
+        out.write(np.full((480, 640, 3), 40 * i, np.uint8))
+    out.release()
+    folder = options_from_config(Config(state_dir=tmp_path / "s", source=SourceConfig(path=jpegs)))
+    assert decode_paths(folder.source_limits) == ("jpeg",)
+    video = options_from_config(Config(state_dir=tmp_path / "s", source=SourceConfig(type="video", path=mp4)))
+    assert decode_paths(video.source_limits) == ("video",)
+    both = Config(state_dir=tmp_path / "s", sources=[SourceConfig(name="f", path=jpegs),
+                                                     SourceConfig(name="cam", type="stream", url="rtsp://127.0.0.1/x")])
+    assert decode_paths(options_from_config(both).source_limits) == ("jpeg", "video")
+
+    planes: list[int] = []
+    real = selftest_mod.camera_sized_reduced_yuv
+    monkeypatch.setattr(selftest_mod, "camera_sized_reduced_yuv",
+                        lambda raw, s, color: (planes.append(s), real(raw, s, color))[1])
+    dec = run_selftest(load_bundle(DEMO), tmp_path / "state", folder).to_dict()["decode"]
+    assert dec["paths"] == ["jpeg"] and dec["max_scale"] > 1, dec
+    assert all(set(e["paths"]) == {"jpeg"} for e in dec["scales"]), dec["scales"]
+    assert planes == [], "the video planes were proven for a folder of JPEGs"
+    camera = Config(state_dir=tmp_path / "s", source=SourceConfig(type="stream", url="rtsp://127.0.0.1:1/cam"))
+    again = run_selftest(load_bundle(DEMO), tmp_path / "state", options_from_config(camera)).to_dict()
+    assert again["cached"] and again["decode"]["paths"] == ["jpeg", "video"] and planes, \
+        "a cached verdict whose check skipped a path today's sources need proves it"

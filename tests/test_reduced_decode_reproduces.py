@@ -64,3 +64,34 @@ def test_a_reduced_decode_that_flips_classes_is_refused_though_fidelity_stays_ab
     assert first["fidelity"]["passed"], "the floor alone would have accepted this scale"
     assert first["reproduction"]["metrics"]["top1_flips"] >= 1
     assert dec["max_scale"] == 1 and "reproduction: decoded top-1 agreement" in dec["reason"]
+
+
+def test_a_refused_reduced_decode_stops_at_its_first_decisive_miss(checker_bundle: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: the reduced-decode check ran every golden sample through a scale before refusing it (4.0 s of a
+    detector's cold proof, 0.9524 under 0.99 and the agent serving full size anyway). It stops once the samples
+    so far refuse the scale whatever the others give (they are judged as reproducing the full path exactly)."""
+    from agent.proof import selftest as selftest_mod
+    from agent.proof.selftest import check_reduced_decode
+    from agent.proof.terms import CPU, SessionSettings
+    from agent.proof.verdict import Candidate
+
+    bundle = load_bundle(checker_bundle)
+    fp32 = bundle.manifest.variant("fp32")
+    golden = bundle.golden()
+    made: list[int] = []
+    real = selftest_mod.camera_sized_reduced
+
+    def counting(raw: np.ndarray, scale: int, color: str) -> np.ndarray:
+        made.append(scale)
+        return real(raw, scale, color)
+
+    monkeypatch.setattr(selftest_mod, "camera_sized_reduced", counting)
+    report = check_reduced_decode(bundle, Candidate(CPU, fp32.name, fp32.precision), SessionSettings(), golden)
+    first = report["scales"][0]
+    assert first["scale"] == 2 and not first["passed"] and report["max_scale"] == 1, report
+    assert len(made) < len(golden), f"the refused scale ran all {len(made)} samples"
+    jpeg = first["paths"]["jpeg"]
+    assert jpeg["of"] == len(golden) and len(made) <= jpeg["samples"] + 1  # and the one in flight beside it
+    assert f"decided after {jpeg['samples']} of {len(golden)} samples" in report["reason"]
+    assert jpeg["reproduction"]["metrics"]["top1_flips"] >= 1

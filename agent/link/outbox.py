@@ -1,12 +1,20 @@
 """Store and forward: every result enters the outbox; it leaves only when the broker acknowledged it.
 
 Memory while the broker keeps up (no disk writes: flash wear); SQLite in the state directory while
-the broker is away or slow, drained in order when it returns, and surviving an agent restart.
-Order is kept by one rule: while anything is on disk, new messages go to disk behind it.
-Bounded by count and age; what the policy drops is counted and reported.
+the broker is away, and for the overflow while it is slow, drained in order when it returns, and
+surviving an agent restart.
+Order is kept by one rule: every message gets its sequence number when it enters, and a row on disk is
+stored under that number, so the next message to send is the lowest number in memory or on disk. While
+the broker is connected only the overflow beyond `memory_messages` (the newest results) is written; the
+older ones in memory and the newer ones that follow still go out from memory, interleaved by number
+with the rows read back. Disk writes, deletes and reads are batched: one transaction per pump round.
+Bounded by count and age; what the policy drops is counted and reported. The age bound runs on a
+monotonic clock within a boot: a wall-clock step (NTP, an RTC set late) drops nothing.
 A full disk (or any failed write) loses nothing silently: a message is kept in memory until a write
 succeeds, up to `memory_messages`; beyond that bound the policy drops, counted in `dropped` with an
 `outbox.dropped` event (reason "disk"). Writes are retried on every pump, so recovery needs no restart.
+What a stop on a full disk cannot keep is counted in a small file allocated while there was space
+(`lost_at_stop`), and the next boot adds it to `dropped` in health.
 
 Threads: `put` and `ack` may be called from any thread (they only append to a deque); the SQLite
 connection and the queues are used under one lock, so `stats()` from the controller and `pump()`
@@ -15,11 +23,13 @@ from the link's thread never meet half-way.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +41,9 @@ log = get_logger("outbox")
 # What a write to the spill can raise: SQLITE_FULL ("database or disk is full"), I/O errors, ENOSPC.
 DISK_ERRORS = (sqlite3.Error, OSError)
 
+# Rows read back from disk at once: one SELECT per batch, not one per pump round or per message.
+READ_BATCH = 1000
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -41,6 +54,8 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+# The age bound's lookup; an outbox from before it gains it at the next start, when the disk has room for it.
+_INDEX = "CREATE INDEX IF NOT EXISTS messages_created ON messages(created)"
 
 
 @dataclass
@@ -49,12 +64,76 @@ class Message:
     payload: bytes
     qos: int
     created: float
-    row: int | None = None  # SQLite id when the message lives on disk
+    row: int | None = None  # SQLite id when the message lives on disk (its sequence number)
     sent: bool = False  # handed to the broker at least once: if dropped unacknowledged, it may have arrived
+    seq: int = 0  # order of entry, given when the pump takes it in; a row on disk is stored under it
 
 
 # publish(message) -> mid (int) once handed to the client, or None when it could not be sent now
 Publisher = Callable[[Message], "int | None"]
+
+
+class StepSafeClock:
+    """Wall time as read once at start plus monotonic time since: what `created` is stamped with and the
+    age bound measures against, so a wall-clock step during a boot neither ages nor rejuvenates anything.
+    Across a restart the stored stamps are compared with the next boot's wall clock: the only measure of
+    the time the agent was down."""
+
+    def __init__(self) -> None:
+        self._wall0, self._mono0 = time.time(), time.monotonic()
+
+    def __call__(self) -> float:
+        return self._wall0 + (time.monotonic() - self._mono0)
+
+
+class LostCounter:
+    """Results a stop could not keep (the disk full at stop), for the next boot to count. The file is
+    allocated at start, while there is space, and rewritten in place at stop: an overwrite of a block the
+    file already owns needs no free space."""
+
+    SIZE = 32
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> int:
+        """The count the previous stop left (0 if none)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        except OSError as exc:
+            log.error("outbox.lost_counter_unreadable", file=str(self.path), error=str(exc))
+            return 0
+        try:
+            count = int(raw.split()[1]) if raw.startswith(b"lost ") else 0
+        except (IndexError, ValueError):
+            log.error("outbox.lost_counter_unreadable", file=str(self.path), error=f"bad contents {raw[:40]!r}")
+            count = 0
+        return count
+
+    def allocate(self) -> None:
+        """Reset to 0, which (re)allocates the file while there is space for it."""
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            size = 0
+        if size != self.SIZE or self.read():
+            self.store(0)
+
+    def store(self, count: int) -> bool:
+        text = f"lost {count}".encode().ljust(self.SIZE - 1) + b"\n"
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, text, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.error("outbox.lost_counter_not_written", file=str(self.path), count=count, error=str(exc))
+            return False
+        return True
 
 
 class Outbox:
@@ -67,15 +146,25 @@ class Outbox:
         # NORMAL survives a process kill (the OS keeps written pages); power loss may lose the last commits.
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        try:
+            self.db.execute(_INDEX)
+        except DISK_ERRORS as exc:  # a full disk at start: the age bound scans the table until a later start
+            log.warning("outbox.index_not_created", error=str(exc))
+        self._now = StepSafeClock()
         self._incoming: deque[Message] = deque()
         self._wake = threading.Condition()
         self._sleeping = False
-        self.memory: deque[Message] = deque()
+        self.memory: deque[Message] = deque()  # not on disk, not sent, in sequence order
+        self._loaded: deque[Message] = deque()  # rows read back from disk ahead of sending, in order
         self.inflight: dict[int, Message] = {}  # mid -> message
         self._acks: deque[int] = deque()
         self.connected = False
         self.disk_count = self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-        self._disk_cursor = 0  # highest row sent on this connection
+        top = self.db.execute("SELECT MAX(id) FROM messages").fetchone()[0] or 0
+        used = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'messages'").fetchone()
+        self._next_seq = max(top, used[0] if used else 0) + 1  # rows of an earlier boot stay ahead
+        self._disk_cursor = 0  # highest row read back on this connection
+        self._disk_unread = bool(self.disk_count)  # rows above the cursor may wait on disk
         self.dropped = self._meta("dropped")
         self.dropped_unacked = 0  # of those dropped in this process: sent once, never acknowledged
         self._sent_rows: dict[int, float] = {}  # row -> created: on disk, sent once, not acknowledged
@@ -85,12 +174,21 @@ class Outbox:
         self._undeleted: list[int] = []  # rows acknowledged (or sent at QoS 0) whose DELETE failed: retried
         self.sent = 0
         self.acked = 0
+        self._lost = LostCounter(path.with_name(path.name + ".lost"))
+        self.lost_at_previous_stop = self._lost.read()
+        if self.lost_at_previous_stop:
+            log.error("outbox.lost_at_previous_stop", count=self.lost_at_previous_stop,
+                      detail="results the last stop could not keep (disk full); counted in dropped")
+            if self._count_drops(self.lost_at_previous_stop, "stop"):  # persisted first, then the file is reset
+                self._lost.allocate()
+        else:
+            self._lost.allocate()
         if self.disk_count:
             log.info("outbox.recovered", messages=self.disk_count)
 
     # -- any thread ------------------------------------------------------------------------------------
     def put(self, topic: str, payload: bytes, qos: int = 1) -> None:
-        self._incoming.append(Message(topic, payload, qos, time.time()))
+        self._incoming.append(Message(topic, payload, qos, self._now()))
         if not self.connected:
             # The broker is away: the message goes to disk before put returns. Left for the pump thread, a
             # SIGKILL under load lost results already produced (the no-loss test, at load 16: result 161).
@@ -143,7 +241,9 @@ class Outbox:
 
     def _on_connected(self) -> None:
         self.connected = True
+        self._unload()
         self._disk_cursor = 0
+        self._disk_unread = bool(self.disk_count)
         # Unacknowledged messages from memory go back to the front; a new connection sends them again.
         self._requeue_inflight()
 
@@ -155,6 +255,7 @@ class Outbox:
     def _on_disconnected(self) -> None:
         self.connected = False
         self._requeue_inflight()
+        self._unload()
         self._spill()
 
     def pump(self, publish: Publisher, max_inflight: int) -> None:
@@ -169,20 +270,9 @@ class Outbox:
         if not self.connected:
             self._spill()
             return
-        if self._pending_on_disk:
-            self._send_from_disk(publish, max_inflight)
-        else:
-            while self.memory and len(self.inflight) < max_inflight:
-                msg = self.memory[0]
-                mid = publish(msg)
-                if mid is None:
-                    return
-                self.memory.popleft()
-                self.inflight[mid] = msg
-                msg.sent = True
-                self.sent += 1
-            if len(self.memory) > self.cfg.memory_messages:  # the broker is slow: spill the backlog
-                self._spill()
+        self._send(publish, max_inflight)
+        if len(self.memory) > self.cfg.memory_messages:  # the broker is slow: the overflow goes to disk
+            self._spill_overflow()
 
     def close(self) -> None:
         """Graceful stop: whatever was not acknowledged is kept on disk for the next start."""
@@ -190,9 +280,14 @@ class Outbox:
             self._take_incoming()
             self._apply_acks()
             self._requeue_inflight()
+            self._unload()
             self._spill()
-            if self.memory:  # the disk is full at stop: these cannot outlive the process
-                log.error("outbox.lost_at_stop", count=len(self.memory), error=self._disk_error)
+            if self.memory:  # the disk is full at stop: these cannot outlive the process, but their count does
+                self._lost.store(len(self.memory))
+                # those sent once and never acknowledged may have reached the subscriber: the count is an upper bound
+                log.error("outbox.lost_at_stop", count=len(self.memory), error=self._disk_error,
+                          unacknowledged=sum(m.sent for m in self.memory),
+                          detail="counted in the next boot's outbox.dropped")
             self.db.close()
 
     def stats(self) -> dict[str, float | int]:
@@ -211,8 +306,9 @@ class Outbox:
             "depth": self.depth,
             "on_disk": self._pending_on_disk,
             "inflight": len(self.inflight),
-            "oldest_age_s": round(time.time() - oldest, 3) if oldest else 0.0,
+            "oldest_age_s": round(max(0.0, self._now() - oldest), 3) if oldest else 0.0,
             "dropped": self.dropped,
+            "lost_at_previous_stop": self.lost_at_previous_stop,
             "spilled": self.spilled,
             "memory_only": len(self.memory) if self._disk_error is not None else 0,  # kept while the disk fails
             "write_failures": self.write_failures,
@@ -225,9 +321,12 @@ class Outbox:
         if not self._incoming:
             return
         while self._incoming:  # into memory first: a message is never out of every queue
-            self.memory.append(self._incoming.popleft())
-        if self._pending_on_disk or not self.connected:
-            self._spill()  # behind what is already on disk, or durable while the broker is away
+            msg = self._incoming.popleft()
+            msg.seq = self._next_seq
+            self._next_seq += 1
+            self.memory.append(msg)
+        if not self.connected:
+            self._spill()  # durable while the broker is away
 
     def _apply_acks(self) -> None:
         rows: list[int] = []
@@ -244,20 +343,21 @@ class Outbox:
             self._delete_rows(rows)
 
     def _requeue_inflight(self) -> None:
-        # dict order is send order, which is the order the messages were put
+        # dict order is send order, which is sequence order for the messages from memory
         from_memory = [m for m in self.inflight.values() if m.row is None]
         self.inflight.clear()
         self.memory.extendleft(reversed(from_memory))
 
+    def _unload(self) -> None:
+        """Forget the rows read back and not yet sent: they are still on disk, read again from the cursor."""
+        if self._loaded:
+            self._disk_cursor = min(self._disk_cursor, (self._loaded[0].row or 1) - 1)
+            self._disk_unread = True
+            self._loaded.clear()
+
     def _spill(self) -> None:
-        """Memory to disk, keeping order: messages already sent from memory and still awaiting their
-        PUBACK are older than the backlog, so they are written first and stay in flight under their row."""
-        sent = [m for m in self.inflight.values() if m.row is None]
-        if sent:
-            if not self._write(sent):
-                self._bound_memory()
-                return
-            self._disk_cursor = max(self._disk_cursor, sent[-1].row or 0)  # in flight: not sent again now
+        """All of memory to disk (the broker is away, or the agent stops): each message under its sequence
+        number, so the rows sort with what is on disk already."""
         if not self.memory:
             return
         batch = list(self.memory)
@@ -266,6 +366,20 @@ class Outbox:
             return
         self.memory.clear()
         self.spilled += len(batch)
+
+    def _spill_overflow(self) -> None:
+        """Connected, but the broker is slower than the results: only the newest beyond `memory_messages` go
+        to disk. The older ones keep going out from memory, and the numbers keep the order."""
+        excess = len(self.memory) - self.cfg.memory_messages
+        batch = list(islice(self.memory, len(self.memory) - excess, None))
+        if not self._write(batch):
+            self._bound_memory()
+            return
+        for _ in range(excess):
+            self.memory.pop()
+        self.spilled += excess
+        if self._loaded and batch[0].seq < (self._loaded[-1].row or 0):
+            self._unload()  # rows written below those read back: read again, in order
 
     def _bound_memory(self) -> None:
         """The spill failed: memory is all there is. Beyond memory_messages the policy drops, counted."""
@@ -279,21 +393,15 @@ class Outbox:
         self._count_drops(excess, "disk", unacked)
 
     def _write(self, msgs: list[Message]) -> bool:
-        """Append to disk in order, all or nothing; each message learns its row id. False when the write
-        failed (disk full): nothing was written, the messages are unchanged and stay where they were."""
-        rows: list[int] = []
+        """Append to disk under their sequence numbers, all or nothing, in one transaction. False when the
+        write failed (disk full): nothing was written, the messages are unchanged and stay where they were."""
         try:
             self.db.execute("BEGIN")
-            for m in msgs:
-                rows.append(self.db.execute("INSERT INTO messages(topic, payload, qos, created) VALUES (?, ?, ?, ?)",
-                                            (m.topic, m.payload, m.qos, m.created)).lastrowid or 0)
+            self.db.executemany("INSERT INTO messages(id, topic, payload, qos, created) VALUES (?, ?, ?, ?, ?)",
+                                [(m.seq, m.topic, m.payload, m.qos, m.created) for m in msgs])
             self.db.execute("COMMIT")
         except DISK_ERRORS as exc:
-            try:
-                if self.db.in_transaction:
-                    self.db.execute("ROLLBACK")
-            except DISK_ERRORS:
-                pass
+            self._rollback()
             self.write_failures += 1
             if self._disk_error is None:
                 self._disk_error = str(exc)
@@ -302,50 +410,80 @@ class Outbox:
                           detail="results stay in memory up to outbox.memory_messages; beyond, they are dropped "
                                  "and counted; writes are retried")
             return False
-        for m, row in zip(msgs, rows):
-            m.row = row
+        for m in msgs:
+            m.row = m.seq
             if m.sent:
-                self._sent_rows[row] = m.created  # sent from memory before it was spilled
+                self._sent_rows[m.seq] = m.created  # sent from memory before it was spilled
         self.disk_count += len(msgs)
+        self._disk_unread = True
         if self._disk_error is not None:
             log.info("outbox.spill_recovered", failed_writes=self.write_failures)
             self._disk_error = None
         return True
 
-    def _send_from_disk(self, publish: Publisher, max_inflight: int) -> None:
-        room = max_inflight - len(self.inflight)
-        if room <= 0:
-            return
+    def _rollback(self) -> None:
+        try:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+        except DISK_ERRORS:
+            pass
+
+    def _read_back(self, room: int) -> None:
+        """The next rows above the cursor, in one SELECT of up to READ_BATCH (or the window)."""
+        limit = max(READ_BATCH, room)
         rows = self.db.execute(
             "SELECT id, topic, payload, qos, created FROM messages WHERE id > ? ORDER BY id LIMIT ?",
-            (self._disk_cursor, room),
+            (self._disk_cursor, limit),
         ).fetchall()
-        done = set(self._undeleted)
+        self._disk_unread = len(rows) == limit
+        done = set(self._undeleted)  # acknowledged already; their DELETE waits for disk space
         for row, topic, payload, qos, created in rows:
-            if row in done:  # acknowledged already; its DELETE waits for disk space
-                self._disk_cursor = row
-                continue
-            msg = Message(topic, bytes(payload), qos, created, row)
-            mid = publish(msg)
-            if mid is None:
-                return
-            msg.sent = True
-            self._disk_cursor = row
-            self.sent += 1
-            if qos == 0:
-                self._delete_rows([row])
-            else:
-                self.inflight[mid] = msg
-                self._sent_rows[row] = created
+            if row not in done:
+                self._loaded.append(Message(topic, bytes(payload), qos, created, row, seq=row))
+        if rows:
+            self._disk_cursor = rows[-1][0]
         if not rows and not self.inflight and self.disk_count:
             self.disk_count = self.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+
+    def _send(self, publish: Publisher, max_inflight: int) -> None:
+        """The lowest sequence number first, from memory or from the rows read back, while the window allows."""
+        sent_qos0: list[int] = []
+        try:
+            while len(self.inflight) < max_inflight:
+                if not self._loaded and self._disk_unread and self._pending_on_disk:
+                    self._read_back(max_inflight - len(self.inflight))
+                disk = self._loaded[0] if self._loaded else None
+                mem = self.memory[0] if self.memory else None
+                if disk is None and mem is None:
+                    return
+                from_disk = mem is None or (disk is not None and disk.seq < mem.seq)
+                msg = disk if from_disk else mem
+                assert msg is not None
+                mid = publish(msg)
+                if mid is None:
+                    return
+                (self._loaded if from_disk else self.memory).popleft()
+                msg.sent = True
+                self.sent += 1
+                if from_disk and msg.qos == 0:
+                    sent_qos0.append(msg.seq)
+                    continue
+                self.inflight[mid] = msg
+                if from_disk:
+                    self._sent_rows[msg.seq] = msg.created
+        finally:
+            if sent_qos0:
+                self._delete_rows(sent_qos0)
 
     def _delete_rows(self, rows: list[int]) -> None:
         # a DELETE writes too (the WAL): on a full disk the rows wait here and are skipped when sending
         rows = list(dict.fromkeys(self._undeleted + rows))  # a row dropped by the bounds may wait here already
         try:
+            self.db.execute("BEGIN")  # one transaction for the batch: a commit per row bounded the drain
             cur = self.db.executemany("DELETE FROM messages WHERE id = ?", [(r,) for r in rows])
+            self.db.execute("COMMIT")
         except DISK_ERRORS:
+            self._rollback()
             self._undeleted = rows
             return
         self._undeleted = []
@@ -355,6 +493,7 @@ class Outbox:
         try:
             self._enforce_bounds_now()
         except DISK_ERRORS as exc:  # a DELETE on a full disk: the bounds are applied at a later pump
+            self._rollback()
             log.debug("outbox.bounds_deferred", error=str(exc))
 
     def _enforce_bounds_now(self) -> None:
@@ -362,8 +501,9 @@ class Outbox:
         excess = self.depth - cfg.max_messages
         if excess > 0:
             self._drop(excess, "size")
+        cutoff = self._now() - cfg.max_age_s
         if self.disk_count:
-            cutoff = time.time() - cfg.max_age_s
+            # the index on created: no rows this old costs one lookup, not a scan of the backlog per pump
             ids = [r[0] for r in self.db.execute("SELECT id FROM messages WHERE created < ?", (cutoff,))]
             if ids:
                 # one thread owns the table (the pump's lock): the DELETE removes exactly these rows
@@ -375,43 +515,52 @@ class Outbox:
                 self._undeleted = [r for r in self._undeleted if r not in aged_ids]
                 aged = [r for r in ids if r not in waited]
                 self._count_drops(len(aged), "age", self._forget_sent(aged))
-        while self.memory and self.memory[0].created < time.time() - cfg.max_age_s:
+        while self.memory and self.memory[0].created < cutoff:
             msg = self.memory.popleft()
             self._count_drops(1, "age", msg.sent)
 
     def _forget_sent(self, rows: list[int]) -> int:
         """Rows dropped from the table: how many had been sent and never acknowledged. Those in flight leave
         it: their PUBACK must not DELETE them again (on a full disk the refused DELETE would put rows no
-        longer in the table into _undeleted, hiding as many real ones)."""
+        longer in the table into _undeleted, hiding as many real ones). Those read back and not yet sent
+        are not sent."""
         gone = set(rows)
         for mid in [mid for mid, m in self.inflight.items() if m.row in gone]:
             del self.inflight[mid]
+        if self._loaded:
+            self._loaded = deque(m for m in self._loaded if m.row not in gone)
         return sum(self._sent_rows.pop(r, None) is not None for r in rows)
 
     def _drop(self, n: int, why: str) -> None:
+        """The size bound: the n oldest (or newest) by sequence number, wherever they wait."""
         newest = self.cfg.policy == "drop_newest"
-        dropped = unacked = 0
+        disk_ids: list[int] = []
         if self._pending_on_disk:
             order = "DESC" if newest else "ASC"
             # rows already dropped (or delivered) whose DELETE the full disk refused are still in the table:
             # skipped, or the same rows would be counted again on every pump while the backlog stayed
             gone = set(self._undeleted)
-            ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?",
-                                                 (n + len(gone),)) if r[0] not in gone][:n]
+            disk_ids = [r[0] for r in self.db.execute(f"SELECT id FROM messages ORDER BY id {order} LIMIT ?",
+                                                      (n + len(gone),)) if r[0] not in gone][:n]
+        end = reversed(self.memory) if newest else iter(self.memory)
+        candidates = [(i, True) for i in disk_ids] + [(m.seq, False) for m in islice(end, n)]
+        chosen = sorted(candidates, reverse=newest)[:n]
+        ids = [i for i, on_disk in chosen if on_disk]
+        unacked = 0
+        if ids:
             self._delete_rows(ids)
-            dropped += len(ids)
             unacked = self._forget_sent(ids)
-        while dropped < n and self.memory:
+        for _ in range(len(chosen) - len(ids)):
             msg = self.memory.pop() if newest else self.memory.popleft()
             unacked += msg.sent
-            dropped += 1
-        self._count_drops(dropped, why, unacked)
+        self._count_drops(len(chosen), why, unacked)
 
-    def _count_drops(self, n: int, why: str, unacked: int = 0) -> None:
+    def _count_drops(self, n: int, why: str, unacked: int = 0) -> bool:
         """`unacked`: of the `n`, those sent once and never acknowledged (the broker went away first): the
-        subscriber may have them, so a count of drops is an upper bound on what was lost by that many."""
+        subscriber may have them, so a count of drops is an upper bound on what was lost by that many.
+        True when the total is on disk."""
         if n <= 0:
-            return
+            return True
         self.dropped += n
         self.dropped_unacked += unacked
         log.warning("outbox.dropped", count=n, reason=why, policy=self.cfg.policy, total=self.dropped,
@@ -420,7 +569,8 @@ class Outbox:
             self.db.execute("INSERT INTO meta(key, value) VALUES('dropped', ?) "
                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (self.dropped,))
         except DISK_ERRORS:
-            pass  # counted in memory (health shows it); persisted with the next drop that can be written
+            return False  # counted in memory (health shows it); persisted with the next drop that can be written
+        return True
 
     def _meta(self, key: str) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

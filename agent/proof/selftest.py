@@ -28,8 +28,15 @@ from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.npio import open_npz
 from agent.proof.isolation import RunMarker
+from agent.proof.parity import (
+    agreement_score,
+    fidelity_floors,
+    judge_fidelity,
+    judge_reproduction,
+    reproduction_bounds,
+    task_agreement,
+)
 from agent.proof.pre_compare import Levels, SampleDiff, compare, explain, lattice_levels
-from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.probe import detect_providers, device_fingerprint
 from agent.proof.selection import (
     SelectionPolicy,
@@ -568,6 +575,8 @@ class SourceScaleLimit:
 
     forced: int | None = None             # decode_scale set to a number (1: the source never reduces)
     frame: tuple[int, int] | None = None  # (height, width); None: unknown, every scale may be chosen
+    # the reduced paths it can serve through ("jpeg": DCT scaling, "video": decoder planes); None: unknown, both
+    paths: frozenset[str] | None = None
 
     def largest(self, resize: Any) -> int:
         cap = self.forced or max(REDUCED_SCALES)
@@ -584,8 +593,21 @@ def choosable_scale(limits: Sequence[SourceScaleLimit], resize: Any) -> int:
     return max((lim.largest(resize) for lim in limits), default=max(REDUCED_SCALES))
 
 
+DECODE_PATHS = ("jpeg", "video")
+
+
+def decode_paths(limits: Sequence[SourceScaleLimit]) -> tuple[str, ...]:
+    """The reduced paths any configured source can serve through: a JPEG folder never needs the video planes
+    proven, an H.264 file never the DCT scaling. No sources, or one not known before it opens: both."""
+    if not limits or any(lim.paths is None for lim in limits):
+        return DECODE_PATHS
+    wanted = set().union(*(lim.paths or frozenset() for lim in limits))
+    return tuple(p for p in DECODE_PATHS if p in wanted)
+
+
 def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                         opened: Any = None, max_scale: int = max(REDUCED_SCALES), callers: int = 1) -> dict[str, Any]:
+                         opened: Any = None, max_scale: int = max(REDUCED_SCALES), callers: int = 1,
+                         paths: Sequence[str] = DECODE_PATHS) -> dict[str, Any]:
     """Prove the reduced-scale decode paths on the winning candidate: each golden raw frame as a camera `s`
     times its size sends it, decoded at 1/s by JPEG's DCT scaling (jpeg.camera_sized_reduced) and by the
     video path's plane averaging (yuv.camera_sized_reduced_yuv), then the bundle's preprocessing and the
@@ -597,12 +619,12 @@ def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings
     in the result is the largest that passed, `bound` the largest that was tried. `callers`: how many run the
     model at once in serving (`serving_workers`): never more run it at once here (the frames are made on two
     threads either way)."""
-    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale, callers)
-    return {**out, "bound": max(1, min(max_scale, max(REDUCED_SCALES)))}
+    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale, callers, tuple(paths))
+    return {**out, "bound": max(1, min(max_scale, max(REDUCED_SCALES))), "paths": list(paths)}
 
 
 def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                    opened: Any, max_scale: int, callers: int) -> dict[str, Any]:
+                    opened: Any, max_scale: int, callers: int, paths: tuple[str, ...] = DECODE_PATHS) -> dict[str, Any]:
     m = bundle.manifest
     resize = m.preprocess.resize
     if max_scale < 2:
@@ -646,24 +668,37 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         entry: dict[str, Any] = {"scale": s, "passed": True, "paths": {}}
         failed: str | None = None
         for path, reduce in (("jpeg", camera_sized_reduced), ("video", camera_sized_reduced_yuv)):
+            if path not in paths:  # no configured source serves through it: proving it buys nothing
+                continue
             stage = f"decode 1/{s}" + (" (video planes)" if path == "video" else "")
             try:
-                got = _on_two_threads(served(lambda g: reduce(g.raw, s, m.frame.color)), golden)
-                # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
-                got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
-                rep = judge_reproduction(m.postprocess, got_used, full_used, bounds, "full path", stage=stage,
-                                         tensor_bound=False)
-                fid = judge_fidelity(m.postprocess, got_used, refs_used, floors, stage=stage)
+                def judge(got: list[dict[str, np.ndarray]], stage: str = stage) -> tuple[Any, Any]:
+                    # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
+                    got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
+                    return (judge_reproduction(m.postprocess, got_used, full_used, bounds, "full path", stage=stage,
+                                               tensor_bound=False),
+                            judge_fidelity(m.postprocess, got_used, refs_used, floors, stage=stage))
+
+                frame_of: Callable[[GoldenSample], np.ndarray] = functools.partial(_reduced_frame, reduce, s,
+                                                                                     m.frame.color)
+                got, judged = _until_decisive_miss(served(frame_of), golden,
+                                                   _DecisiveMiss(m, bounds, full, stage))
+                if judged < len(golden):  # refused already: the rest judged as the best they could be (= full)
+                    got = got + full[len(got):]
+                rep, fid = judge(got)
             except Exception as exc:
                 failed = f"{stage}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
                 entry["paths"][path] = {"passed": False, "reason": failed}
                 break
-            ok = rep.passed and fid.passed
-            entry["paths"][path] = {"passed": ok, "reproduction": rep.to_dict(), "fidelity": fid.to_dict()}
+            ok = rep.passed and fid.passed and judged == len(golden)
+            entry["paths"][path] = {"passed": ok, "reproduction": rep.to_dict(), "fidelity": fid.to_dict(),
+                                    "samples": judged, "of": len(golden)}
             if path == "jpeg":  # the keys earlier reports carried, kept for readers of the JPEG path
                 entry["reproduction"], entry["fidelity"] = rep.to_dict(), fid.to_dict()
             if not ok:
                 failed = f"{stage}: " + "; ".join(f.text() for f in rep.findings + fid.findings)
+                if judged < len(golden):
+                    failed += f" (decided after {judged} of {len(golden)} samples: the rest could not save it)"
                 break
         entry["passed"] = failed is None
         scales.append(entry)
@@ -677,6 +712,71 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         reason = f"scales above 1/{best} cannot be chosen by the configured sources (their frame size): not proven"
     log.info("selftest.reduced_decode", candidate=c.key, max_scale=best, reason=reason)
     return {"max_scale": best, "reason": reason, "scales": scales}
+
+
+def _reduced_frame(reduce: Callable[[np.ndarray, int, str], np.ndarray], scale: int, color: str,
+                   g: GoldenSample) -> np.ndarray:
+    return reduce(g.raw, scale, color)
+
+
+class _DecisiveMiss:
+    """After the reduced path's outputs for the first samples (`got`, the newest `last` of them just made): is
+    the shortcut refused whatever the other samples give? Only a sample that does not reproduce the full path
+    exactly can make it so; then the judgement runs on these samples with every other one reproducing the full
+    path (the best any could do: the score cannot rise above it). Sequences never reach here.
+    A mask's IoU is never exactly 1 after a reduced decode: the judgement (a decode of every sample) runs only
+    once the samples' shortfall could pull the mean IoU under its bound, not after every sample."""
+
+    def __init__(self, m: Any, bounds: Any, full: Sequence[dict[str, np.ndarray]], stage: str) -> None:
+        self.m, self.bounds, self.full, self.stage = m, bounds, full, stage
+        self.shortfall = 0.0
+
+    def __call__(self, got: list[dict[str, np.ndarray]], last: int) -> bool:
+        n = len(got)
+        new_got, new_full = used_outputs(self.m, got[n - last:], self.full[n - last:n])
+        try:
+            agreement = task_agreement(self.m.postprocess, new_got, new_full)
+        except Exception:  # noqa: BLE001 - outputs the decoder cannot read: the whole judgement says why
+            return True
+        score = agreement_score(agreement)
+        if score >= 1.0:
+            return False
+        if agreement.task == "segmentation":
+            self.shortfall += (1.0 - score) * last
+            if self.shortfall <= len(self.full) * (1.0 - self.bounds.min_agreement):
+                return False
+        best_got, best_full = used_outputs(self.m, list(got) + list(self.full[n:]), self.full)
+        return not judge_reproduction(self.m.postprocess, best_got, best_full, self.bounds, "full path",
+                                      stage=self.stage, tensor_bound=False).passed
+
+
+def _until_decisive_miss(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]], golden: Sequence[GoldenSample],
+                         refused: Callable[[list[dict[str, np.ndarray]], int], bool]
+                         ) -> tuple[list[dict[str, np.ndarray]], int]:
+    """`fn` over the golden samples in order, on up to two threads (one sample ahead), until `refused` says
+    the outputs so far refuse the shortcut: a refused speed path costs the samples up to its first decisive
+    miss (and the one then in flight on the other thread), not the whole set. The outputs of the samples judged, and how many."""
+    got: list[dict[str, np.ndarray]] = []
+    workers = min(2, len(os.sched_getaffinity(0)), len(golden))
+    if workers < 2:
+        for k, g in enumerate(golden):
+            outs = fn(g)
+            got += outs
+            if refused(got, len(outs)):
+                return got, k + 1
+        return got, len(golden)
+    with ThreadPoolExecutor(workers, thread_name_prefix="reduced-decode") as pool:
+        ahead = [pool.submit(fn, g) for g in golden[:workers]]
+        for k in range(len(golden)):
+            outs = ahead.pop(0).result()
+            got += outs
+            if refused(got, len(outs)):
+                for f in ahead:
+                    f.cancel()
+                return got, k + 1
+            if k + workers < len(golden):
+                ahead.append(pool.submit(fn, golden[k + workers]))
+    return got, len(golden)
 
 
 def _on_two_threads(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]],
@@ -772,6 +872,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
     # frames at 1/8); a cached check bounded lower than the sources now allow is run again
     scale_bound = choosable_scale(opts.source_limits, m.preprocess.resize)
+    needed_paths = decode_paths(opts.source_limits)
 
     def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
                attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
@@ -782,7 +883,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{scale_bound}"):
                 decode = _guarded(markers, bundle, selected.candidate,
                                   lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden,
-                                                               opened, max_scale=scale_bound, callers=opts.workers))
+                                                               opened, max_scale=scale_bound, callers=opts.workers,
+                                                               paths=needed_paths))
         report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
                                 (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
                                 decode, tuple(costs.to_list()))
@@ -813,9 +915,10 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                     # the reduced-decode check depends on what the cache key covers: reused, not re-run, unless
                     # it was bounded below a scale today's sources can choose (no "bound": every scale was tried)
                     decode = (cached.get("report") or {}).get("decode")
-                    if not isinstance(decode, dict) or (int(decode.get("bound", max(REDUCED_SCALES))) < scale_bound
-                                                        and opts.skip_reduced_decode is None):
-                        decode = None
+                    if not isinstance(decode, dict) or (opts.skip_reduced_decode is None and (
+                            int(decode.get("bound", max(REDUCED_SCALES))) < scale_bound
+                            or not set(needed_paths) <= set(decode.get("paths", DECODE_PATHS)))):
+                        decode = None  # bounded below today's scales, or a path today's sources need unproven
                     return finish([quick], quick, cached=True, decode=decode)
                 log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
 
@@ -977,23 +1080,46 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
     out = []
     for src in list(getattr(cfg, "source_list", ()) or ()):
         forced = None if src.decode_scale == "auto" else int(src.decode_scale)
-        frame = video_frame_size(Path(src.path)) if src.type == "video" and src.path is not None else None
-        out.append(SourceScaleLimit(forced, frame))
+        frame, fourcc = video_header(Path(src.path)) if src.type == "video" and src.path is not None else (None, None)
+        out.append(SourceScaleLimit(forced, frame, _paths_of(src, fourcc)))
     return tuple(out)
+
+
+def _paths_of(src: Any, fourcc: str | None) -> frozenset[str] | None:
+    """The reduced paths a source can serve through, known before it opens; None: unknown (a camera, a stream,
+    MQTT images, a folder not there yet). A video file's codec is in its header."""
+    from agent.serving.sources import MJPEG_FOURCCS
+
+    if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+        return frozenset()
+    if src.type == "folder" and src.path is not None and Path(src.path).is_dir():
+        has_jpeg = any(p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir())
+        return frozenset({"jpeg"}) if has_jpeg else frozenset()
+    if src.type == "video" and fourcc and fourcc not in MJPEG_FOURCCS:
+        return frozenset({"video"})  # H.264, H.265...: the decoder's planes, never JPEG's DCT scaling
+    return None  # an MJPEG file may be served either way (its packets to libjpeg, or FFmpeg's frames)
 
 
 def video_frame_size(path: Path) -> tuple[int, int] | None:
     """(height, width) a video file's header declares; None when it cannot be read (then nothing is assumed)."""
+    return video_header(path)[0]
+
+
+def video_header(path: Path) -> tuple[tuple[int, int] | None, str | None]:
+    """(height, width) and the codec's FourCC a video file's header declares; None for what cannot be read
+    (then nothing is assumed)."""
     if not path.is_file():
-        return None
+        return None, None
     import cv2
 
     cap = cv2.VideoCapture(str(path))
     try:
         h, w = int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)), int(cap.get(cv2.CAP_PROP_FRAME_WIDTH))
+        code = int(cap.get(cv2.CAP_PROP_FOURCC))
     finally:
         cap.release()
-    return (h, w) if h > 0 and w > 0 else None
+    fourcc = "".join(chr((code >> 8 * i) & 0xFF) for i in range(4)).strip("\0 ") if code > 0 else None
+    return ((h, w) if h > 0 and w > 0 else None), (fourcc or None)
 
 
 def serving_workers(pipe: Any) -> int:

@@ -110,6 +110,7 @@ class AVReader:
                        else "not tried yet")
         self._hw_asked = hw
         self.want_threads: int | None = None  # set by another thread; taken at the next keyframe
+        self.skipping = False  # frames no other frame references are not decoded while set (`skip_nonref`)
         self.swaps = 0
         self.threads = 0
         self.ctx: Any = None
@@ -137,7 +138,22 @@ class AVReader:
         ctx.thread_type = "AUTO"  # frame and slice threads, as many as asked
         ctx.thread_count = threads
         self.threads = int(ctx.thread_count)
+        if getattr(self, "skipping", False):  # a decoder swapped in while skipping keeps skipping
+            ctx.skip_frame = "NONREF"
         return ctx
+
+    def skip_nonref(self, on: bool) -> None:
+        """While the consumer is behind (the frame before still waits to be taken), frames that no other frame
+        references (B-frames) are not decoded at all: latest-frame-wins would drop them unseen. Reference
+        frames are decoded whatever happens (the next ones are built on them), so a stream without B-frames,
+        as most cameras send, decodes every frame. Called from the reading thread; software decoding only."""
+        if on == self.skipping or self.ctx is None or self.hw != "none":
+            return
+        try:
+            self.ctx.skip_frame = "NONREF" if on else "DEFAULT"
+        except (AttributeError, TypeError, ValueError):
+            return
+        self.skipping = on
 
     def request_threads(self, threads: int) -> None:
         """Decode with `threads` frame threads from the next keyframe on (the planner's call, any thread)."""

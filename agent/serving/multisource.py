@@ -1,7 +1,10 @@
 """Many sources in front of one pipeline: a capture thread per source, taken from in turn (no stream starves).
 
 Each source keeps its own policy: a lossless one waits in a bounded queue (back-pressure on that source
-only), a live one keeps only its latest frame (the stale one is counted against that source). The pipeline
+only), a live one keeps only its latest frame (the stale one is counted against that source). A live
+source's frame that waited in the pipeline's queue while a newer one arrived is swapped for the newer one
+when the pipeline takes it (`freshest`), before anything converts it: the pipeline never converts a frame
+that latest-frame-wins would drop, and each source keeps its turn. The pipeline
 sees one lossless source whose frames carry their source's name; a stalled or reconnecting source delays
 nobody else, and one stuck inside a read past its time-outs is reported as stuck in its own health while
 the others serve: the multiplexer counts as alive while any of its sources is.
@@ -43,6 +46,7 @@ class Feed:
     waiting: deque = field(default_factory=deque)
     ended: bool = False
     taken: int = 0        # frames handed to the pipeline
+    newest_ns: int = 0    # live source: capture time of the newest frame handed to the pipeline (`freshest`)
     stale: int = 0        # live source: frames replaced by a newer one before the pipeline took them
     left_at_stop: int = 0  # frames read but still waiting when the agent stopped
     bound_s: float = 14.0  # quiet for longer than this (or the watchdog's horizon): stuck inside its read
@@ -75,6 +79,7 @@ class MultiSource:
             if getattr(src, "open_threads", None) == 0:
                 src.open_threads = share  # type: ignore[attr-defined]
         self.name = "+".join(f.name for f in self.feeds)
+        self._by_name = {f.name: f for f in self.feeds}
         self.on_drop: Callable[[str, int], None] | None = None  # the pipeline's drop counter
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -93,8 +98,13 @@ class MultiSource:
             t.start()
 
     def _capture(self, feed: Feed) -> None:
+        # a live source whose last frame still waits: the next one replaces it, so a frame nothing references
+        # (a B-frame) is not decoded at all (the codec decides; reference frames always are)
+        skip = None if feed.lossless else getattr(feed.source, "skip_nonref", None)
         try:
             while not self._stop.is_set():
+                if skip is not None:
+                    skip(bool(feed.waiting))
                 t_cpu = time.thread_time_ns()
                 try:
                     item: Any = feed.source.read(self._stop)
@@ -157,6 +167,7 @@ class MultiSource:
                         if isinstance(item, BadFrame):
                             raise item
                         feed.taken += 1
+                        feed.newest_ns = max(feed.newest_ns, item.captured_ns)
                         if item.source != feed.name:  # a folder names its frames per file: keep that as the item
                             item.item, item.source = item.source, feed.name
                         return item
@@ -165,6 +176,34 @@ class MultiSource:
                     return None
                 self._cond.wait(0.1)
         return None
+
+    def freshest(self, frame: Frame) -> Frame | None:
+        """At the pipeline's take, just before preprocessing converts `frame`, for a live source: the newer frame
+        waiting in the source in its place, or None when a newer frame of that source is in the pipeline already
+        (`frame` is to be skipped); either way `frame` counts as stale against the source and is released
+        unconverted. A lossless source's frame, or a live one still the newest, is returned as it is. A swap
+        keeps the source's turn: fairness as before."""
+        feed = self._by_name.get(frame.source)
+        if feed is None or feed.lossless:
+            return frame
+        with self._cond:
+            newer = feed.waiting[-1] if feed.waiting and isinstance(feed.waiting[-1], Frame) else None
+            if newer is not None:
+                feed.waiting.pop()
+                self._cond.notify_all()
+                if newer.source != feed.name:
+                    newer.item, newer.source = newer.source, feed.name
+                feed.newest_ns = max(feed.newest_ns, newer.captured_ns)
+                out: Frame | None = newer  # it takes `frame`'s place in `taken`
+            else:
+                out = frame if frame.captured_ns >= feed.newest_ns else None
+                if out is None:
+                    feed.taken -= 1
+            if out is not frame:
+                feed.stale += 1
+        if out is not frame:
+            frame.release()  # the pipeline counts the drop (it counted this frame as captured)
+        return out
 
     # -- stuck sources -----------------------------------------------------------------------------------
     def _check_stuck(self, force: bool = False) -> None:

@@ -67,6 +67,11 @@ class LatestSlot:
                 self._item, self._full = item, True
             self._cond.notify()
 
+    @property
+    def waiting(self) -> bool:
+        """A frame is in the box, not taken yet: the next one will replace it."""
+        return self._full and self._item is not _END
+
     def get(self, timeout: float | None = None) -> Any:
         with self._cond:
             if not self._cond.wait_for(lambda: self._full, timeout):
@@ -208,6 +213,8 @@ class Pipeline:
         self._captured_drops = 0  # drops of frames this pipeline captured (not a source's own stale frames)
         if hasattr(source, "on_drop"):  # many sources: a live source's stale frames are dropped before capture
             source.on_drop = self._count_source_drop
+        # many sources: a frame queued here is swapped for its source's newer one at the take (never converted)
+        self._fresher: Callable[[Frame], Frame | None] | None = getattr(source, "freshest", None)
         # many sources and a dynamic batch: up to one frame of each source per inference
         self._batch = cfg.max_batch
         if getattr(cfg, "batch_across_sources", True):
@@ -404,10 +411,14 @@ class Pipeline:
     def _capture(self) -> None:
         src, m = self.source, self.metrics
         limit = self.cfg.max_frames
+        # latest-frame-wins: while the last frame still waits, a frame nothing references is not decoded
+        skip = getattr(src, "skip_nonref", None) if isinstance(self._frames_q, LatestSlot) else None
         while not self.stop_event.is_set():
             if self.paused.is_set():
                 self.stop_event.wait(0.05)
                 continue
+            if skip is not None:
+                skip(self._frames_q.waiting)
             t_cpu = time.thread_time_ns()
             try:
                 frame = src.read(self.stop_event)
@@ -448,6 +459,21 @@ class Pipeline:
         except queue.Empty:
             return None
 
+    def _freshest(self, item: Any) -> Any:
+        """Many sources: a live source's frame that waited here while a newer one arrived is swapped for the
+        newer one (or skipped, None, if that was handed out already) before preprocessing converts it;
+        counted stale by the source. Anything else is returned as it is."""
+        if self._fresher is None or not isinstance(item, Frame):
+            return item
+        out = self._fresher(item)
+        if out is None:
+            self._count_drop("stale")  # captured, and now dropped
+        elif out is not item:
+            # the newer frame takes the captured one's place in frames_in: the replaced one counts as a
+            # source's drop, as if latest-frame-wins had dropped it in the source
+            self._count_drop("stale", captured=False)
+        return out
+
     def _put_back_end(self) -> None:
         """Every preprocessing thread must see the end. Under the take lock: a blocking put here would hold
         the others off the queue; if it is full, what fills it is another end marker (a crashed stage's)."""
@@ -460,7 +486,9 @@ class Pipeline:
         """The next frame, or a batch of frames across sources, numbered in the order taken, with the engine
         that serves it (and, a stateful one, its turn); None at the end."""
         with self._take_lock:
-            first = self._next_frame(None)
+            first = None
+            while first is None:  # a frame a newer one of its live source replaced is skipped
+                first = self._freshest(self._next_frame(None))
             if first is _END:
                 self._put_back_end()
                 return None
@@ -475,7 +503,9 @@ class Pipeline:
                     if nxt is _END:
                         self._put_back_end()  # taken again on the next call
                         break
-                    batch.append(nxt)
+                    nxt = self._freshest(nxt)
+                    if nxt is not None:
+                        batch.append(nxt)
             self._number += 1
             return self._number, batch, engine, (self._turns.issue(engine) if engine.max_workers == 1 else None)
 

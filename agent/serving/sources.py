@@ -443,6 +443,11 @@ class OpenCVSource:
             return Frame(self.stats.frames, img, at, ns, self.name, 1, self._to_frame)
         return None
 
+    def skip_nonref(self, on: bool) -> None:
+        """Frames no other references are not decoded while `on` (the reader's consumer is behind): PyAV only."""
+        if self.av and not self.packets and self.cap is not None:
+            self.cap.skip_nonref(on)
+
     def _count_refused(self, reader: ffmpeg_decode.AVReader) -> None:
         """Packets the decoder refused (skipped, as FFmpeg inside OpenCV does) are bad frames: counted in health,
         logged at the 1st, 10th, 100th..."""
