@@ -106,8 +106,13 @@ def bundle_unreadable(root: Path) -> str | None:
     return None
 
 
-def _no_report(root: Path, error: str | None) -> BootOutcome:
-    """A proof with no report: an unreadable bundle is said as `config check` says it (key bundle: ...)."""
+def _no_report(root: Path, error: str | None, crashed: bool = False) -> BootOutcome:
+    """A proof with no report: an unreadable bundle is said as `config check` says it (key bundle: ...). Never after
+    a child died on the way (a crash, a signal, a time-out, a load recorded as killing a process): nothing of such a
+    bundle is read in the agent's own process (tests/test_boot_load_isolation.py)."""
+    text = error or ""
+    if crashed or text.startswith(("loading the bundle", "the child died")) or "SIG" in text or "timeout" in text:
+        return BootOutcome(None, None, None, error)
     why = bundle_unreadable(root)
     if why is not None:
         return BootOutcome(None, None, None, f"key bundle: {why}", unservable=True)
@@ -134,7 +139,7 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
     for crash in proof.crashes:
         log.error("boot.step_crashed", step=crash.step, signal=crash.signal)
     if proof.report is None:
-        return _no_report(root, proof.error)
+        return _no_report(root, proof.error, crashed=bool(proof.crashes))
     try:
         # The child checked every variant's contract and the golden arrays; here only the files are read and
         # their hashes checked (the manifest's sha is compared with the proven one below), and only after the

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from agent.config import Config, SourceConfig
 from agent.errors import AgentError, install_hint
+from agent.proof.terms import CPU
 from agent.service.boot import bundle_path_problem
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ def _check_bundle(cfg: Config, installed_here: bool, f: Findings) -> Bundle | No
 def _check_selection(cfg: Config, f: Findings) -> None:
     """A CUDA (or any accelerator) pin with no CPU fallback on a machine that has no such provider serves nothing."""
     pin = cfg.selection.provider
-    if pin is None or pin == "CPUExecutionProvider" or cfg.selection.allow_cpu_fallback:
+    if pin is None or pin == CPU or cfg.selection.allow_cpu_fallback:
         return
     import onnxruntime as ort
 
