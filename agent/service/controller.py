@@ -18,6 +18,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -183,6 +184,9 @@ class Controller:
         self.selftest_doc: dict[str, Any] | None = None
         self.decode_limit: dict[str, Any] | None = None  # the proven JPEG decode scale the source runs under
         self.not_serving_reason: str | None = None
+        # this agent process, drawn at start: in availability, health and every result, so two live agents
+        # under one device_id (a cloned card: the same state dir, the same boot counter) stay distinguishable
+        self.instance = uuid.uuid4().hex[:12]
         self.reload_refused: dict[str, Any] | None = None  # the last reload that kept the proven engine, and why
         self.config_refused: str | None = None  # set at boot: `run` exits non-zero instead of idling forever
         self.store: BundleStore | None = None
@@ -328,7 +332,7 @@ class Controller:
         else:
             source, lossless = opened[0][1], is_lossless(self.cfg.source, opened[0][1])
         self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline, lossless,
-                                 boot=self.boot_number, first_seq=self._next_seq)
+                                 boot=self.boot_number, first_seq=self._next_seq, instance=self.instance)
         self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
         return self.pipeline.start()
@@ -462,7 +466,8 @@ class Controller:
             probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
             update_machine=self.updater.machine.snapshot.to_dict() if self.updater is not None else None,
-        ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict(), "reload_refused": self.reload_refused}
+        ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict(), "reload_refused": self.reload_refused,
+              "identity": {"instance": self.instance, "twin": self.link.twin if self.link is not None else None}}
 
     def _status_text(self) -> str:
         """systemd's STATUS=, with what an operator must see beside "serving" (degraded, pinned); never "None"."""
@@ -905,7 +910,8 @@ class Controller:
             self.outbox = Outbox(spare_dir / "outbox.sqlite", self.cfg.outbox)
         self.link = MqttLink(self.cfg.mqtt, self.cfg.device_id, self.cfg.state_dir, self.outbox,
                              self.command_inlet(), self._retained,
-                             on_bundle=self.on_bundle_message if self.cfg.updates.enabled else None)
+                             on_bundle=self.on_bundle_message if self.cfg.updates.enabled else None,
+                             instance=self.instance)
         self.link.start()
 
     def _start_inbox(self) -> None:
