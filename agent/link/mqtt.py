@@ -163,7 +163,8 @@ class MqttLink:
         self._stop.set()
         self._pump_thread.join(timeout=5)
         if self.connected.is_set():
-            info = self.client.publish(self.topics.availability, _availability("stopped", self.session, self.instance), qos=1, retain=True)
+            info = self.client.publish(self.topics.availability, _availability("stopped", self.session, self.instance),
+                                       qos=1, retain=True)
             try:
                 info.wait_for_publish(timeout=3)
             except (RuntimeError, ValueError):
@@ -206,7 +207,8 @@ class MqttLink:
 
     # -- callbacks (paho's network thread) -------------------------------------------------------------
     def _set_will(self) -> None:
-        self.client.will_set(self.topics.availability, _availability("offline", self.session + 1, self.instance), qos=1, retain=True)
+        self.client.will_set(self.topics.availability, _availability("offline", self.session + 1, self.instance),
+                             qos=1, retain=True)
 
     def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:
@@ -233,7 +235,8 @@ class MqttLink:
         rc, _ = client.subscribe([(t, 1) for t in topics])
         if rc != paho.MQTT_ERR_SUCCESS:
             raise ConnectionError(f"subscribe to {topics} failed: {paho.error_string(rc)}")
-        client.publish(self.topics.availability, _availability("online", self.session, self.instance), qos=1, retain=True)
+        client.publish(self.topics.availability, _availability("online", self.session, self.instance),
+                       qos=1, retain=True)
         try:
             for topic, payload in self.retained().items():
                 client.publish(topic, payload, qos=1, retain=True)

@@ -3,14 +3,14 @@
 The child (`agent.service.selftest_child`) writes a step marker before each step that can kill it
 (loading the bundle; each variant's contract, one variant per step; each provider probe; each
 candidate trial, cached winner included; each candidate's share of the interleaved latency loop, the
-marker switching before every run). When it dies of a fatal signal of its own (`FATAL_SIGNALS`) or a step
-makes no progress (no marker rewritten) for the time-out, the parent reads the marker, records the step with
-the signal and the ORT, provider and driver versions, and runs a new child that skips it. A death with no
-evidence against the step (SIGKILL: the OOM killer, an operator) is retried, and recorded only when it
-recurs at the same point `UNEXPLAINED_DEATHS` times in a row; a slow child that progresses is never killed. The serving
-process records into the same ledger (`agent.service.serving_ledger`): a crash there costs the served
-candidate at the next boot. A record stops applying when those versions change or when it expires
-(`edge-agent selftest --forget-crashes` clears them).
+marker switching before every run). When it dies of a fatal signal of its own (`FATAL_SIGNALS`) or a
+step makes no progress (no marker rewritten) for the time-out, the parent reads the marker, records the
+step with the signal and the ORT, provider and driver versions, and runs a new child that skips it. A
+death with no evidence against the step (SIGKILL: the OOM killer, an operator) is retried, and recorded
+only when it recurs at the same point `UNEXPLAINED_DEATHS` times; a slow child that progresses is never
+killed. The serving process records into the same ledger (`agent.service.serving_ledger`): a crash there
+costs the served candidate at the next boot. A record stops applying when those versions change or when
+it expires (`edge-agent selftest --forget-crashes` clears them).
 
 A child ended by SIGTERM, SIGINT or SIGHUP was stopped (systemd stops the whole cgroup), and a marker
 left by a child whose agent exited is an interrupted self-test: neither is recorded as a crash.

@@ -168,7 +168,8 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
     if noted:
         proof.report["unexplained_deaths"] = noted
         log.warning("boot.unexplained_deaths", deaths=noted,
-                    reason="deaths seen with no evidence against a step: not charged (health selftest.unexplained_deaths)")
+                    reason="deaths seen with no evidence against a step: not charged "
+                           "(health selftest.unexplained_deaths)")
     try:
         # The child checked every variant's contract and the golden arrays; here only the files are read and
         # their hashes checked (the manifest's sha is compared with the proven one below), and only after the

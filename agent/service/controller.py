@@ -769,8 +769,8 @@ class Controller:
 
     def _apply_reload(self, o: BootOutcome, before: _Served) -> None:
         """A reload whose proof or start fails never drops the proven engine that served before it: that engine
-        serves on under the config it served with, and the refusal is said (journal, health `reload`, the
-        command's reply), as an update rolls back. A hash mismatch on a file altered on disk used to leave the
+        serves on under the config it served with, and the refusal is said (journal, health `reload_refused`,
+        the command's reply), as an update rolls back. A hash mismatch on a file altered on disk used to leave the
         device serving nothing although the proven session in memory was fine."""
         if o.engine is not None:
             self._apply_boot(o)
@@ -784,6 +784,8 @@ class Controller:
         else:
             why = o.reason or "no candidate passed"
         self._use_config(before.cfg)
+        # a source the reloaded config named that cannot open is this reload's refusal, not a reason to exit
+        self.config_refused = None
         self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = (before.bundle, before.engine,
                                                                                 before.doc, None)
         try:

@@ -621,8 +621,8 @@ def inbox_entry(updater: Updater, inbox: Path, entry: Path) -> dict[str, Any] | 
             # the entry can be swapped (for a FIFO, a symlink) after this lstat: the updater reads it only
             # under a name in the agent's own staging, which nobody else can swap
             work = updater.store.new_staging("inbox-")
-            verdict = updater.install(_take_entry(entry, work, updater.cfg.max_bundle_bytes, updater.cfg.min_free_bytes),
-                                      "inbox", name)
+            taken = _take_entry(entry, work, updater.cfg.max_bundle_bytes, updater.cfg.min_free_bytes)
+            verdict = updater.install(taken, "inbox", name)
         except AgentError as exc:
             verdict = updater.refuse(name, "inbox", str(exc))
         except Exception as exc:
