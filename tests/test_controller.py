@@ -382,3 +382,20 @@ def test_sighup_with_the_served_variant_altered_on_disk_keeps_the_proven_engine_
     assert {r["variant"] for r in results[n:]} == {"int8"}
     assert not agent.events("boot.not_serving")
     assert agent.stop() == 0
+
+
+def test_sighup_with_a_config_naming_a_missing_video_keeps_serving_the_previous_source(tmp_path: Path,
+                                                                                      agent_process) -> None:
+    """Fault: a reload whose config names a source that cannot open dropped the engine and `run` exited 1, as
+    at boot; the device went dark for an edit. Now the reload is refused and what served before serves on."""
+    agent = agent_process(demo_config(tmp_path, device_id=DEVICE)).start()
+    agent.wait_results(20, 120)
+    agent.config["source"] = {"type": "video", "path": str(tmp_path / "nowhere.mp4")}
+    agent.write_config()
+    agent.signal(signal.SIGHUP)
+    refused = agent.wait_event("reload.refused", timeout=120)
+    assert "nowhere.mp4 does not exist" in refused["reason"], refused
+    n = len(agent.results())
+    agent.wait_results(n + 20, 60)  # results continue, from the folder the previous config named
+    assert agent.returncode is None
+    assert agent.stop() == 0
