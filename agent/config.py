@@ -219,7 +219,8 @@ class UpdatesConfig:
     probation_s: Annotated[float, Key("a new bundle serves this long ...", ge=0)] = 20.0
     probation_frames: Annotated[int, Key("... or this many frames with no errors and latency in budget", ge=0)] = 100
     max_bundle_bytes: Annotated[int, Key("archive and unpacked size limit", ge=1024)] = 512 * 2**20
-    selftest_timeout_s: Annotated[float, Key("the child self-test's time limit", ge=1)] = 300.0
+    selftest_timeout_s: Annotated[float, Key("how long a self-test step may go without progress before it is a hang "
+                                             "(no cap on a slow child that progresses)", ge=1)] = 300.0
     inbox: Annotated[Path | None, Key("a directory watched for dropped .tar.gz bundles")] = None
     download_timeout_s: Annotated[float, Key("URL delivery: one read may wait this long", ge=1)] = 60.0
     download_deadline_s: Annotated[float, Key("URL delivery: the whole download must finish within this",
@@ -228,7 +229,8 @@ class UpdatesConfig:
     min_chunk_bytes: Annotated[int, Key("an offer's chunk_size must lie in [min, max]: bounds the chunk count",
                                         ge=1)] = 1024
     max_chunk_bytes: Annotated[int, Key("the largest chunk an offer may announce", ge=1)] = 4 * 2**20
-    min_free_bytes: Annotated[int, Key("an offer must leave this much disk free (after 2x its size)", ge=0)] = \
+    min_free_bytes: Annotated[int, Key("a delivered bundle (offer, URL, inbox) must leave this much disk free "
+                                       "(after 2x its size)", ge=0)] = \
         64 * 2**20
     transfer_idle_s: Annotated[float, Key("a transfer with no message for this long expires; staging is swept",
                                           ge=1)] = 60.0

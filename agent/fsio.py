@@ -23,11 +23,16 @@ def write_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # a full disk (ENOSPC) left the partial file behind, holding the space the next write needed
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -51,9 +56,21 @@ def read_counter(path: Path) -> int:
 
 
 def bump_counter(path: Path) -> int:
-    """Increment a persisted integer (crash-safe) and return the new value."""
+    """Increment a persisted integer (crash-safe) and return the new value.
+
+    On a full disk (no block for the temporary copy) the number is written over the file in place, which
+    needs no new block: not safe against a power cut in that very write, but the number still never repeats
+    at the next start, where an unwritten one would (two boots under one number). Raises OSError only when
+    neither works (no file yet and no space for one)."""
     n = read_counter(path) + 1
-    write_atomic(path, str(n).encode())
+    try:
+        write_atomic(path, str(n).encode())
+    except OSError:
+        with open(path, "r+b") as f:  # FileNotFoundError when there is no file to overwrite
+            f.write(str(n).encode())
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
     return n
 
 

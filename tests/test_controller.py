@@ -360,3 +360,42 @@ def test_a_full_event_queue_answers_busy_at_once(tmp_path: Path) -> None:
     assert answers[:EVENT_QUEUE_SIZE] == [None] * EVENT_QUEUE_SIZE  # queued: the controller replies later
     assert all(a is not None and a["busy"] and "busy" in a["error"] for a in answers[EVENT_QUEUE_SIZE:])
     assert threading.active_count() == threads
+
+
+def test_sighup_with_the_served_variant_altered_on_disk_keeps_the_proven_engine_serving(tmp_path: Path,
+                                                                                        agent_process) -> None:
+    """Fault: with int8 serving, its file altered on disk (the manifest not re-hashed), a SIGHUP ended in
+    `boot.not_serving: ... hash mismatch` and no result after it, although the proven session in memory was
+    fine. A reload that fails now keeps the engine that served, and says why, as an update rolls back."""
+    from agentproc import int8_first
+
+    cfg = int8_first(tmp_path, demo_config(tmp_path, device_id=DEVICE))
+    agent = agent_process(cfg).start()
+    assert agent.wait_results(20, 120)[-1]["variant"] == "int8"
+    model = Path(cfg["bundle"]) / "model_int8.onnx"
+    model.write_bytes(model.read_bytes() + b"\0")  # altered on disk, the manifest's hash not recomputed
+    agent.signal(signal.SIGHUP)
+    refused = agent.wait_event("reload.refused", timeout=120)
+    assert "hash mismatch" in refused["reason"] and refused["kept"] == "CPUExecutionProvider:int8"
+    n = len(agent.results())
+    results = agent.wait_results(n + 20, 60)  # results continue, from the engine proven before
+    assert {r["variant"] for r in results[n:]} == {"int8"}
+    assert not agent.events("boot.not_serving")
+    assert agent.stop() == 0
+
+
+def test_sighup_with_a_config_naming_a_missing_video_keeps_serving_the_previous_source(tmp_path: Path,
+                                                                                      agent_process) -> None:
+    """Fault: a reload whose config names a source that cannot open dropped the engine and `run` exited 1, as
+    at boot; the device went dark for an edit. Now the reload is refused and what served before serves on."""
+    agent = agent_process(demo_config(tmp_path, device_id=DEVICE)).start()
+    agent.wait_results(20, 120)
+    agent.config["source"] = {"type": "video", "path": str(tmp_path / "nowhere.mp4")}
+    agent.write_config()
+    agent.signal(signal.SIGHUP)
+    refused = agent.wait_event("reload.refused", timeout=120)
+    assert "nowhere.mp4 does not exist" in refused["reason"], refused
+    n = len(agent.results())
+    agent.wait_results(n + 20, 60)  # results continue, from the folder the previous config named
+    assert agent.returncode is None
+    assert agent.stop() == 0

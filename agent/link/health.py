@@ -177,6 +177,8 @@ def selftest_figures(doc: Mapping[str, Any] | None) -> dict[str, Any]:
         # steps that killed a self-test child (a bad driver), as "step: signal"
         "crashes": [f"{c.get('step')}: {c.get('signal')}" if isinstance(c, Mapping) else str(c)
                     for c in _list(doc.get("crashes"))],
+        # deaths seen with no evidence against a step (a kill from outside, the OOM killer): not charged
+        "unexplained_deaths": [str(d) for d in _list(doc.get("unexplained_deaths"))][:10],
     }
 
 

@@ -77,15 +77,26 @@ def strict_json(doc: Any) -> bytes:
         return json.dumps(_finite(doc), allow_nan=False).encode()
 
 
-def _availability(state: str, session: int) -> bytes:
-    return json.dumps({"state": state, "session": session, "ts": round(time.time(), 3)}).encode()
+def _availability(state: str, session: int, instance: str = "") -> bytes:
+    doc: dict[str, Any] = {"state": state, "session": session, "ts": round(time.time(), 3)}
+    if instance:
+        doc["instance"] = instance  # this agent process: a second live agent under one device_id differs here
+    return json.dumps(doc).encode()
+
+
+TWIN_LOG_EVERY_S = 30.0  # a twin's takeovers come every few seconds: said at once, then at most this often
 
 
 class MqttLink:
     def __init__(self, cfg: MqttConfig, device_id: str, state_dir: Path, outbox: Outbox,
                  on_command: CommandHandler, retained: Callable[[], dict[str, bytes]],
-                 on_bundle: Callable[[str, bytes], None] | None = None):
+                 on_bundle: Callable[[str, bytes], None] | None = None, instance: str = ""):
         self.cfg = cfg
+        self.device_id, self.instance = device_id, instance
+        # another live agent under this device_id (a cloned card, a copied config): what was seen of it
+        self.twin: dict[str, Any] | None = None
+        self.started_ts = time.time()
+        self._twin_logged = 0.0
         self.topics = Topics(cfg.prefix or default_prefix(device_id))
         self.outbox = outbox
         self.on_command = on_command
@@ -152,7 +163,8 @@ class MqttLink:
         self._stop.set()
         self._pump_thread.join(timeout=5)
         if self.connected.is_set():
-            info = self.client.publish(self.topics.availability, _availability("stopped", self.session), qos=1, retain=True)
+            info = self.client.publish(self.topics.availability, _availability("stopped", self.session, self.instance),
+                                       qos=1, retain=True)
             try:
                 info.wait_for_publish(timeout=3)
             except (RuntimeError, ValueError):
@@ -195,7 +207,8 @@ class MqttLink:
 
     # -- callbacks (paho's network thread) -------------------------------------------------------------
     def _set_will(self) -> None:
-        self.client.will_set(self.topics.availability, _availability("offline", self.session + 1), qos=1, retain=True)
+        self.client.will_set(self.topics.availability, _availability("offline", self.session + 1, self.instance),
+                             qos=1, retain=True)
 
     def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:
@@ -217,11 +230,13 @@ class MqttLink:
             log.error("mqtt.session_not_recorded", file=str(self._session_file), error=str(exc))
         # subscriptions first: commands and transfers are heard even if a publish below fails
         topics = [self.topics.commands] + ([self.topics.bundle_all] if self.on_bundle is not None else []) + (
-            [f"{self.cfg.homeassistant_prefix}/status"] if self.cfg.homeassistant else [])
+            [f"{self.cfg.homeassistant_prefix}/status"] if self.cfg.homeassistant else []) + (
+            [self.topics.availability] if self.instance else [])  # a twin's availability (or last will)
         rc, _ = client.subscribe([(t, 1) for t in topics])
         if rc != paho.MQTT_ERR_SUCCESS:
             raise ConnectionError(f"subscribe to {topics} failed: {paho.error_string(rc)}")
-        client.publish(self.topics.availability, _availability("online", self.session), qos=1, retain=True)
+        client.publish(self.topics.availability, _availability("online", self.session, self.instance),
+                       qos=1, retain=True)
         try:
             for topic, payload in self.retained().items():
                 client.publish(topic, payload, qos=1, retain=True)
@@ -258,11 +273,41 @@ class MqttLink:
         self._set_will()  # the next connection's will carries the next session number
         if was:  # our own stop is a clean, expected disconnect
             (log.info if self._stop.is_set() else log.warning)("mqtt.disconnected", reason=str(reason))
+        if "taken over" in str(reason).lower():  # MQTT 5: another client connected under our client id
+            self._twin_seen(None, "session taken over: another client connected with this client id")
+
+    def _twin_seen(self, other: str | None, how: str) -> None:
+        now = time.time()
+        prev = self.twin or {}
+        self.twin = {"instance": other or prev.get("instance"), "how": how, "count": int(prev.get("count", 0)) + 1,
+                     "first_ts": prev.get("first_ts", round(now, 3)), "last_ts": round(now, 3)}
+        if now - self._twin_logged >= TWIN_LOG_EVERY_S:
+            self._twin_logged = now
+            log.error("mqtt.twin_detected", device_id=self.device_id, ours=self.instance, twin=self.twin,
+                      reason=f"a second live agent uses device_id {self.device_id!r} (a cloned card, a copied "
+                             "config): the broker knocks each off in turn; give each device its own device_id")
+
+    def _on_availability(self, msg: paho.MQTTMessage) -> None:
+        """Our own availability topic: a message from another instance written after this process started is a
+        second live agent under our device_id. With one client id the two are never connected together (each
+        connect knocks the other off), so what each sees is the other's retained `online` or last will at its
+        subscribe; a message of this device's previous process (a restart) was written before we started."""
+        try:
+            doc = json.loads(msg.payload)
+            other = str(doc.get("instance") or "")
+            written = float(doc.get("ts") or 0)
+        except (ValueError, AttributeError, TypeError):
+            return
+        if other and other != self.instance and (not msg.retain or written >= self.started_ts):
+            self._twin_seen(other, f"its availability {str(doc.get('state'))[:20]!r} on our topic")
 
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: Any, props: Any) -> None:
         self.outbox.ack(mid)
 
     def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        if msg.topic == self.topics.availability:
+            self._on_availability(msg)
+            return
         if msg.topic == f"{self.cfg.homeassistant_prefix}/status":
             if msg.payload == b"online":
                 for topic, payload in self.retained().items():

@@ -3,11 +3,14 @@
 The child (`agent.service.selftest_child`) writes a step marker before each step that can kill it
 (loading the bundle; each variant's contract, one variant per step; each provider probe; each
 candidate trial, cached winner included; each candidate's share of the interleaved latency loop, the
-marker switching before every run). When it dies, the parent reads the marker, records the step with
-the signal and the ORT, provider and driver versions, and runs a new child that skips it. The serving
-process records into the same ledger (`agent.service.serving_ledger`): a crash there costs the served
-candidate at the next boot. A record stops applying when those versions change or when it expires
-(`edge-agent selftest --forget-crashes` clears them).
+marker switching before every run). When it dies of a fatal signal of its own (`FATAL_SIGNALS`) or a
+step makes no progress (no marker rewritten) for the time-out, the parent reads the marker, records the
+step with the signal and the ORT, provider and driver versions, and runs a new child that skips it. A
+death with no evidence against the step (SIGKILL: the OOM killer, an operator) is retried, and recorded
+only when it recurs at the same point `UNEXPLAINED_DEATHS` times; a slow child that progresses is never
+killed. The serving process records into the same ledger (`agent.service.serving_ledger`): a crash there
+costs the served candidate at the next boot. A record stops applying when those versions change or when
+it expires (`edge-agent selftest --forget-crashes` clears them).
 
 A child ended by SIGTERM, SIGINT or SIGHUP was stopped (systemd stops the whole cgroup), and a marker
 left by a child whose agent exited is an interrupted self-test: neither is recorded as a crash.
@@ -49,6 +52,13 @@ CRASH_TTL_S = 7 * 24 * 3600.0
 # How a stop ends a child: a shutdown, never a crash of the step it was in
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing steps is a broken install
+# The signals a process raises on itself when its own code fails (a driver's fault, an abort): evidence
+# against the step it was in. Any other death (SIGKILL: the OOM killer, an operator, a stop time-out) is
+# no evidence: retried, and charged only when the same death recurs at the same point this many times in a
+# row (a deterministic kill, e.g. a candidate the OOM killer ends at the same run every time).
+FATAL_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+UNEXPLAINED_DEATHS = 3
+PROGRESS_POLL_S = 0.5  # how often the parent looks at the child's markers for progress
 
 
 @dataclass(frozen=True)
@@ -247,13 +257,15 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
     ledger = CrashLedger(directory, records_dir=records_dir)
     sha = bundle_digest(root)  # no onnxruntime here: the manifest's bytes
     new: list[CrashRecord] = []
+    unexplained: dict[tuple[str, str], int] = {}  # (step, detail) -> deaths there with no evidence
+    noted: list[str] = []  # what was seen and not charged, for the report (health shows it)
     # Markers now are a child's whose agent exited mid-proof (stopped, or killed: the child then got
     # SIGKILL from PR_SET_PDEATHSIG): an interrupted self-test, not a crash of that step.
     stale = ledger.take_marker()
     if stale is not None:
         log.warning("selftest.interrupted_marker_cleared", step=stale[0], detail=stale[1],
                     reason="left by a self-test whose agent exited; not a crash")
-    for _ in range(MAX_CHILDREN):
+    while len(new) < MAX_CHILDREN and sum(unexplained.values()) < MAX_CHILDREN * UNEXPLAINED_DEATHS:
         active = ledger.active(sha)
         if "load" in active:
             return ChildProof(None, f"loading the bundle: {active['load'].describe()}", tuple(new))
@@ -283,13 +295,9 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
                 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                         env=child_env, start_new_session=True, preexec_fn=spare.die_with_parent)
             relay = forward_child_log(proc)
-            try:
-                proc.wait(timeout=timeout_s)
-                how = signal_name(proc.returncode) if proc.returncode < 0 else None
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                how = f"timeout after {timeout_s:g} s"
+            hung = _wait_while_progressing(proc, directory, timeout_s)
+            how = (f"no progress for {timeout_s:g} s (hung)" if hung
+                   else signal_name(proc.returncode) if proc.returncode < 0 else None)
             relay.join(timeout=10)
             err = "\n".join(relay.tail)
             if proc.returncode is not None and -proc.returncode in STOP_SIGNALS:
@@ -301,6 +309,18 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
                 found = ledger.take_marker()
                 if found is None:
                     return ChildProof(None, f"self-test process died ({how}) outside any step", tuple(new))
+                if not hung and -proc.returncode not in FATAL_SIGNALS:
+                    # no evidence against the step (SIGKILL: the OOM killer, an operator): retried, and
+                    # charged only when the same death comes back at the same point UNEXPLAINED_DEATHS times
+                    seen = unexplained[found] = unexplained.get(found, 0) + 1
+                    noted.append(f"{found[0]} ({found[1] or 'no detail'}): {how}, {seen} of {UNEXPLAINED_DEATHS}")
+                    if seen < UNEXPLAINED_DEATHS:
+                        log.warning("selftest.unexplained_death", step=found[0], detail=found[1], signal=how,
+                                    deaths=seen, of=UNEXPLAINED_DEATHS,
+                                    reason="no fatal signal of the step's own (a kill from outside, the OOM "
+                                           "killer): retried, not charged")
+                        continue
+                    how = f"{how}, {seen} times in a row at the same point"
                 new.append(ledger.record(found[0], sha, how, found[1]))
                 continue
             doc = read_json(out)
@@ -312,8 +332,46 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
                 return ChildProof(None, str(doc["error"]), tuple(new))
             report = doc["report"]
             report["crashes"] = [r.to_dict() | {"reason": r.describe()} for r in ledger.active(sha).values()]
+            if noted:
+                report["unexplained_deaths"] = noted
             return ChildProof(report, None, tuple(new))
-    return ChildProof(None, f"{MAX_CHILDREN} self-test processes crashed in a row", tuple(new))
+    return ChildProof(None, f"{len(new)} self-test processes crashed and {sum(unexplained.values())} were killed "
+                            "from outside in a row", tuple(new))
+
+
+def _progress(directory: Path) -> float:
+    """When the child last showed progress: the newest write of its step or in-flight marker (each step,
+    each candidate trial and each timed run of the latency loop rewrites one)."""
+    newest = 0.0
+    for name in (STEP_FILE, INFLIGHT_FILE):
+        try:
+            newest = max(newest, (directory / name).stat().st_mtime)
+        except OSError:
+            pass
+    return newest
+
+
+def _wait_while_progressing(proc: subprocess.Popen, directory: Path, bound_s: float) -> bool:
+    """Wait for the child while it makes progress; True when it went `bound_s` without any (then killed).
+
+    The bound is per step, not for the whole child: on a loaded machine a healthy candidate still in its
+    latency loop took longer than a whole-child cap and was charged as a crash for 7 days; a slow proof is a
+    latency verdict (the proof's own business), only a step with no progress at all is a hang."""
+    last_seen, last_progress = _progress(directory), time.monotonic()
+    while True:
+        try:
+            proc.wait(timeout=min(PROGRESS_POLL_S, bound_s))
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+        seen = _progress(directory)
+        now = time.monotonic()
+        if seen != last_seen:
+            last_seen, last_progress = seen, now
+        elif now - last_progress >= bound_s:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
 
 
 class _Relay(threading.Thread):

@@ -6,6 +6,12 @@ and changes no state: the controller applies the outcome.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import hashlib
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +25,7 @@ from agent.logsetup import get_logger
 from agent.proof.isolation import ChildProof, CrashLedger, prove_in_child
 from agent.proof.verdict import Candidate
 from agent.service.audit import AuditTap
-from agent.service.serving_ledger import ServingWatch, serving_faults, watch_faults
+from agent.service.serving_ledger import ServingWatch, noted_deaths, serving_faults, watch_faults
 from agent.service.serving_ledger import recover as recover_serving_crashes
 from agent.serving.engine import Engine, build_engine
 
@@ -81,6 +87,40 @@ def open_engine(bundle: Bundle, candidate: Candidate, cfg: Config) -> Engine:
     return engine
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def memory_dir(state_dir: Path) -> Path:
+    """Where a state directory's work goes while its disk is full: one directory per state dir in memory
+    (/dev/shm, else the temporary directory), the same at every start."""
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())) / f"edge-agent-{digest}"
+
+
+def in_memory_state(cfg: Config, exc: OSError) -> tuple[Config, str]:
+    """The config with its proof's state in memory, when the state disk is full: the proof's markers, skip list
+    and report (and the serving markers) go to a directory under the temporary file system, seeded with the
+    state disk's crash records and proof cache, so the device still proves and serves (the outbox holds its
+    results in memory as it does when the disk fills later). The same directory at each start while the disk
+    stays full: a crash recorded there is still skipped at the next start. Returns the config and what health
+    says."""
+    scratch = memory_dir(cfg.state_dir)
+    (scratch / "selftest").mkdir(parents=True, exist_ok=True)
+    for name in ("crashes.json", "cache.json", "late-deaths.json", "served.json"):
+        src = cfg.state_dir / "selftest" / name
+        if src.exists() and not (scratch / "selftest" / name).exists():
+            try:
+                shutil.copyfile(src, scratch / "selftest" / name)
+            except OSError:
+                pass  # unreadable: the proof runs without it, as on a first boot
+    said = (f"disk full: the state directory {cfg.state_dir} has no space ({exc.strerror}); proven and serving "
+            f"from memory ({scratch}): crash records and the proof cache stay there until space returns")
+    log.error("boot.state_disk_full", state_dir=str(cfg.state_dir), scratch=str(scratch), error=str(exc),
+              reason="the proof runs with its state in memory; free the disk and restart to keep it on disk")
+    return dataclasses.replace(cfg, state_dir=scratch), said
+
+
 def prove(root: Path, cfg: Config, use_cache: bool = True) -> ChildProof:
     return prove_in_child(root, cfg.state_dir, cfg, cfg.updates.selftest_timeout_s, use_cache=use_cache)
 
@@ -132,14 +172,33 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
         return BootOutcome(None, None, None, f"key bundle: {why}", unservable=True)
     # a serving process that died under its candidate's marker: recorded before the child reads the ledger
     recover_serving_crashes(cfg.state_dir / "selftest", CrashLedger(cfg.state_dir / "selftest"))
+    disk_full = None
     try:
-        proof = prove(root, cfg)
+        try:
+            proof = prove(root, cfg)
+        except OSError as exc:
+            if exc.errno not in DISK_FULL:
+                raise
+            cfg, disk_full = in_memory_state(cfg, exc)
+            recover_serving_crashes(cfg.state_dir / "selftest", CrashLedger(cfg.state_dir / "selftest"))
+            proof = prove(root, cfg)
     except AgentError as exc:  # a reason, never a traceback in job.failed
         return _no_report(root, str(exc))
+    if disk_full is not None and proof.report is not None:
+        proof.report["warnings"] = [disk_full, *proof.report.get("warnings", [])]
+        proof.report["state_disk_full"] = disk_full
     for crash in proof.crashes:
         log.error("boot.step_crashed", step=crash.step, signal=crash.signal)
     if proof.report is None:
         return _no_report(root, proof.error, crashed=bool(proof.crashes))
+    # what was seen and not charged (a kill from outside): health and the report say it
+    proven_sha = str((proof.report.get("bundle") or {}).get("manifest_sha256") or "")
+    noted = proof.report.get("unexplained_deaths", []) + noted_deaths(cfg.state_dir / "selftest", proven_sha)
+    if noted:
+        proof.report["unexplained_deaths"] = noted
+        log.warning("boot.unexplained_deaths", deaths=noted,
+                    reason="deaths seen with no evidence against a step: not charged "
+                           "(health selftest.unexplained_deaths)")
     try:
         # The child checked every variant's contract and the golden arrays; here only the files are read and
         # their hashes checked (the manifest's sha is compared with the proven one below), and only after the

@@ -11,12 +11,14 @@ of the same kind while one runs is answered "already running".
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import queue
 import signal
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -34,7 +36,7 @@ from agent.serving.pipeline import Pipeline, Sink
 from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
 from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode, warm_decoder
-from agent.service.boot import BootOutcome, boot, open_engine, prove
+from agent.service.boot import BootOutcome, boot, memory_dir, open_engine, prove
 from agent.service.advice import not_serving_advice
 from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
@@ -55,6 +57,16 @@ if TYPE_CHECKING:  # imported at run time only when updates, MQTT or metrics are
     from agent.updates.updater import Updater
 
 log = get_logger("controller")
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What served before a reload: restored when the reload's proof or start fails."""
+
+    cfg: Config
+    bundle: Bundle | None
+    engine: Engine | None
+    doc: dict[str, Any] | None
 
 COMMANDS = ("status", "selftest", "reload", "pause", "resume", "update", "rollback")
 EVENT_QUEUE_SIZE = 64
@@ -174,6 +186,10 @@ class Controller:
         self.selftest_doc: dict[str, Any] | None = None
         self.decode_limit: dict[str, Any] | None = None  # the proven JPEG decode scale the source runs under
         self.not_serving_reason: str | None = None
+        # this agent process, drawn at start: in availability, health and every result, so two live agents
+        # under one device_id (a cloned card: the same state dir, the same boot counter) stay distinguishable
+        self.instance = uuid.uuid4().hex[:12]
+        self.reload_refused: dict[str, Any] | None = None  # the last reload that kept the proven engine, and why
         self.config_refused: str | None = None  # set at boot: `run` exits non-zero instead of idling forever
         self.store: BundleStore | None = None
         self.updater: Updater | None = None
@@ -319,7 +335,7 @@ class Controller:
         else:
             source, lossless = opened[0][1], is_lossless(self.cfg.source, opened[0][1])
         self.pipeline = Pipeline(source, self.engine, self._sink(), self.cfg.pipeline, lossless,
-                                 boot=self.boot_number, first_seq=self._next_seq)
+                                 boot=self.boot_number, first_seq=self._next_seq, instance=self.instance)
         self.pipeline.max_result_bytes = self.cfg.output.max_result_bytes
         self.pipeline.live = self.live_view
         log.info("pipeline.start", source=source.name, lossless=self.pipeline.lossless, first_seq=self._next_seq)
@@ -459,7 +475,8 @@ class Controller:
             probe=self.probe, operation=self._operation, decode_limit=self.decode_limit,
             mqtt_connected=self.link.connected.is_set() if self.link is not None else None, update=self._last_update,
             update_machine=self.updater.machine.snapshot.to_dict() if self.updater is not None else None,
-        ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict()}
+        ) | {"reproof": self.reproof.to_dict(), "audit": self.auditor.to_dict(), "reload_refused": self.reload_refused,
+              "identity": {"instance": self.instance, "twin": self.link.twin if self.link is not None else None}}
         if doc["selftest"]:  # drift while serving: the proof's verdict is degraded here too, never "pass"
             doc["selftest"] = audited(doc["selftest"], doc["audit"])
         return doc
@@ -686,9 +703,9 @@ class Controller:
         try:
             new = self._read_config()
             if new is not None:
-                self.call(lambda: self._stop_for_reload(new))
+                before: _Served = self.call(lambda: self._stop_for_reload(new))
                 outcome = boot(self.cfg, self.store)
-                self.call(lambda: self._apply_boot(outcome))
+                self.call(lambda: self._apply_reload(outcome, before))
         finally:
             try:
                 self.call(self._reload_done)
@@ -748,16 +765,53 @@ class Controller:
                                       metrics=self.cfg.metrics)
         return new
 
-    def _stop_for_reload(self, new: Config) -> None:
+    def _stop_for_reload(self, new: Config) -> _Served:
         log.info("reload.start", config=str(new.source_file))
-        self.cfg = new
-        for holder in (self.updater, self.receiver, self.downloader):  # a revoked key stops verifying now
-            if holder is not None:
-                holder.cfg = new.updates
-        configure_logging(new.log.level, new.log.json)
+        before = _Served(self.cfg, self.bundle, self.engine, self.selftest_doc)
+        self._use_config(new)
         self._stop_pipeline()
         self.pipeline = None
         self.engine, self.not_serving_reason = None, "reloading"
+        return before
+
+    def _use_config(self, cfg: Config) -> None:
+        self.cfg = cfg
+        for holder in (self.updater, self.receiver, self.downloader):  # a revoked key stops verifying now
+            if holder is not None:
+                holder.cfg = cfg.updates
+        configure_logging(cfg.log.level, cfg.log.json)
+
+    def _apply_reload(self, o: BootOutcome, before: _Served) -> None:
+        """A reload whose proof or start fails never drops the proven engine that served before it: that engine
+        serves on under the config it served with, and the refusal is said (journal, health `reload_refused`,
+        the command's reply), as an update rolls back. A hash mismatch on a file altered on disk used to leave the
+        device serving nothing although the proven session in memory was fine."""
+        if o.engine is not None:
+            self._apply_boot(o)
+            if self.serving or before.engine is None:
+                self.reload_refused = None
+                return
+            why = self.not_serving_reason or "the new engine did not start"
+        elif before.engine is None:
+            self._apply_boot(o)  # nothing proven served before: the reload's verdict is the state
+            return
+        else:
+            why = o.reason or "no candidate passed"
+        self._use_config(before.cfg)
+        # a source the reloaded config named that cannot open is this reload's refusal, not a reason to exit
+        self.config_refused = None
+        self.bundle, self.engine, self.selftest_doc, self.not_serving_reason = (before.bundle, before.engine,
+                                                                                before.doc, None)
+        try:
+            self._start_pipeline()
+        except AgentError as exc:  # the source it served from is gone too: nothing serves, saying both
+            self.engine, self.not_serving_reason = None, f"{why}; and the previous engine could not restart: {exc}"
+            log.error("boot.not_serving", reason=self.not_serving_reason)
+            return
+        self.reload_refused = {"reason": why, "ts": round(time.time(), 3), "serving": before.engine.candidate.key}
+        log.error("reload.refused", reason=why, kept=before.engine.candidate.key,
+                  detail="the proven engine that served before the reload serves on; fix the cause and reload again")
+        self._publish_selftest()
 
     def _reload_done(self) -> None:
         # Released here, on the controller's thread: a reload request handled after this line starts a
@@ -766,9 +820,12 @@ class Controller:
         self.notifier.ready(self._status_text())
         self._publish_health()
         replies, self._reload_replies = self._reload_replies, []
+        refused = self.reload_refused["reason"] if self.reload_refused else None
         for reply in replies:
-            reply({"ok": self.not_serving_reason is None, "serving": self.serving,
-                   "reason": self.not_serving_reason, "config": str(self.cfg.source_file)})
+            reply({"ok": self.not_serving_reason is None and refused is None, "serving": self.serving,
+                   "reason": self.not_serving_reason or (refused and f"reload refused, the previous engine serves: "
+                                                                     f"{refused}"),
+                   "config": str(self.cfg.source_file)})
 
     # -- updates by command --------------------------------------------------------------------------------
     def _update_command(self, cmd: Command, reply: Reply) -> None:
@@ -852,10 +909,25 @@ class Controller:
         from agent.link.mqtt import MqttLink
         from agent.link.outbox import Outbox
 
-        self.outbox = Outbox(self.cfg.state_dir / "outbox.sqlite", self.cfg.outbox)
+        import sqlite3  # the outbox's, imported with it
+
+        try:
+            self.outbox = Outbox(self.cfg.state_dir / "outbox.sqlite", self.cfg.outbox)
+        except (OSError, sqlite3.OperationalError) as exc:
+            # a state disk full at boot (SQLite cannot even start its journal): the results go through an
+            # outbox in memory, as they do when the disk fills later; a backlog on the disk waits for a restart
+            # with space. Exiting here left the device down and silent.
+            if "full" not in str(exc) and getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            spare_dir = memory_dir(self.cfg.state_dir)
+            log.error("outbox.state_disk_full", file=str(self.cfg.state_dir / "outbox.sqlite"), error=str(exc),
+                      instead=str(spare_dir / "outbox.sqlite"),
+                      reason="disk full: results are kept in memory until the broker takes them")
+            self.outbox = Outbox(spare_dir / "outbox.sqlite", self.cfg.outbox)
         self.link = MqttLink(self.cfg.mqtt, self.cfg.device_id, self.cfg.state_dir, self.outbox,
                              self.command_inlet(), self._retained,
-                             on_bundle=self.on_bundle_message if self.cfg.updates.enabled else None)
+                             on_bundle=self.on_bundle_message if self.cfg.updates.enabled else None,
+                             instance=self.instance)
         self.link.start()
 
     def _start_inbox(self) -> None:

@@ -161,8 +161,11 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         flag = faults.get(f"slow:{c.key}")  # "slow:<key>=FILE": each timed run 30 ms slower while FILE exists
         if flag and os.path.exists(flag):
             time.sleep(0.03)
+        pace = faults.get(f"pace:{c.key}")  # "pace:<key>=SECONDS": each run that much slower, still progressing
+        if pace:
+            time.sleep(float(pace))
 
-    if any(k.startswith(("run:", "slow:")) for k in faults):
+    if any(k.startswith(("run:", "slow:", "pace:")) for k in faults):
         selftest.BEFORE_RUN = before_run
     if any(k.startswith("run:") for k in faults):
         # a loop that settles stops before the N-th run, and the fault would never fire

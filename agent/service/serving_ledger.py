@@ -12,8 +12,10 @@ Which thread died: the serving process keeps Python's faulthandler writing to a 
 session. A native crash dumps "Current thread 0x..." there; the next boot charges the marker whose
 session ran on that thread and no other that merely ran beside it (pre, model and post run on their own
 threads, so under load a stage is often in flight when the model dies, and the other way round). When
-the dump names no thread of a marker (SIGKILL, the OOM killer, a crash in one of ORT's own pool
-threads, a decoder's), the rules below decide as before.
+the dump names no thread of a marker (a crash in one of ORT's own pool threads, a decoder's), the rules
+below decide as before. When the fault file holds no dump at all (SIGKILL, the OOM killer, a stop time-out:
+nothing the process raised itself), the death is no evidence against the candidate: it is noted and retried,
+and recorded only when it recurs at the same inference in `UNEXPLAINED_DEATHS` processes in a row.
 
 A marker is removed after the first `WATCH_RUNS` inferences completed, when its engine is dropped,
 and at a clean exit (a `weakref.finalize`, which also runs at interpreter exit): only a process that
@@ -68,6 +70,12 @@ FAULT_SUFFIX = ".fault"
 # of the largest pools (pipeline workers le=64, 13 to 17 characters a thread)
 FLIGHT_BYTES = 2048
 _CURRENT_THREAD = re.compile(r"^Current thread (0x[0-9a-f]+)", re.MULTILINE)
+_FATAL = "Fatal Python error"  # faulthandler's first line for SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT
+# A death with no such dump is no evidence against the candidate (SIGKILL from an operator, the OOM killer,
+# a stop time-out): it is noted and retried, and charged only when it recurs at the same inference of the
+# same candidate in this many serving processes in a row on one machine boot (a deterministic kill); a kill
+# from outside lands at another point each time.
+UNEXPLAINED_DEATHS = 3
 _fault_file: Any = None  # this process's faulthandler file (kept open: faulthandler writes to its fd)
 
 
@@ -130,10 +138,11 @@ def _end_fault_file(f: Any) -> None:
         pass
 
 
-def _crashed_threads(directory: Path) -> dict[str, int | None]:
-    """The dead processes' fault files: process token prefix -> the crashing thread's id (None: the process
-    died without a dump naming its thread). Each file read is removed."""
-    out: dict[str, int | None] = {}
+def _crashed_threads(directory: Path) -> dict[str, tuple[bool, int | None]]:
+    """The dead processes' fault files: process token prefix -> (whether faulthandler dumped a fatal signal
+    there, the crashing thread's id or None). No dump: the process died of something it could not catch
+    (SIGKILL, the OOM killer, power loss), no evidence against what it ran. Each file read is removed."""
+    out: dict[str, tuple[bool, int | None]] = {}
     for path in sorted(directory.glob(f"{PREFIX}*{FAULT_SUFFIX}")):
         if _fault_file is not None and Path(_fault_file.name) == path:
             continue  # ours
@@ -154,7 +163,7 @@ def _crashed_threads(directory: Path) -> dict[str, int | None]:
             continue
         m = _CURRENT_THREAD.search(text)
         token = path.name.removesuffix(FAULT_SUFFIX).split("-")[-1]
-        out[token] = int(m.group(1), 16) if m else None
+        out[token] = (bool(m) or _FATAL in text, int(m.group(1), 16) if m else None)
         if m:
             log.error("serving.native_crash", thread=m.group(1), dump=text[:4000],
                       reason="the last serving process died in native code; its threads' stacks follow")
@@ -164,9 +173,19 @@ def _crashed_threads(directory: Path) -> dict[str, int | None]:
 def _flight_threads(raw: bytes) -> set[int]:
     try:
         head, _, rest = raw.decode("ascii").strip().partition(" ")
-        return {int(t, 16) for t in rest.split(",") if t} if head == "1" else set()
+        ids = rest.split(" #")[0]
+        return {int(t, 16) for t in ids.split(",") if t} if head == "1" else set()
     except ValueError:
         return set()
+
+
+def _flight_point(raw: bytes) -> int | None:
+    """The inference in flight when the process died (0: opening the session), from the in-flight record."""
+    try:
+        text = raw.decode("ascii").strip()
+        return int(text.rsplit(" #", 1)[1]) if text.startswith("1 ") and " #" in text else None
+    except (ValueError, IndexError):
+        return None
 
 
 def _suspects(directory: Path) -> dict[str, Any]:
@@ -196,7 +215,8 @@ def _unlink(path: Path, lock_fd: int | None = None, late: dict[str, Any] | None 
         path.with_suffix(".inflight").unlink(missing_ok=True)
         if late and late.get("key"):  # it served past its first inferences and ended cleanly: no suspect
             doc = _suspects(path.parent)
-            if doc.pop(late["key"], None) is not None:
+            popped = [doc.pop(k, None) for k in (late["key"], f"{late['key']}|unexplained")]
+            if any(p is not None for p in popped):
                 _write_suspects(path.parent, doc)
     except OSError:
         pass  # at interpreter exit the directory may be gone (a test's temporary state)
@@ -326,7 +346,8 @@ class ServingWatch:
             record = "0"
             if self._threads:
                 ids = [f"{t:x}" for t in self._threads]
-                while len(record := "1 " + ",".join(ids)) > FLIGHT_BYTES:
+                # the inference it is at: the point an unexplained death is compared by across processes
+                while len(record := "1 " + ",".join(ids) + f" #{self._started}") > FLIGHT_BYTES:
                     ids.pop()  # whole ids only: a cut one would name some other thread
             self._flight_len = max(self._flight_len, len(record))
             try:
@@ -345,11 +366,9 @@ class ServingWatch:
         me = threading.get_ident()
         with self._lock:  # the record says which threads run an inference (several workers share the session)
             self._threads[me] = self._threads.get(me, 0) + 1
-            self._flight()
-            if not self.active and not self.faults:
-                return
             self._started += 1
             n = self._started
+            self._flight()
         if self.faults:
             inject_fault(f"{self._fault_key}#{n}", self.faults)
 
@@ -390,6 +409,7 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
     out: list[str] = []
     dead: list[tuple[dict[str, Any], bool]] = []  # each dead process's markers: (marker, in flight)
     threads: list[set[int]] = []  # beside each: the threads its session ran on when the process died
+    points: list[int | None] = []  # ... and the inference it was at
     crashed = _crashed_threads(directory)
     for path in sorted(directory.glob(f"{PREFIX}*.json")):
         doc = read_json(path)
@@ -412,9 +432,11 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
             continue
         dead.append((doc, not idle))
         threads.append(_flight_threads(raw))
+        points.append(_flight_point(raw))
     # The fault file named the thread that died: its marker is the culprit, the others ran beside it.
     culprits = {i for i, (doc, running) in enumerate(dead)
-                if running and (t := crashed.get(_process(doc)[:12])) is not None and t in threads[i]}
+                if running and (ev := crashed.get(_process(doc)[:12])) is not None and ev[1] is not None
+                and ev[1] in threads[i]}
     named = {_process(dead[i][0]) for i in culprits}
     # Pre, model and post run on their own threads: a stage in flight beside the model's inference when the
     # process died may not be what died. Charging it refused the whole bundle for a model's crash another
@@ -434,6 +456,13 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
                                "abort, a kill): not charged to the candidate")
             continue
         step = str(doc.get("step") or f"candidate:{doc['candidate']}")
+        ev = crashed.get(_process(doc)[:12])
+        if ev is not None and not ev[0]:
+            # its fault file holds no dump: the process did not die of a fault of its own (a process that
+            # could keep no fault file is judged by its marker alone, below, as before)
+            if _unexplained_death(directory, ledger, doc, step, points[i]):
+                out.append(step)
+            continue
         if step.startswith("stage:") and _process(doc) in model_running and i not in culprits:
             log.warning("serving.stage_beside_a_crash", step=step, candidate=doc["candidate"],
                         reason="the stage ran beside the candidate's inference when the process died: the "
@@ -482,3 +511,59 @@ def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], st
     log.warning("serving.late_death_noted", candidate=doc["candidate"], deaths=deaths, of=LATE_DEATHS,
                 reason="the last serving process died past its first inferences; recorded if the next one does too")
     return False
+
+
+def _unexplained_key(bundle: str, step: str) -> str:
+    return f"{bundle}|{step}|unexplained"
+
+
+def _unexplained_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], step: str,
+                       point: int | None) -> bool:
+    """A serving process died under this step with no fatal signal of its own (SIGKILL, the OOM killer, a stop
+    time-out): noted, retried, and recorded only as the `UNEXPLAINED_DEATHS`-th death in a row at the same
+    inference on this machine boot; True when recorded."""
+    where = "opening its session" if point == 0 else f"inference {point}" if point is not None else "an unknown point"
+    if doc.get("boot_id") != boot_id():
+        log.info("serving.marker_other_boot", candidate=doc["candidate"], step=step,
+                 reason="left before the machine rebooted (a power cut): not a crash of the candidate")
+        return False
+    key, now = _unexplained_key(str(doc["bundle"]), step), time.time()
+    suspects = _suspects(directory)
+    prev = suspects.get(key)
+    same = (isinstance(prev, dict) and now - float(prev.get("at", 0) or 0) < SUSPECT_TTL_S
+            and prev.get("point") == point)
+    deaths = (int(prev.get("deaths", 0) or 0) if same and isinstance(prev, dict) else 0) + 1
+    if deaths >= UNEXPLAINED_DEATHS:
+        suspects.pop(key, None)
+        _write_suspects(directory, suspects)
+        ledger.record(step, str(doc["bundle"]), "killed with no fatal signal (out of memory?)",
+                      f"serving: {where}, {deaths} processes in a row")
+        log.error("serving.crash_recorded", candidate=doc["candidate"], step=step, phase=doc.get("phase"),
+                  deaths=deaths, point=point,
+                  reason="serving processes were killed at the same point under this candidate again and again")
+        return True
+    suspects[key] = {"deaths": deaths, "at": now, "point": point, "step": step}
+    _write_suspects(directory, suspects)
+    log.warning("serving.unexplained_death", candidate=doc["candidate"], step=step, phase=doc.get("phase"),
+                at=where, deaths=deaths, of=UNEXPLAINED_DEATHS,
+                reason="the last serving process died with no fatal signal of its own (SIGKILL, the OOM killer, "
+                       "a stop time-out): not charged; retried")
+    return False
+
+
+def noted_deaths(directory: Path, bundle_sha: str) -> list[str]:
+    """The deaths noted and not charged for this bundle's steps, for the report and health."""
+    out = []
+    for key, v in sorted(_suspects(directory).items()):
+        if not isinstance(v, dict) or not key.startswith(f"{bundle_sha}|"):
+            continue
+        step = key.split("|")[1]
+        if key.endswith("|unexplained"):
+            point = v.get("point")
+            where = "opening its session" if point == 0 else f"inference {point}"
+            out.append(f"{step}: killed with no fatal signal at {where}, {v.get('deaths')} of "
+                       f"{UNEXPLAINED_DEATHS} in a row (not charged)")
+        else:
+            out.append(f"{step}: died past its first {WATCH_RUNS} inferences, {v.get('deaths')} of "
+                       f"{LATE_DEATHS} in a row (not charged)")
+    return out

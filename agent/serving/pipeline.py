@@ -194,13 +194,14 @@ class Pipeline:
     _fused: bool     # preprocessing and inference in one worker (the CPU provider)
 
     def __init__(self, source: FrameSource, engine: Engine, sink: Sink, cfg: PipelineConfig, lossless: bool,
-                 boot: int = 0, first_seq: int = 1):
+                 boot: int = 0, first_seq: int = 1, instance: str = ""):
         self.source, self.sink, self.cfg, self.lossless = source, sink, cfg, lossless
         self.boot = boot  # with seq, identifies a result across agent restarts
         # the live view (agent.link.liveview), when someone may watch: asked per frame, keeps pixels only then
         self.live: Any = None
         self._view_name: Callable[[Frame], str] = ((lambda f: f.source) if hasattr(source, "feeds")
                                                    else (lambda f: source.name))
+        self.instance = instance  # the agent process: (instance, seq) is unique even for two agents on one device_id
         self.failed: str | None = None  # "<stage>: <error>" once a stage died
         self.drops: dict[str, int] = {}  # reason -> frames captured and not published
         self._tallies: dict[int, EngineTally] = {id(engine): EngineTally()}
@@ -769,6 +770,7 @@ class Pipeline:
                     m.observe(key, timings[f"{key}_ms"])
                 self.sink.write({
                     "boot": self.boot,
+                    **({"instance": self.instance} if self.instance else {}),
                     "seq": self._seq,
                     "captured_at": round(frame.captured_at, 6),
                     "source": frame.source,

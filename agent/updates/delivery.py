@@ -17,6 +17,7 @@ Bounds and policy (each a config key under `updates`, see docs/updates.md "Hosti
 
 from __future__ import annotations
 
+import collections
 import http.client
 import os
 import shutil
@@ -51,6 +52,18 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def space_refusal(what: str, size: int, where: Path, min_free: int, copies: int = 2) -> str | None:
+    """Why a bundle of `size` bytes cannot be taken under `where`, or None: the archive and its unpacked copy
+    (`copies` of its size: 1 when the archive already lies on that disk) must fit with updates.min_free_bytes
+    to spare. Every delivery path asks before its first byte is written (an offer, a URL's Content-Length,
+    an inbox file): the URL and inbox paths used to write until the disk was full."""
+    free = free_bytes(where)
+    if copies * size + min_free <= free:
+        return None
+    return (f"{what} of {size} bytes does not fit: {free} bytes free under {where} "
+            f"(needs {copies}x the archive plus updates.min_free_bytes {min_free})")
+
+
 @dataclass
 class Transfer:
     id: str
@@ -82,6 +95,7 @@ class ChunkReceiver:
 
     MAX_DONE_WITHOUT_DATA = 3
     MAX_MISSING_LISTED = 1000
+    REFUSALS_KEPT = 16
 
     def __init__(self, updater: Updater):
         self.updater = updater
@@ -91,6 +105,9 @@ class ChunkReceiver:
         self.installing: Transfer | None = None  # only so the sweeper leaves its staging alone
         self.lock = threading.Lock()  # the transfer slots: the controller's thread vs the sweeper
         self.warnings = RateLimitedWarnings(log)  # 2,000 wrong-size chunks are a few lines with counts
+        # the last offers refused, and why: the pusher's `done` that follows must not overwrite the retained
+        # status's real reason with "done for an unknown transfer"
+        self.refused: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     # -- the protocol, straight from MQTT (paho's network thread: cheap and bounded) ---------------------
     def on_message(self, suffix: str, payload: bytes) -> None:
@@ -136,20 +153,15 @@ class ChunkReceiver:
                       "(updates.min_chunk_bytes, updates.max_chunk_bytes)")
         elif len(sha) != 64:
             reason = "malformed offer: sha256 must be 64 hex digits"
-        else:
-            free = free_bytes(self.staging)
-            # the archive, and its unpacked copy, must fit with room to spare for the store
-            if 2 * size + cfg.min_free_bytes > free:
-                reason = (f"offer of {size} bytes does not fit: {free} bytes free under {self.staging} "
-                          f"(needs 2x the archive plus updates.min_free_bytes {cfg.min_free_bytes})")
+        else:  # the archive, and its unpacked copy, must fit with room to spare for the store
+            reason = space_refusal("offer", size, self.staging, cfg.min_free_bytes)
         if reason is not None:
-            self.updater.status(tid, "mqtt", "rejected", reason=reason)
+            self._refuse_offer(tid, reason)
             return
         held = self.updater.machine.snapshot
         busy = self.updater.begin(tid, "mqtt", offer=True)  # the machine's state is the one guard
         if busy is not None:
-            self.updater.status(tid, "mqtt", "rejected",
-                                reason=f"{busy} (update {held.update}); offer again after its verdict")
+            self._refuse_offer(tid, f"{busy} (update {held.update}); offer again after its verdict")
             return
         with self.lock:
             old, self.transfer = self.transfer, None
@@ -168,6 +180,14 @@ class ChunkReceiver:
             self.transfer = t
         self.updater.status(tid, "mqtt", "receiving", name=str(doc.get("name"))[:100], version=doc.get("version")
                             if isinstance(doc.get("version"), (int, str)) else None, size=size)
+
+    def _refuse_offer(self, tid: str, reason: str) -> None:
+        with self.lock:
+            self.refused[tid] = reason
+            self.refused.move_to_end(tid)
+            while len(self.refused) > self.REFUSALS_KEPT:
+                self.refused.popitem(last=False)
+        self.updater.status(tid, "mqtt", "rejected", reason=reason)
 
     def on_chunk(self, tid: str, index: int, data: bytes) -> None:
         with self.lock:
@@ -202,7 +222,11 @@ class ChunkReceiver:
         with self.lock:
             t = self.transfer if self.transfer is not None and self.transfer.id == tid else None
         if t is None:
-            self.updater.status(tid, "mqtt", "rejected", reason="done for an unknown transfer (send the offer first)")
+            with self.lock:
+                refused = self.refused.get(tid)
+            # a refused offer's `done`: its refusal again (the retained status keeps the real reason)
+            self.updater.status(tid, "mqtt", "rejected",
+                                reason=refused or "done for an unknown transfer (send the offer first)")
             return
         if not self._holds(t):
             return
@@ -415,6 +439,9 @@ class Downloader:
             length = r.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > cfg.max_bundle_bytes:
                 raise ValueError(f"Content-Length {length} is over updates.max_bundle_bytes {cfg.max_bundle_bytes}")
+            if length is not None and length.isdigit() and (
+                    why := space_refusal("download", int(length), dest.parent, cfg.min_free_bytes)) is not None:
+                raise ValueError(why)  # before a byte is written
             total = 0
             with open(dest, "wb") as f:
                 while True:
@@ -433,6 +460,9 @@ class Downloader:
                     total += len(chunk)
                     if total > cfg.max_bundle_bytes:
                         raise ValueError(f"download over updates.max_bundle_bytes {cfg.max_bundle_bytes}")
+                    if length is None and total % (1 << 20) < len(chunk) and free_bytes(dest.parent) < \
+                            2 * total + cfg.min_free_bytes:  # no length said: checked every MiB as it arrives
+                        raise ValueError(space_refusal("download", total, dest.parent, cfg.min_free_bytes))
                     f.write(chunk)
             return None
         except (OSError, urllib3.exceptions.HTTPError, http.client.HTTPException) as exc:
@@ -534,16 +564,25 @@ def _file_away(inbox: Path, entry: Path, verdict: dict[str, Any]) -> None:
             log.error("inbox.reason_not_written", entry=entry.name, error=str(exc), reason=verdict.get("reason"))
 
 
-def _take_entry(entry: Path, work: Path, limit: int) -> Path:
+def _take_entry(entry: Path, work: Path, limit: int, min_free: int = 0) -> Path:
     """The entry under a name in `work`: a hard link (the same inode, no copy; a FIFO or a symlink linked
     here is still refused by the updater's lstat), or across file systems a copy through a descriptor
-    opened without following a link and without blocking on a FIFO, bounded by `limit`."""
+    opened without following a link and without blocking on a FIFO, bounded by `limit`. Either way its
+    unpacked copy (and a copy of the archive) must fit first."""
     dest = work / "bundle.tar.gz"
+    size = entry.lstat().st_size
+    if size > limit:
+        raise UpdateRejected(f"{entry.name}: {size} bytes is over updates.max_bundle_bytes {limit}")
     try:
         os.link(entry, dest, follow_symlinks=False)
-        return dest
     except OSError:
         pass  # another file system, or protected_hardlinks: copy
+    else:
+        if (why := space_refusal(entry.name, size, work, min_free, copies=1)) is not None:
+            raise UpdateRejected(f"{why}; refused before unpacking")
+        return dest
+    if (why := space_refusal(entry.name, size, work, min_free)) is not None:
+        raise UpdateRejected(f"{why}; refused before copying")
     try:
         fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
@@ -582,7 +621,8 @@ def inbox_entry(updater: Updater, inbox: Path, entry: Path) -> dict[str, Any] | 
             # the entry can be swapped (for a FIFO, a symlink) after this lstat: the updater reads it only
             # under a name in the agent's own staging, which nobody else can swap
             work = updater.store.new_staging("inbox-")
-            verdict = updater.install(_take_entry(entry, work, updater.cfg.max_bundle_bytes), "inbox", name)
+            taken = _take_entry(entry, work, updater.cfg.max_bundle_bytes, updater.cfg.min_free_bytes)
+            verdict = updater.install(taken, "inbox", name)
         except AgentError as exc:
             verdict = updater.refuse(name, "inbox", str(exc))
         except Exception as exc:
