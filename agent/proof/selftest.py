@@ -71,7 +71,7 @@ from agent.proof.verdict import (
     json_safe,
 )
 from agent.spec.decoders import split_batch
-from agent.spec.jpeg import camera_sized_reduced, max_decode_scale
+from agent.spec.jpeg import MJPEG_FOURCCS, camera_sized_reduced, max_decode_scale
 from agent.spec.preprocess import Preprocessor
 from agent.spec.yuv import camera_sized_reduced_yuv
 
@@ -1088,8 +1088,6 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
 def _paths_of(src: Any, fourcc: str | None) -> frozenset[str] | None:
     """The reduced paths a source can serve through, known before it opens; None: unknown (a camera, a stream,
     MQTT images, a folder not there yet). A video file's codec is in its header."""
-    from agent.serving.sources import MJPEG_FOURCCS
-
     if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
         return frozenset()
     if src.type == "folder" and src.path is not None and Path(src.path).is_dir():

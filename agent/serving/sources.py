@@ -33,6 +33,7 @@ from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
 from agent.serving.sizing import DecoderLoad
 from agent.serving.source_checks import probe_video
+from agent.spec.jpeg import MJPEG_FOURCCS
 from agent.spec.yuv import reduced_size
 from agent.spec.manifest import FrameSpec, ResizeSpec
 from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, read_image_file
@@ -40,7 +41,6 @@ from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, rea
 log = get_logger("source")
 
 JPEG_SUFFIXES = (".jpg", ".jpeg")
-MJPEG_FOURCCS = frozenset({"MJPG", "mjpg", "AVRn", "LJPG", "JPGL", "MJLS", "jpeg", "dmb1"})
 HW_DECODE = {"none": cv2.VIDEO_ACCELERATION_NONE, "any": cv2.VIDEO_ACCELERATION_ANY,
              "vaapi": cv2.VIDEO_ACCELERATION_VAAPI, "d3d11": cv2.VIDEO_ACCELERATION_D3D11,
              "mfx": cv2.VIDEO_ACCELERATION_MFX, "drm": cv2.VIDEO_ACCELERATION_DRM}

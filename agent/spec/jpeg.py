@@ -19,6 +19,9 @@ _REDUCED_BITS = {1: 0, 2: 16, 4: 32, 8: 64}  # the IMREAD_REDUCED_* bit of each 
 _SOF_MARKERS = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # markers with no length field
 
+# FourCCs of Motion-JPEG video: their packets are JPEG pictures libjpeg can decode at reduced scale
+MJPEG_FOURCCS = frozenset({"MJPG", "mjpg", "AVRn", "LJPG", "JPGL", "MJLS", "jpeg", "dmb1"})
+
 
 def _as_array(data: Any) -> np.ndarray:
     """Encoded bytes (bytes, memoryview, or a uint8 array of any shape) as a flat uint8 array, without copying."""
