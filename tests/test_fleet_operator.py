@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import shutil
 import threading
 import time
@@ -26,6 +27,7 @@ from agent.fleet.state import Connection, FleetClient, RolloutTopics
 from agent.hashing import sha256_file
 from agent.testing import rewrite_manifest
 
+FLAKY_DOWN_S = int(os.environ.get("FLEET_TEST_FLAKY_DOWN_S", "4"))  # the issue's field case: 20
 ART = Artifact("http://127.0.0.1:9/none.tar.gz", "cd" * 32, "tiny-classifier", 2)
 
 
@@ -133,10 +135,8 @@ def test_a_second_operator_is_refused_while_the_first_holds_a_fresh_heartbeat(br
     c.stop()
 
 
-@pytest.mark.slow
-@pytest.mark.idle  # 13.5 s of waiting on gates for 1.3 s of CPU
-def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(broker: Broker, tmp_path: Path,
-                                                                                tiny_bundle_master: Path) -> None:
+def serve_v2(tmp_path: Path, tiny_bundle_master: Path) -> tuple[http.server.ThreadingHTTPServer, Artifact]:
+    """v2 of the tiny bundle, signed with tmp_path/k.pem (k.pub trusts it), on a local HTTP server."""
     keygen(tmp_path / "k.pem", tmp_path / "k.pub")
     web = tmp_path / "web"
     web.mkdir()
@@ -148,6 +148,15 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
     http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, Artifact(f"http://127.0.0.1:{srv.server_address[1]}/v2.tar.gz", sha256_file(archive),
+                         "tiny-classifier", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.idle  # 13.5 s of waiting on gates for 1.3 s of CPU
+def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(broker: Broker, tmp_path: Path,
+                                                                                tiny_bundle_master: Path) -> None:
+    srv, v2 = serve_v2(tmp_path, tiny_bundle_master)
     groups = [GroupProfile("a", 6), GroupProfile("b", 4, crash_pct=50, hang_pct=50, crash_down_s=30)]
     sims = SimFleet("127.0.0.1", broker.port, groups, tiny_bundle_master, [tmp_path / "k.pub"], tmp_path / "sims").start()
     op = None
@@ -155,8 +164,7 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
         ids = [d.id for d in sims.devices]
         order = [d for d in start_order("gate", ids) if d.startswith("sim-a-")][:4]
         order += [d for d in start_order("gate", ids) if d not in order]
-        plan = Plan(id="gate", artifact=Artifact(f"http://127.0.0.1:{srv.server_address[1]}/v2.tar.gz",
-                                                 sha256_file(archive), "tiny-classifier", 2),
+        plan = Plan(id="gate", artifact=v2,
                     targets=tuple(order), phases=(4, 10), rate_per_min=6000, device_timeout_s=8, human_gate=True,
                     gates=Gates(abort_failure_pct=60, abort_min_finished=10, min_committed_pct=80))
         publish_plan(broker.port, plan)
@@ -406,3 +414,40 @@ def test_a_device_waiting_for_a_slot_on_resume_is_not_timed_out_before_its_comma
         assert topic == "edge/dev1/cmd/update"
         assert wait_until(lambda: bool(op.records["dev1"].get("commanded_again")), 10)
         assert op.records["dev1"]["state"] == "started"
+
+
+@pytest.mark.slow
+@pytest.mark.idle  # mostly waiting out the dropped link
+def test_a_device_whose_link_drops_mid_update_and_commits_is_recorded_committed_and_rolled_back(
+        broker: Broker, tmp_path: Path, tiny_bundle_master: Path) -> None:
+    # the fault: its last will during the update was a final `failed/went_offline` (counted toward the abort)
+    # although the device went on and committed; and `fleet rollback` took only records in state
+    # `committed`, so it stayed on the new bundle
+    srv, v2 = serve_v2(tmp_path, tiny_bundle_master)
+    groups = [GroupProfile("f", 2, flaky_pct=50, flaky_down_s=float(FLAKY_DOWN_S))]
+    sims = SimFleet("127.0.0.1", broker.port, groups, tiny_bundle_master, [tmp_path / "k.pub"], tmp_path / "sims").start()
+    try:
+        flaky = next(d for d in sims.devices if d.fate == "flaky")
+        publish_plan(broker.port, Plan(id="blip", artifact=v2, targets=tuple(d.id for d in sims.devices), phases=(2,),
+                                       rate_per_min=6000, device_timeout_s=300))
+        op = operator(broker.port, "blip")
+        seen_offline = threading.Event()
+
+        def until() -> bool:
+            if op.records.get(flaky.id, {}).get("offline_since"):
+                seen_offline.set()
+            return False
+
+        state = op.run(until=until, max_s=240)
+        assert state["status"] == "done", state.get("decisions")
+        assert seen_offline.is_set(), "the flaky device's link never dropped while it was in flight"
+        assert op.records[flaky.id]["state"] == "committed", op.records[flaky.id]
+        assert flaky.session >= 2 and flaky.store.committed_id != sims.seed_id
+        state = FleetRollback(op).run(max_s=120)
+        assert {d: (r.get("rollback") or {}).get("state") for d, r in op.records.items()} == \
+            {d.id: "done" for d in sims.devices}, op.records
+        assert flaky.store.committed_id == sims.seed_id
+        op.client.stop()
+    finally:
+        sims.close()
+        srv.shutdown()

@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from agent.errors import RolloutError
 from agent.fleet.facts import FactsRow
-from agent.fleet.gates import abort_reason, downloading, judge_phase, observe
+from agent.fleet.gates import abort_reason, away, downloading, judge_phase, observe
 from agent.fleet.plan import Plan
 from agent.fleet.state import (
     MAX_DECISIONS,
@@ -180,9 +180,11 @@ class Operator:
 
     def counts(self) -> dict[str, int]:
         c: dict[str, int] = {"targets": len(self.plan.targets) if self.plan else 0, "started": 0, "committed": 0,
-                             "failed": 0, "in_flight": 0, "rolled_back_by_fleet": 0}
+                             "failed": 0, "in_flight": 0, "offline_in_progress": 0, "rolled_back_by_fleet": 0}
         for r in self.records.values():
             c["started"] += 1
+            if r.get("state") == "started" and r.get("offline_since"):
+                c["offline_in_progress"] += 1
             c[r.get("state", "started") if r.get("state") in ("committed", "failed") else "in_flight"] += 1
             if (r.get("rollback") or {}).get("state") == "done":
                 c["rolled_back_by_fleet"] += 1
@@ -243,7 +245,7 @@ class Operator:
             if (status.get("update") == plan.id or reply.get("command") == "update"
                     or plan.artifact.names(com)):
                 continue
-            if self.devices.online(d):  # offline: `observe` names it went_offline; a command would wait for nobody
+            if self.devices.online(d):  # offline: in flight until its time-out; a command would wait for nobody
                 lost.append((d, rec))
         in_download = self._refill(now) - len(lost)  # the download cap counts them before any command reached them
         again, waiting = [], False
@@ -345,6 +347,7 @@ class Operator:
             o = observe(plan, float(rec["started"]), now, dv.status.get(d), dv.facts.get(d), dv.availability.get(d),
                         reply)
             if o is None:
+                self._note_link(d, rec, now)
                 continue
             self.save_record(d, state=o.state, kind=o.kind, reason=o.reason[:300], finished=round(now, 3),
                              **({"provider": o.provider} if o.provider else {}))
@@ -353,6 +356,19 @@ class Operator:
             self._dirty = True
             if self.state.get("status") == "running":
                 self._check_abort()  # after each outcome: the decision carries the counts that crossed the line
+
+    def _note_link(self, d: str, rec: dict[str, Any], now: float) -> None:
+        """An in-flight device whose link dropped is `offline_in_progress` (its record says since when);
+        back online, the mark goes. Neither is a verdict: the device's own report or the time-out is."""
+        gone = away(self.devices.availability.get(d))
+        if gone and not rec.get("offline_since"):
+            self.save_record(d, offline_since=round(now, 3))
+            log.warning("fleet.device_offline_in_progress", rollout=self.t.id, device=d)
+            self._dirty = True
+        elif not gone and rec.get("offline_since"):
+            self.save_record(d, offline_since=None, reconnected=round(now, 3))
+            log.info("fleet.device_reconnected", rollout=self.t.id, device=d)
+            self._dirty = True
 
     def _check_abort(self) -> None:
         c = self.counts()
@@ -466,8 +482,12 @@ class Operator:
 
 
 class FleetRollback:
-    """`fleet rollback`: every device the rollout committed goes back to its previous committed bundle
-    with the device's own `rollback` command (kept locally: no download), at the plan's rate cap."""
+    """`fleet rollback`: every device that runs the rollout's bundle goes back to its previous committed
+    bundle with the device's own `rollback` command (kept locally: no download), at the plan's rate cap.
+
+    Which devices run it is read from their own retained facts, not only from the operator's records: a
+    device recorded failed (timed out while its link was down) that committed afterwards runs the bundle
+    as surely as one recorded committed."""
 
     def __init__(self, op: Operator):
         self.op = op
@@ -482,7 +502,7 @@ class FleetRollback:
             raise RolloutError(f"rollout {plan.id} still has {op.counts()['in_flight']} devices in flight; "
                                "wait for their verdicts (fleet rollout status) before rolling back")
         op.state["status"] = "rolling_back"
-        todo = [d for d, r in op.records.items() if r.get("state") == "committed"]
+        todo = self.targets()
         op.decide("rollback_started", devices=len(todo))
         op.save_state()
         end = None if max_s is None else time.monotonic() + max_s
@@ -517,13 +537,32 @@ class FleetRollback:
         op.save_state(release=True)
         return op.state
 
+    def targets(self) -> list[str]:
+        """Every device of the plan that its facts show committed to the rollout's bundle, and every one
+        recorded committed (its facts may not have arrived), in the plan's order. A device with no record
+        (the broker lost it) gets one, its previous version unknown."""
+        op, plan = self.op, self.op.plan
+        assert plan is not None
+        todo = []
+        for d in plan.targets:
+            rec = op.records.get(d)
+            runs = plan.artifact.names(FactsRow(d, op.devices.facts.get(d) or {}, {}).committed())
+            if runs or (rec or {}).get("state") == "committed":
+                if rec is None:
+                    op.save_record(d, state="committed", kind="found_by_facts", previous=None,
+                                   reason="its facts show the rollout's bundle committed; no record was kept")
+                todo.append(d)
+        return todo
+
     def _observe(self, d: str, rb: dict[str, Any], now: float) -> None:
         op = self.op
         st = op.devices.status.get(d) or {}
         prev = op.records[d].get("previous") or {}
         com = ((op.devices.facts.get(d) or {}).get("bundle") or {}).get("committed") or {}
         if st.get("update") == self.update_id and st.get("state") == "committed":
-            if (com.get("name"), com.get("version")) == (prev.get("name"), prev.get("version")):
+            back = (com.get("name"), com.get("version")) == (prev.get("name"), prev.get("version")) if prev \
+                else not op.plan.artifact.names(com)  # type: ignore[union-attr]
+            if back:
                 op.save_record(d, rollback={**rb, "state": "done", "finished": round(now, 3)})
         elif st.get("update") == self.update_id and st.get("state") in ("rejected", "rolled_back"):
             op.save_record(d, rollback={**rb, "state": "failed", "reason": str(st.get("reason"))[:300]})
