@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from brokers import Broker
+from brokers import Broker, Collector
 from waiting import wait_until
 
 from agent.bundle.archive import pack
@@ -23,7 +23,7 @@ from agent.bundle.signing import keygen, sign_bundle
 from agent.fleet.operator import FleetRollback, Operator, RolloutError
 from agent.fleet.plan import Artifact, Gates, Plan, start_order
 from agent.fleet.simulator import GroupProfile, SimFleet
-from agent.fleet.state import Connection, FleetClient, RolloutTopics
+from agent.fleet.state import Connection, FleetClient, RolloutTopics, control_request
 from agent.hashing import sha256_file
 from agent.testing import rewrite_manifest
 
@@ -177,7 +177,7 @@ def test_human_gate_waits_for_approval_and_crashes_and_hangs_are_named_failures(
         ticks.wait()
         assert len(op.records) == 4, "nothing starts past the human gate"
         c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
-        c.publish(RolloutTopics("gate").control, {"action": "approve", "ts": time.time(), "by": "test"})
+        c.publish(RolloutTopics("gate").control, control_request("gate", 0.0, "approve", "test"))
         c.stop()
         assert wait_until(lambda: op.state.get("status") == "held", 90), op.state
         kinds = {d: r.get("kind") for d, r in op.records.items()}
@@ -200,14 +200,14 @@ def test_pause_stops_new_starts_and_resume_continues(broker: Broker) -> None:
     with running(broker.port, "pz", [f"dev{i}" for i in range(6)], phases=(6,), rate_per_min=6000,
                  max_downloads=2) as (op, c, ticks):
         assert wait_until(lambda: len(op.records) == 2, 20)
-        c.publish(RolloutTopics("pz").control, {"action": "pause", "ts": time.time(), "by": "test"})
+        c.publish(RolloutTopics("pz").control, control_request("pz", 0.0, "pause", "test"))
         assert wait_until(lambda: op.state.get("status") == "paused", 20)
         for d in sorted(op.records):  # both past their download: the cap no longer holds anything back
             c.publish(f"edge/{d}/update/status", {"update": "pz", "state": "selftest", "ts": time.time()})
         assert wait_until(lambda: all(op.devices.status.get(d) for d in op.records), 20)
         ticks.wait()
         assert len(op.records) == 2, "paused: nothing new starts"
-        c.publish(RolloutTopics("pz").control, {"action": "resume", "ts": time.time() + 0.001, "by": "test"})
+        c.publish(RolloutTopics("pz").control, control_request("pz", 0.0, "resume", "test", time.time() + 0.001))
         assert wait_until(lambda: len(op.records) == 4, 20)
         events = [d["event"] for d in op.state["decisions"]]
         assert events == ["started", "paused", "unpaused"], events
@@ -316,7 +316,7 @@ def _crashed_rollout(port: int, rid: str, status: str, control: str | None = Non
     c.publish(t.device("dev1"), {"device": "dev1", "rev": 1, "state": "started", "phase": 1, "started": time.time(),
                                  "previous": {"name": "tiny-classifier", "version": 1}})
     if control:
-        c.publish(t.control, {"action": control, "ts": time.time(), "by": "human"})
+        c.publish(t.control, control_request(rid, 0.0, control, "human"))
     return c
 
 
@@ -451,3 +451,41 @@ def test_a_device_whose_link_drops_mid_update_and_commits_is_recorded_committed_
     finally:
         sims.close()
         srv.shutdown()
+
+
+def test_a_retained_stale_abort_does_not_stop_a_new_rollout_under_that_id(broker: Broker) -> None:
+    # the fault: `fleet rollout abort` of an id that did not exist yet (a typo) left a retained abort, and a
+    # rollout later started under that id was aborted at its first step with no device started
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    c.publish(RolloutTopics("reused").control, {"action": "abort", "ts": time.time() - 86400, "by": "typo@yesterday"})
+    c.stop()
+    with running(broker.port, "reused", ["dev0", "dev1"], ("edge/+/cmd/update",), phases=(2,), rate_per_min=6000,
+                 published=time.time()) as (op, c, ticks):
+        assert wait_until(lambda: c.inbox.qsize() >= 2, 20), op.state.get("decisions")
+        assert op.state["status"] == "running"
+        ignored = [d for d in op.state["decisions"] if d["event"] == "control_ignored"]
+        assert ignored and ignored[0]["by"] == "typo@yesterday" and "not bound" in ignored[0]["reason"], ignored
+        # an abort bound to an earlier rollout under the same id is ignored too; this rollout's own is not
+        c.publish(RolloutTopics("reused").control, control_request("reused", 1.0, "abort", "old"))
+        assert wait_until(lambda: len([d for d in op.state["decisions"] if d["event"] == "control_ignored"]) == 2, 20)
+        assert op.state["status"] == "running"
+        c.publish(RolloutTopics("reused").control, control_request("reused", op.plan.published, "abort", "me"))
+        assert wait_until(lambda: op.state["status"] == "aborted", 20)
+
+
+def test_a_control_request_to_an_unknown_rollout_fails_with_exit_2_and_leaves_nothing_retained(broker: Broker) -> None:
+    from agent.service.cli import main
+
+    for action in ("abort", "pause", "approve"):
+        assert main(["fleet", "rollout", action, "no-such-id", "--broker", f"127.0.0.1:{broker.port}"]) == 2
+    col = Collector(broker.port, ["fleet/#"])
+    try:
+        assert wait_until(lambda: col.connects >= 1, 20)
+        # barrier: a retained document published after the SUBACK arrives; nothing retained came before it
+        mark = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+        mark.publish("fleet/zz-barrier", {"x": 1}, retain=False)
+        mark.stop()
+        assert wait_until(lambda: any(m.topic == "fleet/zz-barrier" for m in list(col.messages)), 20)
+        assert [m.topic for m in list(col.messages)] == ["fleet/zz-barrier"]
+    finally:
+        col.close()

@@ -176,9 +176,13 @@ def _run(op: Operator, args: argparse.Namespace) -> int:
 def _cmd_start(args: argparse.Namespace) -> int:
     from agent.fleet.operator import RolloutError
     from agent.fleet.plan import Plan
+    from dataclasses import replace
+
     from agent.fleet.state import FleetClient, RolloutTopics
 
-    plan = Plan.from_dict(json.loads(args.plan.read_text()))
+    # the time it is published binds every control request to this rollout (not to an earlier one, or a
+    # typo, under the same id)
+    plan = replace(Plan.from_dict(json.loads(args.plan.read_text())), published=round(time.time(), 3))
     conn = _conn(args)
     client = FleetClient(conn).start([RolloutTopics(plan.id).plan])
     try:
@@ -201,8 +205,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
     op, _ = _operator(args, args.id)
     if op.state.get("status") == "paused":
-        _control(args, "resume")
-        op.control = {"action": "resume", "ts": time.time(), "by": _who()}
+        op.control = _control(args, "resume")
     try:
         op.take_over(force=args.force)
     except RolloutError:
@@ -218,14 +221,25 @@ def _who() -> str:
         return f"uid{os.getuid()}@{socket.gethostname()}"
 
 
-def _control(args: argparse.Namespace, action: str) -> None:
-    from agent.fleet.state import FleetClient, RolloutTopics
+def _control(args: argparse.Namespace, action: str) -> dict[str, Any]:
+    """Publish `action` bound to rollout `args.id` as it is on the broker; an id with no plan there is a usage
+    error (exit 2) and leaves nothing retained: a stale request would stop a later rollout under that id."""
+    from agent.errors import UsageError
+    from agent.fleet.plan import Plan
+    from agent.fleet.state import FleetClient, RolloutTopics, control_request, decode
 
-    client = FleetClient(_conn(args)).start([])
+    t = RolloutTopics(args.id)
+    client = FleetClient(_conn(args)).start([t.plan])
     try:
-        client.publish(RolloutTopics(args.id).control, {"action": action, "ts": round(time.time(), 3), "by": _who()})
+        docs = [decode(p) for topic, p, _ in client.sync() if topic == t.plan and p]
+        if not docs or not isinstance(docs[-1], dict):
+            raise UsageError(f"no rollout {args.id!r} on the broker ({t.plan} is empty): nothing sent; "
+                             "`edge-agent fleet rollout status ID` shows a rollout, `fleet ls` the fleet")
+        req = control_request(args.id, Plan.from_dict(docs[-1]).published, action, _who())
+        client.publish(t.control, req)
     finally:
         client.stop()
+    return req
 
 
 def _cmd_control(args: argparse.Namespace) -> int:

@@ -316,6 +316,10 @@ class Operator:
         self._handled_control = float(c["ts"])
         self.state["control_ts"] = self._handled_control
         action, st = c.get("action"), self.state.get("status")
+        stale = self._stale_control(c)
+        if stale is not None:
+            self.decide("control_ignored", action=action, by=c.get("by"), reason=stale)
+            return
         if action == "pause" and st == "running":
             self.state["status"] = "paused"
             self.decide("paused", by=c.get("by"), reason="operator request")
@@ -329,6 +333,19 @@ class Operator:
             self._next_phase(f"approved by {c.get('by')}" + (" over a failed gate" if st == "held" else ""))
         else:
             self.decide("control_ignored", action=action, status=st)
+
+    def _stale_control(self, c: dict[str, Any]) -> str | None:
+        """Why a control request is not this rollout's, or None when it is: it must name this rollout's id and
+        the time its plan was published (a retained abort from an earlier rollout under the same id, or one
+        sent before the id existed, must not stop this one)."""
+        plan = self.plan
+        assert plan is not None
+        if c.get("rollout") != self.t.id or not isinstance(c.get("published"), (int, float)):
+            return "not bound to a rollout (no rollout id and plan time): an old or hand-made request"
+        if float(c["published"]) != plan.published:
+            return (f"bound to rollout {self.t.id} published at {c['published']}, not this one (published at "
+                    f"{plan.published})")
+        return None
 
     def _observe(self, now: float) -> None:
         plan = self.plan

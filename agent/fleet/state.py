@@ -143,6 +143,14 @@ class FleetClient:
         self.client.disconnect()
 
 
+def control_request(rollout_id: str, published: float, action: str, by: str, ts: float | None = None) -> dict[str, Any]:
+    """A human request to one rollout, bound to it by its id and the time its plan was published: a
+    retained request left from an earlier rollout under the same id (or sent to an id that did not
+    exist yet) names another `published`, and the operator ignores it."""
+    return {"action": action, "ts": round(time.time() if ts is None else ts, 3), "by": by,
+            "rollout": rollout_id, "published": published}
+
+
 def decode(payload: bytes) -> Any:
     try:
         return json.loads(payload) if payload else None
