@@ -4,8 +4,11 @@ off one rollout, the human gate, and the failure kinds a simulated fleet injects
 from __future__ import annotations
 
 import http.server
+import contextlib
 import json
 import os
+import queue
+import socket
 import shutil
 import threading
 import time
@@ -23,7 +26,7 @@ from agent.bundle.signing import keygen, sign_bundle
 from agent.fleet.operator import FleetRollback, Operator, RolloutError
 from agent.fleet.plan import Artifact, Gates, Plan, start_order
 from agent.fleet.simulator import GroupProfile, SimFleet
-from agent.fleet.state import Connection, FleetClient, RolloutTopics, control_request
+from agent.fleet.state import Connection, FleetClient, RolloutTopics, SyncPolicy, control_request
 from agent.hashing import sha256_file
 from agent.testing import rewrite_manifest
 
@@ -44,8 +47,11 @@ def publish_plan(port: int, plan: Plan) -> None:
     c.stop()
 
 
+QUICK = SyncPolicy(quiet_s=1.0)  # one local Mosquitto delivers a few retained documents at once
+
+
 def operator(port: int, rid: str) -> Operator:
-    op = Operator(FleetClient(Connection("127.0.0.1", port)), rid, "edge", tick_s=0.05)
+    op = Operator(FleetClient(Connection("127.0.0.1", port, sync=QUICK)), rid, "edge", tick_s=0.05)
     op.client.start(op.topics())
     op.load()
     return op
@@ -489,3 +495,117 @@ def test_a_control_request_to_an_unknown_rollout_fails_with_exit_2_and_leaves_no
         assert [m.topic for m in list(col.messages)] == ["fleet/zz-barrier"]
     finally:
         col.close()
+
+
+class RetainedThrottle:
+    """A TCP relay in front of a broker that holds back retained PUBLISH packets to the client and lets
+    them through at `per_s`, after `first_s`, while every other packet passes at once: what a clustered
+    broker's retainer does (a separate process, EMQX's `retainer.deliver_rate`). Legal MQTT: the
+    protocol orders no subscription's retained deliveries against anything else."""
+
+    def __init__(self, broker_port: int, per_s: float, first_s: float = 1.0):
+        self.broker_port, self.per_s, self.first_s = broker_port, per_s, first_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.broker_port))
+            threading.Thread(target=self._pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def _down(self, src: socket.socket, dst: socket.socket) -> None:
+        """Broker to client, packet by packet: retained PUBLISHes paced, the rest at once, one writer."""
+        held: queue.Queue[bytes] = queue.Queue()
+        lock = threading.Lock()
+
+        def pace() -> None:
+            if self.stop.wait(self.first_s):
+                return
+            while not self.stop.is_set():
+                pkt = held.get()
+                with lock, contextlib.suppress(OSError):
+                    dst.sendall(pkt)
+                self.stop.wait(1.0 / self.per_s)
+
+        threading.Thread(target=pace, daemon=True).start()
+        buf = b""
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                buf += data
+                while (pkt := _mqtt_packet(buf)) is not None:
+                    buf = buf[len(pkt):]
+                    if pkt[0] >> 4 == 3 and pkt[0] & 1:  # PUBLISH with the retain flag
+                        held.put(pkt)
+                    else:
+                        with lock:
+                            dst.sendall(pkt)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def _mqtt_packet(buf: bytes) -> bytes | None:
+    """The first whole MQTT control packet in `buf` (fixed header, variable length), or None."""
+    mult, length, i = 1, 0, 1
+    while True:
+        if i >= len(buf):
+            return None
+        length += (buf[i] & 127) * mult
+        mult *= 128
+        i += 1
+        if not buf[i - 1] & 128:
+            break
+    return buf[:i + length] if len(buf) >= i + length else None
+
+
+def _publish_fleet(port: int, n: int) -> None:
+    """`n` devices' retained availability and facts, published quickly by one client."""
+    c = FleetClient(Connection("127.0.0.1", port)).start([])
+    for i in range(n):
+        c.publish(f"edge/dev{i:05d}/availability", {"state": "online", "session": 1}, wait=False)
+        c.publish(f"edge/dev{i:05d}/facts", {"session": 1, "labels": {}, "bundle": {"committed": {
+            "name": "tiny-classifier", "version": 1}}}, wait=i == n - 1)
+    c.stop()
+
+
+def test_reading_the_fleet_through_a_broker_that_delivers_retained_documents_slowly_sees_every_device(
+        broker: Broker) -> None:
+    # the fault: `sync` published a marker and took everything before it as the whole fleet; a broker
+    # that delivers retained documents from elsewhere (a cluster's retainer) sent the marker first, and
+    # `plan` saw a fraction of the devices
+    from agent.fleet.cli import _fleet_view
+
+    _publish_fleet(broker.port, 30)
+    relay = RetainedThrottle(broker.port, per_s=40)
+    try:
+        view = _fleet_view(Connection("127.0.0.1", relay.port))
+        assert len(view.facts) == 30 and all(view.online(f"dev{i:05d}") for i in range(30)), sorted(view.facts)
+    finally:
+        relay.close()
+
+
+@pytest.mark.slow
+def test_reading_a_fleet_of_thousands_of_retained_documents_is_bounded_by_its_size_not_30_s(broker: Broker) -> None:
+    # the fault: every command had a fixed 30 s for the whole retained fleet; 4,415 documents on a busy
+    # host missed it. Here 4,000 documents, read with a 5 s base bound: only the per-document share of the
+    # bound lets a loaded machine finish (the error says which bound, and how to raise it)
+    from agent.fleet.cli import _fleet_view
+
+    _publish_fleet(broker.port, 2000)
+    view = _fleet_view(Connection("127.0.0.1", broker.port, sync=SyncPolicy(base_s=5.0, per_doc_s=0.05)))
+    assert len(view.facts) == 2000 and len(view.availability) == 2000

@@ -30,11 +30,12 @@ EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def _conn(args: argparse.Namespace) -> Connection:
-    from agent.fleet.state import Connection, parse_broker
+    from agent.fleet.state import Connection, SyncPolicy, parse_broker
 
     host, port = parse_broker(args.broker)
     pw = Path(args.password_file).read_text().strip() if getattr(args, "password_file", None) else None
-    return Connection(host, port, args.tls_ca, args.username, pw, args.root)
+    return Connection(host, port, args.tls_ca, args.username, pw, args.root,
+                      SyncPolicy(quiet_s=args.sync_quiet, base_s=args.sync_timeout, per_doc_s=args.sync_per_doc))
 
 
 def _where(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -322,6 +323,12 @@ def _broker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca")
     p.add_argument("--username")
     p.add_argument("--password-file")
+    p.add_argument("--sync-quiet", type=float, default=2.0, metavar="S",
+                   help="reading the retained fleet is complete after no retained document arrived for this long "
+                        "(at least; longer when the broker delivers slowly)")
+    p.add_argument("--sync-timeout", type=float, default=30.0, metavar="S",
+                   help="bound on reading the retained fleet: this many seconds ...")
+    p.add_argument("--sync-per-doc", type=float, default=0.05, metavar="S", help="... plus this much per document read")
 
 
 def add_fleet_parser(sub: Any) -> None:

@@ -59,6 +59,30 @@ class RolloutTopics:
 
 
 @dataclass(frozen=True)
+class SyncPolicy:
+    """When a read of the retained fleet is complete, without assuming any delivery order.
+
+    MQTT promises no order between a subscription's retained deliveries and anything else (a clustered
+    broker's retainer delivers them from another process, rate-limited), so no marker can say "that was
+    all". The rule: complete once no retained document arrived for a quiet period, the longer of
+    `quiet_s` and `gap_factor` times the longest gap seen between two of them (a trickle sets its own
+    pace). The bound grows with what arrives: `base_s` plus `per_doc_s` for each retained document, so a
+    big fleet is never cut off by a fixed deadline, and a broker that never stops delivering is."""
+
+    quiet_s: float = 2.0
+    gap_factor: float = 4.0
+    max_quiet_s: float = 30.0
+    base_s: float = 30.0
+    per_doc_s: float = 0.05
+
+    def bound(self, docs: int) -> float:
+        return self.base_s + self.per_doc_s * docs
+
+    def quiet(self, longest_gap: float) -> float:
+        return min(self.max_quiet_s, max(self.quiet_s, self.gap_factor * longest_gap))
+
+
+@dataclass(frozen=True)
 class Connection:
     host: str = "127.0.0.1"
     port: int = 1883
@@ -66,6 +90,7 @@ class Connection:
     username: str | None = None
     password: str | None = None
     device_root: str = ROOT
+    sync: SyncPolicy = SyncPolicy()
 
 
 def parse_broker(spec: str) -> tuple[str, int]:
@@ -81,7 +106,9 @@ class FleetClient:
         self.conn = conn
         self.inbox: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
         self.connected = threading.Event()
+        self.subscribed = threading.Event()  # the broker acknowledged this connection's subscriptions
         self._subs: list[str] = []
+        self._sub_mid: int | None = None
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id or f"fleet-{uuid.uuid4().hex[:8]}",
                                   protocol=paho.MQTTv5)
         if conn.tls_ca:
@@ -92,6 +119,7 @@ class FleetClient:
         self.client.on_connect = self._on_connect
         self.client.on_message = lambda c, u, m: self.inbox.put((m.topic, bytes(m.payload), bool(m.retain)))
         self.client.on_disconnect = lambda *a: self.connected.clear()
+        self.client.on_subscribe = self._on_subscribe
         self.client.reconnect_delay_set(1, 5)
 
     def start(self, topics: list[str], timeout: float = 15.0) -> FleetClient:
@@ -106,29 +134,44 @@ class FleetClient:
         if reason.is_failure:
             return
         if self._subs:
-            c.subscribe([(t, 1) for t in self._subs])
+            _, self._sub_mid = c.subscribe([(t, 1) for t in self._subs])
+        else:
+            self.subscribed.set()
         self.connected.set()
 
-    def sync(self, timeout: float = 30.0) -> list[tuple[str, bytes, bool]]:
-        """Everything retained under the subscriptions, up to a barrier: the broker delivers what it
-        retained for a subscription before a later publish from this same connection."""
-        nonce = uuid.uuid4().hex
-        marker = f"{FLEET_ROOT}/sync/{nonce}"
-        self.client.subscribe(marker, qos=1)
+    def _on_subscribe(self, c: paho.Client, u: Any, mid: int, reasons: Any, p: Any) -> None:
+        if mid == self._sub_mid:
+            self.subscribed.set()
+
+    def sync(self) -> list[tuple[str, bytes, bool]]:
+        """Everything retained under the subscriptions (and whatever live message came meanwhile), complete
+        by the connection's SyncPolicy: a quiet period after the last retained delivery, within a bound
+        that grows with the documents read."""
+        p = self.conn.sync
+        if not self.subscribed.wait(p.base_s):
+            raise TimeoutError(f"the broker at {self.conn.host}:{self.conn.port} did not acknowledge the "
+                               f"subscriptions within {p.base_s:g} s (--sync-timeout)")
         got: list[tuple[str, bytes, bool]] = []
-        deadline = time.monotonic() + timeout
-        self.client.publish(marker, b"sync", qos=1)
-        while time.monotonic() < deadline:
-            try:
-                topic, payload, retain = self.inbox.get(timeout=0.5)
-            except queue.Empty:
-                self.client.publish(marker, b"sync", qos=1)  # a subscription not yet in place missed the first
-                continue
-            if topic == marker:
-                self.client.unsubscribe(marker)
+        t0 = last = time.monotonic()
+        docs, gap = 0, 0.0
+        while True:
+            now = time.monotonic()
+            if now - last >= p.quiet(gap):
                 return got
-            got.append((topic, payload, retain))
-        raise TimeoutError(f"no sync barrier from the broker within {timeout:g} s")
+            if now - t0 > p.bound(docs):
+                raise TimeoutError(
+                    f"the broker was still delivering retained documents after {now - t0:.0f} s ({docs} so far, the "
+                    f"longest gap {gap:.2f} s); the bound is --sync-timeout {p.base_s:g} s + {p.per_doc_s:g} s per "
+                    f"document = {p.bound(docs):.0f} s: raise --sync-timeout if the fleet is that big or the broker "
+                    "that slow")
+            try:
+                item = self.inbox.get(timeout=min(0.2, max(0.01, p.quiet(gap) - (now - last))))
+            except queue.Empty:
+                continue
+            got.append(item)
+            if item[2]:  # a retained delivery: live messages neither extend nor end the read
+                now = time.monotonic()
+                gap, last, docs = max(gap, now - last), now, docs + 1
 
     def publish(self, topic: str, doc: Any, retain: bool = True, wait: bool = True) -> None:
         payload = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
