@@ -609,3 +609,40 @@ def test_reading_a_fleet_of_thousands_of_retained_documents_is_bounded_by_its_si
     _publish_fleet(broker.port, 2000)
     view = _fleet_view(Connection("127.0.0.1", broker.port, sync=SyncPolicy(base_s=5.0, per_doc_s=0.05)))
     assert len(view.facts) == 2000 and len(view.availability) == 2000
+
+
+def test_the_operator_survives_a_broker_restart_mid_phase(broker: Broker) -> None:
+    # the fault: a publish while the link was down (a heartbeat, a record) raised "The client is not
+    # currently connected" and ended the operator; someone had to run `resume`
+    devices = [f"dev{i}" for i in range(4)]
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    for d in devices:
+        fake_device(c, d)
+    publish_plan(broker.port, Plan(id="restart", artifact=ART, targets=tuple(devices), phases=(4,), rate_per_min=6000,
+                                   max_downloads=2, device_timeout_s=600))
+    assert broker.wait_saved(time.time())  # the fleet and the plan survive the SIGKILL below
+    op = Operator(FleetClient(Connection("127.0.0.1", broker.port, sync=QUICK), "op-restart", session_s=600),
+                  "restart", "edge", tick_s=0.05)
+    op.client.start(op.topics())
+    op.load()
+    down = threading.Event()
+    publish = op.client.publish
+
+    def watched(topic: str, doc: Any, retain: bool = True, wait: bool = True) -> None:
+        if not op.client.connected.is_set():
+            down.set()  # the operator published while its link was down
+        publish(topic, doc, retain, wait)
+
+    op.client.publish = watched  # type: ignore[method-assign]
+    with looping(op, c):
+        assert wait_until(lambda: len(op.records) == 2 and all(r.get("commanded") for r in op.records.values()), 20)
+        broker.kill()
+        assert wait_until(down.is_set, 30), "the operator never published while the broker was down"
+        broker.start()
+        assert wait_until(lambda: c.connected.is_set() and op.client.connected.is_set(), 30)
+        for d in sorted(op.records):  # both past their download: the cap lets the other two start
+            c.publish(f"edge/{d}/update/status", {"update": "restart", "state": "verifying", "ts": time.time()})
+        assert wait_until(lambda: len(op.records) == 4 and all(r.get("commanded") for r in op.records.values()), 30), \
+            op.state.get("decisions")
+        assert any(d["event"] == "broker_reconnected" for d in op.state["decisions"])
+        assert op.state["status"] == "running"

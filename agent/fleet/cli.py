@@ -157,7 +157,8 @@ def _operator(args: argparse.Namespace, rid: str) -> tuple[Operator, FleetClient
     from agent.fleet.state import FleetClient
 
     conn = _conn(args)
-    op = Operator(FleetClient(conn), rid, conn.device_root)
+    # its own session (a client id of its own, kept by the broker for 10 min): reconnects keep what it had
+    op = Operator(FleetClient(conn, f"fleet-op-{rid}-{uuid.uuid4().hex[:6]}"[:60], session_s=600), rid, conn.device_root)
     op.client.start(op.topics())
     op.load()
     return op, op.client

@@ -111,6 +111,7 @@ class Operator:
         self.taken_over: str | None = None
         self._recommand_pending = False  # set by take_over: a resume looks for uncommanded devices once
         self._awaiting_slot: set[str] = set()  # found uncommanded on resume, waiting for the caps
+        self._connects = 0  # the client's connections this operator has reconciled after
 
     # -- loading ---------------------------------------------------------------------------------------
     def topics(self) -> list[str]:
@@ -296,9 +297,24 @@ class Operator:
             return True
         return st == "aborted" and in_flight == 0
 
+    def reconcile_after_reconnect(self) -> None:
+        """After a reconnect, the broker may have restarted and lost what it had not yet saved (Mosquitto
+        persists at its autosave interval): this operator's state and records are republished, so the
+        retained truth is again the newest (their revs never go back), and a later resume or rollback
+        reads it. The devices' own retained documents come again with the resubscription."""
+        n = self.client.connects
+        if n <= max(1, self._connects):
+            self._connects = max(self._connects, n)
+            return
+        self._connects = n
+        for d, rec in sorted(self.records.items()):
+            self.client.publish(self.t.device(d), rec, wait=False)
+        self.decide("broker_reconnected", republished_records=len(self.records), connects=n)
+
     def step(self) -> None:
         plan, now = self.plan, self.clock()
         assert plan is not None
+        self.reconcile_after_reconnect()
         self._apply_control()
         if self._recommand_pending and self.state.get("status") == "running":
             self._recommand_pending = False

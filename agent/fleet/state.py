@@ -23,6 +23,9 @@ from typing import Any
 import paho.mqtt.client as paho
 
 from agent.link.topics import ROOT
+from agent.logsetup import get_logger
+
+log = get_logger("fleet")
 
 FLEET_ROOT = "fleet"
 STATE_SCHEMA = 1
@@ -100,10 +103,18 @@ def parse_broker(spec: str) -> tuple[str, int]:
 
 class FleetClient:
     """One operator connection: every message goes to a queue the operator's loop drains; retained
-    documents are published QoS 1 and (when asked) waited for until the broker acknowledged them."""
+    documents are published QoS 1 and (when asked) waited for until the broker acknowledged them.
 
-    def __init__(self, conn: Connection, client_id: str | None = None):
+    It survives its broker: paho's thread reconnects (1..5 s backoff) under the same client id, with a
+    session the broker keeps for `session_s` (so a broker that kept state keeps the subscriptions and
+    what was queued for it), and resends every unacknowledged QoS 1 publish. A publish made while the
+    link is down waits for that resend's PUBACK instead of failing: nothing the operator decides is
+    lost to a broker restart, and a slow acknowledgement is waited for, with a warning every 30 s."""
+
+    def __init__(self, conn: Connection, client_id: str | None = None, session_s: int = 0):
         self.conn = conn
+        self.session_s = session_s
+        self.connects = 0  # acknowledged connections: a new one after the first is a reconnect
         self.inbox: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
         self.connected = threading.Event()
         self.subscribed = threading.Event()  # the broker acknowledged this connection's subscriptions
@@ -124,7 +135,15 @@ class FleetClient:
 
     def start(self, topics: list[str], timeout: float = 15.0) -> FleetClient:
         self._subs = topics
-        self.client.connect(self.conn.host, self.conn.port, 30)
+        props = None
+        if self.session_s:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.session_s
+        self.client.connect(self.conn.host, self.conn.port, 30, clean_start=paho.MQTT_CLEAN_START_FIRST_ONLY,
+                            properties=props)
         self.client.loop_start()
         if not self.connected.wait(timeout):
             raise TimeoutError(f"cannot reach the broker at {self.conn.host}:{self.conn.port}")
@@ -133,7 +152,8 @@ class FleetClient:
     def _on_connect(self, c: paho.Client, u: Any, f: Any, reason: Any, p: Any) -> None:
         if reason.is_failure:
             return
-        if self._subs:
+        self.connects += 1
+        if self._subs:  # again on every connect: a broker that lost its state lost the subscriptions too
             _, self._sub_mid = c.subscribe([(t, 1) for t in self._subs])
         else:
             self.subscribed.set()
@@ -176,14 +196,32 @@ class FleetClient:
     def publish(self, topic: str, doc: Any, retain: bool = True, wait: bool = True) -> None:
         payload = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
         info = self.client.publish(topic, payload, qos=1, retain=retain)
-        if wait:
-            info.wait_for_publish(30)
-            if not info.is_published():
-                raise TimeoutError(f"the broker did not acknowledge {topic} within 30 s")
+        if info.rc == paho.MQTT_ERR_QUEUE_SIZE:
+            raise RuntimeError(f"paho's outgoing queue is full; {topic} was not queued")
+        if not wait:
+            return
+        # Not info.wait_for_publish: it raises at once when the link was down at publish time (rc NO_CONN),
+        # although paho keeps the message and resends it on reconnect. Waited for here, however long.
+        t0 = time.monotonic()
+        warned = t0
+        with info._condition:
+            while not info._published:
+                info._condition.wait(0.5)
+                if time.monotonic() - warned >= 30.0:
+                    warned = time.monotonic()
+                    log.warning("fleet.publish_waiting", topic=topic, waited_s=round(warned - t0),
+                                connected=self.connected.is_set())
 
     def stop(self) -> None:
+        props = None
+        if self.session_s:  # a clean stop ends the session: the broker queues nothing more for it
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.DISCONNECT)
+            props.SessionExpiryInterval = 0
+        self.client.disconnect(properties=props)
         self.client.loop_stop()
-        self.client.disconnect()
 
 
 def control_request(rollout_id: str, published: float, action: str, by: str, ts: float | None = None) -> dict[str, Any]:
