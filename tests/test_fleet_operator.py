@@ -646,3 +646,15 @@ def test_the_operator_survives_a_broker_restart_mid_phase(broker: Broker) -> Non
             op.state.get("decisions")
         assert any(d["event"] == "broker_reconnected" for d in op.state["decisions"])
         assert op.state["status"] == "running"
+
+
+def test_set_url_gives_later_commands_a_fresh_url_for_the_same_archive(broker: Broker) -> None:
+    with running(broker.port, "url", ["dev0", "dev1"], ("edge/+/cmd/update",), phases=(2,), rate_per_min=6000,
+                 max_downloads=1) as (op, c, ticks):
+        first = json.loads(c.inbox.get(timeout=20)[1])
+        assert first["url"] == ART.url
+        c.publish(RolloutTopics("url").control, control_request("url", 0.0, "set_url", "me", url="http://127.0.0.1:9/new"))
+        assert wait_until(lambda: op.state.get("url") == "http://127.0.0.1:9/new", 20)
+        c.publish(f"edge/{sorted(op.records)[0]}/update/status", {"update": "url", "state": "verifying", "ts": time.time()})
+        second = json.loads(c.inbox.get(timeout=20)[1])
+        assert (second["url"], second["sha256"]) == ("http://127.0.0.1:9/new", ART.sha256)

@@ -223,7 +223,7 @@ def _who() -> str:
         return f"uid{os.getuid()}@{socket.gethostname()}"
 
 
-def _control(args: argparse.Namespace, action: str) -> dict[str, Any]:
+def _control(args: argparse.Namespace, action: str, **detail: Any) -> dict[str, Any]:
     """Publish `action` bound to rollout `args.id` as it is on the broker; an id with no plan there is a usage
     error (exit 2) and leaves nothing retained: a stale request would stop a later rollout under that id."""
     from agent.errors import UsageError
@@ -237,7 +237,7 @@ def _control(args: argparse.Namespace, action: str) -> dict[str, Any]:
         if not docs or not isinstance(docs[-1], dict):
             raise UsageError(f"no rollout {args.id!r} on the broker ({t.plan} is empty): nothing sent; "
                              "`edge-agent fleet rollout status ID` shows a rollout, `fleet ls` the fleet")
-        req = control_request(args.id, Plan.from_dict(docs[-1]).published, action, _who())
+        req = control_request(args.id, Plan.from_dict(docs[-1]).published, action, _who(), **detail)
         client.publish(t.control, req)
     finally:
         client.stop()
@@ -246,6 +246,17 @@ def _control(args: argparse.Namespace, action: str) -> dict[str, Any]:
 
 def _cmd_control(args: argparse.Namespace) -> int:
     _control(args, args.action)
+    print(f"{args.action} sent to rollout {args.id}; the running operator records the decision "
+          f"(`fleet rollout status {args.id}`)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_set_url(args: argparse.Namespace) -> int:
+    from agent.errors import UsageError
+
+    if not args.url.startswith(("http://", "https://")):
+        raise UsageError(f"set-url {args.url!r}: expected an http(s):// URL to the same archive")
+    _control(args, "set_url", url=args.url)
     print(f"{args.action} sent to rollout {args.id}; the running operator records the decision "
           f"(`fleet rollout status {args.id}`)", file=sys.stderr)
     return EXIT_OK
@@ -397,6 +408,11 @@ def add_fleet_parser(sub: Any) -> None:
         _broker_args(c)
         c.add_argument("id")
         c.set_defaults(func=_cmd_control, action=action)
+    su = rsub.add_parser("set-url", help="a fresh URL for the same archive (a signed URL expired); later commands use it")
+    _broker_args(su)
+    su.add_argument("id")
+    su.add_argument("url")
+    su.set_defaults(func=_cmd_set_url, action="set_url")
 
     rb = fsub.add_parser("rollback", help="devices the rollout committed go back to their previous bundle (no download)")
     _broker_args(rb)

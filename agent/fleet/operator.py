@@ -347,6 +347,11 @@ class Operator:
             self.decide("aborted", by=c.get("by"), reason="operator request")
         elif action == "approve" and st in ("awaiting_approval", "held"):
             self._next_phase(f"approved by {c.get('by')}" + (" over a failed gate" if st == "held" else ""))
+        elif action == "set_url" and st not in TERMINAL and isinstance(c.get("url"), str):
+            # the same archive (its sha256 still checked by every device) at a fresh address: a signed URL
+            # expires, and a paused or held rollout outlives it; the plan itself never changes
+            self.state["url"] = c["url"]
+            self.decide("url_set", by=c.get("by"), url=c["url"][:200])
         else:
             self.decide("control_ignored", action=action, status=st)
 
@@ -510,7 +515,7 @@ class Operator:
         a = plan.artifact
         self.devices.replies.pop(device, None)
         self.client.publish(f"{self.devices.root}{device}/cmd/update",
-                            {"url": a.url, "sha256": a.sha256, "id": plan.id}, retain=False)
+                            {"url": self.state.get("url") or a.url, "sha256": a.sha256, "id": plan.id}, retain=False)
         self.save_record(device, commanded=round(self.clock(), 3))
 
 

@@ -224,12 +224,13 @@ class FleetClient:
         self.client.loop_stop()
 
 
-def control_request(rollout_id: str, published: float, action: str, by: str, ts: float | None = None) -> dict[str, Any]:
+def control_request(rollout_id: str, published: float, action: str, by: str, ts: float | None = None,
+                    **detail: Any) -> dict[str, Any]:
     """A human request to one rollout, bound to it by its id and the time its plan was published: a
     retained request left from an earlier rollout under the same id (or sent to an id that did not
     exist yet) names another `published`, and the operator ignores it."""
     return {"action": action, "ts": round(time.time() if ts is None else ts, 3), "by": by,
-            "rollout": rollout_id, "published": published}
+            "rollout": rollout_id, "published": published, **detail}
 
 
 def decode(payload: bytes) -> Any:
