@@ -23,7 +23,7 @@ from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
-from agent.fleet.operator import FleetRollback, Operator, RolloutError
+from agent.fleet.operator import FleetRollback, Operator, RollbackCaps, RolloutError
 from agent.fleet.plan import Artifact, Gates, Plan, start_order
 from agent.fleet.simulator import GroupProfile, SimFleet
 from agent.fleet.state import Connection, FleetClient, RolloutTopics, SyncPolicy, control_request
@@ -658,3 +658,48 @@ def test_set_url_gives_later_commands_a_fresh_url_for_the_same_archive(broker: B
         c.publish(f"edge/{sorted(op.records)[0]}/update/status", {"update": "url", "state": "verifying", "ts": time.time()})
         second = json.loads(c.inbox.get(timeout=20)[1])
         assert (second["url"], second["sha256"]) == ("http://127.0.0.1:9/new", ART.sha256)
+
+
+def test_a_fleet_rollback_keeps_its_own_concurrency_cap_and_stops_at_its_own_abort_line(broker: Broker) -> None:
+    # the fault: rollback reused the plan's rate with no failure criterion, so a bad previous bundle went
+    # back fleet-wide
+    devices = [f"dev{i}" for i in range(5)]
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    for d in devices:
+        fake_device(c, d)
+    publish_plan(broker.port, Plan(id="rbcap", artifact=ART, targets=tuple(devices), phases=(5,), rate_per_min=6000))
+    t = RolloutTopics("rbcap")
+    c.publish(t.state, {"rev": 9, "status": "done", "phase": 0, "owner": "dead:1", "heartbeat": 1.0})
+    for d in devices:
+        c.publish(t.device(d), {"device": d, "rev": 2, "state": "committed", "phase": 0, "started": 1.0,
+                                "previous": {"name": "tiny-classifier", "version": 1}})
+    answers = FleetClient(Connection("127.0.0.1", broker.port)).start(["edge/+/cmd/rollback"])
+    op = operator(broker.port, "rbcap")
+    op.take_over()
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(FleetRollback(op, RollbackCaps(6000, 1, 50, 2)).run(max_s=60)),
+                              daemon=True)
+    runner.start()
+    sent = []
+    try:
+        while runner.is_alive() and len(sent) < len(devices):
+            try:
+                topic, _, _ = answers.inbox.get(timeout=1)
+            except queue.Empty:
+                continue
+            d = topic.split("/")[1]
+            # one at a time: every earlier device already has its verdict when the next is sent back
+            assert all((op.records[e].get("rollback") or {}).get("state") == "failed" for e in sent), op.records
+            sent.append(d)
+            c.publish(f"edge/{d}/update/status", {"update": "rbcap-rollback", "state": "rejected",
+                                                  "reason": "previous bundle fails its self-test", "ts": time.time()})
+        runner.join(60)
+        assert not runner.is_alive()
+        assert len(sent) == 2, sent  # 2 of 2 finished failed: the line (50 % after 2) stops the rest
+        assert result["status"] == "rollback_aborted"
+        assert [d["event"] for d in result["decisions"]][-2:] == ["rollback_aborted", "rolled_back"]
+        assert result["decisions"][-1]["not_started"] == 3
+    finally:
+        op.client.stop()
+        answers.stop()
+        c.stop()

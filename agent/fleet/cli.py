@@ -278,17 +278,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollback(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import FleetRollback, status_table
+    from agent.fleet.operator import FleetRollback, RollbackCaps, status_table
 
     op, client = _operator(args, args.id)
     try:
         op.take_over(force=args.force)
-        state = FleetRollback(op).run(max_s=args.max_s)
+        plan = op.plan
+        assert plan is not None  # _operator refused a rollout without one
+        caps = RollbackCaps(
+            args.rate if args.rate is not None else plan.rate_per_min,
+            args.max_in_flight if args.max_in_flight is not None else plan.max_downloads,
+            args.abort_pct if args.abort_pct is not None else plan.gates.abort_failure_pct,
+            args.abort_min if args.abort_min is not None else plan.gates.abort_min_finished)
+        state = FleetRollback(op, caps).run(max_s=args.max_s)
     finally:
         client.stop()
     print(status_table(state, op.records), file=sys.stderr)
     last = (state.get("decisions") or [{}])[-1]
-    return EXIT_OK if last.get("failed") == 0 else EXIT_FAILED
+    return EXIT_OK if last.get("failed") == 0 and not last.get("not_started") else EXIT_FAILED
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -418,6 +425,11 @@ def add_fleet_parser(sub: Any) -> None:
     _broker_args(rb)
     rb.add_argument("id")
     rb.add_argument("--force", action="store_true")
+    rb.add_argument("--rate", type=float, help="devices sent back per minute, at most (default: the plan's --rate)")
+    rb.add_argument("--max-in-flight", type=int, help="rollbacks running at once (default: the plan's --max-downloads)")
+    rb.add_argument("--abort-pct", type=float, help="stop sending devices back when failed / finished reaches this "
+                                                   "(default: the plan's)")
+    rb.add_argument("--abort-min", type=int, help="... once at least this many finished (default: the plan's)")
     rb.add_argument("--max-s", type=float)
     rb.set_defaults(func=_cmd_rollback)
 
