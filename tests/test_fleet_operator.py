@@ -703,3 +703,27 @@ def test_a_fleet_rollback_keeps_its_own_concurrency_cap_and_stops_at_its_own_abo
         op.client.stop()
         answers.stop()
         c.stop()
+
+
+def test_a_device_whose_record_the_broker_lost_is_reconciled_from_its_own_documents_not_commanded_again(
+        broker: Broker) -> None:
+    # the fault: after a broker crash lost the newest records (and the state), `resume` started the rollout
+    # from scratch and commanded a device that had already committed a second time
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start(["edge/+/cmd/update"])
+    for d in ("dev0", "dev1", "dev2"):
+        fake_device(c, d)
+    now = time.time()
+    c.publish("edge/dev0/update/status", {"update": "lostrec", "state": "committed", "ts": now})
+    c.publish("edge/dev0/facts", {"session": 1, "ts": now + 0.1, "labels": {},
+                                  "bundle": {"committed": {"name": "tiny-classifier", "version": 2}}})
+    c.publish("edge/dev1/update/status", {"update": "lostrec", "state": "selftest", "ts": now})
+    publish_plan(broker.port, Plan(id="lostrec", artifact=ART, targets=("dev0", "dev1", "dev2"), phases=(3,),
+                                   rate_per_min=6000, device_timeout_s=600))
+    op = operator(broker.port, "lostrec")
+    with looping(op, c):
+        topic, _, _ = c.inbox.get(timeout=20)  # the one device with no sign of the rollout
+        assert topic == "edge/dev2/cmd/update"
+        assert wait_until(lambda: op.records.get("dev0", {}).get("state") == "committed", 20), op.records
+        assert op.records["dev0"]["reconciled"] and op.records["dev1"]["reconciled"]
+        assert op.records["dev1"]["state"] == "started"
+        assert c.inbox.empty(), c.inbox.get_nowait()

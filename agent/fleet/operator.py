@@ -464,6 +464,8 @@ class Operator:
         for d in plan.targets[:end]:
             if d in self.records:
                 continue
+            if self._reconcile(d, now):
+                continue
             if not self._may_start(in_download):
                 return
             if not self.devices.online(d):  # a command to an offline device would wait for nobody
@@ -474,6 +476,29 @@ class Operator:
             self._slot(now, in_download)
             in_download += 1
             self._start_one(d, now)
+
+    def _reconcile(self, d: str, now: float) -> bool:
+        """A device with no record whose own retained documents show it took this rollout: the broker lost
+        its record (killed before it saved it; Mosquitto persists at its autosave interval). Recorded from
+        what the device says, never commanded again: True. Its previous version is unknown then (`previous`
+        None: a fleet rollback counts any other committed bundle as back)."""
+        plan = self.plan
+        assert plan is not None
+        status = self.devices.status.get(d) or {}
+        runs = plan.artifact.names(FactsRow(d, self.devices.facts.get(d) or {}, {}).committed())
+        if status.get("update") != plan.id and not runs:
+            return False
+        phase = int(self.state.get("phase", 0))
+        if status.get("update") == plan.id:  # its verdict (or the time-out, from now) decides, as for any start
+            self.save_record(d, state="started", phase=phase, started=round(now, 3), commanded=round(now, 3),
+                             reconciled=True, previous=None)
+        else:
+            self.save_record(d, state="committed", kind="committed", phase=phase, started=round(now, 3),
+                             finished=round(now, 3), reconciled=True, previous=None,
+                             reason=f"its facts show {plan.artifact.name} v{plan.artifact.version} committed; "
+                                    "no record of its start was kept")
+        self.decide("reconciled", device=d, status=status.get("state"), committed=runs)
+        return True
 
     def _refill(self, now: float) -> int:
         """Age the rate window, refill the token bucket; the devices now counted against the download cap."""
