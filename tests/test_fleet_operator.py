@@ -23,7 +23,7 @@ from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
-from agent.fleet.operator import FleetRollback, Operator, RollbackCaps, RolloutError
+from agent.fleet.operator import FleetRollback, Operator, RollbackCaps, RolloutError, compact
 from agent.fleet.plan import Artifact, Gates, Plan, start_order
 from agent.fleet.simulator import GroupProfile, SimFleet
 from agent.fleet.state import Connection, FleetClient, RolloutTopics, SyncPolicy, control_request
@@ -727,3 +727,55 @@ def test_a_device_whose_record_the_broker_lost_is_reconciled_from_its_own_docume
         assert op.records["dev0"]["reconciled"] and op.records["dev1"]["reconciled"]
         assert op.records["dev1"]["state"] == "started"
         assert c.inbox.empty(), c.inbox.get_nowait()
+
+
+def test_plan_reads_earlier_rejections_from_each_rollouts_index_not_every_record(broker: Broker) -> None:
+    # the fault: `plan` read every record of every rollout ever run (each start read more); an index per
+    # rollout is read instead, so records may be removed once a rollout is finished. A rollout from before
+    # the index still has its records read.
+    from agent.fleet.cli import _earlier_rejections
+
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start([])
+    for rid in ("indexed", "legacy", "other"):
+        art = ART if rid != "other" else Artifact(ART.url, "ef" * 32, ART.name, 2)
+        publish_plan(broker.port, Plan(id=rid, artifact=art, targets=("dev0",), phases=(1,)))
+    c.publish(RolloutTopics("indexed").rejections, {"rejected_selftest": {"dev0": "CPUExecutionProvider"}})
+    c.publish(RolloutTopics("legacy").device("dev1"), {"device": "dev1", "state": "failed", "kind": "rejected_selftest",
+                                                      "provider": "OpenVINOExecutionProvider"})
+    c.publish(RolloutTopics("other").rejections, {"rejected_selftest": {"dev2": "CPUExecutionProvider"}})
+    c.stop()
+    conn = Connection("127.0.0.1", broker.port, sync=QUICK)
+    assert _earlier_rejections(conn, ART) == {"dev0": "CPUExecutionProvider", "dev1": "OpenVINOExecutionProvider"}
+
+
+def test_the_operator_keeps_the_rejections_index_of_its_rollout(broker: Broker) -> None:
+    with running(broker.port, "rej", ["dev0", "dev1"], ("edge/+/cmd/update",), phases=(2,), rate_per_min=6000) as (op, c, _):
+        assert wait_until(lambda: c.inbox.qsize() >= 2, 20)
+        c.publish("edge/dev1/update/status", {"update": "rej", "state": "rejected", "ts": time.time(),
+                                              "reason": "self-test failed on this device: fidelity"})
+        assert wait_until(lambda: op.records["dev1"].get("kind") == "rejected_selftest", 20)
+        col = Collector(broker.port, [RolloutTopics("rej").rejections])
+        try:
+            assert wait_until(lambda: any("dev1" in json.loads(m.payload)["rejected_selftest"]
+                                          for m in list(col.messages)), 20), [m.payload for m in col.messages]
+        finally:
+            col.close()
+
+
+def test_compacting_a_finished_rollout_removes_its_records_and_keeps_what_plan_reads(broker: Broker) -> None:
+    from agent.fleet.cli import _earlier_rejections
+
+    c = _crashed_rollout(broker.port, "old", "done")
+    t = RolloutTopics("old")
+    c.publish(t.device("dev1"), {"device": "dev1", "rev": 2, "state": "failed", "kind": "rejected_selftest",
+                                 "provider": "CPUExecutionProvider"})
+    op = operator(broker.port, "old")
+    op.take_over()
+    assert compact(op) == 2
+    op.client.stop()
+    again = operator(broker.port, "old")
+    assert again.records == {} and again.state["compacted"]["records"] == 2, again.records
+    assert again.state["compacted"]["counts"]["committed"] == 1
+    assert _earlier_rejections(Connection("127.0.0.1", broker.port, sync=QUICK), ART) == {"dev1": "CPUExecutionProvider"}
+    again.client.stop()
+    c.stop()

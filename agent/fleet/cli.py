@@ -81,28 +81,41 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _earlier_rejections(client_conn: Connection, artifact: Artifact) -> dict[str, str]:
-    """Devices whose self-test rejected this same bundle (sha) in an earlier rollout, and the provider."""
-    from agent.fleet.state import FleetClient
+    """Devices whose self-test rejected this same bundle (sha) in an earlier rollout, and the provider.
 
-    client = FleetClient(client_conn).start(["fleet/rollout/+/plan", "fleet/rollout/+/device/+"])
+    Read from each rollout's small `rejections` index, not from every record of every rollout (each
+    start read more); only a rollout of the same archive without an index (run before 7 December 2026)
+    has its device records read."""
+    from agent.fleet.state import FleetClient, RolloutTopics, decode
+
     plans: dict[str, str] = {}
-    recs: list[tuple[str, str, dict[str, Any]]] = []
-    from agent.fleet.state import decode
-
+    index: dict[str, dict[str, Any]] = {}
+    client = FleetClient(client_conn).start(["fleet/rollout/+/plan", "fleet/rollout/+/rejections"])
     try:
         for topic, payload, _ in client.sync():
             parts = topic.split("/")
             doc = decode(payload)
-            if not isinstance(doc, dict):
+            if not isinstance(doc, dict) or len(parts) != 4:
                 continue
-            if len(parts) == 4 and parts[3] == "plan":
+            if parts[3] == "plan":
                 plans[parts[2]] = str((doc.get("artifact") or {}).get("sha256"))
-            elif len(parts) == 5 and parts[3] == "device":
-                recs.append((parts[2], parts[4], doc))
+            elif parts[3] == "rejections" and isinstance(doc.get("rejected_selftest"), dict):
+                index[parts[2]] = doc["rejected_selftest"]
     finally:
         client.stop()
-    return {d: str(r.get("provider")) for rid, d, r in recs
-            if plans.get(rid) == artifact.sha256 and r.get("kind") == "rejected_selftest"}
+    same = [rid for rid, sha in sorted(plans.items()) if sha == artifact.sha256]
+    out = {d: str(p) for rid in same if rid in index for d, p in index[rid].items()}
+    legacy = [RolloutTopics(rid).base + "device/+" for rid in same if rid not in index]
+    if legacy:
+        client = FleetClient(client_conn).start(legacy)
+        try:
+            for topic, payload, _ in client.sync():
+                doc = decode(payload)
+                if isinstance(doc, dict) and doc.get("kind") == "rejected_selftest":
+                    out[topic.rsplit("/", 1)[1]] = str(doc.get("provider"))
+        finally:
+            client.stop()
+    return out
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -298,6 +311,19 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     return EXIT_OK if last.get("failed") == 0 and not last.get("not_started") else EXIT_FAILED
 
 
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from agent.fleet.operator import compact
+
+    op, client = _operator(args, args.id)
+    try:
+        op.take_over(force=args.force)
+        n = compact(op)
+    finally:
+        client.stop()
+    print(f"rollout {args.id}: {n} device records removed; its plan, state and rejections index stay", file=sys.stderr)
+    return EXIT_OK
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     import signal
     import tempfile
@@ -415,6 +441,11 @@ def add_fleet_parser(sub: Any) -> None:
         _broker_args(c)
         c.add_argument("id")
         c.set_defaults(func=_cmd_control, action=action)
+    cp = rsub.add_parser("compact", help="remove a finished rollout's device records (its plan, state and rejections stay)")
+    _broker_args(cp)
+    cp.add_argument("id")
+    cp.add_argument("--force", action="store_true")
+    cp.set_defaults(func=_cmd_compact)
     su = rsub.add_parser("set-url", help="a fresh URL for the same archive (a signed URL expired); later commands use it")
     _broker_args(su)
     su.add_argument("id")

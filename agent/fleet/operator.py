@@ -113,6 +113,7 @@ class Operator:
         self._recommand_pending = False  # set by take_over: a resume looks for uncommanded devices once
         self._awaiting_slot: set[str] = set()  # found uncommanded on resume, waiting for the caps
         self._connects = 0  # the client's connections this operator has reconciled after
+        self._rejections: dict[str, Any] | None = None  # the index last published (None: not yet)
 
     # -- loading ---------------------------------------------------------------------------------------
     def topics(self) -> list[str]:
@@ -172,6 +173,10 @@ class Operator:
                           heartbeat=round(self.clock(), 3), counts=self.counts(), released=release)
         self.client.publish(self.t.state, self.state)
         self._beat, self._dirty = self.clock(), False
+        rejected = {d: r.get("provider") for d, r in sorted(self.records.items()) if r.get("kind") == "rejected_selftest"}
+        if rejected != self._rejections:
+            self.client.publish(self.t.rejections, {"rejected_selftest": rejected})
+            self._rejections = rejected
 
     def save_record(self, device: str, **changes: Any) -> dict[str, Any]:
         rec = {**(self.records.get(device) or {"device": device}), **changes}
@@ -553,6 +558,26 @@ class RollbackCaps:
     max_in_flight: int
     abort_failure_pct: float
     abort_min_finished: int
+
+
+def compact(op: Operator) -> int:
+    """Remove a finished rollout's device records (empty retained publishes), keeping its plan, its state
+    (counts, decisions, and now `compacted`) and its rejections index: what a later `plan` reads. A later
+    `fleet rollback` still finds the devices by their facts (their previous versions are then unknown).
+    Returns the number of records removed."""
+    st = op.state.get("status")
+    if st not in ("done", "rolled_back", "rollback_aborted") and not (st == "aborted" and not op.counts()["in_flight"]):
+        raise RolloutError(f"rollout {op.t.id} is {st}: only a finished rollout (done, rolled back, or aborted with "
+                           "nothing in flight) is compacted")
+    counts = op.counts()
+    op.save_state()  # the counts and the rejections index, from the records, before they go
+    removed = sorted(op.records)
+    for d in removed:
+        op.client.publish(op.t.device(d), b"", wait=False)
+    op.state["compacted"] = {"records": len(removed), "counts": counts, "ts": round(op.clock(), 3)}
+    op.decide("compacted", records=len(removed))
+    op.save_state(release=True)
+    return len(removed)
 
 
 class FleetRollback:

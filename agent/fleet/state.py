@@ -53,6 +53,12 @@ class RolloutTopics:
     def control(self) -> str:
         return self.base + "control"
 
+    @property
+    def rejections(self) -> str:
+        """{device: provider} of every device whose self-test rejected the bundle: what a later `plan`
+        for the same archive reads, instead of every record of every rollout."""
+        return self.base + "rejections"
+
     def device(self, device: str) -> str:
         return self.base + f"device/{device}"
 
