@@ -779,3 +779,22 @@ def test_compacting_a_finished_rollout_removes_its_records_and_keeps_what_plan_r
     assert _earlier_rejections(Connection("127.0.0.1", broker.port, sync=QUICK), ART) == {"dev1": "CPUExecutionProvider"}
     again.client.stop()
     c.stop()
+
+
+def test_a_device_offline_when_its_turn_comes_is_started_when_it_is_back(broker: Broker) -> None:
+    # the fault: offline at its turn was a final failed/went_offline at once, counted toward the abort
+    c = FleetClient(Connection("127.0.0.1", broker.port)).start(["edge/+/cmd/update"])
+    for d in ("dev0", "dev1"):
+        fake_device(c, d)
+    c.publish("edge/dev0/availability", {"state": "offline", "session": 1})
+    publish_plan(broker.port, Plan(id="later", artifact=ART, targets=("dev0", "dev1"), phases=(2,), rate_per_min=6000,
+                                   device_timeout_s=600))
+    op = operator(broker.port, "later")
+    with looping(op, c) as ticks:
+        topic, _, _ = c.inbox.get(timeout=20)  # dev0 came first in the plan's order: it was passed over
+        assert topic == "edge/dev1/cmd/update"
+        ticks.wait()
+        assert "dev0" not in op.records and op.state["status"] == "running", op.records
+        c.publish("edge/dev0/availability", {"state": "online", "session": 2})
+        topic, _, _ = c.inbox.get(timeout=20)
+        assert topic == "edge/dev0/cmd/update" and op.records["dev0"]["state"] == "started"

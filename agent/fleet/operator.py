@@ -114,6 +114,7 @@ class Operator:
         self._awaiting_slot: set[str] = set()  # found uncommanded on resume, waiting for the caps
         self._connects = 0  # the client's connections this operator has reconciled after
         self._rejections: dict[str, Any] | None = None  # the index last published (None: not yet)
+        self._offline_at_turn: dict[str, float] = {}  # devices offline when their turn came, since when
 
     # -- loading ---------------------------------------------------------------------------------------
     def topics(self) -> list[str]:
@@ -473,10 +474,16 @@ class Operator:
                 continue
             if not self._may_start(in_download):
                 return
-            if not self.devices.online(d):  # a command to an offline device would wait for nobody
-                self.save_record(d, state="failed", kind="went_offline", phase=int(self.state.get("phase", 0)),
-                                 started=round(now, 3), finished=round(now, 3), reason="offline when its turn came")
-                self._dirty = True
+            if not self.devices.online(d):
+                # a command to an offline device would wait for nobody; an offline device is not a failed one
+                # either: it is started when it is back, and fails only when it stays away for the plan's device
+                # time-out (counted from its turn; an operator restarted counts afresh)
+                since = self._offline_at_turn.setdefault(d, now)
+                if now - since > plan.device_timeout_s:
+                    self.save_record(d, state="failed", kind="went_offline", phase=int(self.state.get("phase", 0)),
+                                     started=round(since, 3), finished=round(now, 3),
+                                     reason=f"offline from its turn on, for more than {plan.device_timeout_s:g} s")
+                    self._dirty = True
                 continue
             self._slot(now, in_download)
             in_download += 1
