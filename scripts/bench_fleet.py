@@ -194,6 +194,63 @@ def raw_rate(port: int, count: int, size: int) -> tuple[float, str]:
     return dt, "paho -> mosquitto -> paho, QoS 1"
 
 
+def bench_read(devices: int, out: Path | None) -> int:
+    """`--read-only`: how long reading the retained fleet takes (what `ls`, `plan`, `status` and `resume`
+    do first) for `devices` devices' retained documents (facts of a real size, availability, update
+    status), published quickly by one client: no simulated agents. The read runs `fleet ls --json` in
+    its own process with the default quiet-period rule (docs/fleet.md)."""
+    import resource
+
+    from agent.fleet.facts import device_facts
+    from agent.fleet.state import Connection, FleetClient
+
+    load0 = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bench-fleet-read-"))
+    port = free_port()
+    (work / "mosquitto.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n"
+                                         "max_queued_messages 0\nmax_inflight_messages 0\npersistence false\n"
+                                         + ("user root\n" if os.geteuid() == 0 else ""))
+    broker = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(work / "mosquitto.conf")],
+                              stdout=subprocess.DEVNULL, stderr=open(work / "mosquitto.log", "w"))
+    try:
+        time.sleep(0.5)
+        c = FleetClient(Connection("127.0.0.1", port)).start([])
+        t0 = time.monotonic()
+        docs = 0
+        for i in range(devices):
+            d = f"dev{i:05d}"
+            facts = device_facts(device_id=d, session=1, labels={"group": "g"}, versions={"agent": "0", "onnxruntime": "1"},
+                                 report=None, effective=["CPUExecutionProvider"], current="tiny-classifier-v1-0123456789ab",
+                                 committed="tiny-classifier-v1-0123456789ab", active=None, last_failure=None)
+            for topic, doc in ((f"edge/{d}/facts", facts), (f"edge/{d}/availability", {"state": "online", "session": 1}),
+                               (f"edge/{d}/update/status", {"update": "r0", "state": "committed", "ts": 1.0})):
+                c.publish(topic, doc, wait=(i == devices - 1 and topic.endswith("status")))
+                docs += 1
+        publish_s = time.monotonic() - t0
+        c.stop()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "agent", "--log-level", "warning", "fleet", "ls", "--json", "--broker",
+                            f"127.0.0.1:{port}"], cwd=ROOT, env=env, capture_output=True, text=True)
+        read_s = time.monotonic() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seen = len(json.loads(r.stdout)) if r.returncode == 0 else None
+        result = {"devices": devices, "retained_documents": docs, "publish_s": round(publish_s, 2),
+                  "ls_wall_s": round(read_s, 2), "ls_cpu_s": round((after.ru_utime + after.ru_stime)
+                                                                     - (before.ru_utime + before.ru_stime), 2),
+                  "ls_devices_seen": seen, "ls_error": r.stderr[-500:] if r.returncode else None,
+                  "bound_s": round(30 + 0.05 * docs), "loadavg_start": load0, "loadavg_end": os.getloadavg()}
+        print(json.dumps(result, indent=1))
+        if out:
+            out.write_text(json.dumps(result, indent=1))
+        return 0 if seen == devices else 1
+    finally:
+        broker.terminate()
+        broker.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=1000)
@@ -201,7 +258,10 @@ def main() -> int:
     ap.add_argument("--max-downloads", type=int, default=50)
     ap.add_argument("--bundle", choices=["tiny", "demo"], default="tiny")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--read-only", action="store_true", help="only time reading N devices' retained documents")
     args = ap.parse_args()
+    if args.read_only:
+        return bench_read(args.devices, args.json)
     from agent.logsetup import configure_logging
 
     configure_logging("warning", True)

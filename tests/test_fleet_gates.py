@@ -61,10 +61,22 @@ def test_commit_counts_only_once_the_facts_show_it_and_the_device_is_online() ->
     p = plan()
     st = {"update": "r1", "state": "committed", "ts": 100.0}
     assert observe(p, 0, 1, st, facts(version=1), {"state": "online"}, None) is None  # facts not yet after the commit
-    assert observe(p, 0, 1, st, facts(), {"state": "offline"}, None).kind == "went_offline"
+    assert observe(p, 0, 1, st, facts(), {"state": "offline"}, None) is None  # in flight: its link dropped, not it
     assert observe(p, 0, 1, st, facts(), {"state": "online"}, None).kind == "committed"
     old = {"update": "r0", "state": "committed", "ts": 100.0}  # another rollout's retained status
     assert observe(p, 0, 1, old, facts(), {"state": "online"}, None) is None
+
+
+def test_a_device_whose_link_drops_mid_update_stays_in_flight_until_its_time_out() -> None:
+    # the fault: the last will during an update was a final `went_offline` verdict, though the device went
+    # on and committed (a 15 s Wi-Fi blip with keepalive 10 s)
+    p = plan(device_timeout_s=60)
+    off, on = {"state": "offline", "session": 2}, {"state": "online", "session": 3}
+    assert observe(p, 0, 20, {"update": "r1", "state": "selftest"}, facts(1), off, None) is None
+    back = observe(p, 0, 40, {"update": "r1", "state": "committed", "ts": 39.0}, facts(ts=39.5), on, None)
+    assert back is not None and back.kind == "committed"
+    late = observe(p, 0, 61, {"update": "r1", "state": "selftest"}, facts(1), off, None)
+    assert late is not None and (late.state, late.kind) == ("failed", "went_offline") and "60 s" in late.reason
 
 
 def test_each_failure_kind_is_named() -> None:

@@ -59,3 +59,20 @@ def test_a_second_update_command_while_the_first_waits_for_a_worker_is_answered_
     finally:
         release.set()
         sims.close()
+
+
+def test_simulated_devices_reconnect_after_a_broker_restart(broker: Broker, tmp_path: Path,
+                                                            tiny_bundle_master: Path) -> None:
+    # the fault: a simulated device never reconnected, so a fleet could not test a broker restart or a
+    # flaky link, and on a loaded host its devices silently left the fleet
+    keygen(tmp_path / "k.pem", tmp_path / "k.pub")
+    sims = SimFleet("127.0.0.1", broker.port, [GroupProfile("a", 3)], tiny_bundle_master, [tmp_path / "k.pub"],
+                    tmp_path / "sims").start()
+    try:
+        broker.kill()
+        assert wait_until(lambda: not sims.connected, 30), sims.connected
+        broker.start()
+        assert wait_until(lambda: len(sims.connected) == 3, 60), sims.connected
+        assert all(d.session >= 2 for d in sims.devices), [d.session for d in sims.devices]
+    finally:
+        sims.close()

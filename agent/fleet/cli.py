@@ -30,11 +30,12 @@ EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def _conn(args: argparse.Namespace) -> Connection:
-    from agent.fleet.state import Connection, parse_broker
+    from agent.fleet.state import Connection, SyncPolicy, parse_broker
 
     host, port = parse_broker(args.broker)
     pw = Path(args.password_file).read_text().strip() if getattr(args, "password_file", None) else None
-    return Connection(host, port, args.tls_ca, args.username, pw, args.root)
+    return Connection(host, port, args.tls_ca, args.username, pw, args.root,
+                      SyncPolicy(quiet_s=args.sync_quiet, base_s=args.sync_timeout, per_doc_s=args.sync_per_doc))
 
 
 def _where(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -80,28 +81,41 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _earlier_rejections(client_conn: Connection, artifact: Artifact) -> dict[str, str]:
-    """Devices whose self-test rejected this same bundle (sha) in an earlier rollout, and the provider."""
-    from agent.fleet.state import FleetClient
+    """Devices whose self-test rejected this same bundle (sha) in an earlier rollout, and the provider.
 
-    client = FleetClient(client_conn).start(["fleet/rollout/+/plan", "fleet/rollout/+/device/+"])
+    Read from each rollout's small `rejections` index, not from every record of every rollout (each
+    start read more); only a rollout of the same archive without an index (run before 7 December 2026)
+    has its device records read."""
+    from agent.fleet.state import FleetClient, RolloutTopics, decode
+
     plans: dict[str, str] = {}
-    recs: list[tuple[str, str, dict[str, Any]]] = []
-    from agent.fleet.state import decode
-
+    index: dict[str, dict[str, Any]] = {}
+    client = FleetClient(client_conn).start(["fleet/rollout/+/plan", "fleet/rollout/+/rejections"])
     try:
         for topic, payload, _ in client.sync():
             parts = topic.split("/")
             doc = decode(payload)
-            if not isinstance(doc, dict):
+            if not isinstance(doc, dict) or len(parts) != 4:
                 continue
-            if len(parts) == 4 and parts[3] == "plan":
+            if parts[3] == "plan":
                 plans[parts[2]] = str((doc.get("artifact") or {}).get("sha256"))
-            elif len(parts) == 5 and parts[3] == "device":
-                recs.append((parts[2], parts[4], doc))
+            elif parts[3] == "rejections" and isinstance(doc.get("rejected_selftest"), dict):
+                index[parts[2]] = doc["rejected_selftest"]
     finally:
         client.stop()
-    return {d: str(r.get("provider")) for rid, d, r in recs
-            if plans.get(rid) == artifact.sha256 and r.get("kind") == "rejected_selftest"}
+    same = [rid for rid, sha in sorted(plans.items()) if sha == artifact.sha256]
+    out = {d: str(p) for rid in same if rid in index for d, p in index[rid].items()}
+    legacy = [RolloutTopics(rid).base + "device/+" for rid in same if rid not in index]
+    if legacy:
+        client = FleetClient(client_conn).start(legacy)
+        try:
+            for topic, payload, _ in client.sync():
+                doc = decode(payload)
+                if isinstance(doc, dict) and doc.get("kind") == "rejected_selftest":
+                    out[topic.rsplit("/", 1)[1]] = str(doc.get("provider"))
+        finally:
+            client.stop()
+    return out
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -156,7 +170,8 @@ def _operator(args: argparse.Namespace, rid: str) -> tuple[Operator, FleetClient
     from agent.fleet.state import FleetClient
 
     conn = _conn(args)
-    op = Operator(FleetClient(conn), rid, conn.device_root)
+    # its own session (a client id of its own, kept by the broker for 10 min): reconnects keep what it had
+    op = Operator(FleetClient(conn, f"fleet-op-{rid}-{uuid.uuid4().hex[:6]}"[:60], session_s=600), rid, conn.device_root)
     op.client.start(op.topics())
     op.load()
     return op, op.client
@@ -176,9 +191,13 @@ def _run(op: Operator, args: argparse.Namespace) -> int:
 def _cmd_start(args: argparse.Namespace) -> int:
     from agent.fleet.operator import RolloutError
     from agent.fleet.plan import Plan
+    from dataclasses import replace
+
     from agent.fleet.state import FleetClient, RolloutTopics
 
-    plan = Plan.from_dict(json.loads(args.plan.read_text()))
+    # the time it is published binds every control request to this rollout (not to an earlier one, or a
+    # typo, under the same id)
+    plan = replace(Plan.from_dict(json.loads(args.plan.read_text())), published=round(time.time(), 3))
     conn = _conn(args)
     client = FleetClient(conn).start([RolloutTopics(plan.id).plan])
     try:
@@ -201,8 +220,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
     op, _ = _operator(args, args.id)
     if op.state.get("status") == "paused":
-        _control(args, "resume")
-        op.control = {"action": "resume", "ts": time.time(), "by": _who()}
+        op.control = _control(args, "resume")
     try:
         op.take_over(force=args.force)
     except RolloutError:
@@ -218,18 +236,40 @@ def _who() -> str:
         return f"uid{os.getuid()}@{socket.gethostname()}"
 
 
-def _control(args: argparse.Namespace, action: str) -> None:
-    from agent.fleet.state import FleetClient, RolloutTopics
+def _control(args: argparse.Namespace, action: str, **detail: Any) -> dict[str, Any]:
+    """Publish `action` bound to rollout `args.id` as it is on the broker; an id with no plan there is a usage
+    error (exit 2) and leaves nothing retained: a stale request would stop a later rollout under that id."""
+    from agent.errors import UsageError
+    from agent.fleet.plan import Plan
+    from agent.fleet.state import FleetClient, RolloutTopics, control_request, decode
 
-    client = FleetClient(_conn(args)).start([])
+    t = RolloutTopics(args.id)
+    client = FleetClient(_conn(args)).start([t.plan])
     try:
-        client.publish(RolloutTopics(args.id).control, {"action": action, "ts": round(time.time(), 3), "by": _who()})
+        docs = [decode(p) for topic, p, _ in client.sync() if topic == t.plan and p]
+        if not docs or not isinstance(docs[-1], dict):
+            raise UsageError(f"no rollout {args.id!r} on the broker ({t.plan} is empty): nothing sent; "
+                             "`edge-agent fleet rollout status ID` shows a rollout, `fleet ls` the fleet")
+        req = control_request(args.id, Plan.from_dict(docs[-1]).published, action, _who(), **detail)
+        client.publish(t.control, req)
     finally:
         client.stop()
+    return req
 
 
 def _cmd_control(args: argparse.Namespace) -> int:
     _control(args, args.action)
+    print(f"{args.action} sent to rollout {args.id}; the running operator records the decision "
+          f"(`fleet rollout status {args.id}`)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_set_url(args: argparse.Namespace) -> int:
+    from agent.errors import UsageError
+
+    if not args.url.startswith(("http://", "https://")):
+        raise UsageError(f"set-url {args.url!r}: expected an http(s):// URL to the same archive")
+    _control(args, "set_url", url=args.url)
     print(f"{args.action} sent to rollout {args.id}; the running operator records the decision "
           f"(`fleet rollout status {args.id}`)", file=sys.stderr)
     return EXIT_OK
@@ -251,17 +291,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollback(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import FleetRollback, status_table
+    from agent.fleet.operator import FleetRollback, RollbackCaps, status_table
 
     op, client = _operator(args, args.id)
     try:
         op.take_over(force=args.force)
-        state = FleetRollback(op).run(max_s=args.max_s)
+        plan = op.plan
+        assert plan is not None  # _operator refused a rollout without one
+        caps = RollbackCaps(
+            args.rate if args.rate is not None else plan.rate_per_min,
+            args.max_in_flight if args.max_in_flight is not None else plan.max_downloads,
+            args.abort_pct if args.abort_pct is not None else plan.gates.abort_failure_pct,
+            args.abort_min if args.abort_min is not None else plan.gates.abort_min_finished)
+        state = FleetRollback(op, caps).run(max_s=args.max_s)
     finally:
         client.stop()
     print(status_table(state, op.records), file=sys.stderr)
     last = (state.get("decisions") or [{}])[-1]
-    return EXIT_OK if last.get("failed") == 0 else EXIT_FAILED
+    return EXIT_OK if last.get("failed") == 0 and not last.get("not_started") else EXIT_FAILED
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from agent.fleet.operator import compact
+
+    op, client = _operator(args, args.id)
+    try:
+        op.take_over(force=args.force)
+        n = compact(op)
+    finally:
+        client.stop()
+    print(f"rollout {args.id}: {n} device records removed; its plan, state and rejections index stay", file=sys.stderr)
+    return EXIT_OK
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -308,6 +368,12 @@ def _broker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca")
     p.add_argument("--username")
     p.add_argument("--password-file")
+    p.add_argument("--sync-quiet", type=float, default=2.0, metavar="S",
+                   help="reading the retained fleet is complete after no retained document arrived for this long "
+                        "(at least; longer when the broker delivers slowly)")
+    p.add_argument("--sync-timeout", type=float, default=30.0, metavar="S",
+                   help="bound on reading the retained fleet: this many seconds ...")
+    p.add_argument("--sync-per-doc", type=float, default=0.05, metavar="S", help="... plus this much per document read")
 
 
 def add_fleet_parser(sub: Any) -> None:
@@ -375,11 +441,26 @@ def add_fleet_parser(sub: Any) -> None:
         _broker_args(c)
         c.add_argument("id")
         c.set_defaults(func=_cmd_control, action=action)
+    cp = rsub.add_parser("compact", help="remove a finished rollout's device records (its plan, state and rejections stay)")
+    _broker_args(cp)
+    cp.add_argument("id")
+    cp.add_argument("--force", action="store_true")
+    cp.set_defaults(func=_cmd_compact)
+    su = rsub.add_parser("set-url", help="a fresh URL for the same archive (a signed URL expired); later commands use it")
+    _broker_args(su)
+    su.add_argument("id")
+    su.add_argument("url")
+    su.set_defaults(func=_cmd_set_url, action="set_url")
 
     rb = fsub.add_parser("rollback", help="devices the rollout committed go back to their previous bundle (no download)")
     _broker_args(rb)
     rb.add_argument("id")
     rb.add_argument("--force", action="store_true")
+    rb.add_argument("--rate", type=float, help="devices sent back per minute, at most (default: the plan's --rate)")
+    rb.add_argument("--max-in-flight", type=int, help="rollbacks running at once (default: the plan's --max-downloads)")
+    rb.add_argument("--abort-pct", type=float, help="stop sending devices back when failed / finished reaches this "
+                                                   "(default: the plan's)")
+    rb.add_argument("--abort-min", type=int, help="... once at least this many finished (default: the plan's)")
     rb.add_argument("--max-s", type=float)
     rb.set_defaults(func=_cmd_rollback)
 

@@ -2,7 +2,8 @@
 
 A device succeeds only once its update says `committed` AND its retained facts, published after the
 commit over the same connection, show the new bundle committed while it is online: reachable after the
-switch. Failures: rejected (by its self-test, or earlier), rolled back, timed out, went offline, refused.
+switch. Failures: rejected (by its self-test, or earlier), rolled back, timed out, went offline (and stayed
+away past the device time-out), refused. A device whose link drops mid-update stays in flight.
 """
 
 from __future__ import annotations
@@ -55,15 +56,24 @@ def observe(plan: Plan, started_ts: float, now: float, status: Mapping[str, Any]
     ours_in_flight = mine and state not in FINAL_STATES and bool(state)
     if reply is not None and not reply.get("ok") and "update" not in reply and not (ours_in_flight and reply.get("busy")):
         return Outcome("failed", "refused", str(reply.get("error")))
-    av = availability or {}
-    # devices are started only while online, so offline now means it went away during the update (a
-    # last will's own ts is when the will was set, not when it fired: it cannot date the loss)
-    if av.get("state") in ("offline", "stopped"):
-        return Outcome("failed", "went_offline", f"went {av.get('state')} during the update (last step: {state or 'none'})")
+    # A device that dropped its link during the update is still in flight (`offline_in_progress`): a Wi-Fi
+    # blip or missed keepalives on a busy host end the connection, not the update, and the device reports
+    # its real verdict when it is back. Only the plan's device time-out turns it into a failure; named
+    # `went_offline` when it is still away then (a last will's own ts is when the will was set, not when
+    # it fired: it cannot date the loss).
     if now - started_ts > plan.device_timeout_s:
+        if away(availability):
+            return Outcome("failed", "went_offline", f"went {(availability or {}).get('state')} during the update "
+                                                     f"and no verdict within {plan.device_timeout_s:g} s "
+                                                     f"(last step: {state or 'none'})")
         return Outcome("failed", "timed_out", f"no verdict within {plan.device_timeout_s:g} s "
                                               f"(last step: {state or 'none'})")
     return None
+
+
+def away(availability: Mapping[str, Any] | None) -> bool:
+    """The device's link is down (its last will, or it said it stopped)."""
+    return (availability or {}).get("state") in ("offline", "stopped")
 
 
 def downloading(plan: Plan, status: Mapping[str, Any] | None) -> bool:

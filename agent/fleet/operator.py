@@ -13,11 +13,12 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from agent.errors import RolloutError
 from agent.fleet.facts import FactsRow
-from agent.fleet.gates import abort_reason, downloading, judge_phase, observe
+from agent.fleet.gates import abort_reason, away, downloading, judge_phase, observe
 from agent.fleet.plan import Plan
 from agent.fleet.state import (
     MAX_DECISIONS,
@@ -111,6 +112,9 @@ class Operator:
         self.taken_over: str | None = None
         self._recommand_pending = False  # set by take_over: a resume looks for uncommanded devices once
         self._awaiting_slot: set[str] = set()  # found uncommanded on resume, waiting for the caps
+        self._connects = 0  # the client's connections this operator has reconciled after
+        self._rejections: dict[str, Any] | None = None  # the index last published (None: not yet)
+        self._offline_at_turn: dict[str, float] = {}  # devices offline when their turn came, since when
 
     # -- loading ---------------------------------------------------------------------------------------
     def topics(self) -> list[str]:
@@ -170,6 +174,10 @@ class Operator:
                           heartbeat=round(self.clock(), 3), counts=self.counts(), released=release)
         self.client.publish(self.t.state, self.state)
         self._beat, self._dirty = self.clock(), False
+        rejected = {d: r.get("provider") for d, r in sorted(self.records.items()) if r.get("kind") == "rejected_selftest"}
+        if rejected != self._rejections:
+            self.client.publish(self.t.rejections, {"rejected_selftest": rejected})
+            self._rejections = rejected
 
     def save_record(self, device: str, **changes: Any) -> dict[str, Any]:
         rec = {**(self.records.get(device) or {"device": device}), **changes}
@@ -180,9 +188,11 @@ class Operator:
 
     def counts(self) -> dict[str, int]:
         c: dict[str, int] = {"targets": len(self.plan.targets) if self.plan else 0, "started": 0, "committed": 0,
-                             "failed": 0, "in_flight": 0, "rolled_back_by_fleet": 0}
+                             "failed": 0, "in_flight": 0, "offline_in_progress": 0, "rolled_back_by_fleet": 0}
         for r in self.records.values():
             c["started"] += 1
+            if r.get("state") == "started" and r.get("offline_since"):
+                c["offline_in_progress"] += 1
             c[r.get("state", "started") if r.get("state") in ("committed", "failed") else "in_flight"] += 1
             if (r.get("rollback") or {}).get("state") == "done":
                 c["rolled_back_by_fleet"] += 1
@@ -243,7 +253,7 @@ class Operator:
             if (status.get("update") == plan.id or reply.get("command") == "update"
                     or plan.artifact.names(com)):
                 continue
-            if self.devices.online(d):  # offline: `observe` names it went_offline; a command would wait for nobody
+            if self.devices.online(d):  # offline: in flight until its time-out; a command would wait for nobody
                 lost.append((d, rec))
         in_download = self._refill(now) - len(lost)  # the download cap counts them before any command reached them
         again, waiting = [], False
@@ -294,9 +304,24 @@ class Operator:
             return True
         return st == "aborted" and in_flight == 0
 
+    def reconcile_after_reconnect(self) -> None:
+        """After a reconnect, the broker may have restarted and lost what it had not yet saved (Mosquitto
+        persists at its autosave interval): this operator's state and records are republished, so the
+        retained truth is again the newest (their revs never go back), and a later resume or rollback
+        reads it. The devices' own retained documents come again with the resubscription."""
+        n = self.client.connects
+        if n <= max(1, self._connects):
+            self._connects = max(self._connects, n)
+            return
+        self._connects = n
+        for d, rec in sorted(self.records.items()):
+            self.client.publish(self.t.device(d), rec, wait=False)
+        self.decide("broker_reconnected", republished_records=len(self.records), connects=n)
+
     def step(self) -> None:
         plan, now = self.plan, self.clock()
         assert plan is not None
+        self.reconcile_after_reconnect()
         self._apply_control()
         if self._recommand_pending and self.state.get("status") == "running":
             self._recommand_pending = False
@@ -314,6 +339,10 @@ class Operator:
         self._handled_control = float(c["ts"])
         self.state["control_ts"] = self._handled_control
         action, st = c.get("action"), self.state.get("status")
+        stale = self._stale_control(c)
+        if stale is not None:
+            self.decide("control_ignored", action=action, by=c.get("by"), reason=stale)
+            return
         if action == "pause" and st == "running":
             self.state["status"] = "paused"
             self.decide("paused", by=c.get("by"), reason="operator request")
@@ -325,8 +354,26 @@ class Operator:
             self.decide("aborted", by=c.get("by"), reason="operator request")
         elif action == "approve" and st in ("awaiting_approval", "held"):
             self._next_phase(f"approved by {c.get('by')}" + (" over a failed gate" if st == "held" else ""))
+        elif action == "set_url" and st not in TERMINAL and isinstance(c.get("url"), str):
+            # the same archive (its sha256 still checked by every device) at a fresh address: a signed URL
+            # expires, and a paused or held rollout outlives it; the plan itself never changes
+            self.state["url"] = c["url"]
+            self.decide("url_set", by=c.get("by"), url=c["url"][:200])
         else:
             self.decide("control_ignored", action=action, status=st)
+
+    def _stale_control(self, c: dict[str, Any]) -> str | None:
+        """Why a control request is not this rollout's, or None when it is: it must name this rollout's id and
+        the time its plan was published (a retained abort from an earlier rollout under the same id, or one
+        sent before the id existed, must not stop this one)."""
+        plan = self.plan
+        assert plan is not None
+        if c.get("rollout") != self.t.id or not isinstance(c.get("published"), (int, float)):
+            return "not bound to a rollout (no rollout id and plan time): an old or hand-made request"
+        if float(c["published"]) != plan.published:
+            return (f"bound to rollout {self.t.id} published at {c['published']}, not this one (published at "
+                    f"{plan.published})")
+        return None
 
     def _observe(self, now: float) -> None:
         plan = self.plan
@@ -345,6 +392,7 @@ class Operator:
             o = observe(plan, float(rec["started"]), now, dv.status.get(d), dv.facts.get(d), dv.availability.get(d),
                         reply)
             if o is None:
+                self._note_link(d, rec, now)
                 continue
             self.save_record(d, state=o.state, kind=o.kind, reason=o.reason[:300], finished=round(now, 3),
                              **({"provider": o.provider} if o.provider else {}))
@@ -353,6 +401,19 @@ class Operator:
             self._dirty = True
             if self.state.get("status") == "running":
                 self._check_abort()  # after each outcome: the decision carries the counts that crossed the line
+
+    def _note_link(self, d: str, rec: dict[str, Any], now: float) -> None:
+        """An in-flight device whose link dropped is `offline_in_progress` (its record says since when);
+        back online, the mark goes. Neither is a verdict: the device's own report or the time-out is."""
+        gone = away(self.devices.availability.get(d))
+        if gone and not rec.get("offline_since"):
+            self.save_record(d, offline_since=round(now, 3))
+            log.warning("fleet.device_offline_in_progress", rollout=self.t.id, device=d)
+            self._dirty = True
+        elif not gone and rec.get("offline_since"):
+            self.save_record(d, offline_since=None, reconnected=round(now, 3))
+            log.info("fleet.device_reconnected", rollout=self.t.id, device=d)
+            self._dirty = True
 
     def _check_abort(self) -> None:
         c = self.counts()
@@ -409,16 +470,47 @@ class Operator:
         for d in plan.targets[:end]:
             if d in self.records:
                 continue
+            if self._reconcile(d, now):
+                continue
             if not self._may_start(in_download):
                 return
-            if not self.devices.online(d):  # a command to an offline device would wait for nobody
-                self.save_record(d, state="failed", kind="went_offline", phase=int(self.state.get("phase", 0)),
-                                 started=round(now, 3), finished=round(now, 3), reason="offline when its turn came")
-                self._dirty = True
+            if not self.devices.online(d):
+                # a command to an offline device would wait for nobody; an offline device is not a failed one
+                # either: it is started when it is back, and fails only when it stays away for the plan's device
+                # time-out (counted from its turn; an operator restarted counts afresh)
+                since = self._offline_at_turn.setdefault(d, now)
+                if now - since > plan.device_timeout_s:
+                    self.save_record(d, state="failed", kind="went_offline", phase=int(self.state.get("phase", 0)),
+                                     started=round(since, 3), finished=round(now, 3),
+                                     reason=f"offline from its turn on, for more than {plan.device_timeout_s:g} s")
+                    self._dirty = True
                 continue
             self._slot(now, in_download)
             in_download += 1
             self._start_one(d, now)
+
+    def _reconcile(self, d: str, now: float) -> bool:
+        """A device with no record whose own retained documents show it took this rollout: the broker lost
+        its record (killed before it saved it; Mosquitto persists at its autosave interval). Recorded from
+        what the device says, never commanded again: True. Its previous version is unknown then (`previous`
+        None: a fleet rollback counts any other committed bundle as back)."""
+        plan = self.plan
+        assert plan is not None
+        status = self.devices.status.get(d) or {}
+        runs = plan.artifact.names(FactsRow(d, self.devices.facts.get(d) or {}, {}).committed())
+        if status.get("update") != plan.id and not runs:
+            return False
+        phase = int(self.state.get("phase", 0))
+        if status.get("update") == plan.id:  # its verdict (or the time-out, from now) decides, as for any start
+            self.save_record(d, state="started", phase=phase, started=round(now, 3), commanded=round(now, 3),
+                             reconciled=True, previous=None)
+        else:
+            self.save_record(d, state="committed", kind="committed", phase=phase, started=round(now, 3),
+                             finished=round(now, 3), reconciled=True, previous=None,
+                             reason=f"its facts show {plan.artifact.name} v{plan.artifact.version} committed; "
+                                    "no record of its start was kept")
+        self.decide("reconciled", device=d, status=status.get("state"), committed=runs)
+        return True
 
     def _refill(self, now: float) -> int:
         """Age the rate window, refill the token bucket; the devices now counted against the download cap."""
@@ -461,43 +553,89 @@ class Operator:
         a = plan.artifact
         self.devices.replies.pop(device, None)
         self.client.publish(f"{self.devices.root}{device}/cmd/update",
-                            {"url": a.url, "sha256": a.sha256, "id": plan.id}, retain=False)
+                            {"url": self.state.get("url") or a.url, "sha256": a.sha256, "id": plan.id}, retain=False)
         self.save_record(device, commanded=round(self.clock(), 3))
 
 
-class FleetRollback:
-    """`fleet rollback`: every device the rollout committed goes back to its previous committed bundle
-    with the device's own `rollback` command (kept locally: no download), at the plan's rate cap."""
+@dataclass(frozen=True)
+class RollbackCaps:
+    """`fleet rollback`'s own pace and abort line (the plan's rate and abort line by default)."""
 
-    def __init__(self, op: Operator):
+    rate_per_min: float
+    max_in_flight: int
+    abort_failure_pct: float
+    abort_min_finished: int
+
+
+def compact(op: Operator) -> int:
+    """Remove a finished rollout's device records (empty retained publishes), keeping its plan, its state
+    (counts, decisions, and now `compacted`) and its rejections index: what a later `plan` reads. A later
+    `fleet rollback` still finds the devices by their facts (their previous versions are then unknown).
+    Returns the number of records removed."""
+    st = op.state.get("status")
+    if st not in ("done", "rolled_back", "rollback_aborted") and not (st == "aborted" and not op.counts()["in_flight"]):
+        raise RolloutError(f"rollout {op.t.id} is {st}: only a finished rollout (done, rolled back, or aborted with "
+                           "nothing in flight) is compacted")
+    counts = op.counts()
+    op.save_state()  # the counts and the rejections index, from the records, before they go
+    removed = sorted(op.records)
+    for d in removed:
+        op.client.publish(op.t.device(d), b"", wait=False)
+    op.state["compacted"] = {"records": len(removed), "counts": counts, "ts": round(op.clock(), 3)}
+    op.decide("compacted", records=len(removed))
+    op.save_state(release=True)
+    return len(removed)
+
+
+class FleetRollback:
+    """`fleet rollback`: every device that runs the rollout's bundle goes back to its previous committed
+    bundle with the device's own `rollback` command (kept locally: no download), at the plan's rate cap.
+
+    Which devices run it is read from their own retained facts, not only from the operator's records: a
+    device recorded failed (timed out while its link was down) that committed afterwards runs the bundle
+    as surely as one recorded committed."""
+
+    def __init__(self, op: Operator, caps: RollbackCaps | None = None):
         self.op = op
         self.update_id = f"{op.t.id}-rollback"
+        plan = op.plan
+        assert plan is not None
+        # its own caps; by default the plan's (rate, downloads in flight, the abort line)
+        self.caps = caps or RollbackCaps(plan.rate_per_min, plan.max_downloads, plan.gates.abort_failure_pct,
+                                         plan.gates.abort_min_finished)
 
     def run(self, max_s: float | None = None) -> dict[str, Any]:
         op, plan = self.op, self.op.plan
         assert plan is not None
-        if op.state.get("status") not in ("aborted", "done", "held", "awaiting_approval", "paused", "rolling_back"):
+        if op.state.get("status") not in ("aborted", "done", "held", "awaiting_approval", "paused", "rolling_back",
+                                          "rollback_aborted"):
             raise RolloutError(f"rollout {plan.id} is {op.state.get('status')}: pause or abort it before a fleet rollback")
         if op.state.get("status") == "aborted" and op.counts()["in_flight"]:
             raise RolloutError(f"rollout {plan.id} still has {op.counts()['in_flight']} devices in flight; "
                                "wait for their verdicts (fleet rollout status) before rolling back")
         op.state["status"] = "rolling_back"
-        todo = [d for d, r in op.records.items() if r.get("state") == "committed"]
-        op.decide("rollback_started", devices=len(todo))
+        todo = self.targets()
+        caps = self.caps
+        op.decide("rollback_started", devices=len(todo), rate_per_min=caps.rate_per_min,
+                  max_in_flight=caps.max_in_flight, abort_pct=caps.abort_failure_pct, abort_min=caps.abort_min_finished)
         op.save_state()
         end = None if max_s is None else time.monotonic() + max_s
-        interval = 60.0 / plan.rate_per_min
+        interval = 60.0 / caps.rate_per_min
         last = 0.0
+        stopped = False  # the rollback's own abort line was crossed: nothing more starts
         while True:
             op.drain()
             now = op.clock()
             pending = False
+            states = [(op.records[d].get("rollback") or {}).get("state") for d in todo]
+            in_flight = states.count("started")
             for d in todo:
                 rb = (op.records[d].get("rollback") or {})
                 st = rb.get("state")
-                if st is None:
+                if st is None and not stopped:
                     pending = True
-                    if now - last >= interval:
+                    if now - last >= interval and in_flight < caps.max_in_flight:
+                        in_flight += 1
                         op.save_record(d, rollback={"state": "started", "started": round(now, 3)})
                         op.devices.replies.pop(d, None)
                         op.client.publish(f"{op.devices.root}{d}/cmd/rollback", {"id": self.update_id}, retain=False,
@@ -506,16 +644,49 @@ class FleetRollback:
                 elif st == "started":
                     pending = True
                     self._observe(d, rb, now)
+                    if not stopped and (op.records[d].get("rollback") or {}).get("state") == "failed":
+                        stopped = self._check_abort(todo)
             if op._dirty or now - op._beat >= HEARTBEAT_S:
                 op.save_state()
             if not pending or (end is not None and time.monotonic() > end):
                 break
             time.sleep(op.tick_s)
         done = sum(1 for d in todo if (op.records[d].get("rollback") or {}).get("state") == "done")
-        op.state["status"] = "rolled_back"
-        op.decide("rolled_back", devices=len(todo), returned=done, failed=len(todo) - done)
+        untouched = sum(1 for d in todo if not (op.records[d].get("rollback") or {}).get("state"))
+        op.state["status"] = "rollback_aborted" if stopped else "rolled_back"
+        op.decide("rolled_back", devices=len(todo), returned=done, failed=len(todo) - done - untouched,
+                  not_started=untouched)
         op.save_state(release=True)
         return op.state
+
+    def _check_abort(self, todo: list[str]) -> bool:
+        """The rollback's own abort line: a bad previous bundle must not go back fleet-wide either."""
+        op, caps = self.op, self.caps
+        states = [(op.records[d].get("rollback") or {}).get("state") for d in todo]
+        finished, failed = states.count("done") + states.count("failed"), states.count("failed")
+        if finished >= caps.abort_min_finished and 100.0 * failed / finished >= caps.abort_failure_pct:
+            op.decide("rollback_aborted", finished=finished, failed=failed,
+                      reason=f"{failed} of {finished} finished rollbacks failed (>= {caps.abort_failure_pct:g} % after "
+                             f"{caps.abort_min_finished}); no more devices are sent back")
+            return True
+        return False
+
+    def targets(self) -> list[str]:
+        """Every device of the plan that its facts show committed to the rollout's bundle, and every one
+        recorded committed (its facts may not have arrived), in the plan's order. A device with no record
+        (the broker lost it) gets one, its previous version unknown."""
+        op, plan = self.op, self.op.plan
+        assert plan is not None
+        todo = []
+        for d in plan.targets:
+            rec = op.records.get(d)
+            runs = plan.artifact.names(FactsRow(d, op.devices.facts.get(d) or {}, {}).committed())
+            if runs or (rec or {}).get("state") == "committed":
+                if rec is None:
+                    op.save_record(d, state="committed", kind="found_by_facts", previous=None,
+                                   reason="its facts show the rollout's bundle committed; no record was kept")
+                todo.append(d)
+        return todo
 
     def _observe(self, d: str, rb: dict[str, Any], now: float) -> None:
         op = self.op
@@ -523,7 +694,9 @@ class FleetRollback:
         prev = op.records[d].get("previous") or {}
         com = ((op.devices.facts.get(d) or {}).get("bundle") or {}).get("committed") or {}
         if st.get("update") == self.update_id and st.get("state") == "committed":
-            if (com.get("name"), com.get("version")) == (prev.get("name"), prev.get("version")):
+            back = (com.get("name"), com.get("version")) == (prev.get("name"), prev.get("version")) if prev \
+                else not op.plan.artifact.names(com)  # type: ignore[union-attr]
+            if back:
                 op.save_record(d, rollback={**rb, "state": "done", "finished": round(now, 3)})
         elif st.get("update") == self.update_id and st.get("state") in ("rejected", "rolled_back"):
             op.save_record(d, rollback={**rb, "state": "failed", "reason": str(st.get("reason"))[:300]})

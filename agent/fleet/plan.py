@@ -58,6 +58,7 @@ class Plan:
     gates: Gates = field(default_factory=Gates)
     where: tuple[tuple[str, str], ...] = ()
     previous: Mapping[str, Any] = field(default_factory=dict)  # device -> its facts' accelerator before the rollout
+    published: float = 0.0               # when `rollout start` published it: with the id, what a control request names
     schema: int = PLAN_SCHEMA
 
     def phase_of(self, index: int) -> int:
@@ -75,7 +76,8 @@ class Plan:
                     max_downloads=int(d["max_downloads"]), device_timeout_s=float(d["device_timeout_s"]),
                     soak_s=float(d["soak_s"]), human_gate=bool(d["human_gate"]), gates=Gates(**d["gates"]),
                     where=tuple((str(k), str(v)) for k, v in d.get("where") or []),
-                    previous=dict(d.get("previous") or {}), schema=int(d.get("schema", PLAN_SCHEMA)))
+                    previous=dict(d.get("previous") or {}), published=float(d.get("published") or 0.0),
+                    schema=int(d.get("schema", PLAN_SCHEMA)))
 
 
 def parse_count(spec: str | int, total: int) -> int:

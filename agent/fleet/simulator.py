@@ -49,7 +49,8 @@ from agent.updates.updater import Updater, UpdateRejected
 
 log = get_logger("fleet.sim")
 
-FATES = ("ok", "reject", "rollback", "crash", "hang")
+FATES = ("ok", "reject", "rollback", "crash", "hang", "flaky", "offline")
+RECONNECT_S = (0.5, 30.0)  # backoff: first delay, cap (each attempt doubles it, times a jitter of 0.5..1.5)
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,15 @@ class GroupProfile:
     rollback_pct: float = 0.0    # probation fails (inference errors): rolled back
     crash_pct: float = 0.0       # the device drops (last will) during the self-test, back after crash_down_s
     hang_pct: float = 0.0        # the self-test never ends within the rollout's time-out
+    flaky_pct: float = 0.0       # the link drops (last will) when the self-test starts, back after flaky_down_s;
+    #                              the update goes on meanwhile and its verdict is reported on reconnect
+    offline_pct: float = 0.0     # connects once (its facts retained), then drops for good (its last will)
     slow_pct: float = 0.0        # the self-test takes slow_factor times longer (still passes)
     selftest_s: tuple[float, float] = (0.2, 0.6)
     probation_s: float = 0.3
     slow_factor: float = 5.0
     crash_down_s: float = 2.0
+    flaky_down_s: float = 20.0
     hang_s: float = 3600.0
     provider: str = CPU
     fallback_pct: float = 0.0    # the new bundle's self-test selects CPU although the old one ran on `provider`
@@ -94,7 +99,7 @@ def assign_fates(groups: list[GroupProfile], seed: int) -> list[tuple[str, Group
         ids = [f"sim-{g.name}-{i:04d}" for i in range(g.count)]
         fates = []
         for fate, pct in (("reject", g.reject_pct), ("rollback", g.rollback_pct), ("crash", g.crash_pct),
-                          ("hang", g.hang_pct)):
+                          ("hang", g.hang_pct), ("flaky", g.flaky_pct), ("offline", g.offline_pct)):
             fates += [fate] * round(g.count * pct / 100.0)
         fates += ["ok"] * (g.count - len(fates))
         rng.shuffle(fates)
@@ -224,6 +229,8 @@ class SimUpdater(Updater):
             time.sleep(seconds / 2)
             d.crash()
             raise SimulatedCrash(d.id)
+        if d.fate == "flaky":
+            d.drop_link(g.flaky_down_s)
         if d.fate == "hang":
             d.fleet.stop.wait(g.hang_s)
             raise UpdateRejected("self-test child hung (simulated) and was abandoned")
@@ -254,6 +261,8 @@ class SimDevice:
         self.update_commands = 0
         self.rollback_commands = 0
         self.crashed = threading.Event()
+        self._link_dropped = False  # drop_link's own disconnect: its timer reconnects, not the backoff
+        self._attempts = 0  # failed reconnects since the last connect: the backoff's exponent
         # facts are built and queued under one lock: built on the loop thread (connect) and on worker threads
         # (switch, verdict), an older document queued after a newer one would be the retained one
         self._facts_lock = threading.Lock()
@@ -280,6 +289,7 @@ class SimDevice:
         self.client.suppress_exceptions = True
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
+        self.client.on_disconnect = self._on_disconnect
         fleet.loop.attach(self.client)
 
     # -- what a device reports -----------------------------------------------------------------------------
@@ -337,11 +347,48 @@ class SimDevice:
         self.client.will_set(self.topics.availability, self._availability("offline", self.session + 1), qos=1, retain=True)
         self.client.connect(self.fleet.host, self.fleet.port, keepalive=60)
 
+    def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        """A link lost (the broker restarted, keepalives missed): reconnect with backoff and jitter, as the
+        agent's link does. A crash or drop_link brings its device back itself; a closing fleet stays closed."""
+        self.fleet.connected.discard(self.id)
+        if self.fleet.stop.is_set() or self.crashed.is_set() or self._link_dropped:
+            return
+        self._reconnect_later()
+
+    def _reconnect_later(self) -> None:
+        first, cap = RECONNECT_S
+        delay = min(cap, first * 2 ** self._attempts) * self.rng.uniform(0.5, 1.5)  # jitter: no thundering herd
+        self._attempts += 1
+        timer = threading.Timer(delay, self._reconnect)
+        timer.daemon = True
+        timer.start()
+
+    def _reconnect(self) -> None:
+        if self.fleet.stop.is_set() or self.crashed.is_set():
+            return
+        self._link_dropped = False
+        try:
+            self.connect()
+        except OSError:  # the broker is not back yet
+            self._reconnect_later()
+
+    def drop_link(self, seconds: float) -> None:
+        """A flaky link: the connection ends with its last will (what a broker does on missed keepalives), the
+        device itself goes on; back after `seconds`. What it published meanwhile paho sends on reconnect."""
+        self._link_dropped = True
+        self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))  # with will message
+        timer = threading.Timer(seconds, self._reconnect)
+        timer.daemon = True
+        timer.start()
+
     def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:
             return
         self.session += 1
+        self._attempts = 0
         client.publish(self.topics.availability, self._availability("online", self.session), qos=1, retain=True)
+        if self.last_update is not None and self.session > 1:  # a verdict reached while away, said again
+            client.publish(self.topics.update_status, json.dumps(self.last_update), qos=1, retain=True)
         self.publish_facts()
         client.subscribe([(self.topics.commands, 1), (self.topics.bundle_all, 1)])
         self.fleet.connected.add(self.id)
@@ -463,6 +510,10 @@ class SimFleet:
                 raise TimeoutError(f"{len(self.connected)} of {len(self.devices)} simulated devices connected "
                                    f"within {timeout:g} s")
             time.sleep(0.05)
+        for d in self.devices:
+            if d.fate == "offline":  # seen once (retained facts), then gone for good: its last will stands
+                d._link_dropped = True
+                d.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))
         return self
 
     def close(self) -> None:
