@@ -33,6 +33,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # sensor_streams: the test models
 
 W, H, K, SR = 512, 8, 3, 16000
 rng0 = np.random.default_rng(44)
@@ -42,21 +43,9 @@ V = (rng0.standard_normal((H, K)) * 1.5).astype(np.float32)
 
 
 def _model(path: Path) -> Path:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from sensor_streams import recurrence_model
 
-    nodes = [helper.make_node("Flatten", ["window"], ["f"]), helper.make_node("MatMul", ["f", "wx"], ["a"]),
-             helper.make_node("MatMul", ["state", "u"], ["r"]), helper.make_node("Add", ["a", "r"], ["z"]),
-             helper.make_node("Tanh", ["z"], ["stateN"]), helper.make_node("MatMul", ["stateN", "v"], ["scores"])]
-    graph = helper.make_graph(
-        nodes, "recurrence",
-        [helper.make_tensor_value_info("window", TensorProto.FLOAT, ["batch", 1, W]),
-         helper.make_tensor_value_info("state", TensorProto.FLOAT, ["batch", H])],
-        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", K]),
-         helper.make_tensor_value_info("stateN", TensorProto.FLOAT, ["batch", H])],
-        initializer=[numpy_helper.from_array(WX, "wx"), numpy_helper.from_array(U, "u"), numpy_helper.from_array(V, "v")])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path
+    return recurrence_model(path, (1, W), WX, U, V)
 
 
 def _audio(seed: int, seconds: float) -> np.ndarray:

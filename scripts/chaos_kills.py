@@ -39,6 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 from agent.testing import rewrite_manifest  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+from agentproc import parse_events as _events  # noqa: E402  (the suite's reader of JSON-line logs)
+
 DEMO = ROOT / "models" / "digits-classifier"
 FRAMES = ROOT / "models" / "demo-frames" / "digits"
 
@@ -54,17 +57,6 @@ def _config(work: Path) -> Path:
     path = work / "agent.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def _events(text: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
 
 
 def _boot(cfg: Path, log: Path, until: float | None, how: str, after_first: float | None = None) -> dict[str, Any]:

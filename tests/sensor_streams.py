@@ -33,6 +33,27 @@ VAD_FRAME = {"kind": "sensor", "window": HOP + CONTEXT, "hop": HOP, "channels": 
              "sample_rate": SR, "padding": {"mode": "zero", "samples": CONTEXT}}
 
 
+def recurrence_model(path: Path, window: tuple[int, int], wx: np.ndarray, u: np.ndarray, v: np.ndarray) -> Path:
+    """A small stateful model: stateN = tanh(flatten(window) wx + state u); scores = stateN v. `window` is its
+    (channels, samples); the state's width and the scores' count are u's and v's."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    h, k = u.shape[0], v.shape[1]
+    nodes = [helper.make_node("Flatten", ["window"], ["f"]), helper.make_node("MatMul", ["f", "wx"], ["a"]),
+             helper.make_node("MatMul", ["state", "u"], ["r"]), helper.make_node("Add", ["a", "r"], ["z"]),
+             helper.make_node("Tanh", ["z"], ["stateN"]), helper.make_node("MatMul", ["stateN", "v"], ["scores"])]
+    graph = helper.make_graph(
+        nodes, "recurrence",
+        [helper.make_tensor_value_info("window", TensorProto.FLOAT, ["batch", *window]),
+         helper.make_tensor_value_info("state", TensorProto.FLOAT, ["batch", h])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", k]),
+         helper.make_tensor_value_info("stateN", TensorProto.FLOAT, ["batch", h])],
+        initializer=[numpy_helper.from_array(wx, "wx"), numpy_helper.from_array(u, "u"), numpy_helper.from_array(v, "v")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
 def speech(seed: int, seconds: float) -> np.ndarray:
     """Speech-like audio (scripts/real_references.py's voice), a whole number of 512-sample chunks."""
     sys.path.insert(0, str(ROOT / "scripts"))

@@ -42,7 +42,7 @@ import time
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -485,6 +485,16 @@ def _process(doc: Mapping[str, Any]) -> str:
     return str(doc.get("process") or doc.get("pid") or "")
 
 
+def _deaths_in_a_row(directory: Path, key: str,
+                     same: Callable[[Mapping[str, Any]], bool] = lambda prev: True) -> tuple[dict[str, Any], int]:
+    """The suspects file and the deaths in a row under `key` counting this one: the count starts again after
+    SUSPECT_TTL_S, or when the last death was not `same` as this one."""
+    suspects = _suspects(directory)
+    prev = suspects.get(key)
+    go_on = (isinstance(prev, dict) and time.time() - float(prev.get("at", 0) or 0) < SUSPECT_TTL_S and same(prev))
+    return suspects, (int(prev.get("deaths", 0) or 0) if go_on and isinstance(prev, dict) else 0) + 1
+
+
 def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], step: str,
                 why: str = f"past its first {WATCH_RUNS} inferences") -> bool:
     """A serving process died past its candidate's first inferences (or, `why`, beside another's run):
@@ -493,11 +503,8 @@ def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], st
         log.info("serving.marker_other_boot", candidate=doc["candidate"],
                  reason="left before the machine rebooted (a power cut): not a crash of the candidate")
         return False
-    key, now = f"{doc['bundle']}|{step}", time.time()
-    suspects = _suspects(directory)
-    prev = suspects.get(key)
-    fresh = isinstance(prev, dict) and now - float(prev.get("at", 0) or 0) < SUSPECT_TTL_S
-    deaths = (int(prev.get("deaths", 0) or 0) if fresh and isinstance(prev, dict) else 0) + 1
+    key = f"{doc['bundle']}|{step}"
+    suspects, deaths = _deaths_in_a_row(directory, key)
     if deaths >= LATE_DEATHS:
         suspects.pop(key, None)
         _write_suspects(directory, suspects)
@@ -506,7 +513,7 @@ def _late_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, Any], st
         log.error("serving.crash_recorded", candidate=doc["candidate"], step=step, phase=doc.get("phase"), deaths=deaths,
                   reason="serving processes died under this candidate again and again; the self-test skips it")
         return True
-    suspects[key] = {"deaths": deaths, "at": now}
+    suspects[key] = {"deaths": deaths, "at": time.time()}
     _write_suspects(directory, suspects)
     log.warning("serving.late_death_noted", candidate=doc["candidate"], deaths=deaths, of=LATE_DEATHS,
                 reason="the last serving process died past its first inferences; recorded if the next one does too")
@@ -527,12 +534,8 @@ def _unexplained_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, A
         log.info("serving.marker_other_boot", candidate=doc["candidate"], step=step,
                  reason="left before the machine rebooted (a power cut): not a crash of the candidate")
         return False
-    key, now = _unexplained_key(str(doc["bundle"]), step), time.time()
-    suspects = _suspects(directory)
-    prev = suspects.get(key)
-    same = (isinstance(prev, dict) and now - float(prev.get("at", 0) or 0) < SUSPECT_TTL_S
-            and prev.get("point") == point)
-    deaths = (int(prev.get("deaths", 0) or 0) if same and isinstance(prev, dict) else 0) + 1
+    key = _unexplained_key(str(doc["bundle"]), step)
+    suspects, deaths = _deaths_in_a_row(directory, key, lambda prev: prev.get("point") == point)
     if deaths >= UNEXPLAINED_DEATHS:
         suspects.pop(key, None)
         _write_suspects(directory, suspects)
@@ -542,7 +545,7 @@ def _unexplained_death(directory: Path, ledger: CrashLedger, doc: Mapping[str, A
                   deaths=deaths, point=point,
                   reason="serving processes were killed at the same point under this candidate again and again")
         return True
-    suspects[key] = {"deaths": deaths, "at": now, "point": point, "step": step}
+    suspects[key] = {"deaths": deaths, "at": time.time(), "point": point, "step": step}
     _write_suspects(directory, suspects)
     log.warning("serving.unexplained_death", candidate=doc["candidate"], step=step, phase=doc.get("phase"),
                 at=where, deaths=deaths, of=UNEXPLAINED_DEATHS,
