@@ -51,37 +51,8 @@ if [ "$QUICK" != 1 ]; then
   [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ] || need+=(qemu-user-static)  # the arm64 lane (tests/test_arm64.py)
   command -v update-binfmts >/dev/null 2>&1 || need+=(binfmt-support)
 fi
-if [ ${#need[@]} -gt 0 ]; then
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  # On a fresh boot unattended-upgrades holds apt's locks for minutes: wait for them (up to 10 min, said), never
-  # die at once. DPkg::Lock::Timeout waits on dpkg's lock; the lists lock of `apt-get update` is retried here.
-  APT_WAIT=600
-  apt_locked() {  # apt_locked CMD...: run it, retrying while another apt/dpkg holds a lock, up to APT_WAIT s
-    local end=$(( $(date +%s) + APT_WAIT )) said=0 rc out
-    while :; do
-      rc=0; out=$("$@" 2>&1) || rc=$?
-      if [ "$rc" -eq 0 ] || ! grep -qiE "could not get lock|unable to acquire|unable to lock" <<<"$out" \
-          || [ "$(date +%s)" -ge "$end" ]; then
-        [ -z "$out" ] || echo "$out" >&2
-        return "$rc"
-      fi
-      [ "$said" = 1 ] || phase "another apt or dpkg holds its lock (unattended-upgrades after a boot?): waiting up to $(( APT_WAIT / 60 )) min"
-      said=1
-      sleep 5
-    done
-  }
-  apt_locked $SUDO apt-get -o DPkg::Lock::Timeout=$APT_WAIT update -qq
-  # what apt will do to this machine, before it does it: new packages, and installed ones it upgrades on the way
-  # (systemd-container pulls the running systemd to its own version: 252.38 -> 252.39 on one Debian 12)
-  plan=$(apt-get install -s --no-install-recommends "${need[@]}" 2>/dev/null | awk '/^Inst /{print $2, $3}') || true
-  phase "installing Debian packages: ${need[*]}"
-  new=$(awk '$2 !~ /^\[/{print $1}' <<<"$plan" | tr '\n' ' ')
-  upgraded=$(awk '$2 ~ /^\[/{gsub(/[][]/, "", $2); print $1 " (from " $2 ")"}' <<<"$plan" | tr '\n' ' ')
-  [ -z "$new" ] || echo "   new: $new" >&2
-  [ -z "$upgraded" ] || echo "   upgraded on the way: $upgraded" >&2
-  apt_locked $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=$APT_WAIT install -y -qq \
-    --no-install-recommends "${need[@]}"
-fi
+# apt waits (bounded, said) for another apt's lock and says what it installs and upgrades first: scripts/apt_install.sh
+[ ${#need[@]} -eq 0 ] || bash scripts/apt_install.sh "${need[@]}"
 
 make_venv() {  # make_venv NAME "PACKAGES" -> path of its python; pip only when the stamp changed
   local dir=$CACHE/venv-$1 stamp
