@@ -129,8 +129,10 @@ def test_dangling_symlink_fifo_and_directory_in_the_inbox_are_rejected_and_a_val
     t0 = time.monotonic()
     shutil.copy(agent["archive"], inbox / "good.tar.gz.part")
     os.replace(inbox / "good.tar.gz.part", inbox / "good.tar.gz")
+    # seen once in a fast lane of 1,337 tests (thirteenth session), never alone: stuck after `switched`; the whole
+    # status trail and the agent's log tail say where
     assert col.wait(lambda: any(s["state"] == "committed" for s in statuses(col, "good.tar.gz")), 180), \
-        [s["state"] for s in statuses(col, "good.tar.gz")]
+        (statuses(col, "good.tar.gz"), agent["proc"].log_text()[-4000:])
     print(f"valid bundle after three hostile entries committed in {time.monotonic() - t0:.1f} s")
     assert wait_until(lambda: (inbox / "done" / "good.tar.gz").exists(), 30)
     assert agent["proc"].returncode is None
