@@ -73,3 +73,21 @@ def test_the_command_line_is_parsed_before_any_heavy_import() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT).stdout.strip()
     assert out == "", f"parsing the command line imported: {out}"
+
+
+def test_a_config_typo_is_said_before_the_agent_imports_onnxruntime(tmp_path: Path) -> None:
+    """`run` imported the whole agent (numpy, OpenCV, onnxruntime: 1.98 s here) before it read the config, so a
+    typo's one-line error cost the full import time; agent.config itself pulled numpy through the proof's terms."""
+    typo = tmp_path / "agent.yaml"
+    typo.write_text("bundle: x\nsoruce: {type: folder}\n")
+    code = ("import sys\nfrom agent.service.cli import main\n"
+            f"code = main(['run', '--config', {str(typo)!r}])\n"
+            "print('IMPORTED', ','.join(m for m in ('onnxruntime', 'agent.service.daemon') if m in sys.modules))\n"
+            "sys.exit(code)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and "key soruce" in out.stderr and "did you mean 'source'" in out.stderr, out.stderr
+    assert out.stdout.strip() == "IMPORTED", out.stdout
+    light = subprocess.run([sys.executable, "-c", "import sys, agent.config\n"
+                            "print(','.join(m for m in ('numpy', 'cv2', 'onnxruntime') if m in sys.modules))"],
+                           capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip()
+    assert light == "", f"importing agent.config imported: {light}"

@@ -10,13 +10,15 @@ again on `latency_retry_schedule`; a device that stays too slow serves per `when
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 from agent.errors import ProviderError
 from agent.proof.terms import CPU, ProviderStatus
-from agent.proof.verdict import Candidate, CandidateResult
 from agent.quantiles import percentiles
 from agent.spec.manifest import Manifest
+
+if TYPE_CHECKING:  # the verdicts (numpy, through parity) only where a candidate is made: agent.config imports this
+    from agent.proof.verdict import Candidate, CandidateResult
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def build_candidates(
                 notes.append(f"{s.name}:{n}: not a candidate: its build marked it below a fidelity floor "
                              f"({below}); pin it with selection.variant to serve it anyway")
                 continue
+            from agent.proof.verdict import Candidate
+
             out.append(Candidate(s.name, n, v.precision, dict(options.get(s.name, {})),
                                  pinned_below_floor=below or None))
     return out, notes
