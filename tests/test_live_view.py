@@ -266,3 +266,32 @@ def test_a_snapshot_jpeg_is_bounded_lower_quality_then_halved_until_it_fits() ->
     assert cv2.imdecode(np.frombuffer(whole, np.uint8), cv2.IMREAD_COLOR).shape == (64, 64, 3)  # fits: as it is
     with pytest.raises(ValueError, match="does not fit in 10 bytes"):
         bounded_jpeg(noise, max_bytes=10)
+
+
+@pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).exists(), reason="mosquitto not installed")
+def test_cmd_snapshot_without_a_source_publishes_one_jpeg_per_listed_source(tmp_path: Path, agent_process) -> None:
+    from brokers import Broker, Collector
+
+    frames = str(Path(__file__).resolve().parents[1] / "models/demo-frames/digits")
+    broker = Broker(tmp_path / "broker").start()
+    prefix = "edge/dev-snaps/"
+    col = Collector(broker.port, [prefix + "cmd/snapshot/reply", prefix + "snapshot/#", prefix + "health"])
+    agent = agent_process(demo_config(
+        tmp_path, port=broker.port, device_id="dev-snaps", output={"stdout": False, "health_interval_s": 0.5},
+        sources=[{"name": "door", "type": "folder", "path": frames, "loop": True, "max_fps": 20},
+                 {"name": "yard", "type": "folder", "path": frames, "loop": True, "max_fps": 20}])).start()
+    try:
+        assert col.wait(lambda: col.connects >= 1, 30)
+        assert col.wait(lambda: any(__import__("json").loads(m.payload).get("serving")
+                                    for m in col.on(prefix + "health")), 120), "never served"
+        r = _ask_snapshot(broker.port, prefix, b"{}", col)
+        assert r["ok"] is True, r
+        assert sorted(s["topic"] for s in r["snapshots"]) == [prefix + "snapshot/door", prefix + "snapshot/yard"]
+        for s in r["snapshots"]:
+            (msg,) = col.on(s["topic"])
+            img = cv2.imdecode(np.frombuffer(msg.payload, np.uint8), cv2.IMREAD_COLOR)
+            assert img.shape == (s["height"], s["width"], 3)
+    finally:
+        agent.stop()
+        col.close()
+        broker.stop()
