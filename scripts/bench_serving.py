@@ -27,6 +27,10 @@ Usage: python scripts/bench_serving.py [--bundle DIR | --detector] [--inputs 720
        python scripts/bench_serving.py --sources 4 [--camera-input 1080p-h264 --rtsp] [--camera-fps 10] [--frames 100]
            (the many-sources row: N cameras through one agent, against one camera: fps per source, p95 capture
            to publish, peak and serving RSS, agent CPU per result)
+       python scripts/bench_serving.py --live-view [--camera-input 720p-mjpeg] [--camera-fps 30] [--frames 450] [--runs 3]
+           (the live view's cost: the same video served with the live view off, on with nobody watching, and on
+           with one viewer on its MJPEG stream, interleaved in one run, the file paced at --camera-fps: fps and CPU
+           per result against off)
        python scripts/bench_serving.py --cold [--runs 3] [--no-bytecode]   (first result after start, cold and with
            the cached verdict, the process's CPU seconds by then and the proof's own, for the demo and the
            detector; agent/ byte-compiled first, as an installed agent is, unless --no-bytecode)
@@ -445,6 +449,13 @@ def camera_videos(raw: np.ndarray, h: int, w: int, n: int, k: int, tmp: Path, co
     return out
 
 
+def spread_ms(values: list[float]) -> str:
+    """As `spread`, with the decimals a CPU time per result needs."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
 def spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.0f}"
@@ -481,6 +492,8 @@ def main() -> int:
     ap.add_argument("--camera-input", default="720p-mjpeg", help="the many-sources row's camera input")
     ap.add_argument("--no-bytecode", action="store_true", help="--cold: run the agent from source, every module "
                     "compiled in each process (the checkout under PYTHONDONTWRITEBYTECODE=1), not byte-compiled")
+    ap.add_argument("--live-view", action="store_true", help="the live view's cost instead: off, on with nobody "
+                    "watching, on with one MJPEG viewer (--camera-input, --frames, --runs)")
     ap.add_argument("--cold", action="store_true", help="the cold-start table instead: first result after start, "
                     "cold and cached, for the demo and (when cached) the detector")
     args = ap.parse_args()
@@ -488,6 +501,8 @@ def main() -> int:
         return cold_start(args)
     if args.sources:
         return many_sources(args)
+    if args.live_view:
+        return live_view_cost(args)
     frames_from = ROOT / "calibration" / "digits" / "heldout.npz"
     if args.detector:
         args.bundle, frames_from = yolo_bundle()
@@ -619,6 +634,106 @@ def main() -> int:
             print(f"target {r['name']} {r['transport']}: agent CPU per frame ({what}) <= 1.05x the naive loop's: "
                   f"{nv:.2f} -> {'met' if nv <= 1.05 else 'NOT met'}; <= 1.05x the sequential stages': {sq:.2f} -> "
                   f"{'met' if sq <= 1.05 else 'NOT met'}")
+    return 0
+
+
+class MjpegViewer:
+    """One person watching: polls /live until the page names a source, then reads its MJPEG stream until the agent
+    ends (or `close`); counts the JPEG parts it received."""
+
+    def __init__(self, port: int):
+        self.port, self.parts, self._stop = port, 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        import urllib.request
+
+        base = f"http://127.0.0.1:{self.port}"
+        while not self._stop.is_set():
+            try:
+                page = urllib.request.urlopen(f"{base}/live", timeout=5).read().decode()
+                if "/live/stream/" not in page:
+                    time.sleep(0.2)  # no frame kept yet: the page asked for one
+                    continue
+                name = page.split("/live/stream/")[1].split(".mjpg")[0]
+                with urllib.request.urlopen(f"{base}/live/stream/{name}.mjpg", timeout=10) as stream:
+                    while not self._stop.is_set():
+                        chunk = stream.read(65536)
+                        if not chunk:
+                            break
+                        self.parts += chunk.count(b"--edgeagentframe")
+            except OSError:
+                time.sleep(0.2)  # not listening yet, or the agent ended
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+def live_view_cost(args: argparse.Namespace) -> int:
+    """The live view's cost: one video served off / on with nobody watching / on with one MJPEG viewer, the three
+    interleaved in each run (a shared machine's load moves all three alike)."""
+    h, w, codec = INPUTS[args.camera_input]
+    args.bundle = args.bundle or DEMO_BUNDLE
+    frames_from = ROOT / "calibration" / "digits" / "heldout.npz"
+    bundle = load_bundle(args.bundle)
+    modes = ("off", "unwatched", "one viewer")
+    runs: dict[str, list[AgentRun]] = {m: [] for m in modes}
+    loads: dict[str, list[float]] = {m: [] for m in modes}
+    parts: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        variant = args.variant
+        if variant == "auto":
+            variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
+        with np.load(frames_from) as z:
+            raw = z["raw"]
+        video = camera_video(raw, h, w, args.frames, codec, tmp)
+        warm = args.warm if args.warm is not None else max(60, args.frames // 10)
+        for _ in range(args.runs):
+            for mode in modes:
+                # paced as a camera: a viewer watches a stream for seconds, not a file read in a blink
+                settings: dict[str, object] = {"selection.variant": variant, "source.max_fps": args.camera_fps}
+                viewer = None
+                if mode != "off":
+                    with socket.socket() as sock:
+                        sock.bind(("127.0.0.1", 0))
+                        port = sock.getsockname()[1]
+                    settings.update({"metrics.listen": f"127.0.0.1:{port}", "metrics.live_view": True})
+                    viewer = MjpegViewer(port) if mode == "one viewer" else None
+                loads[mode].append(os.getloadavg()[0])
+                try:
+                    runs[mode].append(agent(video, args.bundle, variant, settings, args.frames, tmp, warm))
+                finally:
+                    if viewer is not None:
+                        viewer.close()
+                        parts.append(viewer.parts)
+                loads[mode].append(os.getloadavg()[0])
+    resize = bundle.manifest.preprocess.resize
+    print(f"\nmodel {bundle.manifest.name} (variant {variant}, input {resize.width if resize else '-'}x"
+          f"{resize.height if resize else '-'}), {args.frames} frames of {args.camera_input} (a file at {args.camera_fps:g} fps), "
+          f"{CORES} cores, runs {args.runs} (the three modes interleaved in each run)")
+    print("agent settings changed from the shipped defaults: --log-level warning; on: metrics.listen=127.0.0.1:<free>, "
+          "metrics.live_view=true")
+    print(f"{'live view':11} {'agent fps':>14} {'fps/off':>7} {'CPU ms/result':>22} {'CPU/off':>7} "
+          f"{'steady CPU ms':>22} {'steady/off':>10} {'load':>9}")
+    base = runs["off"]
+    for mode in modes:
+        rs = runs[mode]
+        fps_ratio = statistics.median(r.fps / b.fps for r, b in zip(rs, base))
+        cpu_ratio = statistics.median(r.cpu_ms / b.cpu_ms for r, b in zip(rs, base))
+        st_ratio = statistics.median(r.steady_cpu_ms / b.steady_cpu_ms for r, b in zip(rs, base))
+        print(f"{mode:11} {spread([r.fps for r in rs]):>14} {fps_ratio:>7.3f} "
+              f"{spread_ms([r.cpu_ms for r in rs]):>22} {cpu_ratio:>7.3f} "
+              f"{spread_ms([r.steady_cpu_ms for r in rs]):>22} {st_ratio:>10.3f} "
+              f"{min(loads[mode]):>4.1f}-{max(loads[mode]):<4.1f}")
+    print(f"one viewer received {', '.join(str(p) for p in parts)} MJPEG frames (per run; at most 5 a second)")
+    print("ratios are medians of each run's mode against that run's off; CPU ms/result = the agent's process CPU "
+          "between its first and last result; steady: from result {warm} on; load = 1-minute load average at the "
+          "mode's start and end".replace("{warm}", str(warm)))
+    print("target (issue 45): unwatched within the spread of off (no measurable change); one viewer bounded (at most "
+          "5 frames a second copied, drawn and encoded)")
     return 0
 
 

@@ -193,3 +193,105 @@ def test_mjpeg_streams_are_bounded_and_give_their_place_back_when_closed() -> No
     assert app({"PATH_INFO": "/live/stream/cam.mjpg"}, lambda status, headers: said.append(status)) is not None
     assert said[-1] == "200 OK"  # their places are free again
     assert b"".join(app({"PATH_INFO": "/metrics"}, lambda s, h: None)) == b"metrics"  # the rest: /metrics
+
+
+def _ask_snapshot(port: int, prefix: str, payload: bytes, collector) -> dict:
+    """cmd/snapshot sent once the collector's subscriptions hold; its reply (the next one on the reply topic)."""
+    import json
+
+    before = len(collector.on(prefix + "cmd/snapshot/reply"))
+    collector.c.publish(prefix + "cmd/snapshot", payload, qos=1).wait_for_publish(10)
+    assert collector.wait(lambda: len(collector.on(prefix + "cmd/snapshot/reply")) > before, 60), "no reply"
+    return json.loads(collector.on(prefix + "cmd/snapshot/reply")[before].payload)
+
+
+@pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).exists(), reason="mosquitto not installed")
+def test_cmd_snapshot_publishes_the_served_frame_with_its_result_drawn_as_jpeg_over_mqtt(tmp_path: Path,
+                                                                                          agent_process) -> None:
+    """Frigate's snapshot topics: on cmd/snapshot the agent (no HTTP listener, no live view configured) publishes the
+    next frame it serves with the result drawn on <prefix>snapshot/<source> and says where in its reply; an unknown
+    source, or one that serves nothing in the time asked (paused), is a clear error naming it."""
+    from brokers import Broker, Collector
+
+    broker = Broker(tmp_path / "broker").start()
+    prefix = "edge/dev-snap/"
+    col = Collector(broker.port, [prefix + "cmd/snapshot/reply", prefix + "snapshot/#", prefix + "health"])
+    agent = agent_process(demo_config(tmp_path, port=broker.port, device_id="dev-snap", source={"max_fps": 40},
+                                      output={"stdout": False, "health_interval_s": 0.5})).start()
+    try:
+        assert col.wait(lambda: col.connects >= 1, 30)
+        assert col.wait(lambda: any(__import__("json").loads(m.payload).get("serving")
+                                    for m in col.on(prefix + "health")), 120), "never served"
+        bad = _ask_snapshot(broker.port, prefix, b'{"source": "nope"}', col)
+        assert bad["ok"] is False and "unknown source 'nope'" in bad["error"] and "(sources: " in bad["error"]
+        source = bad["error"].split("(sources: ")[1].rstrip(")").split(", ")[0]
+
+        r = _ask_snapshot(broker.port, prefix, b'{"id": "s1"}', col)
+        assert r["ok"] is True and r["id"] == "s1", r
+        (shot,) = r["snapshots"]
+        assert shot["source"] == source and shot["topic"] == prefix + "snapshot/" + source
+        (msg,) = col.on(shot["topic"])
+        assert not msg.retain and len(msg.payload) == shot["bytes"] <= 1 << 20
+        img = cv2.imdecode(np.frombuffer(msg.payload, np.uint8), cv2.IMREAD_COLOR)
+        assert img is not None and img.shape == (shot["height"], shot["width"], 3) == (320, 320, 3)  # 160 px, x2
+
+        # which demo frame it is: the raw frame, enlarged as drawn, nearest away from the words (bottom half)
+        raws = [cv2.resize(cv2.imread(str(p)), (320, 320), interpolation=cv2.INTER_NEAREST)
+                for p in sorted((Path(__file__).resolve().parents[1] / "models/demo-frames/digits").glob("*.png"))]
+        diff = [np.abs(raw.astype(int) - img.astype(int)) for raw in raws]
+        best = min(diff, key=lambda d: float(d[200:].mean()))
+        assert best[200:].mean() < 12  # the served frame itself (JPEG noise only) below the words
+        assert best[5:60, 5:150].mean() > 3 * best[200:].mean() + 10  # and the label drawn top left, where it differs
+        assert (img[5:60, 5:150] > 230).all(axis=2).sum() > 50  # in white
+
+        col.c.publish(prefix + "cmd/pause", b"{}", qos=1).wait_for_publish(10)
+        assert col.wait(lambda: __import__("json").loads(col.on(prefix + "health")[-1].payload).get("paused"), 30)
+        idle = _ask_snapshot(broker.port, prefix, b'{"timeout_s": 1}', col)
+        assert idle["ok"] is False and idle["snapshots"] == []
+        assert f"source {source!r}: no frame served in 1 s (serving is paused: send resume)" in idle["error"]
+    finally:
+        agent.stop()
+        col.close()
+        broker.stop()
+
+
+def test_a_snapshot_jpeg_is_bounded_lower_quality_then_halved_until_it_fits() -> None:
+    from agent.link.liveview import bounded_jpeg
+
+    noise = np.random.default_rng(0).integers(0, 256, (1024, 1024, 3), np.uint8)  # the worst case for JPEG
+    small = bounded_jpeg(noise, max_bytes=100_000)
+    img = cv2.imdecode(np.frombuffer(small, np.uint8), cv2.IMREAD_COLOR)
+    assert len(small) <= 100_000 and img.shape[0] < 1024  # it did not fit at full size: halved
+    whole = bounded_jpeg(np.zeros((64, 64, 3), np.uint8))
+    assert cv2.imdecode(np.frombuffer(whole, np.uint8), cv2.IMREAD_COLOR).shape == (64, 64, 3)  # fits: as it is
+    with pytest.raises(ValueError, match="does not fit in 10 bytes"):
+        bounded_jpeg(noise, max_bytes=10)
+
+
+@pytest.mark.skipif(not Path(__import__("brokers").MOSQUITTO).exists(), reason="mosquitto not installed")
+def test_cmd_snapshot_without_a_source_publishes_one_jpeg_per_listed_source(tmp_path: Path, agent_process) -> None:
+    from brokers import Broker, Collector
+
+    frames = str(Path(__file__).resolve().parents[1] / "models/demo-frames/digits")
+    broker = Broker(tmp_path / "broker").start()
+    prefix = "edge/dev-snaps/"
+    col = Collector(broker.port, [prefix + "cmd/snapshot/reply", prefix + "snapshot/#", prefix + "health"])
+    agent = agent_process(demo_config(
+        tmp_path, port=broker.port, device_id="dev-snaps", output={"stdout": False, "health_interval_s": 0.5},
+        sources=[{"name": "door", "type": "folder", "path": frames, "loop": True, "max_fps": 20},
+                 {"name": "yard", "type": "folder", "path": frames, "loop": True, "max_fps": 20}])).start()
+    try:
+        assert col.wait(lambda: col.connects >= 1, 30)
+        assert col.wait(lambda: any(__import__("json").loads(m.payload).get("serving")
+                                    for m in col.on(prefix + "health")), 120), "never served"
+        r = _ask_snapshot(broker.port, prefix, b"{}", col)
+        assert r["ok"] is True, r
+        assert sorted(s["topic"] for s in r["snapshots"]) == [prefix + "snapshot/door", prefix + "snapshot/yard"]
+        for s in r["snapshots"]:
+            (msg,) = col.on(s["topic"])
+            img = cv2.imdecode(np.frombuffer(msg.payload, np.uint8), cv2.IMREAD_COLOR)
+            assert img.shape == (s["height"], s["width"], 3)
+    finally:
+        agent.stop()
+        col.close()
+        broker.stop()

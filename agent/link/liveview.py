@@ -27,6 +27,7 @@ REFRESH_S = 1          # the page reloads its snapshots this often
 MIN_WIDTH = 320        # frames narrower than this are drawn enlarged (whole multiples, nearest neighbour)
 MAX_STREAMS = 4        # MJPEG viewers at once (each holds a server thread); more are answered 503
 STREAM_MAX_S = 600.0   # an MJPEG stream ends after this long (a forgotten tab does not keep frames kept forever)
+SNAPSHOT_MAX_BYTES = 1 << 20  # an MQTT snapshot's bound: re-encoded at lower quality, then halved, until it fits
 BOUNDARY = "edgeagentframe"
 
 GREEN, YELLOW, WHITE, BLACK = (60, 200, 60), (40, 220, 255), (255, 255, 255), (0, 0, 0)  # BGR
@@ -51,6 +52,7 @@ class LiveView:
     def __init__(self, health: Callable[[], Mapping[str, Any]], clock: Callable[[], float] = time.monotonic):
         self.health, self.clock = health, clock
         self._lock = threading.Lock()
+        self._fresh = threading.Condition(self._lock)  # a kept frame's result came (an MQTT snapshot waits on it)
         self._watched_until = 0.0
         self._next_keep: dict[str, float] = {}
         self._pending: dict[int, tuple[str, np.ndarray, int, bool]] = {}
@@ -83,10 +85,28 @@ class LiveView:
             if got is not None:
                 source, pixels, scale, rgb = got
                 self._latest[source] = Kept(source, pixels, scale, rgb, seq, result, time.time())
+                self._fresh.notify_all()
 
     # -- the HTTP side -------------------------------------------------------------------------------------
     def watched(self) -> None:
         self._watched_until = self.clock() + WATCH_WINDOW_S
+
+    def asked(self) -> float:
+        """An MQTT snapshot request: the next frame of every source is kept at once (not after the keep interval);
+        returns the wall time after which a kept frame answers it."""
+        with self._lock:
+            self._watched_until = self.clock() + WATCH_WINDOW_S
+            self._next_keep.clear()
+        return time.time()
+
+    def served_since(self, source: str, since_unix: float, timeout_s: float) -> Kept | None:
+        """The source's first frame served (with its result) at or after `since_unix`, waiting up to `timeout_s`;
+        None when none came (the source is stalled, paused, or slower than that)."""
+        with self._fresh:
+            self._fresh.wait_for(lambda: (k := self._latest.get(source)) is not None and k.served_unix >= since_unix,
+                                 timeout=timeout_s)
+            kept = self._latest.get(source)
+        return kept if kept is not None and kept.served_unix >= since_unix else None
 
     def sources(self) -> list[str]:
         with self._lock:
@@ -156,6 +176,21 @@ class LiveView:
             return fallback(environ, start_response)
 
         return app
+
+
+def bounded_jpeg(img: np.ndarray, max_bytes: int = SNAPSHOT_MAX_BYTES) -> bytes:
+    """`img` as JPEG of at most `max_bytes`: quality 80, 60, 40, then each side halved until it fits (a 4K frame
+    with fine texture must not become a 3 MB MQTT message)."""
+    import cv2
+
+    while True:
+        for quality in (80, 60, 40):
+            ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, quality])
+            if ok and buf.size <= max_bytes:
+                return bytes(buf.tobytes())
+        if min(img.shape[:2]) <= 16:
+            raise ValueError(f"a {img.shape[1]}x{img.shape[0]} JPEG does not fit in {max_bytes} bytes")
+        img = cv2.resize(img, (img.shape[1] // 2, img.shape[0] // 2), interpolation=cv2.INTER_AREA)
 
 
 class _Held:

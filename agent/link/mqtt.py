@@ -179,6 +179,13 @@ class MqttLink:
         if self.connected.is_set():
             self.client.publish(topic, payload, qos=1, retain=True)
 
+    def publish_now(self, topic: str, payload: bytes) -> bool:
+        """A reply's payload (a snapshot's JPEG): QoS 1, not retained, not through the outbox (nothing on disk; an
+        answer nobody receives while the link is down is not worth replaying). False when the link is down."""
+        if not self.connected.is_set():
+            return False
+        return bool(self.client.publish(topic, payload, qos=1).rc == paho.MQTT_ERR_SUCCESS)
+
     def _send(self, msg: Message) -> int | None:
         if not self.connected.is_set():
             return None

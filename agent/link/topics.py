@@ -50,6 +50,10 @@ class Topics:
     def source_health(self, source: str) -> str:
         return self.prefix + f"health/{source}"
 
+    def snapshot(self, source: str) -> str:
+        """A source's annotated JPEG, published on request (cmd/snapshot), as Frigate's snapshot topics."""
+        return self.prefix + "snapshot/" + source.replace("+", "_").replace("#", "_").replace("\0", "_")
+
     @property
     def bundle_offer(self) -> str:
         return self.prefix + "bundle/offer"
@@ -105,8 +109,10 @@ class Topics:
             "predictions/<stream>": "the same, per sensor stream of its own (a UDP sender: `<source>/<host>:<port>`,"
                                     " at most source.max_streams at once), with one source or many",
             "health/<source>": "retained JSON: one listed source's state, counters, frame age and decoder",
-            "cmd/<name>": "commands: status, selftest, reload, pause, resume",
+            "cmd/<name>": "commands: status, selftest, reload, pause, resume, snapshot (update, rollback: docs/updates.md)",
             "cmd/<name>/reply": "command replies (MQTT 5 response topic + correlation data are honoured too)",
+            "snapshot/<source>": "on cmd/snapshot only: the source's latest served frame with its result drawn, one"
+                                 " JPEG (at most 1 MiB; QoS 1, not retained); the reply names the topic",
             "bundle/offer": "a pushed bundle's offer: transfer id, name, version, size, sha256, chunk size",
             "bundle/chunk/<transfer>/<index>": "the bundle's bytes, in chunks",
             "bundle/done": "the pusher has sent every chunk; the agent answers missing chunks or goes on",

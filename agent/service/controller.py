@@ -68,7 +68,9 @@ class _Served:
     engine: Engine | None
     doc: dict[str, Any] | None
 
-COMMANDS = ("status", "selftest", "reload", "pause", "resume", "update", "rollback")
+COMMANDS = ("status", "selftest", "reload", "pause", "resume", "update", "rollback", "snapshot")
+SNAPSHOT_WAIT_S = 5.0  # cmd/snapshot waits this long (at most SNAPSHOT_WAIT_MAX_S when asked) for a served frame
+SNAPSHOT_WAIT_MAX_S = 30.0
 EVENT_QUEUE_SIZE = 64
 EXIT_PIPELINE_FAILED = 1  # a dead stage: exit non-zero so systemd (Restart=on-failure) restarts us
 Reply = Callable[[dict[str, Any]], None]
@@ -196,7 +198,8 @@ class Controller:
         self.receiver: ChunkReceiver | None = None
         self.downloader: Downloader | None = None
         self.metrics_server: MetricsServer | None = None
-        self.live_view: Any = None  # agent.link.liveview.LiveView with metrics.live_view
+        self.live_view: Any = None  # agent.link.liveview.LiveView with metrics.live_view or MQTT (cmd/snapshot)
+        self._snapshot_busy = False  # a cmd/snapshot job is waiting for its frames
         self.link: MqttLink | None = None
         self.outbox: Outbox | None = None
         self.started = time.monotonic()
@@ -649,8 +652,66 @@ class Controller:
             self._request_reload(reply)
         elif name in ("update", "rollback"):
             self._update_command(cmd, reply)
+        elif name == "snapshot":
+            self._snapshot_command(cmd, reply)
         else:
             reply({"ok": False, "error": f"unknown command {name!r} (known: {', '.join(COMMANDS)})"})
+
+    def _snapshot_command(self, cmd: Command, reply: Reply) -> None:
+        """cmd/snapshot `{source?, timeout_s?}`: the next frame each asked source serves, its result drawn (the live
+        view's drawing), one JPEG on `<prefix>snapshot/<source>`; the reply names the topics. Nothing is kept while
+        nobody asks: the request marks the next frame wanted, and a job thread waits for it (one at a time)."""
+        pipeline, view, link = self.pipeline, self.live_view, self.link
+        if pipeline is None or view is None or link is None:
+            reply({"ok": False, "error": f"not serving: {self.not_serving_reason}" if pipeline is None
+                   else "no live view in this agent (it needs mqtt.enabled)"})
+            return
+        asked = cmd.payload.get("source")
+        known = pipeline.view_names()
+        if asked is not None and asked not in known:
+            reply({"ok": False, "error": f"unknown source {asked!r} (sources: {', '.join(known)})"})
+            return
+        wait = cmd.payload.get("timeout_s", SNAPSHOT_WAIT_S)
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 < wait <= SNAPSHOT_WAIT_MAX_S:
+            reply({"ok": False, "error": f"key timeout_s: {wait!r} is not a number of seconds in (0, "
+                                          f"{SNAPSHOT_WAIT_MAX_S:g}]"})
+            return
+        if self._snapshot_busy:
+            reply({"ok": False, "busy": True, "error": "busy: a snapshot is being taken; ask again after its reply"})
+            return
+        self._snapshot_busy = True
+        self._spawn("snapshot", self._snapshot_job, [asked] if asked is not None else list(known), float(wait),
+                    reply, release=False)
+
+    def _snapshot_job(self, sources: list[str], wait_s: float, reply: Reply) -> None:
+        from agent.link.liveview import bounded_jpeg, draw
+
+        try:
+            view, link = self.live_view, self.link
+            assert view is not None and link is not None
+            since = view.asked()
+            deadline = time.monotonic() + wait_s
+            shots, errors = [], []
+            for source in sources:
+                kept = view.served_since(source, since, max(0.0, deadline - time.monotonic()))
+                if kept is None:
+                    paused = self.pipeline is not None and self.pipeline.paused.is_set()
+                    errors.append(f"source {source!r}: no frame served in {wait_s:g} s"
+                                  + (" (serving is paused: send resume)" if paused else
+                                     " (is the source delivering? see health/<source>)"))
+                    continue
+                img = draw(kept)
+                data = bounded_jpeg(img)
+                topic = link.topics.snapshot(source)
+                if not link.publish_now(topic, data):
+                    errors.append(f"source {source!r}: the MQTT link is down, the snapshot was not sent")
+                    continue
+                shots.append({"source": source, "topic": topic, "bytes": len(data), "seq": kept.seq,
+                              "width": int(img.shape[1]), "height": int(img.shape[0])})
+            log.info("snapshot.published", sources=[s["source"] for s in shots], errors=errors)
+            reply({"ok": not errors, "snapshots": shots, **({"error": "; ".join(errors)} if errors else {})})
+        finally:
+            self._snapshot_busy = False
 
     def _spawn(self, name: str, fn: Callable[..., None], *args: Any, release: bool = True) -> None:
         """A job thread for an operation whose slot is already held; it releases the slot when done
@@ -952,11 +1013,13 @@ class Controller:
         self._start_mqtt()  # a broker that is down never delays boot: the link connects in the background
         from agent.link.prometheus import start_metrics_server
 
-        if self.cfg.metrics.listen and self.cfg.metrics.live_view:
+        served_live = bool(self.cfg.metrics.listen and self.cfg.metrics.live_view)
+        if served_live or self.link is not None:  # MQTT: cmd/snapshot draws with it (nothing kept until asked)
             from agent.link.liveview import LiveView
 
             self.live_view = LiveView(self.health_snapshot)
-        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self, self.live_view)  # None unless set
+        self.metrics_server = start_metrics_server(self.cfg.metrics.listen, self,
+                                                   self.live_view if served_live else None)  # None unless set
         # The boot's proof runs on a job thread like any operation: the controller answers commands and
         # takes bundle messages meanwhile; an update that arrives now waits for the slot.
         self._try_operation("boot")

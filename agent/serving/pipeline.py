@@ -201,6 +201,9 @@ class Pipeline:
         self.live: Any = None
         self._view_name: Callable[[Frame], str] = ((lambda f: f.source) if hasattr(source, "feeds")
                                                    else (lambda f: source.name))
+        # what the live view and cmd/snapshot call the sources (read lazily: a test's bare source has no name)
+        self.view_names: Callable[[], list[str]] = ((lambda: [g.name for g in source.feeds])
+                                                    if hasattr(source, "feeds") else (lambda: [source.name]))
         self.instance = instance  # the agent process: (instance, seq) is unique even for two agents on one device_id
         self.failed: str | None = None  # "<stage>: <error>" once a stage died
         self.drops: dict[str, int] = {}  # reason -> frames captured and not published
