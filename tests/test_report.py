@@ -340,3 +340,14 @@ def test_readable_durations() -> None:
     from agent.report.page import readable_duration
 
     assert [readable_duration(v) for v in (532.4, 8924.0, 89240.0, None)] == ["532 ms", "8.9 s", "1 min 29 s", "-"]
+
+
+def test_the_first_report_does_not_print_matplotlibs_font_cache_notice() -> None:
+    """Matplotlib warns "building the font cache; this may take a moment" when its first import takes over 5 s (a
+    busy machine's first `edge-agent report`): noise on the report's stderr with nothing to do about it."""
+    import logging
+
+    from agent.report.plots import _pyplot
+
+    _pyplot()
+    assert logging.getLogger("matplotlib.font_manager").getEffectiveLevel() >= logging.ERROR

@@ -6,6 +6,7 @@ matplotlib is the optional extra `report`; only `edge-agent report` imports this
 from __future__ import annotations
 
 import io
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ def _pyplot() -> Any:
         raise AgentError("edge-agent report draws its plots with matplotlib, which is not installed: "
                          + install_hint("report", "matplotlib")) from exc
     matplotlib.use("Agg", force=True)
+    # the first import builds Matplotlib's font cache and says so on stderr ("Matplotlib is building the font cache;
+    # this may take a moment"): noise beside the report's own lines, nothing for its reader to do
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     import matplotlib.pyplot as plt
 
     plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
