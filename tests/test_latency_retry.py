@@ -108,11 +108,12 @@ def test_a_fast_model_far_under_its_budget_is_timed_only_until_its_answer_is_cle
 
 
 def _slowed_selftest(bundle: Path, state: Path, monkeypatch: pytest.MonkeyPatch, budget_ms: float,
-                     **opts: object) -> dict:
-    """The tiny bundle's self-test with every latency run slowed by 20 ms (inside the timed region), and the
-    settle time scaled down from 2 s to 0.2 s so that ten such runs reach it."""
+                     fp32_s: float = 0.02, **opts: object) -> dict:
+    """The tiny bundle's self-test with every latency run slowed by 20 ms (FP32's by `fp32_s`; inside the timed
+    region), and the settle time scaled down from 2 s to 0.2 s so that ten such runs reach it."""
     rewrite_manifest(bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": budget_ms}))
-    monkeypatch.setattr(selftest_module, "BEFORE_RUN", lambda c, n: time.sleep(0.02))
+    monkeypatch.setattr(selftest_module, "BEFORE_RUN",
+                        lambda c, n: time.sleep(fp32_s if c.variant == "fp32" else 0.02))
     monkeypatch.setattr(selection_module, "SETTLE_AFTER_S", 0.2)
     report = run_selftest(load_bundle(bundle), state, SelftestOptions(use_cache=False, **opts))  # type: ignore[arg-type]
     return report.to_dict()
@@ -120,13 +121,17 @@ def _slowed_selftest(bundle: Path, state: Path, monkeypatch: pytest.MonkeyPatch,
 
 def test_the_latency_loop_stops_once_its_answer_cannot_change_and_says_so(
         tiny_bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    report = _slowed_selftest(tiny_bundle, tmp_path / "settled", monkeypatch, budget_ms=1000.0)
+    # FP32 40 ms a run, INT8 20 ms: p95s far under 1000 ms and a p50 ratio near 0.5, far from the margin's band,
+    # so the pick is clear after the first rounds however the machine's load jitters them (with both at 20 ms
+    # the ratio sat at the band's edge: a loaded CI timed all 50 once, and 11 rounds once)
+    report = _slowed_selftest(tiny_bundle, tmp_path / "settled", monkeypatch, budget_ms=1000.0, fp32_s=0.04)
     tested = [c for c in report["candidates"] if c["status"] == "tested"]
     assert report["selected"] and tested
-    for c in tested:  # both variants 20 ms a run: p95 far under 1000 ms after ten rounds
-        assert c["latency"]["runs"] == SETTLE_MIN_RUNS, c["latency"]["runs"]
+    for c in tested:
+        runs = c["latency"]["runs"]
+        assert SETTLE_MIN_RUNS <= runs < 50, runs
         ctx = c["latency_context"]
-        assert ctx["asked_runs"] == 50 and ctx["settled"].startswith(f"stopped after {SETTLE_MIN_RUNS} of 50 timed runs")
+        assert ctx["asked_runs"] == 50 and ctx["settled"].startswith(f"stopped after {runs} of 50 timed runs"), ctx
     assert any("up to 50 timed runs" in p["part"] for p in report["costs"])
 
 
