@@ -140,3 +140,20 @@ def test_nothing_serving_says_the_figure_the_key_to_change_and_the_next_attempt(
     assert "selection.when_too_slow: degraded" in said["fix"]
     assert said["measured"] and all("> budget 0.0001 ms" in m for m in said["measured"]), said
     assert said["next_attempt"].startswith("in 30 s"), said
+
+
+# from the review of issue 45: a bundle config check refuses, served by nothing and no way to receive another
+def test_a_model_file_onnx_runtime_cannot_load_with_no_way_to_receive_another_exits_1(tmp_path: Path,
+                                                                                      agent_process) -> None:
+    bundle = tmp_path / "digits-classifier"
+    shutil.copytree(DEMO_BUNDLE, bundle)
+    (bundle / "model_int8.onnx").write_bytes(b"not a protobuf" * 8)
+    rewrite_manifest(bundle)  # hashes match the corrupt file: only loading it can tell
+    agent = agent_process(demo_config(tmp_path, loop=False, bundle=str(bundle)), args=("--max-frames", "3")).start()
+    try:
+        verdict = agent.wait_event("boot.not_serving", timeout=240)
+        assert verdict["next_attempt"].startswith("none by itself"), verdict
+        # It says nothing will change by itself, updates are off and MQTT is off: it must end, as config check says.
+        assert agent.wait_exit(60) == 1, agent.log_text()[-2000:]
+    finally:
+        agent.kill()

@@ -204,6 +204,9 @@ class ChildProof:
     report: dict[str, Any] | None
     error: str | None
     crashes: tuple[CrashRecord, ...] = field(default=())
+    # the child ran to its end and refused the bundle with the agent's own error (a variant ONNX Runtime cannot
+    # load, a provider the config pins that is not here): the same files and config give the same answer again
+    refused: bool = False
 
     @property
     def passed(self) -> bool:
@@ -329,7 +332,7 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
                 return ChildProof(None, f"self-test process failed (exit {proc.returncode}) with no report: {tail}",
                                   tuple(new))
             if doc.get("error"):
-                return ChildProof(None, str(doc["error"]), tuple(new))
+                return ChildProof(None, str(doc["error"]), tuple(new), refused=True)
             report = doc["report"]
             report["crashes"] = [r.to_dict() | {"reason": r.describe()} for r in ledger.active(sha).values()]
             if noted:

@@ -146,7 +146,7 @@ def bundle_unreadable(root: Path) -> str | None:
     return None
 
 
-def _no_report(root: Path, error: str | None, crashed: bool = False) -> BootOutcome:
+def _no_report(root: Path, error: str | None, crashed: bool = False, refused: bool = False) -> BootOutcome:
     """A proof with no report: an unreadable bundle is said as `config check` says it (key bundle: ...). Never after
     a child died on the way (a crash, a signal, a time-out, a load recorded as killing a process): nothing of such a
     bundle is read in the agent's own process (tests/test_boot_load_isolation.py)."""
@@ -156,7 +156,8 @@ def _no_report(root: Path, error: str | None, crashed: bool = False) -> BootOutc
     why = bundle_unreadable(root)
     if why is not None:
         return BootOutcome(None, None, None, f"key bundle: {why}", unservable=True)
-    return BootOutcome(None, None, None, error)
+    # the child refused it with the agent's own error: no re-proof of these files changes that (only a new bundle)
+    return BootOutcome(None, None, None, error, unservable=refused)
 
 
 def boot(cfg: Config, store: Any) -> BootOutcome:
@@ -190,7 +191,7 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
     for crash in proof.crashes:
         log.error("boot.step_crashed", step=crash.step, signal=crash.signal)
     if proof.report is None:
-        return _no_report(root, proof.error, crashed=bool(proof.crashes))
+        return _no_report(root, proof.error, crashed=bool(proof.crashes), refused=proof.refused)
     # what was seen and not charged (a kill from outside): health and the report say it
     proven_sha = str((proof.report.get("bundle") or {}).get("manifest_sha256") or "")
     noted = proof.report.get("unexplained_deaths", []) + noted_deaths(cfg.state_dir / "selftest", proven_sha)
