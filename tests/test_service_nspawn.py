@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from agentproc import parse_events as _events  # the agent's JSON lines in `journalctl -o cat` output
-
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EDGE_AGENT_CACHE", Path.home() / ".cache" / "edge-agent"))
 ROOTFS = CACHE / "nspawn-bookworm"
@@ -249,6 +247,20 @@ def dropin(c: Container, service: list[str]) -> None:
     c.sh("mkdir -p /etc/systemd/system/edge-agent.service.d && "
          f"cat > /etc/systemd/system/edge-agent.service.d/test.conf <<'EOF'\n{text}EOF\n"
          "systemctl daemon-reload")
+
+
+def _events(journal: str) -> list[dict]:
+    """The agent's JSON-line events in `journalctl -o cat` output (systemd's own lines skipped). Its own copy:
+    scripts/test.sh imports this module as `tests.test_service_nspawn` (ensure_rootfs), where the tests' helper
+    modules (agentproc) are not importable."""
+    out = []
+    for line in journal.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
 
 
 def test_service_under_real_systemd() -> None:
