@@ -193,7 +193,6 @@ class MqttConfig:
     max_json_depth: Annotated[int, Key("a command nested deeper than this gets an error reply, unparsed", ge=2)] = 32
     reply_topics: Annotated[tuple[str, ...], Key("MQTT filters an MQTT 5 response topic may match besides "
                                                  "<prefix>reply/#")] = ()
-    max_running_commands: Annotated[int, Key("commands handled at once; beyond, the reply is busy", ge=1)] = 4
     max_packet_bytes: Annotated[int, Key("MQTT 5 Maximum Packet Size: the broker drops bigger messages before they "
                                          "reach the agent; must hold a bundle chunk and its topic", ge=1024)] = \
         5 * 2**20

@@ -176,6 +176,13 @@ def _unused_source_key(data: Any, path: list[Any]) -> str | None:
     return None
 
 
+# Keys that existed once and do nothing now: a config that still sets one is told what replaced it.
+RETIRED = {
+    "mqtt.max_running_commands": "removed: commands wait in the controller's one bounded queue (a full one is "
+                                 "answered busy) and slow ones run as operations, one at a time",
+}
+
+
 def describe(error: jsonschema.ValidationError, data: Any = None) -> str:
     """One schema error in the agent's words: the key path, what was expected, what was found."""
     where = _path(error.absolute_path)
@@ -187,6 +194,8 @@ def describe(error: jsonschema.ValidationError, data: Any = None) -> str:
         extra = sorted(k for k in found if k not in known)
         name = extra[0] if extra else "?"
         path = _path([*error.absolute_path, name])
+        if path in RETIRED:
+            return f"key {path}: {RETIRED[path]}; delete the line"
         close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
         hint = f"; did you mean {_path([*error.absolute_path, close[0]])!r}?" if close else ""
         return f"key {path}: unknown key{hint} (known here: {known})"

@@ -75,6 +75,7 @@ from agent.spec.jpeg import MJPEG_FOURCCS, camera_sized_reduced, max_decode_scal
 from agent.spec.preprocess import Preprocessor
 from agent.spec.yuv import camera_sized_reduced_yuv
 
+from agent.proof.crash_files import CACHE_FILE, INFLIGHT_FILE, SKIP_FILE
 from agent.proof.costs import ProofCosts
 from agent.proof.replay import replay, session_runner
 from agent.spec.inputs import InputFeeder
@@ -473,14 +474,10 @@ def _timed_call(opened: Any, m: Any, tensor: np.ndarray) -> Callable[[], Any]:
     return lambda: opened.session.run(None, feeds)
 
 
-# Called before every run of the latency loop with the candidate and its run number (1-based, warm-up
-# included): the self-test child sets it for its fault hook (`run:<provider>:<variant>#N`).
-BEFORE_RUN: Callable[[Candidate, int], None] | None = None
-
-
 def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
                      attempt: int = 0, manifest: Any = None, marker: Any = None,
-                     settle_margin: float | None = None) -> None:
+                     settle_margin: float | None = None,
+                     before_run: Callable[[Candidate, int], None] | None = None) -> None:
     """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
     machine lands on all candidates alike; the load average is recorded beside the figures.
 
@@ -490,7 +487,10 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
     `settle_margin` (the selection's prefer_margin; None: always the full count): stop before `runs` once
     the answer cannot change (`selection.latency_settled`), once `selection.may_settle` allows the question
     (SETTLE_MIN_RUNS rounds that took SETTLE_AFTER_S of timed runs, or SETTLE_FAST_RUNS rounds); the context
-    says so."""
+    says so.
+
+    `before_run` is called inside the timed region before every run with the candidate and its run number
+    (1-based, warm-up included): the self-test child's fault hook (`run:<provider>:<variant>#N`)."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
     if not live:
         return
@@ -505,8 +505,8 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                        + (f", re-measurement {attempt}" if attempt else ""))
 
     def hook(t: _Trial) -> None:  # inside the timed region: a test's slow-down fault must count
-        if BEFORE_RUN is not None:
-            BEFORE_RUN(t.candidate, count[id(t)])
+        if before_run is not None:
+            before_run(t.candidate, count[id(t)])
 
     try:
         calls: dict[int, Callable[[], Any]] = {
@@ -554,14 +554,28 @@ def _timing_tensor(golden: Sequence[GoldenSample]) -> np.ndarray:
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
              latency: bool = True, latency_runs: int | None = None,
              preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
-             max_batch: int = 1, workers: int = 1) -> CandidateResult:
+             max_batch: int = 1, workers: int = 1,
+             before_run: Callable[[Candidate, int], None] | None = None) -> CandidateResult:
     """One candidate alone: the two questions, then (optionally) its latency. Never raises."""
     m = bundle.manifest
     trial = prove(bundle, c, settings, golden, preprocessed, max_batch=max_batch, workers=workers)
     if latency:
         time_interleaved([trial], _timing_tensor(golden), m.selftest.warmup_runs,
-                         latency_runs or m.selftest.latency_runs, manifest=m)
+                         latency_runs or m.selftest.latency_runs, manifest=m, before_run=before_run)
     return judge(trial.evidence, m)
+
+
+@dataclass(frozen=True)
+class Seams:
+    """The steps a caller may put something in front of, passed in as values (never by rebinding this module's
+    names): the self-test child gives the probes it already made, one step each, and its fault hooks. `prove`
+    opens and checks a candidate on a full run, `evaluate` re-checks a cached winner, `before_run` runs inside
+    the latency loop's timed region before each run."""
+
+    detect_providers: Callable[..., list[ProviderStatus]] = detect_providers
+    prove: Callable[..., _Trial] = prove
+    evaluate: Callable[..., CandidateResult] = evaluate
+    before_run: Callable[[Candidate, int], None] | None = None
 
 
 REDUCED_SCALES = (2, 4, 8)
@@ -797,8 +811,8 @@ class CrashMarkers:
     """A marker written before each candidate; one found at start means that candidate killed us."""
 
     def __init__(self, directory: Path):
-        self.inflight = directory / "inflight.json"
-        self.crashed_file = directory / "crashed.json"
+        self.inflight = directory / INFLIGHT_FILE
+        self.crashed_file = directory / SKIP_FILE
 
     def recover(self) -> dict[str, str]:
         crashed: dict[str, str] = read_json(self.crashed_file, {}) or {}
@@ -848,7 +862,8 @@ def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: Selftest
     return sha256_bytes(json.dumps(material, sort_keys=True, default=str).encode())
 
 
-def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions = SelftestOptions()) -> SelftestReport:
+def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions = SelftestOptions(),
+                 seams: Seams = Seams()) -> SelftestReport:
     """Probe, build candidates, evaluate in priority order, choose. Never raises for a bad candidate."""
     t0 = time.perf_counter()
     created = datetime.now(timezone.utc).isoformat()
@@ -860,7 +875,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     with costs.part("preprocessing check"):
         preprocessed = check_preprocessing(bundle, golden)  # the device's preprocessing: one check for all candidates
     with costs.part("provider probes"):
-        statuses = detect_providers(opts.provider_order, opts.provider_options, opts.settings)
+        statuses = seams.detect_providers(opts.provider_order, opts.provider_options, opts.settings)
     for s in statuses:
         log.info("provider.probed", provider=s.name, listed=s.listed, usable=s.usable, reason=s.reason)
     fingerprint = device_fingerprint()
@@ -894,7 +909,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         if directory:
             write_json_atomic(directory / "report.json", report.to_dict())
             if selected is not None and not cached and degraded is None:
-                write_json_atomic(directory / "cache.json", {"key": key, "candidate": selected.candidate.key,
+                write_json_atomic(directory / CACHE_FILE, {"key": key, "candidate": selected.candidate.key,
                                                              "report": report.to_dict()})
         log.info("selftest.done", bundle=bundle.identity, passed=selected is not None, cached=cached,
                  selected=selected.candidate.key if selected else None, reason=report.reason,
@@ -902,12 +917,12 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         return report
 
     if opts.use_cache and directory:
-        cached = read_json(directory / "cache.json")
+        cached = read_json(directory / CACHE_FILE)
         if cached and cached.get("key") == key:
             hit = next((c for c in candidates if c.key == cached.get("candidate")), None)
             if hit is not None:
                 with costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
-                    quick = _guarded(markers, bundle, hit, lambda: evaluate(
+                    quick = _guarded(markers, bundle, hit, lambda: seams.evaluate(
                         bundle, hit, opts.settings, golden, latency=False, preprocessed=preprocessed,
                         max_batch=opts.max_batch, workers=opts.workers))
                 if quick.passed:
@@ -954,7 +969,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
             with costs.part(f"{c.key}: session, reproduction, fidelity, batch sizes"):
-                trial = _guarded(markers, bundle, c, functools.partial(prove, bundle, c, opts.settings, golden,
+                trial = _guarded(markers, bundle, c, functools.partial(seams.prove, bundle, c, opts.settings, golden,
                                                                        preprocessed, recorded, opts.max_batch,
                                                                        opts.workers))
             trials[c.key] = trial
@@ -966,7 +981,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             with costs.part(f"latency: {warmup} warm-up + up to {runs} timed runs each, {len(proven)} interleaved"):
                 _interleaved(markers, bundle,
                              lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
-                                                         marker=mk, settle_margin=settle))
+                                                         marker=mk, settle_margin=settle,
+                                                         before_run=seams.before_run))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
@@ -985,7 +1001,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             with costs.part(f"latency re-measurement {attempt}"):
                 _interleaved(markers, bundle,
                              lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt,
-                                                         manifest=m, marker=mk, settle_margin=settle))
+                                                         manifest=m, marker=mk, settle_margin=settle,
+                                                         before_run=seams.before_run))
             again = {t.candidate.key: judge(t.evidence, m) for t in slow}
             results = [again.get(r.candidate.key, r) for r in results]
             attempts.append({"attempt": attempt, "waited_s": delay,
