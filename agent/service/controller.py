@@ -21,7 +21,6 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from agent.config import Config
-from agent.errors import Stopping
 from agent.fsio import bump_counter
 from agent.link.health import ProcessProbe
 from agent.logsetup import get_logger
@@ -33,7 +32,7 @@ from agent.service.audit import Auditor, AuditSettings
 from agent.service.boot import BootOutcome, boot
 from agent.service.links import make_sink, start_mqtt, start_observers
 from agent.service.commands import COMMANDS, CommandInlet, Commands
-from agent.service.events import EVENT_QUEUE_SIZE, BundleMessage, Call, CommandEvent, UpdateStatus
+from agent.service.events import EVENT_QUEUE_SIZE, BundleMessage, Call, CommandEvent, Mailbox, UpdateStatus
 from agent.service.operations import MAX_OPERATION_CHARS, OperationSlot, _bounded_name
 from agent.service.preflight import source_problems
 from agent.service.reloads import Reloads
@@ -63,11 +62,11 @@ class Controller:
     def __init__(self, cfg: Config, sink: Sink | None = None):
         self.cfg = cfg
         self.extra_sink = sink
-        self.events: queue.Queue[Any] = queue.Queue(maxsize=EVENT_QUEUE_SIZE)
+        self.mailbox = Mailbox()
+        self.events, self.loop_done = self.mailbox.events, self.mailbox.loop_done
+        self.on_own_thread, self.on_controller = self.mailbox.on_own_thread, self.mailbox.on_controller
         self.stop_event = threading.Event()
         self._reload_signal = threading.Event()
-        self._thread: threading.Thread | None = None  # the controller's own thread, once run() starts
-        self.loop_done = threading.Event()
         self.started = time.monotonic()
         self.boot_number = 0
         # this agent process, drawn at start: in availability, health and every result, so two live agents
@@ -91,46 +90,12 @@ class Controller:
         self.auditor = Auditor(AuditSettings.from_config(cfg),
                                lambda: self.served.engine if self.served.serving else None, cfg.session)
 
-    # -- any thread ----------------------------------------------------------------------------------
+    # -- any thread: the mailbox's ----------------------------------------------------------------------
     def post(self, event: Any, timeout: float | None = None) -> bool:
-        """Queue an event for the controller; False when the queue stayed full."""
-        try:
-            if timeout is None:
-                self.events.put_nowait(event)
-            else:
-                self.events.put(event, timeout=timeout)
-            return True
-        except queue.Full:
-            return False
-
-    def on_own_thread(self) -> bool:
-        """True where state may be changed directly: the controller's thread, before run() or after its loop."""
-        return self._thread is None or threading.current_thread() is self._thread or self.loop_done.is_set()
+        return self.mailbox.post(event, timeout)
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the controller's thread and return its result (from a job thread)."""
-        if self._thread is None or threading.current_thread() is self._thread:
-            return fn()
-        c = Call(fn)
-        while not self.post(c, timeout=0.5):
-            if self.loop_done.is_set():
-                raise Stopping("the agent is stopping")
-        while not c.done.wait(0.1):
-            if self.loop_done.is_set() and not c.done.is_set():
-                raise Stopping("the agent is stopping")
-        if c.error is not None:
-            raise c.error
-        return c.result
-
-    def on_controller(self, fn: Callable[[], Any]) -> Any:
-        """`call`, for an update's transitions: once the controller's loop has ended (shutdown), run inline,
-        so an update's last transition (rolled back, cut short) is still recorded."""
-        if self.loop_done.is_set():
-            return fn()
-        try:
-            return self.call(fn)
-        except Stopping:  # the loop ended before it took `fn` (it never runs a Call after that)
-            return fn()
+        return self.mailbox.call(fn)
 
     def request_stop(self, *_: Any) -> None:
         self.stop_event.set()
@@ -187,7 +152,7 @@ class Controller:
     # -- main loop -------------------------------------------------------------------------------------
     def run(self) -> int:
         """Boot, serve until stopped; 0 on a clean stop or a finite source's end, non-zero on a dead stage."""
-        self._thread = threading.current_thread()
+        self.mailbox.owner = threading.current_thread()
         forbid_fd_capture()  # native output is captured only in the self-test child
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.request_stop)
