@@ -33,7 +33,8 @@ SHUTDOWN_GRACE_S = 0.2  # how long close() still waits for a source already know
 def stuck_bound_s(cfg: SourceConfig) -> float:
     """How long a source's loop may go without a heartbeat while honouring its time-outs: a reopen may try
     twice (hardware decoding, then software), each up to the open time-out, then one read."""
-    return (2 * cfg.open_timeout_ms + cfg.read_timeout_ms) / 1000 + STUCK_MARGIN_S
+    open_ms, read_ms = cfg.io_timeouts_ms()
+    return (2 * open_ms + read_ms) / 1000 + STUCK_MARGIN_S
 
 
 @dataclass
