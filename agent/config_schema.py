@@ -6,6 +6,8 @@ here from the dataclasses' type hints and their `Key` annotations, so each defau
 defined once, on its field). JSON Schema rather than pydantic or msgspec: the manifest already uses
 it, it adds no dependency with a compiled core to a device daemon, and the same schema documents
 the keys (docs/reference/config.md is generated from it). Errors name the file and the key path.
+`source:` is the discriminated union of the registered source types (agent.source_types): the same
+mechanism states it in one rule per type, so no second validator (pydantic, msgspec) is needed for it.
 """
 
 from __future__ import annotations

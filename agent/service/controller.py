@@ -34,6 +34,7 @@ from agent.proof.session import forbid_fd_capture
 from agent.serving.engine import Engine
 from agent.serving.pipeline import Pipeline, Sink
 from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
+from agent.serving.capabilities import Multiplexed
 from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode, warm_decoder
 from agent.service.boot import BootOutcome, boot, memory_dir, open_engine, prove
@@ -154,7 +155,7 @@ def proven_decode(cfg: Any, report: dict[str, Any] | None) -> tuple[Any, dict[st
     proven = int(dec.get("max_scale", 1)) if isinstance(dec, dict) else 1
     limit: dict[str, Any] = {"max_scale": proven, "proven": proven, "reason": dec.get("reason") if dec else
                              "the self-test report has no reduced-decode check", "forced": None}
-    forced = getattr(cfg, "decode_scale", "auto")
+    forced = cfg.picture_scale() or "auto"  # None: a type that never decodes pictures
     if forced != "auto":
         limit["forced"] = int(forced)
         if int(forced) > proven:
@@ -522,7 +523,7 @@ class Controller:
         # bring a loud state (pinned below floor) with it
         return (self.serving, self.not_serving_reason, self._status_text(), self.auditor.to_dict()["state"],
                 p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None,
-                getattr(p.source, "state_key", lambda: None)() if p else None)  # many sources: one turns stuck
+                p.source.state_key() if p and isinstance(p.source, Multiplexed) else None)  # many: one turns stuck
 
     def _publish_selftest(self) -> None:
         if self.link is not None and self.selftest_doc is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent.config import Config, SourceConfig
-from agent.source_types import CameraSourceConfig, MqttSourceConfig, PathKey, StreamSourceConfig
+from agent.source_types import CameraSourceConfig, MqttSourceConfig, PathKey, PlaybackKeys, StreamSourceConfig
 from agent.errors import AgentError, install_hint
 from agent.proof.terms import CPU
 from agent.service.boot import bundle_path_problem
@@ -22,9 +22,6 @@ from agent.service.boot import bundle_path_problem
 if TYPE_CHECKING:
     from agent.bundle.load import Bundle
 
-# Opened here as `run` opens them: a file or folder can be tried without side effects; a camera, a stream, a
-# port or a broker only by `run` itself (a check must not grab a camera or a port the running agent holds).
-OPENED_HERE = ("folder", "video")
 
 
 @dataclass
@@ -187,7 +184,9 @@ def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: 
             if src.type == "video" and (why := video_problem(src.path)) is not None:
                 f.problems.append(f"key {key}.path: {why}")
                 continue
-            if src.type in OPENED_HERE and bundle is not None:
+            # recorded frames (a folder, a video) are opened here as `run` opens them, without side effects; a
+            # camera, a stream, a port or a broker only by `run` itself (a check must not grab what it holds)
+            if isinstance(src, PlaybackKeys) and bundle is not None:
                 _try_open(key, src, bundle, f)
         elif isinstance(src, StreamSourceConfig) and not src.url:
             f.problems.append(f"key {key}.url: source type stream needs a url")

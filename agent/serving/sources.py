@@ -28,12 +28,14 @@ import numpy as np
 from agent.config import SourceConfig
 from agent.source_types import (CameraSourceConfig, FfmpegKeys, FolderSourceConfig, MqttSourceConfig, PictureKeys,
                                 StreamSourceConfig, VideoSourceConfig)
-from agent.source_types import register as register_type
+from agent.source_types.registry import register as register_type
+from agent.source_types.registry import unregister as unregister_type
 from agent.errors import BadFrame, ConfigError, UndecodableFrame
 from agent.logsetup import get_logger
 from agent.npio import read_npy
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
+from agent.serving.capabilities import Retargetable, inner_sources
 from agent.serving.sizing import DecoderLoad
 from agent.serving.source_checks import probe_video
 from agent.spec.jpeg import MJPEG_FOURCCS
@@ -712,6 +714,12 @@ def register_source(cls: type[SourceConfig], opener: SourceFactory) -> None:
     OPENERS[cls.TYPE] = opener
 
 
+def unregister_source(name: str) -> None:
+    """Remove a source type and its opener (a test's throwaway type, after the test)."""
+    unregister_type(name)
+    OPENERS.pop(name, None)
+
+
 def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None,
                 max_scale: int = 8) -> FrameSource:
     """The source `cfg` names. `resize`, the bundle's preprocess resize, lets JPEG sources decode at reduced
@@ -747,14 +755,13 @@ def warm_decoder(cfgs: Sequence[SourceConfig]) -> None:
 
 def retarget_decode(source: FrameSource, resize: ResizeSpec | None, max_scale: int) -> None:
     """A new bundle's resize and proven decode scale, taken by a running source from its next frame on."""
-    if hasattr(source, "max_scale"):
-        source.resize, source.max_scale = resize, max_scale  # type: ignore[attr-defined]
+    if isinstance(source, Retargetable):
+        source.resize, source.max_scale = resize, max_scale
 
 
 def video_sources(source: FrameSource) -> list[OpenCVSource]:
     """The sources behind `source` (itself, or each of many) that decode video: the planner sizes their decoders."""
-    inner = [f.source for f in getattr(source, "feeds", ())] or [source]
-    return [s for s in inner if isinstance(s, OpenCVSource)]
+    return [s for s in inner_sources(source) if isinstance(s, OpenCVSource)]
 
 
 def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:
