@@ -1,7 +1,7 @@
 """The agent's YAML config -> typed, validated settings.
 
-The dataclasses below are the one definition of every key: its type, default, range and meaning
-(`Key`). `agent.config_schema` makes the JSON Schema the YAML is validated with from them, and the
+The dataclasses below (and each source type's class, in agent.source_types) are the one definition of
+every key: its type, default, range and meaning (`Key`). `agent.config_schema` makes the JSON Schema the YAML is validated with from them, and the
 reference table in docs/reference/config.md is generated from the same schema. Every error names the
 file, the key path, what was expected and what was found; unknown keys are errors, never ignored
 (a typo in `allow_cpu_falback` must not change what the agent does).
