@@ -71,15 +71,46 @@ def _default(f: dataclasses.Field[Any], key: Any) -> str:
     return f"`{value}`"
 
 
+def _source_fields() -> list[tuple[dataclasses.Field[Any], Any, tuple[str, ...]]]:
+    """`source:`'s keys: every registered type's, in registration order, each with the types that read it
+    (empty: every type)."""
+    from agent.config_schema import field_hints
+    from agent.source_types import registered
+    from agent.source_types.registry import common_keys, types_reading
+
+    out, seen = [], set()
+    for cls in registered().values():
+        hints = field_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in seen:
+                seen.add(f.name)
+                out.append((f, hints[f.name], () if f.name in common_keys() else types_reading(f.name)))
+    return out
+
+
+def _source_type_row(prefix: str) -> tuple[str, str, str, str, str]:
+    from agent.source_types import DEFAULT_TYPE, registered
+
+    types_ = registered()
+    return (prefix + "type", " | ".join(f"`{n}`" for n in types_), f"`{DEFAULT_TYPE}`", "",
+            ", ".join(c.TITLE or n for n, c in types_.items()))
+
+
 def config_rows(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str, str]]:
     from agent.config_schema import bare, field_hints, key_of
+    from agent.source_types import SourceConfig
 
     rows = []
-    hints = field_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init or f.name == "source_file":
+    if cls is SourceConfig:  # the union of the registered types: each key says which types read it
+        fields = _source_fields()
+        rows.append(_source_type_row(prefix))
+    else:
+        hints = field_hints(cls)
+        fields = [(f, hints[f.name], ()) for f in dataclasses.fields(cls)]
+    for f, hint, used_by in fields:
+        if not f.init or f.name == "source_file" or (cls is SourceConfig and f.name == "type"):
             continue
-        hint, key = hints[f.name], key_of(hints[f.name])
+        key = key_of(hint)
         tp = bare(hint)
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
         nested = tp if dataclasses.is_dataclass(tp) else (inner[0] if inner else None)
@@ -95,7 +126,7 @@ def config_rows(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str, st
             rng.append(f"<= {key.le:g}")
         if key.pattern:
             rng.append(f"`{key.pattern}`")
-        doc = key.doc + (f" (source types: {', '.join(key.used_by)})" if key.used_by else "")
+        doc = key.doc + (f" (source types: {', '.join(used_by)})" if used_by else "")
         type_name = "list of source mappings (each as `source`, with a required `name`)" if f.name == "sources" \
             else _type_name(hint)
         rows.append((prefix + f.name, type_name, _default(f, key), ", ".join(rng), doc))

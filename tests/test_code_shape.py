@@ -21,8 +21,8 @@ MODULES = {
     "agent/proof/selftest.py": (1150, "the self-test shell and its checks; the checks move out with the pipeline "
                                       "engine's per-node proof (issue 42)"),
     "agent/spec/manifest.py": (820, "the manifest's typed values restate the result kinds (issue 46 point 3)"),
-    "agent/serving/pipeline.py": (800, "the pipeline's threads; per-node stages come with issue 42"),
-    "agent/serving/sources.py": (744, "every frame source in one registry (issue 46 point 4: typed sources)"),
+    "agent/serving/pipeline.py": (803, "the pipeline's threads; per-node stages come with issue 42"),
+    "agent/serving/sources.py": (768, "every frame source's opener in one module; each could live with its type"),
     "agent/fleet/operator.py": (726, "the operator loop and its reconciliation"),
     "agent/service/cli.py": (691, "every subcommand's parser and handler"),
     "agent/updates/delivery.py": (675, "three delivery paths (issue 46 point 2: one interface)"),
@@ -43,6 +43,7 @@ FUNCTIONS = {
     "agent/link/push.py::push": (86, 25, "the push's steps with their error replies"),
     "agent/proof/isolation.py::_prove_in_child": (87, 25, "the child's life: spawn, watch, judge its death"),
     "agent/service/selftest_child.py::_prove": (101, 25, "the child's steps, each under its crash marker"),
+    "agent/serving/sensors.py::__init__": (84, 25, "a sensor source's settings, checked one by one"),
 }
 
 

@@ -1081,7 +1081,7 @@ def no_reduced_decode(cfg: Any) -> str | None:
     if not sources:
         return None
     for src in sources:
-        if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+        if src.picture_scale() in (1, None):  # decoded at full size, or sensor samples
             continue
         if src.type == "folder" and src.path is not None and Path(src.path).is_dir() and not any(
                 p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir()):
@@ -1096,7 +1096,8 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
     video file's frame size from its header. () when there are no sources (every scale is proven)."""
     out = []
     for src in list(getattr(cfg, "source_list", ()) or ()):
-        forced = None if src.decode_scale == "auto" else int(src.decode_scale)
+        scale = src.picture_scale()  # None: sensor samples, never decoded
+        forced = None if scale in ("auto", None) else int(scale)
         frame, fourcc = video_header(Path(src.path)) if src.type == "video" and src.path is not None else (None, None)
         out.append(SourceScaleLimit(forced, frame, _paths_of(src, fourcc)))
     return tuple(out)
@@ -1105,7 +1106,7 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
 def _paths_of(src: Any, fourcc: str | None) -> frozenset[str] | None:
     """The reduced paths a source can serve through, known before it opens; None: unknown (a camera, a stream,
     MQTT images, a folder not there yet). A video file's codec is in its header."""
-    if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+    if src.picture_scale() in (1, None):
         return frozenset()
     if src.type == "folder" and src.path is not None and Path(src.path).is_dir():
         has_jpeg = any(p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir())

@@ -33,7 +33,7 @@ def proven_decode(cfg: Any, report: dict[str, Any] | None) -> tuple[Any, dict[st
     proven = int(dec.get("max_scale", 1)) if isinstance(dec, dict) else 1
     limit: dict[str, Any] = {"max_scale": proven, "proven": proven, "reason": dec.get("reason") if dec else
                              "the self-test report has no reduced-decode check", "forced": None}
-    forced = getattr(cfg, "decode_scale", "auto")
+    forced = cfg.picture_scale() or "auto"  # None: a type that never decodes pictures
     if forced != "auto":
         limit["forced"] = int(forced)
         if int(forced) > proven:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.link.health import audited
 from agent.logsetup import get_logger
+from agent.serving.capabilities import Multiplexed
 from agent.service.audit import loud_state
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 
@@ -91,7 +92,7 @@ class StatusBoard:
         p = self.hub.served.pipeline
         return (self.hub.served.serving, self.hub.served.reason, self.status_text(), self.hub.auditor.to_dict()["state"],
                 p.source.stats.state if p else None, bool(p and p.paused.is_set()), p.failed if p else None,
-                getattr(p.source, "state_key", lambda: None)() if p else None)  # many sources: one turns stuck
+                p.source.state_key() if p and isinstance(p.source, Multiplexed) else None)  # many: one turns stuck
 
     def facts(self) -> dict[str, Any]:
         """The retained facts a fleet rollout targets on and gates with (agent/fleet/facts.py)."""
