@@ -43,7 +43,7 @@ from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
 from agent.service.preflight import can_receive_bundle, source_problems
 from agent.service.sdnotify import Notifier
-from agent.updates.machine import State
+from agent.updates.commands import CommandRefused, Rollback, is_repeat, parse_update_command, repeat_reply
 from agent.updates.probation import probation_over
 
 if TYPE_CHECKING:  # imported at run time only when updates, MQTT or metrics are enabled (_start_*)
@@ -896,21 +896,18 @@ class Controller:
         if updater is None or downloader is None:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
             return
-        if cmd.name == "update":
-            url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
-            if not isinstance(url, str) or not isinstance(sha, str):
-                reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
-                return
-            uid = str(cmd.payload.get("id", url.rsplit("/", 1)[-1]))[:100]
-            snap, store = updater.machine.snapshot, self.store
-            if (snap.update == uid and snap.state is State.COMMITTED and self._url_committed == (uid, sha)
-                    and store is not None and snap.bundle is not None
-                    and store.current_id == snap.bundle == store.committed_id):
-                # the same update again (same id and sha256; a fleet operator resumed after its first
-                # command went out), its bundle still the one serving: its verdict, not a second install
-                reply({"ok": True, "repeated": True,
-                       "update": self._last_update if (self._last_update or {}).get("update") == uid
-                       else {"update": uid, "state": "committed"}})
+        try:
+            parsed = parse_update_command(cmd.name, cmd.payload)
+        except CommandRefused as exc:
+            reply({"ok": False, "error": str(exc)})
+            return
+        if not isinstance(parsed, Rollback):
+            url, sha, uid, store = parsed.url, parsed.sha256, parsed.id, self.store
+            if store is not None and is_repeat(parsed, updater.machine.snapshot, self._url_committed,
+                                               store.current_id, store.committed_id):
+                # the same update again (a fleet operator resumed after its first command went out), its
+                # bundle still the one serving: its verdict, not a second install
+                reply(repeat_reply(parsed, self._last_update))
                 return
             refused = downloader.refusal(url, uid)
             if refused is not None:
@@ -920,7 +917,7 @@ class Controller:
             cancel = updater.machine.cancel  # this download's: a newer start hands out another
             work: Callable[[], dict[str, Any]] = lambda: downloader.fetch_started(url, sha, uid, cancel)  # noqa: E731
         else:
-            uid = str(cmd.payload.get("id", "rollback"))[:100]
+            uid = parsed.id
             busy = updater.begin_rollback(uid)
             work = lambda: updater.rollback_started(uid)  # noqa: E731
         if busy is not None:
