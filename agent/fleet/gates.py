@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.fleet.plan import Plan
+from agent.updates.machine import State
+from agent.updates.status import state_of
 
 FINAL_STATES = ("committed", "rejected", "rolled_back")
-SELFTEST_REJECTION = "self-test failed"  # the updater's reason prefix (agent/updates/updater.py)
+SELFTEST_REJECTION = "self-test failed"  # the updater's reason prefix (agent/updates/flow.py, proving)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ def downloading(plan: Plan, status: Mapping[str, Any] | None) -> bool:
     """Started and not yet past its download: what the fleet-wide download cap counts."""
     if status is None or status.get("update") != plan.id:
         return True
-    return status.get("state") in ("downloading", "receiving", "progress", "missing")
+    # the machine's `receiving`; a device from before 7 December 2026 says downloading, progress or missing
+    return state_of(status) == State.RECEIVING.value
 
 
 def abort_reason(finished: int, failed: int, plan: Plan) -> str | None:
