@@ -15,12 +15,12 @@ from typing import Any, Callable, ContextManager, Protocol
 
 from agent.bundle.load import Bundle
 from agent.config import UpdatesConfig
-from agent.errors import AgentError, UpdateRejected
+from agent.errors import AgentError, Busy, UpdateRejected
 from agent.logsetup import get_logger
 from agent.proof.isolation import prove_in_child
 from agent.proof.verdict import Candidate
 from agent.updates.flow import STEPS, VERDICTS, Run, file_kind
-from agent.updates.machine import BEFORE_SWITCH, TERMINAL, TRANSITIONS, Busy, Event, Snapshot, State, UpdateMachine
+from agent.updates.machine import BEFORE_SWITCH, TERMINAL, TRANSITIONS, Event, Snapshot, State, UpdateMachine
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation, p95
 from agent.updates.status import status_doc
 from agent.updates.store import BundleStore
@@ -62,7 +62,8 @@ class Updater:
 
     def _fire(self, event: Event, *args: Any, **kw: Any) -> Snapshot:
         """Every transition runs on the owner's thread (the controller's queue), whichever thread asks."""
-        return self.on_owner(lambda: self.machine.fire(event, *args, **kw))
+        snap: Snapshot = self.on_owner(lambda: self.machine.fire(event, *args, **kw))
+        return snap
 
     # -- status ------------------------------------------------------------------------------------------
     def status(self, update: str, origin: str, step: str, **detail: Any) -> dict[str, Any]:
