@@ -404,6 +404,7 @@ class SimDevice:
             if self.fleet.stop.wait(self.group.crash_down_s):
                 return
             self.store.recover()
+            self.url_committed = None  # a restarted agent forgets it: the same command again is an update
             active = load_bundle(self.store.path(self.store.committed_id or self.fleet.seed_id), check_contracts=False)
             self.agent.serve(_Serving(active, self.report(active.root)))
             self.crashed.clear()
