@@ -60,9 +60,10 @@ class _Given(Updater):
     """The agent's Updater with the self-test child's report and probation's evidence given."""
 
     errors = 0
+    proven = True
 
     def _child_selftest(self, root: Path) -> dict[str, Any]:
-        return {"passed": True, "providers": [{"name": "CPUExecutionProvider", "usable": True}],
+        return {"passed": self.proven, "reason": None if self.proven else "no candidate passed (given)", "providers": [{"name": "CPUExecutionProvider", "usable": True}],
                 "selected": {"provider": "CPUExecutionProvider", "variant": "fp32", "precision": "fp32"},
                 "candidates": [{"provider": "CPUExecutionProvider", "variant": "fp32", "options": {}}]}
 
@@ -122,7 +123,8 @@ def _install(rig: _Rig, archive: Path, update: str) -> dict[str, Any]:
 def test_every_state_step_ends_in_an_event_and_the_table_alone_picks_the_next_state(
         tmp_path: Path, tiny_bundle_master: Path, archives: dict[str, Path]) -> None:
     """Each state's step, with each event it can end in: committed, rolled back after the switch (a swap that
-    fails, a probation that fails), rejected before it (an archive that does not unpack), and a rollback."""
+    fails, a probation that fails), rejected before it (an archive that does not unpack, a self-test that
+    fails), and a rollback."""
     # a step says only which event it ended in: it has no way to name a state
     assert {f.name for f in dataclasses.fields(Outcome)} == {"event", "reason", "bundle"}
     assert set(STEPS) == {s for s in State if s not in TERMINAL}
@@ -138,8 +140,11 @@ def test_every_state_step_ends_in_an_event_and_the_table_alone_picks_the_next_st
     assert _install(bad, archives["v2"], "v2")["state"] == "rolled_back"
     junk = _rig(tmp_path / "junk", tiny_bundle_master)
     assert _install(junk, archives["junk"], "junk")["state"] == "rejected"
+    unproven = _rig(tmp_path / "unproven", tiny_bundle_master)
+    unproven.up.proven = False
+    assert _install(unproven, archives["v2"], "v2")["state"] == "rejected"
 
-    moves = ok.moves + swap.moves + bad.moves + junk.moves
+    moves = ok.moves + swap.moves + bad.moves + junk.moves + unproven.moves
     for before, event, after in moves:
         assert TRANSITIONS[before, event] == after, (before, event, after)
     happy = [State.IDLE, State.RECEIVING, State.VERIFYING, State.STAGED, State.PROVING, State.SWITCHING,
@@ -153,6 +158,7 @@ def test_every_state_step_ends_in_an_event_and_the_table_alone_picks_the_next_st
     assert swap.moves[-1] == (State.SWITCHING, Event.FAILED, State.ROLLED_BACK)
     assert bad.moves[-1] == (State.PROBATION, Event.FAILED, State.ROLLED_BACK)
     assert junk.moves[-1] == (State.VERIFYING, Event.REJECT, State.REJECTED)
+    assert unproven.moves[-1] == (State.PROVING, Event.REJECT, State.REJECTED)
     # every step ran and every verdict was reached
     assert {m[0] for m in moves} >= set(STEPS) and {m[2] for m in moves} >= set(VERDICTS)
     # a rolled-back update leaves `current` on `committed`; a rollback commits the bundle it went back to
