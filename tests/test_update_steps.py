@@ -187,3 +187,18 @@ def test_the_published_state_is_always_one_of_the_machines_states(tmp_path: Path
     assert {w: state_of({"state": w}) for w in ("downloading", "progress", "missing", "unpacking", "verified",
                                                 "selftest", "selftest_passed", "switched")} == LEGACY_STATE
     assert state_of({"state": "committed"}) == "committed" and state_of({}) is None
+
+
+def test_the_fleet_operator_reads_the_new_words_and_the_old_ones_devices_in_the_field_still_send() -> None:
+    """A device from before the change says `downloading`, `progress`, `missing`; one after says `receiving`
+    (its step one of those): both are counted under the download cap, neither once it proves."""
+    from agent.fleet.gates import downloading
+    from test_fleet_gates import plan
+
+    p = plan()
+    for doc in ({"state": "receiving", "step": "downloading"}, {"state": "receiving", "step": "progress"},
+                {"state": "downloading"}, {"state": "progress"}, {"state": "missing"}, {"state": "receiving"}):
+        assert downloading(p, {"update": "r1", **doc}), doc
+    for doc in ({"state": "verifying", "step": "unpacking"}, {"state": "proving", "step": "selftest"},
+                {"state": "selftest"}, {"state": "unpacking"}, {"state": "committed"}):
+        assert not downloading(p, {"update": "r1", **doc}), doc
