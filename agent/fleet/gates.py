@@ -64,12 +64,15 @@ def observe(plan: Plan, started_ts: float, now: float, status: Mapping[str, Any]
     # `went_offline` when it is still away then (a last will's own ts is when the will was set, not when
     # it fired: it cannot date the loss).
     if now - started_ts > plan.device_timeout_s:
+        # the finer word where the device says one (`downloading` within `receiving`); before 7 December 2026
+        # that word was its state
+        step = (status or {}).get("step") if mine else None
+        last = (step if isinstance(step, str) else state) or "none"
         if away(availability):
             return Outcome("failed", "went_offline", f"went {(availability or {}).get('state')} during the update "
                                                      f"and no verdict within {plan.device_timeout_s:g} s "
-                                                     f"(last step: {state or 'none'})")
-        return Outcome("failed", "timed_out", f"no verdict within {plan.device_timeout_s:g} s "
-                                              f"(last step: {state or 'none'})")
+                                                     f"(last step: {last})")
+        return Outcome("failed", "timed_out", f"no verdict within {plan.device_timeout_s:g} s (last step: {last})")
     return None
 
 
