@@ -35,6 +35,7 @@ from agent.spec.manifest import (MANIFEST_NAME, ExtraInput, frame_from_dict, inp
                                  preprocess_from_dict, TensorSpec)
 from agent.proof.parity import Finding, fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
+from agent.bundle.decoder_proof import unproven_decoder
 from agent.spec.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet, load_samples
 from agent.proof.session import measure_latency
@@ -90,6 +91,8 @@ class CreateOptions:
     pre_graph: Path | None = None  # preprocess.graph: copied into the bundle (hashed, signed), never quantised
     post_graph: Path | None = None  # postprocess.graph: likewise
     charset: Path | None = None  # postprocess.result.charset (kind text): copied into the bundle, hashed and signed
+    # build a decoding bundle whose golden and held-out sets hold no package answers, the warning in its manifest
+    allow_unproven_decoder: bool = False
 
 
 STAGE_DEFAULT_NAMES = {"preprocess": "pre.onnx", "postprocess": "post.onnx"}
@@ -918,6 +921,9 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
                     if held is not None and opts.heldout is not None and not sequence else None)
     if held_answers is not None:
         check_answers_kind(spec, json.loads(held_answers)["kind"], opts.heldout)
+    unproven = unproven_decoder(spec, opts.golden, opts.heldout if held is not None else None,
+                                answers_text is not None, held_answers is not None, opts.allow_unproven_decoder,
+                                sequence)
 
     if already:
         builds = [VariantBuild("int8", "int8", fp32_file, dict(source_check),
@@ -1035,7 +1041,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         "label": str(spec.get("label", "0.1.0")),
         "created": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
         "source": _source(spec.get("source", {}), opts.model, reference_origin
-                          + (f"; front-end compiled into the graph: {frontend.describe()}" if frontend else "")),
+                          + (f"; front-end compiled into the graph: {frontend.describe()}" if frontend else ""))
+        | ({"unproven_decoder": unproven} if unproven else {}),
         "task": task,
         "input": {**input_spec, "frame": spec["frame"]},
         **({"inputs": spec["inputs"]} if spec.get("inputs") else {}),
