@@ -49,10 +49,10 @@ def unproven_decoder(spec: Mapping[str, Any], golden: Path, heldout: Path | None
     if sequence or kind not in DECODED_KINDS or have_golden_answers or have_held_answers:
         return None
     post = spec.get("postprocess") or {}
-    how = (f"post graph {post['graph']!r}" if post.get("graph")
-           else f"layout {post.get('layout')!r}" if post.get("layout") else key)
+    how = (f", post graph {post['graph']!r}" if post.get("graph")
+           else f", layout {post.get('layout')!r}" if post.get("layout") else "")
     where = f"{golden}" + (f" and {heldout}" if heldout is not None else "")
-    text = (f"the decoder ({key}: {kind!r}, {how}) is not proven: {where} hold no package answers "
+    text = (f"the decoder ({key}: {kind!r}{how}) is not proven: {where} hold no package answers "
             f"(answers.json, the package's own end-to-end results), so its results could only be judged against "
             f"our own decoding of the same tensors, which a wrong decoder passes")
     if not allow:

@@ -275,7 +275,7 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
             outs = dict(zip([o.name for o in opened.session.get_outputs()],
                             opened.session.run(None, feeder.feeds(batch, "selftest"))))
             for k, i in enumerate(idx):
-                rows.append({name: v[k] for name, v in outs.items()})
+                rows.append(split_batch(outs, k, m.batch_axes))
                 refs.append(single[i])
         rows, refs = used_outputs(m, rows, refs)  # outputs not in postprocess.uses: never judged
         q = judge_reproduction(m.postprocess, rows, refs, bounds, "batch 1", stage=f"batch {b}")
@@ -307,7 +307,7 @@ def run_concurrently(opened: Any, m: Any, tensors: Sequence[np.ndarray],
         out = []
         for i in share:
             outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
-            out.append((i, split_batch(outs, 0)))
+            out.append((i, split_batch(outs, 0, m.batch_axes)))
         return out
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
@@ -364,15 +364,17 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             return golden_pass_of(opened, m, fed, golden)
 
         got, origin = golden_pass(concurrent)  # origin, per judged row: (golden sample, step of its sequence)
-        refs = [r for g in golden for r in _steps(g.outputs, _is_sequence(g))]
-        own = [] if own_batched is None else [r for i, g in enumerate(golden) for r in _steps(own_batched[i], _is_sequence(g))]
+        refs = [r for g in golden for r in _steps(g.outputs, _is_sequence(g), m.batch_axes)]
+        own = [] if own_batched is None else [r for i, g in enumerate(golden)
+                                              for r in _steps(own_batched[i], _is_sequence(g), m.batch_axes)]
         got_used, own_used, refs_used = used_outputs(m, got, own, refs)  # outputs not in postprocess.uses: never judged
         concurrent_findings: list[Any] = []
         if own_batched is not None:
             rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
             if concurrent and rep.passed:
                 # serving at light load runs one caller at a time: one sample alone is judged too
-                alone, = used_outputs(m, [split_batch(o, 0) for o in _run_golden(opened, m, fed[0], False)])
+                alone, = used_outputs(m, [split_batch(o, 0, m.batch_axes)
+                                          for o in _run_golden(opened, m, fed[0], False)])
                 concurrent_findings = list(judge_reproduction(m.postprocess, alone, own_used[:1], bounds, "variant",
                                                               stage="one caller alone").findings)
             elif concurrent:
@@ -433,7 +435,8 @@ def golden_pass_of(opened: Any, m: Any, fed: Sequence[np.ndarray], golden: Seque
                    ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int | None]]]:
     """Each golden tensor through the open session, one caller: the rows judged (a sequence's steps each) and,
     per row, its golden sample and step."""
-    rows_of = [[split_batch(o, 0) for o in _run_golden(opened, m, x, _is_sequence(g))] for x, g in zip(fed, golden)]
+    rows_of = [[split_batch(o, 0, m.batch_axes) for o in _run_golden(opened, m, x, _is_sequence(g))]
+               for x, g in zip(fed, golden)]
     return ([r for rows in rows_of for r in rows],
             [(g.index, s if _is_sequence(g) else None) for rows, g in zip(rows_of, golden) for s in range(len(rows))])
 
@@ -454,10 +457,12 @@ def _is_sequence(g: GoldenSample) -> bool:
     return bool(getattr(g, "sequence", False))
 
 
-def _steps(outputs: Mapping[str, np.ndarray], sequence: bool) -> list[dict[str, np.ndarray]]:
-    """One golden sample's outputs per step, batch dimension dropped: [1, ...] or [T, 1, ...]."""
+def _steps(outputs: Mapping[str, np.ndarray], sequence: bool,
+           axes: Mapping[str, int] | None = None) -> list[dict[str, np.ndarray]]:
+    """One golden sample's outputs per step, batch dimension (on each output's batch axis) dropped: [1, ...] or
+    [T, 1, ...]."""
     if not sequence:
-        return [split_batch(outputs, 0)]
+        return [split_batch(outputs, 0, axes)]
     steps = next(iter(outputs.values())).shape[0]
     return [{k: v[t, 0] for k, v in outputs.items()} for t in range(steps)]
 
@@ -645,7 +650,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
     pre = preprocessor_for(bundle)
     floors = fidelity_floors(m.task, m.selftest.fidelity)
     bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
-    refs = [r for g in golden for r in _steps(g.outputs, False)]
+    refs = [r for g in golden for r in _steps(g.outputs, False, m.batch_axes)]
     best, reason, scales = 1, None, []
     model_gate = threading.Semaphore(max(callers, 1))  # the model is called at once by as many as serving calls it
 
@@ -654,7 +659,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         def one(g: GoldenSample) -> list[dict[str, np.ndarray]]:
             tensor = pre(frame_of(g))
             with model_gate:
-                return [split_batch(o, 0) for o in _run_golden(opened, m, tensor, False)]
+                return [split_batch(o, 0, m.batch_axes) for o in _run_golden(opened, m, tensor, False)]
         return one
 
     try:  # what the full path serves on the same frames: the reference a shortcut must reproduce

@@ -370,5 +370,10 @@ def decode(spec: PostprocessSpec, outputs: Outputs, labels: Sequence[str] = (), 
     return result
 
 
-def split_batch(outputs: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
-    return {k: v[index] for k, v in outputs.items()}
+def split_batch(outputs: Mapping[str, np.ndarray], index: int,
+                axes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Sample `index` of batched outputs: each output's slice on its batch axis (axis 0 unless `axes`, the
+    manifest's `batch_axes`, names another: a time-major [T, B, C] output is sliced on axis 1, to [T, C])."""
+    if not axes:
+        return {k: v[index] for k, v in outputs.items()}
+    return {k: np.take(v, index, axis=axes[k]) if axes.get(k) else v[index] for k, v in outputs.items()}

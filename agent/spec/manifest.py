@@ -60,6 +60,8 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[Dim, ...]
+    # an output's batch axis (outputs[].batch_axis): 1 for a time-major [T, B, C] head; agent/spec/batch_axis.py
+    batch_axis: int = 0
 
 
 @dataclass(frozen=True)
@@ -402,6 +404,11 @@ class Manifest:
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outputs)
 
+    @cached_property
+    def batch_axes(self) -> dict[str, int]:
+        """The outputs whose batch axis is not the first (outputs[].batch_axis), by name."""
+        return {o.name: o.batch_axis for o in self.outputs if o.batch_axis}
+
     @property
     def input_names(self) -> tuple[str, ...]:
         """Every model input: the frame input first, then the declared extra inputs."""
@@ -490,7 +497,7 @@ def parse_manifest(text: str, where: str = MANIFEST_NAME) -> Manifest:
 
 
 def _tensor(d: Mapping[str, Any]) -> TensorSpec:
-    return TensorSpec(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]))
+    return TensorSpec(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]), batch_axis=int(d.get("batch_axis", 0)))
 
 
 def preprocess_from_dict(d: Mapping[str, Any], input_dtype: str | None = None) -> PreprocessSpec:
@@ -565,6 +572,14 @@ def _build(d: Mapping[str, Any], where: str = MANIFEST_NAME) -> Manifest:
     )
 
 
+def check_batch_axes(outputs: tuple[TensorSpec, ...], where: str) -> None:
+    """An output's declared batch axis must be one of its axes."""
+    for i, o in enumerate(outputs):
+        if not 0 <= o.batch_axis < max(len(o.shape), 1):
+            raise BundleError(f"{where}: key outputs[{i}].batch_axis: {o.batch_axis} is not an axis of output "
+                              f"{o.name!r} (shape {list(o.shape)})")
+
+
 def _check_semantics(m: Manifest, where: str) -> None:
     """Cross-key rules a JSON Schema cannot say."""
     names = [v.name for v in m.variants]
@@ -606,6 +621,7 @@ def _check_semantics(m: Manifest, where: str) -> None:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
     check_decisions(m, where)
+    check_batch_axes(m.outputs, where)
     if m.postprocess.stage_channel_axis == 0:
         raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
                           "later (-1: the last)")
