@@ -28,17 +28,18 @@ log = get_logger("bundle.create")
 DECODED_KINDS = frozenset({"boxes", "masks", "text"})
 FLAG = "--allow-unproven-decoder"
 MANIFEST_KEY = "source.unproven_decoder"
+# the vocabulary's decoding tasks as result kinds (agent.proof.stage_proof.VOCABULARY_KINDS; bundle/ sits below
+# proof/ in the layering, so the two it needs are named here)
+_VOCABULARY_DECODED = {"detection": "boxes", "segmentation": "masks"}
 
 
 def served_kind(spec: Mapping[str, Any]) -> tuple[str | None, str]:
     """The kind the spec serves and the key that says so."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS
-
     post = spec.get("postprocess") or {}
     declared = (post.get("result") or {}).get("kind")
     if declared:
         return str(declared), "postprocess.result.kind"
-    return VOCABULARY_KINDS.get(str(post.get("type", ""))), f"postprocess.type {post.get('type')}"
+    return _VOCABULARY_DECODED.get(str(post.get("type", ""))), f"postprocess.type {post.get('type')}"
 
 
 def unproven_decoder(spec: Mapping[str, Any], golden: Path, heldout: Path | None, have_golden_answers: bool,

@@ -73,7 +73,7 @@ def check_single_sample_outputs(outputs: Mapping[str, np.ndarray], axes: Mapping
             continue
         ones = [i for i, n in enumerate(v.shape) if n == 1]
         hint = (f"declare `{SPEC_KEY}.{name}.batch_axis: {ones[0]}` in the spec (manifest outputs[].batch_axis)"
-                if ones else f"the output has no axis of size 1 to be the batch; re-export it with a batch axis")
+                if ones else "the output has no axis of size 1 to be the batch; re-export it with a batch axis")
         key = f"{SPEC_KEY}.{name}.batch_axis" + ("" if name in axes else " (default 0)")
         raise BundleError(f"{where}: output {name!r} of one frame has shape {list(v.shape)}: its batch axis "
                           f"({key}: {axis}) is {v.shape[axis]} long, so each frame would be served one slice of "
