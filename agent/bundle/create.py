@@ -36,6 +36,7 @@ from agent.spec.manifest import (MANIFEST_NAME, ExtraInput, frame_from_dict, inp
 from agent.proof.parity import Finding, fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
 from agent.bundle.decoder_proof import unproven_decoder
+from agent.bundle.jpeg_hint import jpeg_explains
 from agent.spec.batch_axis import check_single_sample_outputs, spec_axes, spec_batch_axes
 from agent.spec.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet, load_samples
@@ -750,7 +751,7 @@ def explaining_key(pre: Any, frame: Any, sets: Sequence[tuple[str, SampleSet, Se
     sizes, which a mean/scale hint would misname)."""
     r = pre.spec.resize if isinstance(pre, Preprocessor) else None
     if r is None or r.mode != "letterbox":
-        return None
+        return jpeg_explains(pre, frame.color, sets, bound)  # a package that re-encodes each frame as JPEG
     other: Literal["round", "floor"] = "floor" if r.rounding == "round" else "round"
     alt = Preprocessor(dataclasses.replace(pre.spec, resize=dataclasses.replace(r, rounding=other)), frame)
     worst = 0.0
@@ -764,7 +765,7 @@ def explaining_key(pre: Any, frame: Any, sets: Sequence[tuple[str, SampleSet, Se
                 return None
             worst = max(worst, float(np.max(np.abs(t.astype(np.float64) - f.reshape(t.shape).astype(np.float64)))))
             if worst > bound:
-                return None
+                return jpeg_explains(pre, frame.color, sets, bound)
     return f"preprocess.resize.rounding: {other} (with it the max abs is {worst:.4g}, within {bound:g})"
 
 

@@ -15,6 +15,8 @@ from typing import Any, Literal, Mapping
 import jsonschema
 import yaml
 
+from agent.spec.jpeg_roundtrip import JpegRoundtrip
+from agent.spec.jpeg_roundtrip import from_spec as jpeg_from_spec
 from agent.errors import BundleError
 from agent.fsio import load_yaml
 
@@ -207,6 +209,8 @@ class PreprocessSpec:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     source_drift: Mapping[str, Any] = field(default_factory=dict)
+    # a JPEG encode and decode of each raw frame before the preprocessing (agent/spec/jpeg_roundtrip.py)
+    jpeg_roundtrip: JpegRoundtrip | None = None
 
 
 MAX_RAW_VALUES = 4096  # values per output a raw result may carry: a summary, never the tensor
@@ -505,6 +509,8 @@ def preprocess_from_dict(d: Mapping[str, Any], input_dtype: str | None = None) -
     if "graph" in pre and "dtype" not in pre and input_dtype is not None:
         pre["dtype"] = input_dtype
     resize = ResizeSpec(**pre.pop("resize")) if "resize" in pre else None
+    if "jpeg_roundtrip" in pre:
+        pre["jpeg_roundtrip"] = jpeg_from_spec(pre["jpeg_roundtrip"])
     return PreprocessSpec(resize=resize, mean=tuple(pre.pop("mean", ())), std=tuple(pre.pop("std", ())), **pre)
 
 
