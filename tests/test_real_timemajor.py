@@ -54,7 +54,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def graphs(workdir: Path) -> tuple[Path, Path]:
     pre, post = workdir / "pre.onnx", workdir / "post.onnx"
     if not post.exists():
-        write_graph("pre.fit_height", pre, {})  # height 64, floor, PIL LANCZOS, convert('L'), / 255: the defaults
+        # height 64, int() width, PIL LANCZOS, convert('L'), / 255: the recipe's defaults
+        write_graph("pre.fit_height", pre, {"input_name": "input1"})
         write_graph("post.ctc", post, {"input": OUTPUT})
     return pre, post
 
