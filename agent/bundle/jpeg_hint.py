@@ -32,6 +32,10 @@ def _worst(pre: Callable[[np.ndarray], np.ndarray], pairs: Sequence[tuple[np.nda
     return worst
 
 
+def _step(quality: int, color: str) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda raw: roundtrip(raw, quality, color)
+
+
 def jpeg_explains(pre: Any, color: str, sets: Sequence[tuple[str, Any, Sequence[np.ndarray]]],
                   bound: float) -> str | None:
     """`preprocess.jpeg_roundtrip: {quality: Q}` and what it measured, when a JPEG round trip explains the
@@ -46,7 +50,7 @@ def jpeg_explains(pre: Any, color: str, sets: Sequence[tuple[str, Any, Sequence[
         plain = _worst(pre, pairs, None)
         if not plain:
             return None
-        tried = [(q, _worst(pre, pairs, lambda r, q=q: roundtrip(r, q, color))) for q in QUALITIES]
+        tried = [(q, _worst(pre, pairs, _step(q, color))) for q in QUALITIES]
     except Exception:  # noqa: BLE001 -- a hint never hides the refusal it explains
         return None
     fits = [(w, q) for q, w in tried if w is not None]

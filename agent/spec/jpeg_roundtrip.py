@@ -59,6 +59,8 @@ def roundtrip(raw: np.ndarray, quality: int, color: str) -> np.ndarray:
     if not ok:
         raise PreprocessError(f"{KEY}: JPEG encoding a frame of shape {list(raw.shape)} failed")
     out = cv2.imdecode(buf, cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR_BGR)
+    if out is None:
+        raise PreprocessError(f"{KEY}: decoding the JPEG of a frame of shape {list(raw.shape)} failed")
     if gray:
-        return out.reshape(raw.shape)
-    return out if color == "bgr" else cv2.cvtColor(out, cv2.COLOR_BGR2RGB)
+        return np.asarray(out).reshape(raw.shape)
+    return np.asarray(out if color == "bgr" else cv2.cvtColor(out, cv2.COLOR_BGR2RGB))
