@@ -118,6 +118,9 @@ def test_time_major_output_declared_batch_axis_1_is_built_proven_and_served_in_b
     root, model = _build(tmp_path, declare=True)
     b = load_bundle(root)
     assert b.manifest.batch_axes == {"logits": 1}
+    from agent.proof.inspect import render_text, summarize
+
+    assert "logits float32 [8, 'batch', 5] (batch axis 1)" in render_text(summarize(b))
     assert yaml.safe_load((root / "bundle.yaml").read_text())["outputs"][0]["batch_axis"] == 1
     r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False)
     assert r.passed and r.evidence.fidelity.against == "package answers", r.reasons

@@ -298,6 +298,10 @@ def test_unproven_decoder_built_with_the_flag_carries_the_warning_in_the_manifes
     golden, head = _yolox_golden(tmp_path / "golden", answers=False)
     b = load_bundle(_detector_bundle(tmp_path, head, None, WRONG, "detection", golden, allow_unproven_decoder=True))
     assert "no package answers" in b.manifest.source["unproven_decoder"]
+    from agent.proof.inspect import render_text, summarize
+
+    assert "UNPROVEN DECODER: the decoder (postprocess.type detection: 'boxes', layout 'yolov5') is not proven" in \
+        render_text(summarize(b))
     r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False)
     assert any("our own decoding" in w.metric for w in r.evidence.fidelity.warnings)
 
