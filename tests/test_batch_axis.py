@@ -158,3 +158,19 @@ def test_a_declared_batch_axis_the_output_does_not_have_is_refused_naming_the_ke
     with pytest.raises(BundleError, match=r"key outputs\.logits\.batch_axis: 3 is not an axis of output 'logits'"):
         create_bundle(CreateOptions(model=model, spec=tmp_path / "spec.yaml", calibration=golden, golden=golden,
                                     out=tmp_path / "bundle", int8=False))
+
+
+def test_a_bundle_whose_manifest_lacks_the_batch_axis_fails_its_self_test_naming_the_key(tmp_path: Path) -> None:
+    """A bundle made before the declaration (or edited): the self-test names outputs[].batch_axis instead of
+    judging time step 0."""
+    from agent.testing import rewrite_manifest
+
+    root, _ = _build(tmp_path, declare=True)
+    doc = yaml.safe_load((root / "bundle.yaml").read_text())
+    del doc["outputs"][0]["batch_axis"]
+    (root / "bundle.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    rewrite_manifest(root)
+    b = load_bundle(root)
+    r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False)
+    assert not r.passed
+    assert "declare `outputs.logits.batch_axis: 1`" in " ".join(r.reasons), r.reasons

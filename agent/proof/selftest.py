@@ -70,6 +70,7 @@ from agent.proof.verdict import (
     judge,
     json_safe,
 )
+from agent.spec.batch_axis import check_single_sample_outputs
 from agent.spec.decoders import split_batch
 from agent.spec.jpeg import MJPEG_FOURCCS, camera_sized_reduced, max_decode_scale
 from agent.spec.preprocess import Preprocessor
@@ -364,6 +365,10 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             return golden_pass_of(opened, m, fed, golden)
 
         got, origin = golden_pass(concurrent)  # origin, per judged row: (golden sample, step of its sequence)
+        if plain and golden:  # a bundle made before outputs[].batch_axis: a time-major head is named, not sliced
+            used = set(m.used_outputs)
+            check_single_sample_outputs({k: v for k, v in golden[0].outputs.items() if k in used}, m.batch_axes,
+                                        f"golden sample {golden[0].index}")
         refs = [r for g in golden for r in _steps(g.outputs, _is_sequence(g), m.batch_axes)]
         own = [] if own_batched is None else [r for i, g in enumerate(golden)
                                               for r in _steps(own_batched[i], _is_sequence(g), m.batch_axes)]
