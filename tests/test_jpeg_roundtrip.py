@@ -74,3 +74,20 @@ def test_the_declared_step_reproduces_the_package_tensors_and_serves_them(tmp_pa
 def test_a_quality_out_of_range_is_refused_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(BundleError, match=r"preprocess.jpeg_roundtrip"):
         create_bundle(_inputs(tmp_path, {"jpeg_roundtrip": {"quality": 0}}))
+
+
+def test_the_step_runs_before_a_pre_graph_too(tmp_path: Path) -> None:
+    from agent.bundle.graphs import write_graph
+
+    opts = _inputs(tmp_path, {})
+    spec = yaml.safe_load(opts.spec.read_text())
+    spec["preprocess"] = {"graph": "pre.onnx", "jpeg_roundtrip": {"quality": QUALITY}}
+    opts.spec.write_text(yaml.safe_dump(spec))
+    pre = write_graph("pre.stretch", tmp_path / "pre.onnx", {"width": SIZE, "height": SIZE, "resize": "cv2_exact",
+                                                             "scale": 1 / 255, "input_name": "input"})
+    import dataclasses
+
+    b = load_bundle(create_bundle(dataclasses.replace(opts, pre_graph=pre)))
+    engine = build_engine(b, FP32, SessionSettings())
+    frame = structured_frames(1, 64, 9)[0]
+    assert np.max(np.abs(engine.preprocessor(frame) - package_input(frame))) < 1e-6
