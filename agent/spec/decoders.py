@@ -376,4 +376,5 @@ def split_batch(outputs: Mapping[str, np.ndarray], index: int,
     manifest's `batch_axes`, names another: a time-major [T, B, C] output is sliced on axis 1, to [T, C])."""
     if not axes:
         return {k: v[index] for k, v in outputs.items()}
-    return {k: np.take(v, index, axis=axes[k]) if axes.get(k) else v[index] for k, v in outputs.items()}
+    # moveaxis then index: a view, as v[index] is (np.take would copy every frame's slice)
+    return {k: np.moveaxis(v, axes[k], 0)[index] if axes.get(k) else v[index] for k, v in outputs.items()}
