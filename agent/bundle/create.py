@@ -876,6 +876,9 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     held_inputs = [prepare(r) for r in held.raw] if held else []
     output_names = [o["name"] for o in outputs]
     axes = spec_batch_axes(spec, outputs, opts.spec)  # outputs[].batch_axis: time-major heads sliced on their axis
+    if axes and sequence:  # a stateful model's steps are sliced [T, 1, ...] on their own: not both
+        raise BundleError(f"{opts.spec}: key outputs.{next(iter(axes))}.batch_axis: not supported for a stateful model "
+                          "(its sequences are [T, 1, ...] per step); re-export the state model batch-first")
 
     # The spec must reproduce the framework's own input tensors wherever the author gave them.
     drift_sets: list[tuple[str, SampleSet, Sequence[np.ndarray]]] = [("golden", golden_set, golden_inputs)]
