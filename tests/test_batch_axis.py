@@ -174,3 +174,16 @@ def test_a_bundle_whose_manifest_lacks_the_batch_axis_fails_its_self_test_naming
     r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False)
     assert not r.passed
     assert "declare `outputs.logits.batch_axis: 1`" in " ".join(r.reasons), r.reasons
+
+
+def test_the_audit_counts_frames_of_a_time_major_output_not_its_time_steps(tmp_path: Path) -> None:
+    """The live audit took axis 0 of every output as the batch: a time-major frame counted as 8 samples (one per
+    time step), so its window of 2 filled on the first frame. On the batch axis: one sample per frame."""
+    from auditing import audited
+
+    root, _ = _build(tmp_path, declare=True)
+    engine = build_engine(load_bundle(root), FP32, SessionSettings())
+    auditor = audited(engine, 40, 3)  # three steps: a canary and one served frame each; a window of 2 frames
+    c = auditor.counters
+    assert c["live_samples"] == 3 and c["live_windows"] == 1 and c["live_drift"] == 0, c
+    assert c.get("canary_failures", 0) == 0, c
