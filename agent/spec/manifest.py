@@ -15,10 +15,10 @@ from typing import Any, Literal, Mapping
 import jsonschema
 import yaml
 
-from agent.spec.jpeg_roundtrip import JpegRoundtrip
-from agent.spec.jpeg_roundtrip import from_spec as jpeg_from_spec
 from agent.errors import BundleError
 from agent.fsio import load_yaml
+from agent.spec.jpeg_roundtrip import JpegRoundtrip
+from agent.spec.jpeg_roundtrip import from_spec as jpeg_from_spec
 
 MANIFEST_NAME = "bundle.yaml"
 SIGNATURE_NAME = "bundle.sig"
