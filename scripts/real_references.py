@@ -511,7 +511,7 @@ FOLDER_SPLITS: dict[str, tuple[set[str], Callable[[int, int, Path], list[Any]]]]
     "picodet": ({"golden_sizes", "heldout"}, build_picodet_folder),
 }
 # models whose reference builder is its own module beside this script: name -> module (its build(folder))
-OWN_MODULES = {"retinaface": "real_refs_retinaface"}
+OWN_MODULES = {"retinaface": "real_refs_retinaface", "ddddocr": "real_refs_ddddocr"}
 
 
 def main() -> int:

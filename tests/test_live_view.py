@@ -144,7 +144,8 @@ def test_the_live_page_draws_a_detectors_boxes_and_keypoints_where_it_served_the
     bundle = create_bundle(CreateOptions(model=constant_head_model(tmp_path / "m.onnx", head),
                                          spec=tmp_path / "spec.yaml", calibration=frames, golden=frames,
                                          out=tmp_path / "bundle", int8=False,
-                                         post_graph=boxes_keypoints_post(tmp_path / "post.onnx", "output", 1, 2)))
+                                         post_graph=boxes_keypoints_post(tmp_path / "post.onnx", "output", 1, 2),
+                                         allow_unproven_decoder=True))  # a constant head: no package answers
     port = _free_port()
     agent = agent_process(demo_config(tmp_path, bundle=str(bundle),
                                       source={"path": str(frames), "loop": True, "max_fps": 50},

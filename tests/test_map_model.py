@@ -77,7 +77,8 @@ def map_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _write(d / "calib", FRAMES * 2, seed=10)
     _write(d / "golden", FRAMES, seed=20)
     return create_bundle(CreateOptions(model=model, spec=d / "spec.yaml", calibration=d / "calib",
-                                       golden=d / "golden", out=d / "bundle", min_agreement=0.5))
+                                       golden=d / "golden", out=d / "bundle", min_agreement=0.5,
+                                       allow_unproven_decoder=True))  # a synthetic map: no package to answer
 
 
 def test_golden_samples_of_a_dynamic_size_model_keep_their_own_shapes(map_bundle: Path) -> None:

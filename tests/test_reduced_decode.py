@@ -154,7 +154,7 @@ def test_regions_of_a_frame_decoded_at_reduced_scale_are_in_camera_pixels(tmp_pa
     _write(d / "golden", FRAMES, seed=20)
     bundle = load_bundle(create_bundle(CreateOptions(model=make_map_model(d / "map.onnx"), spec=d / "spec.yaml",
                                                      calibration=d / "calib", golden=d / "golden", out=d / "bundle",
-                                                     int8=False)))
+                                                     int8=False, allow_unproven_decoder=True)))
     camera = [((720, 1280), [(200, 100, 700, 160), (800, 400, 1200, 600)]),
               ((1440, 2560), [(400, 200, 1400, 320)])]
     (tmp_path / "frames").mkdir()

@@ -179,7 +179,9 @@ def test_frames_of_any_size_without_bounds_are_refused_naming_the_key(tmp_path: 
 # ---------------------------------------------------------------- boxes with keypoints
 
 def _detector_bundle(d: Path, head: np.ndarray, post_graph: Path | None, postprocess: dict, task: str,
-                     golden: Path) -> Path:
+                     golden: Path, allow_unproven_decoder: bool = True) -> Path:
+    """allow_unproven_decoder: most tests here prove other things on golden sets without the package's answers
+    (tests/test_decoder_unproven.py proves the refusal without the flag)."""
     spec = {"name": "det", "version": 1, "task": task,
             "frame": {"kind": "image", "height": 40, "width": 40, "channels": 3, "color": "rgb"},
             "preprocess": {"resize": {"width": 32, "height": 32, "mode": "stretch"}, "scale": 1 / 255,
@@ -188,7 +190,7 @@ def _detector_bundle(d: Path, head: np.ndarray, post_graph: Path | None, postpro
     (d / "spec.yaml").write_text(yaml.safe_dump(spec))
     return create_bundle(CreateOptions(model=constant_head_model(d / "m.onnx", head), spec=d / "spec.yaml",
                                        calibration=golden, golden=golden, out=d / "bundle", int8=False,
-                                       post_graph=post_graph))
+                                       post_graph=post_graph, allow_unproven_decoder=allow_unproven_decoder))
 
 
 def test_post_graph_with_boxes_and_keypoints_is_served_as_kind_boxes_in_frame_pixels(tmp_path: Path) -> None:
@@ -259,14 +261,49 @@ def _yolox_golden(d: Path, answers: bool) -> tuple[Path, np.ndarray]:
 WRONG = {"type": "detection", "layout": "yolov5", "output": "output", "score_threshold": 0.25}
 
 
-def test_yolox_head_declared_as_yolov5_builds_and_passes_against_itself_without_answers(tmp_path: Path) -> None:
-    """Today's path, kept: without the package's answers nothing can tell the decoder is wrong, and the report
-    says fidelity was judged against our own decoding."""
+def test_yolox_head_declared_as_yolov5_builds_with_the_flag_and_passes_against_itself_without_answers(
+        tmp_path: Path) -> None:
+    """With --allow-unproven-decoder (tests/test_decoder_unproven.py: refused without it): nothing can tell the
+    decoder is wrong, and the report says fidelity was judged against our own decoding."""
     golden, head = _yolox_golden(tmp_path / "golden", answers=False)
     b = load_bundle(_detector_bundle(tmp_path, head, None, WRONG, "detection", golden))
     r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False)
     assert r.passed
     assert "our own decoding" in r.evidence.fidelity.warnings[0].metric
+
+
+def test_yolox_head_declared_as_yolov5_with_reference_tensors_only_is_refused_at_build_naming_the_missing_answers(
+        tmp_path: Path) -> None:
+    """Issue 42: a decoder wrong on both sides agrees with itself ("recall 0.994" against its own decoding), so a
+    decoding bundle whose golden set holds no package answers is refused, naming them and the flag."""
+    golden, head = _yolox_golden(tmp_path / "golden", answers=False)
+    with pytest.raises(BundleError, match=r"refusing the bundle: the decoder \(postprocess.type detection: 'boxes', "
+                                          r"layout 'yolov5'\) is not proven: .*golden hold no package answers "
+                                          r"\(answers.json.*--allow-unproven-decoder.*source.unproven_decoder"):
+        _detector_bundle(tmp_path, head, None, WRONG, "detection", golden, allow_unproven_decoder=False)
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_post_graph_serving_boxes_without_answers_is_refused_naming_the_graph(tmp_path: Path) -> None:
+    golden, head = _yolox_golden(tmp_path / "golden", answers=False)
+    post = grid_decode_post(tmp_path / "post.onnx", GRID, STRIDE)
+    result = {"result": {"kind": "boxes", "boxes": "det_boxes", "scores": "det_scores", "class_ids": "det_classes"}}
+    with pytest.raises(BundleError, match=r"decoder \(postprocess.result.kind: 'boxes', post graph 'post.onnx'\) is "
+                                          r"not proven"):
+        _detector_bundle(tmp_path, head, post, result, "boxes", golden, allow_unproven_decoder=False)
+
+
+def test_unproven_decoder_built_with_the_flag_carries_the_warning_in_the_manifest_and_the_report(
+        tmp_path: Path) -> None:
+    golden, head = _yolox_golden(tmp_path / "golden", answers=False)
+    b = load_bundle(_detector_bundle(tmp_path, head, None, WRONG, "detection", golden, allow_unproven_decoder=True))
+    assert "no package answers" in b.manifest.source["unproven_decoder"]
+    from agent.proof.inspect import render_text, summarize
+
+    assert "UNPROVEN DECODER: the decoder (postprocess.type detection: 'boxes', layout 'yolov5') is not proven" in \
+        render_text(summarize(b))
+    r = evaluate(b, FP32, SessionSettings(), b.golden(), latency=False)
+    assert any("our own decoding" in w.metric for w in r.evidence.fidelity.warnings)
 
 
 def test_yolox_head_declared_as_yolov5_is_refused_at_build_against_the_package_answers(tmp_path: Path) -> None:

@@ -35,6 +35,9 @@ from agent.spec.manifest import (MANIFEST_NAME, ExtraInput, frame_from_dict, inp
                                  preprocess_from_dict, TensorSpec)
 from agent.proof.parity import Finding, fidelity_floors, judge_fidelity
 from agent.spec.decoders import split_batch
+from agent.bundle.decoder_proof import unproven_decoder
+from agent.bundle.jpeg_hint import jpeg_explains
+from agent.spec.batch_axis import check_single_sample_outputs, spec_axes, spec_batch_axes
 from agent.spec.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet, load_samples
 from agent.proof.session import measure_latency
@@ -51,7 +54,7 @@ PROVIDERS_BY_PRECISION = {
     "fp16": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "OpenVINOExecutionProvider"],
 }
 SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postprocess", "selftest", "preference", "source",
-             "inputs", "frontend"}
+             "inputs", "frontend", "outputs"}
 # Bound on |spec preprocessing - framework input tensor| before the build refuses (tensor units).
 DEFAULT_PREPROCESS_DRIFT = 1e-3
 INSTALL_BUILD_HINT = install_hint("build", "onnx sympy")
@@ -90,6 +93,8 @@ class CreateOptions:
     pre_graph: Path | None = None  # preprocess.graph: copied into the bundle (hashed, signed), never quantised
     post_graph: Path | None = None  # postprocess.graph: likewise
     charset: Path | None = None  # postprocess.result.charset (kind text): copied into the bundle, hashed and signed
+    # build a decoding bundle whose golden and held-out sets hold no package answers, the warning in its manifest
+    allow_unproven_decoder: bool = False
 
 
 STAGE_DEFAULT_NAMES = {"preprocess": "pre.onnx", "postprocess": "post.onnx"}
@@ -576,10 +581,12 @@ def _used(outs: list[dict[str, np.ndarray]], uses: Sequence[str]) -> list[dict[s
     return outs if not uses else [{k: v for k, v in o.items() if k in uses} for o in outs]
 
 
-def _unbatch(outs: Sequence[Mapping[str, np.ndarray]], sequence: bool = False) -> list[dict[str, np.ndarray]]:
-    """Per-sample outputs without the batch dimension; a sequence counts each of its steps as a sample."""
+def _unbatch(outs: Sequence[Mapping[str, np.ndarray]], sequence: bool = False,
+             axes: Mapping[str, int] | None = None) -> list[dict[str, np.ndarray]]:
+    """Per-sample outputs without the batch dimension (on each output's batch axis); a sequence counts each of
+    its steps as a sample."""
     if not sequence:
-        return [split_batch(o, 0) for o in outs]
+        return [split_batch(o, 0, axes) for o in outs]
     return [{k: v[t, 0] for k, v in o.items()} for o in outs for t in range(next(iter(o.values())).shape[0])]
 
 
@@ -744,7 +751,7 @@ def explaining_key(pre: Any, frame: Any, sets: Sequence[tuple[str, SampleSet, Se
     sizes, which a mean/scale hint would misname)."""
     r = pre.spec.resize if isinstance(pre, Preprocessor) else None
     if r is None or r.mode != "letterbox":
-        return None
+        return jpeg_explains(pre, frame.color, sets, bound)  # a package that re-encodes each frame as JPEG
     other: Literal["round", "floor"] = "floor" if r.rounding == "round" else "round"
     alt = Preprocessor(dataclasses.replace(pre.spec, resize=dataclasses.replace(r, rounding=other)), frame)
     worst = 0.0
@@ -758,7 +765,7 @@ def explaining_key(pre: Any, frame: Any, sets: Sequence[tuple[str, SampleSet, Se
                 return None
             worst = max(worst, float(np.max(np.abs(t.astype(np.float64) - f.reshape(t.shape).astype(np.float64)))))
             if worst > bound:
-                return None
+                return jpeg_explains(pre, frame.color, sets, bound)
     return f"preprocess.resize.rounding: {other} (with it the max abs is {worst:.4g}, within {bound:g})"
 
 
@@ -868,6 +875,10 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     golden_inputs = [prepare(r) for r in golden_set.raw]
     held_inputs = [prepare(r) for r in held.raw] if held else []
     output_names = [o["name"] for o in outputs]
+    axes = spec_batch_axes(spec, outputs, opts.spec)  # outputs[].batch_axis: time-major heads sliced on their axis
+    if axes and sequence:  # a stateful model's steps are sliced [T, 1, ...] on their own: not both
+        raise BundleError(f"{opts.spec}: key outputs.{next(iter(axes))}.batch_axis: not supported for a stateful model "
+                          "(its sequences are [T, 1, ...] per step); re-export the state model batch-first")
 
     # The spec must reproduce the framework's own input tensors wherever the author gave them.
     drift_sets: list[tuple[str, SampleSet, Sequence[np.ndarray]]] = [("golden", golden_set, golden_inputs)]
@@ -890,6 +901,9 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
 
     # Reference outputs: the source framework's when given, else FP32 on CPU with no graph optimisation.
     ort_ref = _run_all(fp32_ref_sess, golden_inputs, feeder)
+    if not sequence and ort_ref:  # one frame's outputs have one sample on each batch axis (time-major heads)
+        check_single_sample_outputs({k: v for k, v in ort_ref[0].items() if not post.uses or k in post.uses}, axes,
+                                    opts.spec)
     source_check: dict[str, Any] = {}
     if golden_set.references:
         missing = [n for n in output_names if n not in golden_set.references]
@@ -910,7 +924,7 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
     stages = GoldenStages.build(root, spec, pre, golden_set, labels_list, sequence)
     answers_text = golden_answers_text(opts.golden, len(golden_set))
     if answers_text is not None and not sequence:
-        check_against_answers(spec, stages, [split_batch(o, 0) for o in ort_ref], answers_text, len(golden_set),
+        check_against_answers(spec, stages, [split_batch(o, 0, axes) for o in ort_ref], answers_text, len(golden_set),
                               opts, golden_set.framework_inputs is not None)
     # the package's own answers on the held-out set: every variant's final result is judged on them; answers
     # of another kind than the bundle serves are the author's mistake, refused here (not each variant's, later)
@@ -918,6 +932,9 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
                     if held is not None and opts.heldout is not None and not sequence else None)
     if held_answers is not None:
         check_answers_kind(spec, json.loads(held_answers)["kind"], opts.heldout)
+    unproven = unproven_decoder(spec, opts.golden, opts.heldout if held is not None else None,
+                                answers_text is not None, held_answers is not None, opts.allow_unproven_decoder,
+                                sequence)
 
     if already:
         builds = [VariantBuild("int8", "int8", fp32_file, dict(source_check),
@@ -957,8 +974,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         own[b.name] = _run_all(sess, golden_inputs, feeder)
         b.recorded = {"onnxruntime": _ort_version(), "provider": CPU, "graph_optimization": "all"}
         # the outputs the bundle uses (postprocess.uses) only: the rest are never judged, here as on the device
-        g = judge_fidelity(post, _used(_unbatch(own[b.name], sequence), post.uses),
-                           _used(_unbatch(references, sequence), post.uses), floors, stage="build golden")
+        g = judge_fidelity(post, _used(_unbatch(own[b.name], sequence, axes), post.uses),
+                           _used(_unbatch(references, sequence, axes), post.uses), floors, stage="build golden")
         b.quality.update(_figures("golden_", g))
         # a post graph's variant is gated by its final result's kind (as the device judges it), its raw outputs'
         # figures kept for the record; with the package's answers every variant's final result is judged on them
@@ -971,8 +988,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         if held:
             log.info("bundle.create.evaluating", variant=b.name, heldout=len(held))
             outs = _run_all(sess, held_inputs, feeder)
-            h = judge_fidelity(post, _used(_unbatch(outs, sequence), post.uses),
-                               _used(_unbatch(held_ref, sequence), post.uses), floors,
+            h = judge_fidelity(post, _used(_unbatch(outs, sequence, axes), post.uses),
+                               _used(_unbatch(held_ref, sequence, axes), post.uses), floors,
                                stage=f"build held-out vs {held_vs}")
             b.quality.update(_figures("heldout_", h))
             b.quality["heldout_samples"] = len(held)
@@ -1035,7 +1052,8 @@ def _build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_pa
         "label": str(spec.get("label", "0.1.0")),
         "created": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
         "source": _source(spec.get("source", {}), opts.model, reference_origin
-                          + (f"; front-end compiled into the graph: {frontend.describe()}" if frontend else "")),
+                          + (f"; front-end compiled into the graph: {frontend.describe()}" if frontend else ""))
+        | ({"unproven_decoder": unproven} if unproven else {}),
         "task": task,
         "input": {**input_spec, "frame": spec["frame"]},
         **({"inputs": spec["inputs"]} if spec.get("inputs") else {}),
@@ -1147,6 +1165,7 @@ class GoldenStages:
     post: Any  # agent.proof.stages' post-processor: the vocabulary's or the graph's
     geometries: list[Any]
     pre_geometry: list[np.ndarray | None]
+    axes: dict[str, int] = field(default_factory=dict)  # the outputs' batch axes (outputs.<name>.batch_axis)
 
     @classmethod
     def build(cls, root: Path, spec: Mapping[str, Any], pre: Any, golden: SampleSet, labels: Sequence[str],
@@ -1160,8 +1179,9 @@ class GoldenStages:
         charset = read_charset(root / rel) if rel else None
         post: Any = (GraphPostprocessor(root / post_spec.graph, post_spec, labels, charset) if post_spec.graph
                      else VocabularyPostprocessor(post_spec, labels))
+        axes = spec_axes(spec)
         if sequence:
-            return cls(pre, post, [], [])
+            return cls(pre, post, [], [], axes)
         geoms, pre_geometry = [], []
         for raw in golden.raw:
             if isinstance(pre, GraphPreprocessor):
@@ -1170,7 +1190,7 @@ class GoldenStages:
             else:
                 pre_geometry.append(None)
             geoms.append(pre.geometry(raw))
-        return cls(pre, post, geoms, pre_geometry)
+        return cls(pre, post, geoms, pre_geometry, axes)
 
     def recorded(self, i: int, variants: Mapping[str, Mapping[str, np.ndarray]],
                  reference: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -1181,7 +1201,7 @@ class GoldenStages:
             out["pre.geometry"] = np.asarray(self.pre_geometry[i])
         if isinstance(self.post, GraphPostprocessor) and self.geometries:
             for name, outs in [*variants.items(), ("reference", reference)]:
-                tensors = self.post.tensors(split_batch(outs, 0), self.geometries[i])
+                tensors = self.post.tensors(split_batch(outs, 0, self.axes), self.geometries[i])
                 out.update({f"post.{name}.{k}": np.asarray(v) for k, v in tensors.items()})
         return out
 
@@ -1282,7 +1302,7 @@ def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, fe
     for raw in frames:
         size = f"{raw.shape[1]}x{raw.shape[0]}"
         t = pre(raw)
-        got, ref = (split_batch(_run_all(s, [t], feeder)[0], 0) for s in (sess, fp32))
+        got, ref = (split_batch(_run_all(s, [t], feeder)[0], 0, spec_axes(spec)) for s in (sess, fp32))
         stage = f"build frame size {size} vs fp32"
         if kind_name is not None:
             from agent.results import kind_for
@@ -1325,7 +1345,7 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
         want = []
         for i, (r, g) in enumerate(zip(references, geometries)):
             try:
-                want.append(stages.post.decode(split_batch(r, 0), g, 0))
+                want.append(stages.post.decode(split_batch(r, 0, stages.axes), g, 0))
             except StageOutputError as exc:  # what every variant is judged against: the author's set is at fault
                 raise BundleError(f"{stage}: the reference outputs of sample {i} (what every variant is judged "
                                   f"against) are refused by the post stage: {exc}") from exc
@@ -1333,7 +1353,7 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
     served = []
     for i, (o, g) in enumerate(zip(outs, geometries)):
         try:
-            served.append(stages.post.decode(split_batch(o, 0), g, 0))
+            served.append(stages.post.decode(split_batch(o, 0, stages.axes), g, 0))
         except StageOutputError as exc:  # this variant's outputs the post stage refuses: the variant fails, not the build
             return {}, [Finding("fidelity", "result the post stage serves", None, None, "post", i, f"{stage}: {exc}")]
     figures, findings = kind.fidelity(served, want, kind_floors(kind, (spec.get("selftest") or {}).get("fidelity") or {}),

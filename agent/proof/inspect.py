@@ -39,7 +39,10 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "input": {"name": m.input.name, "dtype": m.input.dtype, "shape": list(m.input.shape)},
         "inputs": list(m.raw.get("inputs", [])),
         "frame": {k: v for k, v in vars(m.frame).items() if v not in (0, None)},
-        "outputs": [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape)} for o in m.outputs],
+        "outputs": [{"name": o.name, "dtype": o.dtype, "shape": list(o.shape),
+                     **({"batch_axis": o.batch_axis} if o.batch_axis else {})} for o in m.outputs],
+        # bundle create --allow-unproven-decoder: the warning travels with the bundle
+        **({"unproven_decoder": m.source["unproven_decoder"]} if m.source.get("unproven_decoder") else {}),
         "preprocess": m.raw["preprocess"], "postprocess": m.raw["postprocess"],
         "variants": variants, "preference": {k: list(v) for k, v in m.preference.items()},
         "selftest": m.raw["selftest"], "golden_samples": len(m.golden), "files": len(m.files),
@@ -57,7 +60,8 @@ def render_text(s: dict[str, Any]) -> str:
         f"input    {s['input']['name']} {s['input']['dtype']} {s['input']['shape']}  <- frame {s['frame']}",
         *(["inputs   " + ", ".join(f"{x['name']} ({x['kind']}) {x['dtype']} {x['shape']}" for x in s["inputs"])]
           if s.get("inputs") else []),
-        "outputs  " + ", ".join(f"{o['name']} {o['dtype']} {o['shape']}" for o in s["outputs"]),
+        "outputs  " + ", ".join(f"{o['name']} {o['dtype']} {o['shape']}"
+                                + (f" (batch axis {o['batch_axis']})" if o.get("batch_axis") else "") for o in s["outputs"]),
         f"preproc  {s['preprocess']}",
         f"postproc {s['postprocess']}",
         *(["stages   " + "; ".join(f"{k} {v['file']} (sha256 {v['sha256'][:12]}...)" for k, v in s["stages"].items())]
@@ -76,6 +80,8 @@ def render_text(s: dict[str, Any]) -> str:
         p50 = f"{q['cpu_p50_ms']:.2f} ms" if "cpu_p50_ms" in q else "-"
         lines.append(f"{v['name']:8} {v['precision']:9} {v['size_bytes']:>10,} {top1:>7} {agree_s:>7} {p50:>9}  "
                      + ", ".join(p.replace('ExecutionProvider', '') for p in v["providers"]))
+    if s.get("unproven_decoder"):
+        lines.append(f"UNPROVEN DECODER: {s['unproven_decoder']}")
     for v in s["variants"]:
         if v.get("below_floor"):
             lines.append(f"BELOW FLOOR {v['name']}: {v['below_floor']} (never selected unless the config pins it)")

@@ -119,7 +119,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
     pre = preprocessor_for(bundle)
     floors = fidelity_floors(m.task, m.selftest.fidelity)
     bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
-    refs = [r for g in golden for r in golden_steps(g.outputs, False)]
+    refs = [r for g in golden for r in golden_steps(g.outputs, False, m.batch_axes)]
     best, reason, scales = 1, None, []
     model_gate = threading.Semaphore(max(callers, 1))  # the model is called at once by as many as serving calls it
 
@@ -128,7 +128,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
         def one(g: GoldenSample) -> list[dict[str, np.ndarray]]:
             tensor = pre(frame_of(g))
             with model_gate:
-                return [split_batch(o, 0) for o in run_golden(opened, m, tensor, False)]
+                return [split_batch(o, 0, m.batch_axes) for o in run_golden(opened, m, tensor, False)]
         return one
 
     try:  # what the full path serves on the same frames: the reference a shortcut must reproduce

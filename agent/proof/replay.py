@@ -63,10 +63,12 @@ def is_sequence(g: Any) -> bool:
     return bool(getattr(g, "sequence", False))
 
 
-def golden_steps(outputs: Mapping[str, np.ndarray], sequence: bool) -> list[dict[str, np.ndarray]]:
-    """One golden sample's outputs per step, batch dimension dropped: [1, ...] or [T, 1, ...]."""
+def golden_steps(outputs: Mapping[str, np.ndarray], sequence: bool,
+                 axes: Mapping[str, int] | None = None) -> list[dict[str, np.ndarray]]:
+    """One golden sample's outputs per step, batch dimension (on each output's batch axis) dropped: [1, ...] or
+    [T, 1, ...]."""
     if not sequence:
-        return [split_batch(outputs, 0)]
+        return [split_batch(outputs, 0, axes)]
     steps = next(iter(outputs.values())).shape[0]
     return [{k: v[t, 0] for k, v in outputs.items()} for t in range(steps)]
 

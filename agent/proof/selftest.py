@@ -63,6 +63,7 @@ from agent.proof.verdict import (
     judge,
     json_safe,
 )
+from agent.spec.batch_axis import check_single_sample_outputs
 from agent.spec.decoders import split_batch
 from agent.spec.jpeg import MJPEG_FOURCCS
 from agent.spec.preprocess import Preprocessor
@@ -276,7 +277,7 @@ def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Se
             outs = dict(zip([o.name for o in opened.session.get_outputs()],
                             opened.session.run(None, feeder.feeds(batch, "selftest"))))
             for k, i in enumerate(idx):
-                rows.append({name: v[k] for name, v in outs.items()})
+                rows.append(split_batch(outs, k, m.batch_axes))
                 refs.append(single[i])
         rows, refs = used_outputs(m, rows, refs)  # outputs not in postprocess.uses: never judged
         q = judge_reproduction(m.postprocess, rows, refs, bounds, "batch 1", stage=f"batch {b}")
@@ -308,7 +309,7 @@ def run_concurrently(opened: Any, m: Any, tensors: Sequence[np.ndarray],
         out = []
         for i in share:
             outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
-            out.append((i, split_batch(outs, 0)))
+            out.append((i, split_batch(outs, 0, m.batch_axes)))
         return out
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
@@ -365,15 +366,21 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             return golden_pass_of(opened, m, fed, golden)
 
         got, origin = golden_pass(concurrent)  # origin, per judged row: (golden sample, step of its sequence)
-        refs = [r for g in golden for r in golden_steps(g.outputs, is_sequence(g))]
-        own = [] if own_batched is None else [r for i, g in enumerate(golden) for r in golden_steps(own_batched[i], is_sequence(g))]
+        if plain and golden:  # a bundle made before outputs[].batch_axis: a time-major head is named, not sliced
+            used = set(m.used_outputs)
+            check_single_sample_outputs({k: v for k, v in golden[0].outputs.items() if k in used}, m.batch_axes,
+                                        f"golden sample {golden[0].index}")
+        refs = [r for g in golden for r in golden_steps(g.outputs, is_sequence(g), m.batch_axes)]
+        own = [] if own_batched is None else [r for i, g in enumerate(golden)
+                                              for r in golden_steps(own_batched[i], is_sequence(g), m.batch_axes)]
         got_used, own_used, refs_used = used_outputs(m, got, own, refs)  # outputs not in postprocess.uses: never judged
         concurrent_findings: list[Any] = []
         if own_batched is not None:
             rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
             if concurrent and rep.passed:
                 # serving at light load runs one caller at a time: one sample alone is judged too
-                alone, = used_outputs(m, [split_batch(o, 0) for o in run_golden(opened, m, fed[0], False)])
+                alone, = used_outputs(m, [split_batch(o, 0, m.batch_axes)
+                                          for o in run_golden(opened, m, fed[0], False)])
                 concurrent_findings = list(judge_reproduction(m.postprocess, alone, own_used[:1], bounds, "variant",
                                                               stage="one caller alone").findings)
             elif concurrent:
@@ -434,7 +441,8 @@ def golden_pass_of(opened: Any, m: Any, fed: Sequence[np.ndarray], golden: Seque
                    ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int | None]]]:
     """Each golden tensor through the open session, one caller: the rows judged (a sequence's steps each) and,
     per row, its golden sample and step."""
-    rows_of = [[split_batch(o, 0) for o in run_golden(opened, m, x, is_sequence(g))] for x, g in zip(fed, golden)]
+    rows_of = [[split_batch(o, 0, m.batch_axes) for o in run_golden(opened, m, x, is_sequence(g))]
+               for x, g in zip(fed, golden)]
     return ([r for rows in rows_of for r in rows],
             [(g.index, s if is_sequence(g) else None) for rows, g in zip(rows_of, golden) for s in range(len(rows))])
 

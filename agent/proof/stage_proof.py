@@ -184,7 +184,7 @@ def exercise_stage(bundle: Bundle, stage: str, golden: Sequence[GoldenSample],
             geoms = list(geometries) if geometries is not None else [
                 preprocessor_for(bundle).geometry(g.raw) for g in plain]
             for g, geom in zip(plain, geoms):
-                post.tensors(split_batch(g.outputs, 0), geom)
+                post.tensors(split_batch(g.outputs, 0, bundle.manifest.batch_axes), geom)
     except Exception:  # noqa: BLE001 -- a Python-level error is the trials' to report, with its stage
         pass
     return list(geometries or [])

@@ -144,6 +144,8 @@ class GraphPreprocessor:
     def run(self, raw: np.ndarray) -> dict[str, np.ndarray]:
         """Every output of the pre graph on one frame (what `bundle create` records)."""
         self.check(raw)
+        if self.spec.jpeg_roundtrip is not None and self.frame.kind == "image":  # the package's JPEG step first
+            raw = self.spec.jpeg_roundtrip(raw, self.frame.color)
         if self.frame.kind == "sensor":  # the window as the graph declares it (samples x channels)
             frame = np.ascontiguousarray(raw, dtype=self.frame.dtype)
         else:

@@ -36,6 +36,7 @@ from agent.proof.parity import (
 from agent.proof.stage_proof import used_outputs
 from agent.proof.verdict import Candidate
 from agent.serving.engine import AUDIT_SOURCE, Engine, build_engine
+from agent.spec.batch_axis import batch_size
 from agent.spec.decoders import split_batch
 
 log = get_logger("audit")
@@ -180,7 +181,7 @@ class Auditor:
                     expected = {k: rec[k] for k in m.output_names}
                 else:
                     expected, recorded = engine.run(g.input, AUDIT_SOURCE), False
-                golden.append(Canary(g.index, g.input, split_batch(expected, 0)))
+                golden.append(Canary(g.index, g.input, split_batch(expected, 0, m.batch_axes)))
             self._golden, self._recorded = golden, recorded and bool(golden)
         # the first checks soon after a new engine serves (a swap's fault shows in seconds), then the periods
         self._next_canary = self.clock() + min(self.s.canary_period_s, FIRST_CHECK_S)
@@ -198,8 +199,8 @@ class Auditor:
         i = self._canary_i % len(self._golden)
         self._canary_i += 1
         g = self._golden[i]
-        got = split_batch(engine.run(g.input, AUDIT_SOURCE), 0)
         m = engine.bundle.manifest
+        got = split_batch(engine.run(g.input, AUDIT_SOURCE), 0, m.batch_axes)
         bounds = reproduction_bounds(engine.candidate.precision, engine.candidate.provider, m.selftest.reproduction)
         mine, want = used_outputs(m, [got], [g.expected])  # postprocess.uses: the rest are never judged
         q = judge_reproduction(m.postprocess, mine, want, bounds, "variant", stage="canary")
@@ -266,9 +267,9 @@ class Auditor:
         if ref_engine is None:
             return
         ref = ref_engine.run(tensor, AUDIT_SOURCE)
-        rows = next(iter(served.values())).shape[0] if served else 0
-        for r in range(rows):
-            self._window.append((split_batch(served, r), split_batch(ref, r)))
+        axes = engine.bundle.manifest.batch_axes
+        for r in range(batch_size(served, axes)):
+            self._window.append((split_batch(served, r, axes), split_batch(ref, r, axes)))
         self.counters["live_samples"] += 1
         if len(self._window) < max(self.s.live_window, 1):
             return

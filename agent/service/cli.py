@@ -163,6 +163,7 @@ def _cmd_bundle_create(args: argparse.Namespace) -> int:
         int8=not args.no_int8, fp16=args.fp16, calibration_limit=args.calibration_limit,
         max_top1_drop=args.max_top1_drop, min_agreement=args.min_agreement, keep_low_quality=args.keep_low_quality,
         pre_graph=args.pre_graph, post_graph=args.post_graph, charset=args.charset,
+        allow_unproven_decoder=args.allow_unproven_decoder,
     ))
     print(f"created {out}")
     return EXIT_OK
@@ -520,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-top1-drop", type=float, default=1.0, help="INT8 bound, held-out top-1 points under FP32")
     c.add_argument("--min-agreement", type=float, default=0.97, help="INT8 bound on agreement with FP32 without labels")
     c.add_argument("--keep-low-quality", action="store_true", help="keep an INT8 variant under the bound, marked")
+    c.add_argument("--allow-unproven-decoder", action="store_true",
+                   help="build a bundle that decodes boxes, masks or text although no answers.json (the package's "
+                        "own results) proves its decoder; the warning is kept in the manifest (source.unproven_decoder)")
     c.add_argument("--pre-graph", type=Path, metavar="ONNX",
                    help="preprocess.graph: raw frame `frame` (uint8 HxWxC) -> the model input (+ `geometry`); copied "
                         "into the bundle, hashed and signed, never quantised")

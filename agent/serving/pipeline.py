@@ -747,7 +747,7 @@ class Pipeline:
             tally = self.tally(eng)
             for i, frame in enumerate(p.frames):
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                outs = split_batch(item.outputs, i)
+                outs = split_batch(item.outputs, i, eng.bundle.manifest.batch_axes)
                 try:
                     result = eng.annotate(frame, eng.decode(outs, p.geometry[i], self.max_result_bytes))
                 except StageOutputError as exc:  # a post graph's outputs its kind refuses: counted, never served

@@ -371,5 +371,11 @@ def decode(spec: PostprocessSpec, outputs: Outputs, labels: Sequence[str] = (), 
     return result
 
 
-def split_batch(outputs: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
-    return {k: v[index] for k, v in outputs.items()}
+def split_batch(outputs: Mapping[str, np.ndarray], index: int,
+                axes: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Sample `index` of batched outputs: each output's slice on its batch axis (axis 0 unless `axes`, the
+    manifest's `batch_axes`, names another: a time-major [T, B, C] output is sliced on axis 1, to [T, C])."""
+    if not axes:
+        return {k: v[index] for k, v in outputs.items()}
+    # moveaxis then index: a view, as v[index] is (np.take would copy every frame's slice)
+    return {k: np.moveaxis(v, axes[k], 0)[index] if axes.get(k) else v[index] for k, v in outputs.items()}

@@ -17,6 +17,8 @@ import yaml
 
 from agent.errors import BundleError
 from agent.fsio import load_yaml
+from agent.spec.jpeg_roundtrip import JpegRoundtrip
+from agent.spec.jpeg_roundtrip import from_spec as jpeg_from_spec
 
 MANIFEST_NAME = "bundle.yaml"
 SIGNATURE_NAME = "bundle.sig"
@@ -61,6 +63,8 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[Dim, ...]
+    # an output's batch axis (outputs[].batch_axis): 1 for a time-major [T, B, C] head; agent/spec/batch_axis.py
+    batch_axis: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,8 @@ class PreprocessSpec:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     source_drift: Mapping[str, Any] = field(default_factory=dict)
+    # a JPEG encode and decode of each raw frame before the preprocessing (agent/spec/jpeg_roundtrip.py)
+    jpeg_roundtrip: JpegRoundtrip | None = None
 
 
 MAX_RAW_VALUES = 4096  # values per output a raw result may carry: a summary, never the tensor
@@ -403,6 +409,11 @@ class Manifest:
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outputs)
 
+    @cached_property
+    def batch_axes(self) -> dict[str, int]:
+        """The outputs whose batch axis is not the first (outputs[].batch_axis), by name."""
+        return {o.name: o.batch_axis for o in self.outputs if o.batch_axis}
+
     @property
     def input_names(self) -> tuple[str, ...]:
         """Every model input: the frame input first, then the declared extra inputs."""
@@ -491,7 +502,7 @@ def parse_manifest(text: str, where: str = MANIFEST_NAME) -> Manifest:
 
 
 def _tensor(d: Mapping[str, Any]) -> TensorSpec:
-    return TensorSpec(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]))
+    return TensorSpec(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]), batch_axis=int(d.get("batch_axis", 0)))
 
 
 def preprocess_from_dict(d: Mapping[str, Any], input_dtype: str | None = None) -> PreprocessSpec:
@@ -499,6 +510,8 @@ def preprocess_from_dict(d: Mapping[str, Any], input_dtype: str | None = None) -
     if "graph" in pre and "dtype" not in pre and input_dtype is not None:
         pre["dtype"] = input_dtype
     resize = ResizeSpec(**pre.pop("resize")) if "resize" in pre else None
+    if "jpeg_roundtrip" in pre:
+        pre["jpeg_roundtrip"] = jpeg_from_spec(pre["jpeg_roundtrip"])
     return PreprocessSpec(resize=resize, mean=tuple(pre.pop("mean", ())), std=tuple(pre.pop("std", ())), **pre)
 
 
@@ -566,6 +579,14 @@ def _build(d: Mapping[str, Any], where: str = MANIFEST_NAME) -> Manifest:
     )
 
 
+def check_batch_axes(outputs: tuple[TensorSpec, ...], where: str) -> None:
+    """An output's declared batch axis must be one of its axes."""
+    for i, o in enumerate(outputs):
+        if not 0 <= o.batch_axis < max(len(o.shape), 1):
+            raise BundleError(f"{where}: key outputs[{i}].batch_axis: {o.batch_axis} is not an axis of output "
+                              f"{o.name!r} (shape {list(o.shape)})")
+
+
 def _check_semantics(m: Manifest, where: str) -> None:
     """Cross-key rules a JSON Schema cannot say."""
     names = [v.name for v in m.variants]
@@ -607,6 +628,7 @@ def _check_semantics(m: Manifest, where: str) -> None:
             raise BundleError(f"{where}: key postprocess.{key}: {ref!r} is not a declared output {sorted(outs)}")
     check_postprocess_keys(m.postprocess, where)
     check_decisions(m, where)
+    check_batch_axes(m.outputs, where)
     if m.postprocess.stage_channel_axis == 0:
         raise BundleError(f"{where}: key postprocess.channel_axis: 0 is the batch axis; channels are on axis 1 or "
                           "later (-1: the last)")

@@ -228,6 +228,8 @@ class Preprocessor:
     def __call__(self, raw: np.ndarray) -> np.ndarray:
         """Raw frame -> tensor with a leading batch dimension of 1."""
         self.check(raw)
+        if self.spec.jpeg_roundtrip is not None and self.frame.kind == "image":  # the package's JPEG step first
+            raw = self.spec.jpeg_roundtrip(raw, self.frame.color)
         if self.frame.kind == "image":
             x = self._image(raw)
         else:

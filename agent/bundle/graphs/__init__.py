@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.bundle.graphs import post_ctc, post_mask, post_picodet, post_priors, post_scores, post_yolox, pre_image
+from agent.bundle.graphs import (post_ctc, post_mask, post_picodet, post_priors, post_scores, post_yolox, pre_height,
+                                  pre_image)
 from agent.bundle.graphs.params import Param, resolve
 from agent.errors import UsageError
 
@@ -50,6 +51,9 @@ RECIPES: dict[str, Recipe] = {
         "pre.short_side_crop": "short side to short_side keeping aspect, then centre-crop width x height",
         "pre.native": "the frame at its own size, padded right/bottom to a multiple",
         "pre.fit_multiple": "sides limited (PaddleOCR DetResizeForTest), each rounded to a multiple",
+    }),
+    **_family(pre_height, {
+        "pre.fit_height": "to a fixed height, the width from the aspect (text lines, captchas), grey or colour",
     }),
     **_family(post_scores, {
         "post.classes": "logits -> probabilities (classes kind)",
