@@ -26,9 +26,10 @@ def _audio(n: int, seed: int) -> np.ndarray:
             + rng.normal(0, 0.05, n)).astype(np.float32)
 
 
-def _package_fbank(x: np.ndarray, scale: float, n_mels: int = 80) -> np.ndarray:
+def _package_fbank(x: np.ndarray, scale: float, n_mels: int = 80, window: str = "povey") -> np.ndarray:
     o = knf.FbankOptions()
     o.frame_opts.dither = 0
+    o.frame_opts.window_type = window
     o.frame_opts.samp_freq = 16000
     o.frame_opts.snip_edges = True
     o.mel_opts.num_bins = n_mels
@@ -77,6 +78,31 @@ def test_the_fbank_graph_equals_kaldi_native_fbank(samples: int, scale: float) -
         want = _package_fbank(audio[b], scale)
         assert got[b].shape == want.shape == (1 + (samples - 400) // 160, 80)
         assert float(np.max(np.abs(got[b] - want))) <= FBANK_BOUND
+
+
+@pytest.mark.parametrize("window", ["hamming", "hanning", "rectangular", "sine"])
+def test_the_fbank_graph_with_another_window_equals_kaldi_native_fbank(window: str) -> None:
+    """Issue 42: one window only (Povey) where FunASR's front-end (FSMN-VAD, Paraformer) uses Hamming; before,
+    `window` was refused as an unknown key."""
+    from agent.bundle.frontends import frontend_from_dict
+
+    audio = np.stack([_audio(16000, 5), _audio(16000, 6)])
+    fe = frontend_from_dict({"type": "kaldi_fbank", "samples": 16000, "input_scale": 32768.0, "window": window}, "s")
+    got = _run(fe, audio)
+    for b in range(2):
+        want = _package_fbank(audio[b], 32768.0, window=window)
+        assert got[b].shape == want.shape
+        assert float(np.max(np.abs(got[b] - want))) <= FBANK_BOUND, window
+    povey = _run(frontend_from_dict({"type": "kaldi_fbank", "samples": 16000, "input_scale": 32768.0}, "s"), audio)
+    assert float(np.max(np.abs(povey - got))) > 100 * FBANK_BOUND  # the window is not a no-op
+
+
+def test_an_unknown_window_is_refused_naming_the_key() -> None:
+    from agent.bundle.frontends import frontend_from_dict
+    from agent.errors import BundleError
+
+    with pytest.raises(BundleError, match="key frontend: window 'hann' is not one of Kaldi's"):
+        frontend_from_dict({"type": "kaldi_fbank", "samples": 16000, "window": "hann"}, "spec.yaml")
 
 
 def test_lfr_and_cmvn_equal_funasrs_definitions_on_the_packages_fbank() -> None:
