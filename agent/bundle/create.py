@@ -812,7 +812,8 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         frontend = frontend_from_dict(spec["frontend"], str(opts.spec))
         _need_build_extra()
         model_path = root.parent / f".{root.name}.with-frontend.onnx"
-        onnx.save(prepend_frontend(frontend, onnx.load(str(opts.model)), str(opts.spec)), str(model_path))
+        onnx.save(prepend_frontend(frontend, onnx.load(str(opts.model)), str(opts.spec),
+                                   [x.name for x in extra_inputs]), str(model_path))
         log.info("bundle.create.frontend", **frontend.describe())
     try:
         _build_model(spec, opts, root, model_path, frontend, post, task, extra_inputs, frame, pre, sequence)

@@ -9,13 +9,14 @@ and the model as one graph. No Python runs on the device. Needs the `build` extr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from agent.bundle.frontend_blocks import Rfft
 from agent.errors import BundleError
 
-FRONTEND_TYPES = ("whisper_log_mel", "stft_magnitude", "kaldi_fbank")
+FRONTEND_TYPES = ("whisper_log_mel", "stft_magnitude", "kaldi_fbank", "rfft")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class StftMagnitude:
     n_fft: int = 512
     hop: int = 128
     power: int = 1
+    complex: bool = False  # the STFT itself: [B, F, frames, 2] (real, imaginary), torch.view_as_real's layout
 
     def __post_init__(self) -> None:
         if self.power not in (1, 2):
@@ -73,11 +75,11 @@ class StftMagnitude:
 
     @property
     def out_dims(self) -> list[int]:
-        return [self.n_fft // 2 + 1, self.frames]
+        return [self.n_fft // 2 + 1, self.frames] + ([2] if self.complex else [])
 
     def describe(self) -> dict[str, Any]:
         return {"type": "stft_magnitude", "samples": self.samples, "n_fft": self.n_fft, "hop": self.hop,
-                "power": self.power}
+                "power": self.power, "complex": self.complex}
 
     def graph(self, opset: int) -> Any:
         return stft_magnitude_graph(self, opset)
@@ -145,7 +147,7 @@ class KaldiFbank:
         return kaldi_fbank_graph(self, opset)
 
 
-Frontend = WhisperLogMel | StftMagnitude | KaldiFbank
+Frontend = WhisperLogMel | StftMagnitude | KaldiFbank | Rfft
 
 
 KALDI_WINDOWS = ("povey", "hamming", "hanning", "rectangular", "sine")  # blackman: 1.4e-3 off knf, over the bound
@@ -254,7 +256,8 @@ def frontend_from_dict(d: Mapping[str, Any], where: str) -> Frontend:
     kind = d.get("type")
     if kind not in FRONTEND_TYPES:
         raise BundleError(f"{where}: key frontend.type: {kind!r} is not a known front-end {list(FRONTEND_TYPES)}")
-    cls = {"whisper_log_mel": WhisperLogMel, "stft_magnitude": StftMagnitude, "kaldi_fbank": KaldiFbank}[kind]
+    cls = {"whisper_log_mel": WhisperLogMel, "stft_magnitude": StftMagnitude, "kaldi_fbank": KaldiFbank,
+           "rfft": Rfft}[kind]
     try:
         return cls(**{k: v for k, v in d.items() if k != "type"})
     except TypeError as exc:
@@ -287,17 +290,24 @@ def stft_magnitude_graph(fe: StftMagnitude, opset: int = 17) -> Any:
         helper.make_node("Unsqueeze", ["audio", "fe_axis1"], ["fe_x3"]),  # [B, 1, samples]
         helper.make_node("Pad", ["fe_x3", "fe_pads"], ["fe_padded"], mode="reflect"),
         helper.make_node("Conv", ["fe_padded", "fe_dft"], ["fe_spec"], strides=[fe.hop]),  # [B, 2F, frames]
-        helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
-        helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
-        helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
-        helper.make_node("Add", ["fe_re2", "fe_im2"], ["features" if fe.power == 2 else "fe_power"]),
     ]
-    if fe.power == 1:
-        nodes.append(helper.make_node("Sqrt", ["fe_power"], ["features"]))
+    if fe.complex:  # [B, 2F, T] -> [B, 2, F, T] -> [B, F, T, 2]
+        inits.append(numpy_helper.from_array(np.array([0, 2, n_freqs, -1], np.int64), "fe_ri_shape"))
+        nodes += [helper.make_node("Reshape", ["fe_spec", "fe_ri_shape"], ["fe_ri"]),
+                  helper.make_node("Transpose", ["fe_ri"], ["features"], perm=[0, 2, 3, 1])]
+    else:
+        nodes += [
+            helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
+            helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
+            helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
+            helper.make_node("Add", ["fe_re2", "fe_im2"], ["features" if fe.power == 2 else "fe_power"]),
+        ]
+        if fe.power == 1:
+            nodes.append(helper.make_node("Sqrt", ["fe_power"], ["features"]))
     graph = helper.make_graph(
         nodes, "stft_magnitude",
         [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", n_freqs, fe.frames])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])],
         initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = min(model.ir_version, 9)
@@ -408,16 +418,19 @@ def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
     return model
 
 
-def prepend_frontend(fe: Frontend, model: Any, where: str) -> Any:
-    """The model with the front-end before its one frame input: it then takes `audio` [B, samples]."""
+def prepend_frontend(fe: Frontend, model: Any, where: str, extra: Iterable[str] = ()) -> Any:
+    """The model with the front-end before its frame input: it then takes `audio` [B, samples]. `extra` are
+    the spec's other inputs (constants, states: a stateful model's h and c), which the front-end leaves alone."""
     import onnx
     from onnx import compose
 
     inits = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
+    others = set(extra)
+    inputs = [i for i in model.graph.input if i.name not in inits and i.name not in others]
     if len(inputs) != 1:
-        raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]}; a front-end feeds a "
-                          "model with one input")
+        raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]} besides the spec's "
+                          f"inputs {sorted(others)}; a front-end feeds one frame input (declare the others under "
+                          "`inputs`)")
     dims = [d.dim_value or d.dim_param for d in inputs[0].type.tensor_type.shape.dim]
     if dims[1:] != fe.out_dims:
         raise BundleError(f"{where}: key frontend: it makes [batch, {', '.join(map(str, fe.out_dims))}], the model's "
