@@ -792,10 +792,14 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     if opts.charset is not None and (rel := charset_file(spec)):  # bytes as given: a space line stays a space
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(opts.charset, root / rel)
+    from agent.bundle.state_files import copy_state_files, load_state_files
+
+    copy_state_files(spec, Path(opts.spec).parent, root, str(opts.spec))  # a state's tensor initial value
     try:
         extra_inputs: tuple[ExtraInput, ...] = inputs_from_list(spec.get("inputs"))
     except TypeError as exc:
         raise BundleError(f"{opts.spec}: key inputs: {_reason(exc)}") from exc
+    extra_inputs = load_state_files(root, extra_inputs, str(opts.spec))
     frame = frame_from_dict(spec["frame"], extra_inputs, str(opts.spec))
     # a pre graph opens once the model's input is known (_build_model); the vocabulary compiles here
     pre = None if opts.pre_graph is not None else Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)

@@ -400,7 +400,12 @@ def read_manifest(root: Path) -> tuple[Manifest, str]:
         data = path.read_bytes()
     except FileNotFoundError as exc:
         raise BundleError(f"{path}: missing: a bundle directory must hold {MANIFEST_NAME}") from exc
-    return parse_manifest(data.decode("utf-8", errors="replace"), where=str(path)), sha256_bytes(data)
+    manifest = parse_manifest(data.decode("utf-8", errors="replace"), where=str(path))
+    if any(x.init_file for x in manifest.inputs):  # a state's tensor initial value, read once its hash is checked
+        from agent.bundle.state_files import load_state_files
+
+        manifest = replace(manifest, inputs=load_state_files(root, manifest.inputs, str(path), manifest.files))
+    return manifest, sha256_bytes(data)
 
 
 def load_bundle(root: Path | str, check_contracts: bool = True, check_golden: bool = True,

@@ -320,6 +320,10 @@ class ExtraInput:
     from_output: str | None = None  # state: the output that feeds it on the next step
     reset_on_gap_s: float | None = None  # state: a gap longer than this starts a new stream
     default: Any = None  # metadata: value when a frame carries none
+    # state: a .npy in the bundle holding a tensor initial value instead of `init`'s fill (a wake-word
+    # package's initial feature buffer); hashed and signed like every file. agent.bundle.state_files loads it
+    init_file: str | None = None
+    init_value: Any = field(default=None, compare=False, repr=False)  # init_file's array, never in a manifest
 
 
 @dataclass(frozen=True)
