@@ -282,9 +282,6 @@ def stft_magnitude_graph(fe: StftMagnitude, opset: int = 17) -> Any:
         numpy_helper.from_array(_dft_kernels(fe.n_fft), "fe_dft"),
         numpy_helper.from_array(np.array([0, 0, pad, 0, 0, pad], np.int64), "fe_pads"),
         numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),
-        numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
-        numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
-        numpy_helper.from_array(np.array([0], np.int64), "fe_zero"),
     ]
     nodes = [
         helper.make_node("Unsqueeze", ["audio", "fe_axis1"], ["fe_x3"]),  # [B, 1, samples]
@@ -296,6 +293,9 @@ def stft_magnitude_graph(fe: StftMagnitude, opset: int = 17) -> Any:
         nodes += [helper.make_node("Reshape", ["fe_spec", "fe_ri_shape"], ["fe_ri"]),
                   helper.make_node("Transpose", ["fe_ri"], ["features"], perm=[0, 2, 3, 1])]
     else:
+        inits += [numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
+                  numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
+                  numpy_helper.from_array(np.array([0], np.int64), "fe_zero")]
         nodes += [
             helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
             helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
