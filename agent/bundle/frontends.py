@@ -110,13 +110,21 @@ class KaldiFbank:
     cmvn_shift: tuple[float, ...] = ()
     cmvn_scale: tuple[float, ...] = ()
     window: str = "povey"  # Kaldi's window_type: FunASR's WavFrontend (FSMN-VAD, Paraformer) uses hamming
+    # LFR's last frames, which lack right context: "pad" repeats the last frame (FunASR's apply_lfr, a whole
+    # utterance); "drop" does not make them (its online apply_lfr on a chunk that is not the last)
+    lfr_tail: str = "pad"
 
     def __post_init__(self) -> None:
+        if self.lfr_tail not in ("pad", "drop"):
+            raise TypeError(f"lfr_tail {self.lfr_tail!r} is not one of ['pad', 'drop']")
         if self.window not in KALDI_WINDOWS:
             raise TypeError(f"window {self.window!r} is not one of Kaldi's {list(KALDI_WINDOWS)}")
         if self.samples < self.frame_length or self.frame_shift < 1 or self.lfr_m < 1 or self.lfr_n < 1:
             raise TypeError(f"samples {self.samples} must hold one frame of {self.frame_length}; frame_shift, lfr_m "
                             "and lfr_n must be >= 1")
+        if self.frames < 1:
+            raise TypeError(f"samples {self.samples} make {self.fbank_frames} fbank frames: no LFR frame of {self.lfr_m} "
+                            "has them all (lfr_tail: drop)")
         object.__setattr__(self, "cmvn_shift", tuple(float(v) for v in self.cmvn_shift))
         object.__setattr__(self, "cmvn_scale", tuple(float(v) for v in self.cmvn_scale))
         dim = self.n_mels * self.lfr_m
@@ -131,6 +139,8 @@ class KaldiFbank:
 
     @property
     def frames(self) -> int:
+        if self.lfr_tail == "drop":  # only the LFR frames whose lfr_m fbank frames all exist (after the left pad)
+            return max(0, (self.fbank_frames + (self.lfr_m - 1) // 2 - self.lfr_m) // self.lfr_n + 1)
         return -(-self.fbank_frames // self.lfr_n)
 
     @property
@@ -141,7 +151,7 @@ class KaldiFbank:
         return {"type": "kaldi_fbank", "samples": self.samples, "sample_rate": self.sample_rate,
                 "frame_length": self.frame_length, "frame_shift": self.frame_shift, "n_mels": self.n_mels,
                 "lfr_m": self.lfr_m, "lfr_n": self.lfr_n, "cmvn": bool(self.cmvn_shift or self.cmvn_scale),
-                "window": self.window}
+                "window": self.window, "lfr_tail": self.lfr_tail}
 
     def graph(self, opset: int) -> Any:
         return kaldi_fbank_graph(self, opset)
@@ -432,7 +442,8 @@ def prepend_frontend(fe: Frontend, model: Any, where: str, extra: Iterable[str] 
                           f"inputs {sorted(others)}; a front-end feeds one frame input (declare the others under "
                           "`inputs`)")
     dims = [d.dim_value or d.dim_param for d in inputs[0].type.tensor_type.shape.dim]
-    if dims[1:] != fe.out_dims:
+    # a symbolic dim of the model (FSMN-VAD's 'feats_length') takes the front-end's size
+    if len(dims) != len(fe.out_dims) + 1 or any(isinstance(d, int) and d != o for d, o in zip(dims[1:], fe.out_dims)):
         raise BundleError(f"{where}: key frontend: it makes [batch, {', '.join(map(str, fe.out_dims))}], the model's "
                           f"input {inputs[0].name!r} is {dims}")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
