@@ -54,18 +54,20 @@ def test_the_rfft_graph_equals_numpys_rfft(n: int, window: str, output: str) -> 
     assert float(np.max(np.abs(got - want))) <= BOUND * float(np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("n_fft, hop", [(512, 128), (400, 160)])
-def test_the_stft_graph_gives_the_complex_spectrum(n_fft: int, hop: int) -> None:
+@pytest.mark.parametrize("n_fft, hop, window", [(512, 128, "hann"), (400, 160, "hann"), (512, 128, "hamming"),
+                                                (400, 160, "rectangular")])
+def test_the_stft_graph_gives_the_complex_spectrum(n_fft: int, hop: int, window: str) -> None:
+    """And a window other than Hann (torch.stft(window=torch.hamming_window(n_fft)): periodic)."""
     from agent.bundle.frontends import frontend_from_dict
 
     samples = 8000
     fe = frontend_from_dict({"type": "stft_magnitude", "samples": samples, "n_fft": n_fft, "hop": hop,
-                             "complex": True}, "spec.yaml")
+                             "complex": True, "window": window}, "spec.yaml")
     audio = np.stack([_audio(samples, 3), _audio(samples, 4)])
     got = _run(fe.graph(17), audio)
     padded = np.pad(audio.astype(np.float64), ((0, 0), (n_fft // 2, n_fft // 2)), mode="reflect")
     frames = np.stack([padded[:, t * hop:t * hop + n_fft] for t in range(1 + samples // hop)], axis=1)
-    spec = np.fft.rfft(frames * np.hanning(n_fft + 1)[:-1], axis=-1).transpose(0, 2, 1)  # [B, F, T]
+    spec = np.fft.rfft(frames * _window(window, n_fft), axis=-1).transpose(0, 2, 1)  # [B, F, T]
     want = np.stack([spec.real, spec.imag], axis=-1)
     assert got.shape == want.shape == (2, *fe.out_dims)
     assert float(np.max(np.abs(got - want))) <= BOUND * float(np.max(np.abs(want)))

@@ -44,7 +44,8 @@ class Rfft:
 RFFT_WINDOWS = ("rectangular", "hann", "hamming")
 
 
-def _periodic_window(kind: str, n: int) -> np.ndarray:
+def periodic_window(kind: str, n: int) -> np.ndarray:
+    """numpy/scipy's periodic (sym=False) window: hann, hamming, or rectangular (ones)."""
     if kind == "hann":
         return 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)
     if kind == "hamming":
@@ -60,7 +61,7 @@ def rfft_graph(fe: Rfft, opset: int = 17) -> Any:
 
     n, f = fe.samples, fe.samples // 2 + 1
     k = np.arange(f)[:, None] * np.arange(n)[None, :] * (2 * np.pi / n)
-    kernel = np.concatenate([np.cos(k), -np.sin(k)]) * _periodic_window(fe.window, n)[None, :]
+    kernel = np.concatenate([np.cos(k), -np.sin(k)]) * periodic_window(fe.window, n)[None, :]
     inits = [
         numpy_helper.from_array(kernel.astype(np.float32)[:, None, :], "fe_dft"),  # [2F, 1, n]
         numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from agent.bundle.frontend_blocks import Rfft
+from agent.bundle.frontend_blocks import RFFT_WINDOWS, Rfft, periodic_window
 from agent.errors import BundleError
 
 FRONTEND_TYPES = ("whisper_log_mel", "stft_magnitude", "kaldi_fbank", "rfft")
@@ -52,7 +52,8 @@ class WhisperLogMel:
 @dataclass(frozen=True)
 class StftMagnitude:
     """torch.stft(center=True, pad_mode='reflect', window=torch.hann_window(n_fft), onesided).abs() ** power:
-    a centred reflect-padded STFT with a periodic Hann window, its magnitude (power 1) or power (2).
+    a centred reflect-padded STFT with a periodic Hann window (or `window`: hamming, rectangular), its
+    magnitude (power 1) or power (2), or the complex STFT itself.
     `audio` [B, samples] -> `features` [B, n_fft // 2 + 1, 1 + samples // hop]."""
 
     samples: int
@@ -60,10 +61,13 @@ class StftMagnitude:
     hop: int = 128
     power: int = 1
     complex: bool = False  # the STFT itself: [B, F, frames, 2] (real, imaginary), torch.view_as_real's layout
+    window: str = "hann"  # periodic, as torch.hann_window / torch.hamming_window; or rectangular
 
     def __post_init__(self) -> None:
         if self.power not in (1, 2):
             raise TypeError(f"power must be 1 (magnitude) or 2 (power), found {self.power!r}")
+        if self.window not in RFFT_WINDOWS:
+            raise TypeError(f"window {self.window!r} is not one of {list(RFFT_WINDOWS)}")
         if self.n_fft < 2 or self.hop < 1 or self.samples <= self.n_fft // 2:
             # reflect padding needs more samples than the pad (torch refuses the same)
             raise TypeError(f"n_fft {self.n_fft}, hop {self.hop}, samples {self.samples}: needs n_fft >= 2, hop >= 1 "
@@ -79,7 +83,7 @@ class StftMagnitude:
 
     def describe(self) -> dict[str, Any]:
         return {"type": "stft_magnitude", "samples": self.samples, "n_fft": self.n_fft, "hop": self.hop,
-                "power": self.power, "complex": self.complex}
+                "power": self.power, "complex": self.complex, "window": self.window}
 
     def graph(self, opset: int) -> Any:
         return stft_magnitude_graph(self, opset)
@@ -274,10 +278,11 @@ def frontend_from_dict(d: Mapping[str, Any], where: str) -> Frontend:
         raise BundleError(f"{where}: key frontend: {exc}") from exc
 
 
-def _dft_kernels(n_fft: int) -> np.ndarray:
-    """The periodic-Hann-windowed onesided DFT as Conv weights [2F, 1, n_fft]: real parts, then imaginary."""
+def _dft_kernels(n_fft: int, kind: str = "hann") -> np.ndarray:
+    """The windowed (periodic Hann by default) onesided DFT as Conv weights [2F, 1, n_fft]: real parts, then
+    imaginary."""
     n_freqs = n_fft // 2 + 1
-    window = np.hanning(n_fft + 1)[:-1]  # periodic Hann (torch.hann_window)
+    window = np.hanning(n_fft + 1)[:-1] if kind == "hann" else periodic_window(kind, n_fft)  # torch.hann_window
     k = np.arange(n_freqs)[:, None] * np.arange(n_fft)[None, :] * (2 * np.pi / n_fft)
     return np.concatenate([np.cos(k) * window, -np.sin(k) * window]).astype(np.float32)[:, None, :]
 
@@ -289,7 +294,7 @@ def stft_magnitude_graph(fe: StftMagnitude, opset: int = 17) -> Any:
 
     n_freqs, pad = fe.n_fft // 2 + 1, fe.n_fft // 2
     inits = [
-        numpy_helper.from_array(_dft_kernels(fe.n_fft), "fe_dft"),
+        numpy_helper.from_array(_dft_kernels(fe.n_fft, fe.window), "fe_dft"),
         numpy_helper.from_array(np.array([0, 0, pad, 0, 0, pad], np.int64), "fe_pads"),
         numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),
     ]
