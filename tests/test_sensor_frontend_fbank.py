@@ -176,3 +176,52 @@ def test_a_bundle_with_the_fbank_front_end_takes_raw_samples(tmp_path: Path) -> 
     got = sess.run(None, {sess.get_inputs()[0].name: audio[:3]})[0]
     want = np.stack([_funasr_lfr(_package_fbank(a, 32768.0), 7, 6).mean(axis=0) for a in audio[:3]])
     assert float(np.max(np.abs(got - want))) <= FBANK_BOUND
+
+
+def test_lfr_carried_across_a_streams_windows_equals_funasrs_online_front_end_kept_across_chunks() -> None:
+    """Issue 42 point 4: LFR stacking carrying context from the previous window instead of padding every
+    window. FunASR's WavFrontendOnline kept across chunks (its streaming use) repeats the stream's first
+    fbank frame only at the stream's start, and stacks every later frame with real neighbours, whatever the
+    chunking. Served as windows of hop + (lfr_m - 1) * shift + (frame_length - shift) samples (the overlap
+    carries the context), frame.padding of (lfr_m - 1) // 2 shifts before the stream, and the front-end's
+    own state saying whether a window is the stream's first. Before: `lfr_context` was an unknown key."""
+    import onnxruntime as ort
+
+    from agent.bundle.frontends import LFR_STARTED, frontend_from_dict
+
+    hop, m, shift = 1600, 5, 160
+    window, pad = hop + (m - 1) * shift + (400 - shift), (m - 1) // 2 * shift  # 2480 and 320 samples
+    fe = frontend_from_dict({"type": "kaldi_fbank", "samples": window, "input_scale": 32768.0, "window": "hamming",
+                             "lfr_m": m, "lfr_n": 1, "lfr_context": "stream"}, "spec.yaml")
+    assert fe.out_dims == [hop // shift, 80 * m]
+    stream = _audio(6 * hop, 9)
+    padded = np.concatenate([np.zeros(pad, np.float32), stream])  # what frame.padding puts before the stream
+    sess = ort.InferenceSession(fe.graph(17).SerializeToString(), providers=["CPUExecutionProvider"])
+    started, got = np.zeros((1, 1), np.float32), []
+    for k in range((len(padded) - window) // hop + 1):
+        feats, started = sess.run(["features", LFR_STARTED[1]], {"audio": padded[None, k * hop:k * hop + window],
+                                                                  LFR_STARTED[0]: started})
+        got.append(feats[0])
+    got_all = np.concatenate(got)
+    want = _funasr_online_lfr(_package_fbank(stream, 32768.0, window="hamming"), m, 1)  # the whole stream at once
+    assert len(got_all) <= len(want)
+    assert float(np.max(np.abs(got_all - want[:len(got_all)]))) <= FBANK_BOUND
+    # a window-by-window LFR (the old behaviour) differs at every window's edges
+    per_window = frontend_from_dict({"type": "kaldi_fbank", "samples": hop, "input_scale": 32768.0,
+                                     "window": "hamming", "lfr_m": m, "lfr_n": 1}, "spec.yaml")
+    old = _run(per_window, stream[None, hop:2 * hop])[0]
+    assert float(np.max(np.abs(old[:2] - want[10:12]))) > 100 * FBANK_BOUND
+
+
+def test_a_front_end_with_a_state_the_spec_does_not_declare_is_refused_naming_it() -> None:
+    from onnx import TensorProto, helper
+
+    from agent.bundle.frontends import frontend_from_dict, prepend_frontend
+    from agent.errors import BundleError
+
+    fe = frontend_from_dict({"type": "kaldi_fbank", "samples": 2480, "lfr_m": 5, "lfr_context": "stream"}, "s")
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "m",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", *fe.out_dims])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", *fe.out_dims])])
+    with pytest.raises(BundleError, match=r"key frontend: it carries a state .*\{name: fe_lfr_started, kind: state"):
+        prepend_frontend(fe, helper.make_model(g), "spec.yaml")

@@ -117,10 +117,22 @@ class KaldiFbank:
     # LFR's last frames, which lack right context: "pad" repeats the last frame (FunASR's apply_lfr, a whole
     # utterance); "drop" does not make them (its online apply_lfr on a chunk that is not the last)
     lfr_tail: str = "pad"
+    # "window": each window's LFR pads (or drops) its own edges. "stream": the context of a window's first and
+    # last LFR frames is real audio -- the window overlaps the previous one (frame.window - frame.hop samples)
+    # and only LFR frames whose lfr_m fbank frames are all in the window are made -- and on a stream's first
+    # window the first fbank frame is repeated before it, as FunASR's WavFrontendOnline kept across chunks.
+    # Whether a window is a stream's first is a state the graph carries: the spec declares it under
+    # `inputs` ({name: fe_lfr_started, kind: state, shape: [1, 1], from_output: fe_lfr_startedN}).
+    lfr_context: str = "window"
 
     def __post_init__(self) -> None:
         if self.lfr_tail not in ("pad", "drop"):
             raise TypeError(f"lfr_tail {self.lfr_tail!r} is not one of ['pad', 'drop']")
+        if self.lfr_context not in ("window", "stream"):
+            raise TypeError(f"lfr_context {self.lfr_context!r} is not one of ['window', 'stream']")
+        if self.lfr_context == "stream" and (self.lfr_n != 1 or self.lfr_m < 2):
+            raise TypeError(f"lfr_context stream stacks every frame: it needs lfr_n 1 and lfr_m >= 2 (lfr_m "
+                            f"{self.lfr_m}, lfr_n {self.lfr_n})")
         if self.window not in KALDI_WINDOWS:
             raise TypeError(f"window {self.window!r} is not one of Kaldi's {list(KALDI_WINDOWS)}")
         if self.samples < self.frame_length or self.frame_shift < 1 or self.lfr_m < 1 or self.lfr_n < 1:
@@ -142,7 +154,14 @@ class KaldiFbank:
         return 1 + (self.samples - self.frame_length) // self.frame_shift
 
     @property
+    def state(self) -> tuple[str, str] | None:
+        """The (input, output) of the front-end's own state, or None."""
+        return LFR_STARTED if self.lfr_context == "stream" else None
+
+    @property
     def frames(self) -> int:
+        if self.lfr_context == "stream":  # only the LFR frames whose lfr_m fbank frames are all in the window
+            return max(0, self.fbank_frames - self.lfr_m + 1)
         if self.lfr_tail == "drop":  # only the LFR frames whose lfr_m fbank frames all exist (after the left pad)
             return max(0, (self.fbank_frames + (self.lfr_m - 1) // 2 - self.lfr_m) // self.lfr_n + 1)
         return -(-self.fbank_frames // self.lfr_n)
@@ -155,7 +174,7 @@ class KaldiFbank:
         return {"type": "kaldi_fbank", "samples": self.samples, "sample_rate": self.sample_rate,
                 "frame_length": self.frame_length, "frame_shift": self.frame_shift, "n_mels": self.n_mels,
                 "lfr_m": self.lfr_m, "lfr_n": self.lfr_n, "cmvn": bool(self.cmvn_shift or self.cmvn_scale),
-                "window": self.window, "lfr_tail": self.lfr_tail}
+                "window": self.window, "lfr_tail": self.lfr_tail, "lfr_context": self.lfr_context}
 
     def graph(self, opset: int) -> Any:
         return kaldi_fbank_graph(self, opset)
@@ -164,6 +183,7 @@ class KaldiFbank:
 Frontend = WhisperLogMel | StftMagnitude | KaldiFbank | Rfft
 
 
+LFR_STARTED = ("fe_lfr_started", "fe_lfr_startedN")  # lfr_context stream: 0 on a stream's first window, then 1
 KALDI_WINDOWS = ("povey", "hamming", "hanning", "rectangular", "sine")  # blackman: 1.4e-3 off knf, over the bound
 
 
@@ -222,6 +242,8 @@ def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
     t, pad = fe.fbank_frames, (fe.lfr_m - 1) // 2
     # LFR as one gather over the frames: FunASR's stacking, with the first/last frames repeated at the edges
     lfr = np.clip(np.arange(fe.frames)[:, None] * fe.lfr_n + np.arange(fe.lfr_m)[None, :] - pad, 0, t - 1)
+    if fe.lfr_context == "stream":  # no padding: the window's overlap with the previous one is the context
+        lfr = np.arange(fe.frames)[:, None] + np.arange(fe.lfr_m)[None, :]
     inits = [
         numpy_helper.from_array(dft.astype(np.float32)[:, None, :], "fe_dft"),
         numpy_helper.from_array(mel.T.copy(), "fe_mel"),  # [F, n_mels]
@@ -243,7 +265,7 @@ def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
         helper.make_node("Transpose", ["fe_power"], ["fe_power_t"], perm=[0, 2, 1]),  # [B, T, F]
         helper.make_node("MatMul", ["fe_power_t", "fe_mel"], ["fe_melspec"]),  # [B, T, n_mels]
         helper.make_node("Max", ["fe_melspec", "fe_floor"], ["fe_floored"]),
-        helper.make_node("Log", ["fe_floored"], ["fe_logmel"]),
+        helper.make_node("Log", ["fe_floored"], ["fe_logmel" if fe.lfr_context == "window" else "fe_logmel_w"]),
         helper.make_node("Gather", ["fe_logmel", "fe_lfr"], ["fe_stacked"], axis=1),  # [B, frames * lfr_m, n_mels]
         helper.make_node("Reshape", ["fe_stacked", "fe_lfr_shape"],
                          ["fe_lfr_out" if (fe.cmvn_shift or fe.cmvn_scale) else "features"]),
@@ -255,11 +277,30 @@ def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
         inits += [numpy_helper.from_array(shift, "fe_cmvn_shift"), numpy_helper.from_array(scale, "fe_cmvn_scale")]
         nodes += [helper.make_node("Add", ["fe_lfr_out", "fe_cmvn_shift"], ["fe_shifted"]),
                   helper.make_node("Mul", ["fe_shifted", "fe_cmvn_scale"], ["features"])]
-    graph = helper.make_graph(
-        nodes, "kaldi_fbank",
-        [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])],
-        initializer=inits)
+    ins = [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])]
+    outs = [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])]
+    if fe.lfr_context == "stream":
+        # a stream's first window: its first `pad` fbank frames (frame.padding, before the stream's first sample)
+        # become copies of the stream's first frame; later windows keep theirs (the previous window's audio)
+        started, started_out = LFR_STARTED
+        first = np.concatenate([np.full(pad, pad), np.arange(pad, t)]).astype(np.int64)
+        inits += [numpy_helper.from_array(first, "fe_first_idx"),
+                  numpy_helper.from_array(np.array(0.5, np.float32), "fe_half"),
+                  numpy_helper.from_array(np.array(0.0, np.float32), "fe_f0"),
+                  numpy_helper.from_array(np.array(1.0, np.float32), "fe_f1"),
+                  numpy_helper.from_array(np.array([2], np.int64), "fe_axis2")]
+        after_log = next(i for i, node in enumerate(nodes) if node.op_type == "Log") + 1
+        nodes[after_log:after_log] = [
+            helper.make_node("Gather", ["fe_logmel_w", "fe_first_idx"], ["fe_logmel_first"], axis=1),
+            helper.make_node("Greater", [started, "fe_half"], ["fe_started_b"]),  # [B, 1]
+            helper.make_node("Unsqueeze", ["fe_started_b", "fe_axis2"], ["fe_started_b3"]),  # [B, 1, 1]
+            helper.make_node("Where", ["fe_started_b3", "fe_logmel_w", "fe_logmel_first"], ["fe_logmel"]),
+        ]
+        nodes += [helper.make_node("Mul", [started, "fe_f0"], ["fe_started_0"]),
+                  helper.make_node("Add", ["fe_started_0", "fe_f1"], [started_out])]
+        ins.append(helper.make_tensor_value_info(started, TensorProto.FLOAT, ["batch", 1]))
+        outs.append(helper.make_tensor_value_info(started_out, TensorProto.FLOAT, ["batch", 1]))
+    graph = helper.make_graph(nodes, "kaldi_fbank", ins, outs, initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = min(model.ir_version, 9)
     onnx.checker.check_model(model)
@@ -451,6 +492,11 @@ def prepend_frontend(fe: Frontend, model: Any, where: str, extra: Iterable[str] 
     if len(dims) != len(fe.out_dims) + 1 or any(isinstance(d, int) and d != o for d, o in zip(dims[1:], fe.out_dims)):
         raise BundleError(f"{where}: key frontend: it makes [batch, {', '.join(map(str, fe.out_dims))}], the model's "
                           f"input {inputs[0].name!r} is {dims}")
+    fe_state = getattr(fe, "state", None)
+    if fe_state is not None and fe_state[0] not in others:
+        raise BundleError(f"{where}: key frontend: it carries a state across a stream's windows: declare it under "
+                          f"`inputs`: {{name: {fe_state[0]}, kind: state, dtype: float32, shape: [1, 1], init: 0.0, "
+                          f"from_output: {fe_state[1]}}}")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     front = fe.graph(max(opset, 13))
     front.ir_version = model.ir_version
