@@ -75,6 +75,7 @@ from agent.spec.jpeg import MJPEG_FOURCCS, camera_sized_reduced, max_decode_scal
 from agent.spec.preprocess import Preprocessor
 from agent.spec.yuv import camera_sized_reduced_yuv
 
+from agent.proof.crash_files import CACHE_FILE, INFLIGHT_FILE, SKIP_FILE
 from agent.proof.costs import ProofCosts
 from agent.proof.replay import replay, session_runner
 from agent.spec.inputs import InputFeeder
@@ -473,14 +474,10 @@ def _timed_call(opened: Any, m: Any, tensor: np.ndarray) -> Callable[[], Any]:
     return lambda: opened.session.run(None, feeds)
 
 
-# Called before every run of the latency loop with the candidate and its run number (1-based, warm-up
-# included): the self-test child sets it for its fault hook (`run:<provider>:<variant>#N`).
-BEFORE_RUN: Callable[[Candidate, int], None] | None = None
-
-
 def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
                      attempt: int = 0, manifest: Any = None, marker: Any = None,
-                     settle_margin: float | None = None) -> None:
+                     settle_margin: float | None = None,
+                     before_run: Callable[[Candidate, int], None] | None = None) -> None:
     """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
     machine lands on all candidates alike; the load average is recorded beside the figures.
 
@@ -490,7 +487,10 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
     `settle_margin` (the selection's prefer_margin; None: always the full count): stop before `runs` once
     the answer cannot change (`selection.latency_settled`), once `selection.may_settle` allows the question
     (SETTLE_MIN_RUNS rounds that took SETTLE_AFTER_S of timed runs, or SETTLE_FAST_RUNS rounds); the context
-    says so."""
+    says so.
+
+    `before_run` is called inside the timed region before every run with the candidate and its run number
+    (1-based, warm-up included): the self-test child's fault hook (`run:<provider>:<variant>#N`)."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
     if not live:
         return
@@ -505,8 +505,8 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                        + (f", re-measurement {attempt}" if attempt else ""))
 
     def hook(t: _Trial) -> None:  # inside the timed region: a test's slow-down fault must count
-        if BEFORE_RUN is not None:
-            BEFORE_RUN(t.candidate, count[id(t)])
+        if before_run is not None:
+            before_run(t.candidate, count[id(t)])
 
     try:
         calls: dict[int, Callable[[], Any]] = {
@@ -554,14 +554,28 @@ def _timing_tensor(golden: Sequence[GoldenSample]) -> np.ndarray:
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
              latency: bool = True, latency_runs: int | None = None,
              preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
-             max_batch: int = 1, workers: int = 1) -> CandidateResult:
+             max_batch: int = 1, workers: int = 1,
+             before_run: Callable[[Candidate, int], None] | None = None) -> CandidateResult:
     """One candidate alone: the two questions, then (optionally) its latency. Never raises."""
     m = bundle.manifest
     trial = prove(bundle, c, settings, golden, preprocessed, max_batch=max_batch, workers=workers)
     if latency:
         time_interleaved([trial], _timing_tensor(golden), m.selftest.warmup_runs,
-                         latency_runs or m.selftest.latency_runs, manifest=m)
+                         latency_runs or m.selftest.latency_runs, manifest=m, before_run=before_run)
     return judge(trial.evidence, m)
+
+
+@dataclass(frozen=True)
+class Seams:
+    """The steps a caller may put something in front of, passed in as values (never by rebinding this module's
+    names): the self-test child gives the probes it already made, one step each, and its fault hooks. `prove`
+    opens and checks a candidate on a full run, `evaluate` re-checks a cached winner, `before_run` runs inside
+    the latency loop's timed region before each run."""
+
+    detect_providers: Callable[..., list[ProviderStatus]] = detect_providers
+    prove: Callable[..., _Trial] = prove
+    evaluate: Callable[..., CandidateResult] = evaluate
+    before_run: Callable[[Candidate, int], None] | None = None
 
 
 REDUCED_SCALES = (2, 4, 8)
@@ -797,8 +811,8 @@ class CrashMarkers:
     """A marker written before each candidate; one found at start means that candidate killed us."""
 
     def __init__(self, directory: Path):
-        self.inflight = directory / "inflight.json"
-        self.crashed_file = directory / "crashed.json"
+        self.inflight = directory / INFLIGHT_FILE
+        self.crashed_file = directory / SKIP_FILE
 
     def recover(self) -> dict[str, str]:
         crashed: dict[str, str] = read_json(self.crashed_file, {}) or {}
@@ -848,8 +862,57 @@ def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: Selftest
     return sha256_bytes(json.dumps(material, sort_keys=True, default=str).encode())
 
 
-def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions = SelftestOptions()) -> SelftestReport:
-    """Probe, build candidates, evaluate in priority order, choose. Never raises for a bad candidate."""
+@dataclass
+class _Run:
+    """One self-test's inputs and what its steps share: read once by `_start`, then passed along."""
+
+    bundle: Bundle
+    opts: SelftestOptions
+    seams: Seams
+    t0: float
+    created: str
+    costs: ProofCosts
+    golden: list[GoldenSample]
+    preprocessed: tuple[PreprocessCheck, list[np.ndarray]]
+    statuses: list[ProviderStatus]
+    fingerprint: dict[str, Any]
+    key: str
+    candidates: list[Candidate]
+    notes: list[str]
+    directory: Path | None
+    markers: CrashMarkers | None
+    crashed: dict[str, str]
+    scale_bound: int  # the largest reduced decode scale a configured source can choose
+    needed_paths: tuple[str, ...]  # the decode paths the configured sources use
+
+
+def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions = SelftestOptions(),
+                 seams: Seams = Seams()) -> SelftestReport:
+    """Probe, build candidates, evaluate in priority order, choose. Never raises for a bad candidate.
+
+    The steps, in order: read the golden samples and check the device's preprocessing; probe the providers;
+    re-check a cached winner (done when it still passes); prove each provider group's candidates and time
+    those that passed; re-measure latency when only latency failed; finish (the reduced-decode check, the
+    report, the cache)."""
+    run = _start(bundle, state_dir, opts, seams)
+    cached = _cached_winner(run)
+    if cached is not None:
+        return cached
+    results, trials, selected = _prove_groups(run)
+    attempts: list[dict[str, Any]] = []
+    degraded: str | None = None
+    if selected is None and should_remeasure_latency(results):
+        results, selected, attempts = _remeasure(run, results, trials)
+        if selected is None and opts.policy.when_too_slow == "degraded":
+            selected, degraded = _serve_degraded(run, results, len(attempts))
+    won = trials.get(selected.candidate.key) if selected is not None else None
+    return _finish(run, results, selected, cached=False, attempts=attempts, degraded=degraded,
+                   opened=won.opened if won is not None else None)
+
+
+def _start(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions, seams: Seams) -> _Run:
+    """Read what every step needs: the golden samples, the preprocessing check, the probes, the candidates,
+    the crash markers."""
     t0 = time.perf_counter()
     created = datetime.now(timezone.utc).isoformat()
     m = bundle.manifest
@@ -860,83 +923,115 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     with costs.part("preprocessing check"):
         preprocessed = check_preprocessing(bundle, golden)  # the device's preprocessing: one check for all candidates
     with costs.part("provider probes"):
-        statuses = detect_providers(opts.provider_order, opts.provider_options, opts.settings)
+        statuses = seams.detect_providers(opts.provider_order, opts.provider_options, opts.settings)
     for s in statuses:
         log.info("provider.probed", provider=s.name, listed=s.listed, usable=s.usable, reason=s.reason)
     fingerprint = device_fingerprint()
-    key = cache_key(bundle, statuses, opts, fingerprint)
     candidates, notes = build_candidates(m, statuses, opts.policy, opts.provider_options)
     directory = (state_dir / "selftest") if state_dir else None
     markers = CrashMarkers(directory) if directory else None
-    crashed = markers.recover() if markers else {}
     # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
     # frames at 1/8); a cached check bounded lower than the sources now allow is run again
-    scale_bound = choosable_scale(opts.source_limits, m.preprocess.resize)
-    needed_paths = decode_paths(opts.source_limits)
+    return _Run(bundle, opts, seams, t0, created, costs, list(golden), preprocessed, list(statuses), fingerprint,
+                cache_key(bundle, statuses, opts, fingerprint), list(candidates), list(notes), directory, markers,
+                markers.recover() if markers else {}, choosable_scale(opts.source_limits, m.preprocess.resize),
+                tuple(decode_paths(opts.source_limits)))
 
-    def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
-               attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
-               opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
-        if selected is not None and decode is None and opts.skip_reduced_decode is not None:
-            decode = {"max_scale": 1, "reason": opts.skip_reduced_decode, "scales": [], "bound": 1}
-        if selected is not None and decode is None:
-            with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{scale_bound}"):
-                decode = _guarded(markers, bundle, selected.candidate,
-                                  lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden,
-                                                               opened, max_scale=scale_bound, callers=opts.workers,
-                                                               paths=needed_paths))
-        report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
-                                (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
-                                decode, tuple(costs.to_list()))
-        if selected is not None and selected.warnings:
-            log.warning("selftest.selected_with_warnings", candidate=selected.candidate.key,
-                        warnings=[w.text() for w in selected.warnings])
-        if directory:
-            write_json_atomic(directory / "report.json", report.to_dict())
-            if selected is not None and not cached and degraded is None:
-                write_json_atomic(directory / "cache.json", {"key": key, "candidate": selected.candidate.key,
-                                                             "report": report.to_dict()})
-        log.info("selftest.done", bundle=bundle.identity, passed=selected is not None, cached=cached,
-                 selected=selected.candidate.key if selected else None, reason=report.reason,
-                 duration_ms=round(report.duration_ms, 1))
-        return report
 
-    if opts.use_cache and directory:
-        cached = read_json(directory / "cache.json")
-        if cached and cached.get("key") == key:
-            hit = next((c for c in candidates if c.key == cached.get("candidate")), None)
-            if hit is not None:
-                with costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
-                    quick = _guarded(markers, bundle, hit, lambda: evaluate(
-                        bundle, hit, opts.settings, golden, latency=False, preprocessed=preprocessed,
-                        max_batch=opts.max_batch, workers=opts.workers))
-                if quick.passed:
-                    log.info("selftest.cache_hit", candidate=hit.key)
-                    # the reduced-decode check depends on what the cache key covers: reused, not re-run, unless
-                    # it was bounded below a scale today's sources can choose (no "bound": every scale was tried)
-                    decode = (cached.get("report") or {}).get("decode")
-                    if not isinstance(decode, dict) or (opts.skip_reduced_decode is None and (
-                            int(decode.get("bound", max(REDUCED_SCALES))) < scale_bound
-                            or not set(needed_paths) <= set(decode.get("paths", DECODE_PATHS)))):
-                        decode = None  # bounded below today's scales, or a path today's sources need unproven
-                    return finish([quick], quick, cached=True, decode=decode)
-                log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
+def _finish(run: _Run, results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
+            attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
+            opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
+    """The winner's reduced-decode check (unless reused or skipped), the report written, the cache kept."""
+    bundle, opts, costs = run.bundle, run.opts, run.costs
+    if selected is not None and decode is None and opts.skip_reduced_decode is not None:
+        decode = {"max_scale": 1, "reason": opts.skip_reduced_decode, "scales": [], "bound": 1}
+    if selected is not None and decode is None:
+        with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{run.scale_bound}"):
+            decode = _guarded(run.markers, bundle, selected.candidate,
+                              lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, run.golden,
+                                                           opened, max_scale=run.scale_bound, callers=opts.workers,
+                                                           paths=run.needed_paths))
+    report = SelftestReport(bundle, tuple(run.statuses), tuple(results), selected, tuple(run.notes), run.key, cached,
+                            (time.perf_counter() - run.t0) * 1000, run.created, run.fingerprint, tuple(attempts),
+                            degraded, decode, tuple(costs.to_list()))
+    if selected is not None and selected.warnings:
+        log.warning("selftest.selected_with_warnings", candidate=selected.candidate.key,
+                    warnings=[w.text() for w in selected.warnings])
+    if run.directory:
+        write_json_atomic(run.directory / "report.json", report.to_dict())
+        if selected is not None and not cached and degraded is None:
+            write_json_atomic(run.directory / CACHE_FILE, {"key": run.key, "candidate": selected.candidate.key,
+                                                           "report": report.to_dict()})
+    log.info("selftest.done", bundle=bundle.identity, passed=selected is not None, cached=cached,
+             selected=selected.candidate.key if selected else None, reason=report.reason,
+             duration_ms=round(report.duration_ms, 1))
+    return report
 
-    recorded = {v.name: recorded_outputs(bundle, v.name, golden) for v in m.variants}
-    for name, rec in recorded.items():
-        if rec is None:
-            notes.append(f"variant {name}: no recorded outputs in the golden samples (bundle made before "
-                         f"variant.<name>.<output>): reproduction reference=source")
-    if m.selftest.parity:
-        notes.append("selftest.parity (legacy) is not judged: reproduction and fidelity replace it")
-    warmup = m.selftest.warmup_runs
+
+def _cached_winner(run: _Run) -> SelftestReport | None:
+    """The cached winner, re-checked without timing (session, reproduction, fidelity): the report when it still
+    passes under the same cache key, else None (and the full proof runs)."""
+    bundle, opts = run.bundle, run.opts
+    if not (opts.use_cache and run.directory):
+        return None
+    cached = read_json(run.directory / CACHE_FILE)
+    if not cached or cached.get("key") != run.key:
+        return None
+    hit = next((c for c in run.candidates if c.key == cached.get("candidate")), None)
+    if hit is None:
+        return None
+    with run.costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
+        quick = _guarded(run.markers, bundle, hit, lambda: run.seams.evaluate(
+            bundle, hit, opts.settings, run.golden, latency=False, preprocessed=run.preprocessed,
+            max_batch=opts.max_batch, workers=opts.workers))
+    if not quick.passed:
+        log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
+        return None
+    log.info("selftest.cache_hit", candidate=hit.key)
+    # the reduced-decode check depends on what the cache key covers: reused, not re-run, unless it was bounded
+    # below a scale today's sources can choose (no "bound": every scale was tried)
+    decode = (cached.get("report") or {}).get("decode")
+    if not isinstance(decode, dict) or (opts.skip_reduced_decode is None and (
+            int(decode.get("bound", max(REDUCED_SCALES))) < run.scale_bound
+            or not set(run.needed_paths) <= set(decode.get("paths", DECODE_PATHS)))):
+        decode = None  # bounded below today's scales, or a path today's sources need unproven
+    return _finish(run, [quick], quick, cached=True, decode=decode)
+
+
+def _skip_reason(run: _Run, c: Candidate) -> str | None:
+    """Why a candidate is not tried in this proof (a crash recorded against it), or None."""
+    sha = run.bundle.manifest_sha256
+    if f"{sha}|{c.key}" in run.crashed:
+        return "skipped: this candidate crashed the agent during an earlier self-test or while serving"
+    if f"{sha}|*:{c.variant}" in run.crashed:
+        return f"skipped: reading variant {c.variant}'s contract crashed an earlier self-test"
+    return None
+
+
+def _latency_settings(run: _Run) -> tuple[int, int, float | None]:
+    """Warm-up runs, timed runs, and the settle margin (None: the full count, as asked by --latency-runs)."""
+    m, opts = run.bundle.manifest, run.opts
     runs = opts.latency_runs or m.selftest.latency_runs
     # a count asked for (--latency-runs) is run in full; the bundle's own may stop once settled
-    settle = None if opts.latency_runs or not opts.settle else opts.policy.prefer_margin
+    return m.selftest.warmup_runs, runs, None if opts.latency_runs or not opts.settle else opts.policy.prefer_margin
+
+
+def _prove_groups(run: _Run) -> tuple[list[CandidateResult], dict[str, _Trial], CandidateResult | None]:
+    """Each provider group in priority order: its candidates proven (session, reproduction, fidelity), those
+    that passed timed together, the group's winner chosen; lower groups are not tried once one wins."""
+    bundle, opts, m = run.bundle, run.opts, run.bundle.manifest
+    recorded = {v.name: recorded_outputs(bundle, v.name, run.golden) for v in m.variants}
+    for name, rec in recorded.items():
+        if rec is None:
+            run.notes.append(f"variant {name}: no recorded outputs in the golden samples (bundle made before "
+                             f"variant.<name>.<output>): reproduction reference=source")
+    if m.selftest.parity:
+        run.notes.append("selftest.parity (legacy) is not judged: reproduction and fidelity replace it")
+    warmup, runs, settle = _latency_settings(run)
     results: list[CandidateResult] = []
     trials: dict[str, _Trial] = {}
     selected: CandidateResult | None = None
-    for group in provider_groups(candidates):
+    for group in provider_groups(run.candidates):
         if selected is not None:
             results += [CandidateResult(c, False, ("not tried: a higher-priority provider passed",), None, "not_tried")
                         for c in group]
@@ -944,75 +1039,85 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         proven: list[_Trial] = []
         skipped: dict[str, CandidateResult] = {}
         for c in group:
-            if f"{bundle.manifest_sha256}|{c.key}" in crashed:
-                skipped[c.key] = CandidateResult(c, False, ("skipped: this candidate crashed the agent during an "
-                                                            "earlier self-test or while serving",), None, "skipped")
-                continue
-            if f"{bundle.manifest_sha256}|*:{c.variant}" in crashed:
-                skipped[c.key] = CandidateResult(c, False, (f"skipped: reading variant {c.variant}'s contract "
-                                                            "crashed an earlier self-test",), None, "skipped")
+            why = _skip_reason(run, c)
+            if why is not None:
+                skipped[c.key] = CandidateResult(c, False, (why,), None, "skipped")
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
-            with costs.part(f"{c.key}: session, reproduction, fidelity, batch sizes"):
-                trial = _guarded(markers, bundle, c, functools.partial(prove, bundle, c, opts.settings, golden,
-                                                                       preprocessed, recorded, opts.max_batch,
-                                                                       opts.workers))
+            with run.costs.part(f"{c.key}: session, reproduction, fidelity, batch sizes"):
+                trial = _guarded(run.markers, bundle, c, functools.partial(
+                    run.seams.prove, bundle, c, opts.settings, run.golden, run.preprocessed, recorded,
+                    opts.max_batch, opts.workers))
             trials[c.key] = trial
             if judge(trial.evidence, m).passed:
                 proven.append(trial)
         if proven:  # only candidates that answered both questions are worth timing
             # Each ran its golden samples under its own marker already; inside the interleaved loop the
             # marker switches to each candidate before each of its runs.
-            with costs.part(f"latency: {warmup} warm-up + up to {runs} timed runs each, {len(proven)} interleaved"):
-                _interleaved(markers, bundle,
-                             lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
-                                                         marker=mk, settle_margin=settle))
+            with run.costs.part(f"latency: {warmup} warm-up + up to {runs} timed runs each, {len(proven)} "
+                                "interleaved"):
+                _interleaved(run.markers, bundle,
+                             lambda mk: time_interleaved(proven, _timing_tensor(run.golden), warmup, runs, manifest=m,
+                                                         marker=mk, settle_margin=settle,
+                                                         before_run=run.seams.before_run))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
         results += group_results
         selected = choose(group_results, opts.policy.prefer_margin)
+    return results, trials, selected
 
+
+def _remeasure(run: _Run, results: list[CandidateResult], trials: dict[str, _Trial]
+               ) -> tuple[list[CandidateResult], CandidateResult | None, list[dict[str, Any]]]:
+    """Only latency failed: the slow candidates timed again on the policy's backoff schedule, until one group
+    has a winner or nothing fails only on latency any more."""
+    bundle, opts, m = run.bundle, run.opts, run.bundle.manifest
+    warmup, runs, settle = _latency_settings(run)
     attempts: list[dict[str, Any]] = []
-    degraded: str | None = None
-    if selected is None and should_remeasure_latency(results):
-        schedule = latency_retry_schedule(opts.policy.latency_retries, opts.policy.latency_backoff_s)
-        for attempt, delay in enumerate(schedule, 1):
-            slow = [trials[r.candidate.key] for r in results if r.failed_only_on_latency]
-            log.warning("selftest.latency_retry", attempt=attempt, of=len(schedule), wait_s=delay,
-                        candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
-            opts.sleep(delay)
-            with costs.part(f"latency re-measurement {attempt}"):
-                _interleaved(markers, bundle,
-                             lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt,
-                                                         manifest=m, marker=mk, settle_margin=settle))
-            again = {t.candidate.key: judge(t.evidence, m) for t in slow}
-            results = [again.get(r.candidate.key, r) for r in results]
-            attempts.append({"attempt": attempt, "waited_s": delay,
-                             "load_average": slow[0].evidence.latency_context.load_after
-                             if slow[0].evidence.latency_context else None,
-                             "p95_ms": {k: r.evidence.latency.p95_ms if r.evidence and r.evidence.latency else None
-                                        for k, r in again.items()}})
-            for group in provider_groups([r.candidate for r in results]):
-                keys = {c.key for c in group}
-                selected = choose([r for r in results if r.candidate.key in keys], opts.policy.prefer_margin)
-                if selected is not None:
-                    break
-            if selected is not None or not should_remeasure_latency(results):
+    selected: CandidateResult | None = None
+    schedule = latency_retry_schedule(opts.policy.latency_retries, opts.policy.latency_backoff_s)
+    for attempt, delay in enumerate(schedule, 1):
+        slow = [trials[r.candidate.key] for r in results if r.failed_only_on_latency]
+        log.warning("selftest.latency_retry", attempt=attempt, of=len(schedule), wait_s=delay,
+                    candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
+        opts.sleep(delay)
+        with run.costs.part(f"latency re-measurement {attempt}"):
+            _interleaved(run.markers, bundle,
+                         lambda mk: time_interleaved(slow, _timing_tensor(run.golden), warmup, runs, attempt,
+                                                     manifest=m, marker=mk, settle_margin=settle,
+                                                     before_run=run.seams.before_run))
+        again = {t.candidate.key: judge(t.evidence, m) for t in slow}
+        results = [again.get(r.candidate.key, r) for r in results]
+        attempts.append({"attempt": attempt, "waited_s": delay,
+                         "load_average": slow[0].evidence.latency_context.load_after
+                         if slow[0].evidence.latency_context else None,
+                         "p95_ms": {k: r.evidence.latency.p95_ms if r.evidence and r.evidence.latency else None
+                                    for k, r in again.items()}})
+        for group in provider_groups([r.candidate for r in results]):
+            keys = {c.key for c in group}
+            selected = choose([r for r in results if r.candidate.key in keys], opts.policy.prefer_margin)
+            if selected is not None:
                 break
-        if selected is None and opts.policy.when_too_slow == "degraded":
-            best = fastest_proven(results)
-            if best is not None:
-                lat = best.evidence.latency if best.evidence else None
-                degraded = (f"serving {best.candidate.key} degraded: it reproduced and kept fidelity but p95 "
-                            f"{lat.p95_ms if lat else float('nan'):.2f} ms stays over budget "
-                            f"{m.selftest.budget_for(best.candidate.provider)} ms after {len(attempts)} "
-                            f"latency re-measurements (selection.when_too_slow: degraded)")
-                selected = best
-                log.warning("selftest.degraded", candidate=best.candidate.key, reason=degraded)
-    won = trials.get(selected.candidate.key) if selected is not None else None
-    return finish(results, selected, cached=False, attempts=attempts, degraded=degraded,
-                  opened=won.opened if won is not None else None)
+        if selected is not None or not should_remeasure_latency(results):
+            break
+    return results, selected, attempts
+
+
+def _serve_degraded(run: _Run, results: list[CandidateResult], attempts: int
+                    ) -> tuple[CandidateResult | None, str | None]:
+    """`selection.when_too_slow: degraded`: the fastest candidate that reproduced and kept fidelity, said."""
+    best = fastest_proven(results)
+    if best is None:
+        return None, None
+    m = run.bundle.manifest
+    lat = best.evidence.latency if best.evidence else None
+    degraded = (f"serving {best.candidate.key} degraded: it reproduced and kept fidelity but p95 "
+                f"{lat.p95_ms if lat else float('nan'):.2f} ms stays over budget "
+                f"{m.selftest.budget_for(best.candidate.provider)} ms after {attempts} "
+                f"latency re-measurements (selection.when_too_slow: degraded)")
+    log.warning("selftest.degraded", candidate=best.candidate.key, reason=degraded)
+    return best, degraded
 
 
 def _log_result(r: CandidateResult) -> None:
@@ -1064,7 +1169,7 @@ def no_reduced_decode(cfg: Any) -> str | None:
     if not sources:
         return None
     for src in sources:
-        if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+        if src.picture_scale() in (1, None):  # decoded at full size, or sensor samples
             continue
         if src.type == "folder" and src.path is not None and Path(src.path).is_dir() and not any(
                 p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir()):
@@ -1079,7 +1184,8 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
     video file's frame size from its header. () when there are no sources (every scale is proven)."""
     out = []
     for src in list(getattr(cfg, "source_list", ()) or ()):
-        forced = None if src.decode_scale == "auto" else int(src.decode_scale)
+        scale = src.picture_scale()  # None: sensor samples, never decoded
+        forced = None if scale in ("auto", None) else int(scale)
         frame, fourcc = video_header(Path(src.path)) if src.type == "video" and src.path is not None else (None, None)
         out.append(SourceScaleLimit(forced, frame, _paths_of(src, fourcc)))
     return tuple(out)
@@ -1088,7 +1194,7 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
 def _paths_of(src: Any, fourcc: str | None) -> frozenset[str] | None:
     """The reduced paths a source can serve through, known before it opens; None: unknown (a camera, a stream,
     MQTT images, a folder not there yet). A video file's codec is in its header."""
-    if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+    if src.picture_scale() in (1, None):
         return frozenset()
     if src.type == "folder" and src.path is not None and Path(src.path).is_dir():
         has_jpeg = any(p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir())

@@ -35,7 +35,8 @@ log = get_logger("updates")
 class ServingAgent(Protocol):
     """What the updater needs from the controller that owns the serving state."""
 
-    bundle: Bundle | None
+    @property
+    def bundle(self) -> Bundle | None: ...
 
     def operation(self, name: str) -> ContextManager[None]: ...
     def swap_bundle(self, bundle: Bundle, candidate: Candidate, report: dict[str, Any]) -> Any: ...
