@@ -2,7 +2,7 @@
 
 openWakeWord's package starts its rolling feature buffer from the embeddings of ten seconds of silence; a
 state's `init` was a scalar only, so a bundle could start it only from zeros (and a hand-made flag state
-inside the graph). `inputs[i].init_file` names a .npy: `bundle create` copies it into the bundle
+inside the graph). `inputs[i].init` may name a .npy: `bundle create` copies it into the bundle
 (`states/<input>.npy`), the manifest hashes it and the signature covers it, the loader checks its hash,
 shape and dtype, and every stream (and every session after a reset) starts from it.
 """
@@ -44,7 +44,7 @@ def _build(tmp: Path, init: np.ndarray) -> Path:
     np.save(tmp / "s0.npy", init)
     spec = {"name": "init-file", "version": 1, "label": "0.1.0", "task": "raw",
             "frame": {"kind": "sensor", "window": W, "channels": 1, "dtype": "float32", "sample_rate": SR},
-            "inputs": [{"name": "state", "kind": "state", "dtype": "float32", "shape": [1, H], "init_file": "s0.npy",
+            "inputs": [{"name": "state", "kind": "state", "dtype": "float32", "shape": [1, H], "init": "s0.npy",
                         "from_output": "stateN", "reset_on_gap_s": 1.0}],
             "preprocess": {"layout": "ncw", "dtype": "float32"},
             "postprocess": {"type": "raw", "outputs": ["scores"], "max_values": K}}
@@ -60,9 +60,9 @@ def test_a_state_starts_from_the_tensor_file_the_bundle_carries_hashed(tmp_path:
 
     bundle = _build(tmp_path, S0)
     manifest = yaml.safe_load((bundle / "bundle.yaml").read_text())
-    assert manifest["inputs"][0]["init_file"] == "states/state.npy"
+    assert manifest["inputs"][0]["init"] == "states/state.npy"
     assert "states/state.npy" in manifest["files"]  # hashed, so signed like every file
-    np.testing.assert_array_equal(load_bundle(bundle).manifest.inputs[0].init_value, S0)
+    np.testing.assert_array_equal(load_bundle(bundle).manifest.inputs[0].init_value, S0)  # type: ignore[attr-defined]
 
     x = _audio(12 * W, 11)
     served = Served(bundle, type="udp", host="127.0.0.1", port=0)
@@ -84,13 +84,13 @@ def test_an_edited_init_file_is_refused_at_load_naming_the_file(tmp_path: Path) 
 
     bundle = _build(tmp_path, S0)
     np.save(bundle / "states" / "state.npy", np.zeros_like(S0))
-    with pytest.raises(BundleError, match=r"inputs\[0\]\.init_file: .*states/state.npy: hash mismatch"):
+    with pytest.raises(BundleError, match=r"inputs\[0\]\.init: .*states/state.npy: hash mismatch"):
         load_bundle(bundle)
 
 
 def test_an_init_file_of_another_shape_is_refused_at_build_naming_the_key(tmp_path: Path) -> None:
     from agent.errors import BundleError
 
-    with pytest.raises(BundleError, match=r"key inputs\[0\]\.init_file: states/state.npy holds shape \[1, 5\], the "
+    with pytest.raises(BundleError, match=r"key inputs\[0\]\.init: states/state.npy holds shape \[1, 5\], the "
                                           r"state 'state' is declared \[1, 6\]"):
         _build(tmp_path, np.zeros((1, 5), np.float32))

@@ -280,31 +280,38 @@ def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
     ins = [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])]
     outs = [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])]
     if fe.lfr_context == "stream":
-        # a stream's first window: its first `pad` fbank frames (frame.padding, before the stream's first sample)
-        # become copies of the stream's first frame; later windows keep theirs (the previous window's audio)
-        started, started_out = LFR_STARTED
-        first = np.concatenate([np.full(pad, pad), np.arange(pad, t)]).astype(np.int64)
-        inits += [numpy_helper.from_array(first, "fe_first_idx"),
-                  numpy_helper.from_array(np.array(0.5, np.float32), "fe_half"),
-                  numpy_helper.from_array(np.array(0.0, np.float32), "fe_f0"),
-                  numpy_helper.from_array(np.array(1.0, np.float32), "fe_f1"),
-                  numpy_helper.from_array(np.array([2], np.int64), "fe_axis2")]
-        after_log = next(i for i, node in enumerate(nodes) if node.op_type == "Log") + 1
-        nodes[after_log:after_log] = [
-            helper.make_node("Gather", ["fe_logmel_w", "fe_first_idx"], ["fe_logmel_first"], axis=1),
-            helper.make_node("Greater", [started, "fe_half"], ["fe_started_b"]),  # [B, 1]
-            helper.make_node("Unsqueeze", ["fe_started_b", "fe_axis2"], ["fe_started_b3"]),  # [B, 1, 1]
-            helper.make_node("Where", ["fe_started_b3", "fe_logmel_w", "fe_logmel_first"], ["fe_logmel"]),
-        ]
-        nodes += [helper.make_node("Mul", [started, "fe_f0"], ["fe_started_0"]),
-                  helper.make_node("Add", ["fe_started_0", "fe_f1"], [started_out])]
-        ins.append(helper.make_tensor_value_info(started, TensorProto.FLOAT, ["batch", 1]))
-        outs.append(helper.make_tensor_value_info(started_out, TensorProto.FLOAT, ["batch", 1]))
+        _lfr_first_window(t, pad, nodes, inits, ins, outs)
     graph = helper.make_graph(nodes, "kaldi_fbank", ins, outs, initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = min(model.ir_version, 9)
     onnx.checker.check_model(model)
     return model
+
+
+def _lfr_first_window(t: int, pad: int, nodes: list[Any], inits: list[Any], ins: list[Any], outs: list[Any]) -> None:
+    """lfr_context stream: the front-end's state input and output, and on a stream's first window its first
+    `pad` fbank frames (frame.padding, before the stream's first sample) made copies of the stream's first
+    frame; later windows keep theirs (the previous window's audio)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    started, started_out = LFR_STARTED
+    first = np.concatenate([np.full(pad, pad), np.arange(pad, t)]).astype(np.int64)
+    inits += [numpy_helper.from_array(first, "fe_first_idx"),
+              numpy_helper.from_array(np.array(0.5, np.float32), "fe_half"),
+              numpy_helper.from_array(np.array(0.0, np.float32), "fe_f0"),
+              numpy_helper.from_array(np.array(1.0, np.float32), "fe_f1"),
+              numpy_helper.from_array(np.array([2], np.int64), "fe_axis2")]
+    after_log = next(i for i, node in enumerate(nodes) if node.op_type == "Log") + 1
+    nodes[after_log:after_log] = [
+        helper.make_node("Gather", ["fe_logmel_w", "fe_first_idx"], ["fe_logmel_first"], axis=1),
+        helper.make_node("Greater", [started, "fe_half"], ["fe_started_b"]),  # [B, 1]
+        helper.make_node("Unsqueeze", ["fe_started_b", "fe_axis2"], ["fe_started_b3"]),  # [B, 1, 1]
+        helper.make_node("Where", ["fe_started_b3", "fe_logmel_w", "fe_logmel_first"], ["fe_logmel"]),
+    ]
+    nodes += [helper.make_node("Mul", [started, "fe_f0"], ["fe_started_0"]),
+              helper.make_node("Add", ["fe_started_0", "fe_f1"], [started_out])]
+    ins.append(helper.make_tensor_value_info(started, TensorProto.FLOAT, ["batch", 1]))
+    outs.append(helper.make_tensor_value_info(started_out, TensorProto.FLOAT, ["batch", 1]))
 
 
 def frontend_from_dict(d: Mapping[str, Any], where: str) -> Frontend:
@@ -474,14 +481,14 @@ def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
     return model
 
 
-def prepend_frontend(fe: Frontend, model: Any, where: str, extra: Iterable[str] = ()) -> Any:
+def prepend_frontend(fe: Frontend, model: Any, where: str, extra: Iterable[Any] = ()) -> Any:
     """The model with the front-end before its frame input: it then takes `audio` [B, samples]. `extra` are
     the spec's other inputs (constants, states: a stateful model's h and c), which the front-end leaves alone."""
     import onnx
     from onnx import compose
 
     inits = {i.name for i in model.graph.initializer}
-    others = set(extra)
+    others = {x if isinstance(x, str) else x.name for x in extra}  # names, or the spec's ExtraInputs
     inputs = [i for i in model.graph.input if i.name not in inits and i.name not in others]
     if len(inputs) != 1:
         raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]} besides the spec's "

@@ -12,6 +12,7 @@ from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from agent.bundle.state_files import load_state_files, with_state_files  # noqa: F401 (with_state_files: bundle create)
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
 from agent.npio import open_npz
@@ -401,9 +402,7 @@ def read_manifest(root: Path) -> tuple[Manifest, str]:
     except FileNotFoundError as exc:
         raise BundleError(f"{path}: missing: a bundle directory must hold {MANIFEST_NAME}") from exc
     manifest = parse_manifest(data.decode("utf-8", errors="replace"), where=str(path))
-    if any(x.init_file for x in manifest.inputs):  # a state's tensor initial value, read once its hash is checked
-        from agent.bundle.state_files import load_state_files
-
+    if any(isinstance(x.init, str) for x in manifest.inputs):  # a state's .npy init, read once its hash is checked
         manifest = replace(manifest, inputs=load_state_files(root, manifest.inputs, str(path), manifest.files))
     return manifest, sha256_bytes(data)
 

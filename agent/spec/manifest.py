@@ -317,14 +317,10 @@ class ExtraInput:
     dtype: str
     shape: tuple[Dim, ...]
     value: Any = None  # constant: a scalar or nested list
-    init: float = 0.0  # state: initial fill
+    init: float | str = 0.0  # state: a fill value, or a .npy in the bundle holding the tensor (bundle.state_files)
     from_output: str | None = None  # state: the output that feeds it on the next step
     reset_on_gap_s: float | None = None  # state: a gap longer than this starts a new stream
     default: Any = None  # metadata: value when a frame carries none
-    # state: a .npy in the bundle holding a tensor initial value instead of `init`'s fill (a wake-word
-    # package's initial feature buffer); hashed and signed like every file. agent.bundle.state_files loads it
-    init_file: str | None = None
-    init_value: Any = field(default=None, compare=False, repr=False)  # init_file's array, never in a manifest
 
 
 @dataclass(frozen=True)
