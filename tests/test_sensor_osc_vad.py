@@ -50,7 +50,8 @@ def test_fsmn_vad_with_its_front_end_kept_across_chunks_is_served_equal_to_funas
     windows = 20
     x = audio(93, windows + 1)
     want = package_run(tmp_path / "pkg", [x], persistent=True)[0]["logits"]  # [6 + 10 * windows, 248]
-    served = Served(build_stream_bundle(tmp_path / "osc"), type="udp", host="127.0.0.1", port=0)
+    served = Served(build_stream_bundle(tmp_path / "osc"), type="udp", host="127.0.0.1", port=0,
+                    receive_buffer_bytes=1 << 22)  # room for the whole stream: this test is not about drops
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         send_chunks(tx, served.port, x, chunk=2048, pace_s=0.01)
