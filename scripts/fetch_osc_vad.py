@@ -65,6 +65,7 @@ def make_venv() -> Path:
     if f"{PACKAGE}=={VERSION}" not in have:
         subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{PACKAGE}=={VERSION}"],
                        check=True, env={**os.environ, "PYTHONPATH": ""})
+    (VENV / f"installed-{PACKAGE}-{VERSION}").touch()  # the tests' sign of a whole install (not one cut short)
     return py
 
 

