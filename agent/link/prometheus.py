@@ -19,8 +19,10 @@ from agent.logsetup import get_logger
 log = get_logger("metrics")
 
 NS = "edge_agent"
-UPDATE_STATES = ("idle", "downloading", "verifying", "verified", "unpacking", "selftest", "selftest_passed",
-                 "switched", "probation", "committed", "rejected", "rolled_back")
+# the update machine's states (agent.updates.machine.State; link/ may not import updates/, so spelled here and
+# held equal by tests/test_update_steps.py): an update status's `state` is always one of them
+UPDATE_STATES = ("idle", "receiving", "verifying", "staged", "proving", "switching", "probation", "committed",
+                 "rolled_back", "rejected")
 
 
 class MetricsSource(Protocol):

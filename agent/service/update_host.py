@@ -21,7 +21,8 @@ from agent.serving.pipeline import Pipeline
 from agent.service.boot import open_engine
 from agent.service.events import Reply
 from agent.service.served import Snapshot
-from agent.updates.machine import State
+from agent.updates.commands import CommandRefused, UrlUpdate, is_repeat, parse_update_command, repeat_reply
+from agent.updates.intake import spawn_job, start_deliveries
 from agent.updates.probation import probation_over
 
 if TYPE_CHECKING:
@@ -168,14 +169,13 @@ class UpdateHost:
             hub.status.last_update = {"update": cut.update, "origin": cut.origin, "state": cut.state.value,
                                       "ts": round(cut.since, 3), "phase": cut.state.value, "reason": cut.reason}
         self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
-        threading.Thread(target=self.receiver.run_sweeper, args=(hub.stop_event,), name="sweeper", daemon=True).start()
+        start_deliveries([self.receiver, self.downloader], hub.stop_event)  # agent.updates.intake's thread model
 
     def start_inbox(self) -> None:
         if self.updater is not None and self.hub.cfg.updates.inbox is not None:
-            from agent.updates.delivery import watch_inbox
+            from agent.updates.inbox import InboxWatcher
 
-            threading.Thread(target=watch_inbox, args=(self.updater, self.hub.stop_event), name="inbox",
-                             daemon=True).start()
+            start_deliveries([InboxWatcher(self.updater)], self.hub.stop_event)
 
     def use_config(self, cfg: Config) -> None:
         for holder in (self.updater, self.receiver, self.downloader):  # a revoked key stops verifying now
@@ -203,30 +203,29 @@ class UpdateHost:
         if updater is None or downloader is None:
             reply({"ok": False, "error": "updates are not enabled (updates.enabled)"})
             return
-        sha: str | None = None
-        if cmd.name == "update":
-            url, sha = cmd.payload.get("url"), cmd.payload.get("sha256")
-            if not isinstance(url, str) or not isinstance(sha, str):
-                reply({"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
+        try:
+            parsed = parse_update_command(cmd.name, cmd.payload)
+        except CommandRefused as exc:
+            reply({"ok": False, "error": str(exc)})
+            return
+        uid, sha = parsed.id, None
+        if isinstance(parsed, UrlUpdate):
+            store, sha = self.store, parsed.sha256
+            if store is not None and is_repeat(parsed, updater.machine.snapshot, self._url_committed,
+                                               store.current_id, store.committed_id):
+                # the same update again (a fleet operator resumed after its first command went out), its
+                # bundle still the one serving: its verdict, not a second install
+                reply(repeat_reply(parsed, self.hub.status.last_update))
                 return
-            uid = str(cmd.payload.get("id", url.rsplit("/", 1)[-1]))[:100]
-            if self._repeated(uid, sha):
-                # the same update again (same id and sha256; a fleet operator resumed after its first
-                # command went out), its bundle still the one serving: its verdict, not a second install
-                last = self.hub.status.last_update
-                reply({"ok": True, "repeated": True, "update": last if (last or {}).get("update") == uid
-                       else {"update": uid, "state": "committed"}})
-                return
-            refused = downloader.refusal(url, uid)
+            refused = downloader.refusal(parsed.url, uid)
             if refused is not None:
                 reply({"ok": False, "update": refused})
                 return
             busy = updater.begin(uid, "url")
             cancel = updater.machine.cancel  # this download's: a newer start hands out another
-            url_s, sha_s = url, sha
-            work: Callable[[], dict[str, Any]] = lambda: downloader.fetch_started(url_s, sha_s, uid, cancel)  # noqa: E731
+            url = parsed.url
+            work: Callable[[], dict[str, Any]] = lambda: downloader.fetch_started(url, parsed.sha256, uid, cancel)  # noqa: E731
         else:
-            uid = str(cmd.payload.get("id", "rollback"))[:100]
             busy = updater.begin_rollback(uid)
             work = lambda: updater.rollback_started(uid)  # noqa: E731
         if busy is not None:
@@ -245,12 +244,4 @@ class UpdateHost:
                 log.exception("update.command_failed")
                 reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
 
-        self.thread = threading.Thread(target=run, name=f"job-{cmd.name}", daemon=True)
-        self.thread.start()
-
-    def _repeated(self, uid: str, sha: str) -> bool:
-        assert self.updater is not None
-        snap, store = self.updater.machine.snapshot, self.store
-        return (snap.update == uid and snap.state is State.COMMITTED and self._url_committed == (uid, sha)
-                and store is not None and snap.bundle is not None
-                and store.current_id == snap.bundle == store.committed_id)
+        self.thread = spawn_job(f"job-{cmd.name}", run)
