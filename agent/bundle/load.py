@@ -12,6 +12,7 @@ from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from agent.bundle.state_files import load_state_files, with_state_files  # noqa: F401 (with_state_files: bundle create)
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
 from agent.npio import open_npz
@@ -400,7 +401,10 @@ def read_manifest(root: Path) -> tuple[Manifest, str]:
         data = path.read_bytes()
     except FileNotFoundError as exc:
         raise BundleError(f"{path}: missing: a bundle directory must hold {MANIFEST_NAME}") from exc
-    return parse_manifest(data.decode("utf-8", errors="replace"), where=str(path)), sha256_bytes(data)
+    manifest = parse_manifest(data.decode("utf-8", errors="replace"), where=str(path))
+    if any(isinstance(x.init, str) for x in manifest.inputs):  # a state's .npy init, read once its hash is checked
+        manifest = replace(manifest, inputs=load_state_files(root, manifest.inputs, str(path), manifest.files))
+    return manifest, sha256_bytes(data)
 
 
 def load_bundle(root: Path | str, check_contracts: bool = True, check_golden: bool = True,

@@ -230,7 +230,8 @@ class SensorSource:
 
     def _overflow(self, lost: int, d: Datagram, samples: int) -> None:
         """The socket dropped `lost` datagrams just before `d`: a hole in the stream they belonged to. One
-        stream: its own, of about `samples` each. Several: it cannot be told whose, so each starts again."""
+        stream: its own, each of its largest datagram's size (or `d`'s). Several: whose cannot be told, so each
+        starts again."""
         if not self.sequenced:  # sequenced: counted per stream where its sequence jumps
             self.lost_datagrams += lost
         own = self.streams.get(d.sender)
@@ -239,6 +240,7 @@ class SensorSource:
         if self.sequenced:
             pass  # each sender's sequence numbers find its own hole (and count its samples): see _sequence
         elif not others:  # one sender: the hole is its own (before its first datagram: not counted as its)
+            samples = max(samples, own.largest if own is not None else 0)  # a short datagram after: its last
             self.lost_samples += lost * samples
             if own is not None and own.received:
                 self.dropped_samples += own.hole(lost * samples, lost_reason(lost * samples, why))

@@ -77,6 +77,7 @@ class Stream:
         # full windows of sessions that ended, each with its own real samples (disposed of once served)
         self.closed: deque[tuple[np.ndarray, StreamSpan, int]] = deque()
         self.received = 0  # real samples delivered, over every session
+        self.largest = 0  # the largest delivery: a sender's datagram size, for datagrams the socket dropped
         self.disposed = 0  # of those, in the order delivered: served in a window, skipped, dropped or lost
         self.behind = 0  # leftovers dropped at a hole while the windows before them still wait (see _close)
         self.arrivals: deque[tuple[int, float]] = deque()  # (received after a delivery, its arrival)
@@ -195,6 +196,7 @@ class Stream:
                 dropped = self.end(f"gap of {gap:.3f} s > reset_on_gap_s {gap_s}")
         arrived = len(samples)
         self.received += arrived
+        self.largest = max(self.largest, arrived)
         self.arrivals.append((self.received, arrival))
         self._measure(arrival, arrived, idle_since is not None)
         if self.skip:  # between two windows of a hop longer than the window: never served, not leftovers

@@ -34,6 +34,11 @@ def constant_value(x: ExtraInput, batch: int = 1) -> np.ndarray:
 
 
 def initial_state(x: ExtraInput) -> np.ndarray:
+    if isinstance(x.init, str):  # a tensor from the bundle (agent.bundle.state_files), never a silent fill
+        value = getattr(x, "init_value", None)
+        if value is None:
+            raise PreprocessError(f"input {x.name!r}: its init {x.init} was not loaded with the bundle")
+        return np.array(value, dtype=x.dtype, copy=True)
     return np.full(tuple(int(d) for d in x.shape), x.init, dtype=x.dtype)
 
 

@@ -323,7 +323,7 @@ class ExtraInput:
     dtype: str
     shape: tuple[Dim, ...]
     value: Any = None  # constant: a scalar or nested list
-    init: float = 0.0  # state: initial fill
+    init: float | str = 0.0  # state: a fill value, or a .npy in the bundle holding the tensor (bundle.state_files)
     from_output: str | None = None  # state: the output that feeds it on the next step
     reset_on_gap_s: float | None = None  # state: a gap longer than this starts a new stream
     default: Any = None  # metadata: value when a frame carries none
