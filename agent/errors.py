@@ -69,6 +69,11 @@ class UpdateRejected(AgentError):
     """An update was refused; the message is the reason published on update/status."""
 
 
+class CommandRefused(ValueError):
+    """An `update` or `rollback` command whose payload the update machine cannot take; its text is the reply's
+    `error` (agent.updates.commands)."""
+
+
 class UrlRefused(ValueError):
     """An update URL the downloader refuses to fetch (its scheme, host or form)."""
 

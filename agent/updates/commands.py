@@ -11,14 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from agent.errors import CommandRefused
 from agent.updates.machine import Snapshot, State
+
+__all__ = ["CommandRefused", "Rollback", "UrlUpdate", "is_repeat", "parse_update_command", "repeat_reply"]
 
 MAX_ID_CHARS = 100
 NEEDS_URL = "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"
-
-
-class CommandRefused(ValueError):
-    """The command's payload is not one the machine can take; its text is the reply's `error`."""
 
 
 @dataclass(frozen=True)
