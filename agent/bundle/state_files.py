@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from agent.npio import read_npy
 from agent.errors import BundleError
 from agent.hashing import sha256_file
 from agent.spec.manifest import ExtraInput
@@ -71,7 +72,7 @@ def load_state_files(root: Path, inputs: tuple[ExtraInput, ...], where: str,
             if sha256_file(path) != files[rel]:
                 raise BundleError(f"{where}: key {key}: {path}: hash mismatch: the file changed after the bundle was built")
         try:
-            value = np.load(path, allow_pickle=False)
+            value = read_npy(path)
         except (ValueError, OSError) as exc:
             raise BundleError(f"{where}: key {key}: {rel} is not a .npy array ({exc})") from exc
         shape = tuple(int(d) if isinstance(d, int) else -1 for d in x.shape)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from agent.errors import BundleError, PreprocessError
+
+if TYPE_CHECKING:  # at run time only where a frame is round-tripped: the manifest parser and `config check`
+    import numpy as np  # (which reads the manifest before anything heavy) never import numpy for this key
 
 KEY = "preprocess.jpeg_roundtrip"
 
@@ -52,6 +53,7 @@ def from_spec(value: Any, where: str = "") -> JpegRoundtrip | None:
 def roundtrip(raw: np.ndarray, quality: int, color: str) -> np.ndarray:
     """A uint8 image frame (HxWx3 in `color` rgb/bgr, or HxW / HxWx1 grey) after a JPEG encode and decode."""
     import cv2  # here, not at import: the manifest parser reads the declaration without OpenCV
+    import numpy as np
 
     gray = raw.ndim == 2 or raw.shape[2] == 1
     img = raw if gray or color == "bgr" else cv2.cvtColor(raw, cv2.COLOR_RGB2BGR)  # libjpeg's YCbCr from BGR order
