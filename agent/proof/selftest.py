@@ -27,6 +27,7 @@ from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.npio import open_npz
+from agent.proof.evidence import EvidenceLedger
 from agent.proof.isolation import RunMarker
 from agent.proof.parity import (
     agreement_score,
@@ -869,6 +870,8 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     directory = (state_dir / "selftest") if state_dir else None
     markers = CrashMarkers(directory) if directory else None
     crashed = markers.recover() if markers else {}
+    # evidence from serving (canary, live audit, sustained latency) outlives a golden-only proof (evidence.py)
+    disproven = EvidenceLedger(directory).active(bundle.manifest_sha256) if directory else {}
     # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
     # frames at 1/8); a cached check bounded lower than the sources now allow is run again
     scale_bound = choosable_scale(opts.source_limits, m.preprocess.resize)
@@ -904,7 +907,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     if opts.use_cache and directory:
         cached = read_json(directory / "cache.json")
         if cached and cached.get("key") == key:
-            hit = next((c for c in candidates if c.key == cached.get("candidate")), None)
+            hit = next((c for c in candidates if c.key == cached.get("candidate") and c.key not in disproven), None)
             if hit is not None:
                 with costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
                     quick = _guarded(markers, bundle, hit, lambda: evaluate(
@@ -947,6 +950,9 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
             if f"{bundle.manifest_sha256}|{c.key}" in crashed:
                 skipped[c.key] = CandidateResult(c, False, ("skipped: this candidate crashed the agent during an "
                                                             "earlier self-test or while serving",), None, "skipped")
+                continue
+            if c.key in disproven:
+                skipped[c.key] = CandidateResult(c, False, (f"skipped: {disproven[c.key].describe()}",), None, "skipped")
                 continue
             if f"{bundle.manifest_sha256}|*:{c.variant}" in crashed:
                 skipped[c.key] = CandidateResult(c, False, (f"skipped: reading variant {c.variant}'s contract "

@@ -227,10 +227,17 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
     if args.forget_crashes:
         n = CrashLedger(state / "selftest").forget()
         print(f"forgot {n} crash record(s) in {state / 'selftest'}", file=sys.stderr)
+        if args.bundle is None and not args.forget_evidence:
+            return EXIT_OK
+    if args.forget_evidence:
+        from agent.proof.evidence import EvidenceLedger
+
+        n = EvidenceLedger(state / "selftest").forget()
+        print(f"forgot {n} serving evidence record(s) in {state / 'selftest'}", file=sys.stderr)
         if args.bundle is None:
             return EXIT_OK
     if args.bundle is None:
-        print("edge-agent: selftest needs --bundle DIR (or only --forget-crashes)", file=sys.stderr)
+        print("edge-agent: selftest needs --bundle DIR (or only --forget-crashes / --forget-evidence)", file=sys.stderr)
         return EXIT_USAGE
     extra = [a for flag, v in (("--provider", args.provider), ("--variant", args.variant),
                                ("--latency-runs", args.latency_runs),
@@ -543,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bundle", type=Path, help="bundle directory or .tar.gz (required unless --forget-crashes)")
     s.add_argument("--forget-crashes", action="store_true",
                    help="clear the crash records, so steps that crashed the self-test are tried again")
+    s.add_argument("--forget-evidence", action="store_true",
+                   help="clear the evidence from serving (drift found by the canary or the live audit), so the "
+                        "candidates it disproved are selected again")
     s.add_argument("--config", type=Path)
     s.add_argument("--state-dir", type=Path, help="where the report, markers and cache go (default: config)")
     s.add_argument("--json", action="store_true", help="print the full JSON report")

@@ -38,6 +38,7 @@ from agent.serving.multisource import MultiSource
 from agent.serving.sources import FrameSource, is_lossless, open_source, retarget_decode, warm_decoder
 from agent.service.boot import BootOutcome, boot, memory_dir, open_engine, prove
 from agent.service.advice import not_serving_advice
+from agent.service import evidence
 from agent.service.audit import Auditor, AuditSettings, loud_state
 from agent.service.reproof import Reproof, ReproofSchedule
 from agent.service.health_view import health_document, status_line, watchdog_withheld
@@ -218,6 +219,7 @@ class Controller:
         # keep proving while serving (audit.py): canary and live audit on their own thread
         self.auditor = Auditor(AuditSettings.from_config(cfg), lambda: self.engine if self.serving else None,
                                cfg.session)
+        self.auditor.latency_histogram = lambda: self.pipeline.metrics.histograms_ms["inference"] if self.pipeline else None
 
     # -- any thread ----------------------------------------------------------------------------------
     def post(self, event: Any, timeout: float | None = None) -> bool:
@@ -798,10 +800,14 @@ class Controller:
         """The audit saw answers drift: degraded (health, STATUS, /metrics), and proven again."""
         self.notifier.status(self._status_text())
         self._publish_health()
-        if self.auditor.s.switch_on_drift:
+        plan = evidence.on_drift(self, drift)  # charged to the candidate: a golden-only re-proof never clears it
+        if plan == "switch" and self._try_operation("switch") is None:
+            log.error("audit.reproving", how="switch", **drift)
+            self._spawn("switch", evidence.switch_job, self, drift)
+        elif plan in ("switch", "reload"):
             log.error("audit.reproving", how="reload", **drift)
             self._request_reload(None)
-        elif self.bundle is not None and self._try_operation("selftest") is None:
+        elif plan == "selftest" and self.bundle is not None and self._try_operation("selftest") is None:
             log.error("audit.reproving", how="selftest", **drift)
             self._spawn("selftest", self._selftest_job, self.bundle,
                         lambda r: log.warning("audit.reproof_done", passed=r.get("passed"), selected=r.get("selected"),
