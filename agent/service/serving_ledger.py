@@ -393,6 +393,9 @@ class ServingWatch:
         if self._drift is not None and self._started >= self._drift[0]:
             outputs = {k: v * np.float32(self._drift[1]) if v.dtype.kind == "f" else v for k, v in outputs.items()}
         if self._slow is not None and self._started >= self._slow[0]:
+            if self._slow[0] > 0:
+                log.warning("serving.fault_slow", candidate=self.candidate, inference=self._started, factor=self._slow[1])
+                self._slow = (0, self._slow[1])  # said once
             time.sleep((self._slow[1] - 1.0) * (time.perf_counter() - self._began.at))
         self.abandon()
         if not self.active:

@@ -7,7 +7,7 @@ inference histogram (count and sum, no per-inference work added) every `interval
 `audit.slow_period_s`, at least 1 s): the mean inference time of each interval. The baseline is the mean of
 the engine's own first intervals once warm (the first interval after it starts serving is skipped); the
 variant is reported slow when every interval of the last `audit.slow_period_s` had a mean over
-`audit.slow_factor` x that baseline, so it is said at most `slow_period_s` plus one interval after the
+`audit.slow_factor` x that baseline, so it is said at most `slow_period_s` plus two intervals after the
 slowdown began (while frames flow), and cleared when a whole period is back under it. A machine's load
 slows every variant alike; this is reported, not charged against the candidate (the proof's latency policy
 and re-proof schedule judge what a loaded machine can serve).
