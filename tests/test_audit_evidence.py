@@ -112,3 +112,24 @@ def _selftest(agent: AgentProcess, *extra: str) -> dict:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode in (0, 1), out.stderr[-2000:]
     return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_a_device_whose_only_candidate_was_disproven_serves_it_flagged_rather_than_nothing(
+        tmp_path: Path, agent_process) -> None:
+    from agent.proof.evidence import EvidenceLedger
+    from agent.proof.isolation import bundle_digest
+
+    cfg = int8_first(tmp_path, demo_config(tmp_path, source={"max_fps": 20}, output={"stdout": False}))
+    cfg["selection"]["variant"] = "int8"  # the only candidate
+    ledger = EvidenceLedger(Path(cfg["state_dir"]) / "selftest")
+    ledger.record(bundle_digest(Path(cfg["bundle"])), INT8, "live", "top-1 agreement 0.00 < 0.90", 3600)
+    agent = agent_process(cfg, env={"EDGE_AGENT_FAULT": ""}).start()
+    assert agent.wait_event("boot.only_disproven", timeout=180)["candidates"] == [INT8]
+    assert agent.wait_event("boot.ready", timeout=180)["variant"] == "int8"
+    loud = agent.wait_event("serving.loud", lambda e: "disproven while serving" in e["state"], timeout=60)
+    assert "DEGRADED: serving CPUExecutionProvider:int8" in loud["state"]
+    assert agent.stop(60) == 0
+    report = json.loads((agent.state_dir / "selftest" / "report.json").read_text())
+    assert report["selected"]["variant"] == "int8"
+    assert ledger.active(bundle_digest(Path(cfg["bundle"]))), "the evidence is kept"

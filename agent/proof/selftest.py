@@ -104,6 +104,9 @@ class SelftestOptions:
     # what each configured source can choose of the reduced scales, known before it opens; (): unknown, all proven
     source_limits: tuple["SourceScaleLimit", ...] = ()
     sleep: Callable[[float], None] = time.sleep  # the wait between latency re-measurements
+    # the last resort when nothing else passed: candidates disproven while serving are proven too (the service
+    # serves one flagged rather than nothing; agent/service/boot.py)
+    serve_disproven: bool = False
 
 
 @dataclass(frozen=True)
@@ -871,7 +874,7 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     markers = CrashMarkers(directory) if directory else None
     crashed = markers.recover() if markers else {}
     # evidence from serving (canary, live audit, sustained latency) outlives a golden-only proof (evidence.py)
-    disproven = EvidenceLedger(directory).active(bundle.manifest_sha256) if directory else {}
+    disproven = EvidenceLedger(directory).active(bundle.manifest_sha256) if directory and not opts.serve_disproven else {}
     # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
     # frames at 1/8); a cached check bounded lower than the sources now allow is run again
     scale_bound = choosable_scale(opts.source_limits, m.preprocess.resize)

@@ -326,6 +326,12 @@ def loud_state(selftest_doc: dict[str, Any] | None, audit: dict[str, Any] | None
     if audit and audit.get("degraded"):
         d = audit["degraded"]
         parts.append(f"DEGRADED: {d['check']} audit of {d['candidate']} drifted")
+    served = (audit or {}).get("candidate")
+    for e in (audit or {}).get("disproven") or []:  # the next proven one serves in its place (evidence.py)
+        if e["candidate"] != served:
+            parts.append(f"{e['candidate']} disproven while serving ({e['check']} audit): not selected")
+        else:
+            parts.append(f"DEGRADED: serving {served}, disproven while serving ({e['check']} audit): no other passed")
     if audit and audit.get("slow"):
         s = audit["slow"]
         parts.append(f"SLOW: {s['candidate']} inference {s['ratio']:g}x its serving baseline for {s['period_s']:g} s")

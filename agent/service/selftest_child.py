@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant")
     p.add_argument("--latency-runs", type=int)
     p.add_argument("--latency-retries", type=int)
+    p.add_argument("--serve-disproven", action="store_true", help="prove candidates disproven while serving too")
     args = p.parse_args(argv)
     configure_logging(os.environ.get("EDGE_AGENT_CHILD_LOG_LEVEL", "warning"), True)
     doc: dict[str, Any]
@@ -89,6 +90,8 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
                                         use_cache=False if args.no_cache else None)
     if args.latency_runs:
         opts = dataclasses.replace(opts, latency_runs=args.latency_runs)
+    if args.serve_disproven:
+        opts = dataclasses.replace(opts, serve_disproven=True)
     if args.latency_retries is not None:
         opts = dataclasses.replace(opts, policy=dataclasses.replace(opts.policy, latency_retries=args.latency_retries))
     from agent.bundle.load import read_manifest
