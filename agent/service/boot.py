@@ -107,7 +107,7 @@ def in_memory_state(cfg: Config, exc: OSError) -> tuple[Config, str]:
     says."""
     scratch = memory_dir(cfg.state_dir)
     (scratch / "selftest").mkdir(parents=True, exist_ok=True)
-    for name in ("crashes.json", "cache.json", "late-deaths.json", "served.json"):
+    for name in ("crashes.json", "cache.json", "late-deaths.json", "served.json", "disproven.json"):
         src = cfg.state_dir / "selftest" / name
         if src.exists() and not (scratch / "selftest" / name).exists():
             try:
