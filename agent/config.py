@@ -1,7 +1,7 @@
 """The agent's YAML config -> typed, validated settings.
 
-The dataclasses below are the one definition of every key: its type, default, range and meaning
-(`Key`). `agent.config_schema` makes the JSON Schema the YAML is validated with from them, and the
+The dataclasses below (and each source type's class, in agent.source_types) are the one definition of
+every key: its type, default, range and meaning (`Key`). `agent.config_schema` makes the JSON Schema the YAML is validated with from them, and the
 reference table in docs/reference/config.md is generated from the same schema. Every error names the
 file, the key path, what was expected and what was found; unknown keys are errors, never ignored
 (a typo in `allow_cpu_falback` must not change what the agent does).
@@ -26,6 +26,9 @@ from agent.errors import ConfigError, PayloadError
 from agent.keydoc import Key
 from agent.proof.selection import SelectionPolicy
 from agent.proof.terms import DEFAULT_ORDER, SessionSettings
+# One config class per source type (agent.source_types: a module each, a registry by `type`); the schema
+# makes `source:` their discriminated union. `SourceConfig(type=...)` builds the registered class of the type.
+from agent.source_types import PathKey, SourceConfig
 
 
 @dataclass(frozen=True)
@@ -56,79 +59,6 @@ class SelectionConfig:
     reproof_backoff_s: Annotated[float, Key("nothing serves only because of latency: prove again while up after this "
                                             "long, doubling (agent.service.reproof); 0: off", ge=0)] = 30.0
     reproof_max_backoff_s: Annotated[float, Key("the longest wait between re-proofs", ge=0)] = 900.0
-
-
-SourceType = Literal["folder", "video", "camera", "stream", "udp", "file", "stdin", "mqtt"]
-IMAGE_SOURCES = ("folder", "video", "camera", "stream", "mqtt")
-FFMPEG_SOURCES = ("video", "camera", "stream")
-SENSOR_SOURCES = ("udp", "file", "stdin", "mqtt")
-STREAM_SOURCES = ("udp", "file", "stdin", "mqtt")  # sensor samples as a stream (mqtt: payload: samples)
-
-
-@dataclass(frozen=True)
-class SourceConfig:
-    """Where frames come from. `type` picks the source from the registry in `agent.serving.sources`; a key
-    that the type does not use is refused (a `url` on a folder source is a mistake, never ignored)."""
-
-    type: Annotated[SourceType, Key("folder, video, camera, stream (http MJPEG, rtsp), udp, file (FIFO, device), "
-                                    "stdin, mqtt")] = "folder"
-    path: Annotated[Path | None, Key("folder: images; video: a file; file: a FIFO or character device",
-                                     used_by=("folder", "video", "file"))] = None
-    url: Annotated[str | None, Key("http(s) MJPEG or rtsp:// stream", used_by=("stream",))] = None
-    device: Annotated[str | None, Key("camera index (\"0\") or /dev/videoN", used_by=("camera",))] = None
-    loop: Annotated[bool, Key("start again at the end", used_by=("folder", "video"))] = False
-    lossless: Annotated[bool | None, Key("false: latest-frame-wins; default: lossless for folder/video/file, "
-                                         "latest-frame-wins for live sources", default_doc="by type")] = None
-    max_fps: Annotated[float, Key("pace reading (0: as fast as the pipeline takes frames)", ge=0,
-                                  used_by=("folder", "video"))] = 0.0
-    open_timeout_ms: Annotated[int, Key("OpenCV open time-out", ge=1, used_by=FFMPEG_SOURCES)] = 5000
-    read_timeout_ms: Annotated[int, Key("OpenCV read time-out", ge=1, used_by=FFMPEG_SOURCES)] = 3000
-    stall_timeout_s: Annotated[float, Key("no new frame for this long: the stream is lost, reopen", ge=0.1)] = 5.0
-    frozen_after: Annotated[int, Key("this many identical consecutive frames: report a frozen picture", ge=1)] = 30
-    reconnect_initial_s: Annotated[float, Key("first reconnect wait (doubles, with jitter)", ge=0)] = 0.5
-    reconnect_max_s: Annotated[float, Key("longest reconnect wait", ge=0)] = 30.0
-    host: Annotated[str, Key("udp: bind address; mqtt: the frames' broker", used_by=("udp", "mqtt"))] = "127.0.0.1"
-    port: Annotated[int, Key("udp: bind port; mqtt: the broker's port (0: 1883)", ge=0, le=65535,
-                             used_by=("udp", "mqtt"))] = 0
-    topic: Annotated[str | None, Key("mqtt: where frames arrive", used_by=("mqtt",))] = None
-    payload: Annotated[Literal["image", "npy", "raw", "samples"], Key(
-        "mqtt: an encoded image, .npy bytes, raw frame bytes, or samples: chunks of one sensor stream's samples "
-        "(any length; windows cut in stream time, as udp)", used_by=("mqtt",))] = "image"
-    sample_dtype: Annotated[Literal["float32", "int16", "uint8"] | None,
-                            Key("sensor samples, little-endian", default_doc="the bundle's frame.dtype",
-                                used_by=SENSOR_SOURCES)] = None
-    hop: Annotated[int, Key("sensor: samples between windows (0: the bundle's frame.hop, else the window)", ge=0,
-                            used_by=SENSOR_SOURCES)] = 0
-    max_streams: Annotated[int, Key("udp: senders served at once, each its own stream; more are refused and "
-                                    "counted", ge=1, used_by=("udp",))] = 16
-    stream_timeout_s: Annotated[float, Key("udp: a sender quiet this long ends its stream and frees its place",
-                                           ge=0.1, used_by=("udp",))] = 30.0
-    sample_rate: Annotated[float, Key("sensor: samples per second the senders send (0: not declared); refused unless "
-                                      "it is the bundle's frame.sample_rate, and a sender measured off it by more "
-                                      "than 10% is reported", ge=0, used_by=STREAM_SOURCES)] = 0.0
-    channels: Annotated[int, Key("sensor: interleaved channels the senders send (0: not declared); refused unless "
-                                 "it is the bundle's frame.channels", ge=0, used_by=STREAM_SOURCES)] = 0
-    max_backlog_s: Annotated[float, Key("udp, mqtt samples: seconds of a stream's samples kept while the agent is "
-                                        "behind; beyond that they are shed, counted as lost and the stream (and its "
-                                        "state) starts again", ge=0.1, used_by=("udp", "mqtt"))] = 60.0
-    framing: Annotated[Literal["none", "seq32"], Key(
-        "udp: none: a datagram is samples; seq32: each starts with its sender's sequence number (uint32, "
-        "little-endian, +1 per datagram): a jump is counted as lost samples and resets the stream, a number "
-        "already passed is counted late and dropped", used_by=("udp",))] = "none"
-    receive_buffer_bytes: Annotated[int, Key("udp: the socket's receive buffer (SO_RCVBUF; 0: the system's "
-                                             "default); datagrams it had no room for are counted as lost", ge=0,
-                                             used_by=("udp",))] = 0
-    name: Annotated[str | None, Key("how results, topics and health name this source (required in sources:)",
-                                    default_doc="type:target")] = None
-    decode_scale: Annotated[Literal["auto", 1, 2, 4, 8], Key(
-        "JPEG frames: decode at 1/2, 1/4 or 1/8; auto: the smallest the bundle's resize allows and the self-test "
-        "proved; 1: full size", used_by=IMAGE_SOURCES)] = "auto"
-    decoder_threads: Annotated[int, Key("FFmpeg decoder threads (0: 2 at open, or the cores shared among the "
-                                        "sources, then sized by the stage planner)", ge=0,
-                                        used_by=FFMPEG_SOURCES)] = 0
-    hw_decode: Annotated[Literal["none", "any", "vaapi", "cuda", "d3d11", "mfx", "drm", "v4l2m2m"], Key(
-        "FFmpeg hardware decoding (PyAV's hwaccel; v4l2m2m: FFmpeg's V4L2 decoders); falls back to software, "
-        "the reason in health", used_by=FFMPEG_SOURCES)] = "none"
 
 
 @dataclass(frozen=True)
@@ -193,7 +123,6 @@ class MqttConfig:
     max_json_depth: Annotated[int, Key("a command nested deeper than this gets an error reply, unparsed", ge=2)] = 32
     reply_topics: Annotated[tuple[str, ...], Key("MQTT filters an MQTT 5 response topic may match besides "
                                                  "<prefix>reply/#")] = ()
-    max_running_commands: Annotated[int, Key("commands handled at once; beyond, the reply is busy", ge=1)] = 4
     max_packet_bytes: Annotated[int, Key("MQTT 5 Maximum Packet Size: the broker drops bigger messages before they "
                                          "reach the agent; must hold a bundle chunk and its topic", ge=1024)] = \
         5 * 2**20
@@ -349,8 +278,8 @@ def parse_config(text: str, where: str) -> Config:
         cfg,
         state_dir=anchored(cfg.state_dir),
         bundle=anchored(cfg.bundle),
-        source=dataclasses.replace(cfg.source, path=anchored(cfg.source.path)),
-        sources=tuple(dataclasses.replace(c, path=anchored(c.path)) for c in cfg.sources),
+        source=_anchored_source(cfg.source, base),
+        sources=tuple(_anchored_source(c, base) for c in cfg.sources),
         mqtt=dataclasses.replace(
             cfg.mqtt,
             password_file=anchored(cfg.mqtt.password_file),
@@ -363,6 +292,10 @@ def parse_config(text: str, where: str) -> Config:
             trusted_keys=tuple(anchored(k) for k in cfg.updates.trusted_keys)),
         source_file=Path(where),
     ), where)
+
+
+def _anchored_source(src: SourceConfig, base: Path) -> SourceConfig:
+    return src.under(base) if isinstance(src, PathKey) else src
 
 
 def _checked(cfg: Config, where: str) -> Config:

@@ -6,6 +6,8 @@ here from the dataclasses' type hints and their `Key` annotations, so each defau
 defined once, on its field). JSON Schema rather than pydantic or msgspec: the manifest already uses
 it, it adds no dependency with a compiled core to a device daemon, and the same schema documents
 the keys (docs/reference/config.md is generated from it). Errors name the file and the key path.
+`source:` is the discriminated union of the registered source types (agent.source_types): the same
+mechanism states it in one rule per type, so no second validator (pydantic, msgspec) is needed for it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import jsonschema
 
 from agent.errors import ConfigError
 from agent.keydoc import Key
+from agent.source_types import DEFAULT_TYPE, SourceConfig, registered, source_class
+from agent.source_types.registry import generation, types_reading
 
 JSON_TYPE_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string",
                    "array": "a list", "object": "a mapping", "null": "nothing"}
@@ -86,7 +90,7 @@ def _type_schema(tp: Any) -> dict[str, Any]:
     raise TypeError(f"no JSON Schema for setting type {tp!r}")
 
 
-def dataclass_schema(cls: Any) -> dict[str, Any]:
+def _properties(cls: Any) -> dict[str, Any]:
     hints = field_hints(cls)
     props: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -103,33 +107,50 @@ def dataclass_schema(cls: Any) -> dict[str, Any]:
         if key.doc:
             sub["description"] = key.doc
         props[f.name] = sub
+    return props
+
+
+def dataclass_schema(cls: Any) -> dict[str, Any]:
+    if cls is SourceConfig:
+        return source_schema()
+    return {"type": "object", "properties": _properties(cls), "additionalProperties": False}
+
+
+def source_schema() -> dict[str, Any]:
+    """`source:` as the discriminated union of the registered types: every type's keys are known keys, and for
+    each `type` (no `type` is the default one) a rule refuses the keys its class does not have (`false`)."""
+    types_ = registered()
+    own = {name: _properties(cls) for name, cls in types_.items()}
+    props: dict[str, Any] = {}
+    for schemas in own.values():
+        for key, sub in schemas.items():
+            if key not in props:
+                props[key] = sub
+            elif props[key] != sub:  # two types declare the key differently: each type's rule checks its own
+                props[key] = {k: v for k, v in props[key].items() if k == "description"}
+    props["type"] = {"enum": list(types_), "description": ", ".join(c.TITLE or n for n, c in types_.items())}
+    rules = []
+    for name, schemas in own.items():
+        then = {key: False for key in props if key not in schemas}
+        then.update({key: sub for key, sub in schemas.items() if key != "type" and props[key] != sub})
+        if not then:
+            continue
+        cond: dict[str, Any] = {"properties": {"type": {"const": name}}, "required": ["type"]}
+        if name == DEFAULT_TYPE:  # no `type` key means the default type
+            cond = {"anyOf": [cond, {"not": {"required": ["type"]}}]}
+        rules.append({"if": cond, "then": {"properties": then}})
     schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
-    by_type = _used_by(cls, hints)
-    if by_type:
-        schema["allOf"] = by_type
+    if rules:
+        schema["allOf"] = rules
     return schema
 
 
-def _used_by(cls: Any, hints: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A source's keys by type: a key that its `type` does not use is refused (a discriminated union)."""
-    if "type" not in hints or not any(key_of(h).used_by for h in hints.values()):
-        return []
-    types_ = typing.get_args(bare(hints["type"]))
-    default = next(f.default for f in dataclasses.fields(cls) if f.name == "type")
-    rules = []
-    for t in types_:
-        unused = {name: False for name, h in hints.items() if key_of(h).used_by and t not in key_of(h).used_by}
-        if not unused:
-            continue
-        cond: dict[str, Any] = {"properties": {"type": {"const": t}}, "required": ["type"]}
-        if t == default:  # no `type` key means the default type
-            cond = {"anyOf": [cond, {"not": {"required": ["type"]}}]}
-        rules.append({"if": cond, "then": {"properties": unused}})
-    return rules
+def config_schema() -> dict[str, Any]:
+    return _config_schema(generation())  # made again once a source type is registered
 
 
 @functools.cache
-def config_schema() -> dict[str, Any]:
+def _config_schema(_generation: int) -> dict[str, Any]:
     from agent.config import Config
 
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "edge-agent config",
@@ -156,8 +177,6 @@ def _words(kinds: Any) -> str:
 def _unused_source_key(data: Any, path: list[Any]) -> str | None:
     """A false schema's error (a key the source's type does not read) points at the source mapping:
     name the key itself, and the types that do read it."""
-    from agent.config import SourceConfig
-
     node = data
     for p in path:
         try:
@@ -166,14 +185,24 @@ def _unused_source_key(data: Any, path: list[Any]) -> str | None:
             return None
     if not isinstance(node, dict):
         return None
-    kind = node.get("type", "folder")
-    hints = field_hints(SourceConfig)
+    kind = node.get("type", DEFAULT_TYPE)
+    cls = registered().get(kind)
+    if cls is None:
+        return None
+    has = {f.name for f in dataclasses.fields(cls)}
     for name in sorted(node):
-        used = key_of(hints[name]).used_by if name in hints else ()
-        if used and kind not in used:
+        used = types_reading(name) if name not in has else ()
+        if used:
             return (f"key {_path([*path, name])}: not used by a {kind!r} source (read by: {', '.join(used)}); "
                     f"remove it or change the type")
     return None
+
+
+# Keys that existed once and do nothing now: a config that still sets one is told what replaced it.
+RETIRED = {
+    "mqtt.max_running_commands": "removed: commands wait in the controller's one bounded queue (a full one is "
+                                 "answered busy) and slow ones run as operations, one at a time",
+}
 
 
 def describe(error: jsonschema.ValidationError, data: Any = None) -> str:
@@ -187,6 +216,8 @@ def describe(error: jsonschema.ValidationError, data: Any = None) -> str:
         extra = sorted(k for k in found if k not in known)
         name = extra[0] if extra else "?"
         path = _path([*error.absolute_path, name])
+        if path in RETIRED:
+            return f"key {path}: {RETIRED[path]}; delete the line"
         close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
         hint = f"; did you mean {_path([*error.absolute_path, close[0]])!r}?" if close else ""
         return f"key {path}: unknown key{hint} (known here: {known})"
@@ -207,8 +238,12 @@ def describe(error: jsonschema.ValidationError, data: Any = None) -> str:
     return f"key {where}: {error.message}"
 
 
-@functools.cache
 def _validator() -> jsonschema.Draft202012Validator:
+    return _validator_of(generation())
+
+
+@functools.cache
+def _validator_of(_generation: int) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(config_schema())
 
 
@@ -250,6 +285,8 @@ def _value(tp: Any, value: Any) -> Any:
         return tuple(_value(args[0], v) for v in value)
     if origin in (collections.abc.Mapping, dict):
         return {str(k): _value(args[1], v) if args else v for k, v in value.items()}
+    if tp is SourceConfig:  # the union: the class `type` names
+        return build(source_class(str(value.get("type", DEFAULT_TYPE))), value)
     if dataclasses.is_dataclass(tp):
         return build(tp, value)
     if tp is float:

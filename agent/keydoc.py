@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Key:
-    """A config key's documentation and range. `used_by`: the source types a source key applies to
-    (empty: every type); `default_doc`: how the docs state a default computed at run time."""
+    """A config key's documentation and range. `default_doc`: how the docs state a default computed at run
+    time. (Which source types read a source key is not said here: it is the key's place in a type's class,
+    agent/source_types.)"""
 
     doc: str = ""
     ge: float | None = None
     le: float | None = None
-    used_by: tuple[str, ...] = ()
     default_doc: str | None = None
     secret: bool = False
     pattern: str | None = None  # a regular expression the whole value must match

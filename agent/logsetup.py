@@ -42,4 +42,5 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     if not _configured:
         configure_logging()
-    return structlog.get_logger(name)
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
+    return logger

@@ -57,6 +57,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -81,6 +82,14 @@ INPUTS = {"720p-mjpeg": (720, 1280, "mjpeg"), "1080p-mjpeg": (1080, 1920, "mjpeg
           "720p-h264": (720, 1280, "h264"), "1080p-h264": (1080, 1920, "h264")}
 CORES = len(os.sched_getaffinity(0))
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _variant_and_frames(bundle: Any, variant: str, tmp: Path, frames_from: Path) -> tuple[str, np.ndarray]:
+    """The variant a run serves (`auto`: the self-test's pick on this machine) and the frames its videos are made of."""
+    if variant == "auto":
+        variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
+    with np.load(frames_from) as z:
+        return variant, z["raw"]
 
 
 def camera_video(raw: np.ndarray, h: int, w: int, n: int, codec: str, tmp: Path) -> Path:
@@ -684,11 +693,7 @@ def live_view_cost(args: argparse.Namespace) -> int:
     parts: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        variant = args.variant
-        if variant == "auto":
-            variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
-        with np.load(frames_from) as z:
-            raw = z["raw"]
+        variant, raw = _variant_and_frames(bundle, args.variant, tmp, frames_from)
         video = camera_video(raw, h, w, args.frames, codec, tmp)
         warm = args.warm if args.warm is not None else max(60, args.frames // 10)
         for _ in range(args.runs):
@@ -750,11 +755,7 @@ def many_sources(args: argparse.Namespace) -> int:
     bundle = load_bundle(args.bundle)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        variant = args.variant
-        if variant == "auto":
-            variant = run_selftest(bundle, tmp / "state", options_from_config(Config())).selected.candidate.variant
-        with np.load(frames_from) as z:
-            raw = z["raw"]
+        variant, raw = _variant_and_frames(bundle, args.variant, tmp, frames_from)
         videos: list[Path | str] = list(camera_videos(raw, h, w, args.frames, args.sources, tmp, codec))
         cameras = [RtspCamera(v, v.parent, args.camera_fps) for v in videos] if args.rtsp else []  # type: ignore[arg-type]
         if cameras:

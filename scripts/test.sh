@@ -80,9 +80,15 @@ phase "installing this checkout into the venv"
 "$CPU_PY" -m pip install -q --no-deps --force-reinstall "$ROOT" >&2
 "$(dirname "$CPU_PY")/edge-agent" --log-level warning bundle verify models/digits-classifier
 
-phase "lint (ruff) and types (mypy over agent/)"
+phase "lint (ruff) and types (mypy over agent/, --strict over the pure core)"
 "$CPU_PY" -m ruff check agent tests scripts
 "$CPU_PY" -m mypy
+# The pure core (the vocabulary, result kinds, the proof's judges, the update table) also under --strict:
+# no Any leaks out of the parts every other package builds on
+STRICT_CORE="agent/spec agent/results agent/updates/machine.py agent/proof/verdict.py agent/proof/parity.py
+  agent/proof/pre_compare.py agent/proof/selection.py agent/proof/terms.py agent/proof/overall.py agent/proof/crash_files.py"
+# shellcheck disable=SC2086
+"$CPU_PY" -m mypy --strict $STRICT_CORE
 # Byte-compiled once, as `pip install` leaves an installed agent: the tests run the checkout (PYTHONPATH),
 # and under PYTHONDONTWRITEBYTECODE=1 (set on this machine and CI's) every agent process and its proof child
 # compiled each module from source again (about 0.1 s of CPU per process, hundreds of processes a run).

@@ -18,15 +18,15 @@ FRAMES = ROOT / "models" / "demo-frames" / "digits"
 # the boot's outcome is applied (the proof done; the source not opened yet) and by the exit.
 PROBE = """
 import sys
-import agent.service.controller as controller
+import agent.service.served as served
 from agent.service.cli import main
 watched = ("av", "jsonschema", "matplotlib", "prometheus_client", "paho", "cryptography", "agent.report.page")
 seen = {}
-real = controller.Controller._apply_boot
+real = served.Served.apply_boot
 def apply_boot(self, outcome):
     seen["proof"] = sorted(m for m in watched if m in sys.modules)
     return real(self, outcome)
-controller.Controller._apply_boot = apply_boot
+served.Served.apply_boot = apply_boot
 code = main(["--log-level", "error", "run", "--config", sys.argv[1], "--max-frames", "1"])
 print("proof", ",".join(seen.get("proof", [])))
 print("exit", ",".join(m for m in watched if m in sys.modules))

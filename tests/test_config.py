@@ -100,3 +100,12 @@ def test_bounded_json_parsing(payload: bytes, message: str | None) -> None:
     else:
         with pytest.raises(PayloadError, match=message):
             parse_json_object(payload, 65536)
+
+
+def test_a_retired_key_says_what_replaced_it(tmp_path: Path) -> None:
+    """mqtt.max_running_commands did nothing once the controller queued every command: a config that still
+    sets it is told so and what to do, not merely 'unknown key'."""
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, "mqtt:\n  max_running_commands: 4\n"))
+    msg = str(err.value)
+    assert "key mqtt.max_running_commands: removed" in msg and "delete the line" in msg

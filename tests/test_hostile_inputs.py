@@ -117,8 +117,8 @@ def test_offer_of_512_mib_in_1_byte_chunks_is_refused_and_memory_stays_bounded(a
     tid = "huge2"
     client.pub(PREFIX + "bundle/offer", json.dumps({**offer, "transfer": tid, "chunk_size": 1024}))
     client.pub(PREFIX + "bundle/done", json.dumps({"transfer": tid}))
-    assert col.wait(lambda: any(s["state"] == "missing" for s in statuses(col, tid)), 20), statuses(col, tid)
-    missing = [s for s in statuses(col, tid) if s["state"] == "missing"][0]
+    assert col.wait(lambda: any(s["step"] == "missing" for s in statuses(col, tid)), 20), statuses(col, tid)
+    missing = [s for s in statuses(col, tid) if s["step"] == "missing"][0]
     assert missing["count"] == 512 * 1024 and len(missing["chunks"]) == 1000
     assert still_serving(agent)
     peak = vm_hwm_mb(agent["proc"].pid)
@@ -178,7 +178,7 @@ def test_abandoned_transfers_expire_and_staging_is_swept(agent: dict, client: Cl
                                                          "chunk_size": 4096}))
         for i in range(4):
             client.pub(PREFIX + f"bundle/chunk/{tid}/{i}", os.urandom(4096))
-    assert col.wait(lambda: any(s["state"] == "receiving" for s in statuses(col, tids[-1])), 30)
+    assert col.wait(lambda: any(s["step"] == "receiving" for s in statuses(col, tids[-1])), 30)
     # newest wins: every earlier one was ended at once, with a reason
     for tid in tids[:-1]:
         assert any("superseded" in s.get("reason", "") for s in statuses(col, tid)), statuses(col, tid)
@@ -196,7 +196,7 @@ def test_same_transfer_offered_twice_leaves_no_orphan(agent: dict, client: Clien
     for _ in range(2):
         client.pub(PREFIX + "bundle/offer", json.dumps(offer))
         client.pub(PREFIX + "bundle/chunk/twice/0", os.urandom(4096))
-    assert col.wait(lambda: sum(s["state"] == "receiving" for s in statuses(col, "twice")) == 2, 30)
+    assert col.wait(lambda: sum(s["step"] == "receiving" for s in statuses(col, "twice")) == 2, 30)
     handled(agent, client, "after-twice")  # both offers and both chunks are handled: not a fixed 0.3 s
     assert len(staged(agent)) == 1
     for _ in range(3):

@@ -112,10 +112,10 @@ def _slowed_selftest(bundle: Path, state: Path, monkeypatch: pytest.MonkeyPatch,
     """The tiny bundle's self-test with every latency run slowed by 20 ms (FP32's by `fp32_s`; inside the timed
     region), and the settle time scaled down from 2 s to 0.2 s so that ten such runs reach it."""
     rewrite_manifest(bundle, lambda d: d["selftest"].update(latency_budget_ms={"default": budget_ms}))
-    monkeypatch.setattr(selftest_module, "BEFORE_RUN",
-                        lambda c, n: time.sleep(fp32_s if c.variant == "fp32" else 0.02))
+    seams = selftest_module.Seams(before_run=lambda c, n: time.sleep(fp32_s if c.variant == "fp32" else 0.02))
     monkeypatch.setattr(selection_module, "SETTLE_AFTER_S", 0.2)
-    report = run_selftest(load_bundle(bundle), state, SelftestOptions(use_cache=False, **opts))  # type: ignore[arg-type]
+    report = run_selftest(load_bundle(bundle), state, SelftestOptions(use_cache=False, **opts),  # type: ignore[arg-type]
+                          seams)
     return report.to_dict()
 
 

@@ -105,7 +105,7 @@ def test_a_reduced_path_no_configured_source_serves_through_is_not_proven(tmp_pa
     """Issue 48: a shortcut that cannot pay off for the configured source is skipped. A folder of JPEGs is served
     through JPEG's DCT scaling only and an H.264/MPEG-4 file through the decoder's planes only: the other path's
     half of the check bought nothing. A camera or a stream, unknown before it opens, proves both."""
-    from agent.proof import selftest as selftest_mod
+    from agent.proof import reduced_decode as selftest_mod  # the reduced-decode check makes its frames there
 
     jpegs = tmp_path / "jpegs"
     jpegs.mkdir()

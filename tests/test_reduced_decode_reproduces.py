@@ -71,7 +71,7 @@ def test_a_refused_reduced_decode_stops_at_its_first_decisive_miss(checker_bundl
     """Issue 48: the reduced-decode check ran every golden sample through a scale before refusing it (4.0 s of a
     detector's cold proof, 0.9524 under 0.99 and the agent serving full size anyway). It stops once the samples
     so far refuse the scale whatever the others give (they are judged as reproducing the full path exactly)."""
-    from agent.proof import selftest as selftest_mod
+    from agent.proof import reduced_decode as selftest_mod  # the reduced-decode check makes its frames there
     from agent.proof.selftest import check_reduced_decode
     from agent.proof.terms import CPU, SessionSettings
     from agent.proof.verdict import Candidate

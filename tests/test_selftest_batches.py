@@ -72,7 +72,7 @@ def test_concurrent_callers_share_the_golden_set_each_sample_once_under_concurre
     opened = open_session(bundle.path(m.variant("fp32").file), "CPUExecutionProvider", {}, SessionSettings(),
                           sample=golden[0].input)
     tensors = [g.input for g in golden]
-    single = [selftest.split_batch(o, 0) for t in tensors for o in selftest._run_golden(opened, m, t, False)]
+    single = [selftest.split_batch(o, 0) for t in tensors for o in selftest.run_golden(opened, m, t, False)]
     ran: list[int] = []
     real_run = opened.session.run
 

@@ -182,7 +182,8 @@ def test_signed_newer_bundle_pushed_over_mqtt_is_self_tested_switched_and_commit
     assert result["state"] == "committed", result
     # the pusher saw `committed` on its own subscription; this collector may get it a moment later
     assert col.wait(lambda: "committed" in [s["state"] for s in statuses(col, result["update"])], 30)
-    states = [s["state"] for s in statuses(col, result["update"])]
+    # `step` is the word each status carried as its `state` before the state became the machine's own
+    states = [s["step"] for s in statuses(col, result["update"])]
     for step in ("receiving", "missing", "verifying", "unpacking", "verified", "selftest", "selftest_passed",
                  "switched", "probation", "committed"):
         assert step in states, f"{step} not in {states}"
@@ -300,7 +301,7 @@ def test_probation_failure_rolls_back_to_the_previous_bundle(env: dict, kit: dic
 def test_sigkill_at_each_step_boots_into_the_committed_bundle(tmp_path: Path, kit: dict, step: str,
                                                               agent_process) -> None:
     with serving_v1(tmp_path, kit, agent_process) as (broker, col, agent):
-        push_v2_until(col, kit, broker.port, lambda s: s["state"] == step)
+        push_v2_until(col, kit, broker.port, lambda s: s["step"] == step)
         agent.kill()  # power cut at this step
         before = len(preds(col))
         agent.start()
@@ -437,7 +438,7 @@ def test_a_device_serving_under_when_too_slow_degraded_takes_an_update_its_proof
         result = send_archive(kit["bundles"]["slow"], broker.port)
         assert result["state"] == "committed", result
         assert result["verdict"] == "degraded" and "DEGRADED: over budget 0.0001 ms" in result["detail"], result
-        proven = [s for s in statuses(col, result["update"]) if s["state"] == "selftest_passed"]
+        proven = [s for s in statuses(col, result["update"]) if s["step"] == "selftest_passed"]
         assert proven and proven[0]["verdict"] == "degraded" and "over budget" in proven[0]["degraded"], proven
         assert col.wait(lambda: serving_version(col) == 2, 30)
     finally:

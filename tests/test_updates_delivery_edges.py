@@ -95,7 +95,7 @@ def test_rollback_answers_while_a_download_is_in_flight(agent: dict) -> None:
         nu, nr = len(replies(col, "update")), len(replies(col, "rollback"))
         col.c.publish(PREFIX + "cmd/update", json.dumps({"url": f"http://127.0.0.1:{web.port}/b.tar.gz",
                                                          "sha256": "0" * 64, "id": "inflight"}), qos=1)
-        assert col.wait(lambda: any(s["state"] == "downloading" for s in statuses(col, "inflight")), 30)
+        assert col.wait(lambda: any(s["step"] == "downloading" for s in statuses(col, "inflight")), 30)
         t0 = time.monotonic()
         col.c.publish(PREFIX + "cmd/rollback", b'{"id": "rb"}', qos=1)
         assert col.wait(lambda: len(replies(col, "rollback")) > nr, 30)

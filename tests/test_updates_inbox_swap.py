@@ -39,7 +39,7 @@ def test_an_entry_swapped_for_a_fifo_after_lstat_is_rejected_without_blocking(tm
 
     def publish(doc: dict[str, Any]) -> None:
         # after the updater's lstat, before the archive is opened: the attacker's moment
-        if doc["state"] == "unpacking" and not swapped.is_set() and doc["update"] == entry.name:
+        if doc["step"] == "unpacking" and not swapped.is_set() and doc["update"] == entry.name:
             os.mkfifo(tmp_path / "fifo")
             os.replace(tmp_path / "fifo", entry)
             swapped.set()

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.fleet.plan import Plan
+from agent.updates.machine import State
+from agent.updates.status import state_of
 
 FINAL_STATES = ("committed", "rejected", "rolled_back")
-SELFTEST_REJECTION = "self-test failed"  # the updater's reason prefix (agent/updates/updater.py)
+SELFTEST_REJECTION = "self-test failed"  # the updater's reason prefix (agent/updates/flow.py, proving)
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,15 @@ def observe(plan: Plan, started_ts: float, now: float, status: Mapping[str, Any]
     # `went_offline` when it is still away then (a last will's own ts is when the will was set, not when
     # it fired: it cannot date the loss).
     if now - started_ts > plan.device_timeout_s:
+        # the finer word where the device says one (`downloading` within `receiving`); before 7 December 2026
+        # that word was its state
+        step = (status or {}).get("step") if mine else None
+        last = (step if isinstance(step, str) else state) or "none"
         if away(availability):
             return Outcome("failed", "went_offline", f"went {(availability or {}).get('state')} during the update "
                                                      f"and no verdict within {plan.device_timeout_s:g} s "
-                                                     f"(last step: {state or 'none'})")
-        return Outcome("failed", "timed_out", f"no verdict within {plan.device_timeout_s:g} s "
-                                              f"(last step: {state or 'none'})")
+                                                     f"(last step: {last})")
+        return Outcome("failed", "timed_out", f"no verdict within {plan.device_timeout_s:g} s (last step: {last})")
     return None
 
 
@@ -80,7 +85,8 @@ def downloading(plan: Plan, status: Mapping[str, Any] | None) -> bool:
     """Started and not yet past its download: what the fleet-wide download cap counts."""
     if status is None or status.get("update") != plan.id:
         return True
-    return status.get("state") in ("downloading", "receiving", "progress", "missing")
+    # the machine's `receiving`; a device from before 7 December 2026 says downloading, progress or missing
+    return state_of(status) == State.RECEIVING.value
 
 
 def abort_reason(finished: int, failed: int, plan: Plan) -> str | None:

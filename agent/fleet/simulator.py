@@ -41,8 +41,8 @@ from agent.fsio import read_json, write_json_atomic
 from agent.link.topics import Topics, default_prefix
 from agent.logsetup import get_logger
 from agent.spec.manifest import MANIFEST_NAME, parse_manifest
+from agent.updates.commands import CommandRefused, Rollback, is_repeat, parse_update_command, repeat_reply
 from agent.updates.delivery import ChunkReceiver, Downloader
-from agent.updates.machine import State
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation
 from agent.updates.store import BundleStore, bundle_id
 from agent.updates.updater import Updater, UpdateRejected
@@ -267,6 +267,7 @@ class SimDevice:
         # (switch, verdict), an older document queued after a newer one would be the retained one
         self._facts_lock = threading.Lock()
         self.last_update: dict[str, Any] | None = None
+        self.url_committed: tuple[str, str] | None = None  # (id, sha256) of the last URL update committed
         self.last_failure: dict[str, Any] | None = None
         self.store = BundleStore(fleet.state_root / device_id / "store")
         bid = fleet.seed_id
@@ -403,6 +404,7 @@ class SimDevice:
             if self.fleet.stop.wait(self.group.crash_down_s):
                 return
             self.store.recover()
+            self.url_committed = None  # a restarted agent forgets it: the same command again is an update
             active = load_bundle(self.store.path(self.store.committed_id or self.fleet.seed_id), check_contracts=False)
             self.agent.serve(_Serving(active, self.report(active.root)))
             self.crashed.clear()
@@ -423,35 +425,48 @@ class SimDevice:
         except PayloadError as exc:
             self.reply(name, payload={}, result={"ok": False, "error": f"malformed payload: {exc}"})
             return
-        if name == "update":
-            self.update_commands += 1
-            url, sha = payload.get("url"), payload.get("sha256")
-            if not isinstance(url, str) or not isinstance(sha, str):
-                self.reply(name, payload, {"ok": False, "error": "update needs {\"url\": \"http(s)://...\", \"sha256\": \"...\"}"})
-                return
-            uid = str(payload.get("id", url.rsplit("/", 1)[-1]))[:100]
-            snap = self.updater.machine.snapshot
-            if snap.update == uid and snap.state is State.COMMITTED:  # as the agent's controller answers it
-                self.reply(name, payload, {"ok": True, "repeated": True, "update": {"update": uid, "state": "committed"}})
-                return
-            refused = self.downloader.refusal(url, uid)
-            if refused is not None:
-                self.reply(name, payload, {"ok": False, "update": refused})
-                return
-            # the machine is taken here, on the message thread, as the agent's controller takes it: a check
-            # here and a BEGIN on the job's thread let a second command through, whose fetch then published
-            # "rejected" for the update the first was still installing
-            cancel = self.updater.machine.cancel if (busy := self.updater.begin(uid, "url")) is None else None
-            self._job(name, payload, busy, lambda: self.downloader.fetch_started(url, sha, uid, cancel))
-        elif name == "rollback":
-            self.rollback_commands += 1
-            rid = str(payload.get("id", "rollback"))[:100]
-            self._job(name, payload, self.updater.begin_rollback(rid), lambda: self.updater.rollback_started(rid))
+        if name in ("update", "rollback"):
+            self._update_command(name, payload)
         elif name == "status":
             self.reply(name, payload, {"ok": True, "facts": self.facts()})
         else:
             self.reply(name, payload, {"ok": False, "error": f"unknown command {name!r} (simulated device: update, "
                                                              "rollback, status)"})
+
+    def _update_command(self, name: str, payload: dict[str, Any]) -> None:
+        """`update` and `rollback`, parsed and judged a repeat by the agent's own code (agent.updates.commands)."""
+        if name == "update":
+            self.update_commands += 1
+        else:
+            self.rollback_commands += 1
+        try:
+            cmd = parse_update_command(name, payload)
+        except CommandRefused as exc:
+            self.reply(name, payload, {"ok": False, "error": str(exc)})
+            return
+        if isinstance(cmd, Rollback):
+            self._job(name, payload, self.updater.begin_rollback(cmd.id), lambda: self.updater.rollback_started(cmd.id))
+            return
+        if is_repeat(cmd, self.updater.machine.snapshot, self.url_committed, self.store.current_id,
+                     self.store.committed_id):  # as the agent's controller answers it
+            self.reply(name, payload, repeat_reply(cmd, self.last_update))
+            return
+        refused = self.downloader.refusal(cmd.url, cmd.id)
+        if refused is not None:
+            self.reply(name, payload, {"ok": False, "update": refused})
+            return
+        # the machine is taken here, on the message thread, as the agent's controller takes it: a check
+        # here and a BEGIN on the job's thread let a second command through, whose fetch then published
+        # "rejected" for the update the first was still installing
+        cancel = self.updater.machine.cancel if (busy := self.updater.begin(cmd.id, "url")) is None else None
+
+        def fetch() -> dict[str, Any]:
+            result = self.downloader.fetch_started(cmd.url, cmd.sha256, cmd.id, cancel)
+            if result.get("state") == "committed":
+                self.url_committed = (cmd.id, cmd.sha256)
+            return result
+
+        self._job(name, payload, busy, fetch)
 
     def _job(self, name: str, payload: dict[str, Any], busy: str | None, fn: Any) -> None:
         """`fn` on the pool once the machine took the command (`busy` None), else the busy answer now."""

@@ -41,7 +41,9 @@ class Command:
     correlation: bytes | None
 
 
-CommandHandler = Callable[[Command], dict[str, Any] | None]  # None: the handler replies later itself
+# Called on paho's network thread and must return at once: the answer, or None when the handler replies later
+# itself (the controller queues the command; agent.service.commands.CommandInlet).
+CommandHandler = Callable[[Command], dict[str, Any] | None]
 
 
 def resolve_password(cfg: MqttConfig) -> str | None:
@@ -107,7 +109,6 @@ class MqttLink:
         self.session = read_counter(self._session_file)
         self.connected = threading.Event()
         self._stop = threading.Event()
-        self._running = threading.BoundedSemaphore(cfg.max_running_commands)
         self._pump_thread = threading.Thread(target=self._pump, name="mqtt-pump", daemon=True)
         v5 = cfg.protocol == "5"
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=cfg.client_id or f"edge-agent-{device_id}",
@@ -349,17 +350,15 @@ class MqttLink:
                        {"ok": False, "error": f"malformed payload: {exc}"})
             return
         cmd = Command(name, body, response_topic, correlation)
-        if getattr(self.on_command, "replies_later", False):  # the controller queues it and replies itself
+        # The handler returns at once (the controller queues the command and replies itself when it has the
+        # answer; a full queue is answered busy here): paho's network thread is never held, no thread per command.
+        try:
             result = self.on_command(cmd)
-            if result is not None:
-                self.reply(cmd, result)
-            return
-        if not self._running.acquire(blocking=False):
-            self.reply(cmd, {"ok": False, "error": f"busy: {self.cfg.max_running_commands} commands are running "
-                                                   "(mqtt.max_running_commands); send it again later"})
-            return
-        # Handlers may take seconds (a self-test): never block paho's network thread.
-        threading.Thread(target=self._handle, args=(cmd,), name=f"cmd-{name}", daemon=True).start()
+        except Exception as exc:  # a failing command is an error reply, never a dead network thread
+            log.exception("command.failed", command=cmd.name)
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if result is not None:
+            self.reply(cmd, result)
 
     def reply_allowed(self, topic: str) -> bool:
         if not topic or len(topic) > 512 or any(c in topic for c in "+#\0"):
@@ -368,18 +367,6 @@ class MqttLink:
         if topic.startswith(own) and len(topic) > len(own):
             return True
         return any(paho.topic_matches_sub(f, topic) for f in self.cfg.reply_topics)
-
-    def _handle(self, cmd: Command) -> None:
-        try:
-            try:
-                result = self.on_command(cmd)
-            except Exception as exc:  # a failing command is an error reply, never a crash
-                log.exception("command.failed", command=cmd.name)
-                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            if result is not None:  # None: the handler replies later itself
-                self.reply(cmd, result)
-        finally:
-            self._running.release()
 
     def reply(self, cmd: Command, result: dict[str, Any]) -> None:
         cid = cmd.payload.get("id")

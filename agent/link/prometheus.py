@@ -19,8 +19,10 @@ from agent.logsetup import get_logger
 log = get_logger("metrics")
 
 NS = "edge_agent"
-UPDATE_STATES = ("idle", "downloading", "verifying", "verified", "unpacking", "selftest", "selftest_passed",
-                 "switched", "probation", "committed", "rejected", "rolled_back")
+# the update machine's states (agent.updates.machine.State; link/ may not import updates/, so spelled here and
+# held equal by tests/test_update_steps.py): an update status's `state` is always one of them
+UPDATE_STATES = ("idle", "receiving", "verifying", "staged", "proving", "switching", "probation", "committed",
+                 "rolled_back", "rejected")
 
 
 class MetricsSource(Protocol):
@@ -209,17 +211,17 @@ def families(health: Mapping[str, Any], pipeline: Any) -> Iterator[Any]:
 
 
 class _Collector:
-    def __init__(self, source: MetricsSource):
-        self.source = source
+    def __init__(self, agent: MetricsSource):
+        self.agent = agent  # the controller (or a test's stand-in): health and pipeline metrics, never frames
 
     def collect(self) -> Iterator[Any]:
         try:
             # the controller's last published health document, never its live state read from this HTTP
             # thread (a source without snapshots, e.g. a test's, is asked for its health)
-            snapshot = getattr(self.source, "health_snapshot", None)
-            health = snapshot() if snapshot is not None else self.source.health()
-            getter = getattr(self.source, "pipeline_metrics", None)
-            pipeline = getter() if getter is not None else getattr(getattr(self.source, "pipeline", None), "metrics", None)
+            snapshot = getattr(self.agent, "health_snapshot", None)
+            health = snapshot() if snapshot is not None else self.agent.health()
+            getter = getattr(self.agent, "pipeline_metrics", None)
+            pipeline = getter() if getter is not None else getattr(getattr(self.agent, "pipeline", None), "metrics", None)
         except Exception as exc:  # a scrape must not take the agent down; the failure is counted by the scraper
             log.error("metrics.collect_failed", error=f"{type(exc).__name__}: {exc}")
             return

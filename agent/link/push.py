@@ -81,7 +81,8 @@ def push(archive: Path, device: str, host: str, port: int, prefix: str | None = 
         with cond:
             statuses.append(doc)
             cond.notify_all()
-        print(f"{doc['state']:16} " + " ".join(f"{k}={v}" for k, v in doc.items() if k not in ("update", "origin", "state", "ts")),
+        print(f"{doc.get('step', doc['state']):16} " + " ".join(
+            f"{k}={v}" for k, v in doc.items() if k not in ("update", "origin", "state", "step", "ts")),
               file=sys.stderr, flush=True)
 
     client.on_connect, client.on_message = on_connect, on_message
@@ -122,7 +123,8 @@ def push(archive: Path, device: str, host: str, port: int, prefix: str | None = 
             for doc in new:
                 if doc["state"] in FINAL:
                     return doc
-                if doc["state"] == "missing":
+                # the step names the chunks to resend; an agent before 7 December 2026 said it as its state
+                if doc.get("step", doc["state"]) == "missing":
                     send(doc["chunks"])  # resume: only what did not arrive
         raise TimeoutError(f"no verdict from {device} within {timeout_s:g} s")
     finally:

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from agent.fsio import read_json, write_json_atomic
+from agent.proof.crash_files import DISPROVEN_FILE
 from agent.logsetup import get_logger
 
 log = get_logger("evidence")
 
-EVIDENCE_FILE = "disproven.json"
 EVIDENCE_TTL_S = 24 * 3600.0  # audit.evidence_ttl_s's default
 FORGET_HINT = "`edge-agent selftest --forget-evidence` clears it"
 
@@ -52,7 +52,7 @@ class EvidenceLedger:
     """The serving evidence of one state directory's self-test (`<state_dir>/selftest`)."""
 
     def __init__(self, directory: Path):
-        self.file = directory / EVIDENCE_FILE
+        self.file = directory / DISPROVEN_FILE
         # records this ledger could not write (a full disk): still applied in this process
         self._unsaved: list[ServingEvidence] = []
 
@@ -96,3 +96,11 @@ class EvidenceLedger:
         self.file.unlink(missing_ok=True)
         self._unsaved = []
         return n
+
+
+def applying(directory: Path | None, bundle: Any, opts: Any) -> dict[str, ServingEvidence]:
+    """What a self-test of `bundle` skips: the evidence that applies in its state dir (none without one, and none
+    for the last resort's proof, `opts.serve_disproven`: agent/service/boot.py's `last_resort`)."""
+    if directory is None or opts.serve_disproven:
+        return {}
+    return EvidenceLedger(directory).active(bundle.manifest_sha256)

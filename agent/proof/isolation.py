@@ -38,14 +38,11 @@ from agent.logsetup import get_logger
 from agent.proof import spare
 from agent.proof.probe import provider_versions
 from agent.proof.terms import CPU
+from agent.proof.crash_files import INFLIGHT_FILE, RECORDS_FILE, SKIP_FILE, STEP_FILE  # noqa: F401 (re-exported)
 
 log = get_logger("isolation")
 child_log = get_logger("selftest_child")
 
-STEP_FILE = "step.json"        # written by the child before loading and before each probe
-INFLIGHT_FILE = "inflight.json"  # written by the self-test before each candidate trial (cached or full)
-SKIP_FILE = "crashed.json"     # the self-test's skip list: "<bundle sha>|<provider>:<variant>" -> when
-RECORDS_FILE = "crashes.json"  # the full crash records, with signal, versions and expiry
 PROOF_LOCK = "proof.lock"      # held (flock) by the process running a proof on this state dir
 CHILD_MODULE = spare.CHILD_MODULE
 CRASH_TTL_S = 7 * 24 * 3600.0

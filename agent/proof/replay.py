@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from agent.spec.decoders import split_batch
 from agent.spec.inputs import Feeds, InputFeeder
 from agent.spec.manifest import Manifest
 
@@ -55,3 +56,22 @@ def replay(run: Run, manifest: Manifest, tensor: np.ndarray | Sequence[np.ndarra
 def stack_steps(outs: Sequence[Outputs]) -> Outputs:
     """Per-step outputs -> one array per output with the steps first ([T, ...]), the golden layout."""
     return {k: np.stack([o[k] for o in outs]) for k in outs[0]} if outs else {}
+
+
+def is_sequence(g: Any) -> bool:
+    """A golden sample that is a sequence of steps (a stateful bundle's), not one frame."""
+    return bool(getattr(g, "sequence", False))
+
+
+def golden_steps(outputs: Mapping[str, np.ndarray], sequence: bool) -> list[dict[str, np.ndarray]]:
+    """One golden sample's outputs per step, batch dimension dropped: [1, ...] or [T, 1, ...]."""
+    if not sequence:
+        return [split_batch(outputs, 0)]
+    steps = next(iter(outputs.values())).shape[0]
+    return [{k: v[t, 0] for k, v in outputs.items()} for t in range(steps)]
+
+
+def run_golden(opened: Any, m: Any, tensor: np.ndarray, sequence: bool) -> list[dict[str, np.ndarray]]:
+    """Outputs of each step of one golden sample through an open candidate, fed as serving feeds it (extra
+    inputs, state)."""
+    return replay(session_runner(opened.session), m, tensor, sequence=sequence)

@@ -27,16 +27,9 @@ from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.npio import open_npz
-from agent.proof.evidence import EvidenceLedger
+from agent.proof.evidence import ServingEvidence, applying
 from agent.proof.isolation import RunMarker
-from agent.proof.parity import (
-    agreement_score,
-    fidelity_floors,
-    judge_fidelity,
-    judge_reproduction,
-    reproduction_bounds,
-    task_agreement,
-)
+from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.pre_compare import Levels, SampleDiff, compare, explain, lattice_levels
 from agent.proof.probe import detect_providers, device_fingerprint
 from agent.proof.selection import (
@@ -62,22 +55,23 @@ from agent.proof.stage_proof import (
 )
 from agent.proof.stages import GraphPostprocessor, postprocessor_for, pre_fixed_size, preprocessor_for
 from agent.proof.terms import DEFAULT_ORDER, LatencyStats, ProviderStatus, SessionSettings, with_compile_caches
-from agent.proof.verdict import (
-    Candidate,
-    CandidateResult,
-    Evidence,
-    LatencyContext,
-    PreprocessCheck,
-    judge,
-    json_safe,
-)
+from agent.proof.verdict import (Candidate, CandidateResult, Evidence, LatencyContext, PreprocessCheck, judge,
+                                 json_safe)
 from agent.spec.decoders import split_batch
-from agent.spec.jpeg import MJPEG_FOURCCS, camera_sized_reduced, max_decode_scale
+from agent.spec.jpeg import MJPEG_FOURCCS
 from agent.spec.preprocess import Preprocessor
-from agent.spec.yuv import camera_sized_reduced_yuv
 
+from agent.proof.crash_files import CACHE_FILE, INFLIGHT_FILE, SKIP_FILE
 from agent.proof.costs import ProofCosts
-from agent.proof.replay import replay, session_runner
+from agent.proof.reduced_decode import (  # noqa: F401 (names callers import from here)
+    DECODE_PATHS,
+    REDUCED_SCALES,
+    SourceScaleLimit,
+    check_reduced_decode,
+    choosable_scale,
+    decode_paths,
+)
+from agent.proof.replay import golden_steps, is_sequence, run_golden
 from agent.spec.inputs import InputFeeder
 
 log = get_logger("selftest")
@@ -104,9 +98,7 @@ class SelftestOptions:
     # what each configured source can choose of the reduced scales, known before it opens; (): unknown, all proven
     source_limits: tuple["SourceScaleLimit", ...] = ()
     sleep: Callable[[float], None] = time.sleep  # the wait between latency re-measurements
-    # the last resort when nothing else passed: candidates disproven while serving are proven too (the service
-    # serves one flagged rather than nothing; agent/service/boot.py)
-    serve_disproven: bool = False
+    serve_disproven: bool = False  # candidates disproven while serving are proven too (boot.last_resort's proof)
 
 
 @dataclass(frozen=True)
@@ -202,7 +194,7 @@ def check_preprocessing(bundle: Bundle, golden: Sequence[GoldenSample]) -> tuple
     worst: SampleDiff | None = None
     worst_i, tensors, rounding, explanation = 0, [], True, ""
     for g in golden:
-        t = np.stack([pre(r) for r in g.raw]) if _is_sequence(g) else pre(g.raw)
+        t = np.stack([pre(r) for r in g.raw]) if is_sequence(g) else pre(g.raw)
         tensors.append(t)
         d = compare(t, g.input, levels, st.preprocess_max_abs)
         refused = d.max_abs > st.preprocess_max_abs and not d.within(st.preprocess_rounding_levels)
@@ -351,7 +343,7 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         own_batched = (recorded or {}).get(c.variant) if recorded is not None else recorded_outputs(bundle, c.variant,
                                                                                                      golden)
         fed = [t if use_device else g.input for t, g in zip(tensors, golden)]
-        plain = not any(_is_sequence(g) for g in golden) and not m.stateful
+        plain = not any(is_sequence(g) for g in golden) and not m.stateful
         sizes = batch_sizes(bundle, max_batch) if plain else ()
         # Serving's own way first: with recorded outputs to judge against, the one golden pass runs from as
         # many callers as serving has (each at least one sample), so a wrong answer that needs concurrent
@@ -368,15 +360,15 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
             return golden_pass_of(opened, m, fed, golden)
 
         got, origin = golden_pass(concurrent)  # origin, per judged row: (golden sample, step of its sequence)
-        refs = [r for g in golden for r in _steps(g.outputs, _is_sequence(g))]
-        own = [] if own_batched is None else [r for i, g in enumerate(golden) for r in _steps(own_batched[i], _is_sequence(g))]
+        refs = [r for g in golden for r in golden_steps(g.outputs, is_sequence(g))]
+        own = [] if own_batched is None else [r for i, g in enumerate(golden) for r in golden_steps(own_batched[i], is_sequence(g))]
         got_used, own_used, refs_used = used_outputs(m, got, own, refs)  # outputs not in postprocess.uses: never judged
         concurrent_findings: list[Any] = []
         if own_batched is not None:
             rep = judge_reproduction(m.postprocess, got_used, own_used, bounds, "variant")
             if concurrent and rep.passed:
                 # serving at light load runs one caller at a time: one sample alone is judged too
-                alone, = used_outputs(m, [split_batch(o, 0) for o in _run_golden(opened, m, fed[0], False)])
+                alone, = used_outputs(m, [split_batch(o, 0) for o in run_golden(opened, m, fed[0], False)])
                 concurrent_findings = list(judge_reproduction(m.postprocess, alone, own_used[:1], bounds, "variant",
                                                               stage="one caller alone").findings)
             elif concurrent:
@@ -400,7 +392,7 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         # The model is proven on the bundled tensors; where this device's image library rounds differently, the
         # task is judged on what it will serve: its own tensors through the same candidate.
         fid_got = used_outputs(m, golden_pass_of(opened, m, tensors, golden)[0])[0] if pre_check.rounding else got_used
-        if any(_is_sequence(g) for g in golden):
+        if any(is_sequence(g) for g in golden):
             fid = judge_fidelity(m.postprocess, fid_got, refs_used, floors)
         else:  # the final served result: pre stage -> this candidate -> post stage -> result kind
             post = postprocessor_for(bundle)
@@ -437,9 +429,9 @@ def golden_pass_of(opened: Any, m: Any, fed: Sequence[np.ndarray], golden: Seque
                    ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int | None]]]:
     """Each golden tensor through the open session, one caller: the rows judged (a sequence's steps each) and,
     per row, its golden sample and step."""
-    rows_of = [[split_batch(o, 0) for o in _run_golden(opened, m, x, _is_sequence(g))] for x, g in zip(fed, golden)]
+    rows_of = [[split_batch(o, 0) for o in run_golden(opened, m, x, is_sequence(g))] for x, g in zip(fed, golden)]
     return ([r for rows in rows_of for r in rows],
-            [(g.index, s if _is_sequence(g) else None) for rows, g in zip(rows_of, golden) for s in range(len(rows))])
+            [(g.index, s if is_sequence(g) else None) for rows, g in zip(rows_of, golden) for s in range(len(rows))])
 
 
 def _locate(q: Any, origin: Sequence[tuple[int, int | None]]) -> Any:
@@ -454,37 +446,16 @@ def _locate(q: Any, origin: Sequence[tuple[int, int | None]]) -> Any:
     return replace(q, findings=tuple(fix(f) for f in q.findings))
 
 
-def _is_sequence(g: GoldenSample) -> bool:
-    return bool(getattr(g, "sequence", False))
-
-
-def _steps(outputs: Mapping[str, np.ndarray], sequence: bool) -> list[dict[str, np.ndarray]]:
-    """One golden sample's outputs per step, batch dimension dropped: [1, ...] or [T, 1, ...]."""
-    if not sequence:
-        return [split_batch(outputs, 0)]
-    steps = next(iter(outputs.values())).shape[0]
-    return [{k: v[t, 0] for k, v in outputs.items()} for t in range(steps)]
-
-
-def _run_golden(opened: Any, m: Any, tensor: np.ndarray, sequence: bool) -> list[dict[str, np.ndarray]]:
-    """Outputs of each step of one golden sample, fed as serving feeds it (extra inputs, state)."""
-    return replay(session_runner(opened.session), m, tensor, sequence=sequence)
-
-
 def _timed_call(opened: Any, m: Any, tensor: np.ndarray) -> Callable[[], Any]:
     """One inference with the feeds serving gives it (the first step, for a sequence)."""
     feeds = InputFeeder.for_manifest(m).feeds(tensor, "selftest")
     return lambda: opened.session.run(None, feeds)
 
 
-# Called before every run of the latency loop with the candidate and its run number (1-based, warm-up
-# included): the self-test child sets it for its fault hook (`run:<provider>:<variant>#N`).
-BEFORE_RUN: Callable[[Candidate, int], None] | None = None
-
-
 def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
                      attempt: int = 0, manifest: Any = None, marker: Any = None,
-                     settle_margin: float | None = None) -> None:
+                     settle_margin: float | None = None,
+                     before_run: Callable[[Candidate, int], None] | None = None) -> None:
     """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
     machine lands on all candidates alike; the load average is recorded beside the figures.
 
@@ -494,7 +465,10 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
     `settle_margin` (the selection's prefer_margin; None: always the full count): stop before `runs` once
     the answer cannot change (`selection.latency_settled`), once `selection.may_settle` allows the question
     (SETTLE_MIN_RUNS rounds that took SETTLE_AFTER_S of timed runs, or SETTLE_FAST_RUNS rounds); the context
-    says so."""
+    says so.
+
+    `before_run` is called inside the timed region before every run with the candidate and its run number
+    (1-based, warm-up included): the self-test child's fault hook (`run:<provider>:<variant>#N`)."""
     live = [t for t in trials if t.opened is not None and t.evidence.error is None]
     if not live:
         return
@@ -509,8 +483,8 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
                        + (f", re-measurement {attempt}" if attempt else ""))
 
     def hook(t: _Trial) -> None:  # inside the timed region: a test's slow-down fault must count
-        if BEFORE_RUN is not None:
-            BEFORE_RUN(t.candidate, count[id(t)])
+        if before_run is not None:
+            before_run(t.candidate, count[id(t)])
 
     try:
         calls: dict[int, Callable[[], Any]] = {
@@ -552,257 +526,42 @@ def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, 
 
 def _timing_tensor(golden: Sequence[GoldenSample]) -> np.ndarray:
     g = golden[0]
-    return g.input[0] if _is_sequence(g) else g.input
+    return g.input[0] if is_sequence(g) else g.input
 
 
 def evaluate(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
              latency: bool = True, latency_runs: int | None = None,
              preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
-             max_batch: int = 1, workers: int = 1) -> CandidateResult:
+             max_batch: int = 1, workers: int = 1,
+             before_run: Callable[[Candidate, int], None] | None = None) -> CandidateResult:
     """One candidate alone: the two questions, then (optionally) its latency. Never raises."""
     m = bundle.manifest
     trial = prove(bundle, c, settings, golden, preprocessed, max_batch=max_batch, workers=workers)
     if latency:
         time_interleaved([trial], _timing_tensor(golden), m.selftest.warmup_runs,
-                         latency_runs or m.selftest.latency_runs, manifest=m)
+                         latency_runs or m.selftest.latency_runs, manifest=m, before_run=before_run)
     return judge(trial.evidence, m)
 
 
-REDUCED_SCALES = (2, 4, 8)
-
-
 @dataclass(frozen=True)
-class SourceScaleLimit:
-    """The largest reduced decode scale one configured source could ever choose, as far as it is known before
-    the source opens: a forced `decode_scale`, and the frame size a video file's header declares (a camera's or
-    a stream's is unknown until it sends)."""
+class Seams:
+    """The steps a caller may put something in front of, passed in as values (never by rebinding this module's
+    names): the self-test child gives the probes it already made, one step each, and its fault hooks. `prove`
+    opens and checks a candidate on a full run, `evaluate` re-checks a cached winner, `before_run` runs inside
+    the latency loop's timed region before each run."""
 
-    forced: int | None = None             # decode_scale set to a number (1: the source never reduces)
-    frame: tuple[int, int] | None = None  # (height, width); None: unknown, every scale may be chosen
-    # the reduced paths it can serve through ("jpeg": DCT scaling, "video": decoder planes); None: unknown, both
-    paths: frozenset[str] | None = None
-
-    def largest(self, resize: Any) -> int:
-        cap = self.forced or max(REDUCED_SCALES)
-        if self.frame is None or resize is None:
-            return cap
-        h, w = self.frame
-        # either orientation: a decoder that applies the file's rotation delivers the frame transposed
-        return min(cap, max(max_decode_scale(resize, h, w), max_decode_scale(resize, w, h)))
-
-
-def choosable_scale(limits: Sequence[SourceScaleLimit], resize: Any) -> int:
-    """The largest scale any configured source can choose (a source serves min(what its frame allows, the proven
-    scale)): proving a larger one buys nothing. No limits known: every scale."""
-    return max((lim.largest(resize) for lim in limits), default=max(REDUCED_SCALES))
-
-
-DECODE_PATHS = ("jpeg", "video")
-
-
-def decode_paths(limits: Sequence[SourceScaleLimit]) -> tuple[str, ...]:
-    """The reduced paths any configured source can serve through: a JPEG folder never needs the video planes
-    proven, an H.264 file never the DCT scaling. No sources, or one not known before it opens: both."""
-    if not limits or any(lim.paths is None for lim in limits):
-        return DECODE_PATHS
-    wanted = set().union(*(lim.paths or frozenset() for lim in limits))
-    return tuple(p for p in DECODE_PATHS if p in wanted)
-
-
-def check_reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                         opened: Any = None, max_scale: int = max(REDUCED_SCALES), callers: int = 1,
-                         paths: Sequence[str] = DECODE_PATHS) -> dict[str, Any]:
-    """Prove the reduced-scale decode paths on the winning candidate: each golden raw frame as a camera `s`
-    times its size sends it, decoded at 1/s by JPEG's DCT scaling (jpeg.camera_sized_reduced) and by the
-    video path's plane averaging (yuv.camera_sized_reduced_yuv), then the bundle's preprocessing and the
-    model. A speed path must *reproduce* what the full path serves: its decoded results (classes,
-    detections) agree with the same candidate's full-size decode within the candidate's reproduction
-    bounds; the fidelity floors against the references are checked too, but staying above a floor is
-    never enough (a floor of 0.9 let 10 % of detections drop). Scales 2, 4, 8 in turn up to `max_scale` (the
-    largest any configured source can choose: `choosable_scale`), stopping at the first failure; `max_scale`
-    in the result is the largest that passed, `bound` the largest that was tried. `callers`: how many run the
-    model at once in serving (`serving_workers`): never more run it at once here (the frames are made on two
-    threads either way)."""
-    out = _reduced_decode(bundle, c, settings, golden, opened, max_scale, callers, tuple(paths))
-    return {**out, "bound": max(1, min(max_scale, max(REDUCED_SCALES))), "paths": list(paths)}
-
-
-def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
-                    opened: Any, max_scale: int, callers: int, paths: tuple[str, ...] = DECODE_PATHS) -> dict[str, Any]:
-    m = bundle.manifest
-    resize = m.preprocess.resize
-    if max_scale < 2:
-        return {"max_scale": 1, "reason": "no configured source can choose a reduced scale for this bundle's resize "
-                "(its frames are too small): frames are decoded at full size", "scales": []}
-    if m.frame.kind != "image" or resize is None:
-        return {"max_scale": 1, "reason": "not an image bundle with a resize: frames are decoded at full size",
-                "scales": []}
-    if any(_is_sequence(g) for g in golden):
-        return {"max_scale": 1, "reason": "stateful golden sequences: reduced decode not proven", "scales": []}
-    if opened is None:
-        try:
-            opened = open_session(bundle.path(m.variant(c.variant).file), c.provider, c.options, settings,
-                                  sample=golden[0].input)
-        except Exception as exc:
-            return {"max_scale": 1, "reason": f"session creation error: {type(exc).__name__}: {exc}"[:400],
-                    "scales": []}
-    pre = preprocessor_for(bundle)
-    floors = fidelity_floors(m.task, m.selftest.fidelity)
-    bounds = reproduction_bounds(c.precision, c.provider, m.selftest.reproduction)
-    refs = [r for g in golden for r in _steps(g.outputs, False)]
-    best, reason, scales = 1, None, []
-    model_gate = threading.Semaphore(max(callers, 1))  # the model is called at once by as many as serving calls it
-
-    def served(frame_of: Callable[[GoldenSample], np.ndarray]) -> Callable[[GoldenSample], list[dict[str, np.ndarray]]]:
-        """What serving outputs for the frame `frame_of` makes of a golden sample: preprocessing and the model."""
-        def one(g: GoldenSample) -> list[dict[str, np.ndarray]]:
-            tensor = pre(frame_of(g))
-            with model_gate:
-                return [split_batch(o, 0) for o in _run_golden(opened, m, tensor, False)]
-        return one
-
-    try:  # what the full path serves on the same frames: the reference a shortcut must reproduce
-        full = _on_two_threads(served(lambda g: g.raw), golden)
-    except Exception as exc:
-        return {"max_scale": 1, "reason": f"full decode: {type(exc).__name__}: {exc}"[:400], "scales": []}
-    for s in (s for s in REDUCED_SCALES if s <= max_scale):
-        # Both reduced paths serve at this one proven scale, so both must reproduce the full path: JPEG
-        # decoded in the DCT (MJPEG cameras, .jpg folders) and the H.264/H.265 decoder's planes averaged
-        # down before the colour conversion (agent.spec.yuv, what the PyAV sources do).
-        entry: dict[str, Any] = {"scale": s, "passed": True, "paths": {}}
-        failed: str | None = None
-        for path, reduce in (("jpeg", camera_sized_reduced), ("video", camera_sized_reduced_yuv)):
-            if path not in paths:  # no configured source serves through it: proving it buys nothing
-                continue
-            stage = f"decode 1/{s}" + (" (video planes)" if path == "video" else "")
-            try:
-                def judge(got: list[dict[str, np.ndarray]], stage: str = stage) -> tuple[Any, Any]:
-                    # decoded agreement with the full path (pixels differ after a reduced decode: no tensor bound)
-                    got_used, full_used, refs_used = used_outputs(m, got, full, refs)  # the used outputs only
-                    return (judge_reproduction(m.postprocess, got_used, full_used, bounds, "full path", stage=stage,
-                                               tensor_bound=False),
-                            judge_fidelity(m.postprocess, got_used, refs_used, floors, stage=stage))
-
-                frame_of: Callable[[GoldenSample], np.ndarray] = functools.partial(_reduced_frame, reduce, s,
-                                                                                     m.frame.color)
-                got, judged = _until_decisive_miss(served(frame_of), golden,
-                                                   _DecisiveMiss(m, bounds, full, stage))
-                if judged < len(golden):  # refused already: the rest judged as the best they could be (= full)
-                    got = got + full[len(got):]
-                rep, fid = judge(got)
-            except Exception as exc:
-                failed = f"{stage}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-                entry["paths"][path] = {"passed": False, "reason": failed}
-                break
-            ok = rep.passed and fid.passed and judged == len(golden)
-            entry["paths"][path] = {"passed": ok, "reproduction": rep.to_dict(), "fidelity": fid.to_dict(),
-                                    "samples": judged, "of": len(golden)}
-            if path == "jpeg":  # the keys earlier reports carried, kept for readers of the JPEG path
-                entry["reproduction"], entry["fidelity"] = rep.to_dict(), fid.to_dict()
-            if not ok:
-                failed = f"{stage}: " + "; ".join(f.text() for f in rep.findings + fid.findings)
-                if judged < len(golden):
-                    failed += f" (decided after {judged} of {len(golden)} samples: the rest could not save it)"
-                break
-        entry["passed"] = failed is None
-        scales.append(entry)
-        if failed is not None:
-            reason = failed
-            break
-        best = s
-    if best == 1 and reason is None:
-        reason = "no reduced scale passed"
-    if reason is None and best < max(REDUCED_SCALES):
-        reason = f"scales above 1/{best} cannot be chosen by the configured sources (their frame size): not proven"
-    log.info("selftest.reduced_decode", candidate=c.key, max_scale=best, reason=reason)
-    return {"max_scale": best, "reason": reason, "scales": scales}
-
-
-def _reduced_frame(reduce: Callable[[np.ndarray, int, str], np.ndarray], scale: int, color: str,
-                   g: GoldenSample) -> np.ndarray:
-    return reduce(g.raw, scale, color)
-
-
-class _DecisiveMiss:
-    """After the reduced path's outputs for the first samples (`got`, the newest `last` of them just made): is
-    the shortcut refused whatever the other samples give? Only a sample that does not reproduce the full path
-    exactly can make it so; then the judgement runs on these samples with every other one reproducing the full
-    path (the best any could do: the score cannot rise above it). Sequences never reach here.
-    A mask's IoU is never exactly 1 after a reduced decode: the judgement (a decode of every sample) runs only
-    once the samples' shortfall could pull the mean IoU under its bound, not after every sample."""
-
-    def __init__(self, m: Any, bounds: Any, full: Sequence[dict[str, np.ndarray]], stage: str) -> None:
-        self.m, self.bounds, self.full, self.stage = m, bounds, full, stage
-        self.shortfall = 0.0
-
-    def __call__(self, got: list[dict[str, np.ndarray]], last: int) -> bool:
-        n = len(got)
-        new_got, new_full = used_outputs(self.m, got[n - last:], self.full[n - last:n])
-        try:
-            agreement = task_agreement(self.m.postprocess, new_got, new_full)
-        except Exception:  # noqa: BLE001 - outputs the decoder cannot read: the whole judgement says why
-            return True
-        score = agreement_score(agreement)
-        if score >= 1.0:
-            return False
-        if agreement.task == "segmentation":
-            self.shortfall += (1.0 - score) * last
-            if self.shortfall <= len(self.full) * (1.0 - self.bounds.min_agreement):
-                return False
-        best_got, best_full = used_outputs(self.m, list(got) + list(self.full[n:]), self.full)
-        return not judge_reproduction(self.m.postprocess, best_got, best_full, self.bounds, "full path",
-                                      stage=self.stage, tensor_bound=False).passed
-
-
-def _until_decisive_miss(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]], golden: Sequence[GoldenSample],
-                         refused: Callable[[list[dict[str, np.ndarray]], int], bool]
-                         ) -> tuple[list[dict[str, np.ndarray]], int]:
-    """`fn` over the golden samples in order, on up to two threads (one sample ahead), until `refused` says
-    the outputs so far refuse the shortcut: a refused speed path costs the samples up to its first decisive
-    miss (and the one then in flight on the other thread), not the whole set. The outputs of the samples judged, and how many."""
-    got: list[dict[str, np.ndarray]] = []
-    workers = min(2, len(os.sched_getaffinity(0)), len(golden))
-    if workers < 2:
-        for k, g in enumerate(golden):
-            outs = fn(g)
-            got += outs
-            if refused(got, len(outs)):
-                return got, k + 1
-        return got, len(golden)
-    with ThreadPoolExecutor(workers, thread_name_prefix="reduced-decode") as pool:
-        ahead = [pool.submit(fn, g) for g in golden[:workers]]
-        for k in range(len(golden)):
-            outs = ahead.pop(0).result()
-            got += outs
-            if refused(got, len(outs)):
-                for f in ahead:
-                    f.cancel()
-                return got, k + 1
-            if k + workers < len(golden):
-                ahead.append(pool.submit(fn, golden[k + workers]))
-    return got, len(golden)
-
-
-def _on_two_threads(fn: Callable[[GoldenSample], list[dict[str, np.ndarray]]],
-                    golden: Sequence[GoldenSample]) -> list[dict[str, np.ndarray]]:
-    """`fn` over every golden sample on up to two threads, outputs in the samples' order. Making camera-sized
-    frames (1/4 of a 160x160 golden frame is a 640x640 JPEG encoded and decoded), preprocessing and running
-    the model are the whole reduced-decode check; OpenCV and ONNX Runtime release the GIL there, and at boot
-    the agent's own process is idle on the other core while its child proves (the demo's check, in one
-    process: 149-189 ms with only the frames on two threads, 112-137 ms with everything)."""
-    workers = min(2, len(os.sched_getaffinity(0)), len(golden))
-    if workers < 2:
-        return [o for g in golden for o in fn(g)]
-    with ThreadPoolExecutor(workers, thread_name_prefix="reduced-decode") as pool:
-        return [o for outs in pool.map(fn, golden) for o in outs]
+    detect_providers: Callable[..., list[ProviderStatus]] = detect_providers
+    prove: Callable[..., _Trial] = prove
+    evaluate: Callable[..., CandidateResult] = evaluate
+    before_run: Callable[[Candidate, int], None] | None = None
 
 
 class CrashMarkers:
     """A marker written before each candidate; one found at start means that candidate killed us."""
 
     def __init__(self, directory: Path):
-        self.inflight = directory / "inflight.json"
-        self.crashed_file = directory / "crashed.json"
+        self.inflight = directory / INFLIGHT_FILE
+        self.crashed_file = directory / SKIP_FILE
 
     def recover(self) -> dict[str, str]:
         crashed: dict[str, str] = read_json(self.crashed_file, {}) or {}
@@ -852,8 +611,58 @@ def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: Selftest
     return sha256_bytes(json.dumps(material, sort_keys=True, default=str).encode())
 
 
-def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions = SelftestOptions()) -> SelftestReport:
-    """Probe, build candidates, evaluate in priority order, choose. Never raises for a bad candidate."""
+@dataclass
+class _Run:
+    """One self-test's inputs and what its steps share: read once by `_start`, then passed along."""
+
+    bundle: Bundle
+    opts: SelftestOptions
+    seams: Seams
+    t0: float
+    created: str
+    costs: ProofCosts
+    golden: list[GoldenSample]
+    preprocessed: tuple[PreprocessCheck, list[np.ndarray]]
+    statuses: list[ProviderStatus]
+    fingerprint: dict[str, Any]
+    key: str
+    candidates: list[Candidate]
+    notes: list[str]
+    directory: Path | None
+    markers: CrashMarkers | None
+    crashed: dict[str, str]
+    scale_bound: int  # the largest reduced decode scale a configured source can choose
+    needed_paths: tuple[str, ...]  # the decode paths the configured sources use
+    disproven: dict[str, ServingEvidence]  # evidence from serving a golden-only proof cannot clear (evidence.py)
+
+
+def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions = SelftestOptions(),
+                 seams: Seams = Seams()) -> SelftestReport:
+    """Probe, build candidates, evaluate in priority order, choose. Never raises for a bad candidate.
+
+    The steps, in order: read the golden samples and check the device's preprocessing; probe the providers;
+    re-check a cached winner (done when it still passes); prove each provider group's candidates and time
+    those that passed; re-measure latency when only latency failed; finish (the reduced-decode check, the
+    report, the cache)."""
+    run = _start(bundle, state_dir, opts, seams)
+    cached = _cached_winner(run)
+    if cached is not None:
+        return cached
+    results, trials, selected = _prove_groups(run)
+    attempts: list[dict[str, Any]] = []
+    degraded: str | None = None
+    if selected is None and should_remeasure_latency(results):
+        results, selected, attempts = _remeasure(run, results, trials)
+        if selected is None and opts.policy.when_too_slow == "degraded":
+            selected, degraded = _serve_degraded(run, results, len(attempts))
+    won = trials.get(selected.candidate.key) if selected is not None else None
+    return _finish(run, results, selected, cached=False, attempts=attempts, degraded=degraded,
+                   opened=won.opened if won is not None else None)
+
+
+def _start(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions, seams: Seams) -> _Run:
+    """Read what every step needs: the golden samples, the preprocessing check, the probes, the candidates,
+    the crash markers."""
     t0 = time.perf_counter()
     created = datetime.now(timezone.utc).isoformat()
     m = bundle.manifest
@@ -864,85 +673,117 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
     with costs.part("preprocessing check"):
         preprocessed = check_preprocessing(bundle, golden)  # the device's preprocessing: one check for all candidates
     with costs.part("provider probes"):
-        statuses = detect_providers(opts.provider_order, opts.provider_options, opts.settings)
+        statuses = seams.detect_providers(opts.provider_order, opts.provider_options, opts.settings)
     for s in statuses:
         log.info("provider.probed", provider=s.name, listed=s.listed, usable=s.usable, reason=s.reason)
     fingerprint = device_fingerprint()
-    key = cache_key(bundle, statuses, opts, fingerprint)
     candidates, notes = build_candidates(m, statuses, opts.policy, opts.provider_options)
     directory = (state_dir / "selftest") if state_dir else None
     markers = CrashMarkers(directory) if directory else None
-    crashed = markers.recover() if markers else {}
-    # evidence from serving (canary, live audit, sustained latency) outlives a golden-only proof (evidence.py)
-    disproven = EvidenceLedger(directory).active(bundle.manifest_sha256) if directory and not opts.serve_disproven else {}
     # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
     # frames at 1/8); a cached check bounded lower than the sources now allow is run again
-    scale_bound = choosable_scale(opts.source_limits, m.preprocess.resize)
-    needed_paths = decode_paths(opts.source_limits)
+    return _Run(bundle, opts, seams, t0, created, costs, list(golden), preprocessed, list(statuses), fingerprint,
+                cache_key(bundle, statuses, opts, fingerprint), list(candidates), list(notes), directory, markers,
+                markers.recover() if markers else {}, choosable_scale(opts.source_limits, m.preprocess.resize),
+                tuple(decode_paths(opts.source_limits)), applying(directory, bundle, opts))
 
-    def finish(results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
-               attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
-               opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
-        if selected is not None and decode is None and opts.skip_reduced_decode is not None:
-            decode = {"max_scale": 1, "reason": opts.skip_reduced_decode, "scales": [], "bound": 1}
-        if selected is not None and decode is None:
-            with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{scale_bound}"):
-                decode = _guarded(markers, bundle, selected.candidate,
-                                  lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, golden,
-                                                               opened, max_scale=scale_bound, callers=opts.workers,
-                                                               paths=needed_paths))
-        report = SelftestReport(bundle, tuple(statuses), tuple(results), selected, tuple(notes), key, cached,
-                                (time.perf_counter() - t0) * 1000, created, fingerprint, tuple(attempts), degraded,
-                                decode, tuple(costs.to_list()))
-        if selected is not None and selected.warnings:
-            log.warning("selftest.selected_with_warnings", candidate=selected.candidate.key,
-                        warnings=[w.text() for w in selected.warnings])
-        if directory:
-            write_json_atomic(directory / "report.json", report.to_dict())
-            if selected is not None and not cached and degraded is None:
-                write_json_atomic(directory / "cache.json", {"key": key, "candidate": selected.candidate.key,
-                                                             "report": report.to_dict()})
-        log.info("selftest.done", bundle=bundle.identity, passed=selected is not None, cached=cached,
-                 selected=selected.candidate.key if selected else None, reason=report.reason,
-                 duration_ms=round(report.duration_ms, 1))
-        return report
 
-    if opts.use_cache and directory:
-        cached = read_json(directory / "cache.json")
-        if cached and cached.get("key") == key:
-            hit = next((c for c in candidates if c.key == cached.get("candidate") and c.key not in disproven), None)
-            if hit is not None:
-                with costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
-                    quick = _guarded(markers, bundle, hit, lambda: evaluate(
-                        bundle, hit, opts.settings, golden, latency=False, preprocessed=preprocessed,
-                        max_batch=opts.max_batch, workers=opts.workers))
-                if quick.passed:
-                    log.info("selftest.cache_hit", candidate=hit.key)
-                    # the reduced-decode check depends on what the cache key covers: reused, not re-run, unless
-                    # it was bounded below a scale today's sources can choose (no "bound": every scale was tried)
-                    decode = (cached.get("report") or {}).get("decode")
-                    if not isinstance(decode, dict) or (opts.skip_reduced_decode is None and (
-                            int(decode.get("bound", max(REDUCED_SCALES))) < scale_bound
-                            or not set(needed_paths) <= set(decode.get("paths", DECODE_PATHS)))):
-                        decode = None  # bounded below today's scales, or a path today's sources need unproven
-                    return finish([quick], quick, cached=True, decode=decode)
-                log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
+def _finish(run: _Run, results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
+            attempts: Sequence[Mapping[str, Any]] = (), degraded: str | None = None,
+            opened: Any = None, decode: Mapping[str, Any] | None = None) -> SelftestReport:
+    """The winner's reduced-decode check (unless reused or skipped), the report written, the cache kept."""
+    bundle, opts, costs = run.bundle, run.opts, run.costs
+    if selected is not None and decode is None and opts.skip_reduced_decode is not None:
+        decode = {"max_scale": 1, "reason": opts.skip_reduced_decode, "scales": [], "bound": 1}
+    if selected is not None and decode is None:
+        with costs.part(f"{selected.candidate.key}: reduced-decode scales up to 1/{run.scale_bound}"):
+            decode = _guarded(run.markers, bundle, selected.candidate,
+                              lambda: check_reduced_decode(bundle, selected.candidate, opts.settings, run.golden,
+                                                           opened, max_scale=run.scale_bound, callers=opts.workers,
+                                                           paths=run.needed_paths))
+    report = SelftestReport(bundle, tuple(run.statuses), tuple(results), selected, tuple(run.notes), run.key, cached,
+                            (time.perf_counter() - run.t0) * 1000, run.created, run.fingerprint, tuple(attempts),
+                            degraded, decode, tuple(costs.to_list()))
+    if selected is not None and selected.warnings:
+        log.warning("selftest.selected_with_warnings", candidate=selected.candidate.key,
+                    warnings=[w.text() for w in selected.warnings])
+    if run.directory:
+        write_json_atomic(run.directory / "report.json", report.to_dict())
+        if selected is not None and not cached and degraded is None:
+            write_json_atomic(run.directory / CACHE_FILE, {"key": run.key, "candidate": selected.candidate.key,
+                                                           "report": report.to_dict()})
+    log.info("selftest.done", bundle=bundle.identity, passed=selected is not None, cached=cached,
+             selected=selected.candidate.key if selected else None, reason=report.reason,
+             duration_ms=round(report.duration_ms, 1))
+    return report
 
-    recorded = {v.name: recorded_outputs(bundle, v.name, golden) for v in m.variants}
-    for name, rec in recorded.items():
-        if rec is None:
-            notes.append(f"variant {name}: no recorded outputs in the golden samples (bundle made before "
-                         f"variant.<name>.<output>): reproduction reference=source")
-    if m.selftest.parity:
-        notes.append("selftest.parity (legacy) is not judged: reproduction and fidelity replace it")
-    warmup = m.selftest.warmup_runs
+
+def _cached_winner(run: _Run) -> SelftestReport | None:
+    """The cached winner, re-checked without timing (session, reproduction, fidelity): the report when it still
+    passes under the same cache key, else None (and the full proof runs)."""
+    bundle, opts = run.bundle, run.opts
+    if not (opts.use_cache and run.directory):
+        return None
+    cached = read_json(run.directory / CACHE_FILE)
+    if not cached or cached.get("key") != run.key:
+        return None
+    hit = next((c for c in run.candidates if c.key == cached.get("candidate") and c.key not in run.disproven), None)
+    if hit is None:
+        return None
+    with run.costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
+        quick = _guarded(run.markers, bundle, hit, lambda: run.seams.evaluate(
+            bundle, hit, opts.settings, run.golden, latency=False, preprocessed=run.preprocessed,
+            max_batch=opts.max_batch, workers=opts.workers))
+    if not quick.passed:
+        log.warning("selftest.cache_recheck_failed", candidate=hit.key, reasons=list(quick.reasons))
+        return None
+    log.info("selftest.cache_hit", candidate=hit.key)
+    # the reduced-decode check depends on what the cache key covers: reused, not re-run, unless it was bounded
+    # below a scale today's sources can choose (no "bound": every scale was tried)
+    decode = (cached.get("report") or {}).get("decode")
+    if not isinstance(decode, dict) or (opts.skip_reduced_decode is None and (
+            int(decode.get("bound", max(REDUCED_SCALES))) < run.scale_bound
+            or not set(run.needed_paths) <= set(decode.get("paths", DECODE_PATHS)))):
+        decode = None  # bounded below today's scales, or a path today's sources need unproven
+    return _finish(run, [quick], quick, cached=True, decode=decode)
+
+
+def _skip_reason(run: _Run, c: Candidate) -> str | None:
+    """Why a candidate is not tried in this proof (a crash recorded against it), or None."""
+    sha = run.bundle.manifest_sha256
+    if c.key in run.disproven:
+        return f"skipped: {run.disproven[c.key].describe()}"
+    if f"{sha}|{c.key}" in run.crashed:
+        return "skipped: this candidate crashed the agent during an earlier self-test or while serving"
+    if f"{sha}|*:{c.variant}" in run.crashed:
+        return f"skipped: reading variant {c.variant}'s contract crashed an earlier self-test"
+    return None
+
+
+def _latency_settings(run: _Run) -> tuple[int, int, float | None]:
+    """Warm-up runs, timed runs, and the settle margin (None: the full count, as asked by --latency-runs)."""
+    m, opts = run.bundle.manifest, run.opts
     runs = opts.latency_runs or m.selftest.latency_runs
     # a count asked for (--latency-runs) is run in full; the bundle's own may stop once settled
-    settle = None if opts.latency_runs or not opts.settle else opts.policy.prefer_margin
+    return m.selftest.warmup_runs, runs, None if opts.latency_runs or not opts.settle else opts.policy.prefer_margin
+
+
+def _prove_groups(run: _Run) -> tuple[list[CandidateResult], dict[str, _Trial], CandidateResult | None]:
+    """Each provider group in priority order: its candidates proven (session, reproduction, fidelity), those
+    that passed timed together, the group's winner chosen; lower groups are not tried once one wins."""
+    bundle, opts, m = run.bundle, run.opts, run.bundle.manifest
+    recorded = {v.name: recorded_outputs(bundle, v.name, run.golden) for v in m.variants}
+    for name, rec in recorded.items():
+        if rec is None:
+            run.notes.append(f"variant {name}: no recorded outputs in the golden samples (bundle made before "
+                             f"variant.<name>.<output>): reproduction reference=source")
+    if m.selftest.parity:
+        run.notes.append("selftest.parity (legacy) is not judged: reproduction and fidelity replace it")
+    warmup, runs, settle = _latency_settings(run)
     results: list[CandidateResult] = []
     trials: dict[str, _Trial] = {}
     selected: CandidateResult | None = None
-    for group in provider_groups(candidates):
+    for group in provider_groups(run.candidates):
         if selected is not None:
             results += [CandidateResult(c, False, ("not tried: a higher-priority provider passed",), None, "not_tried")
                         for c in group]
@@ -950,78 +791,85 @@ def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions =
         proven: list[_Trial] = []
         skipped: dict[str, CandidateResult] = {}
         for c in group:
-            if f"{bundle.manifest_sha256}|{c.key}" in crashed:
-                skipped[c.key] = CandidateResult(c, False, ("skipped: this candidate crashed the agent during an "
-                                                            "earlier self-test or while serving",), None, "skipped")
-                continue
-            if c.key in disproven:
-                skipped[c.key] = CandidateResult(c, False, (f"skipped: {disproven[c.key].describe()}",), None, "skipped")
-                continue
-            if f"{bundle.manifest_sha256}|*:{c.variant}" in crashed:
-                skipped[c.key] = CandidateResult(c, False, (f"skipped: reading variant {c.variant}'s contract "
-                                                            "crashed an earlier self-test",), None, "skipped")
+            why = _skip_reason(run, c)
+            if why is not None:
+                skipped[c.key] = CandidateResult(c, False, (why,), None, "skipped")
                 continue
             log.info("selftest.candidate_start", candidate=c.key)
-            with costs.part(f"{c.key}: session, reproduction, fidelity, batch sizes"):
-                trial = _guarded(markers, bundle, c, functools.partial(prove, bundle, c, opts.settings, golden,
-                                                                       preprocessed, recorded, opts.max_batch,
-                                                                       opts.workers))
+            with run.costs.part(f"{c.key}: session, reproduction, fidelity, batch sizes"):
+                trial = _guarded(run.markers, bundle, c, functools.partial(
+                    run.seams.prove, bundle, c, opts.settings, run.golden, run.preprocessed, recorded,
+                    opts.max_batch, opts.workers))
             trials[c.key] = trial
             if judge(trial.evidence, m).passed:
                 proven.append(trial)
         if proven:  # only candidates that answered both questions are worth timing
             # Each ran its golden samples under its own marker already; inside the interleaved loop the
             # marker switches to each candidate before each of its runs.
-            with costs.part(f"latency: {warmup} warm-up + up to {runs} timed runs each, {len(proven)} interleaved"):
-                _interleaved(markers, bundle,
-                             lambda mk: time_interleaved(proven, _timing_tensor(golden), warmup, runs, manifest=m,
-                                                         marker=mk, settle_margin=settle))
+            with run.costs.part(f"latency: {warmup} warm-up + up to {runs} timed runs each, {len(proven)} "
+                                "interleaved"):
+                _interleaved(run.markers, bundle,
+                             lambda mk: time_interleaved(proven, _timing_tensor(run.golden), warmup, runs, manifest=m,
+                                                         marker=mk, settle_margin=settle,
+                                                         before_run=run.seams.before_run))
         group_results = [skipped.get(c.key) or judge(trials[c.key].evidence, m) for c in group]
         for r in group_results:
             _log_result(r)
         results += group_results
         selected = choose(group_results, opts.policy.prefer_margin)
+    return results, trials, selected
 
+
+def _remeasure(run: _Run, results: list[CandidateResult], trials: dict[str, _Trial]
+               ) -> tuple[list[CandidateResult], CandidateResult | None, list[dict[str, Any]]]:
+    """Only latency failed: the slow candidates timed again on the policy's backoff schedule, until one group
+    has a winner or nothing fails only on latency any more."""
+    bundle, opts, m = run.bundle, run.opts, run.bundle.manifest
+    warmup, runs, settle = _latency_settings(run)
     attempts: list[dict[str, Any]] = []
-    degraded: str | None = None
-    if selected is None and should_remeasure_latency(results):
-        schedule = latency_retry_schedule(opts.policy.latency_retries, opts.policy.latency_backoff_s)
-        for attempt, delay in enumerate(schedule, 1):
-            slow = [trials[r.candidate.key] for r in results if r.failed_only_on_latency]
-            log.warning("selftest.latency_retry", attempt=attempt, of=len(schedule), wait_s=delay,
-                        candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
-            opts.sleep(delay)
-            with costs.part(f"latency re-measurement {attempt}"):
-                _interleaved(markers, bundle,
-                             lambda mk: time_interleaved(slow, _timing_tensor(golden), warmup, runs, attempt,
-                                                         manifest=m, marker=mk, settle_margin=settle))
-            again = {t.candidate.key: judge(t.evidence, m) for t in slow}
-            results = [again.get(r.candidate.key, r) for r in results]
-            attempts.append({"attempt": attempt, "waited_s": delay,
-                             "load_average": slow[0].evidence.latency_context.load_after
-                             if slow[0].evidence.latency_context else None,
-                             "p95_ms": {k: r.evidence.latency.p95_ms if r.evidence and r.evidence.latency else None
-                                        for k, r in again.items()}})
-            for group in provider_groups([r.candidate for r in results]):
-                keys = {c.key for c in group}
-                selected = choose([r for r in results if r.candidate.key in keys], opts.policy.prefer_margin)
-                if selected is not None:
-                    break
-            if selected is not None or not should_remeasure_latency(results):
+    selected: CandidateResult | None = None
+    schedule = latency_retry_schedule(opts.policy.latency_retries, opts.policy.latency_backoff_s)
+    for attempt, delay in enumerate(schedule, 1):
+        slow = [trials[r.candidate.key] for r in results if r.failed_only_on_latency]
+        log.warning("selftest.latency_retry", attempt=attempt, of=len(schedule), wait_s=delay,
+                    candidates=[t.candidate.key for t in slow], load=round(os.getloadavg()[0], 2))
+        opts.sleep(delay)
+        with run.costs.part(f"latency re-measurement {attempt}"):
+            _interleaved(run.markers, bundle,
+                         lambda mk: time_interleaved(slow, _timing_tensor(run.golden), warmup, runs, attempt,
+                                                     manifest=m, marker=mk, settle_margin=settle,
+                                                     before_run=run.seams.before_run))
+        again = {t.candidate.key: judge(t.evidence, m) for t in slow}
+        results = [again.get(r.candidate.key, r) for r in results]
+        attempts.append({"attempt": attempt, "waited_s": delay,
+                         "load_average": slow[0].evidence.latency_context.load_after
+                         if slow[0].evidence.latency_context else None,
+                         "p95_ms": {k: r.evidence.latency.p95_ms if r.evidence and r.evidence.latency else None
+                                    for k, r in again.items()}})
+        for group in provider_groups([r.candidate for r in results]):
+            keys = {c.key for c in group}
+            selected = choose([r for r in results if r.candidate.key in keys], opts.policy.prefer_margin)
+            if selected is not None:
                 break
-        if selected is None and opts.policy.when_too_slow == "degraded":
-            best = fastest_proven(results)
-            if best is not None:
-                lat = best.evidence.latency if best.evidence else None
-                degraded = (f"serving {best.candidate.key} degraded: it reproduced and kept fidelity but p95 "
-                            f"{lat.p95_ms if lat else float('nan'):.2f} ms stays over budget "
-                            f"{m.selftest.budget_for(best.candidate.provider)} ms after {len(attempts)} "
-                            f"latency re-measurements (selection.when_too_slow: degraded)")
-                selected = best
-                log.warning("selftest.degraded", candidate=best.candidate.key, reason=degraded)
-    won = trials.get(selected.candidate.key) if selected is not None else None
-    return finish(results, selected, cached=False, attempts=attempts, degraded=degraded,
-                  opened=won.opened if won is not None else None)
+        if selected is not None or not should_remeasure_latency(results):
+            break
+    return results, selected, attempts
+
+
+def _serve_degraded(run: _Run, results: list[CandidateResult], attempts: int
+                    ) -> tuple[CandidateResult | None, str | None]:
+    """`selection.when_too_slow: degraded`: the fastest candidate that reproduced and kept fidelity, said."""
+    best = fastest_proven(results)
+    if best is None:
+        return None, None
+    m = run.bundle.manifest
+    lat = best.evidence.latency if best.evidence else None
+    degraded = (f"serving {best.candidate.key} degraded: it reproduced and kept fidelity but p95 "
+                f"{lat.p95_ms if lat else float('nan'):.2f} ms stays over budget "
+                f"{m.selftest.budget_for(best.candidate.provider)} ms after {attempts} "
+                f"latency re-measurements (selection.when_too_slow: degraded)")
+    log.warning("selftest.degraded", candidate=best.candidate.key, reason=degraded)
+    return best, degraded
 
 
 def _log_result(r: CandidateResult) -> None:
@@ -1073,7 +921,7 @@ def no_reduced_decode(cfg: Any) -> str | None:
     if not sources:
         return None
     for src in sources:
-        if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+        if src.picture_scale() in (1, None):  # decoded at full size, or sensor samples
             continue
         if src.type == "folder" and src.path is not None and Path(src.path).is_dir() and not any(
                 p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir()):
@@ -1088,7 +936,8 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
     video file's frame size from its header. () when there are no sources (every scale is proven)."""
     out = []
     for src in list(getattr(cfg, "source_list", ()) or ()):
-        forced = None if src.decode_scale == "auto" else int(src.decode_scale)
+        scale = src.picture_scale()  # None: sensor samples, never decoded
+        forced = None if scale in ("auto", None) else int(scale)
         frame, fourcc = video_header(Path(src.path)) if src.type == "video" and src.path is not None else (None, None)
         out.append(SourceScaleLimit(forced, frame, _paths_of(src, fourcc)))
     return tuple(out)
@@ -1097,7 +946,7 @@ def source_scale_limits(cfg: Any) -> tuple[SourceScaleLimit, ...]:
 def _paths_of(src: Any, fourcc: str | None) -> frozenset[str] | None:
     """The reduced paths a source can serve through, known before it opens; None: unknown (a camera, a stream,
     MQTT images, a folder not there yet). A video file's codec is in its header."""
-    if src.decode_scale == 1 or src.type in ("udp", "file", "stdin"):
+    if src.picture_scale() in (1, None):
         return frozenset()
     if src.type == "folder" and src.path is not None and Path(src.path).is_dir():
         has_jpeg = any(p.suffix.lower() in JPEG_SUFFIXES for p in Path(src.path).iterdir())

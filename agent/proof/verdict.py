@@ -127,7 +127,8 @@ class CandidateResult:
                 create_ms=round(ev.create_ms, 2),
                 error=ev.error,
             )
-        return json_safe(out)
+        doc: dict[str, Any] = json_safe(out)
+        return doc
 
 
 def _parity_summary(ev: Evidence) -> dict[str, Any] | None:

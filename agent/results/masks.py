@@ -79,9 +79,11 @@ def foreground(tensors: Mapping[str, np.ndarray], spec: Any) -> np.ndarray:
         threshold = setting(spec, "threshold")
         if threshold is None:
             raise BundleError(f"key postprocess.result.threshold: a {m.dtype} mask needs one")
-        return np.nan_to_num(m, nan=-np.inf) > float(threshold)
+        above: np.ndarray = np.nan_to_num(m, nan=-np.inf) > float(threshold)
+        return above
     class_id = setting(spec, "class_id")
-    return m == int(class_id) if class_id is not None else m != 0
+    chosen: np.ndarray = m == int(class_id) if class_id is not None else m != 0
+    return chosen
 
 
 def column_major_counts(fg: np.ndarray) -> list[int]:

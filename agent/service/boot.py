@@ -22,6 +22,7 @@ from agent.config import Config
 from agent.errors import AgentError
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
+from agent.proof.crash_files import EVIDENCE_FILES, SERVED_FILE
 from agent.proof.isolation import ChildProof, CrashLedger, prove_in_child
 from agent.proof.verdict import Candidate
 from agent.service.audit import AuditTap
@@ -107,7 +108,7 @@ def in_memory_state(cfg: Config, exc: OSError) -> tuple[Config, str]:
     says."""
     scratch = memory_dir(cfg.state_dir)
     (scratch / "selftest").mkdir(parents=True, exist_ok=True)
-    for name in ("crashes.json", "cache.json", "late-deaths.json", "served.json", "disproven.json"):
+    for name in EVIDENCE_FILES:
         src = cfg.state_dir / "selftest" / name
         if src.exists() and not (scratch / "selftest" / name).exists():
             try:
@@ -229,7 +230,7 @@ def note_served(directory: Path, bundle: Bundle, candidate: str, report: dict[st
     """On a loaded device the winner can differ from boot to boot (INT8, then FP32): the same bundle now
     gives other answers. Said in the report (`served_changed`, so health and the report page show it)
     and the journal; `served.json` keeps what served last."""
-    path = directory / "served.json"
+    path = directory / SERVED_FILE
     last = read_json(path) or {}
     if last.get("bundle") == bundle.manifest_sha256 and last.get("candidate") not in (None, candidate):
         report["served_changed"] = {"previous": last["candidate"], "now": candidate, "since": last.get("at")}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.config import Config, SelectionConfig, SourceConfig, user_state_dir
+from agent.config import Config, SelectionConfig, user_state_dir
+from agent.source_types import FolderSourceConfig
 from agent.errors import ConfigError
 from agent.service.controller import COMMANDS, Controller
 
@@ -31,7 +32,7 @@ def demo_config() -> Config:
             return Config(
                 state_dir=user_state_dir(),
                 bundle=root / DEMO_BUNDLE,
-                source=SourceConfig(type="folder", path=root / DEMO_FRAMES),
+                source=FolderSourceConfig(path=root / DEMO_FRAMES),
                 selection=SelectionConfig(when_too_slow="degraded"),
             )
     raise ConfigError(

@@ -52,10 +52,10 @@ def next_proven(report: dict[str, Any] | None, exclude: set[str]) -> tuple[Candi
 
 def on_drift(controller: "Controller", drift: dict[str, Any]) -> Plan:
     """Controller thread: charge the drift to the served candidate and say what to do next."""
-    c, engine = controller, controller.engine
-    if engine is None or c.bundle is None:
+    c, engine, bundle = controller, controller.served.engine, controller.served.bundle
+    if engine is None or bundle is None:
         return "none"
-    ledger, sha, key = ledger_of(c), c.bundle.manifest_sha256, engine.candidate.key
+    ledger, sha, key = ledger_of(c), bundle.manifest_sha256, engine.candidate.key
     before = ledger.active(sha)
     detail = "; ".join(str(f) for f in drift.get("findings") or [])[:600] or "drift"
     rec = ledger.record(sha, key, str(drift.get("check", "audit")), detail, c.auditor.s.evidence_ttl_s)
@@ -70,20 +70,20 @@ def on_drift(controller: "Controller", drift: dict[str, Any]) -> Plan:
                   reason="it serves again only because no other candidate passed: it stays, flagged degraded")
         return "none"
     exclude = set(ledger.active(sha)) | {key}
-    return "switch" if next_proven(c.selftest_doc, exclude) is not None else "reload"
+    return "switch" if next_proven(c.served.report, exclude) is not None else "reload"
 
 
 def switch_job(controller: "Controller", drift: dict[str, Any]) -> None:
     """Job thread (the operation slot held, released by the caller's _spawn): serve the next proven candidate of
     the proof's report; on failure, a reload (whose proof skips the disproven one)."""
     c = controller
-    bundle, report, engine = c.bundle, c.selftest_doc, c.engine
+    bundle, report, engine = c.served.bundle, c.served.report, c.served.engine
     if bundle is None or report is None or engine is None:
         return
     exclude = set(ledger_of(c).active(bundle.manifest_sha256)) | {engine.candidate.key}
     found = next_proven(report, exclude)
     if found is None:
-        c.call(lambda: c._request_reload(None))
+        c.call(lambda: c.reloads.request(None))
         return
     cand, entry = found
     switched = {"from": engine.candidate.key, "to": cand.key, "check": drift.get("check"),
@@ -92,11 +92,11 @@ def switch_job(controller: "Controller", drift: dict[str, Any]) -> None:
                                   "effective_providers": list(entry.get("effective_providers") or [])},
            "pinned_below_floor": cand.pinned_below_floor, "switched": switched}
     try:
-        c.swap_bundle(bundle, cand, doc)
+        c.updates.swap_bundle(bundle, cand, doc)
     except AgentError as exc:
         log.error("audit.switch_failed", **switched, reason=str(exc)[:300],
                   detail="the next proven candidate did not open: a reload proves again without the disproven one")
-        c.call(lambda: c._request_reload(None))
+        c.call(lambda: c.reloads.request(None))
         return
     log.error("audit.switched", **switched, reason=f"{switched['from']} disproven while serving "
               f"({drift.get('check')} audit): the next proven candidate of the same proof serves")

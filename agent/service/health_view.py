@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from agent.link.health import ProcessProbe, build_health
+from agent.serving.capabilities import Multiplexed, ReportsStreams
 from agent.serving.engine import Engine
 from agent.serving.pipeline import Pipeline
 
@@ -28,12 +29,10 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
                   "frozen_events": st.frozen_events,
                   # how frames are decoded (path, codec, scale, threads, hw) and the scale the self-test proved
                   "decoder": {**st.decoder, "limit": dict(decode_limit) if decode_limit else None}}
-        streams = getattr(pipeline.source, "streams_health", None)
-        if streams is not None:  # sensor streams: each UDP sender / writer session by name, bounded
-            source["streams"] = streams()
-        stuck = getattr(pipeline.source, "stuck", None)
-        if stuck is not None:  # many sources: which are stuck inside a read (seconds), while the others serve
-            source["stuck"] = stuck()
+        if isinstance(pipeline.source, ReportsStreams):  # sensor streams: each UDP sender / writer session by name
+            source["streams"] = pipeline.source.streams_health()
+        if isinstance(pipeline.source, Multiplexed):  # many sources: which are stuck inside a read (seconds)
+            source["stuck"] = pipeline.source.stuck()
         metrics = {**status.metrics, "dropped_by_reason": dict(pipeline.drops), "last_seq": pipeline.last_seq}
     doc = build_health(
         device_id=device_id,
@@ -56,8 +55,8 @@ def health_document(*, device_id: str, started: float, session: int, interval_s:
     doc["operation"] = operation  # "reload", "selftest", "update <id>" while one runs
     if update_machine is not None:  # the update state machine's current state (docs/updates.md)
         doc["update_machine"] = update_machine
-    per_source = getattr(pipeline.source, "per_source", None) if pipeline is not None else None
-    doc["sources"] = per_source() if per_source is not None else None  # many sources: each one's own health
+    many = pipeline.source if pipeline is not None and isinstance(pipeline.source, Multiplexed) else None
+    doc["sources"] = many.per_source() if many is not None else None  # many sources: each one's own health
     return doc
 
 

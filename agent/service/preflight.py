@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent.config import Config, SourceConfig
+from agent.source_types import CameraSourceConfig, MqttSourceConfig, PathKey, PlaybackKeys, StreamSourceConfig
 from agent.errors import AgentError, install_hint
 from agent.proof.terms import CPU
 from agent.service.boot import bundle_path_problem
@@ -21,9 +22,6 @@ from agent.service.boot import bundle_path_problem
 if TYPE_CHECKING:
     from agent.bundle.load import Bundle
 
-# Opened here as `run` opens them: a file or folder can be tried without side effects; a camera, a stream, a
-# port or a broker only by `run` itself (a check must not grab a camera or a port the running agent holds).
-OPENED_HERE = ("folder", "video")
 
 
 @dataclass
@@ -167,7 +165,7 @@ def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: 
 
     for i, src in enumerate(cfg.source_list):
         key = f"sources[{i}]" if cfg.sources else "source"
-        if src.type in ("folder", "video", "file"):
+        if isinstance(src, PathKey):
             if src.path is None:
                 f.problems.append(f"key {key}.path: source type {src.type} needs a path")
                 continue
@@ -186,13 +184,15 @@ def _check_sources(cfg: Config, bundle: Bundle | None, installed_here: bool, f: 
             if src.type == "video" and (why := video_problem(src.path)) is not None:
                 f.problems.append(f"key {key}.path: {why}")
                 continue
-            if src.type in OPENED_HERE and bundle is not None:
+            # recorded frames (a folder, a video) are opened here as `run` opens them, without side effects; a
+            # camera, a stream, a port or a broker only by `run` itself (a check must not grab what it holds)
+            if isinstance(src, PlaybackKeys) and bundle is not None:
                 _try_open(key, src, bundle, f)
-        elif src.type == "stream" and not src.url:
+        elif isinstance(src, StreamSourceConfig) and not src.url:
             f.problems.append(f"key {key}.url: source type stream needs a url")
-        elif src.type == "mqtt" and not src.topic:
+        elif isinstance(src, MqttSourceConfig) and not src.topic:
             f.problems.append(f"key {key}.topic: source type mqtt needs a topic")
-        elif src.type == "camera" and devices and installed_here and (why := _camera_problem(src.device)):
+        elif isinstance(src, CameraSourceConfig) and devices and installed_here and (why := _camera_problem(src.device)):
             f.problems.append(f"key {key}.device: {why}")
         else:
             f.notes.append(f"{key} {src.type}: cannot be opened by a check here; `edge-agent run` reports it")

@@ -23,6 +23,7 @@ from agent.logsetup import configure_logging, get_logger
 from agent.proof import spare
 from agent.proof.isolation import CrashLedger, bundle_digest, inject_fault, mark_step, parse_faults
 from agent.proof.terms import ProviderStatus
+from agent.proof.crash_files import CACHE_FILE
 
 log = get_logger("selftest_child")
 
@@ -88,10 +89,8 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         cfg = load_config(args.config) if args.config else Config()
     opts = selftest.options_from_config(cfg, provider=args.provider, variant=args.variant,
                                         use_cache=False if args.no_cache else None)
-    if args.latency_runs:
-        opts = dataclasses.replace(opts, latency_runs=args.latency_runs)
-    if args.serve_disproven:
-        opts = dataclasses.replace(opts, serve_disproven=True)
+    opts = dataclasses.replace(opts, latency_runs=args.latency_runs or opts.latency_runs,
+                               serve_disproven=args.serve_disproven)  # boot.last_resort's second proof
     if args.latency_retries is not None:
         opts = dataclasses.replace(opts, policy=dataclasses.replace(opts.policy, latency_retries=args.latency_retries))
     from agent.bundle.load import read_manifest
@@ -144,15 +143,15 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         statuses += detect_providers((name,), opts.provider_options, opts.settings)
     mark_step(directory, None)
 
-    cached = read_json(directory / "cache.json") or {}
+    cached = read_json(directory / CACHE_FILE) or {}
     cached_variant = str(cached.get("candidate") or "").rsplit(":", 1)[-1]
     if opts.use_cache and (f"candidate:{cached.get('candidate')}" in crashed or f"contract:{cached_variant}" in crashed):
         log.warning("selftest.cached_winner_crashed", candidate=cached.get("candidate"))
         opts = dataclasses.replace(opts, use_cache=False)
 
-    # The self-test probes and evaluates through these module functions: the child gives it the probes
-    # it already made (one step each), and the fault hook in front of each trial.
-    # `prove` opens and checks a candidate on a full run, `evaluate` re-checks a cached winner.
+    # The self-test's steps, given as values: the probes this child already made (one step each), and the
+    # fault hook in front of each trial. `prove` opens and checks a candidate on a full run, `evaluate`
+    # re-checks a cached winner.
     def with_fault(step_fn: Any) -> Any:
         def run(bundle: Any, c: Any, *a: Any, **kw: Any) -> Any:
             inject_fault(f"candidate:{c.key}", faults)
@@ -168,15 +167,14 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         if pace:
             time.sleep(float(pace))
 
-    if any(k.startswith(("run:", "slow:", "pace:")) for k in faults):
-        selftest.BEFORE_RUN = before_run
     if any(k.startswith("run:") for k in faults):
         # a loop that settles stops before the N-th run, and the fault would never fire
         opts = dataclasses.replace(opts, settle=False)
-    selftest.detect_providers = lambda *a, **kw: list(statuses)
-    selftest.prove = with_fault(selftest.prove)
-    selftest.evaluate = with_fault(selftest.evaluate)
-    report = selftest.run_selftest(bundle, args.state_dir, opts)
+    seams = selftest.Seams(
+        detect_providers=lambda *a, **kw: list(statuses), prove=with_fault(selftest.prove),
+        evaluate=with_fault(selftest.evaluate),
+        before_run=before_run if any(k.startswith(("run:", "slow:", "pace:")) for k in faults) else None)
+    report = selftest.run_selftest(bundle, args.state_dir, opts, seams)
     return report.to_dict()
 
 

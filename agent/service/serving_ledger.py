@@ -49,6 +49,7 @@ import numpy as np
 from agent.fsio import read_json, write_json_atomic
 from agent.logsetup import get_logger
 from agent.proof.isolation import CrashLedger, inject_fault, parse_faults
+from agent.proof.crash_files import SUSPECTS_FILE  # "<bundle>|<step>" -> {"deaths": n, "at": unix}
 
 log = get_logger("serving_ledger")
 
@@ -59,7 +60,6 @@ WATCH_RUNS = 64  # inferences a new serving session runs under its marker
 # only when it repeats in consecutive serving processes on the same machine boot (a one-off OOM kill
 # or an operator's kill -9 does not; a crash loop at inference 100 did, forever).
 LATE_DEATHS = 2
-SUSPECTS_FILE = "late-deaths.json"  # "<bundle>|<step>" -> {"deaths": n, "at": unix}
 SUSPECT_TTL_S = 24 * 3600.0
 _ids = itertools.count(1)
 # Which process wrote a marker: a PID repeats across restarts (PID 1 in a container, every boot), a

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from agent.config import SourceConfig
 from agent.logsetup import get_logger
+from agent.serving.capabilities import ReportsStreams, SharesDecoderThreads, SkipsNonReference
 from agent.serving.sources import CAPTURE_THREAD, BadFrame, Frame, FrameSource, SourceStats, is_lossless
 
 log = get_logger("sources")
@@ -33,7 +34,8 @@ SHUTDOWN_GRACE_S = 0.2  # how long close() still waits for a source already know
 def stuck_bound_s(cfg: SourceConfig) -> float:
     """How long a source's loop may go without a heartbeat while honouring its time-outs: a reopen may try
     twice (hardware decoding, then software), each up to the open time-out, then one read."""
-    return (2 * cfg.open_timeout_ms + cfg.read_timeout_ms) / 1000 + STUCK_MARGIN_S
+    open_ms, read_ms = cfg.io_timeouts_ms()
+    return (2 * open_ms + read_ms) / 1000 + STUCK_MARGIN_S
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Feed:
     stuck_episodes: int = 0
     last_stuck_s: float | None = None  # how long the last finished episode lasted
     closed: bool = False
+    source_type: str | None = None  # folder, stream, ...: for its health
 
     @property
     def name(self) -> str:
@@ -68,7 +71,8 @@ class MultiSource:
     def __init__(self, sources: list[tuple[SourceConfig, FrameSource]], capacity: int = 2):
         if not sources:
             raise ValueError("MultiSource needs at least one source")
-        self.feeds = [Feed(src, is_lossless(cfg, src), max(capacity, 1), bound_s=stuck_bound_s(cfg))
+        self.feeds = [Feed(src, is_lossless(cfg, src), max(capacity, 1), bound_s=stuck_bound_s(cfg),
+                           source_type=cfg.type)
                       for cfg, src in sources]
         # FFmpeg's decoder threads share the cores among the streams: each frame thread holds a decoding
         # context and its frames (about 25 MB at 1080p H.264), and one thread decodes a 1080p camera at 10-30
@@ -76,8 +80,8 @@ class MultiSource:
         # and the stage planner gives more to a decoder it measures as the bottleneck.
         share = max(1, len(os.sched_getaffinity(0)) // len(sources))
         for _, src in sources:
-            if getattr(src, "open_threads", None) == 0:
-                src.open_threads = share  # type: ignore[attr-defined]
+            if isinstance(src, SharesDecoderThreads) and src.open_threads == 0:
+                src.open_threads = share
         self.name = "+".join(f.name for f in self.feeds)
         self._by_name = {f.name: f for f in self.feeds}
         self.on_drop: Callable[[str, int], None] | None = None  # the pipeline's drop counter
@@ -100,7 +104,7 @@ class MultiSource:
     def _capture(self, feed: Feed) -> None:
         # a live source whose last frame still waits: the next one replaces it, so a frame nothing references
         # (a B-frame) is not decoded at all (the codec decides; reference frames always are)
-        skip = None if feed.lossless else getattr(feed.source, "skip_nonref", None)
+        skip = None if feed.lossless or not isinstance(feed.source, SkipsNonReference) else feed.source.skip_nonref
         try:
             while not self._stop.is_set():
                 if skip is not None:
@@ -287,7 +291,7 @@ class MultiSource:
             s = f.source.stats
             beat = f.stuck_beat
             out[f.name] = {
-                "type": getattr(getattr(f.source, "cfg", None), "type", None), "state": self._state(f),
+                "type": f.source_type, "state": self._state(f),
                 "stuck_s": None if beat is None else round(mono - beat, 1),  # inside one read, this long
                 "stuck_episodes": f.stuck_episodes, "last_stuck_s": f.last_stuck_s,
                 "stuck_after_s": round(self._stuck_after(f), 1),
@@ -297,9 +301,8 @@ class MultiSource:
                 "last_frame_age_s": round((now - s.last_frame_ns) / 1e9, 3) if s.last_frame_ns else None,
                 "last_error": s.last_error, "decoder": dict(s.decoder),
             }
-            streams = getattr(f.source, "streams_health", None)
-            if streams is not None:  # a sensor source: its streams, losses and backlog (as with one source)
-                out[f.name]["streams"] = streams()
+            if isinstance(f.source, ReportsStreams):  # a sensor source: its streams, losses, backlog (as one source)
+                out[f.name]["streams"] = f.source.streams_health()
         return out
 
     def close(self) -> None:

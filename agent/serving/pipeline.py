@@ -31,6 +31,7 @@ from agent.proof.terms import CPU
 from agent.serving.metrics import PipelineMetrics
 from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, split_batch
 from agent.serving.decoding import scaled_geometry
+from agent.serving.capabilities import Multiplexed, SkipsNonReference
 from agent.serving.sizing import StageCosts, StagePlan, initial_plan, plan_stages
 from agent.serving.sources import CAPTURE_THREAD, BadFrame, Frame, FrameSource, UndecodableFrame, video_sources
 
@@ -199,11 +200,12 @@ class Pipeline:
         self.boot = boot  # with seq, identifies a result across agent restarts
         # the live view (agent.link.liveview), when someone may watch: asked per frame, keeps pixels only then
         self.live: Any = None
-        self._view_name: Callable[[Frame], str] = ((lambda f: f.source) if hasattr(source, "feeds")
+        many = source if isinstance(source, Multiplexed) else None
+        self._view_name: Callable[[Frame], str] = ((lambda f: f.source) if many is not None
                                                    else (lambda f: source.name))
         # what the live view and cmd/snapshot call the sources (read lazily: a test's bare source has no name)
-        self.view_names: Callable[[], list[str]] = ((lambda: [g.name for g in source.feeds])
-                                                    if hasattr(source, "feeds") else (lambda: [source.name]))
+        self.view_names: Callable[[], list[str]] = ((lambda: [g.name for g in many.feeds])
+                                                    if many is not None else (lambda: [source.name]))
         self.instance = instance  # the agent process: (instance, seq) is unique even for two agents on one device_id
         self.failed: str | None = None  # "<stage>: <error>" once a stage died
         self.drops: dict[str, int] = {}  # reason -> frames captured and not published
@@ -215,14 +217,14 @@ class Pipeline:
         self._engine = engine
         self._drops_lock = threading.Lock()
         self._captured_drops = 0  # drops of frames this pipeline captured (not a source's own stale frames)
-        if hasattr(source, "on_drop"):  # many sources: a live source's stale frames are dropped before capture
-            source.on_drop = self._count_source_drop
+        if many is not None:  # many sources: a live source's stale frames are dropped before capture
+            many.on_drop = self._count_source_drop
         # many sources: a frame queued here is swapped for its source's newer one at the take (never converted)
-        self._fresher: Callable[[Frame], Frame | None] | None = getattr(source, "freshest", None)
+        self._fresher: Callable[[Frame], Frame | None] | None = many.freshest if many is not None else None
         # many sources and a dynamic batch: up to one frame of each source per inference
         self._batch = cfg.max_batch
         if getattr(cfg, "batch_across_sources", True):
-            self._batch = max(self._batch, len(getattr(source, "feeds", ())))
+            self._batch = max(self._batch, len(many.feeds) if many is not None else 0)
         self.metrics = PipelineMetrics()
         self.stop_event = threading.Event()
         self.paused = threading.Event()
@@ -333,8 +335,8 @@ class Pipeline:
         if self.done.is_set() or self.paused.is_set():
             return None
         now = time.monotonic()
-        judge = getattr(self.source, "stuck", None)  # many sources: each judged on its own, named here
-        stuck = judge(horizon_s) if judge is not None else {}
+        # many sources: each judged on its own, named here
+        stuck = self.source.stuck(horizon_s) if isinstance(self.source, Multiplexed) else {}
         quiet = now - self.source.stats.heartbeat  # many sources: the newest heartbeat of any running one
         if quiet > horizon_s:
             where = (", ".join(f"{name} for {s:.0f} s" for name, s in stuck.items()) if stuck
@@ -416,7 +418,8 @@ class Pipeline:
         src, m = self.source, self.metrics
         limit = self.cfg.max_frames
         # latest-frame-wins: while the last frame still waits, a frame nothing references is not decoded
-        skip = getattr(src, "skip_nonref", None) if isinstance(self._frames_q, LatestSlot) else None
+        skip = (src.skip_nonref if isinstance(self._frames_q, LatestSlot) and isinstance(src, SkipsNonReference)
+                else None)
         while not self.stop_event.is_set():
             if self.paused.is_set():
                 self.stop_event.wait(0.05)
@@ -671,7 +674,7 @@ class Pipeline:
         if self._sized_results != SIZING_WARMUP + SIZING_FRAMES:
             return
         src = self.source
-        capture = src.capture_cpu_ms() if hasattr(src, "capture_cpu_ms") else self._costs.per_frame_ms("capture")
+        capture = src.capture_cpu_ms() if isinstance(src, Multiplexed) else self._costs.per_frame_ms("capture")
         own = [self._costs.per_frame_ms(s) for s in ("preprocess", "inference", "publish")]
         process_ms = (time.process_time_ns() - self._process_ns0) / 1e6 / SIZING_FRAMES
         # each frame was captured once, by one source's thread: its capture counts once, however many sources
@@ -680,7 +683,7 @@ class Pipeline:
         in_order = self._in_order_only()
         videos = {v.name: v for v in video_sources(src)}
         loads = [load for v in videos.values() if (load := v.decoder_load(self._decode0.get(id(v), (0, 0))))]
-        plan = plan_stages(costs, cores=self.cores, sources=len(getattr(src, "feeds", ())) or 1,
+        plan = plan_stages(costs, cores=self.cores, sources=len(src.feeds) if isinstance(src, Multiplexed) else 1,
                            preprocess_max=self._pre_max, inference_max=self._workers, in_order=in_order,
                            fused=self._fused, decoders=loads)
         for d in plan.decoders:  # taken by each decoder at its next keyframe

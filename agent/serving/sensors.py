@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from agent.config import SourceConfig
+from agent.source_types import FileSourceConfig, MqttSourceConfig, NetworkKeys, SampleKeys, StdinSourceConfig, UdpSourceConfig
 from agent.errors import ConfigError
 from agent.logsetup import get_logger
 from agent.serving.sources import BadFrame, Frame, SourceStats
@@ -35,7 +36,6 @@ from agent.spec.manifest import FrameSpec, ResizeSpec
 
 log = get_logger("source")
 
-SENSOR_TYPES = ("udp", "file", "stdin", "mqtt")  # mqtt: with payload: samples
 SEQ = struct.Struct("<I")  # source.framing seq32: each datagram starts with its sender's sequence number
 SEQ_BYTES = SEQ.size
 
@@ -70,9 +70,13 @@ class SensorSource:
     takes windows: a writer is slowed by the full pipe (backpressure), and nothing is lost.
     """
 
+    name: str  # udp:host:port, file:path, stdin, mqtt:host:port/topic unless the config names it
+
     def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         if frame.kind != "sensor":
             raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes {frame.kind} frames")
+        if not isinstance(cfg, SampleKeys):
+            raise ConfigError(f"source.type: {cfg.type} does not deliver sensor samples")
         why = declared_mismatch(frame, cfg)
         if why is not None:
             raise ConfigError(why)
@@ -84,13 +88,16 @@ class SensorSource:
         self.dtype = np.dtype(cfg.sample_dtype or frame.dtype).newbyteorder("<")
         self.sample_bytes = self.dtype.itemsize * frame.channels
         self.hop = cfg.hop or frame.step
-        self.max_streams = max(1, cfg.max_streams)
-        self.stream_timeout_s = cfg.stream_timeout_s
+        udp = cfg if isinstance(cfg, UdpSourceConfig) else UdpSourceConfig()  # a type without the udp keys: their defaults
+        self.max_streams = max(1, udp.max_streams)
+        self.stream_timeout_s = udp.stream_timeout_s
+        self.max_backlog_s = cfg.max_backlog_s if isinstance(cfg, NetworkKeys) else NetworkKeys.max_backlog_s
         # a stream's unserved samples beyond this are shed (counted as lost): without a sample rate, at 16 kHz's
-        self.max_backlog = int(cfg.max_backlog_s * (frame.sample_rate or 16000))
+        self.max_backlog = int(self.max_backlog_s * (frame.sample_rate or 16000))
+        self.path = cfg.path if isinstance(cfg, FileSourceConfig) else None  # a FIFO, device or file
         self.stats = SourceStats()
         # a stateful model must see every window of a stream in order: lossless hand-over (never latest-wins)
-        self.live = cfg.type == "udp" and not frame.stateful
+        self.live = isinstance(cfg, UdpSourceConfig) and not frame.stateful
         self.sock: socket.socket | None = None
         self.datagrams: Datagrams | None = None
         self.fd: int | None = None
@@ -106,7 +113,7 @@ class SensorSource:
         self.lost_datagrams = 0      # datagrams the socket dropped (its receive buffer was full)
         self.restarts = 0
         self.late_datagrams = 0      # sequenced datagrams that came after their place was passed
-        self.sequenced = cfg.type == "udp" and cfg.framing == "seq32"
+        self.sequenced = isinstance(cfg, UdpSourceConfig) and cfg.framing == "seq32"
         self._drop_count = 0         # the socket's drop counter as last seen
         self._turn = 0
         self._cond = threading.Condition()  # streams are filled by the UDP thread and emptied by read()
@@ -116,24 +123,25 @@ class SensorSource:
         self._thread: threading.Thread | None = None
         self.client: Any = None  # paho's client for an mqtt source
         # samples pushed by a thread (UDP's receiver, paho's network loop), not read when the pipeline asks
-        self._pushed = cfg.type in ("udp", "mqtt")
-        if cfg.type == "udp":
+        self._pushed = isinstance(cfg, NetworkKeys)
+        self.topic: str | None = None  # mqtt: the one topic the samples arrive on
+        if isinstance(cfg, UdpSourceConfig):
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.bind((cfg.host, cfg.port))
             self.sock.settimeout(0.2)
             self.datagrams = Datagrams(self.sock, cfg.receive_buffer_bytes)
             self.name = cfg.name or f"udp:{cfg.host}:{self.sock.getsockname()[1]}"
-        elif cfg.type == "mqtt":
+        elif isinstance(cfg, MqttSourceConfig):
             self.name = self._mqtt_open(cfg)
-        elif cfg.type == "stdin":
+        elif isinstance(cfg, StdinSourceConfig):
             self.fd = sys.stdin.buffer.fileno()
             self.name = cfg.name or "stdin"
         else:
-            if cfg.path is None:
+            if self.path is None:
                 raise ConfigError("source.path: a file source needs a FIFO, character device or file")
-            self.fifo = cfg.path.exists() and stat.S_ISFIFO(os.stat(cfg.path).st_mode)
-            self.fd = os.open(cfg.path, os.O_RDONLY | os.O_NONBLOCK)
-            self.name = cfg.name or f"file:{cfg.path}"
+            self.fifo = self.path.exists() and stat.S_ISFIFO(os.stat(self.path).st_mode)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            self.name = cfg.name or f"file:{self.path}"
         if self.sock is None:  # one stream (a pipe's, or an MQTT topic's)
             self.streams[None] = Stream(self.name, frame, self.hop)
         if frame.reset_on_gap_s is not None and not frame.sample_rate:
@@ -214,11 +222,11 @@ class SensorSource:
         again at the newest audio (the state with it: never carried across the hole)."""
         if s.backlog <= self.max_backlog:
             return
-        lost = s.shed(f"the agent was more than source.max_backlog_s {self.cfg.max_backlog_s} s behind")
+        lost = s.shed(f"the agent was more than source.max_backlog_s {self.max_backlog_s} s behind")
         self.lost_samples += lost
         self.restarts += 1
         log.warning("source.backlog_shed", source=self.name, stream=s.name, lost_samples=lost,
-                    max_backlog_s=self.cfg.max_backlog_s)
+                    max_backlog_s=self.max_backlog_s)
 
     def _overflow(self, lost: int, d: Datagram, samples: int) -> None:
         """The socket dropped `lost` datagrams just before `d`: a hole in the stream they belonged to. One
@@ -368,7 +376,7 @@ class SensorSource:
             self._take(s, data, d.arrival, 0.0 if self.datagrams and self.datagrams.exact else None)
             self._shed(s)
 
-    def _mqtt_open(self, cfg: SourceConfig) -> str:
+    def _mqtt_open(self, cfg: MqttSourceConfig) -> str:
         """An MQTT topic whose payloads are chunks of one stream's samples, in the order published."""
         import paho.mqtt.client as paho
 
@@ -377,6 +385,7 @@ class SensorSource:
         if "+" in cfg.topic or "#" in cfg.topic:
             raise ConfigError(f"source.topic: {cfg.topic!r} with payload: samples is one stream: name one topic, "
                               "not a filter (samples of two publishers would mix in one window)")
+        self.topic = cfg.topic
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
         self.client.on_connect = self._mqtt_connected
         self.client.on_disconnect = self._mqtt_disconnected
@@ -387,7 +396,7 @@ class SensorSource:
     def _mqtt_connected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
         if not rc.is_failure:
             # QoS 1: the broker hands the topic's messages over in order, resending what TCP did not confirm
-            client.subscribe(self.cfg.topic, qos=1)
+            client.subscribe(self.topic, qos=1)
             self.stats.state = "open"
 
     def _mqtt_disconnected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
@@ -420,23 +429,23 @@ class SensorSource:
             self._cond.notify_all()
 
     def _same_fifo(self) -> bool:
-        assert self.cfg.path is not None and self.fd is not None
+        assert self.path is not None and self.fd is not None
         try:
-            return os.stat(self.cfg.path).st_ino == os.fstat(self.fd).st_ino
+            return os.stat(self.path).st_ino == os.fstat(self.fd).st_ino
         except OSError:
             return False
 
     def _reopen(self, wait: float) -> bool:
-        assert self.cfg.path is not None
+        assert self.path is not None
         if wait:
             time.sleep(wait)
         try:
-            self.fd = os.open(self.cfg.path, os.O_RDONLY | os.O_NONBLOCK)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             if self.stats.state != "lost":
                 self.stats.losses += 1
                 log.warning("source.lost", source=self.name, reason=f"cannot reopen the FIFO: {exc.strerror}")
-            self.stats.state, self.stats.last_error = "lost", f"cannot reopen {self.cfg.path}: {exc.strerror}"
+            self.stats.state, self.stats.last_error = "lost", f"cannot reopen {self.path}: {exc.strerror}"
             return True
         self.stats.reconnects += 1
         self.stats.state = "open"
@@ -520,7 +529,7 @@ class SensorSource:
             self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
             self.client.loop_stop()
         with self._cond:
-            if self.fd is not None and self.cfg.type != "stdin":
+            if self.fd is not None and not isinstance(self.cfg, StdinSourceConfig):
                 os.close(self.fd)
             self.fd = None
 
@@ -534,6 +543,8 @@ def stateful_lossy_message(where: str = "source") -> str:
 def declared_mismatch(frame: FrameSpec, cfg: SourceConfig, key: str = "source") -> str | None:
     """Why what the source declares its senders send (sample rate, channels) is not what the bundle takes:
     the answers would change (8 kHz audio through a 16 kHz model is served wrong, without an error)."""
+    if not isinstance(cfg, SampleKeys):
+        return None
     if cfg.sample_rate and cfg.sample_rate != frame.sample_rate:
         takes = f"{frame.sample_rate:g} samples/s" if frame.sample_rate else "no declared sample rate"
         return (f"key {key}.sample_rate: the senders send {cfg.sample_rate:g} samples/s but the bundle's frame takes "
@@ -557,13 +568,13 @@ def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[S
     out = []
     states = [f"inputs[{i}] ({x.name}, kind: state)" for i, x in enumerate(inputs) if x.kind == "state"]
     for key, src in zip(keys, sources):
-        if states and src.type == "mqtt" and src.payload != "samples":
+        if states and isinstance(src, MqttSourceConfig) and src.payload != "samples":
             out.append(mqtt_stateful_message(key))
         if states and src.lossless is False:
             out.append(f"key {key}.lossless: false with a stateful bundle ({', '.join(states)}): windows would be "
                        "dropped and the state carried across the hole; remove the key (stateful bundles default to "
                        "lossless)")
-        if frame.kind == "sensor" and src.type in SENSOR_TYPES and (src.type != "mqtt" or src.payload == "samples"):
+        if frame.kind == "sensor" and src.delivers() == "sensor":
             why = declared_mismatch(frame, src, key)
             if why is not None:
                 out.append(why)

@@ -26,11 +26,16 @@ import cv2
 import numpy as np
 
 from agent.config import SourceConfig
+from agent.source_types import (CameraSourceConfig, FfmpegKeys, FolderSourceConfig, MqttSourceConfig, PictureKeys,
+                                StreamSourceConfig, VideoSourceConfig)
+from agent.source_types.registry import register as register_type
+from agent.source_types.registry import unregister as unregister_type
 from agent.errors import BadFrame, ConfigError, UndecodableFrame
 from agent.logsetup import get_logger
 from agent.npio import read_npy
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
+from agent.serving.capabilities import Retargetable, inner_sources
 from agent.serving.sizing import DecoderLoad
 from agent.serving.source_checks import probe_video
 from agent.spec.jpeg import MJPEG_FOURCCS
@@ -158,12 +163,16 @@ class _Pacer:
             self.next = max(self.next + self.period, time.monotonic())
 
 
+OpenCVConfig = VideoSourceConfig | CameraSourceConfig | StreamSourceConfig  # the types OpenCVSource opens
+
+
 class FolderSource:
     """Image files in name order; the demo's default source."""
 
     live = False
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
+    def __init__(self, cfg: FolderSourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None,
+                 max_scale: int = 8):
         if cfg.path is None or not cfg.path.is_dir():
             raise ConfigError(f"source.path: {cfg.path} is not a directory of images")
         self.files = sorted(p for p in cfg.path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
@@ -208,17 +217,17 @@ class FolderSource:
 class OpenCVSource:
     """Video files, cameras and network streams through cv2.VideoCapture, with time-outs and reconnects."""
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
+    def __init__(self, cfg: OpenCVConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
         self.turns = 0  # quarter turns that display a file's frames upright (streams are not asked)
-        if cfg.type == "video":
+        if isinstance(cfg, VideoSourceConfig):
             why, self.turns = probe_video(cfg.path)
             if why is not None:  # missing, unreadable or not a video: refused now
                 raise ConfigError(f"source.path: {why}")
             if self.turns:
                 log.info("source.rotated", source=str(cfg.path), degrees_counter_clockwise=90 * self.turns)
             self.target: str | int = str(cfg.path)
-        elif cfg.type == "camera":
+        elif isinstance(cfg, CameraSourceConfig):
             dev = cfg.device or "0"
             self.target = int(dev) if dev.isdigit() else dev
         else:
@@ -235,7 +244,7 @@ class OpenCVSource:
         self.backoff = cfg.reconnect_initial_s
         self.prev: np.ndarray | None = None  # the previous frame's signature (frozen-picture check)
         self.same = 0
-        self.pacer = _Pacer(cfg.max_fps if not self.live else 0.0)
+        self.pacer = _Pacer(cfg.max_fps if isinstance(cfg, VideoSourceConfig) else 0.0)
         # 0: the default (PyAV: min(cores, 2) frame threads at open; a MultiSource shares the cores among its
         # streams), until the stage planner measures the decoder and plans its threads (`plan_decoder`)
         self.decoder_threads = cfg.decoder_threads
@@ -411,7 +420,7 @@ class OpenCVSource:
                 continue
             if not ok or img is None:
                 if not self.live:
-                    if self.cfg.loop and self.stats.frames > 0:
+                    if isinstance(self.cfg, VideoSourceConfig) and self.cfg.loop and self.stats.frames > 0:
                         self._rewind()
                         continue
                     self.stats.state = "ended"
@@ -523,7 +532,7 @@ class MqttFrameSource:
 
     live = True
 
-    def __init__(self, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
+    def __init__(self, cfg: MqttSourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
         import paho.mqtt.client as paho
 
         if not cfg.topic:
@@ -609,7 +618,7 @@ class MqttFrameSource:
 EXIF_TURNS = -1  # a still JPEG: libjpeg turns it by its EXIF orientation, which we do not read before decoding
 
 
-def _scale_for(cfg: SourceConfig, resize: ResizeSpec | None, height: int, width: int, max_scale: int,
+def _scale_for(cfg: PictureKeys, resize: ResizeSpec | None, height: int, width: int, max_scale: int,
                turns: int) -> tuple[int, int | None]:
     """(The scale to reduce a picture of this size to, the scale it was lowered from or None.) A turned picture
     keeps each reduced pixel on its block only where the scale divides its size: the rounded-up edge (libjpeg's
@@ -621,7 +630,7 @@ def _scale_for(cfg: SourceConfig, resize: ResizeSpec | None, height: int, width:
     return scale, (wanted if scale != wanted else None)
 
 
-def _log_scale(name: str, scale: int, size: tuple[int, int] | None, lowered: int | None, cfg: SourceConfig,
+def _log_scale(name: str, scale: int, size: tuple[int, int] | None, lowered: int | None, cfg: PictureKeys,
                **extra: Any) -> None:
     h, w = size if size is not None else (0, 0)
     why = None if lowered is None else (f"a turned picture is reduced only at a scale that divides its size "
@@ -633,7 +642,7 @@ def _log_scale(name: str, scale: int, size: tuple[int, int] | None, lowered: int
         reason=why, **extra)
 
 
-def _jpeg_scale(data: np.ndarray, cfg: SourceConfig, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
+def _jpeg_scale(data: np.ndarray, cfg: PictureKeys, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
                 name: str, size: tuple[int, int] | None, turns: int = 0) -> int:
     """The scale to decode this JPEG of `size` (its header's, as displayed; None: unknown) at, recorded in the
     source's stats when it changes. `turns` EXIF_TURNS: it may be turned, the scale must divide its size."""
@@ -656,7 +665,7 @@ def _camera_size(size: tuple[int, int] | None, img: np.ndarray, scale: int) -> t
     return None
 
 
-def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None,
+def _decode_jpeg_frame(data: np.ndarray, cfg: PictureKeys, frame: FrameSpec, resize: ResizeSpec | None,
                        max_scale: int, stats: SourceStats,
                        name: str) -> tuple[np.ndarray | None, int, tuple[int, int] | None]:
     """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale, the picture's
@@ -667,23 +676,26 @@ def _decode_jpeg_frame(data: np.ndarray, cfg: SourceConfig, frame: FrameSpec, re
     return (None, 1, None) if img is None else (img, scale, _camera_size(size, img, scale))
 
 
-SourceFactory = Callable[..., FrameSource]
+SourceFactory = Callable[..., FrameSource]  # (its type's config, the bundle's frame, resize, max_scale) -> source
 
 
-def _sensor_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8) -> FrameSource:
+def _sensor_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None,
+                   max_scale: int = 8) -> FrameSource:
     from agent.serving.sensors import SensorSource  # its own module (streams, time); it imports this one
 
     return SensorSource(cfg, frame, resize, max_scale)
 
 
-def _mqtt_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8) -> FrameSource:
+def _mqtt_source(cfg: MqttSourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None,
+                 max_scale: int = 8) -> FrameSource:
     """payload: samples is a sensor stream (windows cut in stream time); other payloads are whole frames."""
     if cfg.payload == "samples":
         return _sensor_source(cfg, frame, resize, max_scale)
     return MqttFrameSource(cfg, frame, resize, max_scale)
 
 
-SOURCES: dict[str, SourceFactory] = {
+# The opener of each source type, by its `type` (the config classes are registered in agent.source_types)
+OPENERS: dict[str, SourceFactory] = {
     "folder": FolderSource,
     "video": OpenCVSource,
     "camera": OpenCVSource,
@@ -695,16 +707,29 @@ SOURCES: dict[str, SourceFactory] = {
 }
 
 
+def register_source(cls: type[SourceConfig], opener: SourceFactory) -> None:
+    """A new source type, in one call from its own module: its config class (parsed, checked, in the schema and
+    the docs) and the opener the pipeline makes its source with."""
+    register_type(cls)
+    OPENERS[cls.TYPE] = opener
+
+
+def unregister_source(name: str) -> None:
+    """Remove a source type and its opener (a test's throwaway type, after the test)."""
+    unregister_type(name)
+    OPENERS.pop(name, None)
+
+
 def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None,
                 max_scale: int = 8) -> FrameSource:
     """The source `cfg` names. `resize`, the bundle's preprocess resize, lets JPEG sources decode at reduced
     scale (decode_scale: auto), at most `max_scale` (the largest the self-test proved); without `resize`
     they decode at full size unless decode_scale names a scale."""
     try:
-        factory = SOURCES[cfg.type]
+        factory = OPENERS[cfg.type]
     except KeyError:
-        raise ConfigError(f"source.type: unknown source {cfg.type!r} (known: {sorted(SOURCES)})") from None
-    if frame.kind == "image" and cfg.type in ("udp", "file", "stdin"):
+        raise ConfigError(f"source.type: unknown source {cfg.type!r} (known: {sorted(OPENERS)})") from None
+    if frame.kind == "image" and cfg.delivers() == "sensor":
         raise ConfigError(f"source.type: {cfg.type} delivers sensor windows, but the bundle takes image frames")
     return factory(cfg, frame, resize, max_scale)
 
@@ -712,9 +737,9 @@ def open_source(cfg: SourceConfig, frame: FrameSpec, resize: ResizeSpec | None =
 def uses_pyav(cfg: SourceConfig) -> bool:
     """Whether this source will decode through PyAV (as `OpenCVSource._use_av` decides, before the bundle is known):
     files and streams without hardware decoding; a V4L2 camera index stays with OpenCV."""
-    if cfg.type not in ("video", "stream", "camera") or cfg.hw_decode != "none":
+    if not isinstance(cfg, FfmpegKeys) or cfg.hw_decode != "none":
         return False
-    return not (cfg.type == "camera" and (cfg.device or "0").isdigit())
+    return not (isinstance(cfg, CameraSourceConfig) and cfg.is_v4l2_index())
 
 
 def warm_decoder(cfgs: Sequence[SourceConfig]) -> None:
@@ -730,14 +755,13 @@ def warm_decoder(cfgs: Sequence[SourceConfig]) -> None:
 
 def retarget_decode(source: FrameSource, resize: ResizeSpec | None, max_scale: int) -> None:
     """A new bundle's resize and proven decode scale, taken by a running source from its next frame on."""
-    if hasattr(source, "max_scale"):
-        source.resize, source.max_scale = resize, max_scale  # type: ignore[attr-defined]
+    if isinstance(source, Retargetable):
+        source.resize, source.max_scale = resize, max_scale
 
 
 def video_sources(source: FrameSource) -> list[OpenCVSource]:
     """The sources behind `source` (itself, or each of many) that decode video: the planner sizes their decoders."""
-    inner = [f.source for f in getattr(source, "feeds", ())] or [source]
-    return [s for s in inner if isinstance(s, OpenCVSource)]
+    return [s for s in inner_sources(source) if isinstance(s, OpenCVSource)]
 
 
 def is_lossless(cfg: SourceConfig, source: FrameSource) -> bool:

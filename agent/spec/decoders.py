@@ -44,7 +44,8 @@ class Region:
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     z = x - np.max(x, axis=axis, keepdims=True)
     e = np.exp(z)
-    return e / np.sum(e, axis=axis, keepdims=True)
+    out: np.ndarray = e / np.sum(e, axis=axis, keepdims=True)
+    return out
 
 
 def class_scores(spec: PostprocessSpec, outputs: Outputs) -> np.ndarray:

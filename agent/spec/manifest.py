@@ -52,7 +52,8 @@ Dim = int | str
 def manifest_schema() -> dict[str, Any]:
     """The JSON Schema every manifest is validated against (shipped in agent/schema/)."""
     text = resources.files("agent").joinpath("schema/bundle.schema.json").read_text()
-    return json.loads(text)
+    schema: dict[str, Any] = json.loads(text)
+    return schema
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,73 @@
+"""The agent's outward links, opened by the controller at start: the MQTT link and its outbox, the result
+sinks, the live view and the /metrics server. Each is imported only when the config enables it."""
+
+from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING
+
+from agent.logsetup import get_logger
+from agent.serving.pipeline import Sink
+from agent.serving.sinks import FanOutSink, JsonLinesSink, NullSink, OutboxSink
+from agent.service.boot import memory_dir
+
+if TYPE_CHECKING:
+    from agent.service.controller import Controller
+
+log = get_logger("controller")
+
+
+def make_sink(hub: Controller) -> Sink:
+    """Where a pipeline's results go: stdout, the outbox (MQTT), and a sink the caller gave."""
+    cfg = hub.cfg
+    sinks: list[Sink] = []
+    if cfg.output.stdout:
+        sinks.append(JsonLinesSink())
+    if hub.outbox is not None and hub.link is not None:
+        topics = hub.link.topics
+        sinks.append(OutboxSink(hub.outbox, topics.predictions, cfg.mqtt.qos, cfg.mqtt.batch_predictions,
+                                topic_for=topics.source_predictions if cfg.sources else None,
+                                stream_topic_for=topics.stream_predictions))
+    if hub.extra_sink is not None:
+        sinks.append(hub.extra_sink)
+    return FanOutSink(*sinks) if sinks else NullSink()
+
+
+def start_mqtt(hub: Controller) -> None:
+    cfg = hub.cfg
+    if not cfg.mqtt.enabled:
+        return
+    from agent.link.mqtt import MqttLink
+    from agent.link.outbox import Outbox
+
+    import sqlite3  # the outbox's, imported with it
+
+    try:
+        hub.outbox = Outbox(cfg.state_dir / "outbox.sqlite", cfg.outbox)
+    except (OSError, sqlite3.OperationalError) as exc:
+        # a state disk full at boot (SQLite cannot even start its journal): the results go through an
+        # outbox in memory, as they do when the disk fills later; a backlog on the disk waits for a restart
+        # with space. Exiting here left the device down and silent.
+        if "full" not in str(exc) and getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        spare_dir = memory_dir(cfg.state_dir)
+        log.error("outbox.state_disk_full", file=str(cfg.state_dir / "outbox.sqlite"), error=str(exc),
+                  instead=str(spare_dir / "outbox.sqlite"),
+                  reason="disk full: results are kept in memory until the broker takes them")
+        hub.outbox = Outbox(spare_dir / "outbox.sqlite", cfg.outbox)
+    hub.link = MqttLink(cfg.mqtt, cfg.device_id, cfg.state_dir, hub.outbox, hub.command_inlet(), hub.status.retained,
+                        on_bundle=hub.on_bundle_message if cfg.updates.enabled else None, instance=hub.instance)
+    hub.link.start()
+
+
+def start_observers(hub: Controller) -> None:
+    """The live view (MQTT's cmd/snapshot draws with it; nothing is kept until asked) and /metrics."""
+    from agent.link.prometheus import start_metrics_server
+
+    served_live = bool(hub.cfg.metrics.listen and hub.cfg.metrics.live_view)
+    if served_live or hub.link is not None:
+        from agent.link.liveview import LiveView
+
+        hub.live_view = LiveView(hub.health_snapshot)
+    hub.metrics_server = start_metrics_server(hub.cfg.metrics.listen, hub,
+                                              hub.live_view if served_live else None)  # None unless set
