@@ -193,8 +193,15 @@ class AuditConfig:
                                         ge=0.1)] = 30.0
     live_window: Annotated[int, Key("live frames judged together by the task's fidelity floors", ge=1)] = 8
     reference: Annotated[str, Key("the reference variant of the live audit")] = "fp32"
-    switch_on_drift: Annotated[bool, Key("on drift, re-prove by a reload (a new proof and engine), not only a "
-                                         "self-test")] = False
+    switch_on_drift: Annotated[bool, Key("on drift, serve the next proven candidate (its proof's report, or a "
+                                         "reload's proof when the report has none); false: keep serving it, "
+                                         "flagged, and run a self-test")] = True
+    evidence_ttl_s: Annotated[float, Key("how long a drift found while serving keeps its candidate from being "
+                                         "selected (a golden-only re-proof does not clear it)", ge=0)] = 86400.0
+    slow_factor: Annotated[float, Key("serving latency this many times the proven p50, sustained, is reported "
+                                      "(audit.slow)", ge=1.0)] = 3.0
+    slow_period_s: Annotated[float, Key("how long serving latency must stay over audit.slow_factor x the "
+                                        "proven p50 to be reported", ge=1.0)] = 30.0
 
 
 SERVICE_STATE_DIR = Path("/var/lib/edge-agent")

@@ -19,8 +19,10 @@ def _start(agent_process, tmp_path: Path, fault: str, audit: dict) -> AgentProce
 @pytest.mark.slow
 def test_the_canary_sees_a_weight_change_after_boot_within_its_period(tmp_path: Path, agent_process) -> None:
     # x1.5 on the logits keeps every top-1 (the live fidelity check cannot see it); reproduction can
+    # switch_on_drift off: the drifting variant keeps serving, flagged, while a self-test re-proves
+    # (tests/test_audit_evidence.py: the default, the next proven candidate serving instead)
     agent = _start(agent_process, tmp_path, "drift:CPUExecutionProvider:int8#100=1.5",
-                   {"canary_period_s": 1.0, "live_period_s": 3600})
+                   {"canary_period_s": 1.0, "live_period_s": 3600, "switch_on_drift": False})
     drift = agent.wait_event("audit.drift", timeout=120)
     assert drift["check"] == "canary" and drift["candidate"] == "CPUExecutionProvider:int8"
     assert any("reproduction" in f for f in drift["findings"])
@@ -37,7 +39,7 @@ def test_the_canary_sees_a_weight_change_after_boot_within_its_period(tmp_path: 
 def test_the_live_audit_sees_answers_the_reference_does_not_give(tmp_path: Path, agent_process) -> None:
     # x-1 flips every top-1: the reference FP32 on the CPU disagrees on every live frame
     agent = _start(agent_process, tmp_path, "drift:CPUExecutionProvider:int8#100=-1",
-                   {"canary_period_s": 3600, "live_period_s": 0.2, "live_window": 4})
+                   {"canary_period_s": 3600, "live_period_s": 0.2, "live_window": 4, "switch_on_drift": False})
     # (the first canary, 5 s in, may see it first)
     drift = agent.wait_event("audit.drift", lambda e: e["check"] == "live", timeout=120)
     assert drift["reference"] == "CPU:fp32" and drift["candidate"] == "CPUExecutionProvider:int8"

@@ -61,7 +61,8 @@ def test_a_pinned_below_floor_then_degraded_candidate_is_loud_on_every_channel(t
                       output={"stdout": False, "health_interval_s": 0.5},
                       source={"max_fps": 50},
                       # from its 200th inference the served logits are x1.5: every top-1 holds, reproduction fails
-                      audit={"canary_period_s": 1.0, "live_period_s": 3600})
+                      # and it keeps serving, flagged (no switch): the degraded state is what this test reads
+                      audit={"canary_period_s": 1.0, "live_period_s": 3600, "switch_on_drift": False})
     agent = agent_process(cfg, env={"NOTIFY_SOCKET": rx.address, "EDGE_AGENT_FAULT": f"drift:{INT8}#200=1.5"})
     try:
         agent.start()

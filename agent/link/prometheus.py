@@ -291,6 +291,7 @@ def _verdict_families(health: Mapping[str, Any], fig: Mapping[str, Any]) -> Iter
     deg = GaugeMetricFamily(f"{NS}_degraded", "1 while serving degraded, by reason", labels=["reason"])
     deg.add_metric(["too_slow"], int(bool(fig.get("degraded"))))
     deg.add_metric(["audit_drift"], int(audit.get("state") == "degraded"))
+    deg.add_metric(["slow_serving"], int(bool(audit.get("slow"))))
     yield deg
     for name, key, doc in (("audit_canary_runs", "canary_runs", "Golden canaries run through the live session"),
                            ("audit_canary_failures", "canary_failures", "Canaries that did not reproduce"),

@@ -27,6 +27,7 @@ from agent.fsio import read_json, write_json_atomic
 from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.npio import open_npz
+from agent.proof.evidence import ServingEvidence, applying
 from agent.proof.isolation import RunMarker
 from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.pre_compare import Levels, SampleDiff, compare, explain, lattice_levels
@@ -54,15 +55,8 @@ from agent.proof.stage_proof import (
 )
 from agent.proof.stages import GraphPostprocessor, postprocessor_for, pre_fixed_size, preprocessor_for
 from agent.proof.terms import DEFAULT_ORDER, LatencyStats, ProviderStatus, SessionSettings, with_compile_caches
-from agent.proof.verdict import (
-    Candidate,
-    CandidateResult,
-    Evidence,
-    LatencyContext,
-    PreprocessCheck,
-    judge,
-    json_safe,
-)
+from agent.proof.verdict import (Candidate, CandidateResult, Evidence, LatencyContext, PreprocessCheck, judge,
+                                 json_safe)
 from agent.spec.batch_axis import check_single_sample_outputs
 from agent.spec.decoders import split_batch
 from agent.spec.jpeg import MJPEG_FOURCCS
@@ -105,6 +99,7 @@ class SelftestOptions:
     # what each configured source can choose of the reduced scales, known before it opens; (): unknown, all proven
     source_limits: tuple["SourceScaleLimit", ...] = ()
     sleep: Callable[[float], None] = time.sleep  # the wait between latency re-measurements
+    serve_disproven: bool = False  # candidates disproven while serving are proven too (boot.last_resort's proof)
 
 
 @dataclass(frozen=True)
@@ -646,6 +641,7 @@ class _Run:
     crashed: dict[str, str]
     scale_bound: int  # the largest reduced decode scale a configured source can choose
     needed_paths: tuple[str, ...]  # the decode paths the configured sources use
+    disproven: dict[str, ServingEvidence]  # evidence from serving a golden-only proof cannot clear (evidence.py)
 
 
 def run_selftest(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions = SelftestOptions(),
@@ -697,7 +693,7 @@ def _start(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions, seams:
     return _Run(bundle, opts, seams, t0, created, costs, list(golden), preprocessed, list(statuses), fingerprint,
                 cache_key(bundle, statuses, opts, fingerprint), list(candidates), list(notes), directory, markers,
                 markers.recover() if markers else {}, choosable_scale(opts.source_limits, m.preprocess.resize),
-                tuple(decode_paths(opts.source_limits)))
+                tuple(decode_paths(opts.source_limits)), applying(directory, bundle, opts))
 
 
 def _finish(run: _Run, results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
@@ -739,7 +735,7 @@ def _cached_winner(run: _Run) -> SelftestReport | None:
     cached = read_json(run.directory / CACHE_FILE)
     if not cached or cached.get("key") != run.key:
         return None
-    hit = next((c for c in run.candidates if c.key == cached.get("candidate")), None)
+    hit = next((c for c in run.candidates if c.key == cached.get("candidate") and c.key not in run.disproven), None)
     if hit is None:
         return None
     with run.costs.part(f"{hit.key}: cached verdict re-checked (session, reproduction, fidelity)"):
@@ -763,6 +759,8 @@ def _cached_winner(run: _Run) -> SelftestReport | None:
 def _skip_reason(run: _Run, c: Candidate) -> str | None:
     """Why a candidate is not tried in this proof (a crash recorded against it), or None."""
     sha = run.bundle.manifest_sha256
+    if c.key in run.disproven:
+        return f"skipped: {run.disproven[c.key].describe()}"
     if f"{sha}|{c.key}" in run.crashed:
         return "skipped: this candidate crashed the agent during an earlier self-test or while serving"
     if f"{sha}|*:{c.variant}" in run.crashed:

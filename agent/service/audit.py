@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from agent.proof.evidence import EvidenceLedger
 from agent.proof.terms import CPU
 from agent.logsetup import get_logger
 from agent.proof.parity import (
@@ -36,6 +37,7 @@ from agent.proof.parity import (
 from agent.proof.stage_proof import used_outputs
 from agent.proof.verdict import Candidate
 from agent.serving.engine import AUDIT_SOURCE, Engine, build_engine
+from agent.service.slowness import SlowWatch
 from agent.spec.batch_axis import batch_size
 from agent.spec.decoders import split_batch
 
@@ -57,7 +59,10 @@ class AuditSettings:
     live_period_s: float = 30.0
     live_window: int = 8
     reference: str = "fp32"
-    switch_on_drift: bool = False
+    switch_on_drift: bool = True
+    evidence_ttl_s: float = 86400.0
+    slow_factor: float = 3.0
+    slow_period_s: float = 30.0
 
     @staticmethod
     def from_config(cfg: Any) -> "AuditSettings":
@@ -65,7 +70,7 @@ class AuditSettings:
         if a is None:
             return AuditSettings()
         return AuditSettings(a.enabled, a.canary_period_s, a.live_period_s, a.live_window, a.reference,
-                             a.switch_on_drift)
+                             a.switch_on_drift, a.evidence_ttl_s, a.slow_factor, a.slow_period_s)
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,10 @@ class Auditor:
                          "live_drift": 0, "errors": 0}
         self.degraded: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}
+        self.disproven: list[dict[str, Any]] = []  # serving evidence that applies to this bundle (evidence.py)
+        # the serving pipeline's inference histogram (set by the controller): a variant turning slow (slowness.py)
+        self.latency_histogram: Callable[[], Any] = lambda: None
+        self.slowness = SlowWatch(settings.slow_factor, settings.slow_period_s, clock)
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def start(self) -> "Auditor":
@@ -149,6 +158,7 @@ class Auditor:
             self._attach(engine)
         if self._engine is None:
             return
+        self.slowness.step(self._engine, self.latency_histogram())
         now = self.clock()
         if self._golden and now >= self._next_canary:
             self._next_canary = now + self.s.canary_period_s
@@ -171,6 +181,8 @@ class Auditor:
         if engine is None:
             return
         m = engine.bundle.manifest
+        path = getattr(engine.watch, "path", None)  # the ledger's directory (none: an engine built without one)
+        self.disproven = EvidenceLedger(path.parent).view(engine.bundle.manifest_sha256) if path is not None else []
         self._recorded = False
         if not m.stateful:  # a stateful model's canary would disturb no source, but its state is per sequence
             golden, recorded = [], True
@@ -305,7 +317,8 @@ class Auditor:
                 "reference": f"CPUExecutionProvider:{self.s.reference}", "reference_error": self._reference_error,
                 "reference_shared": self.reference_shared,
                 "canary_period_s": self.s.canary_period_s, "live_period_s": self.s.live_period_s,
-                **self.counters, "last": dict(self.last), "degraded": self.degraded}
+                **self.counters, "last": dict(self.last), "degraded": self.degraded, "slow": self.slowness.slow,
+                "disproven": list(self.disproven)}
 
 
 def loud_state(selftest_doc: dict[str, Any] | None, audit: dict[str, Any] | None) -> str | None:
@@ -314,6 +327,15 @@ def loud_state(selftest_doc: dict[str, Any] | None, audit: dict[str, Any] | None
     if audit and audit.get("degraded"):
         d = audit["degraded"]
         parts.append(f"DEGRADED: {d['check']} audit of {d['candidate']} drifted")
+    served = (audit or {}).get("candidate")
+    for e in (audit or {}).get("disproven") or []:  # the next proven one serves in its place (evidence.py)
+        if e["candidate"] != served:
+            parts.append(f"{e['candidate']} disproven while serving ({e['check']} audit): not selected")
+        else:
+            parts.append(f"DEGRADED: serving {served}, disproven while serving ({e['check']} audit): no other passed")
+    if audit and audit.get("slow"):
+        s = audit["slow"]
+        parts.append(f"SLOW: {s['candidate']} inference {s['ratio']:g}x its serving baseline for {s['period_s']:g} s")
     doc = selftest_doc or {}
     if doc.get("degraded"):
         parts.append("DEGRADED: too slow for its budget")

@@ -122,8 +122,9 @@ def in_memory_state(cfg: Config, exc: OSError) -> tuple[Config, str]:
     return dataclasses.replace(cfg, state_dir=scratch), said
 
 
-def prove(root: Path, cfg: Config, use_cache: bool = True) -> ChildProof:
-    return prove_in_child(root, cfg.state_dir, cfg, cfg.updates.selftest_timeout_s, use_cache=use_cache)
+def prove(root: Path, cfg: Config, use_cache: bool = True, extra_args: tuple[str, ...] = ()) -> ChildProof:
+    return prove_in_child(root, cfg.state_dir, cfg, cfg.updates.selftest_timeout_s, use_cache=use_cache,
+                          extra_args=extra_args)
 
 
 def bundle_path_problem(path: Path) -> str | None:
@@ -186,6 +187,7 @@ def boot(cfg: Config, store: Any) -> BootOutcome:
             proof = prove(root, cfg)
     except AgentError as exc:  # a reason, never a traceback in job.failed
         return _no_report(root, str(exc))
+    proof = last_resort(root, cfg, proof)
     if disk_full is not None and proof.report is not None:
         proof.report["warnings"] = [disk_full, *proof.report.get("warnings", [])]
         proof.report["state_disk_full"] = disk_full
@@ -236,3 +238,29 @@ def note_served(directory: Path, bundle: Bundle, candidate: str, report: dict[st
                     reason="the same bundle serves another candidate than at the last boot: its answers differ")
     write_json_atomic(path, {"bundle": bundle.manifest_sha256, "candidate": candidate,
                              "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def last_resort(root: Path, cfg: Config, proof: ChildProof) -> ChildProof:
+    """Nothing passed, and only because candidates disproven while serving were skipped (agent.proof.evidence):
+    those are proven again and the one that passes serves, flagged (report `serving_disproven`, a warning, STATUS),
+    rather than nothing, as a drift in a process with no other candidate keeps serving flagged. A device that can
+    serve always serves; the evidence stays and the audit keeps watching it."""
+    report = proof.report
+    if report is None or proof.passed:
+        return proof
+    skipped = [f"{c['provider']}:{c['variant']}" for c in report.get("candidates", [])
+               if any("disproven while serving" in r for r in c.get("reasons", []))]
+    if not skipped or any(c.get("passed") for c in report.get("candidates", [])):
+        return proof
+    log.error("boot.only_disproven", candidates=skipped,
+              reason="no other candidate passed: the disproven ones are proven again, and one that passes serves "
+                     "flagged rather than nothing")
+    again = prove(root, cfg, extra_args=("--serve-disproven",))
+    if not again.passed or again.report is None:
+        return proof
+    sel = again.report["selected"]
+    why = (f"serving {sel['provider']}:{sel['variant']}, disproven while serving (see audit.disproven): no other "
+           "candidate passed; `edge-agent selftest --forget-evidence` clears the evidence")
+    again.report["serving_disproven"] = why
+    again.report["warnings"] = [why, *again.report.get("warnings", [])]
+    return again

@@ -219,20 +219,20 @@ def _cmd_providers(args: argparse.Namespace) -> int:
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
+    from agent.proof.evidence import EvidenceLedger
     from agent.proof.isolation import CrashLedger, prove_in_child
 
     cfg = _load_cfg(args.config)
     if args.config:
         _apply_log_config(args, cfg)
     state = args.state_dir or cfg.state_dir
-    if args.forget_crashes:
-        n = CrashLedger(state / "selftest").forget()
-        print(f"forgot {n} crash record(s) in {state / 'selftest'}", file=sys.stderr)
-        if args.bundle is None:
-            return EXIT_OK
+    forget = [(CrashLedger, "crash")] * args.forget_crashes + [(EvidenceLedger, "serving evidence")] * args.forget_evidence
+    for ledger, what in forget:
+        print(f"forgot {ledger(state / 'selftest').forget()} {what} record(s) in {state / 'selftest'}", file=sys.stderr)
     if args.bundle is None:
-        print("edge-agent: selftest needs --bundle DIR (or only --forget-crashes)", file=sys.stderr)
-        return EXIT_USAGE
+        if not forget:
+            print("edge-agent: selftest needs --bundle DIR (or only --forget-crashes / --forget-evidence)", file=sys.stderr)
+        return EXIT_OK if forget else EXIT_USAGE
     extra = [a for flag, v in (("--provider", args.provider), ("--variant", args.variant),
                                ("--latency-runs", args.latency_runs),
                                ("--latency-retries", args.latency_retries)) if v is not None and v is not False
@@ -545,8 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("selftest", help="prove a bundle on this device and select a candidate")
     s.add_argument("--bundle", type=Path, help="bundle directory or .tar.gz (required unless --forget-crashes)")
-    s.add_argument("--forget-crashes", action="store_true",
-                   help="clear the crash records, so steps that crashed the self-test are tried again")
+    s.add_argument("--forget-crashes", action="store_true", help="clear the crash records (crashed steps tried again)")
+    s.add_argument("--forget-evidence", action="store_true", help="clear the evidence from serving (docs/proof.md)")
     s.add_argument("--config", type=Path)
     s.add_argument("--state-dir", type=Path, help="where the report, markers and cache go (default: config)")
     s.add_argument("--json", action="store_true", help="print the full JSON report")

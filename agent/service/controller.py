@@ -89,6 +89,8 @@ class Controller:
         # keep proving while serving (audit.py): canary and live audit on their own thread
         self.auditor = Auditor(AuditSettings.from_config(cfg),
                                lambda: self.served.engine if self.served.serving else None, cfg.session)
+        self.auditor.latency_histogram = lambda: (self.served.pipeline.metrics.histograms_ms["inference"]
+                                                  if self.served.pipeline else None)  # slowness.py
 
     # -- any thread: the mailbox's ----------------------------------------------------------------------
     def post(self, event: Any, timeout: float | None = None) -> bool:

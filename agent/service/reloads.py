@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from agent.config import Config, load_config
 from agent.errors import AgentError, ConfigError
 from agent.logsetup import configure_logging, get_logger
+from agent.service import evidence
 from agent.service.boot import BootOutcome, boot
 from agent.service.events import Reply
 from agent.service.served import Snapshot
@@ -187,10 +188,14 @@ class Reloads:
         hub = self.hub
         hub.notifier.status(hub.status.status_text())
         hub.status.publish_health()
-        if hub.auditor.s.switch_on_drift:
+        plan = evidence.on_drift(hub, drift)  # charged to the candidate: a golden-only re-proof never clears it
+        if plan == "switch" and hub.slot.try_take("switch") is None:
+            log.error("audit.reproving", how="switch", **drift)
+            hub.slot.spawn("switch", evidence.switch_job, hub, drift)
+        elif plan in ("switch", "reload"):
             log.error("audit.reproving", how="reload", **drift)
             self.request(None)
-        elif hub.served.bundle is not None and hub.slot.try_take("selftest") is None:
+        elif plan == "selftest" and hub.served.bundle is not None and hub.slot.try_take("selftest") is None:
             log.error("audit.reproving", how="selftest", **drift)
             hub.slot.spawn("selftest", hub.commands.selftest_job, hub.served.bundle,
                            lambda r: log.warning("audit.reproof_done", passed=r.get("passed"),

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant")
     p.add_argument("--latency-runs", type=int)
     p.add_argument("--latency-retries", type=int)
+    p.add_argument("--serve-disproven", action="store_true", help="prove candidates disproven while serving too")
     args = p.parse_args(argv)
     configure_logging(os.environ.get("EDGE_AGENT_CHILD_LOG_LEVEL", "warning"), True)
     doc: dict[str, Any]
@@ -88,8 +89,8 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         cfg = load_config(args.config) if args.config else Config()
     opts = selftest.options_from_config(cfg, provider=args.provider, variant=args.variant,
                                         use_cache=False if args.no_cache else None)
-    if args.latency_runs:
-        opts = dataclasses.replace(opts, latency_runs=args.latency_runs)
+    opts = dataclasses.replace(opts, latency_runs=args.latency_runs or opts.latency_runs,
+                               serve_disproven=args.serve_disproven)  # boot.last_resort's second proof
     if args.latency_retries is not None:
         opts = dataclasses.replace(opts, policy=dataclasses.replace(opts.policy, latency_retries=args.latency_retries))
     from agent.bundle.load import read_manifest

@@ -262,7 +262,7 @@ def serving_faults(version: int | str) -> dict[str, str]:
     if not raw:
         return {}
     return {k.removesuffix(f"@{version}"): v for k, v in parse_faults(raw).items()
-            if k.startswith(("serve:", "drift:", "audit:", "stage:")) and ("@" not in k or k.endswith(f"@{version}"))}
+            if k.startswith(("serve:", "drift:", "slow:", "audit:", "stage:")) and ("@" not in k or k.endswith(f"@{version}"))}
 
 
 _serving: "weakref.WeakSet[ServingWatch]" = weakref.WeakSet()  # this process's serving sessions' watches
@@ -290,6 +290,11 @@ class ServingWatch:
         prefix = f"drift:{candidate}#"
         self._drift = next(((int(k.removeprefix(prefix)), float(v)) for k, v in self.faults.items()
                             if k.startswith(prefix)), None) if fault == "serve" else None
+        # a test fault: from the N-th inference on, each run takes `factor` times as long ("slow:<key>#N=5")
+        slow = f"slow:{candidate}#"
+        self._slow = next(((int(k.removeprefix(slow)), float(v)) for k, v in self.faults.items()
+                           if k.startswith(slow)), None) if fault == "serve" else None
+        self._began = threading.local()
         self.active = True
         self._started = self._done = 0
         self._lock = threading.Lock()
@@ -371,6 +376,7 @@ class ServingWatch:
             self._flight()
         if self.faults:
             inject_fault(f"{self._fault_key}#{n}", self.faults)
+            self._began.at = time.perf_counter()
 
     def abandon(self) -> None:
         """The run that `before` announced is over (`after` calls it; alone when the run raised)."""
@@ -386,6 +392,11 @@ class ServingWatch:
     def after(self, outputs: dict[str, Any]) -> dict[str, Any]:
         if self._drift is not None and self._started >= self._drift[0]:
             outputs = {k: v * np.float32(self._drift[1]) if v.dtype.kind == "f" else v for k, v in outputs.items()}
+        if self._slow is not None and self._started >= self._slow[0]:
+            if self._slow[0] > 0:
+                log.warning("serving.fault_slow", candidate=self.candidate, inference=self._started, factor=self._slow[1])
+                self._slow = (0, self._slow[1])  # said once
+            time.sleep((self._slow[1] - 1.0) * (time.perf_counter() - self._began.at))
         self.abandon()
         if not self.active:
             return outputs
