@@ -335,6 +335,10 @@ def test_datagrams_the_receive_buffer_had_no_room_for_are_counted_and_the_state_
         src.close()
 
 
+# Timed against the kernel's receive timestamps and a held receiving thread: under a loaded parallel lane (load 20
+# and more on 2 cores) a scheduler delay of a second between the sends reads as a gap; run alone (serial lane).
+@pytest.mark.slow
+@pytest.mark.serial
 def test_with_two_senders_a_socket_drop_resets_both_streams_as_it_cannot_say_whose_datagrams_it_dropped() -> None:
     src = _sensor_source(receive_buffer_bytes=4096)
     a, b = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
@@ -356,7 +360,7 @@ def test_with_two_senders_a_socket_drop_resets_both_streams_as_it_cannot_say_who
         why = f"{lost} datagrams dropped by the socket: its receive buffer was full, from any of 2 senders"
         for tx in (a, b):
             mine = [f for f in before + after if f.span.sender == f"127.0.0.1:{tx.getsockname()[1]}"]
-            assert [f.span.session for f in mine] == [1] * (len(mine) - 1) + [2]  # the hole after the last kept
+            assert [f.span.session for f in mine] == [1] * (len(mine) - 1) + [2], [f.span.reset for f in mine]
             assert mine[-1].span.reset == why and mine[-1].data[0, 0] == 2.0
         assert src.streams_health()["lost_datagrams"] == lost
     finally:
@@ -468,6 +472,10 @@ def test_config_check_and_boot_refuse_mqtt_for_a_stateful_bundle_in_one_line(bun
         open_source(SourceConfig(type="mqtt", topic="audio", payload="raw"), load_bundle(bundle).manifest.frame)
 
 
+# Timed against the kernel's receive timestamps and a held receiving thread: under a loaded parallel lane (load 20
+# and more on 2 cores) a scheduler delay of a second between the sends reads as a gap; run alone (serial lane).
+@pytest.mark.slow
+@pytest.mark.serial
 def test_a_datagram_read_late_keeps_the_time_the_kernel_received_it() -> None:
     """What makes a busy agent's late read no gap on UDP: the arrival is the kernel's (SO_TIMESTAMPNS)."""
     from agent.serving.udp_receive import Datagrams
