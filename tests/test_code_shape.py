@@ -17,7 +17,7 @@ MAX_COMPLEXITY = 25
 
 # path -> (lines it may not exceed, why it is still over)
 MODULES = {
-    "agent/bundle/create.py": (1501, "bundle create: its checks, its variants and the model build's named steps; the steps (_Build) move to their own module next"),
+    "agent/bundle/create.py": (1131, "bundle create: options, spec checks, the variants' quantisation and judges, the stages; the model build's steps are in model_build.py"),
     "agent/proof/selftest.py": (995, "the self-test shell, its named steps, a candidate's proof and the "
                                      "config-to-options helpers (those move out next)"),
     "agent/spec/manifest.py": (842, "the manifest's typed values restate the result kinds (issue 46 point 3)"),
