@@ -21,7 +21,7 @@ MODULES = {
     "agent/proof/selftest.py": (995, "the self-test shell, its named steps, a candidate's proof and the "
                                      "config-to-options helpers (those move out next)"),
     "agent/spec/manifest.py": (842, "the manifest's typed values restate the result kinds (issue 46 point 3)"),
-    "agent/serving/pipeline.py": (803, "the pipeline's threads; per-node stages come with issue 42"),
+    "agent/serving/pipeline.py": (674, "the pipeline's threads; per-node stages come with issue 42"),
     "agent/serving/sources.py": (768, "every frame source's opener in one module; each could live with its type"),
     "agent/fleet/operator.py": (726, "the operator loop and its reconciliation"),
     "agent/proof/parity.py": (623, "reproduction and fidelity measures for every output kind"),
