@@ -86,7 +86,8 @@ phase "lint (ruff) and types (mypy over agent/, --strict over the pure core)"
 # The pure core (the vocabulary, result kinds, the proof's judges, the update table) also under --strict:
 # no Any leaks out of the parts every other package builds on
 STRICT_CORE="agent/spec agent/results agent/updates/machine.py agent/proof/verdict.py agent/proof/parity.py
-  agent/proof/pre_compare.py agent/proof/selection.py agent/proof/terms.py agent/proof/overall.py agent/proof/crash_files.py"
+  agent/proof/pre_compare.py agent/proof/selection.py agent/proof/terms.py agent/proof/overall.py agent/proof/crash_files.py
+  agent/proof/agreement.py"
 # shellcheck disable=SC2086
 "$CPU_PY" -m mypy --strict $STRICT_CORE
 # Byte-compiled once, as `pip install` leaves an installed agent: the tests run the checkout (PYTHONPATH),

@@ -24,7 +24,7 @@ FLOOR = {
 ALLOWED_UP = {("bundle/create.py", "proof"), ("bundle/create.py", "results"), ("bundle/model_build.py", "proof")}
 PURE = [
     "agent.spec.manifest", "agent.spec.preprocess", "agent.spec.decoders",
-    "agent.proof.terms", "agent.proof.parity", "agent.proof.verdict", "agent.proof.selection", "agent.proof.pre_compare",
+    "agent.proof.terms", "agent.proof.parity", "agent.proof.agreement", "agent.proof.verdict", "agent.proof.selection", "agent.proof.pre_compare",
     "agent.proof.isa", "agent.config",
     "agent.config_schema", "agent.source_types", "agent.results", "agent.results.answers",
 ]

@@ -11,7 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from agent.proof.parity import Finding, QuestionResult, finite_or_none
+from agent.proof.agreement import finite_or_none
+from agent.proof.parity import Finding, QuestionResult
 from agent.proof.terms import CPU, LatencyStats, Placement, reason_from_log
 from agent.spec.manifest import Manifest
 

@@ -13,7 +13,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from agent.errors import BundleError
-from agent.proof.parity import Finding, wilson_interval
+from agent.proof.agreement import wilson_interval
+from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, rounded, setting
 from agent.results.floors import (
