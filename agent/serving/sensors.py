@@ -38,6 +38,9 @@ log = get_logger("source")
 
 SEQ = struct.Struct("<I")  # source.framing seq32: each datagram starts with its sender's sequence number
 SEQ_BYTES = SEQ.size
+# a sequenced datagram at most this many behind the expected one is late (reordered, duplicated) and dropped;
+# further behind, its sender restarted its numbering (a reboot from the same address): a new session
+SEQ_REORDER = 64
 
 
 class SensorFrame(Frame):
@@ -261,6 +264,15 @@ class SensorSource:
         if expect is None or seq == expect:
             return True
         ahead = (seq - expect) % 2**32
+        behind = (expect - seq) % 2**32
+        if ahead >= 2**31 and behind > SEQ_REORDER:
+            # far behind: not a late datagram (reordering is a few datagrams) but a sender that restarted its
+            # numbering from the same address (a reboot sooner than stream_timeout_s): a new session, said
+            self.restarts += 1
+            self.dropped_samples += s.end(f"sender restarted its sequence numbers ({seq} after {expect - 1})")
+            log.info("source.stream_restarted", source=self.name, stream=s.name,
+                     reason="sequence numbers started again", sequence=seq, expected=expect)
+            return True
         if ahead >= 2**31:  # behind what was already taken
             s.next_seq = expect
             s.late_datagrams += 1
