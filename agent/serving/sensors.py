@@ -180,6 +180,8 @@ class SensorSource:
         s = self.quiet.pop(addr, None)
         if s is not None:
             s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
+            # its earlier losses stay in the source's totals (/metrics: stream "(ended)"); counted anew from here
+            s.lost_samples = s.dropped_samples = 0
         else:
             sender = f"{addr[0]}:{addr[1]}"
             s = Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
