@@ -568,6 +568,12 @@ def declared_mismatch(frame: FrameSpec, cfg: SourceConfig, key: str = "source") 
     if cfg.channels and cfg.channels != frame.channels:
         return (f"key {key}.channels: the senders send {cfg.channels} channels but the bundle's frame takes "
                 f"{frame.channels} (input.frame.channels)")
+    if frame.stateful and cfg.hop and cfg.hop != frame.step:
+        # the state advances once per hop the model was built for: another hop feeds samples to it twice (or
+        # skips them), and every answer changes
+        return (f"key {key}.hop: {cfg.hop} samples, but the bundle carries state (inputs with kind: state) built "
+                f"for its frame's hop of {frame.step} (input.frame.hop): remove {key}.hop, or serve a stateless "
+                "bundle")
     return None
 
 
