@@ -69,8 +69,10 @@ class SensorSource:
 
     UDP is read by a thread of its own, whatever the pipeline does: a sender cannot be slowed down, so its
     datagrams are taken off the socket as they come (their kernel arrival time kept) and wait in their
-    stream's buffer, at most `source.max_backlog_s` of them. A FIFO, file or stdin is read when the pipeline
-    takes windows: a writer is slowed by the full pipe (backpressure), and nothing is lost.
+    stream's buffer, at most `source.max_backlog_s` of them. A FIFO, file or stdin is read by a thread of its
+    own too, as the writer writes (so its pauses and its end are seen when they happen), into a buffer of at
+    most `source.max_backlog_s`: beyond that the pipe is left unread and the writer blocks (backpressure,
+    said in the log and health's `held`), and nothing is lost.
     """
 
     name: str  # udp:host:port, file:path, stdin, mqtt:host:port/topic unless the config names it
@@ -123,9 +125,12 @@ class SensorSource:
         self._bad: deque[str] = deque(maxlen=64)  # malformed datagrams, raised from read() as BadFrame
         self._closing = threading.Event()
         self._idle_since: float | None = None  # a pipe: since when the reader has watched it empty
+        self._ended = threading.Event()  # a file or stdin was read to its end (a FIFO never ends)
+        self.held = 0                # times a pipe was left unread: its stream's buffer was full (backpressure)
+        self._holding = False        # a pipe is left unread now
         self._thread: threading.Thread | None = None
         self.client: Any = None  # paho's client for an mqtt source
-        # samples pushed by a thread (UDP's receiver, paho's network loop), not read when the pipeline asks
+        # samples from the network (UDP, MQTT): no pipe whose unread bytes are a backlog too (see _in_pipe)
         self._pushed = isinstance(cfg, NetworkKeys)
         self.topic: str | None = None  # mqtt: the one topic the samples arrive on
         if isinstance(cfg, UdpSourceConfig):
@@ -158,6 +163,9 @@ class SensorSource:
             self.client.loop_start()
         if self.sock is not None:
             self._thread = threading.Thread(target=self._udp_loop, name=f"udp-receive {self.name}", daemon=True)
+            self._thread.start()
+        elif self.client is None:  # a FIFO, device, file or stdin: read on its own thread too (see _pipe_loop)
+            self._thread = threading.Thread(target=self._pipe_loop, name=f"pipe-read {self.name}", daemon=True)
             self._thread.start()
 
     @property
@@ -302,6 +310,47 @@ class SensorSource:
         return None
 
     # -- reading -----------------------------------------------------------------------------------
+    def _pipe_loop(self) -> None:
+        """The pipe thread (FIFO, device, file, stdin): read as the writer writes, whatever the pipeline does,
+        so a writer's pause and a writer that closes are seen when they happen (read late, behind the agent's
+        backlog, a pause was never watched and an end-of-file never seen before the next writer's samples).
+        The stream's buffer is bounded (source.max_backlog_s of samples): when full, the pipe is left unread,
+        so the writer blocks on it (backpressure: nothing lost, no state reset) and the reader says so."""
+        try:
+            while not self._closing.is_set():
+                with self._cond:
+                    if self.streams[None].backlog >= self.max_backlog:
+                        self._hold()
+                        self._cond.wait(0.2)
+                        continue
+                    if self._holding:
+                        self._holding = False
+                        log.info("source.reading_again", source=self.name)
+                try:
+                    if not self._receive():
+                        return
+                except OSError as exc:
+                    if self._closing.is_set():
+                        return
+                    log.warning("source.receive_failed", source=self.name, error=str(exc))
+                    self._closing.wait(0.2)
+        finally:
+            self._ended.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _hold(self) -> None:
+        """The buffer is full: stop reading. What the writer writes meanwhile waits in the pipe (the agent's
+        backlog, never a gap); a pause of the writer's while held cannot be seen, which is said here."""
+        self._idle_since = None  # not watching: what waits in the pipe when reading again is backlog
+        if not self._holding:
+            self._holding = True
+            self.held += 1
+            log.warning("source.backpressure", source=self.name, held=self.held, max_backlog_s=self.max_backlog_s,
+                        detail="the agent is max_backlog_s behind: the pipe is left unread and its writer "
+                               "blocks; a pause of the writer's meanwhile is not seen",
+                        fix="give the agent more CPU, or write no faster than real time")
+
     def _udp_loop(self) -> None:
         """The UDP thread: every datagram off the socket as it comes, into its stream."""
         while not self._closing.is_set():
@@ -350,6 +399,7 @@ class SensorSource:
             with self._cond:
                 left = s.end("writer restarted")
                 self.dropped_samples += left
+                self._cond.notify_all()
                 if not self.fifo:
                     return False
                 # the writer went away: wait for the next one (a feeder restart is a new stream, not the end)
@@ -365,6 +415,7 @@ class SensorSource:
                 # samples that were waiting in the pipe (idle_since None) came while the agent was busy: the
                 # agent's backlog, never a gap; only silence the reader watched can be the writer's
                 self._take(s, data[:cut], now, idle_since)
+                self._cond.notify_all()
         return True
 
     def _datagram(self, d: Datagram) -> None:
@@ -478,30 +529,24 @@ class SensorSource:
         return SensorFrame(self.stats.frames, win, at, ns, span)
 
     def read(self, stop: threading.Event) -> Frame | None:
-        if self._pushed:
-            while not stop.is_set():
-                self.stats.beat()
-                with self._cond:
-                    if self._bad:
-                        raise BadFrame(self._bad.popleft())
-                    got = self._ready()
-                    if got is None:
-                        if self._closing.is_set():
-                            break
-                        self._cond.wait(0.2)
-                        continue
-                return self._window(got)
-            return None
+        """The next window of some stream; every source's samples are taken by a thread of its own (UDP's
+        receiver, paho's network loop, the pipe's reader), so this only waits for them."""
         while not stop.is_set():
             self.stats.beat()
-            with self._cond:  # health reads the streams from its own thread
+            with self._cond:
+                if self._bad:
+                    raise BadFrame(self._bad.popleft())
                 got = self._ready()
-            if got is not None:
-                self._idle_since = None  # the reader stops watching the pipe while the window is served
-                return self._window(got)
-            if not self._receive():
-                self.stats.state = "ended"
-                return None
+                if got is None:
+                    if self._closing.is_set():
+                        break
+                    if self._ended.is_set():
+                        self.stats.state = "ended"
+                        return None
+                    self._cond.wait(0.2)
+                    continue
+                self._cond.notify_all()  # a pipe reader held back by a full buffer reads on
+            return self._window(got)
         return None
 
     def streams_health(self) -> dict[str, Any]:
@@ -516,6 +561,8 @@ class SensorSource:
                 "dropped_samples": self.dropped_samples, "lost_samples": self.lost_samples,
                 "behind_s": max((h["oldest_unserved_age_s"] for h in streams.values()), default=0.0),
                 "streams": streams}
+            if self.fd is not None or self.path is not None or isinstance(self.cfg, StdinSourceConfig):
+                out.update(held=self.held, holding=self._holding)  # a pipe left unread: its buffer was full
             if self.datagrams is not None:
                 out.update(lost_datagrams=self.lost_datagrams, receive_buffer_bytes=self.datagrams.receive_buffer)
                 if self.sequenced:
