@@ -118,7 +118,8 @@ class SensorSource:
         self.lost_datagrams = 0      # datagrams the socket dropped (its receive buffer was full)
         self.restarts = 0
         self.late_datagrams = 0      # sequenced datagrams that came after their place was passed
-        self.sequenced = isinstance(cfg, UdpSourceConfig) and cfg.framing == "seq32"
+        self.sequenced = isinstance(cfg, (UdpSourceConfig, MqttSourceConfig)) and cfg.framing == "seq32"
+        self.unit = "payloads" if isinstance(cfg, MqttSourceConfig) else "datagrams"  # what a sequence number numbers
         self._drop_count = 0         # the socket's drop counter as last seen
         self._turn = 0
         self._cond = threading.Condition()  # streams are filled by the UDP thread and emptied by read()
@@ -133,6 +134,7 @@ class SensorSource:
         # samples from the network (UDP, MQTT): no pipe whose unread bytes are a backlog too (see _in_pipe)
         self._pushed = isinstance(cfg, NetworkKeys)
         self.topic: str | None = None  # mqtt: the one topic the samples arrive on
+        self._mqtt_idle: float | None = 0.0  # mqtt: since when paho's thread found the connection empty
         if isinstance(cfg, UdpSourceConfig):
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.bind((cfg.host, cfg.port))
@@ -158,6 +160,8 @@ class SensorSource:
             log.warning("source.gap_in_wall_time", source=self.name, reset_on_gap_s=frame.reset_on_gap_s,
                         fix="declare input.frame.sample_rate so gaps are measured in stream time")
         self.stats.state = "open"
+        if frame.stateful and isinstance(cfg, MqttSourceConfig) and not self.sequenced:
+            log.warning("source.unframed", source=self.name, detail=mqtt_unframed_message())
         if self.client is not None:
             self.client.connect_async(cfg.host, cfg.port or 1883, 30)
             self.client.loop_start()
@@ -292,9 +296,9 @@ class SensorSource:
         self.lost_samples += lost
         self.lost_datagrams += ahead
         self.restarts += 1
-        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} datagrams missing: sequence {expect} to "
+        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} {self.unit} missing: sequence {expect} to "
                                                                f"{(seq - 1) % 2**32}"))
-        log.warning("source.datagrams_lost", source=self.name, stream=s.name, lost_datagrams=ahead,
+        log.warning(f"source.{self.unit}_lost", source=self.name, stream=s.name, **{f"lost_{self.unit}": ahead},
                     lost_samples=lost, detail="a gap in the sender's sequence numbers")
         return True
 
@@ -483,17 +487,40 @@ class SensorSource:
     def _mqtt_message(self, client: Any, userdata: Any, msg: Any) -> None:
         now = time.time()
         data = bytes(msg.payload)
+        seq = None
+        if self.sequenced and len(data) >= SEQ_BYTES:
+            (seq,) = SEQ.unpack_from(data)
+            data = data[SEQ_BYTES:]
         with self._cond:
-            if not data or len(data) % self.sample_bytes:
+            if not data or len(data) % self.sample_bytes or (self.sequenced and seq is None):
                 self.stats.bad += 1
-                self._bad.append(f"{self.name}: payload of {len(data)} bytes is not whole samples of "
+                head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
+                self._bad.append(f"{self.name}: payload of {len(msg.payload)} bytes is not {head}whole samples of "
                                  f"{self.sample_bytes} bytes")
+            elif seq is not None and not self._sequence(self.streams[None], seq, len(data) // self.sample_bytes):
+                pass  # late or duplicated: counted, dropped
             else:
                 s = self.streams[None]
-                # read by paho's thread as it comes: silence before it is the publisher's
-                self._take(s, data, now, 0.0)
+                # silence counts from when paho's thread last found the connection empty (None: this payload was
+                # already waiting behind the last one -- the agent's backlog, never the publisher's gap)
+                self._take(s, data, now, self._mqtt_idle)
                 self._shed(s)
+            self._mqtt_idle = None if self._mqtt_waiting(client) else time.time()
             self._cond.notify_all()
+
+    @staticmethod
+    def _mqtt_waiting(client: Any) -> bool:
+        """Bytes of the next message already in the connection's receive queue (paho reads one packet at a
+        time, so what the kernel holds is what is waiting)."""
+        sock = client.socket()
+        if sock is None:
+            return False
+        if hasattr(sock, "pending") and sock.pending():  # TLS: decrypted bytes not read yet
+            return True
+        try:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+        except (OSError, ValueError):
+            return False
 
     def _same_fifo(self) -> bool:
         assert self.path is not None and self.fd is not None
@@ -565,8 +592,8 @@ class SensorSource:
                 out.update(held=self.held, holding=self._holding)  # a pipe left unread: its buffer was full
             if self.datagrams is not None:
                 out.update(lost_datagrams=self.lost_datagrams, receive_buffer_bytes=self.datagrams.receive_buffer)
-                if self.sequenced:
-                    out["late_datagrams"] = self.late_datagrams
+            if self.sequenced:
+                out[f"lost_{self.unit}"], out[f"late_{self.unit}"] = self.lost_datagrams, self.late_datagrams
             return out
 
     def _in_pipe(self) -> int:
@@ -648,6 +675,23 @@ def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[S
             if why is not None:
                 out.append(why)
     return out
+
+
+def mqtt_unframed_message(where: str = "source") -> str:
+    return (f"key {where}.framing: none with mqtt payload: samples into a bundle with state: a broker drops QoS 1 "
+            "messages queued beyond its limit for a subscriber that is behind (Mosquitto's max_queued_messages, "
+            "1000 by default) without a word, and unnumbered payloads cannot show the hole, so the state would be "
+            f"carried across it; set {where}.framing: seq32 (each payload starts with its uint32 sequence number: "
+            "a dropped payload is counted and resets the state), or a broker that never drops a subscriber's "
+            "queue (max_queued_messages 0)")
+
+
+def stream_notes(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[SourceConfig],
+                 keys: Sequence[str]) -> list[str]:
+    """What `config check` cannot decide but warns of: a contract kept only if the broker never drops."""
+    stateful = any(x.kind == "state" for x in inputs)
+    return [mqtt_unframed_message(key) for key, src in zip(keys, sources)
+            if stateful and isinstance(src, MqttSourceConfig) and src.payload == "samples" and src.framing != "seq32"]
 
 
 def stream_record(frame: Frame) -> Mapping[str, Any] | None:
