@@ -43,6 +43,9 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+ENDED = "(ended)"  # the stream label of what sensor streams no longer live lost (see _stream_families)
+
+
 def _stream_families(health: Mapping[str, Any]) -> Iterator[Any]:
     """Sensor streams (each UDP sender, each writer session; bounded by source.max_streams): what was lost,
     and how far behind the agent is, one series per stream, from health's source.streams (and sources.*)."""
@@ -58,10 +61,11 @@ def _stream_families(health: Mapping[str, Any]) -> Iterator[Any]:
     if not found:
         return
     lost = CounterMetricFamily(f"{NS}_sensor_lost_samples", "Samples that never reached a window: dropped by the "
-                               "socket or shed to keep up (the stream's state started again after each hole)",
-                               labels=["source", "stream"])
+                               "socket or shed to keep up (the stream's state started again after each hole); stream "
+                               "'(ended)': those of streams no longer live", labels=["source", "stream"])
     dropped = CounterMetricFamily(f"{NS}_sensor_dropped_samples", "Leftover samples of a stream session that ended "
-                                  "(fewer than a window)", labels=["source", "stream"])
+                                  "(fewer than a window); stream '(ended)': those of streams no longer live",
+                                  labels=["source", "stream"])
     backlog = GaugeMetricFamily(f"{NS}_sensor_backlog_seconds", "Seconds of a stream's samples waiting to be served",
                                 labels=["source", "stream"])
     oldest = GaugeMetricFamily(f"{NS}_sensor_oldest_unserved_age_seconds", "Age of the oldest sample of a stream "
@@ -71,12 +75,19 @@ def _stream_families(health: Mapping[str, Any]) -> Iterator[Any]:
     for src, doc in found:
         if _num(doc.get("lost_datagrams")) is not None:
             datagrams.add_metric([src], doc["lost_datagrams"])
-        for stream, st in (doc.get("streams") or {}).items():
+        live = doc.get("streams") or {}
+        for stream, st in live.items():
             lost.add_metric([src, stream], st.get("lost_samples", 0))
             dropped.add_metric([src, stream], st.get("dropped_samples", 0))
             if _num(st.get("backlog_s")) is not None:
                 backlog.add_metric([src, stream], st["backlog_s"])
             oldest.add_metric([src, stream], st.get("oldest_unserved_age_s", 0.0))
+        # a stream that times out leaves the live streams, and its series with it: what it lost stays counted
+        # under ENDED (the source's totals less the live streams'), so the sum per source never falls
+        for fam, key in ((lost, "lost_samples"), (dropped, "dropped_samples")):
+            total = _num(doc.get(key))
+            if total is not None:
+                fam.add_metric([src, ENDED], max(0.0, total - sum(_num(st.get(key)) or 0.0 for st in live.values())))
     yield from (lost, dropped, backlog, oldest, datagrams)
 
 

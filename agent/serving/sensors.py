@@ -38,6 +38,9 @@ log = get_logger("source")
 
 SEQ = struct.Struct("<I")  # source.framing seq32: each datagram starts with its sender's sequence number
 SEQ_BYTES = SEQ.size
+# a sequenced datagram at most this many behind the expected one is late (reordered, duplicated) and dropped;
+# further behind, its sender restarted its numbering (a reboot from the same address): a new session
+SEQ_REORDER = 64
 
 
 class SensorFrame(Frame):
@@ -66,8 +69,10 @@ class SensorSource:
 
     UDP is read by a thread of its own, whatever the pipeline does: a sender cannot be slowed down, so its
     datagrams are taken off the socket as they come (their kernel arrival time kept) and wait in their
-    stream's buffer, at most `source.max_backlog_s` of them. A FIFO, file or stdin is read when the pipeline
-    takes windows: a writer is slowed by the full pipe (backpressure), and nothing is lost.
+    stream's buffer, at most `source.max_backlog_s` of them. A FIFO, file or stdin is read by a thread of its
+    own too, as the writer writes (so its pauses and its end are seen when they happen), into a buffer of at
+    most `source.max_backlog_s`: beyond that the pipe is left unread and the writer blocks (backpressure,
+    said in the log and health's `held`), and nothing is lost.
     """
 
     name: str  # udp:host:port, file:path, stdin, mqtt:host:port/topic unless the config names it
@@ -113,18 +118,23 @@ class SensorSource:
         self.lost_datagrams = 0      # datagrams the socket dropped (its receive buffer was full)
         self.restarts = 0
         self.late_datagrams = 0      # sequenced datagrams that came after their place was passed
-        self.sequenced = isinstance(cfg, UdpSourceConfig) and cfg.framing == "seq32"
+        self.sequenced = isinstance(cfg, (UdpSourceConfig, MqttSourceConfig)) and cfg.framing == "seq32"
+        self.unit = "payloads" if isinstance(cfg, MqttSourceConfig) else "datagrams"  # what a sequence number numbers
         self._drop_count = 0         # the socket's drop counter as last seen
         self._turn = 0
         self._cond = threading.Condition()  # streams are filled by the UDP thread and emptied by read()
         self._bad: deque[str] = deque(maxlen=64)  # malformed datagrams, raised from read() as BadFrame
         self._closing = threading.Event()
         self._idle_since: float | None = None  # a pipe: since when the reader has watched it empty
+        self._ended = threading.Event()  # a file or stdin was read to its end (a FIFO never ends)
+        self.held = 0                # times a pipe was left unread: its stream's buffer was full (backpressure)
+        self._holding = False        # a pipe is left unread now
         self._thread: threading.Thread | None = None
         self.client: Any = None  # paho's client for an mqtt source
-        # samples pushed by a thread (UDP's receiver, paho's network loop), not read when the pipeline asks
+        # samples from the network (UDP, MQTT): no pipe whose unread bytes are a backlog too (see _in_pipe)
         self._pushed = isinstance(cfg, NetworkKeys)
         self.topic: str | None = None  # mqtt: the one topic the samples arrive on
+        self._mqtt_idle: float | None = 0.0  # mqtt: since when paho's thread found the connection empty
         if isinstance(cfg, UdpSourceConfig):
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.bind((cfg.host, cfg.port))
@@ -150,11 +160,16 @@ class SensorSource:
             log.warning("source.gap_in_wall_time", source=self.name, reset_on_gap_s=frame.reset_on_gap_s,
                         fix="declare input.frame.sample_rate so gaps are measured in stream time")
         self.stats.state = "open"
+        if frame.stateful and isinstance(cfg, MqttSourceConfig) and not self.sequenced:
+            log.warning("source.unframed", source=self.name, detail=mqtt_unframed_message())
         if self.client is not None:
             self.client.connect_async(cfg.host, cfg.port or 1883, 30)
             self.client.loop_start()
         if self.sock is not None:
             self._thread = threading.Thread(target=self._udp_loop, name=f"udp-receive {self.name}", daemon=True)
+            self._thread.start()
+        elif self.client is None:  # a FIFO, device, file or stdin: read on its own thread too (see _pipe_loop)
+            self._thread = threading.Thread(target=self._pipe_loop, name=f"pipe-read {self.name}", daemon=True)
             self._thread.start()
 
     @property
@@ -177,6 +192,8 @@ class SensorSource:
         s = self.quiet.pop(addr, None)
         if s is not None:
             s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
+            # its earlier losses stay in the source's totals (/metrics: stream "(ended)"); counted anew from here
+            s.lost_samples = s.dropped_samples = 0
         else:
             sender = f"{addr[0]}:{addr[1]}"
             s = Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
@@ -261,6 +278,15 @@ class SensorSource:
         if expect is None or seq == expect:
             return True
         ahead = (seq - expect) % 2**32
+        behind = (expect - seq) % 2**32
+        if ahead >= 2**31 and behind > SEQ_REORDER:
+            # far behind: not a late datagram (reordering is a few datagrams) but a sender that restarted its
+            # numbering from the same address (a reboot sooner than stream_timeout_s): a new session, said
+            self.restarts += 1
+            self.dropped_samples += s.end(f"sender restarted its sequence numbers ({seq} after {expect - 1})")
+            log.info("source.stream_restarted", source=self.name, stream=s.name,
+                     reason="sequence numbers started again", sequence=seq, expected=expect)
+            return True
         if ahead >= 2**31:  # behind what was already taken
             s.next_seq = expect
             s.late_datagrams += 1
@@ -270,9 +296,9 @@ class SensorSource:
         self.lost_samples += lost
         self.lost_datagrams += ahead
         self.restarts += 1
-        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} datagrams missing: sequence {expect} to "
+        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} {self.unit} missing: sequence {expect} to "
                                                                f"{(seq - 1) % 2**32}"))
-        log.warning("source.datagrams_lost", source=self.name, stream=s.name, lost_datagrams=ahead,
+        log.warning(f"source.{self.unit}_lost", source=self.name, stream=s.name, **{f"lost_{self.unit}": ahead},
                     lost_samples=lost, detail="a gap in the sender's sequence numbers")
         return True
 
@@ -288,6 +314,47 @@ class SensorSource:
         return None
 
     # -- reading -----------------------------------------------------------------------------------
+    def _pipe_loop(self) -> None:
+        """The pipe thread (FIFO, device, file, stdin): read as the writer writes, whatever the pipeline does,
+        so a writer's pause and a writer that closes are seen when they happen (read late, behind the agent's
+        backlog, a pause was never watched and an end-of-file never seen before the next writer's samples).
+        The stream's buffer is bounded (source.max_backlog_s of samples): when full, the pipe is left unread,
+        so the writer blocks on it (backpressure: nothing lost, no state reset) and the reader says so."""
+        try:
+            while not self._closing.is_set():
+                with self._cond:
+                    if self.streams[None].backlog >= self.max_backlog:
+                        self._hold()
+                        self._cond.wait(0.2)
+                        continue
+                    if self._holding:
+                        self._holding = False
+                        log.info("source.reading_again", source=self.name)
+                try:
+                    if not self._receive():
+                        return
+                except OSError as exc:
+                    if self._closing.is_set():
+                        return
+                    log.warning("source.receive_failed", source=self.name, error=str(exc))
+                    self._closing.wait(0.2)
+        finally:
+            self._ended.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _hold(self) -> None:
+        """The buffer is full: stop reading. What the writer writes meanwhile waits in the pipe (the agent's
+        backlog, never a gap); a pause of the writer's while held cannot be seen, which is said here."""
+        self._idle_since = None  # not watching: what waits in the pipe when reading again is backlog
+        if not self._holding:
+            self._holding = True
+            self.held += 1
+            log.warning("source.backpressure", source=self.name, held=self.held, max_backlog_s=self.max_backlog_s,
+                        detail="the agent is max_backlog_s behind: the pipe is left unread and its writer "
+                               "blocks; a pause of the writer's meanwhile is not seen",
+                        fix="give the agent more CPU, or write no faster than real time")
+
     def _udp_loop(self) -> None:
         """The UDP thread: every datagram off the socket as it comes, into its stream."""
         while not self._closing.is_set():
@@ -336,6 +403,7 @@ class SensorSource:
             with self._cond:
                 left = s.end("writer restarted")
                 self.dropped_samples += left
+                self._cond.notify_all()
                 if not self.fifo:
                     return False
                 # the writer went away: wait for the next one (a feeder restart is a new stream, not the end)
@@ -351,6 +419,7 @@ class SensorSource:
                 # samples that were waiting in the pipe (idle_since None) came while the agent was busy: the
                 # agent's backlog, never a gap; only silence the reader watched can be the writer's
                 self._take(s, data[:cut], now, idle_since)
+                self._cond.notify_all()
         return True
 
     def _datagram(self, d: Datagram) -> None:
@@ -418,17 +487,40 @@ class SensorSource:
     def _mqtt_message(self, client: Any, userdata: Any, msg: Any) -> None:
         now = time.time()
         data = bytes(msg.payload)
+        seq = None
+        if self.sequenced and len(data) >= SEQ_BYTES:
+            (seq,) = SEQ.unpack_from(data)
+            data = data[SEQ_BYTES:]
         with self._cond:
-            if not data or len(data) % self.sample_bytes:
+            if not data or len(data) % self.sample_bytes or (self.sequenced and seq is None):
                 self.stats.bad += 1
-                self._bad.append(f"{self.name}: payload of {len(data)} bytes is not whole samples of "
+                head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
+                self._bad.append(f"{self.name}: payload of {len(msg.payload)} bytes is not {head}whole samples of "
                                  f"{self.sample_bytes} bytes")
+            elif seq is not None and not self._sequence(self.streams[None], seq, len(data) // self.sample_bytes):
+                pass  # late or duplicated: counted, dropped
             else:
                 s = self.streams[None]
-                # read by paho's thread as it comes: silence before it is the publisher's
-                self._take(s, data, now, 0.0)
+                # silence counts from when paho's thread last found the connection empty (None: this payload was
+                # already waiting behind the last one -- the agent's backlog, never the publisher's gap)
+                self._take(s, data, now, self._mqtt_idle)
                 self._shed(s)
+            self._mqtt_idle = None if self._mqtt_waiting(client) else time.time()
             self._cond.notify_all()
+
+    @staticmethod
+    def _mqtt_waiting(client: Any) -> bool:
+        """Bytes of the next message already in the connection's receive queue (paho reads one packet at a
+        time, so what the kernel holds is what is waiting)."""
+        sock = client.socket()
+        if sock is None:
+            return False
+        if hasattr(sock, "pending") and sock.pending():  # TLS: decrypted bytes not read yet
+            return True
+        try:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+        except (OSError, ValueError):
+            return False
 
     def _same_fifo(self) -> bool:
         assert self.path is not None and self.fd is not None
@@ -464,30 +556,24 @@ class SensorSource:
         return SensorFrame(self.stats.frames, win, at, ns, span)
 
     def read(self, stop: threading.Event) -> Frame | None:
-        if self._pushed:
-            while not stop.is_set():
-                self.stats.beat()
-                with self._cond:
-                    if self._bad:
-                        raise BadFrame(self._bad.popleft())
-                    got = self._ready()
-                    if got is None:
-                        if self._closing.is_set():
-                            break
-                        self._cond.wait(0.2)
-                        continue
-                return self._window(got)
-            return None
+        """The next window of some stream; every source's samples are taken by a thread of its own (UDP's
+        receiver, paho's network loop, the pipe's reader), so this only waits for them."""
         while not stop.is_set():
             self.stats.beat()
-            with self._cond:  # health reads the streams from its own thread
+            with self._cond:
+                if self._bad:
+                    raise BadFrame(self._bad.popleft())
                 got = self._ready()
-            if got is not None:
-                self._idle_since = None  # the reader stops watching the pipe while the window is served
-                return self._window(got)
-            if not self._receive():
-                self.stats.state = "ended"
-                return None
+                if got is None:
+                    if self._closing.is_set():
+                        break
+                    if self._ended.is_set():
+                        self.stats.state = "ended"
+                        return None
+                    self._cond.wait(0.2)
+                    continue
+                self._cond.notify_all()  # a pipe reader held back by a full buffer reads on
+            return self._window(got)
         return None
 
     def streams_health(self) -> dict[str, Any]:
@@ -502,10 +588,12 @@ class SensorSource:
                 "dropped_samples": self.dropped_samples, "lost_samples": self.lost_samples,
                 "behind_s": max((h["oldest_unserved_age_s"] for h in streams.values()), default=0.0),
                 "streams": streams}
+            if self.fd is not None or self.path is not None or isinstance(self.cfg, StdinSourceConfig):
+                out.update(held=self.held, holding=self._holding)  # a pipe left unread: its buffer was full
             if self.datagrams is not None:
                 out.update(lost_datagrams=self.lost_datagrams, receive_buffer_bytes=self.datagrams.receive_buffer)
-                if self.sequenced:
-                    out["late_datagrams"] = self.late_datagrams
+            if self.sequenced:
+                out[f"lost_{self.unit}"], out[f"late_{self.unit}"] = self.lost_datagrams, self.late_datagrams
             return out
 
     def _in_pipe(self) -> int:
@@ -554,6 +642,12 @@ def declared_mismatch(frame: FrameSpec, cfg: SourceConfig, key: str = "source") 
     if cfg.channels and cfg.channels != frame.channels:
         return (f"key {key}.channels: the senders send {cfg.channels} channels but the bundle's frame takes "
                 f"{frame.channels} (input.frame.channels)")
+    if frame.stateful and cfg.hop and cfg.hop != frame.step:
+        # the state advances once per hop the model was built for: another hop feeds samples to it twice (or
+        # skips them), and every answer changes
+        return (f"key {key}.hop: {cfg.hop} samples, but the bundle carries state (inputs with kind: state) built "
+                f"for its frame's hop of {frame.step} (input.frame.hop): remove {key}.hop, or serve a stateless "
+                "bundle")
     return None
 
 
@@ -581,6 +675,23 @@ def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[S
             if why is not None:
                 out.append(why)
     return out
+
+
+def mqtt_unframed_message(where: str = "source") -> str:
+    return (f"key {where}.framing: none with mqtt payload: samples into a bundle with state: a broker drops QoS 1 "
+            "messages queued beyond its limit for a subscriber that is behind (Mosquitto's max_queued_messages, "
+            "1000 by default) without a word, and unnumbered payloads cannot show the hole, so the state would be "
+            f"carried across it; set {where}.framing: seq32 (each payload starts with its uint32 sequence number: "
+            "a dropped payload is counted and resets the state), or a broker that never drops a subscriber's "
+            "queue (max_queued_messages 0)")
+
+
+def stream_notes(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[SourceConfig],
+                 keys: Sequence[str]) -> list[str]:
+    """What `config check` cannot decide but warns of: a contract kept only if the broker never drops."""
+    stateful = any(x.kind == "state" for x in inputs)
+    return [mqtt_unframed_message(key) for key, src in zip(keys, sources)
+            if stateful and isinstance(src, MqttSourceConfig) and src.payload == "samples" and src.framing != "seq32"]
 
 
 def stream_record(frame: Frame) -> Mapping[str, Any] | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.serving.sample_buffer import Samples
 from agent.spec.manifest import FrameSpec
 
 RATE_SPAN_S = 2.0  # a sender's rate is measured over this much wall time of its arrivals
@@ -96,7 +97,7 @@ class Stream:
 
     def _restart(self, why: str) -> None:
         self.session += 1
-        self.buf = np.empty((0, self.frame.channels), np.float32)
+        self.buf = Samples(self.frame.channels)
         self.first = -self.frame.pad  # stream sample index of buf[0] (negative: padding)
         self.windows = 0
         self.served_to = 0  # the end of this session's last window (its samples are served)
@@ -158,7 +159,7 @@ class Stream:
         starts again at the samples that come next. Returns the samples lost."""
         lost = self.backlog
         self.closed.clear()
-        self.buf = np.empty((0, self.frame.channels), np.float32)
+        self.buf = Samples(self.frame.channels)
         self.disposed, self.behind = self.received, 0
         self.lost_samples += lost
         self.arrivals.clear()
@@ -207,10 +208,10 @@ class Stream:
             fill = np.zeros if self.frame.padding == "zero" else None
             pad = (fill((self.frame.pad, self.frame.channels), np.float32) if fill is not None
                    else np.repeat(samples[:1], self.frame.pad, axis=0))
-            self.buf = pad
+            self.buf.append(pad)
             self.padded = True
         if len(samples):
-            self.buf = np.concatenate([self.buf, samples]) if len(self.buf) else samples
+            self.buf.append(samples)
         self.last_arrival = arrival
         if self.frame.sample_rate:
             self.due = max(self.due if self.due is not None else arrival, arrival) + arrived / self.frame.sample_rate
@@ -241,14 +242,14 @@ class Stream:
         w = self.frame.window
         if len(self.buf) < w:
             return None
-        win = self.buf[:w].copy()
+        win = self.buf.head(w)
         span = StreamSpan(self.name, self.session, self.windows, self.first, self.first + w, self.hop,
                           self.frame.sample_rate, self.reset, self.sender)
         self.disposed += span.end - max(span.start, self.served_to, 0)  # this window's own real samples
         self.served_to = span.end
         self.disposed += max(0, min(self.hop, len(self.buf)) - w)  # skipped between windows (hop > window)
         self.skip = max(0, self.hop - len(self.buf))
-        self.buf = self.buf[self.hop:]
+        self.buf.drop(self.hop)
         self.first += self.hop
         self.windows += 1
         self.reset = None

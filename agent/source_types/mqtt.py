@@ -20,6 +20,10 @@ class MqttSourceConfig(NetworkKeys, SampleKeys, PictureKeys, SourceConfig):
     payload: Annotated[Literal["image", "npy", "raw", "samples"], Key(
         "mqtt: an encoded image, .npy bytes, raw frame bytes, or samples: chunks of one sensor stream's samples "
         "(any length; windows cut in stream time, as udp)")] = "image"
+    framing: Annotated[Literal["none", "seq32"], Key(
+        "mqtt, payload samples: none: a payload is samples; seq32: each starts with its publisher's sequence "
+        "number (uint32, little-endian, +1 per payload): a jump (a payload the broker dropped) is counted as lost "
+        "samples and resets the stream, a number already passed is counted late and dropped")] = "none"
 
     def delivers(self) -> FrameKind:
         return "sensor" if self.payload == "samples" else "image"

@@ -1,0 +1,73 @@
+"""Review of issue 44: MQTT `payload: samples` into a stateful bundle, with a broker as a user runs it.
+
+The suite's brokers (tests/brokers.py) set `max_queued_messages 0`, because Mosquitto's default (1000)
+silently drops QoS 1 messages queued for a subscriber that is behind. A user's broker has the default.
+A stream published at once (a recording, a sender faster than real time) to a slower agent: the broker
+drops what does not fit its queue, the agent never sees the hole (MQTT payloads carry no sequence
+number), and the state is carried across it -- `lost_samples` 0, no reset, windows served wrong.
+Issue 44 point 3: "hands over losslessly in order, or resets and says so". Seen here (2 shared cores,
+load 7): 710 of 1,024 windows served, 80,384 samples never served, lost_samples 0, restarts 0, no
+reset said; the same test against the suite's Broker (max_queued_messages 0) passes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from brokers import Broker
+from test_sensor_backlog import W, _Served, _stream, bundle, reference  # noqa: F401 (bundle: the fixture)
+from waiting import wait_until
+
+
+class DefaultBroker(Broker):
+    """Mosquitto with its own defaults for queued and in-flight messages (as installed)."""
+
+    def write_config(self) -> Path:
+        conf = super().write_config()
+        keep = [x for x in conf.read_text().splitlines() if not x.startswith(("max_queued_messages", "max_inflight"))]
+        conf.write_text("\n".join(keep) + "\n")
+        return conf
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # a slow agent and a burst it must not lose: judged on load the test makes itself
+def test_mqtt_samples_published_at_once_to_a_default_broker_are_served_whole_or_the_loss_is_counted(
+        bundle: Path, tmp_path: Path) -> None:  # noqa: F811
+    import paho.mqtt.client as paho
+
+    broker = DefaultBroker(tmp_path / "broker").start()
+    windows, per = 1024, 16  # 1,024 windows (8 s of audio at 32 kHz) in 16,384 payloads of 16 samples
+    x = _stream(7, windows)
+    topic = "audio/mic"
+    served = _Served(bundle, type="mqtt", host="127.0.0.1", port=broker.port, topic=topic, payload="samples").start()
+    pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
+    pub.connect("127.0.0.1", broker.port)
+    pub.loop_start()
+    bad = lambda: served.pipeline.metrics.bad_frames  # noqa: E731
+    health = served.source.streams_health  # type: ignore[attr-defined]
+    try:
+        pub.publish(topic, b"bad", qos=1, retain=True).wait_for_publish(30)  # a barrier: subscribed
+        assert wait_until(lambda: bad() >= 1, 30), "the source never subscribed"
+        for i in range(0, len(x), per):  # the recording at once, QoS 1, as the docs' example publisher would
+            m = pub.publish(topic, x[i:i + per].astype("<f4").tobytes(), qos=1)
+        m.wait_for_publish(60)
+        lost = lambda: health()["lost_samples"] + health()["dropped_samples"]  # noqa: E731
+        # served whole, or the hole counted: either way the served windows plus the counted loss cover the stream
+        done = wait_until(lambda: len(served.results()) * W + lost() >= len(x), 90)
+        results = served.results()
+        spans = [r["result"]["stream"] for r in results]
+        resets = [s for s in spans if s["state"] not in ("initial", "carried")]
+        assert done, (f"{len(results)} of {windows} windows served, {len(x) - len(results) * W} samples never "
+                      f"served, yet lost_samples {health()['lost_samples']}, restarts {health()['restarts']}, "
+                      f"resets said: {len(resets)}")
+        if not resets:  # no hole said: every window must be the stream's, in one session
+            got = np.asarray([r["result"]["outputs"]["scores"]["values"] for r in results])
+            assert float(np.abs(got - reference(x)[:len(got)]).max()) < 1e-4
+    finally:
+        pub.loop_stop()
+        pub.disconnect()
+        served.close()
+        broker.stop()
