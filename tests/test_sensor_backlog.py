@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from agent.serving.sensors import SEQ  # the seq32 framing's header
 import yaml
 
 from agent.config import PipelineConfig, SourceConfig
@@ -227,7 +229,11 @@ def test_mqtt_samples_into_a_stateful_bundle_are_served_whole_and_a_lost_connect
     broker = Broker(tmp_path / "broker").start()
     x, y = _stream(4), _stream(5)
     topic, per = "audio/mic", 16 * W
-    served = _Served(bundle, type="mqtt", host="127.0.0.1", port=broker.port, topic=topic, payload="samples").start()
+    # numbered payloads (framing: seq32): unnumbered MQTT samples into a stateful bundle are refused
+    served = _Served(bundle, type="mqtt", host="127.0.0.1", port=broker.port, topic=topic, payload="samples",
+                     framing="seq32").start()
+    seq = iter(range(1 << 32))
+    numbered = lambda chunk: SEQ.pack(next(seq)) + chunk.astype("<f4").tobytes()  # noqa: E731
     pub = paho.Client(paho.CallbackAPIVersion.VERSION2)
     pub.reconnect_delay_set(1, 2)
     pub.connect("127.0.0.1", broker.port)
@@ -238,14 +244,14 @@ def test_mqtt_samples_into_a_stateful_bundle_are_served_whole_and_a_lost_connect
         pub.publish(topic, b"bad", qos=1, retain=True).wait_for_publish(30)
         assert wait_until(lambda: bad() >= 1, 30), "the source never subscribed"
         for i in range(0, len(x), per):  # the whole stream at once: the agent is 3.75x slower than it
-            pub.publish(topic, x[i:i + per].astype("<f4").tobytes(), qos=1)
+            pub.publish(topic, numbered(x[i:i + per]), qos=1)
         assert wait_until(lambda: len(served.results()) >= N, 60), len(served.results())
         _assert_one_session_equal_to_real_time(served.results(), x)
         broker.stop()  # the connection is lost: what is published meanwhile never arrives
         broker.start()
         assert wait_until(lambda: bad() >= 2 and pub.is_connected(), 60), "the source never subscribed again"
         for i in range(0, len(y), per):
-            pub.publish(topic, y[i:i + per].astype("<f4").tobytes(), qos=1)
+            pub.publish(topic, numbered(y[i:i + per]), qos=1)
         assert wait_until(lambda: len(served.results()) >= 2 * N, 60), len(served.results())
         after = served.results()[N:]
         first = after[0]["result"]["stream"]

@@ -21,16 +21,22 @@ STATE = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn"),)
 FRAME = {"kind": "sensor", "channels": 1, "sample_rate": 16000, "window": 256}
 
 
-def test_config_check_warns_of_unnumbered_mqtt_samples_into_a_stateful_bundle_naming_the_key() -> None:
-    from agent.serving.sensors import stream_notes
+def test_unnumbered_mqtt_samples_into_a_stateful_bundle_are_refused_by_config_check_and_at_boot() -> None:
+    """Issue 44 point 3: a source that cannot keep the stateful contract is refused. A broker drops what it
+    queued beyond its limit without a word, and unnumbered payloads cannot show the hole (the review: 710 of
+    1,024 windows served from a default Mosquitto, lost_samples 0, the state carried across)."""
+    from agent.errors import ConfigError
+    from agent.serving.sensors import SensorSource, stream_problems
 
     frame = frame_from_dict(FRAME, STATE)
     plain = SourceConfig(type="mqtt", topic="a", payload="samples")
     framed = SourceConfig(type="mqtt", topic="a", payload="samples", framing="seq32")
-    (note,) = stream_notes(frame, STATE, [plain], ["source"])
-    assert note.startswith("key source.framing: none") and "seq32" in note
-    assert stream_notes(frame, STATE, [framed], ["source"]) == []
-    assert stream_notes(frame_from_dict(FRAME, ()), (), [plain], ["source"]) == []  # stateless: nothing to reset
+    (problem,) = stream_problems(frame, STATE, [plain], ["source"])
+    assert problem.startswith("key source.framing: none") and "seq32" in problem
+    assert stream_problems(frame, STATE, [framed], ["source"]) == []
+    assert stream_problems(frame_from_dict(FRAME, ()), (), [plain], ["source"]) == []  # stateless: nothing to reset
+    with pytest.raises(ConfigError, match=r"key source\.framing: none with mqtt payload: samples"):
+        SensorSource(plain, frame)
 
 
 @pytest.mark.slow

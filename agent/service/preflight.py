@@ -126,12 +126,12 @@ def _check_bundle(cfg: Config, installed_here: bool, f: Findings) -> Bundle | No
         f.problems.append(f"key bundle: {exc}")
         return None
     f.notes.append(f"bundle {b.identity} loads: schema, file hashes and contracts verified")
-    from agent.serving.sensors import stream_notes, stream_problems
+    from agent.serving.sensors import stream_problems
 
-    # a stateful bundle on a latest-frame-wins sensor source, a window the source cannot fill, ...
+    # a stateful bundle on a latest-frame-wins sensor source or unnumbered MQTT samples, a window the source cannot
+    # fill, ...
     keys = [f"sources[{i}]" if cfg.sources else "source" for i in range(len(cfg.source_list))]
     f.problems += stream_problems(b.manifest.frame, b.manifest.inputs, cfg.source_list, keys)
-    f.notes += stream_notes(b.manifest.frame, b.manifest.inputs, cfg.source_list, keys)  # e.g. unnumbered MQTT
     return b
 
 

@@ -87,6 +87,8 @@ class SensorSource:
             raise ConfigError(why)
         if frame.stateful and cfg.lossless is False:
             raise ConfigError(stateful_lossy_message())
+        if frame.stateful and isinstance(cfg, MqttSourceConfig) and cfg.payload == "samples" and cfg.framing != "seq32":
+            raise ConfigError(mqtt_unframed_message())  # a hole the broker made could not be seen: as config check
         self.cfg, self.frame = cfg, frame
         # what the feeder sends: the source's sample_dtype, else the bundle's frame.dtype (the model's own
         # samples; a default of float32 read 16-bit PCM as garbage, two samples to a value)
@@ -160,8 +162,6 @@ class SensorSource:
             log.warning("source.gap_in_wall_time", source=self.name, reset_on_gap_s=frame.reset_on_gap_s,
                         fix="declare input.frame.sample_rate so gaps are measured in stream time")
         self.stats.state = "open"
-        if frame.stateful and isinstance(cfg, MqttSourceConfig) and not self.sequenced:
-            log.warning("source.unframed", source=self.name, detail=mqtt_unframed_message())
         if self.client is not None:
             self.client.connect_async(cfg.host, cfg.port or 1883, 30)
             self.client.loop_start()
@@ -666,6 +666,8 @@ def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[S
     for key, src in zip(keys, sources):
         if states and isinstance(src, MqttSourceConfig) and src.payload != "samples":
             out.append(mqtt_stateful_message(key))
+        if states and isinstance(src, MqttSourceConfig) and src.payload == "samples" and src.framing != "seq32":
+            out.append(mqtt_unframed_message(key))
         if states and src.lossless is False:
             out.append(f"key {key}.lossless: false with a stateful bundle ({', '.join(states)}): windows would be "
                        "dropped and the state carried across the hole; remove the key (stateful bundles default to "
@@ -681,17 +683,9 @@ def mqtt_unframed_message(where: str = "source") -> str:
     return (f"key {where}.framing: none with mqtt payload: samples into a bundle with state: a broker drops QoS 1 "
             "messages queued beyond its limit for a subscriber that is behind (Mosquitto's max_queued_messages, "
             "1000 by default) without a word, and unnumbered payloads cannot show the hole, so the state would be "
-            f"carried across it; set {where}.framing: seq32 (each payload starts with its uint32 sequence number: "
-            "a dropped payload is counted and resets the state), or a broker that never drops a subscriber's "
-            "queue (max_queued_messages 0)")
-
-
-def stream_notes(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[SourceConfig],
-                 keys: Sequence[str]) -> list[str]:
-    """What `config check` cannot decide but warns of: a contract kept only if the broker never drops."""
-    stateful = any(x.kind == "state" for x in inputs)
-    return [mqtt_unframed_message(key) for key, src in zip(keys, sources)
-            if stateful and isinstance(src, MqttSourceConfig) and src.payload == "samples" and src.framing != "seq32"]
+            f"carried across it; set {where}.framing: seq32 and number the payloads (each starts with its uint32 "
+            "sequence number: a dropped payload is counted and resets the state), or send over udp with seq32, "
+            "a FIFO (file) or stdin")
 
 
 def stream_record(frame: Frame) -> Mapping[str, Any] | None:
