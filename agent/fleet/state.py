@@ -100,6 +100,18 @@ class Connection:
     password: str | None = None
     device_root: str = ROOT
     sync: SyncPolicy = SyncPolicy()
+    protocol: str = "5"  # "5" or "3.1.1" (--mqtt-protocol): for brokers without MQTT 5, e.g. aedes
+
+
+MQTT_PROTOCOLS = {"5": paho.MQTTv5, "3.1.1": paho.MQTTv311}
+
+
+def mqtt_protocol(name: str) -> int:
+    """paho's constant for a --mqtt-protocol value, or a clear error naming the option."""
+    try:
+        return MQTT_PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"--mqtt-protocol {name!r}: expected one of {sorted(MQTT_PROTOCOLS)}") from None
 
 
 def parse_broker(spec: str) -> tuple[str, int]:
@@ -126,8 +138,11 @@ class FleetClient:
         self.subscribed = threading.Event()  # the broker acknowledged this connection's subscriptions
         self._subs: list[str] = []
         self._sub_mid: int | None = None
+        self.v5 = conn.protocol == "5"
+        # MQTT 3.1.1 has no session expiry: a session that outlives a disconnect is clean_session=False
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id or f"fleet-{uuid.uuid4().hex[:8]}",
-                                  protocol=paho.MQTTv5)
+                                  protocol=mqtt_protocol(conn.protocol),
+                                  clean_session=None if self.v5 else not session_s)
         if conn.tls_ca:
             self.client.tls_set(ca_certs=conn.tls_ca, cert_reqs=ssl.CERT_REQUIRED)
         if conn.username:
@@ -142,14 +157,17 @@ class FleetClient:
     def start(self, topics: list[str], timeout: float = 15.0) -> FleetClient:
         self._subs = topics
         props = None
-        if self.session_s:
+        if self.session_s and self.v5:
             from paho.mqtt.packettypes import PacketTypes
             from paho.mqtt.properties import Properties
 
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_s
-        self.client.connect(self.conn.host, self.conn.port, 30, clean_start=paho.MQTT_CLEAN_START_FIRST_ONLY,
-                            properties=props)
+        if self.v5:
+            self.client.connect(self.conn.host, self.conn.port, 30, clean_start=paho.MQTT_CLEAN_START_FIRST_ONLY,
+                                properties=props)
+        else:
+            self.client.connect(self.conn.host, self.conn.port, 30)
         self.client.loop_start()
         if not self.connected.wait(timeout):
             raise TimeoutError(f"cannot reach the broker at {self.conn.host}:{self.conn.port}")
@@ -220,7 +238,7 @@ class FleetClient:
 
     def stop(self) -> None:
         props = None
-        if self.session_s:  # a clean stop ends the session: the broker queues nothing more for it
+        if self.session_s and self.v5:  # a clean stop ends the session: the broker queues nothing more for it
             from paho.mqtt.packettypes import PacketTypes
             from paho.mqtt.properties import Properties
 
