@@ -383,7 +383,7 @@ class SimDevice:
             self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))
             return
         sock = self.client.socket()
-        if sock is not None:
+        if isinstance(sock, socket.socket):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 

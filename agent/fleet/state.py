@@ -103,10 +103,10 @@ class Connection:
     protocol: str = "5"  # "5" or "3.1.1" (--mqtt-protocol): for brokers without MQTT 5, e.g. aedes
 
 
-MQTT_PROTOCOLS = {"5": paho.MQTTv5, "3.1.1": paho.MQTTv311}
+MQTT_PROTOCOLS = {"5": paho.MQTTProtocolVersion.MQTTv5, "3.1.1": paho.MQTTProtocolVersion.MQTTv311}
 
 
-def mqtt_protocol(name: str) -> int:
+def mqtt_protocol(name: str) -> paho.MQTTProtocolVersion:
     """paho's constant for a --mqtt-protocol value, or a clear error naming the option."""
     try:
         return MQTT_PROTOCOLS[name]
