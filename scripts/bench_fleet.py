@@ -387,6 +387,8 @@ def main() -> int:
                 j += 1
             max_per_min = max(max_per_min, i - j + 1)
         committed = sum(1 for t, d in docs.items() if "/device/" in t and isinstance(d, dict) and d.get("state") == "committed")
+        if state.get("status") != "done":
+            print(f"the rollout did not finish: operator log {(work / 'operator.log').read_text()[-3000:]}", file=sys.stderr)
         upd = dict(counter.commands["update"])
         res: dict[str, object] = {
             "broker_kind": args.broker_kind, "mqtt_protocol": protocol,

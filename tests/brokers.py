@@ -128,6 +128,11 @@ class Broker:
     def device_port(self) -> int:
         return self.port
 
+    @property
+    def agent_mqtt(self) -> dict:
+        """What an agent's `mqtt` config needs on this broker (nothing: MQTT 5)."""
+        return {}
+
 
 CACHE = Path(os.environ.get("EDGE_AGENT_CACHE") or Path.home() / ".cache" / "edge-agent")
 AEDES_MODULES = CACHE / "aedes" / "node_modules"
@@ -178,6 +183,10 @@ class AedesBroker:
     def device_port(self) -> int:
         return self.port
 
+    @property
+    def agent_mqtt(self) -> dict:
+        return {"protocol": "3.1.1"}
+
     def kill(self) -> None:
         end_process(self.proc, graceful=False)
 
@@ -211,6 +220,13 @@ class AedesCluster:
     @property
     def device_port(self) -> int:
         return self.nodes[1].port
+
+    @property
+    def agent_mqtt(self) -> dict:
+        # clean sessions: aedes 1.2 on aedes-persistence-redis 11.2 never acknowledges a persistent session's
+        # SUBSCRIBE naming two or more topics, and the agent subscribes to its commands and bundle transfers
+        # in one (the operator subscribes topic by topic: agent/fleet/state.py)
+        return {"protocol": "3.1.1", "clean_start": True}
 
     def stop(self) -> None:
         for n in self.nodes:

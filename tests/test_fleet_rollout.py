@@ -95,7 +95,7 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         d = t / f"real-{i}"
         cfg = demo_config(d, port=broker.device_port, device_id=f"real-{i}", labels={"group": "real", "site": "lab"},
                           source={"max_fps": 15}, output={"stdout": False, "health_interval_s": 5},
-                          mqtt={"keepalive": 10, "reconnect_max_s": 2, "protocol": broker.protocol},
+                          mqtt={"keepalive": 10, "reconnect_max_s": 2, **broker.agent_mqtt},
                           updates={"enabled": True, "trusted_keys": [str(t / "k.pub")], "probation_s": 2.0,
                                    "probation_frames": 20})
         agents.append(AgentProcess(d, cfg).start())  # a module's agents: the per-test factory does not serve

@@ -137,7 +137,7 @@ class FleetClient:
         self.connected = threading.Event()
         self.subscribed = threading.Event()  # the broker acknowledged this connection's subscriptions
         self._subs: list[str] = []
-        self._sub_mid: int | None = None
+        self._sub_mids: set[int] = set()
         self.v5 = conn.protocol == "5"
         # MQTT 3.1.1 has no session expiry: a session that outlives a disconnect is clean_session=False
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id or f"fleet-{uuid.uuid4().hex[:8]}",
@@ -178,13 +178,16 @@ class FleetClient:
             return
         self.connects += 1
         if self._subs:  # again on every connect: a broker that lost its state lost the subscriptions too
-            _, self._sub_mid = c.subscribe([(t, 1) for t in self._subs])
+            # One SUBSCRIBE per topic: aedes 1.2 on aedes-persistence-redis 11.2 never acknowledges a
+            # persistent session's SUBSCRIBE that names two or more topics (docs/fleet.md, the brokers)
+            self._sub_mids = {c.subscribe(t, 1)[1] for t in self._subs}
         else:
             self.subscribed.set()
         self.connected.set()
 
     def _on_subscribe(self, c: paho.Client, u: Any, mid: int, reasons: Any, p: Any) -> None:
-        if mid == self._sub_mid:
+        self._sub_mids.discard(mid)
+        if not self._sub_mids:
             self.subscribed.set()
 
     def sync(self) -> list[tuple[str, bytes, bool]]:
