@@ -67,8 +67,10 @@ class DeviceCache:
                  "cmd/update/reply": self.replies, "cmd/rollback/reply": self.replies}.get(rest)
         if table is None:
             return None
-        if rest == "facts" and _session(doc) < _session(self.facts.get(device)):
-            return device  # an older session's facts never overwrite a newer session's
+        if rest == "facts" and _older(doc, self.facts.get(device), _session(doc) - _session(self.facts.get(device))):
+            return device  # an older session's facts never overwrite a newer session's, nor older ones of one session
+        if rest == "update/status" and _older(doc, self.status.get(device), 0, same_update=True):
+            return device
         if rest == "availability" and doc.get("state") == "offline":
             # a last will carries the number of the connection it belongs to (set before that connect as the
             # persisted counter + 1): one numbered below the live session is an older connection's, delivered
@@ -84,6 +86,23 @@ class DeviceCache:
 
     def online(self, device: str) -> bool:
         return (self.availability.get(device) or {}).get("state") == "online"
+
+
+def _older(doc: dict[str, Any], held: dict[str, Any] | None, session_diff: int, same_update: bool = False) -> bool:
+    """`doc` is older than what is held: an earlier session, or the same session (or, for update status, the same
+    update) with an earlier `ts`. A broker cluster may deliver two retained publishes of one device to one topic
+    out of order (aedes on Redis did: the facts from before a commit arrived after the facts from after it, and
+    the rollout waited for that device until its time-out); the device's own clock orders them."""
+    if held is None or session_diff > 0:
+        return False
+    if session_diff < 0:
+        return True
+    if same_update and doc.get("update") != held.get("update"):
+        return False
+    try:
+        return float(doc.get("ts") or 0) < float(held.get("ts") or 0)
+    except (TypeError, ValueError):
+        return False
 
 
 class Operator:

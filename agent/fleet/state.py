@@ -139,10 +139,11 @@ class FleetClient:
         self._subs: list[str] = []
         self._sub_mids: set[int] = set()
         self.v5 = conn.protocol == "5"
-        # MQTT 3.1.1 has no session expiry: a session that outlives a disconnect is clean_session=False
+        # MQTT 3.1.1 has no session expiry: a clean session, and every reconnect subscribes again and reads
+        # the retained documents anew (what a session kept would add: live replies sent while it was away)
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id or f"fleet-{uuid.uuid4().hex[:8]}",
                                   protocol=mqtt_protocol(conn.protocol),
-                                  clean_session=None if self.v5 else not session_s)
+                                  clean_session=None if self.v5 else True)
         if conn.tls_ca:
             self.client.tls_set(ca_certs=conn.tls_ca, cert_reqs=ssl.CERT_REQUIRED)
         if conn.username:
