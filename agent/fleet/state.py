@@ -181,7 +181,7 @@ class FleetClient:
         if self._subs:  # again on every connect: a broker that lost its state lost the subscriptions too
             # One SUBSCRIBE per topic: aedes 1.2 on aedes-persistence-redis 11.2 never acknowledges a
             # persistent session's SUBSCRIBE that names two or more topics (docs/fleet.md, the brokers)
-            self._sub_mids = {c.subscribe(t, 1)[1] for t in self._subs}
+            self._sub_mids = {mid for t in self._subs if (mid := c.subscribe(t, 1)[1]) is not None}
         else:
             self.subscribed.set()
         self.connected.set()
