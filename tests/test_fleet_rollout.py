@@ -173,7 +173,8 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
         r = fleet(world, "ls", "--where", "group=real", "--where", "provider=CPUExecutionProvider", "--json")
         rows = json.loads(r.stdout)
         assert sorted(x["device"] for x in rows) == [f"real-{i}" for i in range(REAL_AGENTS)], rows
-        assert all(x["committed"] == "digits-classifier@2" and x["fidelity_margin"] is not None for x in rows), rows
+        assert all(x["committed"] == "digits-classifier@2" and x["fidelity_margin"] is not None for x in rows), \
+            [(x["device"], x["committed"], x["fidelity_margin"], x.get("availability")) for x in rows]
 
         # a device publishes its update verdict, then its facts: the rollout may end on the last verdicts
         # before their facts reach the broker, so the facts are waited for (a barrier), then judged
