@@ -158,7 +158,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_a_late_last_will_of_the_previous_connection_does_not_hide_the_live_session() -> None:
-    from agent.fleet.operator import DeviceCache
+    from agent.fleet.devices import DeviceCache
 
     cache = DeviceCache("edge")
     cache.take("edge/d/availability", {"state": "online", "session": 6})
@@ -174,7 +174,7 @@ def test_a_late_last_will_of_the_previous_connection_does_not_hide_the_live_sess
 def test_a_device_document_delivered_out_of_order_never_replaces_a_newer_one() -> None:
     # the fault (an aedes cluster on Redis): a device's facts from before its commit arrived after the facts
     # from after it, the operator kept the older ones, and the rollout waited for that device until its time-out
-    from agent.fleet.operator import DeviceCache
+    from agent.fleet.devices import DeviceCache
 
     c = DeviceCache("edge")
     new = {"session": 3, "ts": 20.0, "bundle": {"committed": {"name": "m", "version": 2}}}
