@@ -108,7 +108,7 @@ class MessageCounter:
         with self.lock:
             self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
             self.bytes += len(m.payload)
-            if parts[0] == "edge" and parts[2:3] == ["cmd"] and parts[3:4] and parts[3] in self.commands:
+            if parts[0] == "edge" and len(parts) == 4 and parts[2] == "cmd" and parts[3] in self.commands:  # not .../reply
                 per = self.commands[parts[3]]
                 per[parts[1]] = per.get(parts[1], 0) + 1
 
