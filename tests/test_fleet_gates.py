@@ -158,7 +158,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_a_late_last_will_of_the_previous_connection_does_not_hide_the_live_session() -> None:
-    from agent.fleet.operator import DeviceCache
+    from agent.fleet.devices import DeviceCache
 
     cache = DeviceCache("edge")
     cache.take("edge/d/availability", {"state": "online", "session": 6})
@@ -169,3 +169,22 @@ def test_a_late_last_will_of_the_previous_connection_does_not_hide_the_live_sess
     cache.take("edge/d/facts", {"session": 7, "bundle": {"committed": {"version": 2}}})
     cache.take("edge/d/facts", {"session": 6, "bundle": {"committed": {"version": 1}}})
     assert cache.facts["d"]["bundle"]["committed"]["version"] == 2
+
+
+def test_a_device_document_delivered_out_of_order_never_replaces_a_newer_one() -> None:
+    # the fault (an aedes cluster on Redis): a device's facts from before its commit arrived after the facts
+    # from after it, the operator kept the older ones, and the rollout waited for that device until its time-out
+    from agent.fleet.devices import DeviceCache
+
+    c = DeviceCache("edge")
+    new = {"session": 3, "ts": 20.0, "bundle": {"committed": {"name": "m", "version": 2}}}
+    c.take("edge/d/facts", new)
+    c.take("edge/d/facts", {"session": 3, "ts": 19.5, "bundle": {"committed": {"name": "m", "version": 1}}})
+    assert c.facts["d"] is new
+    c.take("edge/d/update/status", {"update": "r1", "state": "committed", "ts": 20.0})
+    c.take("edge/d/update/status", {"update": "r1", "state": "probation", "ts": 19.9})
+    assert c.status["d"]["state"] == "committed"
+    c.take("edge/d/update/status", {"update": "r2", "state": "downloading", "ts": 5.0})  # another update: its own clock
+    assert c.status["d"]["update"] == "r2"
+    c.take("edge/d/facts", {"session": 4, "ts": 1.0})  # a newer session wins whatever its clock says
+    assert c.facts["d"]["session"] == 4

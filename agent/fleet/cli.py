@@ -35,7 +35,8 @@ def _conn(args: argparse.Namespace) -> Connection:
     host, port = parse_broker(args.broker)
     pw = Path(args.password_file).read_text().strip() if getattr(args, "password_file", None) else None
     return Connection(host, port, args.tls_ca, args.username, pw, args.root,
-                      SyncPolicy(quiet_s=args.sync_quiet, base_s=args.sync_timeout, per_doc_s=args.sync_per_doc))
+                      SyncPolicy(quiet_s=args.sync_quiet, base_s=args.sync_timeout, per_doc_s=args.sync_per_doc),
+                      protocol=args.mqtt_protocol)
 
 
 def _where(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -337,7 +338,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     host, port = parse_broker(args.broker)
     root = args.state_root or Path(tempfile.mkdtemp(prefix="edge-sim-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     fleet = SimFleet(host, port, groups, args.seed_bundle, args.trusted_key, root, seed=args.seed,
-                     root=args.root, workers=args.workers)
+                     root=args.root, workers=args.workers, protocol=args.mqtt_protocol)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
     t0 = time.monotonic()
@@ -362,10 +363,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _protocol_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mqtt-protocol", choices=("5", "3.1.1"), default="5",
+                   help="MQTT version spoken to the broker: 5, or 3.1.1 for brokers without MQTT 5 (aedes); "
+                        "the operator's session then is clean_session=false instead of a session expiry")
+
+
 def _broker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", default="127.0.0.1:1883", help="HOST[:PORT]")
     p.add_argument("--root", default=ROOT, help="topic root above the device ids")
     p.add_argument("--tls-ca")
+    _protocol_arg(p)
     p.add_argument("--username")
     p.add_argument("--password-file")
     p.add_argument("--sync-quiet", type=float, default=2.0, metavar="S",

@@ -36,6 +36,15 @@ def parse_bundle_id(bid: str | None) -> dict[str, Any] | None:
     return {"name": name, "version": int(version), "sha": sha}
 
 
+def prior_version(facts: Mapping[str, Any], runs_rollout: bool) -> dict[str, Any] | None:
+    """{name, version} a device had before a rollout, from its own facts: its previous committed bundle
+    when it committed the rollout's, else its committed one (it has not switched yet). None when its
+    facts do not say (an agent from before `bundle.previous`)."""
+    b = facts.get("bundle") or {}
+    got = b.get("previous") if runs_rollout else b.get("committed")
+    return {"name": got.get("name"), "version": got.get("version")} if isinstance(got, Mapping) else None
+
+
 def fidelity_margin(fidelity: Mapping[str, Any] | None) -> float | None:
     """The smallest distance of a fidelity metric from its floor (the author's bound, not a measurement):
     `min_X` bounds give metric - bound, `max_X` bounds give bound - metric. Negative: under the floor."""
@@ -96,9 +105,12 @@ def device_facts(*, device_id: str, session: int, labels: Mapping[str, str], ver
                  report: Mapping[str, Any] | None, effective: list[str] | None, current: str | None,
                  committed: str | None, active: Mapping[str, Any] | None, last_failure: Mapping[str, Any] | None,
                  budget_ms: float | None = None, ts: float | None = None,
-                 device: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 device: Mapping[str, Any] | None = None, previous: str | None = None) -> dict[str, Any]:
     """The retained facts document. `current`/`committed` are store ids; without a store, `active`
-    ({name, version, sha}) stands for both. `last_failure` is the last rejected or rolled-back update status."""
+    ({name, version, sha}) stands for both. `previous`: the store's committed bundle before the committed
+    one (what a rollback returns to), so an operator that lost its records (a broker killed before it saved
+    them) still knows each device's real previous version. `last_failure` is the last rejected or
+    rolled-back update status."""
     usable = [str(p.get("name")) for p in (report or {}).get("providers") or [] if isinstance(p, Mapping) and p.get("usable")]
     eff = list(effective or [])
     cur = parse_bundle_id(current) or (dict(active) if active else None)
@@ -112,7 +124,7 @@ def device_facts(*, device_id: str, session: int, labels: Mapping[str, str], ver
         "versions": {k: versions[k] for k in ("agent", "onnxruntime") if k in versions},
         "providers": {"usable": usable, "effective": eff},
         "accelerator": next((p for p in eff if p in ACCELERATORS), None),
-        "bundle": {"current": cur, "committed": com},
+        "bundle": {"current": cur, "committed": com, "previous": parse_bundle_id(previous)},
         "last_failure": None if not last_failure else {
             k: last_failure.get(k) for k in ("update", "state", "reason", "ts") if k in last_failure},
         "proof": candidate_proof(report, budget_ms),

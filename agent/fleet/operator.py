@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from agent.errors import RolloutError
-from agent.fleet.facts import FactsRow
+from agent.fleet.devices import DeviceCache
+from agent.fleet.facts import FactsRow, prior_version
 from agent.fleet.gates import abort_reason, away, downloading, judge_phase, observe
 from agent.fleet.plan import Plan
 from agent.fleet.state import (
@@ -34,56 +35,6 @@ log = get_logger("fleet")
 TERMINAL = ("done", "aborted", "rolled_back")
 HEARTBEAT_S = 2.0
 LEASE_S = 10.0  # a state whose heartbeat is older than this has no live operator: resume may take it
-
-
-def _session(doc: Any) -> int:
-    try:
-        return int((doc or {}).get("session") or 0)
-    except (TypeError, ValueError, AttributeError):
-        return 0
-
-
-class DeviceCache:
-    """The newest retained documents of every device, by device id, from `edge/<id>/...` topics."""
-
-    def __init__(self, root: str):
-        self.root = root.rstrip("/") + "/"
-        self.facts: dict[str, dict[str, Any]] = {}
-        self.availability: dict[str, dict[str, Any]] = {}
-        self.status: dict[str, dict[str, Any]] = {}
-        self.replies: dict[str, dict[str, Any]] = {}
-
-    def topics(self) -> list[str]:
-        r = self.root
-        return [r + "+/facts", r + "+/availability", r + "+/update/status", r + "+/cmd/update/reply",
-                r + "+/cmd/rollback/reply"]
-
-    def take(self, topic: str, doc: Any) -> str | None:
-        """Store a device message; returns the device id, or None when the topic is not a device's."""
-        if not topic.startswith(self.root) or not isinstance(doc, dict):
-            return None
-        device, _, rest = topic[len(self.root):].partition("/")
-        table = {"facts": self.facts, "availability": self.availability, "update/status": self.status,
-                 "cmd/update/reply": self.replies, "cmd/rollback/reply": self.replies}.get(rest)
-        if table is None:
-            return None
-        if rest == "facts" and _session(doc) < _session(self.facts.get(device)):
-            return device  # an older session's facts never overwrite a newer session's
-        if rest == "availability" and doc.get("state") == "offline":
-            # a last will carries the number of the connection it belongs to (set before that connect as the
-            # persisted counter + 1): one numbered below the live session is an older connection's, delivered
-            # late, and never hides the live one (Sparkplug's bdSeq idea)
-            held = self.availability.get(device) or {}
-            if held.get("state") == "online" and _session(doc) < _session(held):
-                return device
-        table[device] = doc
-        return device
-
-    def rows(self) -> dict[str, FactsRow]:
-        return {d: FactsRow(d, f, self.availability.get(d, {})) for d, f in self.facts.items()}
-
-    def online(self, device: str) -> bool:
-        return (self.availability.get(device) or {}).get("state") == "online"
 
 
 class Operator:
@@ -492,8 +443,9 @@ class Operator:
     def _reconcile(self, d: str, now: float) -> bool:
         """A device with no record whose own retained documents show it took this rollout: the broker lost
         its record (killed before it saved it; Mosquitto persists at its autosave interval). Recorded from
-        what the device says, never commanded again: True. Its previous version is unknown then (`previous`
-        None: a fleet rollback counts any other committed bundle as back)."""
+        what the device says, never commanded again: True. Its previous version comes from its own facts
+        (`bundle.previous` once it committed, else `bundle.committed`); None only where they do not say
+        (a fleet rollback then counts any other committed bundle as back)."""
         plan = self.plan
         assert plan is not None
         status = self.devices.status.get(d) or {}
@@ -501,12 +453,13 @@ class Operator:
         if status.get("update") != plan.id and not runs:
             return False
         phase = int(self.state.get("phase", 0))
+        prior = prior_version(self.devices.facts.get(d) or {}, bool(runs))
         if status.get("update") == plan.id:  # its verdict (or the time-out, from now) decides, as for any start
             self.save_record(d, state="started", phase=phase, started=round(now, 3), commanded=round(now, 3),
-                             reconciled=True, previous=None)
+                             reconciled=True, previous=prior)
         else:
             self.save_record(d, state="committed", kind="committed", phase=phase, started=round(now, 3),
-                             finished=round(now, 3), reconciled=True, previous=None,
+                             finished=round(now, 3), reconciled=True, previous=prior,
                              reason=f"its facts show {plan.artifact.name} v{plan.artifact.version} committed; "
                                     "no record of its start was kept")
         self.decide("reconciled", device=d, status=status.get("state"), committed=runs)
@@ -674,7 +627,7 @@ class FleetRollback:
     def targets(self) -> list[str]:
         """Every device of the plan that its facts show committed to the rollout's bundle, and every one
         recorded committed (its facts may not have arrived), in the plan's order. A device with no record
-        (the broker lost it) gets one, its previous version unknown."""
+        (the broker lost it) gets one, its previous version from its facts."""
         op, plan = self.op, self.op.plan
         assert plan is not None
         todo = []
@@ -683,7 +636,8 @@ class FleetRollback:
             runs = plan.artifact.names(FactsRow(d, op.devices.facts.get(d) or {}, {}).committed())
             if runs or (rec or {}).get("state") == "committed":
                 if rec is None:
-                    op.save_record(d, state="committed", kind="found_by_facts", previous=None,
+                    op.save_record(d, state="committed", kind="found_by_facts",
+                                   previous=prior_version(op.devices.facts.get(d) or {}, bool(runs)),
                                    reason="its facts show the rollout's bundle committed; no record was kept")
                 todo.append(d)
         return todo

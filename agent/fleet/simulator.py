@@ -19,6 +19,7 @@ import os
 import random
 import selectors
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -37,6 +38,7 @@ from agent.proof.terms import CPU
 from agent.bundle.load import Bundle, load_bundle
 from agent.config import PayloadError, UpdatesConfig, parse_json_object
 from agent.fleet.facts import device_facts
+from agent.fleet.state import mqtt_protocol
 from agent.fsio import read_json, write_json_atomic
 from agent.link.topics import Topics, default_prefix
 from agent.logsetup import get_logger
@@ -286,7 +288,7 @@ class SimDevice:
         self.updater.device = self
         self.receiver, self.downloader = ChunkReceiver(self.updater), Downloader(self.updater)
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=f"edge-agent-{device_id}",
-                                  protocol=paho.MQTTv5)
+                                  protocol=mqtt_protocol(fleet.protocol))
         self.client.suppress_exceptions = True
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
@@ -324,7 +326,8 @@ class SimDevice:
         return device_facts(device_id=self.id, session=self.session, labels={"group": self.group.name, **self.group.labels},
                             versions={"agent": __version__, "onnxruntime": "simulated"}, report=s.report,
                             effective=[prov] if prov else [], current=self.store.current_id,
-                            committed=self.store.committed_id, active=None, last_failure=self.last_failure)
+                            committed=self.store.committed_id, active=None, last_failure=self.last_failure,
+                            previous=self.store.previous_committed())
 
     def publish_facts(self) -> None:
         with self._facts_lock:
@@ -373,11 +376,23 @@ class SimDevice:
         except OSError:  # the broker is not back yet
             self._reconnect_later()
 
+    def lose_link(self) -> None:
+        """End the connection so that the broker publishes the last will. MQTT 5: DISCONNECT with reason 4
+        ("with will message"). MQTT 3.1.1 has no such reason (a DISCONNECT discards the will), so the socket
+        is shut without one, as a lost link or a dead process leaves it."""
+        if self.fleet.protocol == "5":
+            self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))
+            return
+        sock = self.client.socket()
+        if isinstance(sock, socket.socket):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def drop_link(self, seconds: float) -> None:
         """A flaky link: the connection ends with its last will (what a broker does on missed keepalives), the
         device itself goes on; back after `seconds`. What it published meanwhile paho sends on reconnect."""
         self._link_dropped = True
-        self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))  # with will message
+        self.lose_link()
         timer = threading.Timer(seconds, self._reconnect)
         timer.daemon = True
         timer.start()
@@ -398,7 +413,7 @@ class SimDevice:
         """Die mid-update: the broker publishes the last will; back after crash_down_s, booted into the
         committed bundle (the store's recover, as the agent's boot does)."""
         self.crashed.set()
-        self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))  # with will message
+        self.lose_link()
 
         def reboot() -> None:
             if self.fleet.stop.wait(self.group.crash_down_s):
@@ -499,8 +514,9 @@ class SimFleet:
     """N simulated devices in this process: one socket loop, one worker pool, one state root."""
 
     def __init__(self, host: str, port: int, groups: list[GroupProfile], seed_bundle: Path, trusted_keys: list[Path],
-                 state_root: Path, seed: int = 1, root: str = "edge", workers: int = 64):
+                 state_root: Path, seed: int = 1, root: str = "edge", workers: int = 64, protocol: str = "5"):
         self.host, self.port, self.seed, self.root = host, port, seed, root
+        self.protocol = protocol  # "5" or "3.1.1" (--mqtt-protocol): a broker without MQTT 5, e.g. aedes
         self.state_root = state_root
         self.stop = threading.Event()
         self.loop = SocketLoop()
@@ -528,7 +544,7 @@ class SimFleet:
         for d in self.devices:
             if d.fate == "offline":  # seen once (retained facts), then gone for good: its last will stands
                 d._link_dropped = True
-                d.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, identifier=4))
+                d.lose_link()
         return self
 
     def close(self) -> None:

@@ -100,6 +100,18 @@ class Connection:
     password: str | None = None
     device_root: str = ROOT
     sync: SyncPolicy = SyncPolicy()
+    protocol: str = "5"  # "5" or "3.1.1" (--mqtt-protocol): for brokers without MQTT 5, e.g. aedes
+
+
+MQTT_PROTOCOLS = {"5": paho.MQTTProtocolVersion.MQTTv5, "3.1.1": paho.MQTTProtocolVersion.MQTTv311}
+
+
+def mqtt_protocol(name: str) -> paho.MQTTProtocolVersion:
+    """paho's constant for a --mqtt-protocol value, or a clear error naming the option."""
+    try:
+        return MQTT_PROTOCOLS[name]
+    except KeyError:
+        raise ValueError(f"--mqtt-protocol {name!r}: expected one of {sorted(MQTT_PROTOCOLS)}") from None
 
 
 def parse_broker(spec: str) -> tuple[str, int]:
@@ -125,9 +137,13 @@ class FleetClient:
         self.connected = threading.Event()
         self.subscribed = threading.Event()  # the broker acknowledged this connection's subscriptions
         self._subs: list[str] = []
-        self._sub_mid: int | None = None
+        self._sub_mids: set[int] = set()
+        self.v5 = conn.protocol == "5"
+        # MQTT 3.1.1 has no session expiry: a clean session, and every reconnect subscribes again and reads
+        # the retained documents anew (what a session kept would add: live replies sent while it was away)
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id or f"fleet-{uuid.uuid4().hex[:8]}",
-                                  protocol=paho.MQTTv5)
+                                  protocol=mqtt_protocol(conn.protocol),
+                                  clean_session=None if self.v5 else True)
         if conn.tls_ca:
             self.client.tls_set(ca_certs=conn.tls_ca, cert_reqs=ssl.CERT_REQUIRED)
         if conn.username:
@@ -142,14 +158,17 @@ class FleetClient:
     def start(self, topics: list[str], timeout: float = 15.0) -> FleetClient:
         self._subs = topics
         props = None
-        if self.session_s:
+        if self.session_s and self.v5:
             from paho.mqtt.packettypes import PacketTypes
             from paho.mqtt.properties import Properties
 
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = self.session_s
-        self.client.connect(self.conn.host, self.conn.port, 30, clean_start=paho.MQTT_CLEAN_START_FIRST_ONLY,
-                            properties=props)
+        if self.v5:
+            self.client.connect(self.conn.host, self.conn.port, 30, clean_start=paho.MQTT_CLEAN_START_FIRST_ONLY,
+                                properties=props)
+        else:
+            self.client.connect(self.conn.host, self.conn.port, 30)
         self.client.loop_start()
         if not self.connected.wait(timeout):
             raise TimeoutError(f"cannot reach the broker at {self.conn.host}:{self.conn.port}")
@@ -160,13 +179,16 @@ class FleetClient:
             return
         self.connects += 1
         if self._subs:  # again on every connect: a broker that lost its state lost the subscriptions too
-            _, self._sub_mid = c.subscribe([(t, 1) for t in self._subs])
+            # One SUBSCRIBE per topic: aedes 1.2 on aedes-persistence-redis 11.2 never acknowledges a
+            # persistent session's SUBSCRIBE that names two or more topics (docs/fleet.md, the brokers)
+            self._sub_mids = {mid for t in self._subs if (mid := c.subscribe(t, 1)[1]) is not None}
         else:
             self.subscribed.set()
         self.connected.set()
 
     def _on_subscribe(self, c: paho.Client, u: Any, mid: int, reasons: Any, p: Any) -> None:
-        if mid == self._sub_mid:
+        self._sub_mids.discard(mid)
+        if not self._sub_mids:
             self.subscribed.set()
 
     def sync(self) -> list[tuple[str, bytes, bool]]:
@@ -220,7 +242,7 @@ class FleetClient:
 
     def stop(self) -> None:
         props = None
-        if self.session_s:  # a clean stop ends the session: the broker queues nothing more for it
+        if self.session_s and self.v5:  # a clean stop ends the session: the broker queues nothing more for it
             from paho.mqtt.packettypes import PacketTypes
             from paho.mqtt.properties import Properties
 

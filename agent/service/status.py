@@ -111,7 +111,7 @@ class StatusBoard:
                                            "sha": b.manifest_sha256[:12]},
             last_failure=self.last_failure,
             budget_ms=b.manifest.selftest.budget_for(engine.describe()["provider"]) if b and engine else None,
-            device=cpu_isa())
+            device=cpu_isa(), previous=store.previous_committed() if store else None)
 
     def retained(self) -> dict[str, bytes]:
         """paho's thread, on connect: the last documents the controller published (never its live state)."""
