@@ -6,9 +6,10 @@ OOM killer or a stop time-out ends the process with no word, and those results v
 script: 10 over 30 kills). So the outbox keeps a few counters in a small file of the state directory mapped
 into memory: a store into the mapping is a store into the kernel's page cache, which outlives the process
 (SIGKILL, OOM) though not a power cut (the kernel writes the page back within seconds, not at each store).
-The hot path pays one 8-byte store per result, not a system call.
+The hot path pays one 8-byte store per result through a memoryview (about 0.1 us here), not a system call; the
+pump stores its counts once per batch.
 
-Layout (little-endian u64 at fixed offsets, 64 bytes): magic, pid, state (0 running, 1 stopped cleanly),
+Layout (eight native-endian u64, 64 bytes: the file never leaves its device): magic, pid, state (0 running, 1 stopped cleanly),
 entered (results that entered memory), left (results that left memory: acknowledged, spilled to disk, or
 dropped and counted), sent (of those that entered, sent once), sent_left (of those that left, sent once).
 Held only in memory = entered - left; of them sent once and never acknowledged (the broker may have them, so
@@ -27,7 +28,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +37,8 @@ log = get_logger("outbox")
 
 MAGIC = b"EAHELD01"
 SIZE = 64
-_U64 = struct.Struct("<Q")
-_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT = 8, 16, 24, 32, 40, 48
+# slots (u64 indexes): 0 the magic
+_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT = 1, 2, 3, 4, 5, 6
 RUNNING, STOPPED = 0, 1
 
 
@@ -59,6 +59,7 @@ class HeldCounter:
         self.path = path
         self.previous: Previous | None = None
         self._map: mmap.mmap | None = None
+        self._slots: memoryview | None = None  # the map as u64 slots: a store is one item assignment
         self._entered = itertools.count(1)  # next() is atomic under the GIL: put may run on several threads
         self._left = self._sent = self._sent_left = 0
         try:
@@ -66,7 +67,7 @@ class HeldCounter:
         except (OSError, ValueError) as exc:
             log.error("outbox.held_counter_unavailable", file=str(path), error=str(exc),
                       detail="results held only in memory are not counted if this process is killed")
-            self._map = None
+            self._map, self._slots = None, None
 
     def _open(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -86,34 +87,41 @@ class HeldCounter:
             os.close(fd)
         m = self._map
         m[8:SIZE] = bytes(SIZE - 8)  # reset for this process: state RUNNING, every counter 0
-        _U64.pack_into(m, _PID, os.getpid())
+        self._slots = memoryview(m).cast("Q")
+        self._slots[_PID] = os.getpid()
         m.flush()  # a power cut later must not bring back the previous process's counts
 
     # -- hot path: one 8-byte store into the page cache each ----------------------------------------------
     def entered(self) -> None:
-        if self._map is not None:
-            _U64.pack_into(self._map, _ENTERED, next(self._entered))
+        slots = self._slots
+        if slots is not None:
+            try:
+                slots[_ENTERED] = next(self._entered)
+            except ValueError:  # released by a stop on another thread: a result put after close is not held
+                pass
 
     # -- under the outbox lock ------------------------------------------------------------------------------
     def left(self, n: int, sent: int) -> None:
         """`n` results left memory (acknowledged, on disk, or dropped and counted), `sent` of them sent once."""
-        if self._map is not None and n:
+        if self._slots is not None and n:
             self._left += n
-            _U64.pack_into(self._map, _LEFT, self._left)
+            self._slots[_LEFT] = self._left
             if sent:
                 self._sent_left += sent
-                _U64.pack_into(self._map, _SENT_LEFT, self._sent_left)
+                self._slots[_SENT_LEFT] = self._sent_left
 
     def sent(self, n: int) -> None:
         """`n` results from memory sent for the first time."""
-        if self._map is not None and n:
+        if self._slots is not None and n:
             self._sent += n
-            _U64.pack_into(self._map, _SENT, self._sent)
+            self._slots[_SENT] = self._sent
 
     def stopped(self) -> None:
         """A clean stop: what memory still holds is counted by `lost_at_stop`, not again by the next boot."""
-        if self._map is not None:
-            _U64.pack_into(self._map, _STATE, STOPPED)
+        if self._slots is not None and self._map is not None:
+            slots, self._slots = self._slots, None
+            slots[_STATE] = STOPPED
+            slots.release()  # before close: a map with a view on it cannot be closed
             try:
                 self._map.flush()
             except OSError:  # the state reached the page cache; only a power cut now could lose it
@@ -123,7 +131,7 @@ class HeldCounter:
 
 
 def _parse(raw: bytes) -> Previous:
-    pid, state, entered, left, sent, sent_left = (_U64.unpack_from(raw, o)[0]
-                                                  for o in (_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT))
+    slots = memoryview(raw).cast("Q")
+    pid, state, entered, left, sent, sent_left = (slots[i] for i in (_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT))
     held = max(0, entered - left)  # never negative: two put threads may store their counts out of order
     return Previous(pid, state == STOPPED, held, min(held, max(0, sent - sent_left)))
