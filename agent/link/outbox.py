@@ -186,7 +186,7 @@ class Outbox:
         else:
             self._lost.allocate()
         self._held = HeldCounter(path.with_name(path.name + ".held"))
-        self.lost_at_previous_kill = self._count_previous_kill()
+        self.lost_at_previous_kill, self.unacknowledged_at_previous_kill = self._count_previous_kill()
         if self.disk_count:
             log.info("outbox.recovered", messages=self.disk_count)
 
@@ -316,6 +316,7 @@ class Outbox:
             "dropped": self.dropped,
             "lost_at_previous_stop": self.lost_at_previous_stop,
             "lost_at_previous_kill": self.lost_at_previous_kill,
+            "unacknowledged_at_previous_kill": self.unacknowledged_at_previous_kill,  # of those: may have arrived
             "spilled": self.spilled,
             "memory_only": len(self.memory) if self._disk_error is not None else 0,  # kept while the disk fails
             "write_failures": self.write_failures,
@@ -593,18 +594,19 @@ class Outbox:
             return False  # counted in memory (health shows it); persisted with the next drop that can be written
         return True
 
-    def _count_previous_kill(self) -> int:
+    def _count_previous_kill(self) -> tuple[int, int]:
         """The previous process ended without a clean stop (SIGKILL, the OOM killer, a stop time-out): what
-        it held only in memory is gone; counted in `dropped` like a loss at stop."""
+        it held only in memory is gone; counted in `dropped` like a loss at stop. Returns the count and, of
+        it, those sent once and never acknowledged."""
         prev = self._held.previous
         if prev is None or prev.clean or not prev.held:
-            return 0
+            return 0, 0
         log.error("outbox.lost_at_previous_kill", count=prev.held, unacknowledged=prev.unacknowledged, pid=prev.pid,
                   detail="the previous process was killed (SIGKILL, the OOM killer, a stop time-out) while these "
                          "results were held only in memory; counted in dropped (those sent once and never "
                          "acknowledged may have reached the broker)")
         self._count_drops(prev.held, "killed", prev.unacknowledged)
-        return prev.held
+        return prev.held, prev.unacknowledged
 
     def _meta(self, key: str) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
