@@ -10,6 +10,10 @@ changes from the shipped defaults is printed above the table. With the defaults,
 the most the overflow could be (the burst less what memory holds). The 1-minute load average is printed
 beside every figure: on a shared machine a ratio means something only with it.
 
+The hot-path cost of the held-in-memory counter (agent/link/held.py, issue 43) is measured in the same run:
+the QoS 1 rows again with the counter switched off (its map closed: the "before"), and the counter's own calls
+per result in a tight loop beside an empty method call.
+
 Usage: python scripts/bench_mqtt.py [--messages 20000] [--tuned]
 """
 
@@ -70,9 +74,13 @@ def changed_settings(chosen: dict[str, dict]) -> list[str]:
             for section, values in chosen.items() for k, v in values.items() if getattr(defaults[section], k) != v]
 
 
-def through_agent(port: int, tmp: Path, n: int, qos: int, batch: int, chosen: dict[str, dict]) -> tuple[float, int]:
-    """Results/s from OutboxSink.write until the outbox is empty (QoS 1: every message acknowledged)."""
-    box = Outbox(tmp / f"box-{qos}-{batch}.sqlite", OutboxConfig(**chosen["outbox"]))
+def through_agent(port: int, tmp: Path, n: int, qos: int, batch: int, chosen: dict[str, dict],
+                  held: bool = True) -> tuple[float, int]:
+    """Results/s from OutboxSink.write until the outbox is empty (QoS 1: every message acknowledged).
+    `held` False: the held-in-memory counter off (the code before issue 43's counter, bar a no-op call)."""
+    box = Outbox(tmp / f"box-{qos}-{batch}-{held}.sqlite", OutboxConfig(**chosen["outbox"]))
+    if not held:
+        box._held.stopped()  # its map closed: every counter call returns at once
     link = MqttLink(MqttConfig(enabled=True, port=port, **chosen["mqtt"]), "bench", tmp, box,
                     lambda c: {"ok": True}, lambda: {}).start()
     link.connected.wait(10)
@@ -147,6 +155,33 @@ def cpu_of(step: Callable[..., T], *args: Any) -> tuple[T, float]:
     return value, time.process_time() - t0
 
 
+def held_calls(n: int) -> tuple[float, float]:
+    """ns per result of the counter's hot-path calls (entered, then left and sent as the pump batches them,
+    here per result: the worst case), and of an empty method call, in a tight loop."""
+    from agent.link.held import HeldCounter
+
+    class Empty:
+        def entered(self) -> None:
+            pass
+
+    with tempfile.TemporaryDirectory() as d:
+        counter = HeldCounter(Path(d) / "held")
+        t0 = time.perf_counter()
+        for _ in range(n):
+            counter.entered()
+            counter.sent(1)
+            counter.left(1, 1)
+        held_ns = (time.perf_counter() - t0) / n * 1e9
+        empty = Empty()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            empty.entered()
+            empty.entered()
+            empty.entered()
+        counter.stopped()
+    return held_ns, (time.perf_counter() - t0) / n * 1e9
+
+
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -172,6 +207,11 @@ def main() -> int:
                 for batch in (1, 10):
                     (rate, disk), cpu = cpu_of(through_agent, broker.port, tmp, n, qos, batch, chosen)
                     rows.append((f"agent outbox, QoS {qos}, batch {batch}", rate, rate / base, disk, cpu / n, load()))
+            for qos in (0, 1):  # before/after for the held counter, interleaved: off, on, off, on
+                for held in (False, True, False, True):
+                    (rate, disk), cpu = cpu_of(through_agent, broker.port, tmp, n, qos, 1, chosen, held)
+                    rows.append((f"outbox QoS {qos}, batch 1, held counter {'on' if held else 'off'}", rate, None,
+                                 disk, cpu / n, load()))
             settle(sub)
             rate, on_disk, cpu = drain(broker.port, broker, tmp, n, chosen)
             base, raw_cpu = cpu_of(raw_paho, broker.port, n, 1)
@@ -194,6 +234,9 @@ def main() -> int:
           "reconnect on)")
     print(f"rows written: results written to SQLite; the overflow of a burst is at most {max(0, n - memory)} "
           f"({n} results less outbox.memory_messages {memory}), less what the broker took meanwhile")
+    held_ns, empty_ns = held_calls(max(n, 100000))
+    print(f"held counter calls per result (entered + sent + left, unbatched): {held_ns:.0f} ns; three empty method "
+          f"calls: {empty_ns:.0f} ns; load 1m {load():.2f}")
     return 0
 
 

@@ -14,7 +14,8 @@ A full disk (or any failed write) loses nothing silently: a message is kept in m
 succeeds, up to `memory_messages`; beyond that bound the policy drops, counted in `dropped` with an
 `outbox.dropped` event (reason "disk"). Writes are retried on every pump, so recovery needs no restart.
 What a stop on a full disk cannot keep is counted in a small file allocated while there was space
-(`lost_at_stop`), and the next boot adds it to `dropped` in health.
+(`lost_at_stop`), and the next boot adds it to `dropped` in health. What a kill (SIGKILL, the OOM killer, a
+stop time-out) leaves in memory is counted in a mapped file (agent/link/held.py), for the next boot likewise.
 
 Threads: `put` and `ack` may be called from any thread (they only append to a deque); the SQLite
 connection and the queues are used under one lock, so `stats()` from the controller and `pump()`
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from agent.config import OutboxConfig
+from agent.link.held import HeldCounter
 from agent.logsetup import get_logger
 
 log = get_logger("outbox")
@@ -183,11 +185,14 @@ class Outbox:
                 self._lost.allocate()
         else:
             self._lost.allocate()
+        self._held = HeldCounter(path.with_name(path.name + ".held"))
+        self.lost_at_previous_kill, self.unacknowledged_at_previous_kill = self._count_previous_kill()
         if self.disk_count:
             log.info("outbox.recovered", messages=self.disk_count)
 
     # -- any thread ------------------------------------------------------------------------------------
     def put(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        self._held.entered()  # counted before it is held: a kill in between over-counts, never under
         self._incoming.append(Message(topic, payload, qos, self._now()))
         if not self.connected:
             # The broker is away: the message goes to disk before put returns. Left for the pump thread, a
@@ -288,6 +293,7 @@ class Outbox:
                 log.error("outbox.lost_at_stop", count=len(self.memory), error=self._disk_error,
                           unacknowledged=sum(m.sent for m in self.memory),
                           detail="counted in the next boot's outbox.dropped")
+            self._held.stopped()  # after lost_at_stop is on disk: a kill between the two counts twice, not never
             self.db.close()
 
     def stats(self) -> dict[str, float | int]:
@@ -309,6 +315,8 @@ class Outbox:
             "oldest_age_s": round(max(0.0, self._now() - oldest), 3) if oldest else 0.0,
             "dropped": self.dropped,
             "lost_at_previous_stop": self.lost_at_previous_stop,
+            "lost_at_previous_kill": self.lost_at_previous_kill,
+            "unacknowledged_at_previous_kill": self.unacknowledged_at_previous_kill,  # of those: may have arrived
             "spilled": self.spilled,
             "memory_only": len(self.memory) if self._disk_error is not None else 0,  # kept while the disk fails
             "write_failures": self.write_failures,
@@ -331,6 +339,7 @@ class Outbox:
     def _apply_acks(self) -> None:
         rows: list[int] = []
         acked = bool(self._acks)
+        from_memory = 0
         while self._acks:
             msg = self.inflight.pop(self._acks.popleft(), None)
             if msg is None:
@@ -339,6 +348,9 @@ class Outbox:
             if msg.row is not None:
                 rows.append(msg.row)
                 self._sent_rows.pop(msg.row, None)
+            else:
+                from_memory += 1
+        self._held.left(from_memory, from_memory)
         if rows or (acked and self._undeleted):  # the broker answers: retry the DELETEs the disk refused
             self._delete_rows(rows)
 
@@ -366,6 +378,7 @@ class Outbox:
             return
         self.memory.clear()
         self.spilled += len(batch)
+        self._held.left(len(batch), sum(m.sent for m in batch))
 
     def _spill_overflow(self) -> None:
         """Connected, but the broker is slower than the results: only the newest beyond `memory_messages` go
@@ -378,6 +391,7 @@ class Outbox:
         for _ in range(excess):
             self.memory.pop()
         self.spilled += excess
+        self._held.left(excess, sum(m.sent for m in batch))
         if self._loaded and batch[0].seq < (self._loaded[-1].row or 0):
             self._unload()  # rows written below those read back: read again, in order
 
@@ -390,6 +404,7 @@ class Outbox:
         for _ in range(excess):
             gone = self.memory.pop() if self.cfg.policy == "drop_newest" else self.memory.popleft()
             unacked += gone.sent
+        self._held.left(excess, unacked)
         self._count_drops(excess, "disk", unacked)
 
     def _write(self, msgs: list[Message]) -> bool:
@@ -448,6 +463,7 @@ class Outbox:
     def _send(self, publish: Publisher, max_inflight: int) -> None:
         """The lowest sequence number first, from memory or from the rows read back, while the window allows."""
         sent_qos0: list[int] = []
+        first_from_memory = 0
         try:
             while len(self.inflight) < max_inflight:
                 if not self._loaded and self._disk_unread and self._pending_on_disk:
@@ -463,6 +479,7 @@ class Outbox:
                 if mid is None:
                     return
                 (self._loaded if from_disk else self.memory).popleft()
+                first_from_memory += not (from_disk or msg.sent)
                 msg.sent = True
                 self.sent += 1
                 if from_disk and msg.qos == 0:
@@ -472,6 +489,7 @@ class Outbox:
                 if from_disk:
                     self._sent_rows[msg.seq] = msg.created
         finally:
+            self._held.sent(first_from_memory)
             if sent_qos0:
                 self._delete_rows(sent_qos0)
 
@@ -517,6 +535,7 @@ class Outbox:
                 self._count_drops(len(aged), "age", self._forget_sent(aged))
         while self.memory and self.memory[0].created < cutoff:
             msg = self.memory.popleft()
+            self._held.left(1, msg.sent)
             self._count_drops(1, "age", msg.sent)
 
     def _forget_sent(self, rows: list[int]) -> int:
@@ -550,9 +569,12 @@ class Outbox:
         if ids:
             self._delete_rows(ids)
             unacked = self._forget_sent(ids)
+        from_memory = 0
         for _ in range(len(chosen) - len(ids)):
             msg = self.memory.pop() if newest else self.memory.popleft()
             unacked += msg.sent
+            from_memory += msg.sent
+        self._held.left(len(chosen) - len(ids), from_memory)
         self._count_drops(len(chosen), why, unacked)
 
     def _count_drops(self, n: int, why: str, unacked: int = 0) -> bool:
@@ -571,6 +593,20 @@ class Outbox:
         except DISK_ERRORS:
             return False  # counted in memory (health shows it); persisted with the next drop that can be written
         return True
+
+    def _count_previous_kill(self) -> tuple[int, int]:
+        """The previous process ended without a clean stop (SIGKILL, the OOM killer, a stop time-out): what
+        it held only in memory is gone; counted in `dropped` like a loss at stop. Returns the count and, of
+        it, those sent once and never acknowledged."""
+        prev = self._held.previous
+        if prev is None or prev.clean or not prev.held:
+            return 0, 0
+        log.error("outbox.lost_at_previous_kill", count=prev.held, unacknowledged=prev.unacknowledged, pid=prev.pid,
+                  detail="the previous process was killed (SIGKILL, the OOM killer, a stop time-out) while these "
+                         "results were held only in memory; counted in dropped (those sent once and never "
+                         "acknowledged may have reached the broker)")
+        self._count_drops(prev.held, "killed", prev.unacknowledged)
+        return prev.held, prev.unacknowledged
 
     def _meta(self, key: str) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

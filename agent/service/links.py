@@ -21,13 +21,15 @@ def make_sink(hub: Controller) -> Sink:
     """Where a pipeline's results go: stdout, the outbox (MQTT), and a sink the caller gave."""
     cfg = hub.cfg
     sinks: list[Sink] = []
-    if cfg.output.stdout:
-        sinks.append(JsonLinesSink())
+    # the outbox first: a result is counted as held (agent/link/held.py) before it is printed, so a kill
+    # between the two over-counts a loss; stdout first left a printed result that no count knew of
     if hub.outbox is not None and hub.link is not None:
         topics = hub.link.topics
         sinks.append(OutboxSink(hub.outbox, topics.predictions, cfg.mqtt.qos, cfg.mqtt.batch_predictions,
                                 topic_for=topics.source_predictions if cfg.sources else None,
                                 stream_topic_for=topics.stream_predictions))
+    if cfg.output.stdout:
+        sinks.append(JsonLinesSink())
     if hub.extra_sink is not None:
         sinks.append(hub.extra_sink)
     return FanOutSink(*sinks) if sinks else NullSink()
