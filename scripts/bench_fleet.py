@@ -216,14 +216,10 @@ def bench_read(devices: int, out: Path | None) -> int:
 
     load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-fleet-read-"))
-    port = free_port()
-    (work / "mosquitto.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\n"
-                                         "max_queued_messages 0\nmax_inflight_messages 0\npersistence false\n"
-                                         + ("user root\n" if os.geteuid() == 0 else ""))
-    broker = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(work / "mosquitto.conf")],
-                              stdout=subprocess.DEVNULL, stderr=open(work / "mosquitto.log", "w"))
+    procs: list[subprocess.Popen] = []
+    port = start_broker("mosquitto", work, procs)[0]
+    broker = procs[0]
     try:
-        time.sleep(0.5)
         c = FleetClient(Connection("127.0.0.1", port)).start([])
         t0 = time.monotonic()
         docs = 0
