@@ -45,7 +45,8 @@ _spec.loader.exec_module(real_models)
 # Models whose bundles carry pre/post stage graphs and package answers have their own files
 # (tests/test_real_detectors.py, tests/test_real_staged.py, tests/test_real_keypoints.py, tests/test_real_masks.py);
 # this file's machinery is the vocabulary's (npz sets, decoders).
-STAGED = {"picodet", "textrec", "textcls", "retinaface", "u2netp"}
+# models with their own files: staged (pre/post graphs) and the time-major recogniser (tests/test_real_timemajor.py)
+STAGED = {"picodet", "textrec", "textcls", "retinaface", "u2netp", "ddddocr"}
 NAMES = [m.name for m in real_models.MODELS if m.name not in STAGED]
 LABELS = {
     "orientation": ["0", "90", "180", "270"],
