@@ -30,7 +30,7 @@ from agent.serving.pipeline import Sink
 from agent.serving.sources import warm_decoder
 from agent.service.audit import Auditor, AuditSettings
 from agent.service.boot import BootOutcome, boot
-from agent.service.links import make_sink, start_mqtt, start_observers
+from agent.service.links import start_mqtt, start_observers
 from agent.service.commands import COMMANDS, CommandInlet, Commands
 from agent.service.events import EVENT_QUEUE_SIZE, BundleMessage, Call, CommandEvent, Mailbox, UpdateStatus
 from agent.service.operations import MAX_OPERATION_CHARS, OperationSlot, _bounded_name
@@ -128,9 +128,6 @@ class Controller:
     @property
     def serving(self) -> bool:
         return self.served.serving
-
-    def make_sink(self) -> Sink:
-        return make_sink(self)
 
     # -- events (controller thread) ------------------------------------------------------------------
     def _handle(self, ev: Any) -> None:

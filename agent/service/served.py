@@ -17,6 +17,7 @@ from agent.serving.sources import FrameSource, is_lossless, open_source, retarge
 from agent.service.advice import not_serving_advice
 from agent.service.audit import loud_state
 from agent.service.boot import BootOutcome
+from agent.service.links import make_sink
 from agent.service.preflight import can_receive_bundle
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class Served:
             lossless = True
         else:
             source, lossless = opened[0][1], is_lossless(cfg.source, opened[0][1])
-        self.pipeline = Pipeline(source, self.engine, hub.make_sink(), cfg.pipeline, lossless,
+        self.pipeline = Pipeline(source, self.engine, make_sink(hub), cfg.pipeline, lossless,
                                  boot=hub.boot_number, first_seq=self.next_seq, instance=hub.instance)
         self.pipeline.max_result_bytes = cfg.output.max_result_bytes
         self.pipeline.live = hub.live_view
