@@ -300,7 +300,10 @@ def test_probation_failure_rolls_back_to_the_previous_bundle(env: dict, kit: dic
                                   pytest.param("selftest_passed", marks=pytest.mark.slow), "switched"])
 def test_sigkill_at_each_step_boots_into_the_committed_bundle(tmp_path: Path, kit: dict, step: str,
                                                               agent_process) -> None:
-    with serving_v1(tmp_path, kit, agent_process) as (broker, col, agent):
+    # after the switch, a probation that lasts: at 40 results (0.7 s) it could commit before the kill landed, as a
+    # cold CI run saw (the test's collector read "switched" late on a busy machine)
+    long_probation = {"probation_s": 60.0, "probation_frames": 10**6} if step == "switched" else {}
+    with serving_v1(tmp_path, kit, agent_process, **long_probation) as (broker, col, agent):
         push_v2_until(col, kit, broker.port, lambda s: s["step"] == step)
         agent.kill()  # power cut at this step
         before = len(preds(col))
