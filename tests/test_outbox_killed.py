@@ -168,8 +168,10 @@ def test_an_agent_killed_while_the_broker_is_paused_counts_its_results_in_the_ne
         assert sub.wait(lambda: len(got(1)) >= 5, 90), agent.log_text()[-3000:]
         assert broker.proc is not None
         broker.proc.send_signal(signal.SIGSTOP)
+        # the results file can lag the publish, so a result or two counted here may already be past the broker:
+        # wait for 40 and ask for 30 lost (a CI run once saw 35 produced, 6 delivered)
         n = len(produced(1))
-        agent.wait(lambda: len(produced(1)) >= n + 30, 60, "30 results while the broker is paused")
+        agent.wait(lambda: len(produced(1)) >= n + 40, 60, "40 results while the broker is paused")
         agent.kill()
         broker.proc.send_signal(signal.SIGKILL)
         broker.proc.wait()
