@@ -283,6 +283,9 @@ class Stream:
                                "oldest_unserved_age_s": round(max(0.0, now - oldest), 3) if oldest else 0.0}
         if sr:
             out["backlog_s"] = round(backlog / sr, 3)
+        if self.next_seq is not None:
+            # a loss at a stream's end shows only when a later payload arrives: compare with the sender's counter
+            out["next_sequence"] = self.next_seq
         if self.measured_rate is not None:
             out["measured_rate"] = round(self.measured_rate, 1)
             off = self.rate_off()
