@@ -58,8 +58,9 @@ def _mount_tmpfs(d: Path, size: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="review 43b: state fs remounted read-only, then SIGHUP: the reload's proof "
-                   "raises OSError(EROFS) out of boot(), the proven engine is dropped, nothing serves")
+@pytest.mark.xfail(strict=False, reason="review 43b (expected from the code, not reproduced here: the remount is refused "
+                   "while the agent has files open): state fs read-only, then SIGHUP: the reload's proof would raise "
+                   "OSError(EROFS) out of boot() and drop the proven engine")
 def test_a_reload_on_a_read_only_state_disk_keeps_the_proven_engine(tmp_path: Path, agent_process) -> None:
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "64m"):
@@ -69,7 +70,9 @@ def test_a_reload_on_a_read_only_state_disk_keeps_the_proven_engine(tmp_path: Pa
         agent = agent_process(cfg, name="agent").start()
         try:
             agent.wait_results(5, timeout=180)
-            assert subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True).returncode == 0
+            ro = subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, text=True)
+            if ro.returncode != 0:  # tmpfs refuses a read-only remount while the agent has files open for writing
+                pytest.skip(f"could not remount the state disk read-only: {ro.stderr.strip()[:200]}")
             agent.signal(signal.SIGHUP)
             agent.wait_event("reload.start", timeout=60)
             before = len(agent.results())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agentproc import demo_config, int8_first
+from agentproc import DEMO_BUNDLE, demo_config
 from test_outbox_disk_full import fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 INT8, FP32 = "CPUExecutionProvider:int8", "CPUExecutionProvider:fp32"
@@ -26,12 +26,27 @@ INT8, FP32 = "CPUExecutionProvider:int8", "CPUExecutionProvider:fp32"
                    "no reload: the disproven INT8 keeps serving")
 def test_a_drift_on_a_full_state_disk_still_switches_to_the_proven_fp32(tmp_path: Path, small_disk: Path,  # noqa: F811
                                                                        agent_process) -> None:
+    import shutil
+
+    from agent.testing import rewrite_manifest
+
     state = small_disk / "state"
-    cfg = int8_first(tmp_path, demo_config(tmp_path, state_dir=str(state), source={"max_fps": 30},
-                                           audit={"canary_period_s": 3, "live_period_s": 3600}))
+    bundle = tmp_path / "digits-int8-first-loose"
+    shutil.copytree(DEMO_BUNDLE, bundle)
+
+    def loose(m: dict) -> None:  # int8 first, and a budget no load here misses: both candidates pass the proof
+        m["preference"]["CPUExecutionProvider"] = ["int8", "fp32"]
+        m["selftest"]["latency_budget_ms"] = {"default": 5000.0}
+
+    rewrite_manifest(bundle, loose)
+    cfg = demo_config(tmp_path, state_dir=str(state), bundle=str(bundle), source={"max_fps": 30},
+                      selection={"prefer_margin": 1.0}, audit={"canary_period_s": 3, "live_period_s": 3600})
     agent = agent_process(cfg, env={"EDGE_AGENT_FAULT": f"drift:{INT8}#300=1.5"}).start()
     try:
         assert agent.wait_event("boot.ready", timeout=180)["variant"] == "int8"
+        report = __import__("json").loads((state / "selftest" / "report.json").read_text())
+        passed = [c["variant"] for c in report["candidates"] if c.get("passed")]
+        assert passed == ["int8", "fp32"], f"both must pass for the switch path: {passed}"
         fill(small_disk)  # the disk fills while serving, before the drift begins (inference 300, ~10 s at 30 fps)
         agent.wait_event("evidence.charged", timeout=180)
         try:
