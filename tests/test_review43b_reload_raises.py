@@ -33,7 +33,7 @@ def _serving_after_hup(agent, before: int, wait_s: float = 60.0) -> tuple[int, s
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="review 43b: a reload whose boot() raises (served.json a list) drops the "
-                   "proven engine: 0 results in the 60 s after SIGHUP, health 'reloading' (2 of 2 runs, load 17-25)")
+                   "proven engine: 0 results in the 60 s after SIGHUP, health 'reloading' (2 of 2 runs, load 13-25)")
 def test_a_reload_whose_proof_raises_keeps_the_proven_engine(tmp_path: Path, agent_process) -> None:
     cfg = demo_config(tmp_path, source={"max_fps": 20})
     agent = agent_process(cfg, name="agent").start()
