@@ -50,12 +50,14 @@ def _selftest_children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="review 43b: three outside SIGKILLs in int8's trial within one proof (one "
-                   "memory-pressure episode, seconds) charge int8 for 7 days; the next boot, with no pressure, skips it")
+                   "memory-pressure episode, seconds) charge int8 for 7 days; the next boot, with no pressure, skips it "
+                   "(seen: 2 kills 2.3 s apart counted '1 of 3', '2 of 3' at detail '' in one proof)")
 def test_one_oom_episode_in_one_proof_does_not_charge_a_candidate_for_a_week(tmp_path: Path, agent_process) -> None:
     cfg = int8_first(tmp_path, demo_config(tmp_path))
     inflight = tmp_path / "state" / "selftest" / "inflight.json"
     agent = agent_process(cfg, name="boot1").start()
     kills: list[str] = []
+    killed: set[int] = set()
     stop = threading.Event()
 
     def killer() -> None:
@@ -66,12 +68,14 @@ def test_one_oom_episode_in_one_proof_does_not_charge_a_candidate_for_a_week(tmp
                 doc = None
             if isinstance(doc, dict) and doc.get("candidate") == INT8 and "detail" not in doc:
                 for k in _selftest_children(agent.pid):
+                    if k in killed:
+                        continue
                     try:
                         os.kill(k, signal.SIGKILL)
+                        killed.add(k)
                         kills.append(f"{k} at {time.time():.2f}")
                     except ProcessLookupError:
                         pass
-                time.sleep(0.3)
             time.sleep(0.001)
 
     t = threading.Thread(target=killer, daemon=True)
