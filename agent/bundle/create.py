@@ -30,6 +30,7 @@ from agent.errors import BundleError, QualityError, StageOutputError, install_hi
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
 from agent.spec.inputs import InputFeeder
+from agent.spec.kinds import vocabulary_kinds
 from agent.spec.manifest import (frame_from_dict, inputs_from_list, postprocess_from_dict,
                                  preprocess_from_dict)
 from agent.proof.parity import Finding, judge_fidelity
@@ -967,10 +968,9 @@ def golden_answers_text(golden: Path, samples: int) -> str | None:
 
 def check_answers_kind(spec: Mapping[str, Any], kind: str, where: object) -> None:
     """The package's answers (golden or held-out, at `where`) must be of the kind the bundle serves."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS
 
     post = spec.get("postprocess") or {}
-    serves = (post.get("result") or {}).get("kind") or VOCABULARY_KINDS.get(post.get("type", ""))
+    serves = (post.get("result") or {}).get("kind") or vocabulary_kinds().get(post.get("type", ""))
     if serves is not None and serves != kind:
         key = "postprocess.result.kind" if (post.get("result") or {}).get("kind") else f"postprocess.type {post.get('type')}"
         raise BundleError(f"{where}: the package's answers are of kind {kind!r}, the bundle serves kind "
@@ -1043,11 +1043,11 @@ def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, fe
     """A reduced-precision variant against FP32 on the frames of `size_extremes`, by the final result's kind (or
     the task's fidelity for raw outputs): an INT8 whose in-graph coordinates saturate beyond the calibrated
     size is refused naming the frame size, metric, value and bound."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+    from agent.proof.stage_proof import kind_floors
 
     post_spec = postprocess_from_dict(spec["postprocess"])
     kind_name = post_spec.result.kind if post_spec.result is not None else (
-        None if post_spec.type == "raw" and post_spec.decision is None else VOCABULARY_KINDS.get(post_spec.type))
+        None if post_spec.type == "raw" and post_spec.decision is None else vocabulary_kinds().get(post_spec.type))
     figures: dict[str, Any] = {}
     problems: list[str] = []
     for raw in frames:
@@ -1084,7 +1084,7 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
                         spec: Mapping[str, Any], stage: str) -> tuple[dict[str, float], list[Any]]:
     """A variant's final results (its outputs -> post stage -> kind) against the package's answers, or without
     them against the final results of the references' outputs, by the kind's fidelity: the gate the device applies."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+    from agent.proof.stage_proof import kind_floors
     from agent.results import kind_for
 
     post_spec = postprocess_from_dict(spec["postprocess"])
@@ -1092,7 +1092,7 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
         doc = json.loads(answers_text)
         name, want = doc["kind"], doc["results"]
     else:
-        name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
+        name = post_spec.result.kind if post_spec.result is not None else vocabulary_kinds().get(post_spec.type, "")
         want = []
         for i, (r, g) in enumerate(zip(references, geometries)):
             try:

@@ -25,12 +25,11 @@ from agent.proof.parity import (
 from agent.bundle.load import Bundle, GoldenSample
 from agent.proof.stages import AnyPreprocessor, GraphPostprocessor, Postprocessor, postprocessor_for, preprocessor_for
 from agent.spec.decoders import split_batch
+from agent.spec.kinds import vocabulary_kinds
 from agent.spec.manifest import Manifest
 from agent.spec.preprocess import Geometry
 
 Outputs = Mapping[str, np.ndarray]
-# the vocabulary's tasks as result kinds, so package answers judge vocabulary bundles too
-VOCABULARY_KINDS = {"classification": "classes", "detection": "boxes", "segmentation": "masks", "raw": "scores"}
 OWN_DECODING = ("judged against our own decoding of the source's tensors (the bundle carries no package answers, "
                 "golden/answers.json): a decoder wrong on both sides cannot fail this")
 
@@ -41,7 +40,7 @@ def result_kind(m: Manifest) -> str | None:
         return m.postprocess.result.kind
     if m.postprocess.type == "raw" and m.postprocess.decision is None:
         return None  # raw arrays: no kind judges them
-    return VOCABULARY_KINDS.get(m.postprocess.type)
+    return vocabulary_kinds().get(m.postprocess.type)  # so package answers judge vocabulary bundles too
 
 
 def kind_floors(kind: Any, authored: Mapping[str, float]) -> dict[str, float]:

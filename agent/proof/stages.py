@@ -20,7 +20,6 @@ from agent.spec.manifest import (
     FRAME_SIZE,
     GEOMETRY,
     PRE_GRAPH_INPUT,
-    RESULT_FIELDS,
     FrameSpec,
     PostprocessSpec,
     PreprocessSpec,
@@ -219,7 +218,7 @@ class GraphPostprocessor:
         graph_outputs = {o.name for o in self.session.get_outputs()}
         # each field's output (named in `result`, else the field's own name) that the graph has: the load
         # check refused a graph lacking a required or a named one
-        wanted = [self.result.output_for(f.rstrip("?")) for f in RESULT_FIELDS[self.result.kind]]
+        wanted = [self.result.output_for(f.name) for f in self.kind.FIELDS]
         self.output_names = [n for n in dict.fromkeys(wanted) if n in graph_outputs]
         self.watch: StageWatch | None = None  # set while serving (agent.service.boot)
 

@@ -17,7 +17,9 @@ import yaml
 
 from agent.errors import BundleError
 from agent.fsio import load_yaml
+from agent.spec import kinds
 from agent.spec.jpeg_roundtrip import JpegRoundtrip
+from agent.spec.result_spec import ResultSpec, check_result, result_from_dict
 from agent.spec.jpeg_roundtrip import from_spec as jpeg_from_spec
 
 MANIFEST_NAME = "bundle.yaml"
@@ -28,19 +30,9 @@ FORMAT = 1
 DEFAULT_LATENCY_BUDGET_MS = 1000.0
 
 Precision = Literal["fp32", "fp16", "int8"]
-# the vocabulary's tasks, and (a bundle with a postprocess graph) the result kinds of agent/results
-Task = Literal["classification", "detection", "segmentation", "raw", "classes", "boxes", "masks", "text", "scores"]
+# the vocabulary's tasks, and (a bundle with a postprocess graph) the result kinds: agent/spec/kinds.py
+Task = str
 PostprocessType = Literal["classification", "detection", "segmentation", "raw", "graph"]
-ResultKindName = Literal["classes", "boxes", "masks", "text", "scores"]
-RESULT_KINDS: tuple[str, ...] = ("classes", "boxes", "masks", "text", "scores")
-# the graph output names each kind's fields take (postprocess.result.<field>); required first, `?` optional
-RESULT_FIELDS: dict[str, tuple[str, ...]] = {
-    "classes": ("probabilities",),
-    "boxes": ("boxes", "scores", "class_ids?", "keypoints?"),
-    "masks": ("mask",),
-    "text": ("tokens", "token_scores?"),
-    "scores": ("scores",),
-}
 # a pre graph's optional output and a post graph's optional inputs besides the model outputs
 GEOMETRY = "geometry"
 FRAME_SIZE = "frame_size"
@@ -50,11 +42,21 @@ DetectionLayout = Literal["boxes_scores", "yolov5", "yolov8", "end2end"]
 Dim = int | str
 
 
-@lru_cache(maxsize=1)
 def manifest_schema() -> dict[str, Any]:
-    """The JSON Schema every manifest is validated against (shipped in agent/schema/)."""
+    """The JSON Schema every manifest is validated against: agent/schema/bundle.schema.json, with the parts
+    the result kinds declare (agent/spec/kinds.py) filled in: `task`'s enum, `$defs/result`, and the kinds'
+    floors under `selftest.fidelity`."""
+    return _schema(kinds.generation())
+
+
+@lru_cache(maxsize=4)
+def _schema(generation: int) -> dict[str, Any]:
     text = resources.files("agent").joinpath("schema/bundle.schema.json").read_text()
     schema: dict[str, Any] = json.loads(text)
+    schema["properties"]["task"]["enum"] = kinds.task_names()
+    schema["$defs"]["result"] = kinds.result_schema(schema["$defs"]["result"]["description"])
+    fidelity = schema["properties"]["selftest"]["properties"]["fidelity"]
+    fidelity["properties"] = {**kinds.floor_schema(), **fidelity["properties"]}
     return schema
 
 
@@ -239,41 +241,6 @@ class EventSpec:
     off_threshold: float | None = None
     min_duration_s: float = 0.0
     hangover_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class ResultSpec:
-    """`postprocess.result`: the result kind served, and which graph output holds each of its fields."""
-
-    kind: ResultKindName
-    fields: Mapping[str, str] = field(default_factory=dict)  # kind field -> graph output name
-    top_k: int = 5
-    threshold: float | tuple[float, ...] | None = None
-    charset: str | None = None
-    charset_offset: int = 0
-    blank: int = 0
-    score_threshold: float | None = None  # boxes (agent.results.boxes.OPTIONS)
-    max_detections: int | None = None  # boxes
-    class_id: int | None = None  # masks (agent.results.masks.OPTIONS)
-
-    def output_for(self, field_name: str) -> str:
-        return self.fields.get(field_name, field_name)
-
-    def as_mapping(self) -> dict[str, Any]:
-        """The block as the manifest states it (field -> output name, and the options): what agent.results reads."""
-        opts = {k: getattr(self, k) for k in RESULT_OPTIONS}
-        return {**self.fields, **{k: v for k, v in opts.items() if v is not None}}
-
-
-RESULT_OPTIONS = ("kind", "top_k", "threshold", "charset", "charset_offset", "blank", "score_threshold", "max_detections",
-                  "class_id")
-
-
-def result_from_dict(d: Mapping[str, Any]) -> ResultSpec:
-    opts = {k: d[k] for k in RESULT_OPTIONS if k in d}
-    if isinstance(opts.get("threshold"), list):
-        opts["threshold"] = tuple(opts["threshold"])
-    return ResultSpec(fields={k: v for k, v in d.items() if k not in RESULT_OPTIONS}, **opts)
 
 
 @dataclass(frozen=True)
@@ -813,30 +780,4 @@ def check_stages(m: Manifest, where: str) -> None:
     if post.graph is not None and m.task != r.kind:
         raise BundleError(f"{where}: key task: {m.task!r} is not postprocess.result.kind {r.kind!r} (a bundle with a "
                           "post graph serves its result kind)")
-    vocabulary_kind = {"classification": "classes", "detection": "boxes", "segmentation": "masks", "raw": "scores"}
-    if post.graph is None and m.task in vocabulary_kind and vocabulary_kind[m.task] != r.kind:
-        raise BundleError(f"{where}: key postprocess.result.kind: the vocabulary's {m.task} serves kind "
-                          f"{vocabulary_kind[m.task]}, not {r.kind}")
-    if post.graph is None and m.task in RESULT_KINDS:
-        raise BundleError(f"{where}: key task: {m.task!r} is a result kind: it needs postprocess.graph (the "
-                          "vocabulary's tasks are classification, detection, segmentation, raw)")
-    known = [f.rstrip("?") for f in RESULT_FIELDS[r.kind]]
-    for key in r.fields:
-        if key not in known:
-            raise BundleError(f"{where}: key postprocess.result.{key}: not a field of kind {r.kind} (fields: {known})")
-    if post.graph is not None:  # a field not named is the graph output of the field's own name
-        names = [r.output_for(f.rstrip("?")) for f in RESULT_FIELDS[r.kind]
-                 if not f.endswith("?") or f.rstrip("?") in r.fields]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise BundleError(f"{where}: key postprocess.result: graph output(s) {dupes} named for two fields")
-    if r.kind == "text" and r.charset is None:
-        raise BundleError(f"{where}: key postprocess.result.charset: kind text needs a charset file (one character "
-                          "per line)")
-    if r.kind == "scores" and r.threshold is None:
-        raise BundleError(f"{where}: key postprocess.result.threshold: kind scores needs a decision threshold")
-    for key, kind in (("score_threshold", "boxes"), ("max_detections", "boxes"), ("class_id", "masks")):
-        if getattr(r, key) is not None and r.kind != kind:
-            raise BundleError(f"{where}: key postprocess.result.{key}: applies to {kind}, not {r.kind}")
-    if r.kind != "masks" and r.kind != "scores" and r.threshold is not None:
-        raise BundleError(f"{where}: key postprocess.result.threshold: applies to masks and scores, not {r.kind}")
+    check_result(r, m.task, post.graph is not None, where)
