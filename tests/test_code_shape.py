@@ -19,11 +19,10 @@ MAX_COMPLEXITY = 25
 MODULES = {
     "agent/bundle/create.py": (1131, "bundle create: options, spec checks, the variants' quantisation and judges, "
                                      "the stages (the model build's steps are in model_build.py)"),
-    "agent/proof/selftest.py": (883, "the self-test shell, its named steps, a candidate's proof with its batch and "
-                                     "concurrency judges (those could move out)"),
+    "agent/proof/selftest.py": (713, "the self-test shell, its named steps and a candidate's proof (the batch and "
+                                     "concurrency judges: serving_shapes.py; the latency loop: latency_loop.py)"),
     "agent/spec/manifest.py": (783, "the manifest's typed values and their cross-key checks (the result block: result_spec.py)"),
     "agent/serving/pipeline.py": (674, "the pipeline's threads; per-node stages come with issue 42"),
-    "agent/serving/sources.py": (768, "every frame source's opener in one module; each could live with its type"),
     "agent/fleet/simulator.py": (604, "a simulated device: its link, updates and commands (its groups' spec could move out)"),
     "agent/serving/sensors.py": (700, "the sensor source: UDP, pipe and MQTT readers in one class (each could live "
                                       "with its type)"),
