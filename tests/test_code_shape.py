@@ -17,8 +17,8 @@ MAX_COMPLEXITY = 25
 
 # path -> (lines it may not exceed, why it is still over)
 MODULES = {
-    "agent/bundle/create.py": (1131, "bundle create: options, spec checks, the variants' quantisation and judges, "
-                                     "the stages (the model build's steps are in model_build.py)"),
+    "agent/bundle/create.py": (882, "bundle create: options, spec checks, the variants' judges and the stages (the "
+                                    "model build's steps: model_build.py; quantisation: quantise.py)"),
     "agent/proof/selftest.py": (713, "the self-test shell, its named steps and a candidate's proof (the batch and "
                                      "concurrency judges: serving_shapes.py; the latency loop: latency_loop.py)"),
     "agent/spec/manifest.py": (783, "the manifest's typed values and their cross-key checks (the result block: result_spec.py)"),

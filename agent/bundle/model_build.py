@@ -55,7 +55,7 @@ from agent.bundle.create import (  # the build's helpers: one module owns them, 
     provisional_manifest,
     _quality_gate,
     quantize_int8,
-    _reason,
+    reason_of,
     _run_all,
     SampleSet,
     size_extremes,
@@ -121,7 +121,7 @@ class _Build:
         try:
             return np.stack([self.pre(r) for r in raw]) if self.sequence else self.pre(raw)
         except Exception as exc:
-            raise BundleError(f"preprocessing a sample failed: {_reason(exc)}") from exc
+            raise BundleError(f"preprocessing a sample failed: {reason_of(exc)}") from exc
 
 
 def build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_path: Path, frontend: Any, post: Any,
