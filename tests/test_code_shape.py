@@ -21,7 +21,6 @@ MODULES = {
                                     "model build's steps: model_build.py; quantisation: quantise.py)"),
     "agent/proof/selftest.py": (713, "the self-test shell, its named steps and a candidate's proof (the batch and "
                                      "concurrency judges: serving_shapes.py; the latency loop: latency_loop.py)"),
-    "agent/spec/manifest.py": (783, "the manifest's typed values and their cross-key checks (the result block: result_spec.py)"),
     "agent/serving/pipeline.py": (674, "the pipeline's threads; per-node stages come with issue 42"),
     "agent/fleet/simulator.py": (604, "a simulated device: its link, updates and commands (its groups' spec could move out)"),
     "agent/serving/sensors.py": (700, "the sensor source: UDP, pipe and MQTT readers in one class (each could live "
@@ -34,7 +33,7 @@ MODULES = {
 FUNCTIONS = {
     "agent/proof/selftest.py::prove": (106, 25, "a candidate's proof with its nested golden pass"),
     "agent/proof/reduced_decode.py::_reduced_decode": (89, 25, "the reduced-decode check with its nested judges"),
-    "agent/spec/manifest.py::_check_semantics": (83, 32, "the manifest's cross-key checks, one after another"),
+    "agent/spec/manifest_checks.py::check_semantics": (83, 32, "the manifest's cross-key checks, one after another"),
     "agent/bundle/graphs/pre_image.py::build": (133, 25, "one ONNX graph written node by node"),
     "agent/fleet/cli.py::add_fleet_parser": (100, 25, "argparse declarations, no logic"),
     "agent/service/cli.py::build_parser": (153, 25, "argparse declarations, no logic"),

@@ -149,7 +149,7 @@ def test_geometry_clips_mapped_boxes_to_the_frame() -> None:
 
 
 def test_incomplete_resize_modes_are_refused_with_what_they_lack() -> None:
-    from agent.spec.manifest import resize_problem
+    from agent.spec.manifest_checks import resize_problem
 
     assert "short_side" in resize_problem(ResizeSpec(width=224, height=224, mode="short_side_crop"))
     assert "limit_side" in resize_problem(ResizeSpec(mode="fit_multiple"))

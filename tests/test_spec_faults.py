@@ -123,7 +123,8 @@ def test_fit_multiple_min_refuses_a_skinny_frame_instead_of_allocating_a_giganti
 
 def test_short_side_crop_wider_than_the_short_side_is_refused() -> None:
     # a portrait frame made a (224, 22) tensor from the last 22 columns: the crop offset went negative
-    from agent.spec.manifest import ResizeSpec, resize_problem
+    from agent.spec.manifest import ResizeSpec
+    from agent.spec.manifest_checks import resize_problem
 
     assert "short_side 256" in (resize_problem(ResizeSpec(mode="short_side_crop", width=300, height=224,
                                                           short_side=256)) or "")
