@@ -177,14 +177,14 @@ def _schema_rows(node: dict[str, Any], root: dict[str, Any], prefix: str, out: l
 
 
 def bundle_md() -> str:
-    from agent.spec.manifest import manifest_schema
+    from agent.vocabulary.manifest import manifest_schema
 
     schema = manifest_schema()  # the shipped file with what the result kinds declare filled in
     rows: list[tuple[str, str, str]] = []
     _schema_rows(schema, schema, "", rows)
     seen: set[str] = set()
     lines = ["# Bundle manifest reference (`bundle.yaml`)", "",
-             HEADER.format(src="agent/schema/bundle.schema.json + agent/spec/kinds.py").strip(), "",
+             HEADER.format(src="agent/schema/bundle.schema.json + agent/vocabulary/kinds.py").strip(), "",
              "Unknown keys are errors; every error names the file and the key.", "",
              "| key | type | description |", "|---|---|---|"]
     for k, t, d in rows:

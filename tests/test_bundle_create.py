@@ -116,9 +116,9 @@ import structlog  # noqa: E402
 from agent.bundle.create import INSTALL_BUILD_HINT, CalibrationFeeds  # noqa: E402
 from agent.bundle.quantise import reason_of  # noqa: E402
 from agent.proof.inspect import render_text, summarize  # noqa: E402
-from agent.spec.inputs import InputFeeder  # noqa: E402
-from agent.spec.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
-from agent.spec.preprocess import Preprocessor  # noqa: E402
+from agent.vocabulary.inputs import InputFeeder  # noqa: E402
+from agent.vocabulary.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
+from agent.vocabulary.preprocess import Preprocessor  # noqa: E402
 from tests.conftest import TINY_SPEC  # noqa: E402
 
 
@@ -270,7 +270,7 @@ def test_a_calibration_directory_is_decoded_as_it_is_used_not_loaded_whole(tmp_p
 def test_build_never_derives_a_latency_budget_from_its_own_timing(tiny_bundle_master: Path) -> None:
     """Fault: without the author's budget, `bundle create` wrote max(50, 10 x the build's p95): a build on a
     loaded machine shipped a looser gate. Now nothing is written and the device applies a fixed default."""
-    from agent.spec.manifest import DEFAULT_LATENCY_BUDGET_MS
+    from agent.vocabulary.manifest import DEFAULT_LATENCY_BUDGET_MS
 
     b = load_bundle(tiny_bundle_master)
     assert "latency_budget_ms" not in b.manifest.raw["selftest"]

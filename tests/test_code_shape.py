@@ -31,7 +31,7 @@ MODULES = {
 FUNCTIONS = {
     "agent/proof/selftest.py::prove": (106, 25, "a candidate's proof with its nested golden pass"),
     "agent/proof/reduced_decode.py::_reduced_decode": (89, 25, "the reduced-decode check with its nested judges"),
-    "agent/spec/manifest_checks.py::check_semantics": (83, 32, "the manifest's cross-key checks, one after another"),
+    "agent/vocabulary/manifest_checks.py::check_semantics": (83, 32, "the manifest's cross-key checks, one after another"),
     "agent/bundle/graphs/pre_image.py::build": (133, 25, "one ONNX graph written node by node"),
     "agent/fleet/cli.py::add_fleet_parser": (100, 25, "argparse declarations, no logic"),
     "agent/service/cli.py::build_parser": (153, 25, "argparse declarations, no logic"),

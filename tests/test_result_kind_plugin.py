@@ -17,7 +17,7 @@ import yaml
 
 import throwaway_kind
 from agent.errors import BundleError
-from agent.spec.manifest import manifest_schema, parse_manifest
+from agent.vocabulary.manifest import manifest_schema, parse_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits-classifier"
@@ -86,7 +86,7 @@ def test_a_bundle_of_a_throwaway_kind_is_built_proven_and_served_against_the_pac
     from agent.proof.terms import CPU, SessionSettings
     from agent.proof.verdict import Candidate
     from agent.serving.engine import build_engine
-    from agent.spec.preprocess import read_image_file
+    from agent.vocabulary.preprocess import read_image_file
     from agentproc import DEMO_FRAMES
     from stage_graphs import demo_answers, softmax_post, stretch_pre
 

@@ -15,7 +15,7 @@ from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, rounded
 from agent.results.floors import Figures, count_mismatch, json_figures, merge_floors, read_pairs, under
-from agent.spec.kinds import Floor, Option
+from agent.vocabulary.kinds import Floor, Option
 
 NAME = "peak"
 FIELDS: tuple[Field, ...] = (Field("values", True, (1,), "float", "[C] values whose largest is served"),)

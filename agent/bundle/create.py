@@ -27,15 +27,15 @@ from agent.bundle.load import load_bundle, with_state_files
 from agent.errors import BundleError, QualityError, StageOutputError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
-from agent.spec.inputs import InputFeeder
-from agent.spec.kinds import vocabulary_kinds
-from agent.spec.manifest import (frame_from_dict, inputs_from_list, postprocess_from_dict,
+from agent.vocabulary.inputs import InputFeeder
+from agent.vocabulary.kinds import vocabulary_kinds
+from agent.vocabulary.manifest import (frame_from_dict, inputs_from_list, postprocess_from_dict,
                                  preprocess_from_dict)
 from agent.proof.parity import Finding, judge_fidelity
-from agent.spec.decoders import split_batch
+from agent.vocabulary.decoders import split_batch
 from agent.bundle.jpeg_hint import jpeg_explains
-from agent.spec.batch_axis import spec_axes
-from agent.spec.preprocess import Preprocessor
+from agent.vocabulary.batch_axis import spec_axes
+from agent.vocabulary.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet
 from agent.proof.session import measure_latency
 from agent.proof.terms import CPU
@@ -211,7 +211,7 @@ def _check_selftest_block(selftest: Any, path: Path) -> None:
     a misspelt or out-of-range floor is a spec error, not a TypeError or a quality refusal."""
     import jsonschema
 
-    from agent.spec.manifest import manifest_schema
+    from agent.vocabulary.manifest import manifest_schema
 
     if selftest is None:
         return
@@ -346,7 +346,7 @@ def _top1(outs: Sequence[Mapping[str, np.ndarray]], output: str, post: Any = Non
     if post is not None:
         from dataclasses import replace as _replace
 
-        from agent.spec.decoders import class_scores
+        from agent.vocabulary.decoders import class_scores
 
         spec = _replace(post, output=output)
         return np.asarray([int(np.argmax(class_scores(spec, o))) for o in outs])
@@ -383,7 +383,7 @@ def validate_spec_first(spec: Mapping[str, Any], opts: CreateOptions) -> None:
     a misspelt key or a bad label is refused in a second, not after quantisation and evaluation."""
     import jsonschema
 
-    from agent.spec.manifest import _describe, frame_from_dict, manifest_schema
+    from agent.vocabulary.manifest import _describe, frame_from_dict, manifest_schema
 
     where = str(opts.spec)
     doc = provisional_manifest(spec)
@@ -411,7 +411,7 @@ def validate_against_model(spec: Mapping[str, Any], input_spec: Mapping[str, Any
                            where: str) -> None:
     """The spec against the model's real tensors with every semantic check a device runs (outputs named
     by the postprocess, decision channels, state outputs), before samples load or anything quantises."""
-    from agent.spec.manifest import parse_manifest
+    from agent.vocabulary.manifest import parse_manifest
 
     parse_manifest(yaml.safe_dump(provisional_manifest(spec, input_spec, outputs)), where)
 

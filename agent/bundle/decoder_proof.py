@@ -21,7 +21,7 @@ from typing import Any
 
 from agent.errors import BundleError
 from agent.logsetup import get_logger
-from agent.spec.kinds import declaration, vocabulary_kinds
+from agent.vocabulary.kinds import declaration, vocabulary_kinds
 
 log = get_logger("bundle.create")
 

@@ -16,7 +16,7 @@ from agent.bundle.state_files import load_state_files, with_state_files  # noqa:
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
 from agent.npio import open_npz
-from agent.spec.manifest import (
+from agent.vocabulary.manifest import (
     FRAME_SIZE,
     GEOMETRY,
     MANIFEST_NAME,
@@ -26,9 +26,9 @@ from agent.spec.manifest import (
     TensorSpec,
     parse_manifest,
 )
-from agent.spec.decoders import layout_problems
-from agent.spec.kinds import declaration
-from agent.spec.preprocess import Preprocessor
+from agent.vocabulary.decoders import layout_problems
+from agent.vocabulary.kinds import declaration
+from agent.vocabulary.preprocess import Preprocessor
 
 _ORT_DTYPES = {
     "tensor(float)": "float32",

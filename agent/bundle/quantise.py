@@ -14,7 +14,7 @@ import numpy as np
 
 from agent.errors import BundleError, install_hint
 from agent.logsetup import get_logger
-from agent.spec.inputs import InputFeeder
+from agent.vocabulary.inputs import InputFeeder
 
 if TYPE_CHECKING:
     from agent.bundle.create import CreateOptions

@@ -14,7 +14,7 @@ import numpy as np
 from agent.proof.selection import may_settle, samples_settled
 from agent.proof.terms import LatencyStats
 from agent.proof.verdict import Candidate, Evidence, LatencyContext
-from agent.spec.inputs import InputFeeder
+from agent.vocabulary.inputs import InputFeeder
 
 
 @dataclass

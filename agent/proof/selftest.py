@@ -52,9 +52,9 @@ from agent.proof.stages import GraphPostprocessor, postprocessor_for, preprocess
 from agent.proof.terms import ProviderStatus, SessionSettings
 from agent.proof.verdict import (Candidate, CandidateResult, Evidence, PreprocessCheck, judge,
                                  json_safe)
-from agent.spec.batch_axis import check_single_sample_outputs
-from agent.spec.decoders import split_batch
-from agent.spec.preprocess import Preprocessor
+from agent.vocabulary.batch_axis import check_single_sample_outputs
+from agent.vocabulary.decoders import split_batch
+from agent.vocabulary.preprocess import Preprocessor
 
 from agent.proof.crash_files import CACHE_FILE, INFLIGHT_FILE, SKIP_FILE
 from agent.proof.costs import ProofCosts

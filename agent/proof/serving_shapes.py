@@ -15,8 +15,8 @@ from agent.bundle.load import Bundle
 from agent.proof.parity import judge_reproduction
 from agent.proof.stage_proof import used_outputs
 from agent.proof.stages import pre_fixed_size
-from agent.spec.decoders import split_batch
-from agent.spec.inputs import InputFeeder
+from agent.vocabulary.decoders import split_batch
+from agent.vocabulary.inputs import InputFeeder
 
 
 def batch_sizes(bundle: Bundle, max_batch: int) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 masks, text, scores), each in one module with its fields, check, compact form, fidelity and floors.
 
 Pure (numpy). A new kind is one module with the members of `ResultKind` and its tests: the package finds
-its modules (those with a NAME and FIELDS) and registers each one's declaration with `agent.spec.kinds`,
+its modules (those with a NAME and FIELDS) and registers each one's declaration with `agent.vocabulary.kinds`,
 from which the manifest's checks and the bundle schema's result block are derived. `add_kind` registers
 one from elsewhere (a test's throwaway kind).
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from agent.errors import BundleError
 from agent.proof.parity import Finding
-from agent.spec.kinds import Field, Floor, KindDecl, Option, register, unregister
+from agent.vocabulary.kinds import Field, Floor, KindDecl, Option, register, unregister
 
 
 class ResultKind(Protocol):
@@ -57,7 +57,7 @@ def declaration(kind: ResultKind) -> KindDecl:
 
 
 def add_kind(kind: ResultKind) -> None:
-    """Register a kind module (its behaviour here, its declaration with agent.spec.kinds)."""
+    """Register a kind module (its behaviour here, its declaration with agent.vocabulary.kinds)."""
     register(declaration(kind))
     KINDS[kind.NAME] = kind
 

@@ -18,11 +18,11 @@ from agent.errors import BundleError, ResultTooLargeError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, lengths_agree, setting
-from agent.spec.kinds import Floor, Option
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
 )
-from agent.spec.decoders import iou
+from agent.vocabulary.decoders import iou
 
 NAME = "boxes"
 FIELDS: tuple[Field, ...] = (

@@ -12,9 +12,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from agent.spec.kinds import DtypeClass, Field
+from agent.vocabulary.kinds import DtypeClass, Field
 
-__all__ = ["DtypeClass", "Field"]  # declared on the spec floor (agent/spec/kinds.py), used here
+__all__ = ["DtypeClass", "Field"]  # declared on the vocabulary floor (agent/vocabulary/kinds.py), used here
 
 _KINDS: dict[DtypeClass, str] = {"float": "f", "int": "iub", "number": "fiub", "mask": "fiub"}
 

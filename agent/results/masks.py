@@ -18,11 +18,11 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, setting
-from agent.spec.kinds import Floor, Option
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, read_pairs, sample_list, under,
 )
-from agent.spec.decoders import rle as row_major_rle
+from agent.vocabulary.decoders import rle as row_major_rle
 
 NAME = "masks"
 FIELDS: tuple[Field, ...] = (

@@ -17,7 +17,7 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, lengths_agree, rounded, setting
-from agent.spec.kinds import Floor, Option
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
 )

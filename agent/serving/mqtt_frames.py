@@ -15,8 +15,8 @@ from agent.errors import BadFrame, ConfigError
 from agent.logsetup import get_logger
 from agent.npio import read_npy
 from agent.serving.decoding import is_jpeg
-from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import bgr_to_frame, imread_flag
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.preprocess import bgr_to_frame, imread_flag
 
 from agent.serving.frames import Frame, SourceStats, now_pair
 from agent.serving.picture_scale import decode_jpeg_frame

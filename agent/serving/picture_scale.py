@@ -10,8 +10,8 @@ import numpy as np
 from agent.source_types import (PictureKeys)
 from agent.logsetup import get_logger
 from agent.serving.decoding import decode_jpeg, decode_scale, jpeg_size
-from agent.spec.yuv import reduced_size
-from agent.spec.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.yuv import reduced_size
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
 
 from agent.serving.frames import SourceStats
 

@@ -34,9 +34,9 @@ from agent.serving.decoding import decode_jpeg, is_jpeg, jpeg_size
 from agent.serving.capabilities import Retargetable, inner_sources
 from agent.serving.sizing import DecoderLoad
 from agent.serving.source_checks import probe_video
-from agent.spec.jpeg import MJPEG_FOURCCS
-from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, read_image_file
+from agent.vocabulary.jpeg import MJPEG_FOURCCS
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.preprocess import IMAGE_SUFFIXES, bgr_to_frame, read_image_file
 
 from agent.serving.frames import (  # noqa: F401 (what callers import from here)
     CAPTURE_THREAD, Frame, FrameSource, Pacer, SourceStats, now_pair, reads_in_flight,

@@ -1,5 +1,5 @@
 """`postprocess.result`: the result kind a bundle serves, the graph output of each of its fields and the
-kind's options, read and checked against the kind's declaration (agent/spec/kinds.py)."""
+kind's options, read and checked against the kind's declaration (agent/vocabulary/kinds.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from agent.errors import BundleError
-from agent.spec import kinds
+from agent.vocabulary import kinds
 
 
 @dataclass(frozen=True)
 class ResultSpec:
     """`postprocess.result`: the result kind served, which graph output holds each of its fields, and the
-    kind's options (agent/spec/kinds.py declares which keys are fields and which options)."""
+    kind's options (agent/vocabulary/kinds.py declares which keys are fields and which options)."""
 
     kind: str
     fields: Mapping[str, str] = field(default_factory=dict)  # kind field -> graph output name

@@ -7,9 +7,9 @@ from typing import Mapping
 
 
 from agent.errors import BundleError
-from agent.spec.result_spec import check_result
+from agent.vocabulary.result_spec import check_result
 
-from agent.spec.manifest import (MAX_RAW_VALUES, Manifest, PostprocessSpec,
+from agent.vocabulary.manifest import (MAX_RAW_VALUES, Manifest, PostprocessSpec,
                                  ResizeSpec, TensorSpec)
 
 

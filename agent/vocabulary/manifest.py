@@ -17,10 +17,10 @@ import yaml
 
 from agent.errors import BundleError
 from agent.fsio import load_yaml
-from agent.spec import kinds
-from agent.spec.jpeg_roundtrip import JpegRoundtrip
-from agent.spec.result_spec import ResultSpec, result_from_dict
-from agent.spec.jpeg_roundtrip import from_spec as jpeg_from_spec
+from agent.vocabulary import kinds
+from agent.vocabulary.jpeg_roundtrip import JpegRoundtrip
+from agent.vocabulary.result_spec import ResultSpec, result_from_dict
+from agent.vocabulary.jpeg_roundtrip import from_spec as jpeg_from_spec
 
 MANIFEST_NAME = "bundle.yaml"
 SIGNATURE_NAME = "bundle.sig"
@@ -30,7 +30,7 @@ FORMAT = 1
 DEFAULT_LATENCY_BUDGET_MS = 1000.0
 
 Precision = Literal["fp32", "fp16", "int8"]
-# the vocabulary's tasks, and (a bundle with a postprocess graph) the result kinds: agent/spec/kinds.py
+# the vocabulary's tasks, and (a bundle with a postprocess graph) the result kinds: agent/vocabulary/kinds.py
 Task = str
 PostprocessType = Literal["classification", "detection", "segmentation", "raw", "graph"]
 # a pre graph's optional output and a post graph's optional inputs besides the model outputs
@@ -44,7 +44,7 @@ Dim = int | str
 
 def manifest_schema() -> dict[str, Any]:
     """The JSON Schema every manifest is validated against: agent/schema/bundle.schema.json, with the parts
-    the result kinds declare (agent/spec/kinds.py) filled in: `task`'s enum, `$defs/result`, and the kinds'
+    the result kinds declare (agent/vocabulary/kinds.py) filled in: `task`'s enum, `$defs/result`, and the kinds'
     floors under `selftest.fidelity`."""
     return _schema(kinds.generation())
 
@@ -65,7 +65,7 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[Dim, ...]
-    # an output's batch axis (outputs[].batch_axis): 1 for a time-major [T, B, C] head; agent/spec/batch_axis.py
+    # an output's batch axis (outputs[].batch_axis): 1 for a time-major [T, B, C] head; agent/vocabulary/batch_axis.py
     batch_axis: int = 0
 
 
@@ -172,7 +172,7 @@ def _samples(seconds: float, rate: float, key: str, where: str) -> int:
 
 @dataclass(frozen=True)
 class ResizeSpec:
-    """How a frame becomes the model's spatial size (see agent/spec/preprocess.py for each mode).
+    """How a frame becomes the model's spatial size (see agent/vocabulary/preprocess.py for each mode).
 
     width/height: the output size (stretch, letterbox) or the crop size (short_side_crop); unused by
     fit_multiple, whose output size follows each frame (a dynamic-size input).
@@ -212,7 +212,7 @@ class PreprocessSpec:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     source_drift: Mapping[str, Any] = field(default_factory=dict)
-    # a JPEG encode and decode of each raw frame before the preprocessing (agent/spec/jpeg_roundtrip.py)
+    # a JPEG encode and decode of each raw frame before the preprocessing (agent/vocabulary/jpeg_roundtrip.py)
     jpeg_roundtrip: JpegRoundtrip | None = None
 
 
@@ -464,7 +464,7 @@ def parse_manifest(text: str, where: str = MANIFEST_NAME) -> Manifest:
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise BundleError(f"{where}: schema check failed: {lines}{more}")
     manifest = _build(data, where)
-    from agent.spec.manifest_checks import check_semantics  # the checks read this module's types: imported here
+    from agent.vocabulary.manifest_checks import check_semantics  # the checks read this module's types: imported here
 
     check_semantics(manifest, where)
     return manifest
