@@ -12,7 +12,7 @@ import numpy as np
 import yaml
 
 from agent.bundle.load import hash_files
-from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME
+from agent.vocabulary.manifest import MANIFEST_NAME, SIGNATURE_NAME
 
 
 def _save_checked(graph: Any, path: Path, opset: int) -> Path:

@@ -17,13 +17,17 @@ apt_locked() {  # apt_locked CMD...: run it, retrying while another apt/dpkg hol
   local end=$(( $(date +%s) + APT_WAIT )) said=0 rc out
   while :; do
     rc=0; out=$("$@" 2>&1) || rc=$?
-    if [ "$rc" -eq 0 ] || ! grep -qiE "could not get lock|unable to acquire|unable to lock" <<<"$out" \
-        || [ "$(date +%s)" -ge "$end" ]; then
+    if [ "$rc" -eq 0 ] || ! grep -qiE "could not get lock|unable to acquire|unable to lock" <<<"$out"; then
       [ -z "$out" ] || echo "$out" >&2
       return "$rc"
     fi
+    # said before the bound is checked: a first try that itself outlasted the bound (a loaded machine) says it too
     [ "$said" = 1 ] || say "another apt or dpkg holds its lock (unattended-upgrades after a boot?): waiting up to $(( APT_WAIT / 60 )) min"
     said=1
+    if [ "$(date +%s)" -ge "$end" ]; then
+      echo "$out" >&2
+      return "$rc"
+    fi
     sleep "$APT_RETRY_S"
   done
 }

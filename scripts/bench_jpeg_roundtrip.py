@@ -3,7 +3,7 @@ without the step, interleaved (with / without / with / ...), at several frame si
 
 The figure is the median CPU time per frame of each, the ratio with / without, and the load average before and
 after (the machine these numbers come from is shared). The step is one OpenCV JPEG encode and decode of the raw
-frame (agent/spec/jpeg_roundtrip.py), so its cost grows with the frame, not with the model input.
+frame (agent/vocabulary/jpeg_roundtrip.py), so its cost grows with the frame, not with the model input.
 
 Usage: python scripts/bench_jpeg_roundtrip.py [--rounds 200] [--quality 95]
 """
@@ -22,9 +22,9 @@ import cv2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.spec.jpeg_roundtrip import JpegRoundtrip  # noqa: E402
-from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec  # noqa: E402
-from agent.spec.preprocess import Preprocessor  # noqa: E402
+from agent.vocabulary.jpeg_roundtrip import JpegRoundtrip  # noqa: E402
+from agent.vocabulary.manifest import FrameSpec, PreprocessSpec, ResizeSpec  # noqa: E402
+from agent.vocabulary.preprocess import Preprocessor  # noqa: E402
 from agent.testing import structured_frames  # noqa: E402
 
 SIZES = ((480, 640), (720, 1280), (1080, 1920))

@@ -76,7 +76,7 @@ from agent.proof.session import open_session
 from agent.proof.terms import SessionSettings
 from agent.serving.decoding import max_decode_scale
 from agent.serving.sources import open_source
-from agent.spec.decoders import decode
+from agent.vocabulary.decoders import decode
 
 INPUTS = {"720p-mjpeg": (720, 1280, "mjpeg"), "1080p-mjpeg": (1080, 1920, "mjpeg"),
           "720p-h264": (720, 1280, "h264"), "1080p-h264": (1080, 1920, "h264")}

@@ -49,7 +49,7 @@ from agent.proof.stages import GraphPostprocessor, GraphPreprocessor, geometry_o
 from agent.proof.terms import CPU, SessionSettings  # noqa: E402
 from agent.proof.verdict import Candidate  # noqa: E402
 from agent.serving.engine import Engine, build_engine  # noqa: E402
-from agent.spec.manifest import FRAME_SIZE, GEOMETRY, PRE_GRAPH_INPUT  # noqa: E402
+from agent.vocabulary.manifest import FRAME_SIZE, GEOMETRY, PRE_GRAPH_INPUT  # noqa: E402
 
 DEMO = ROOT / "models" / "digits-classifier"
 DEMO_FRAMES = ROOT / "models" / "demo-frames" / "digits"

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent.bundle.create import CreateOptions, create_bundle, read_spec  # noqa: E402
-from agent.spec.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
-from agent.spec.preprocess import Preprocessor  # noqa: E402
+from agent.vocabulary.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
+from agent.vocabulary.preprocess import Preprocessor  # noqa: E402
 
 MAX_EXPORT_ERROR = 1e-5
 

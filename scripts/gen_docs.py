@@ -164,7 +164,7 @@ def _schema_rows(node: dict[str, Any], root: dict[str, Any], prefix: str, out: l
         path = f"{prefix}{name}"
         resolved = _resolve(sub, root)
         kind = resolved.get("type") or ("one of " + ", ".join(map(str, resolved["enum"])) if "enum" in resolved
-                                        else "see below" if "oneOf" in resolved else "")
+                                        else "see below" if "oneOf" in resolved or "anyOf" in resolved else "")
         out.append((path, _cell(kind if not isinstance(kind, list) else " or ".join(kind)),
                     _cell(sub.get("description") or resolved.get("description") or "")))
         if "properties" in resolved:
@@ -177,12 +177,14 @@ def _schema_rows(node: dict[str, Any], root: dict[str, Any], prefix: str, out: l
 
 
 def bundle_md() -> str:
-    schema = json.loads((ROOT / "agent" / "schema" / "bundle.schema.json").read_text())
+    from agent.vocabulary.manifest import manifest_schema
+
+    schema = manifest_schema()  # the shipped file with what the result kinds declare filled in
     rows: list[tuple[str, str, str]] = []
     _schema_rows(schema, schema, "", rows)
     seen: set[str] = set()
     lines = ["# Bundle manifest reference (`bundle.yaml`)", "",
-             HEADER.format(src="agent/schema/bundle.schema.json").strip(), "",
+             HEADER.format(src="agent/schema/bundle.schema.json + agent/vocabulary/kinds.py").strip(), "",
              "Unknown keys are errors; every error names the file and the key.", "",
              "| key | type | description |", "|---|---|---|"]
     for k, t, d in rows:

@@ -89,7 +89,7 @@ phase "lint (ruff) and types (mypy over agent/, --strict over the pure core)"
 "$CPU_PY" -m mypy
 # The pure core (the vocabulary, result kinds, the proof's judges, the update table) also under --strict:
 # no Any leaks out of the parts every other package builds on
-STRICT_CORE="agent/spec agent/results agent/updates/machine.py agent/proof/verdict.py agent/proof/parity.py
+STRICT_CORE="agent/vocabulary agent/results agent/updates/machine.py agent/proof/verdict.py agent/proof/parity.py
   agent/proof/pre_compare.py agent/proof/selection.py agent/proof/terms.py agent/proof/overall.py agent/proof/crash_files.py
   agent/proof/agreement.py"
 # shellcheck disable=SC2086

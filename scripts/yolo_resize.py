@@ -174,8 +174,8 @@ def _spec_at(size: int):
     """The layout spec's preprocessing and decoder, with the letterbox at `size`."""
     import yaml
 
-    from agent.spec.manifest import FrameSpec, postprocess_from_dict, preprocess_from_dict
-    from agent.spec.preprocess import Preprocessor
+    from agent.vocabulary.manifest import FrameSpec, postprocess_from_dict, preprocess_from_dict
+    from agent.vocabulary.preprocess import Preprocessor
 
     spec = yaml.safe_load(SPEC_1024.read_text())
     pre = dict(spec["preprocess"])
@@ -192,7 +192,7 @@ def _session(model):
 
 
 def _boxes(sess, pre, post, frame: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from agent.spec.decoders import decode_detections
+    from agent.vocabulary.decoders import decode_detections
 
     out = sess.run(None, {sess.get_inputs()[0].name: pre(frame)})[0]
     dets = decode_detections(post, {"output0": out[0]}, pre.geometry(frame))

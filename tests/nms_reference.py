@@ -1,11 +1,11 @@
-"""Greedy NMS in plain numpy: the test-only yardstick `agent.spec.decoders.nms` (OpenCV's) is checked against;
+"""Greedy NMS in plain numpy: the test-only yardstick `agent.vocabulary.decoders.nms` (OpenCV's) is checked against;
 moved out of the production module (issue 18)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from agent.spec.decoders import iou
+from agent.vocabulary.decoders import iou
 
 
 def nms_reference(boxes: np.ndarray, scores: np.ndarray, iou_threshold: float) -> list[int]:

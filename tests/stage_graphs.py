@@ -299,7 +299,7 @@ def demo_answers(frames: Sequence[Path], d: Path, wrong: int = 0, produced_by: s
     from agent.proof.terms import CPU, SessionSettings
     from agent.proof.verdict import Candidate
     from agent.serving.engine import build_engine
-    from agent.spec.preprocess import read_image_file
+    from agent.vocabulary.preprocess import read_image_file
     from agentproc import DEMO_BUNDLE
 
     d.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from agent.proof.selftest import evaluate
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
-from agent.spec.preprocess import read_image_file
+from agent.vocabulary.preprocess import read_image_file
 
 
 CHARSET = ["blank", "a", " ", "b"]  # id 0 the blank, id 2 the space

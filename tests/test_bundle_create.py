@@ -113,11 +113,12 @@ def test_spec_with_unknown_key_is_named(tiny_inputs: dict[str, Path], tmp_path: 
 import onnx  # noqa: E402
 import structlog  # noqa: E402
 
-from agent.bundle.create import INSTALL_BUILD_HINT, CalibrationFeeds, _reason  # noqa: E402
+from agent.bundle.create import INSTALL_BUILD_HINT, CalibrationFeeds  # noqa: E402
+from agent.bundle.quantise import reason_of  # noqa: E402
 from agent.proof.inspect import render_text, summarize  # noqa: E402
-from agent.spec.inputs import InputFeeder  # noqa: E402
-from agent.spec.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
-from agent.spec.preprocess import Preprocessor  # noqa: E402
+from agent.vocabulary.inputs import InputFeeder  # noqa: E402
+from agent.vocabulary.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
+from agent.vocabulary.preprocess import Preprocessor  # noqa: E402
 from tests.conftest import TINY_SPEC  # noqa: E402
 
 
@@ -225,8 +226,8 @@ def test_calibration_streams_frames_and_logs_progress_with_eta(tiny_inputs: dict
 
 
 def test_every_refusal_has_a_reason_even_when_the_exception_has_no_message() -> None:
-    assert _reason(AssertionError()) == "AssertionError with no message (AssertionError())"
-    assert _reason(ValueError("bad axis")) == "ValueError: bad axis"
+    assert reason_of(AssertionError()) == "AssertionError with no message (AssertionError())"
+    assert reason_of(ValueError("bad axis")) == "ValueError: bad axis"
 
 
 def test_the_build_hint_names_the_checkout_install_not_an_unrelated_package() -> None:
@@ -269,7 +270,7 @@ def test_a_calibration_directory_is_decoded_as_it_is_used_not_loaded_whole(tmp_p
 def test_build_never_derives_a_latency_budget_from_its_own_timing(tiny_bundle_master: Path) -> None:
     """Fault: without the author's budget, `bundle create` wrote max(50, 10 x the build's p95): a build on a
     loaded machine shipped a looser gate. Now nothing is written and the device applies a fixed default."""
-    from agent.spec.manifest import DEFAULT_LATENCY_BUDGET_MS
+    from agent.vocabulary.manifest import DEFAULT_LATENCY_BUDGET_MS
 
     b = load_bundle(tiny_bundle_master)
     assert "latency_budget_ms" not in b.manifest.raw["selftest"]

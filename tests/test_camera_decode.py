@@ -22,8 +22,8 @@ import yaml
 from agent.config import SourceConfig, parse_config
 from agent.serving.decoding import camera_sized_reduced, jpeg_size, max_decode_scale, reduced_decode, scaled_geometry
 from agent.serving.sources import Frame, open_source
-from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import fit_geometry
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.preprocess import fit_geometry
 from waiting import end_process, wait_until
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -18,7 +18,7 @@ from agent.errors import BundleError, QualityError
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
-from agent.spec.preprocess import read_image_file
+from agent.vocabulary.preprocess import read_image_file
 from agentproc import DEMO_BUNDLE, DEMO_FRAMES
 
 FP32 = Candidate(CPU, "fp32", "fp32")

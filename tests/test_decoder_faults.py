@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from agent.spec.decoders import layout_problems
-from agent.spec.manifest import PostprocessSpec
+from agent.vocabulary.decoders import layout_problems
+from agent.vocabulary.manifest import PostprocessSpec
 
 SIZE = 16
 
@@ -32,7 +32,7 @@ def _strict(result: dict) -> dict:
 
 def test_non_finite_end2end_boxes_decode_to_a_strict_json_result_not_an_exception() -> None:
     # decode raised ValueError("Out of range float values..."), which the publisher does not catch
-    from agent.spec.decoders import decode
+    from agent.vocabulary.decoders import decode
 
     p = PostprocessSpec(type="detection", layout="end2end", output="o")
     o = np.array([[[1, 2, 3, 4, 0.9, 0], [np.nan, 2, 3, 4, 0.8, 1], [np.inf, 0, 5, 5, 0.7, 2],
@@ -42,7 +42,7 @@ def test_non_finite_end2end_boxes_decode_to_a_strict_json_result_not_an_exceptio
 
 
 def test_an_infinite_probability_map_decodes_to_a_strict_json_result_not_an_exception() -> None:
-    from agent.spec.decoders import decode
+    from agent.vocabulary.decoders import decode
 
     p = PostprocessSpec(type="segmentation", output="m", mask="rle")
     m = np.zeros((1, 1, 32, 32), np.float32)

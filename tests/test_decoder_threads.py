@@ -26,7 +26,7 @@ from agent.serving.engine import build_engine
 from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP, Pipeline
 from agent.serving.sizing import DecoderLoad, StageCosts, plan_decoders, plan_stages
 from agent.serving.sources import is_lossless, open_source
-from agent.spec.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
 from agent.testing import ListSink
 
 DEMO = Path(__file__).resolve().parent.parent / "models" / "digits-classifier"

@@ -10,10 +10,10 @@ import pytest
 
 from agent.bundle.load import load_bundle
 from agent.errors import BundleError, ContractError, ResultTooLargeError
-from agent.spec.decoders import (decode, decode_detections, layout_problems, nms, result_bytes,
+from agent.vocabulary.decoders import (decode, decode_detections, layout_problems, nms, result_bytes,
                                  segment_regions)
-from agent.spec.manifest import PostprocessSpec, ResizeSpec
-from agent.spec.preprocess import fit_geometry
+from agent.vocabulary.manifest import PostprocessSpec, ResizeSpec
+from agent.vocabulary.preprocess import fit_geometry
 from agent.testing import rewrite_manifest
 from nms_reference import nms_reference
 
@@ -147,7 +147,7 @@ def test_declared_layout_that_does_not_fit_the_variant_is_refused_naming_the_fil
 
 
 def test_mask_iou_compares_thresholded_maps() -> None:
-    from agent.spec.decoders import mask_iou
+    from agent.vocabulary.decoders import mask_iou
 
     spec = PostprocessSpec(type="segmentation", output="m", threshold=0.5)
     a = np.zeros((1, 1, 10, 10), np.float32)

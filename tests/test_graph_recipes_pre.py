@@ -17,8 +17,8 @@ import onnxruntime as ort  # noqa: E402
 from agent.bundle.graphs import build_graph  # noqa: E402
 from agent.errors import UsageError  # noqa: E402
 from agent.proof.terms import CPU  # noqa: E402
-from agent.spec.manifest import ResizeSpec  # noqa: E402
-from agent.spec.preprocess import fit_geometry  # noqa: E402
+from agent.vocabulary.manifest import ResizeSpec  # noqa: E402
+from agent.vocabulary.preprocess import fit_geometry  # noqa: E402
 
 SIZES = [(480, 640), (333, 500), (720, 405), (97, 131)]
 
@@ -292,9 +292,9 @@ DIGITS = Path(__file__).resolve().parents[1] / "models" / "demo-frames" / "digit
 
 def test_stretch_recipe_reproduces_the_demo_bundles_declarative_preprocessing() -> None:
     """The demo's vocabulary (stretch 160 -> 128 linear, /255, mean 0.5, std 0.25, NCHW) as a recipe: every
-    demo frame within one pixel level (1/255/0.25) of agent.spec.preprocess, most elements equal."""
-    from agent.spec.manifest import FrameSpec, PreprocessSpec
-    from agent.spec.preprocess import Preprocessor, read_image_file
+    demo frame within one pixel level (1/255/0.25) of agent.vocabulary.preprocess, most elements equal."""
+    from agent.vocabulary.manifest import FrameSpec, PreprocessSpec
+    from agent.vocabulary.preprocess import Preprocessor, read_image_file
 
     spec = PreprocessSpec(layout="nchw", dtype="float32", color="rgb", scale=1 / 255, mean=(0.5,) * 3, std=(0.25,) * 3,
                           resize=ResizeSpec(width=128, height=128, mode="stretch", interpolation="linear"))
@@ -390,10 +390,10 @@ def test_float16_model_input() -> None:
 @pytest.mark.parametrize("hw", [(480, 640), (333, 250)])
 @pytest.mark.parametrize("mode", ["letterbox", "short_side_crop"])
 def test_recipes_reproduce_the_vocabularys_letterbox_and_short_side_crop(hw: tuple[int, int], mode: str) -> None:
-    """The declarative path (agent.spec.preprocess.Preprocessor) and the equivalent recipe: one pixel level apart
+    """The declarative path (agent.vocabulary.preprocess.Preprocessor) and the equivalent recipe: one pixel level apart
     at most, the same geometry."""
-    from agent.spec.manifest import FrameSpec, PreprocessSpec
-    from agent.spec.preprocess import Preprocessor
+    from agent.vocabulary.manifest import FrameSpec, PreprocessSpec
+    from agent.vocabulary.preprocess import Preprocessor
 
     if mode == "letterbox":
         resize = ResizeSpec(width=320, height=320, mode="letterbox", pad_value=114)

@@ -14,7 +14,7 @@ AGENT = Path(__file__).resolve().parents[1] / "agent"
 # `__main__` over everything. Packages on one floor (serving, link, updates) do not import each other.
 FLOOR = {
     "__init__": 0, "errors": 0, "fsio": 0, "hashing": 0, "logsetup": 0, "keydoc": 0, "npio": 0, "quantiles": 0,
-    "spec": 1, "bundle": 2, "proof": 3, "results": 3, "config": 4, "config_schema": 4, "source_types": 4,
+    "vocabulary": 1, "bundle": 2, "proof": 3, "results": 3, "config": 4, "config_schema": 4, "source_types": 4,
     "serving": 5, "link": 5, "updates": 5,
     "report": 6, "service": 6, "fleet": 6, "testing": 7, "__main__": 7,
 }
@@ -23,7 +23,7 @@ FLOOR = {
 # (bundle/model_build.py) are part of the same command.
 ALLOWED_UP = {("bundle/create.py", "proof"), ("bundle/create.py", "results"), ("bundle/model_build.py", "proof")}
 PURE = [
-    "agent.spec.manifest", "agent.spec.preprocess", "agent.spec.decoders",
+    "agent.vocabulary.manifest", "agent.vocabulary.preprocess", "agent.vocabulary.decoders",
     "agent.proof.terms", "agent.proof.parity", "agent.proof.agreement", "agent.proof.verdict", "agent.proof.selection", "agent.proof.pre_compare",
     "agent.proof.isa", "agent.config",
     "agent.config_schema", "agent.source_types", "agent.results", "agent.results.answers",

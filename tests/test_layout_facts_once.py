@@ -23,8 +23,8 @@ def test_one_image_suffix_list_and_a_webp_folder_serves_and_builds(tmp_path: Pat
     from agent.config import SourceConfig
     from agent.serving import sources
     from agent.serving.sources import FolderSource
-    from agent.spec import preprocess
-    from agent.spec.manifest import FrameSpec
+    from agent.vocabulary import preprocess
+    from agent.vocabulary.manifest import FrameSpec
 
     assert samples.IMAGE_SUFFIXES is preprocess.IMAGE_SUFFIXES is sources.IMAGE_SUFFIXES
     assert ".webp" in preprocess.IMAGE_SUFFIXES
@@ -77,6 +77,6 @@ def test_every_exception_class_lives_in_agent_errors() -> None:
 
 
 def test_nms_reference_is_test_code_only() -> None:
-    import agent.spec.decoders as d
+    import agent.vocabulary.decoders as d
 
     assert not hasattr(d, "nms_reference")

@@ -17,7 +17,7 @@ from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
 from agent.serving.sources import is_lossless, open_source
-from agent.spec.decoders import result_bytes
+from agent.vocabulary.decoders import result_bytes
 from agent.testing import ListSink
 from pipelines import run_to_end
 

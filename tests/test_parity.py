@@ -21,8 +21,8 @@ from agent.proof.parity import (
     wilson_interval,
 )
 from agent.proof.verdict import json_safe
-from agent.spec.decoders import decode, decode_detections
-from agent.spec.manifest import PostprocessSpec
+from agent.vocabulary.decoders import decode, decode_detections
+from agent.vocabulary.manifest import PostprocessSpec
 
 DET = PostprocessSpec(type="detection", boxes_output="boxes", scores_output="scores", score_threshold=0.5, iou_threshold=0.5)
 CLS = PostprocessSpec(type="classification", output="logits", top_k=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from agent.proof.parity import judge_reproduction, reproduction_bounds
-from agent.spec.manifest import PostprocessSpec
+from agent.vocabulary.manifest import PostprocessSpec
 
 YOLOV8 = PostprocessSpec(type="detection", output="out", layout="yolov8", box_format="cxcywh", score_threshold=0.25)
 

@@ -11,7 +11,7 @@ import pytest
 
 from agent.errors import BundleError
 from agent.proof.parity import fidelity_floors, judge_fidelity
-from agent.spec.manifest import PostprocessSpec
+from agent.vocabulary.manifest import PostprocessSpec
 from agent.testing import rewrite_manifest
 from tests.test_stateful import stateful_bundle  # noqa: F401  (fixture)
 
@@ -112,7 +112,7 @@ def test_a_stateful_rejection_names_the_golden_sequence_and_its_step_not_a_flatt
 
 def test_a_one_logit_classifier_is_binary_so_an_inverted_variant_fails_fidelity() -> None:
     # softmax of one value is always 1.0: every frame was "class 0, score 1.0" and any variant agreed
-    from agent.spec.decoders import decode
+    from agent.vocabulary.decoders import decode
 
     spec = PostprocessSpec(type="classification", output="p")
     x = np.random.default_rng(0).normal(0, 3, 32).astype(np.float32)

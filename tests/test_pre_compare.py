@@ -13,7 +13,7 @@ import pytest
 from agent.bundle.load import load_bundle
 from agent.proof.pre_compare import Levels, compare, explain
 from agent.proof.selftest import SelftestOptions, run_selftest
-from agent.spec import preprocess
+from agent.vocabulary import preprocess
 from agent.testing import rewrite_manifest
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from agent.bundle.create import CreateOptions, create_bundle
 from agent.bundle.load import load_bundle
 from agent.proof.pre_compare import Levels, compare
 from agent.proof.selftest import SelftestOptions, check_preprocessing, run_selftest
-from agent.spec import preprocess
+from agent.vocabulary import preprocess
 from agent.testing import rewrite_manifest
 
 LEVEL = (1 / 255) / 0.25  # the demo's scale / std: one 8-bit level in tensor units
@@ -173,7 +173,7 @@ def test_a_device_tensor_holding_nan_is_refused_at_the_preprocessing_stage(tmp_p
     """NaN compares false with every bound: the check passed a device whose preprocessing made NaN, proved the model
     on the bundled tensors instead and selected both variants with no finding (before the rounding change, INT8 was
     selected: its QuantizeLinear turns NaN into a number)."""
-    from agent.spec.preprocess import Preprocessor
+    from agent.vocabulary.preprocess import Preprocessor
 
     own = Preprocessor.__call__
 
@@ -323,7 +323,7 @@ def test_the_refusal_names_the_sample_that_is_not_rounding(monkeypatch: pytest.M
     """Sample 0 rounds one level (max_abs 0.0157), sample 3 is moved a third of a level everywhere (max_abs 0.0052):
     the finding named sample 0 -- the one that is only rounding -- with sample 3's explanation."""
     from agent.proof.verdict import Candidate, Evidence, judge
-    from agent.spec.preprocess import Preprocessor
+    from agent.vocabulary.preprocess import Preprocessor
 
     demo = load_bundle(Path(__file__).resolve().parent.parent / "models" / "digits-classifier")
     golden = demo.golden()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from agent.errors import PreprocessError
-from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
-from agent.spec.preprocess import Preprocessor, fit_geometry
+from agent.vocabulary.manifest import FrameSpec, PreprocessSpec, ResizeSpec
+from agent.vocabulary.preprocess import Preprocessor, fit_geometry
 
 
 def _img(h: int, w: int, value=(10, 20, 30)) -> np.ndarray:
@@ -69,7 +69,7 @@ def test_sensor_window_of_wrong_length_is_refused() -> None:
 
 # --- the vocabulary real exports need (issue 11) ---------------------------------------------------
 
-from agent.spec.preprocess import preprocess_batch, resize_image  # noqa: E402
+from agent.vocabulary.preprocess import preprocess_batch, resize_image  # noqa: E402
 
 
 def _pre(resize: ResizeSpec, h: int, w: int, **kw) -> Preprocessor:
@@ -149,7 +149,7 @@ def test_geometry_clips_mapped_boxes_to_the_frame() -> None:
 
 
 def test_incomplete_resize_modes_are_refused_with_what_they_lack() -> None:
-    from agent.spec.manifest import resize_problem
+    from agent.vocabulary.manifest_checks import resize_problem
 
     assert "short_side" in resize_problem(ResizeSpec(width=224, height=224, mode="short_side_crop"))
     assert "limit_side" in resize_problem(ResizeSpec(mode="fit_multiple"))
@@ -162,7 +162,7 @@ def test_incomplete_resize_modes_are_refused_with_what_they_lack() -> None:
 def test_pil_resampler_is_bit_exact_with_pillow(interpolation: str, size: tuple[int, int]) -> None:
     # torchvision on PIL images antialiases when shrinking; OpenCV's lanczos is 4.46 off on a crop classifier
     image = pytest.importorskip("PIL.Image")
-    from agent.spec.preprocess import resize_like_pil
+    from agent.vocabulary.preprocess import resize_like_pil
 
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (375, 500, 3), dtype=np.uint8)
@@ -211,7 +211,7 @@ def test_short_side_crop_with_paddleclas_rounding_matches_paddleclas_on_a_300x50
 
 
 def test_short_side_crop_rounding_keys_are_in_the_schema_and_default_to_torchvision() -> None:
-    from agent.spec.manifest import manifest_schema
+    from agent.vocabulary.manifest import manifest_schema
 
     resize = manifest_schema()["properties"]["preprocess"]["properties"]["resize"]["properties"]
     assert resize["size_rounding"]["enum"] == ["floor", "round"] and resize["crop_offset"]["enum"] == ["round", "floor"]

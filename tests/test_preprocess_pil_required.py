@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CODE = """
 from agent.errors import PreprocessError
-from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
-from agent.spec.preprocess import Preprocessor
+from agent.vocabulary.manifest import FrameSpec, PreprocessSpec, ResizeSpec
+from agent.vocabulary.preprocess import Preprocessor
 frame = FrameSpec(kind="image", height=40, width=40, channels=3, color="rgb")
 for resampler in ("opencv", "pil"):
     spec = PreprocessSpec(layout="nchw", dtype="float32", resize=ResizeSpec(width=32, height=32, interpolation="linear", resampler=resampler))
@@ -42,7 +42,7 @@ def test_without_pillow_a_pil_resampler_is_refused_naming_the_key_and_the_fix(tm
 
 def test_with_pillow_the_pil_resampler_is_pillow_itself() -> None:
     image = pytest.importorskip("PIL.Image")
-    from agent.spec.preprocess import resize_like_pil
+    from agent.vocabulary.preprocess import resize_like_pil
 
     img = np.random.default_rng(1).integers(0, 256, (50, 70, 3), dtype=np.uint8)
     assert np.array_equal(resize_like_pil(img, 31, 23, "lanczos"),
@@ -50,6 +50,6 @@ def test_with_pillow_the_pil_resampler_is_pillow_itself() -> None:
 
 
 def test_the_numpy_port_of_pillows_resize_is_gone() -> None:
-    import agent.spec.preprocess as pre
+    import agent.vocabulary.preprocess as pre
 
     assert not any(hasattr(pre, n) for n in ("_pil_pass", "_pil_coefficients", "_pil_filter"))

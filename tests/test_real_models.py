@@ -131,7 +131,7 @@ def results(workdir: Path) -> Any:
 # sample sets, the agent's build code and the onnxruntime/onnx versions. A commit that changes none of
 # them reuses the bundle (minutes per model on 2 cores); any change builds it again.
 BUILT = CACHE.parent / "real-bundles"
-BUILD_CODE = ("agent/bundle", "agent/spec", "agent/proof", "agent/results", "agent/schema", "agent/testing.py")
+BUILD_CODE = ("agent/bundle", "agent/vocabulary", "agent/proof", "agent/results", "agent/schema", "agent/testing.py")
 
 
 def build_key(args: list[str], out: Path) -> str:
@@ -566,7 +566,7 @@ def vad_served_from_a_file_source(bundle: Path, variant: str, workdir: Path) -> 
 def end_to_end(name: str, bundle: Path, variant: str, workdir: Path) -> dict[str, Any]:
     """Serve every held-out frame through the agent's engine (preprocess, session, decoder) and compare
     the published result with the package's own end-to-end result for that frame."""
-    from agent.spec.decoders import decode
+    from agent.vocabulary.decoders import decode
 
     if name == "vad":
         return vad_served_from_a_file_source(bundle, variant, workdir)

@@ -22,7 +22,7 @@ from agent.proof.selftest import (
 )
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
-from agent.spec.jpeg import decode_scale
+from agent.vocabulary.jpeg import decode_scale
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "digits-classifier"
 

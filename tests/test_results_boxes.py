@@ -110,7 +110,7 @@ def test_greedy_by_iou_matches_where_greedy_by_package_score_would_not() -> None
     served = [_res(_box(10, 0, 110, 100, 0.9), _box(-25, 0, 75, 100, 0.5))]
     pa = np.array([b["box"] for b in package[0]["boxes"]], float)
     ps = np.array([b["box"] for b in served[0]["boxes"]], float)
-    from agent.spec.decoders import iou
+    from agent.vocabulary.decoders import iou
     m = iou(pa, ps)
     assert m[0, 0] > m[0, 1] >= 0.5 and m[1, 0] > m[0, 0] and m[1, 1] < 0.5  # the premise
     figures, _ = boxes.fidelity(served, package, {"score_tolerance": 1.0, "min_median_iou": 0.0})
@@ -118,8 +118,8 @@ def test_greedy_by_iou_matches_where_greedy_by_package_score_would_not() -> None
 
 
 def test_normalise_accepts_the_vocabularys_detection_result() -> None:
-    from agent.spec.decoders import decode
-    from agent.spec.manifest import PostprocessSpec
+    from agent.vocabulary.decoders import decode
+    from agent.vocabulary.manifest import PostprocessSpec
 
     spec = PostprocessSpec(type="detection", boxes_output="b", scores_output="s", score_threshold=0.5)
     outputs = {"b": np.array([[10, 20, 50, 60], [0, 0, 5, 5]], np.float32),

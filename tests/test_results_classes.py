@@ -75,8 +75,8 @@ def test_compact_is_top_k_of_the_probabilities_with_labels() -> None:
 
 
 def test_normalise_accepts_the_vocabularys_classification_result() -> None:
-    from agent.spec.decoders import decode
-    from agent.spec.manifest import PostprocessSpec
+    from agent.vocabulary.decoders import decode
+    from agent.vocabulary.manifest import PostprocessSpec
 
     vocab = decode(PostprocessSpec(type="classification", output="logits", top_k=3),
                    {"logits": np.array([0.0, 3.0, 1.0], np.float32)}, labels=["x", "y", "z"])

@@ -76,7 +76,7 @@ def test_docs_name_every_kind_field_option_and_floor() -> None:
     doc = (ROOT / "docs" / "results.md").read_text()
     for name, kind in KINDS.items():
         assert f"`{name}`" in doc
-        for key in [f.name for f in kind.FIELDS] + list(kind.OPTIONS) + list(kind.DEFAULT_FLOORS):
+        for key in [f.name for f in kind.FIELDS] + [o.key for o in kind.OPTIONS] + list(kind.DEFAULT_FLOORS):
             assert f"`{key}`" in doc, f"docs/results.md does not name {name}'s {key}"
         for key, value in kind.DEFAULT_FLOORS.items():
             assert f"`{key}` | {value:g}" in doc, f"docs/results.md does not give {name}'s default {key} = {value:g}"

@@ -73,8 +73,8 @@ def test_pycocotools_compressed_string_is_read() -> None:
 
 
 def test_normalise_accepts_the_vocabularys_segmentation_with_an_rle_mask() -> None:
-    from agent.spec.decoders import decode
-    from agent.spec.manifest import PostprocessSpec
+    from agent.vocabulary.decoders import decode
+    from agent.vocabulary.manifest import PostprocessSpec
 
     prob = np.zeros((1, 1, 40, 60), np.float32)
     prob[0, 0, 5:30, 10:50] = 0.9

@@ -47,8 +47,8 @@ def test_score_off_by_003_with_every_decision_kept_fails_tolerance() -> None:
 
 
 def test_normalise_reads_the_vocabularys_raw_decision() -> None:
-    from agent.spec.decoders import decode
-    from agent.spec.manifest import DecisionSpec, PostprocessSpec
+    from agent.vocabulary.decoders import decode
+    from agent.vocabulary.manifest import DecisionSpec, PostprocessSpec
 
     spec = PostprocessSpec(type="raw", outputs=("p",), max_values=0,
                            decision=DecisionSpec(rule="threshold", threshold=0.5, labels=("silence", "speech")))

@@ -13,7 +13,7 @@ import pytest
 
 from agent.config import SourceConfig
 from agent.errors import ConfigError
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 
 STATE = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn"),)
 FRAME = {"kind": "sensor", "channels": 1, "sample_rate": 16000, "window": 576, "hop": 512}

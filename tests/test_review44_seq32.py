@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from agent.config import SourceConfig
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 from waiting import wait_until
 
 

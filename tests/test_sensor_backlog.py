@@ -28,7 +28,7 @@ from agent.serving.sensors import SEQ  # the seq32 framing's header
 import yaml
 
 from agent.config import PipelineConfig, SourceConfig
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 from waiting import wait_until
 
 W, C, H, K = 256, 2, 6, 3  # window (= hop), channels, state width, outputs
@@ -288,7 +288,7 @@ def _queued_bytes(port: int) -> int:
 
 def test_datagrams_the_receive_buffer_had_no_room_for_are_counted_and_the_state_resets_at_the_hole() -> None:
     """Before: the kernel's drops were never read, and the state was carried across the hole."""
-    from agent.spec.inputs import InputFeeder
+    from agent.vocabulary.inputs import InputFeeder
 
     src = _sensor_source(receive_buffer_bytes=4096)
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -115,7 +115,7 @@ def test_held_out_top1_of_a_single_output_binary_classifier_is_its_decision(tmp_
     """One logit per sample: classes 0 and 1 by its sigmoid (the decoder's rule); argmax over one value said
     class 0 for every sample (0.625 on a set where agreement is 1.0)."""
     from agent.bundle.create import _top1
-    from agent.spec.manifest import PostprocessSpec
+    from agent.vocabulary.manifest import PostprocessSpec
 
     post = PostprocessSpec(type="classification", output="logit")
     outs = [{"logit": np.array([[v]], np.float32)} for v in (-2.0, 3.0, 0.5, -0.1)]

@@ -57,7 +57,7 @@ def test_vad_decisions_and_segments_equal_the_packages_own(tmp_path: Path) -> No
 
 
 def _manifest(tmp: Path, post: dict[str, Any]) -> Any:
-    from agent.spec.manifest import parse_manifest
+    from agent.vocabulary.manifest import parse_manifest
 
     d = yaml.safe_load(_VAD_MANIFEST)
     d["postprocess"] = post
@@ -95,7 +95,7 @@ def test_max_values_over_its_limit_is_refused_with_its_own_message(tmp_path: Pat
 
 def test_argmax_over_a_single_output_is_refused_and_a_threshold_decides_it(tmp_path: Path) -> None:
     from agent.errors import BundleError
-    from agent.spec.decoders import decode
+    from agent.vocabulary.decoders import decode
 
     with pytest.raises(BundleError, match="argmax over the one value of 'output'.*rule: threshold"):
         _manifest(tmp_path, {"type": "raw", "decision": {"rule": "argmax", "output": "output"}})
@@ -123,7 +123,7 @@ def test_decision_fidelity_is_agreement_of_decisions_with_a_floor() -> None:
     """A variant whose probabilities drift where nobody decides (far from the threshold) keeps its
     decisions: SNR refused it; decision agreement passes it, and refuses flips under the floor."""
     from agent.proof.parity import fidelity_floors, judge_fidelity
-    from agent.spec.manifest import DecisionSpec, PostprocessSpec
+    from agent.vocabulary.manifest import DecisionSpec, PostprocessSpec
 
     spec = PostprocessSpec(type="raw", outputs=("output",), decision=DecisionSpec("threshold", "output", 0, 0.5))
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from agent.config import SourceConfig
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 from waiting import wait_until
 
 STATE = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn"),)

@@ -17,9 +17,9 @@ import numpy as np
 
 from agent.config import SourceConfig
 from agent.serving.sensors import SensorSource, _Stream
-from agent.spec.decisions import SegmentTracker
-from agent.spec.inputs import InputFeeder
-from agent.spec.manifest import DecisionSpec, EventSpec, ExtraInput, PostprocessSpec, frame_from_dict
+from agent.vocabulary.decisions import SegmentTracker
+from agent.vocabulary.inputs import InputFeeder
+from agent.vocabulary.manifest import DecisionSpec, EventSpec, ExtraInput, PostprocessSpec, frame_from_dict
 
 STATE = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn"),)
 

@@ -9,7 +9,7 @@ import pytest
 
 from agent.errors import BundleError
 from agent.serving.sensors import StreamSpan, _Stream
-from agent.spec.manifest import ExtraInput, FrameSpec, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, FrameSpec, frame_from_dict
 
 STATE = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn", reset_on_gap_s=0.3),)
 
@@ -83,8 +83,8 @@ def test_replicate_padding_copies_the_first_sample() -> None:
 
 
 def test_a_stream_restart_closes_its_open_segment_at_its_last_window() -> None:
-    from agent.spec.decisions import tracker_for
-    from agent.spec.manifest import postprocess_from_dict
+    from agent.vocabulary.decisions import tracker_for
+    from agent.vocabulary.manifest import postprocess_from_dict
 
     post = postprocess_from_dict({"type": "raw", "decision": {"rule": "threshold", "labels": ["no", "yes"]},
                                   "events": {"label": "yes", "min_duration_s": 0.05, "hangover_s": 0.1}})

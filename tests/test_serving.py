@@ -18,7 +18,7 @@ from agent.bundle.load import load_bundle
 from agent.config import PipelineConfig, SourceConfig
 from agent.serving.engine import build_engine
 from agent.serving.pipeline import LatestSlot, Pipeline
-from agent.spec.decoders import decode
+from agent.vocabulary.decoders import decode
 from agent.serving.sources import is_lossless, open_source
 from agent.testing import ListSink
 from agent.proof.verdict import Candidate

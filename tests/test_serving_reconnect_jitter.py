@@ -15,7 +15,7 @@ from waiting import wait_until
 def test_each_reconnect_wait_is_a_jittered_fraction_of_the_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     from agent.config import SourceConfig
     from agent.serving import sources
-    from agent.spec.manifest import FrameSpec
+    from agent.vocabulary.manifest import FrameSpec
 
     draws: list[tuple[float, float, float]] = []
     real_uniform = random.uniform

@@ -109,8 +109,8 @@ def test_a_misspelt_or_out_of_range_floor_in_the_spec_is_a_spec_error_naming_the
 
 def test_fit_multiple_min_refuses_a_skinny_frame_instead_of_allocating_a_gigantic_input() -> None:
     from agent.errors import PreprocessError
-    from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
-    from agent.spec.preprocess import Preprocessor
+    from agent.vocabulary.manifest import FrameSpec, PreprocessSpec, ResizeSpec
+    from agent.vocabulary.preprocess import Preprocessor
 
     r = ResizeSpec(mode="fit_multiple", limit_side=960, limit_type="min", multiple=32)
     pre = Preprocessor(PreprocessSpec(layout="nchw", dtype="float32", resize=r, scale=1 / 255),
@@ -123,7 +123,8 @@ def test_fit_multiple_min_refuses_a_skinny_frame_instead_of_allocating_a_giganti
 
 def test_short_side_crop_wider_than_the_short_side_is_refused() -> None:
     # a portrait frame made a (224, 22) tensor from the last 22 columns: the crop offset went negative
-    from agent.spec.manifest import ResizeSpec, resize_problem
+    from agent.vocabulary.manifest import ResizeSpec
+    from agent.vocabulary.manifest_checks import resize_problem
 
     assert "short_side 256" in (resize_problem(ResizeSpec(mode="short_side_crop", width=300, height=224,
                                                           short_side=256)) or "")
@@ -137,7 +138,7 @@ def test_short_side_crop_wider_than_the_short_side_is_refused() -> None:
 def test_a_sample_set_whose_references_or_labels_miss_rows_is_refused_naming_the_key(
         tmp_path: Path, arrays: dict, key: str) -> None:
     from agent.bundle.samples import load_samples
-    from agent.spec.manifest import FrameSpec
+    from agent.vocabulary.manifest import FrameSpec
 
     np.savez_compressed(tmp_path / "set.npz", raw=structured_frames(6, 32, 2), **arrays)
     with pytest.raises(BundleError, match=key):

@@ -30,7 +30,7 @@ from agent.proof.stages import preprocessor_for
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
-from agent.spec.preprocess import read_image_file
+from agent.vocabulary.preprocess import read_image_file
 from agent.testing import rewrite_manifest, structured_frames
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -380,8 +380,8 @@ def test_edge_agent_run_serves_the_demo_frames_the_same_through_the_graph_bundle
 def test_letterbox_of_an_int_truncating_package_is_refused_naming_the_rounding_key(tmp_path: Path) -> None:
     """The package int()s the letterbox's resized side (YOLOX): the drift is explained by
     preprocess.resize.rounding, and the refusal says so (the old hint named preprocess.mean)."""
-    from agent.spec.manifest import FrameSpec, preprocess_from_dict
-    from agent.spec.preprocess import Preprocessor
+    from agent.vocabulary.manifest import FrameSpec, preprocess_from_dict
+    from agent.vocabulary.preprocess import Preprocessor
     from agent.testing import make_tiny_classifier
 
     frame = {"kind": "image", "height": 37, "width": 100, "channels": 3, "color": "rgb"}
@@ -466,8 +466,8 @@ def test_int8_that_clips_beyond_the_calibrated_size_is_refused_naming_the_frame_
     from agent.bundle.samples import load_samples
     from agent.proof.parity import fidelity_floors
     from agent.proof.stages import GraphPreprocessor, VocabularyPostprocessor
-    from agent.spec.inputs import InputFeeder
-    from agent.spec.manifest import TensorSpec, frame_from_dict, postprocess_from_dict, preprocess_from_dict
+    from agent.vocabulary.inputs import InputFeeder
+    from agent.vocabulary.manifest import TensorSpec, frame_from_dict, postprocess_from_dict, preprocess_from_dict
 
     d, made = _coordinate_bundle(tmp_path)
     opts, spec = made["opts"], made["spec"]

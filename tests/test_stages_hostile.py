@@ -15,8 +15,8 @@ from stage_graphs import native_pre
 
 from agent.errors import PreprocessError, StageOutputError
 from agent.proof.stages import GraphPostprocessor, GraphPreprocessor
-from agent.spec.manifest import FrameSpec, PostprocessSpec, PreprocessSpec, ResultSpec, TensorSpec, result_from_dict
-from agent.spec.preprocess import IDENTITY
+from agent.vocabulary.manifest import FrameSpec, PostprocessSpec, PreprocessSpec, ResultSpec, TensorSpec, result_from_dict
+from agent.vocabulary.preprocess import IDENTITY
 from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 
@@ -36,7 +36,7 @@ def _tokens_post(path: Path, length: int) -> Path:
 
 
 def test_text_token_beyond_the_charset_at_serving_is_a_stage_error_the_pipeline_counts(tmp_path: Path) -> None:
-    spec = PostprocessSpec(graph="post.onnx", result=ResultSpec(kind="text", charset="charset.txt"))
+    spec = PostprocessSpec(graph="post.onnx", result=ResultSpec(kind="text", options={"charset": "charset.txt"}))
     post = GraphPostprocessor(_tokens_post(tmp_path / "post.onnx", 4), spec, (), ["_", "a", "b"])
     assert post.decode({"x": np.array([1, 2, 0, 1], np.float32)}, IDENTITY, 65536)["text"] == "aba"
     with pytest.raises(StageOutputError, match=r"stage post \(post\.onnx\).*token id 7 is beyond the charset"):
@@ -130,7 +130,7 @@ def test_results_a_post_stage_refuses_are_tallied_and_fail_probation(tmp_path: P
     model.ir_version = 8
     onnx.save(model, str(tmp_path / "post.onnx"))
     post = GraphPostprocessor(tmp_path / "post.onnx", PostprocessSpec(
-        graph="post.onnx", result=ResultSpec(kind="text", charset="charset.txt")), (), ["_", "a", "b", "c"])
+        graph="post.onnx", result=ResultSpec(kind="text", options={"charset": "charset.txt"})), (), ["_", "a", "b", "c"])
     engine = dataclasses.replace(build_engine(b, FP32, SessionSettings()), postprocessor=post)
     p, sink = _serve_folder(engine, golden)
     tally = p.tally(engine)
@@ -179,8 +179,8 @@ def test_pre_graph_geometry_knows_the_model_input_size_so_a_strided_map_maps_bac
     geometry left at 0, so regions were served 4x too small, on both sides of a self-test without answers."""
     from stage_graphs import stretch_pre
 
-    from agent.spec.decoders import decode
-    from agent.spec.preprocess import Geometry
+    from agent.vocabulary.decoders import decode
+    from agent.vocabulary.preprocess import Geometry
 
     frame = FrameSpec(kind="image", height=40, width=40, channels=3)
     pre = GraphPreprocessor(stretch_pre(tmp_path / "pre.onnx", "images", 32, 32), frame,
@@ -212,9 +212,9 @@ def _mask_post(path: Path, size: int) -> Path:
 def test_mask_not_at_the_frame_size_is_refused_by_the_kind_naming_both_sizes(tmp_path: Path) -> None:
     """Kind masks serves `mask` at frame size: a post graph that forgets to resize the model's 32x32 map to the
     48x64 frame served a 32x32 mask in the wrong pixels (unseen by a self-test without answers)."""
-    from agent.spec.preprocess import Geometry
+    from agent.vocabulary.preprocess import Geometry
 
-    result = ResultSpec(kind="masks", threshold=0.5)
+    result = ResultSpec(kind="masks", options={"threshold": 0.5})
     post = GraphPostprocessor(_mask_post(tmp_path / "post.onnx", 32), PostprocessSpec(graph="post.onnx", result=result),
                               (), None)
     prob = np.zeros((1, 32, 32), np.float32)
@@ -233,7 +233,7 @@ def test_a_variant_whose_post_stage_refuses_a_golden_sample_is_rejected_at_build
     from agent.bundle.create import GoldenStages, judge_final_results
 
     post = GraphPostprocessor(_tokens_post(tmp_path / "post.onnx", 4), PostprocessSpec(
-        graph="post.onnx", result=ResultSpec(kind="text", charset="charset.txt")), (), ["_", "a", "b"])
+        graph="post.onnx", result=ResultSpec(kind="text", options={"charset": "charset.txt"})), (), ["_", "a", "b"])
     spec = {"postprocess": {"graph": "post.onnx", "result": {"kind": "text", "charset": "charset.txt"}}}
     references = [{"x": np.array([[1, 2, 0, 1]], np.float32)}, {"x": np.array([[2, 2, 0, 1]], np.float32)}]
     int8 = [references[0], {"x": np.array([[2, 9, 0, 1]], np.float32)}]
@@ -281,7 +281,7 @@ def test_the_size_extremes_gate_at_build_never_judges_an_unused_output(tmp_path:
     from agent.bundle.create import GoldenStages, judge_sizes
     from agent.proof.parity import fidelity_floors
     from agent.proof.stages import postprocessor_for, preprocessor_for
-    from agent.spec.inputs import InputFeeder
+    from agent.vocabulary.inputs import InputFeeder
     from agent.testing import structured_frames
 
     b, _golden = _aux_bundle(tmp_path, list(structured_frames(4, 32, 0)))

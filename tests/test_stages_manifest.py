@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from agent.errors import BundleError
-from agent.spec.manifest import ResizeSpec, parse_manifest
-from agent.spec.preprocess import fit_geometry, letterbox_size, resize_image
+from agent.vocabulary.manifest import ResizeSpec, parse_manifest
+from agent.vocabulary.preprocess import fit_geometry, letterbox_size, resize_image
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "digits-classifier" / "bundle.yaml"
 BASE = yaml.safe_load(DEMO.read_text())

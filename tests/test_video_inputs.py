@@ -15,8 +15,8 @@ from agent.config import SourceConfig
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import scaled_geometry
 from agent.serving.sources import open_source
-from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import fit_geometry
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.preprocess import fit_geometry
 from pipelines import read_frames
 
 FFMPEG = shutil.which("ffmpeg")

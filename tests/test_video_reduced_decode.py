@@ -22,9 +22,9 @@ from agent.config import SourceConfig
 from agent.serving import ffmpeg_decode
 from agent.serving.decoding import scaled_geometry
 from agent.serving.sources import open_source
-from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import fit_geometry
-from agent.spec.yuv import camera_sized_reduced_yuv, reduced_yuv_decode, yuv420_to_frame
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.preprocess import fit_geometry
+from agent.vocabulary.yuv import camera_sized_reduced_yuv, reduced_yuv_decode, yuv420_to_frame
 from agentproc import AgentProcess, demo_config
 from pipelines import read_frames
 

@@ -17,8 +17,8 @@ from agent.errors import ConfigError
 from agent.keydoc import Key
 from agent.serving.sources import Frame, SourceStats
 from agent.source_types import SourceConfig
-from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import read_image_file
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.preprocess import read_image_file
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Iterator, Literal
 from agent.bundle.signing import SignatureCheck, verify_manifest_bytes
 from agent.errors import ArchiveError
 from agent.hashing import sha256_bytes
-from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME, parse_manifest
+from agent.vocabulary.manifest import MANIFEST_NAME, SIGNATURE_NAME, parse_manifest
 
 _CHUNK = 1 << 20
 

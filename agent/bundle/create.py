@@ -12,12 +12,10 @@ refusal leaves nothing behind.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import re
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
@@ -26,20 +24,26 @@ import numpy as np
 import yaml
 
 from agent.bundle.load import load_bundle, with_state_files
-from agent.errors import BundleError, QualityError, StageOutputError, install_hint
+from agent.errors import BundleError, QualityError, StageOutputError
 from agent.hashing import sha256_file
 from agent.logsetup import get_logger
-from agent.spec.inputs import InputFeeder
-from agent.spec.manifest import (frame_from_dict, inputs_from_list, postprocess_from_dict,
+from agent.vocabulary.inputs import InputFeeder
+from agent.vocabulary.kinds import vocabulary_kinds
+from agent.vocabulary.manifest import (frame_from_dict, inputs_from_list, postprocess_from_dict,
                                  preprocess_from_dict)
 from agent.proof.parity import Finding, judge_fidelity
-from agent.spec.decoders import split_batch
+from agent.vocabulary.decoders import split_batch
 from agent.bundle.jpeg_hint import jpeg_explains
-from agent.spec.batch_axis import spec_axes
-from agent.spec.preprocess import Preprocessor
+from agent.vocabulary.batch_axis import spec_axes
+from agent.vocabulary.preprocess import Preprocessor
 from agent.bundle.samples import SampleSet
 from agent.proof.session import measure_latency
 from agent.proof.terms import CPU
+
+from agent.bundle.quantise import (  # noqa: F401 (what callers import from here)
+    INSTALL_BUILD_HINT, CalibrationFeeds, convert_fp16, count_quantized_nodes, need_build_extra, prequantized,
+    quantize_int8, reason_of,
+)
 
 log = get_logger("bundle.create")
 
@@ -55,7 +59,6 @@ SPEC_KEYS = {"name", "version", "label", "task", "frame", "preprocess", "postpro
              "inputs", "frontend", "outputs"}
 # Bound on |spec preprocessing - framework input tensor| before the build refuses (tensor units).
 DEFAULT_PREPROCESS_DRIFT = 1e-3
-INSTALL_BUILD_HINT = install_hint("build", "onnx sympy")
 
 _ONNX_DTYPES = {1: "float32", 10: "float16", 2: "uint8", 3: "int8", 6: "int32", 7: "int64"}
 
@@ -186,14 +189,6 @@ def _symbolic_as_recorded(dim: int | str | None, fp32: int | str, axis: int) -> 
     return dim if isinstance(dim, str) and dim.isidentifier() else ("batch" if axis == 0 else f"dim{axis}")
 
 
-def _need_build_extra() -> Any:
-    try:
-        import onnx
-    except ImportError as exc:
-        raise BundleError(f"`bundle create` needs the build tools (onnx, sympy): {INSTALL_BUILD_HINT}") from exc
-    return onnx
-
-
 def read_spec(path: Path, pre_graph: bool = False) -> dict[str, Any]:
     try:
         spec = yaml.safe_load(Path(path).read_text()) or {}
@@ -216,7 +211,7 @@ def _check_selftest_block(selftest: Any, path: Path) -> None:
     a misspelt or out-of-range floor is a spec error, not a TypeError or a quality refusal."""
     import jsonschema
 
-    from agent.spec.manifest import manifest_schema
+    from agent.vocabulary.manifest import manifest_schema
 
     if selftest is None:
         return
@@ -262,17 +257,11 @@ def ort_view(sess: Any, tensors: Sequence[Mapping[str, Any]], kind: str, where: 
     return out
 
 
-def _reason(exc: BaseException) -> str:
-    """An exception as a reason a person can read: never an empty string."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} with no message ({exc!r})"
-
-
 def prepare_fp32(model_path: Path, dest: Path, extra_inputs: Sequence[str] = ()) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
     """onnx.checker, opset >= 13 (per-channel QDQ needs DequantizeLinear axis), contract from the graph.
 
     `extra_inputs`: the spec's declared constant/state/metadata inputs; the one input left is the frame's."""
-    onnx = _need_build_extra()
+    onnx = need_build_extra()
     try:
         model = onnx.load(str(model_path))
         onnx.checker.check_model(model)
@@ -301,243 +290,6 @@ def prepare_fp32(model_path: Path, dest: Path, extra_inputs: Sequence[str] = ())
             "under inputs (kind constant, state or metadata)"
         )
     return _tensor_dict(frame_inputs[0]), [_tensor_dict(o) for o in model.graph.output], opset
-
-
-class CalibrationFeeds:
-    """Streams calibration feeds: frames are preprocessed when ORT asks for them, in batches where the
-    input has a dynamic batch, and a stateful model's sequences run through FP32 so each step carries
-    the state it would have in serving. Nothing holds the whole calibration set as tensors.
-
-    Logs `bundle.create.calibrating` with samples done, elapsed and ETA every few seconds.
-    """
-
-    def __init__(self, samples: Sequence[np.ndarray], prepare: Any, feeder: InputFeeder, batch: int = 1,
-                 fp32: Any = None, progress_every_s: float = 2.0):
-        self.samples, self.prepare, self.feeder, self.batch = samples, prepare, feeder, max(1, batch)
-        self.fp32 = fp32  # a session for the state of stateful models
-        self.progress_every_s = progress_every_s
-        self.rewind()
-
-    def rewind(self) -> None:
-        self._it = self._generate()
-        self.done = 0
-        self._t0 = time.perf_counter()
-        self._last_log = self._t0
-
-    def _generate(self) -> Any:
-        if self.feeder.stateful:
-            names = [o.name for o in self.fp32.get_outputs()]
-            for seq in self.samples:
-                self.feeder.reset("calibration")
-                for frame in seq:
-                    feeds = self.feeder.feeds(self.prepare(frame), "calibration")
-                    yield feeds, 0
-                    self.feeder.advance("calibration", dict(zip(names, self.fp32.run(None, feeds))))
-                self._count(1)
-            return
-        for i in range(0, len(self.samples), self.batch):
-            chunk = self.samples[i : i + self.batch]
-            tensor = np.concatenate([self.prepare(r) for r in chunk]) if len(chunk) > 1 else self.prepare(chunk[0])
-            yield self.feeder.feeds(tensor, "calibration"), len(chunk)
-
-    def _count(self, n: int) -> None:
-        self.done += n
-        now = time.perf_counter()
-        if now - self._last_log >= self.progress_every_s or self.done == len(self.samples):
-            self._last_log = now
-            elapsed = now - self._t0
-            eta = elapsed / self.done * (len(self.samples) - self.done) if self.done else None
-            log.info("bundle.create.calibrating", done=self.done, total=len(self.samples), elapsed_s=round(elapsed, 1),
-                     eta_s=None if eta is None else round(eta, 1))
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        item = next(self._it, None)
-        if item is None:
-            return None
-        feeds, n = item
-        if n:
-            self._count(n)
-        return feeds
-
-
-def resolve_exclusions(graph: Any, source: Any, opts: CreateOptions) -> list[str]:
-    """Node names to keep in float, from names, patterns, op types and --exclude-after subgraphs.
-
-    Every name, pattern and op type must match something in the source model (`source`, what the user
-    sees in Netron); unknown ones are errors naming them. Nodes are then taken from `graph` (the model
-    after ORT's quantisation pre-processing) by name."""
-    src_nodes = [n.name for n in source.node]
-    all_nodes = {n.name for n in graph.node} | set(src_nodes)
-
-    def unknown_node(flag: str, name: str) -> BundleError:
-        close = difflib.get_close_matches(name, src_nodes, n=3)
-        hint = f"; did you mean {close}?" if close else ""
-        return BundleError(f"{flag} {name!r}: no node of that name in {opts.model}{hint}")
-
-    exclude: list[str] = []
-    for name in opts.exclude_nodes:
-        if name not in all_nodes:
-            raise unknown_node("--exclude-node", name)
-        exclude.append(name)
-    for pattern in opts.exclude_node_patterns:
-        try:
-            rx = re.compile(pattern)
-        except re.error as exc:
-            raise BundleError(f"--exclude-node-pattern {pattern!r}: not a regular expression: {exc}") from exc
-        hits = [n.name for n in graph.node if rx.search(n.name)]
-        if not hits:
-            raise BundleError(f"--exclude-node-pattern {pattern!r}: matches no node in {opts.model}")
-        exclude += hits
-    if opts.exclude_op_types:
-        present = {n.op_type for n in graph.node} | {n.op_type for n in source.node}
-        for op in opts.exclude_op_types:
-            if op not in present:
-                raise BundleError(f"--exclude-op-type {op!r}: the model has no such node (op types: {sorted(present)})")
-        exclude += [n.name for n in graph.node if n.op_type in opts.exclude_op_types]
-    for name in opts.exclude_after:
-        if name not in all_nodes:
-            raise unknown_node("--exclude-after", name)
-        g = graph if name in {n.name for n in graph.node} else source
-        exclude += downstream(g, name)
-    return list(dict.fromkeys(exclude))
-
-
-def downstream(graph: Any, start: str) -> list[str]:
-    """`start` and every node that consumes, directly or not, one of its outputs."""
-    consumers: dict[str, list[Any]] = {}
-    for n in graph.node:
-        for t in n.input:
-            consumers.setdefault(t, []).append(n)
-    by_name = {n.name: n for n in graph.node}
-    seen = [start]
-    frontier = list(by_name[start].output)
-    names = {start}
-    while frontier:
-        t = frontier.pop()
-        for n in consumers.get(t, ()):
-            if n.name not in names:
-                names.add(n.name)
-                seen.append(n.name)
-                frontier.extend(n.output)
-    return seen
-
-
-def quantize_int8(fp32: Path, out: Path, calib: CalibrationFeeds, opts: CreateOptions) -> dict[str, Any]:
-    onnx = _need_build_extra()
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    with tempfile.TemporaryDirectory() as tmp:
-        pre = Path(tmp) / "pre.onnx"
-        t0 = time.perf_counter()
-        shape_inference = "symbolic"
-        try:
-            quant_pre_process(str(fp32), str(pre), auto_merge=True)
-        except Exception as exc:
-            # ORT's symbolic shape inference asserts on some control flow (Silero VAD's If branches on the
-            # sample rate); ONNX's own shape inference handles them, so try it before giving up.
-            log.warning("bundle.create.symbolic_shape_inference_failed", reason=_reason(exc), fallback="onnx")
-            try:
-                quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
-                shape_inference = "onnx"
-            except Exception as exc2:
-                raise BundleError(f"{fp32}: ORT quantization pre-processing failed: {_reason(exc)}; "
-                                  f"without symbolic shape inference: {_reason(exc2)}") from exc2
-        exclude = resolve_exclusions(onnx.load(str(pre)).graph, onnx.load(str(fp32)).graph, opts)
-        method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-                  "percentile": CalibrationMethod.Percentile}[opts.method]
-        # No CalibMaxIntermediateOutputs: ORT's MinMax collect_data *discards* the collected runs each time
-        # that count is reached (it clears without merging), so a set of exactly 16 batch-1 runs ended in
-        # "No data is collected." and 20 runs were calibrated on the last 4. MinMax keeps only each tensor's
-        # ReduceMin/ReduceMax per run (the model's own outputs are dropped), so memory stays small anyway.
-        extra: dict[str, Any] = {}
-        # uint8 activations with int8 weights: the S8S8 default is not fused on x86 and runs slower than FP32.
-        try:
-            quantize_static(
-                str(pre), str(out), calib,
-                quant_format=QuantFormat.QDQ,
-                activation_type=QuantType.QUInt8,
-                weight_type=QuantType.QInt8,
-                per_channel=opts.per_channel,
-                reduce_range=opts.reduce_range,
-                calibrate_method=method,
-                nodes_to_exclude=exclude,
-                extra_options=extra,
-            )
-        except BundleError:
-            raise
-        except Exception as exc:
-            raise BundleError(f"{fp32}: INT8 quantization failed: {_reason(exc)}") from exc
-        quantized = count_quantized_nodes(onnx.load(str(out)).graph)
-        if quantized == 0:
-            # Silero VAD: its Conv and LSTM nodes sit inside If branches, which ORT's quantizer does not
-            # enter; a float model named int8 would pass every check and tell the device nothing.
-            raise BundleError(f"{fp32}: INT8 quantization quantized no node (no QuantizeLinear/DequantizeLinear in "
-                              "the result; ORT's quantizer does not enter If/Loop subgraphs): build without it (--no-int8)")
-    return {"format": "QDQ", "activations": "uint8", "weights": "int8", "weight_bits": 7 if opts.reduce_range else 8,
-            "per_channel": opts.per_channel,
-            "method": opts.method, "calibration_samples": calib.done, "excluded_nodes": exclude,
-            "shape_inference": shape_inference, "quantized_nodes": quantized,
-            "seconds": round(time.perf_counter() - t0, 1)}
-
-
-QUANTIZED_OPS = frozenset({"ConvInteger", "MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeLSTM",
-                           "DynamicQuantizeMatMul", "QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul",
-                           "QGemm", "MatMulIntegerToFloat", "QAttention"})
-
-
-def _op_counts(graph: Any, out: dict[str, int]) -> dict[str, int]:
-    for node in graph.node:
-        out[node.op_type] = out.get(node.op_type, 0) + 1
-        for a in node.attribute:
-            if a.g is not None and a.g.node:
-                _op_counts(a.g, out)
-            for g in a.graphs:
-                _op_counts(g, out)
-    return out
-
-
-def prequantized(model_path: Path) -> dict[str, Any] | None:
-    """What makes a model already quantised -- QuantizeLinear/DequantizeLinear pairs, integer ops
-    (ConvInteger, MatMulInteger, QLinear*), dynamic quantisation (DynamicQuantize*), quantisation metadata
-    -- or None for a float model. Quantising such a graph again breaks it (duplicate node names) or
-    quantises nothing; it is kept as the int8 variant."""
-    onnx = _need_build_extra()
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception:
-        return None  # prepare_fp32 reports an unreadable model with its own message
-    ops = _op_counts(model.graph, {})
-    found = {k: v for k, v in sorted(ops.items()) if k in QUANTIZED_OPS}
-    for op in ("QuantizeLinear", "DequantizeLinear"):  # QDQ pairs, or weights-only DequantizeLinear
-        if ops.get(op):
-            found[op] = ops[op]
-    meta = sorted(p.key for p in model.metadata_props if "quant" in p.key.lower())
-    if not found and not meta:
-        return None
-    return {"ops": found, **({"metadata": meta} if meta else {})}
-
-
-def count_quantized_nodes(graph: Any) -> int:
-    """QuantizeLinear/DequantizeLinear nodes in a graph and its subgraphs."""
-    n = 0
-    for node in graph.node:
-        n += node.op_type in ("QuantizeLinear", "DequantizeLinear")
-        for a in node.attribute:
-            if a.g is not None and a.g.node:
-                n += count_quantized_nodes(a.g)
-            for g in a.graphs:
-                n += count_quantized_nodes(g)
-    return n
-
-
-def convert_fp16(fp32: Path, out: Path) -> dict[str, Any]:
-    onnx = _need_build_extra()
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    model = convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=True)
-    onnx.save(model, str(out))
-    return {"keep_io_types": True}
 
 
 def _cpu_session(path: Path, optimize: bool) -> Any:
@@ -594,7 +346,7 @@ def _top1(outs: Sequence[Mapping[str, np.ndarray]], output: str, post: Any = Non
     if post is not None:
         from dataclasses import replace as _replace
 
-        from agent.spec.decoders import class_scores
+        from agent.vocabulary.decoders import class_scores
 
         spec = _replace(post, output=output)
         return np.asarray([int(np.argmax(class_scores(spec, o))) for o in outs])
@@ -631,7 +383,7 @@ def validate_spec_first(spec: Mapping[str, Any], opts: CreateOptions) -> None:
     a misspelt key or a bad label is refused in a second, not after quantisation and evaluation."""
     import jsonschema
 
-    from agent.spec.manifest import _describe, frame_from_dict, manifest_schema
+    from agent.vocabulary.manifest import _describe, frame_from_dict, manifest_schema
 
     where = str(opts.spec)
     doc = provisional_manifest(spec)
@@ -645,7 +397,7 @@ def validate_spec_first(spec: Mapping[str, Any], opts: CreateOptions) -> None:
         frame_from_dict(spec["frame"], inputs_from_list(spec.get("inputs")), where)
         postprocess_from_dict(spec["postprocess"])
     except TypeError as exc:
-        raise BundleError(f"{where}: {_reason(exc)}") from exc
+        raise BundleError(f"{where}: {reason_of(exc)}") from exc
     if opts.labels is not None:
         try:
             labels = [x for x in Path(opts.labels).read_text().splitlines() if x.strip()]
@@ -659,7 +411,7 @@ def validate_against_model(spec: Mapping[str, Any], input_spec: Mapping[str, Any
                            where: str) -> None:
     """The spec against the model's real tensors with every semantic check a device runs (outputs named
     by the postprocess, decision channels, state outputs), before samples load or anything quantises."""
-    from agent.spec.manifest import parse_manifest
+    from agent.vocabulary.manifest import parse_manifest
 
     parse_manifest(yaml.safe_dump(provisional_manifest(spec, input_spec, outputs)), where)
 
@@ -800,7 +552,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
     try:  # a state's .npy init is copied into the bundle and loaded
         extra_inputs = with_state_files(spec, opts.spec, root, inputs_from_list(spec.get("inputs")))
     except TypeError as exc:
-        raise BundleError(f"{opts.spec}: key inputs: {_reason(exc)}") from exc
+        raise BundleError(f"{opts.spec}: key inputs: {reason_of(exc)}") from exc
     frame = frame_from_dict(spec["frame"], extra_inputs, str(opts.spec))
     # a pre graph opens once the model's input is known (_build_model); the vocabulary compiles here
     pre = None if opts.pre_graph is not None else Preprocessor(preprocess_from_dict(spec["preprocess"]), frame)
@@ -815,7 +567,7 @@ def _build(spec: dict[str, Any], opts: CreateOptions, root: Path) -> None:
         from agent.bundle.frontends import frontend_from_dict, prepend_frontend
 
         frontend = frontend_from_dict(spec["frontend"], str(opts.spec))
-        _need_build_extra()
+        need_build_extra()
         model_path = root.parent / f".{root.name}.with-frontend.onnx"
         onnx.save(prepend_frontend(frontend, onnx.load(str(opts.model)), str(opts.spec), extra_inputs), str(model_path))
         log.info("bundle.create.frontend", **frontend.describe())
@@ -967,10 +719,9 @@ def golden_answers_text(golden: Path, samples: int) -> str | None:
 
 def check_answers_kind(spec: Mapping[str, Any], kind: str, where: object) -> None:
     """The package's answers (golden or held-out, at `where`) must be of the kind the bundle serves."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS
 
     post = spec.get("postprocess") or {}
-    serves = (post.get("result") or {}).get("kind") or VOCABULARY_KINDS.get(post.get("type", ""))
+    serves = (post.get("result") or {}).get("kind") or vocabulary_kinds().get(post.get("type", ""))
     if serves is not None and serves != kind:
         key = "postprocess.result.kind" if (post.get("result") or {}).get("kind") else f"postprocess.type {post.get('type')}"
         raise BundleError(f"{where}: the package's answers are of kind {kind!r}, the bundle serves kind "
@@ -1043,11 +794,11 @@ def judge_sizes(sess: Any, fp32: Any, frames: Sequence[np.ndarray], pre: Any, fe
     """A reduced-precision variant against FP32 on the frames of `size_extremes`, by the final result's kind (or
     the task's fidelity for raw outputs): an INT8 whose in-graph coordinates saturate beyond the calibrated
     size is refused naming the frame size, metric, value and bound."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+    from agent.proof.stage_proof import kind_floors
 
     post_spec = postprocess_from_dict(spec["postprocess"])
     kind_name = post_spec.result.kind if post_spec.result is not None else (
-        None if post_spec.type == "raw" and post_spec.decision is None else VOCABULARY_KINDS.get(post_spec.type))
+        None if post_spec.type == "raw" and post_spec.decision is None else vocabulary_kinds().get(post_spec.type))
     figures: dict[str, Any] = {}
     problems: list[str] = []
     for raw in frames:
@@ -1084,7 +835,7 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
                         spec: Mapping[str, Any], stage: str) -> tuple[dict[str, float], list[Any]]:
     """A variant's final results (its outputs -> post stage -> kind) against the package's answers, or without
     them against the final results of the references' outputs, by the kind's fidelity: the gate the device applies."""
-    from agent.proof.stage_proof import VOCABULARY_KINDS, kind_floors
+    from agent.proof.stage_proof import kind_floors
     from agent.results import kind_for
 
     post_spec = postprocess_from_dict(spec["postprocess"])
@@ -1092,7 +843,7 @@ def judge_final_results(stages: GoldenStages, outs: Sequence[Mapping[str, np.nda
         doc = json.loads(answers_text)
         name, want = doc["kind"], doc["results"]
     else:
-        name = post_spec.result.kind if post_spec.result is not None else VOCABULARY_KINDS.get(post_spec.type, "")
+        name = post_spec.result.kind if post_spec.result is not None else vocabulary_kinds().get(post_spec.type, "")
         want = []
         for i, (r, g) in enumerate(zip(references, geometries)):
             try:

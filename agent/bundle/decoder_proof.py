@@ -21,16 +21,12 @@ from typing import Any
 
 from agent.errors import BundleError
 from agent.logsetup import get_logger
+from agent.vocabulary.kinds import declaration, vocabulary_kinds
 
 log = get_logger("bundle.create")
 
-# result kinds whose values come from reading positions in a raw layout
-DECODED_KINDS = frozenset({"boxes", "masks", "text"})
 FLAG = "--allow-unproven-decoder"
 MANIFEST_KEY = "source.unproven_decoder"
-# the vocabulary's decoding tasks as result kinds (agent.proof.stage_proof.VOCABULARY_KINDS; bundle/ sits below
-# proof/ in the layering, so the two it needs are named here)
-_VOCABULARY_DECODED = {"detection": "boxes", "segmentation": "masks"}
 
 
 def served_kind(spec: Mapping[str, Any]) -> tuple[str | None, str]:
@@ -39,7 +35,14 @@ def served_kind(spec: Mapping[str, Any]) -> tuple[str | None, str]:
     declared = (post.get("result") or {}).get("kind")
     if declared:
         return str(declared), "postprocess.result.kind"
-    return _VOCABULARY_DECODED.get(str(post.get("type", ""))), f"postprocess.type {post.get('type')}"
+    kind = vocabulary_kinds().get(str(post.get("type", "")))  # the vocabulary's decoding tasks as result kinds
+    return (kind if _decoded(kind) else None), f"postprocess.type {post.get('type')}"
+
+
+def _decoded(kind: str | None) -> bool:
+    """A kind whose values come from reading positions in a raw layout (its declaration says)."""
+    decl = declaration(kind) if kind else None
+    return decl is not None and decl.decoded
 
 
 def unproven_decoder(spec: Mapping[str, Any], golden: Path, heldout: Path | None, have_golden_answers: bool,
@@ -47,7 +50,7 @@ def unproven_decoder(spec: Mapping[str, Any], golden: Path, heldout: Path | None
     """None when the decoder is proven (or there is none to prove); else the warning the manifest carries when
     the author allowed it. Refuses (BundleError naming the missing answers and the flag) when not allowed."""
     kind, key = served_kind(spec)
-    if sequence or kind not in DECODED_KINDS or have_golden_answers or have_held_answers:
+    if sequence or not _decoded(kind) or have_golden_answers or have_held_answers:
         return None
     post = spec.get("postprocess") or {}
     how = (f", post graph {post['graph']!r}" if post.get("graph")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.spec.jpeg_roundtrip import KEY, roundtrip
+from agent.vocabulary.jpeg_roundtrip import KEY, roundtrip
 
 QUALITIES = (95, 90, 85, 80, 75, 70, 60, 50)
 FACTOR = 4.0  # "looks like JPEG loss": a round trip shrinks the worst difference at least this many times

@@ -16,19 +16,19 @@ from agent.bundle.state_files import load_state_files, with_state_files  # noqa:
 from agent.errors import BundleError, ContractError
 from agent.hashing import sha256_bytes, sha256_file
 from agent.npio import open_npz
-from agent.spec.manifest import (
+from agent.vocabulary.manifest import (
     FRAME_SIZE,
     GEOMETRY,
     MANIFEST_NAME,
     PRE_GRAPH_INPUT,
-    RESULT_FIELDS,
     SIGNATURE_NAME,
     Manifest,
     TensorSpec,
     parse_manifest,
 )
-from agent.spec.decoders import layout_problems
-from agent.spec.preprocess import Preprocessor
+from agent.vocabulary.decoders import layout_problems
+from agent.vocabulary.kinds import declaration
+from agent.vocabulary.preprocess import Preprocessor
 
 _ORT_DTYPES = {
     "tensor(float)": "float32",
@@ -283,9 +283,9 @@ def check_stage_contracts(root: Path, manifest: Manifest) -> None:
                 problems.append(f"input {name!r} is {dtype}, the model output is {declared[name].dtype}")
         r = m.postprocess.result
         assert r is not None  # the manifest's semantic check: a post graph names its result
-        for fld in RESULT_FIELDS[r.kind]:
-            required, fld = not fld.endswith("?"), fld.rstrip("?")
-            if (required or fld in r.fields) and r.output_for(fld) not in outs:
+        decl = declaration(r.kind)
+        for fld in [f.name for f in decl.fields if f.required or f.name in r.fields] if decl else []:
+            if r.output_for(fld) not in outs:
                 named = f"postprocess.result.{fld} names" if fld in r.fields else "unnamed, it is"
                 problems.append(f"field {fld!r} of kind {r.kind}: {named} output {r.output_for(fld)!r}, which the "
                                 f"graph does not have (outputs {sorted(outs)})")

@@ -20,8 +20,8 @@ from agent.bundle.decoder_proof import unproven_decoder
 from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files
 from agent.bundle.samples import load_samples
 from agent.proof.parity import fidelity_floors
-from agent.spec.batch_axis import check_single_sample_outputs, spec_batch_axes
-from agent.spec.manifest import ExtraInput, MANIFEST_NAME, TensorSpec
+from agent.vocabulary.batch_axis import check_single_sample_outputs, spec_batch_axes
+from agent.vocabulary.manifest import ExtraInput, MANIFEST_NAME, TensorSpec
 from agent.bundle.create import (  # the build's helpers: one module owns them, the steps only call them
     _as_batch,
     BundleError,
@@ -55,7 +55,7 @@ from agent.bundle.create import (  # the build's helpers: one module owns them, 
     provisional_manifest,
     _quality_gate,
     quantize_int8,
-    _reason,
+    reason_of,
     _run_all,
     SampleSet,
     size_extremes,
@@ -121,7 +121,7 @@ class _Build:
         try:
             return np.stack([self.pre(r) for r in raw]) if self.sequence else self.pre(raw)
         except Exception as exc:
-            raise BundleError(f"preprocessing a sample failed: {_reason(exc)}") from exc
+            raise BundleError(f"preprocessing a sample failed: {reason_of(exc)}") from exc
 
 
 def build_model(spec: dict[str, Any], opts: CreateOptions, root: Path, model_path: Path, frontend: Any, post: Any,
@@ -167,7 +167,7 @@ def _check_model(b: _Build) -> None:
                                   TensorSpec(input_spec["name"], input_spec["dtype"], tuple(input_spec["shape"])))
     if stage_files(spec):  # each stage graph's I/O against the model's real tensors, before samples load
         from agent.bundle.load import check_stage_contracts
-        from agent.spec.manifest import parse_manifest
+        from agent.vocabulary.manifest import parse_manifest
 
         check_stage_contracts(root, parse_manifest(yaml.safe_dump(provisional_manifest(spec, input_spec, outputs)),
                                                    str(opts.spec)))
@@ -404,7 +404,7 @@ def _write_bundle(b: _Build, golden_files: list[str]) -> None:
         postprocess["labels"] = labels_rel
     # The author's floors and bounds pass through unchanged: a build never writes a gate from what it measured.
     # No latency budget is derived from the build machine's timing either: without the author's
-    # `latency_budget_ms` the device applies DEFAULT_LATENCY_BUDGET_MS (spec/manifest.py).
+    # `latency_budget_ms` the device applies DEFAULT_LATENCY_BUDGET_MS (vocabulary/manifest.py).
     selftest = dict(spec.get("selftest", {}))
     preference = spec.get("preference") or {CPU: [v.name for v in b.builds
                                                   if CPU in PROVIDERS_BY_PRECISION[v.precision]]}

@@ -18,8 +18,8 @@ import numpy as np
 
 from agent.errors import BundleError
 from agent.npio import open_npz, read_npy
-from agent.spec.manifest import FrameSpec
-from agent.spec.preprocess import IMAGE_SUFFIXES, read_image_file
+from agent.vocabulary.manifest import FrameSpec
+from agent.vocabulary.preprocess import IMAGE_SUFFIXES, read_image_file
 
 
 class LazyFrames(Sequence[np.ndarray]):

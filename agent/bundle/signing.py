@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from agent.errors import SignatureError
 from agent.fsio import write_atomic
-from agent.spec.manifest import MANIFEST_NAME, SIGNATURE_NAME
+from agent.vocabulary.manifest import MANIFEST_NAME, SIGNATURE_NAME
 
 
 def key_id(public: Ed25519PublicKey) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from agent.npio import read_npy
 from agent.errors import BundleError
 from agent.hashing import sha256_file
-from agent.spec.manifest import ExtraInput
+from agent.vocabulary.manifest import ExtraInput
 
 STATES_DIR = "states"
 

@@ -42,7 +42,7 @@ from agent.fleet.state import mqtt_protocol
 from agent.fsio import read_json, write_json_atomic
 from agent.link.topics import Topics, default_prefix
 from agent.logsetup import get_logger
-from agent.spec.manifest import MANIFEST_NAME, parse_manifest
+from agent.vocabulary.manifest import MANIFEST_NAME, parse_manifest
 from agent.updates.commands import CommandRefused, Rollback, is_repeat, parse_update_command, repeat_reply
 from agent.updates.delivery import ChunkReceiver, Downloader
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation

@@ -14,7 +14,7 @@ A full disk (or any failed write) loses nothing silently: a message is kept in m
 succeeds, up to `memory_messages`; beyond that bound the policy drops, counted in `dropped` with an
 `outbox.dropped` event (reason "disk"). Writes are retried on every pump, so recovery needs no restart.
 What a stop on a full disk cannot keep is counted in a small file allocated while there was space
-(`lost_at_stop`), and the next boot adds it to `dropped` in health. What a kill (SIGKILL, the OOM killer, a
+(`lost_at_stop`, agent/link/lost_at_stop.py), and the next boot adds it to `dropped` in health. What a kill (SIGKILL, the OOM killer, a
 stop time-out) leaves in memory is counted in a mapped file (agent/link/held.py), for the next boot likewise.
 
 Threads: `put` and `ack` may be called from any thread (they only append to a deque); the SQLite
@@ -24,7 +24,6 @@ from the link's thread never meet half-way.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 import time
@@ -36,6 +35,7 @@ from typing import Callable
 
 from agent.config import OutboxConfig
 from agent.link.held import HeldCounter
+from agent.link.lost_at_stop import LostCounter
 from agent.logsetup import get_logger
 
 log = get_logger("outbox")
@@ -86,56 +86,6 @@ class StepSafeClock:
 
     def __call__(self) -> float:
         return self._wall0 + (time.monotonic() - self._mono0)
-
-
-class LostCounter:
-    """Results a stop could not keep (the disk full at stop), for the next boot to count. The file is
-    allocated at start, while there is space, and rewritten in place at stop: an overwrite of a block the
-    file already owns needs no free space."""
-
-    SIZE = 32
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def read(self) -> int:
-        """The count the previous stop left (0 if none)."""
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            raw = b""
-        except OSError as exc:
-            log.error("outbox.lost_counter_unreadable", file=str(self.path), error=str(exc))
-            return 0
-        try:
-            count = int(raw.split()[1]) if raw.startswith(b"lost ") else 0
-        except (IndexError, ValueError):
-            log.error("outbox.lost_counter_unreadable", file=str(self.path), error=f"bad contents {raw[:40]!r}")
-            count = 0
-        return count
-
-    def allocate(self) -> None:
-        """Reset to 0, which (re)allocates the file while there is space for it."""
-        try:
-            size = self.path.stat().st_size
-        except OSError:
-            size = 0
-        if size != self.SIZE or self.read():
-            self.store(0)
-
-    def store(self, count: int) -> bool:
-        text = f"lost {count}".encode().ljust(self.SIZE - 1) + b"\n"
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                os.pwrite(fd, text, 0)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            log.error("outbox.lost_counter_not_written", file=str(self.path), count=count, error=str(exc))
-            return False
-        return True
 
 
 class Outbox:

@@ -19,7 +19,7 @@ import paho.mqtt.client as paho
 from agent.bundle.archive import unpack
 from agent.errors import AgentError
 from agent.hashing import sha256_file
-from agent.spec.manifest import MANIFEST_NAME, parse_manifest
+from agent.vocabulary.manifest import MANIFEST_NAME, parse_manifest
 from agent.link.topics import Topics, default_prefix
 
 FINAL = ("committed", "rejected", "rolled_back")

@@ -11,8 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from agent.spec.decoders import class_scores, decode_detections, iou
-from agent.spec.manifest import PostprocessSpec
+from agent.vocabulary.decoders import class_scores, decode_detections, iou
+from agent.vocabulary.manifest import PostprocessSpec
 
 Outputs = Mapping[str, np.ndarray]
 WILSON_Z = 1.96
@@ -208,7 +208,7 @@ DEFAULT_DECISION_AGREEMENT = 0.98
 def decision_task_agreement(spec: PostprocessSpec, got: Sequence[Outputs], ref: Sequence[Outputs]) -> TaskAgreement:
     """raw with a declared decision: what the bundle publishes is the decision, so its fidelity is the share
     of frames deciding as the reference does (not the SNR of channels nobody reads)."""
-    from agent.spec.decisions import decide
+    from agent.vocabulary.decisions import decide
 
     flips = [i for i, (g, r) in enumerate(zip(got, ref)) if decide(spec, g).class_id != decide(spec, r).class_id]
     share = 1.0 - len(flips) / len(got) if got else 1.0

@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 
-from agent.spec.manifest import PostprocessSpec
+from agent.vocabulary.manifest import PostprocessSpec
 from agent.proof.agreement import (  # noqa: F401 (the task metrics, imported from here by callers)
     DEFAULT_DECISION_AGREEMENT,
     SNR_CAP_DB,

@@ -31,9 +31,9 @@ from agent.proof.stage_proof import used_outputs
 from agent.proof.stages import preprocessor_for
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
-from agent.spec.decoders import split_batch
-from agent.spec.jpeg import camera_sized_reduced, max_decode_scale
-from agent.spec.yuv import camera_sized_reduced_yuv
+from agent.vocabulary.decoders import split_batch
+from agent.vocabulary.jpeg import camera_sized_reduced, max_decode_scale
+from agent.vocabulary.yuv import camera_sized_reduced_yuv
 
 log = get_logger("selftest")
 
@@ -138,7 +138,7 @@ def _reduced_decode(bundle: Bundle, c: Candidate, settings: SessionSettings, gol
     for s in (s for s in REDUCED_SCALES if s <= max_scale):
         # Both reduced paths serve at this one proven scale, so both must reproduce the full path: JPEG
         # decoded in the DCT (MJPEG cameras, .jpg folders) and the H.264/H.265 decoder's planes averaged
-        # down before the colour conversion (agent.spec.yuv, what the PyAV sources do).
+        # down before the colour conversion (agent.vocabulary.yuv, what the PyAV sources do).
         entry: dict[str, Any] = {"scale": s, "passed": True, "paths": {}}
         failed: str | None = None
         for path, reduce in (("jpeg", camera_sized_reduced), ("video", camera_sized_reduced_yuv)):

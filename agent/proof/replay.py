@@ -13,9 +13,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from agent.spec.decoders import split_batch
-from agent.spec.inputs import Feeds, InputFeeder
-from agent.spec.manifest import Manifest
+from agent.vocabulary.decoders import split_batch
+from agent.vocabulary.inputs import Feeds, InputFeeder
+from agent.vocabulary.manifest import Manifest
 
 Outputs = dict[str, np.ndarray]
 Run = Callable[[Feeds], Outputs]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 from agent.errors import ProviderError
 from agent.proof.terms import CPU, ProviderStatus
 from agent.quantiles import percentiles
-from agent.spec.manifest import Manifest
+from agent.vocabulary.manifest import Manifest
 
 if TYPE_CHECKING:  # the verdicts (numpy, through parity) only where a candidate is made: agent.config imports this
     from agent.proof.verdict import Candidate, CandidateResult

@@ -10,9 +10,7 @@ import functools
 import json
 import os
 import platform
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,9 +35,7 @@ from agent.proof.selection import (
     choose,
     fastest_proven,
     latency_retry_schedule,
-    may_settle,
     provider_groups,
-    samples_settled,
     should_remeasure_latency,
 )
 from agent.proof.session import open_session
@@ -52,13 +48,13 @@ from agent.proof.stage_proof import (
     recorded_post,
     used_outputs,
 )
-from agent.proof.stages import GraphPostprocessor, postprocessor_for, pre_fixed_size, preprocessor_for
-from agent.proof.terms import LatencyStats, ProviderStatus, SessionSettings
-from agent.proof.verdict import (Candidate, CandidateResult, Evidence, LatencyContext, PreprocessCheck, judge,
+from agent.proof.stages import GraphPostprocessor, postprocessor_for, preprocessor_for
+from agent.proof.terms import ProviderStatus, SessionSettings
+from agent.proof.verdict import (Candidate, CandidateResult, Evidence, PreprocessCheck, judge,
                                  json_safe)
-from agent.spec.batch_axis import check_single_sample_outputs
-from agent.spec.decoders import split_batch
-from agent.spec.preprocess import Preprocessor
+from agent.vocabulary.batch_axis import check_single_sample_outputs
+from agent.vocabulary.decoders import split_batch
+from agent.vocabulary.preprocess import Preprocessor
 
 from agent.proof.crash_files import CACHE_FILE, INFLIGHT_FILE, SKIP_FILE
 from agent.proof.costs import ProofCosts
@@ -80,7 +76,10 @@ from agent.proof.reduced_decode import (  # noqa: F401 (names callers import fro
     decode_paths,
 )
 from agent.proof.replay import golden_steps, is_sequence, run_golden
-from agent.spec.inputs import InputFeeder
+from agent.proof.latency_loop import Trial, time_interleaved
+from agent.proof.serving_shapes import (  # noqa: F401 (tests import batch_sizes here)
+    batch_sizes, judge_batches, judge_concurrent, run_concurrently,
+)
 
 log = get_logger("selftest")
 T = TypeVar("T")
@@ -219,108 +218,17 @@ def recorded_outputs(bundle: Bundle, variant: str,
     return out
 
 
-@dataclass
-class _Trial:
-    """A candidate between its correctness checks and its latency: the open session stays so that
-    the timing of all candidates can be interleaved."""
-
-    candidate: Candidate
-    evidence: Evidence
-    opened: Any = None
-
-
-def batch_sizes(bundle: Bundle, max_batch: int) -> tuple[int, ...]:
-    """The batch sizes above 1 that serving will run this bundle at: every size up to the micro-batch,
-    where the model can be batched at all (the rule `Engine.dynamic_batch` applies)."""
-    m = bundle.manifest
-    fixed = pre_fixed_size(m.input.shape) if m.preprocess.graph else m.preprocess.resize is None or m.preprocess.resize.fixed_size
-    if max_batch <= 1 or isinstance(m.input.shape[0], int) or m.stateful or not fixed:
-        return ()
-    return tuple(range(2, max_batch + 1))
-
-
-def judge_batches(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
-                  sizes: Sequence[int], bounds: Any) -> list[Any]:
-    """Each golden tensor run inside a batch of each size (filled round-robin with the others, as a
-    micro-batch of frames), its row judged for reproduction against the same candidate's batch-1 output:
-    a variant exact at batch 1 and wrong at batch 4 served 34/48 where FP32 served 47/48."""
-    findings: list[Any] = []
-    feeder = InputFeeder.for_manifest(m)
-    n = len(tensors)
-    for b in sizes:
-        # every row of every batch is judged: with fewer golden samples than the batch, a sample repeats
-        # in it, and judging only its first row left the rows past the golden count unproven
-        rows: list[dict[str, np.ndarray]] = []
-        refs: list[dict[str, np.ndarray]] = []
-        for start in range(0, n, b):
-            idx = [(start + k) % n for k in range(b)]
-            batch = np.concatenate([tensors[i] for i in idx])
-            outs = dict(zip([o.name for o in opened.session.get_outputs()],
-                            opened.session.run(None, feeder.feeds(batch, "selftest"))))
-            for k, i in enumerate(idx):
-                rows.append(split_batch(outs, k, m.batch_axes))
-                refs.append(single[i])
-        rows, refs = used_outputs(m, rows, refs)  # outputs not in postprocess.uses: never judged
-        q = judge_reproduction(m.postprocess, rows, refs, bounds, "batch 1", stage=f"batch {b}")
-        if not q.passed:
-            findings += list(q.findings)
-            break  # the smallest failing size names the fault
-    return findings
-
-
-def run_concurrently(opened: Any, m: Any, tensors: Sequence[np.ndarray],
-                     workers: int) -> list[tuple[int, dict[str, np.ndarray]]]:
-    """(golden sample, its outputs) of the golden set run from `workers` callers at once on the one session,
-    as serving's inference pool runs it: caller k runs samples k, k + workers, ... (every sample once, every
-    caller at least one); with fewer samples than callers, caller k runs sample k mod n (some twice). The
-    callers start together (a barrier): a pool thread that finished its share before the next was handed out
-    would otherwise run that one too, on one thread -- no concurrency at all (340 of 1,500 two-sample passes
-    under load, found by review)."""
-    feeder = InputFeeder.for_manifest(m)
-    names = [o.name for o in opened.session.get_outputs()]
-    n = len(tensors)
-    shares = [list(range(k, n, workers)) or [k % n] for k in range(workers)]
-    together = threading.Barrier(workers)
-
-    def caller(share: list[int]) -> list[tuple[int, dict[str, np.ndarray]]]:
-        try:
-            together.wait(timeout=10)
-        except threading.BrokenBarrierError:
-            pass  # a caller not started within 10 s (a starved machine): the others run anyway
-        out = []
-        for i in share:
-            outs = dict(zip(names, opened.session.run(None, feeder.feeds(tensors[i], "selftest"))))
-            out.append((i, split_batch(outs, 0, m.batch_axes)))
-        return out
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="selftest-concurrent") as pool:
-        return [r for rows in pool.map(caller, shares) for r in rows]
-
-
-def judge_concurrent(opened: Any, m: Any, tensors: Sequence[np.ndarray], single: Sequence[dict[str, np.ndarray]],
-                     workers: int, bounds: Any) -> list[Any]:
-    """The golden set from `workers` concurrent callers (`run_concurrently`), every output judged against
-    batch 1 run alone: a crash or a wrong answer that needs concurrent callers happens here, under this
-    candidate's marker. (Each caller used to run the whole set: twice the runs for the same samples judged,
-    58 of the demo FP32 proof's 111 ms.) Findings name the golden sample, not the row of the runs."""
-    runs = run_concurrently(opened, m, tensors, workers)
-    got, want = used_outputs(m, [r for _, r in runs], [single[i] for i, _ in runs])  # the used outputs only
-    q = judge_reproduction(m.postprocess, got, want, bounds, "batch 1", stage=f"{workers} concurrent callers")
-    return [replace(f, sample=runs[f.sample][0]) if f.sample is not None and 0 <= f.sample < len(runs) else f
-            for f in q.findings]
-
-
 def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Sequence[GoldenSample],
           preprocessed: tuple[PreprocessCheck, list[np.ndarray]] | None = None,
           recorded: Mapping[str, list[dict[str, np.ndarray]] | None] | None = None,
-          max_batch: int = 1, workers: int = 1) -> _Trial:
+          max_batch: int = 1, workers: int = 1) -> Trial:
     """Open the candidate's session and answer the two questions; any failure becomes evidence."""
     m = bundle.manifest
     model = bundle.path(m.variant(c.variant).file)
     try:
         opened = open_session(model, c.provider, c.options, settings, sample=golden[0].input)
     except Exception as exc:  # provider/ORT errors of every kind are a failed candidate
-        return _Trial(c, Evidence(c, error=f"session creation error: {type(exc).__name__}: "
+        return Trial(c, Evidence(c, error=f"session creation error: {type(exc).__name__}: "
                                            f"{' '.join(str(exc).split())[:400]}"))
     pre_check, tensors = preprocessed or check_preprocessing(bundle, golden)
     try:
@@ -411,11 +319,11 @@ def prove(bundle: Bundle, c: Candidate, settings: SessionSettings, golden: Seque
         if more:
             rep = replace(rep, findings=rep.findings + tuple(more))
     except Exception as exc:
-        return _Trial(c, Evidence(c, error=f"inference error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}",
+        return Trial(c, Evidence(c, error=f"inference error: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}",
                                   effective=opened.effective, placement=opened.placement))
     ev = Evidence(c, None, opened.effective, opened.placement, pre_check, rep, fid, None, None, opened.create_ms,
                   tuple(opened.ort_log))
-    return _Trial(c, ev, opened)
+    return Trial(c, ev, opened)
 
 
 def golden_pass_of(opened: Any, m: Any, fed: Sequence[np.ndarray], golden: Sequence[GoldenSample],
@@ -438,84 +346,6 @@ def _locate(q: Any, origin: Sequence[tuple[int, int | None]]) -> Any:
         return replace(f, sample=index, detail=f"step {step} of its sequence" + (f"; {f.detail}" if f.detail else ""))
 
     return replace(q, findings=tuple(fix(f) for f in q.findings))
-
-
-def _timed_call(opened: Any, m: Any, tensor: np.ndarray) -> Callable[[], Any]:
-    """One inference with the feeds serving gives it (the first step, for a sequence)."""
-    feeds = InputFeeder.for_manifest(m).feeds(tensor, "selftest")
-    return lambda: opened.session.run(None, feeds)
-
-
-def time_interleaved(trials: Sequence[_Trial], tensor: np.ndarray, warmup: int, runs: int,
-                     attempt: int = 0, manifest: Any = None, marker: Any = None,
-                     settle_margin: float | None = None,
-                     before_run: Callable[[Candidate, int], None] | None = None) -> None:
-    """Time every open trial in round-robin (one run each per round), so a burst of load on a busy
-    machine lands on all candidates alike; the load average is recorded beside the figures.
-
-    `marker` (a `RunMarker`) is switched to each candidate before each of its runs, outside the timed
-    region: a crash on the 30th run of one candidate is blamed on that candidate, not on the first.
-
-    `settle_margin` (the selection's prefer_margin; None: always the full count): stop before `runs` once
-    the answer cannot change (`selection.latency_settled`), once `selection.may_settle` allows the question
-    (SETTLE_MIN_RUNS rounds that took SETTLE_AFTER_S of timed runs, or SETTLE_FAST_RUNS rounds); the context
-    says so.
-
-    `before_run` is called inside the timed region before every run with the candidate and its run number
-    (1-based, warm-up included): the self-test child's fault hook (`run:<provider>:<variant>#N`)."""
-    live = [t for t in trials if t.opened is not None and t.evidence.error is None]
-    if not live:
-        return
-    samples: dict[int, list[int]] = {id(t): [] for t in live}
-    count: dict[int, int] = {id(t): 0 for t in live}
-    before = os.getloadavg()[0]
-
-    def enter(t: _Trial) -> None:
-        count[id(t)] += 1
-        if marker is not None:
-            marker.set(t.candidate.key, f"latency run {count[id(t)]} of {warmup + runs}"
-                       + (f", re-measurement {attempt}" if attempt else ""))
-
-    def hook(t: _Trial) -> None:  # inside the timed region: a test's slow-down fault must count
-        if before_run is not None:
-            before_run(t.candidate, count[id(t)])
-
-    try:
-        calls: dict[int, Callable[[], Any]] = {
-            id(t): (_timed_call(t.opened, manifest, tensor) if manifest is not None else
-                    functools.partial(t.opened.run, tensor)) for t in live}
-        for _ in range(warmup):
-            for t in live:
-                enter(t)
-                hook(t)
-                calls[id(t)]()
-        # what the stop rule needs, or None: the full count
-        settle = ((settle_margin, [manifest.selftest.budget_for(t.candidate.provider) for t in live])
-                  if manifest is not None and settle_margin is not None else None)
-        timed_ns, settled = 0, None
-        for done in range(1, runs + 1):
-            for t in live:
-                enter(t)
-                t0 = time.perf_counter_ns()
-                hook(t)
-                calls[id(t)]()
-                samples[id(t)].append(ns := time.perf_counter_ns() - t0)
-                timed_ns += ns
-            if settle is not None and may_settle(done, runs, timed_ns / 1e9):
-                margin, budgets = settle
-                why = samples_settled([[ns / 1e6 for ns in samples[id(t)]] for t in live], budgets, margin,
-                                      [t.candidate.provider for t in live])
-                if why is not None:
-                    settled = f"stopped after {done} of {runs} timed runs: {why}"
-                    break
-    except Exception as exc:
-        for t in live:
-            t.evidence = replace(t.evidence, error=f"inference error during timing: {type(exc).__name__}: {exc}"[:400])
-        return
-    ctx = LatencyContext(round(before, 2), round(os.getloadavg()[0], 2), os.cpu_count() or 1, attempt, len(live) > 1,
-                         runs, settled)
-    for t in live:
-        t.evidence = replace(t.evidence, latency=LatencyStats.from_ns(samples[id(t)]), latency_context=ctx)
 
 
 def _timing_tensor(golden: Sequence[GoldenSample]) -> np.ndarray:
@@ -545,7 +375,7 @@ class Seams:
     the latency loop's timed region before each run."""
 
     detect_providers: Callable[..., list[ProviderStatus]] = detect_providers
-    prove: Callable[..., _Trial] = prove
+    prove: Callable[..., Trial] = prove
     evaluate: Callable[..., CandidateResult] = evaluate
     before_run: Callable[[Candidate, int], None] | None = None
 
@@ -762,7 +592,7 @@ def _latency_settings(run: _Run) -> tuple[int, int, float | None]:
     return m.selftest.warmup_runs, runs, None if opts.latency_runs or not opts.settle else opts.policy.prefer_margin
 
 
-def _prove_groups(run: _Run) -> tuple[list[CandidateResult], dict[str, _Trial], CandidateResult | None]:
+def _prove_groups(run: _Run) -> tuple[list[CandidateResult], dict[str, Trial], CandidateResult | None]:
     """Each provider group in priority order: its candidates proven (session, reproduction, fidelity), those
     that passed timed together, the group's winner chosen; lower groups are not tried once one wins."""
     bundle, opts, m = run.bundle, run.opts, run.bundle.manifest
@@ -775,14 +605,14 @@ def _prove_groups(run: _Run) -> tuple[list[CandidateResult], dict[str, _Trial], 
         run.notes.append("selftest.parity (legacy) is not judged: reproduction and fidelity replace it")
     warmup, runs, settle = _latency_settings(run)
     results: list[CandidateResult] = []
-    trials: dict[str, _Trial] = {}
+    trials: dict[str, Trial] = {}
     selected: CandidateResult | None = None
     for group in provider_groups(run.candidates):
         if selected is not None:
             results += [CandidateResult(c, False, ("not tried: a higher-priority provider passed",), None, "not_tried")
                         for c in group]
             continue
-        proven: list[_Trial] = []
+        proven: list[Trial] = []
         skipped: dict[str, CandidateResult] = {}
         for c in group:
             why = _skip_reason(run, c)
@@ -814,7 +644,7 @@ def _prove_groups(run: _Run) -> tuple[list[CandidateResult], dict[str, _Trial], 
     return results, trials, selected
 
 
-def _remeasure(run: _Run, results: list[CandidateResult], trials: dict[str, _Trial]
+def _remeasure(run: _Run, results: list[CandidateResult], trials: dict[str, Trial]
                ) -> tuple[list[CandidateResult], CandidateResult | None, list[dict[str, Any]]]:
     """Only latency failed: the slow candidates timed again on the policy's backoff schedule, until one group
     has a winner or nothing fails only on latency any more."""

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from agent.proof.reduced_decode import SourceScaleLimit
 from agent.proof.selection import SelectionPolicy
 from agent.proof.terms import DEFAULT_ORDER, SessionSettings, with_compile_caches
-from agent.spec.jpeg import MJPEG_FOURCCS
+from agent.vocabulary.jpeg import MJPEG_FOURCCS
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,12 @@ from agent.proof.parity import (
 )
 from agent.bundle.load import Bundle, GoldenSample
 from agent.proof.stages import AnyPreprocessor, GraphPostprocessor, Postprocessor, postprocessor_for, preprocessor_for
-from agent.spec.decoders import split_batch
-from agent.spec.manifest import Manifest
-from agent.spec.preprocess import Geometry
+from agent.vocabulary.decoders import split_batch
+from agent.vocabulary.kinds import vocabulary_kinds
+from agent.vocabulary.manifest import Manifest
+from agent.vocabulary.preprocess import Geometry
 
 Outputs = Mapping[str, np.ndarray]
-# the vocabulary's tasks as result kinds, so package answers judge vocabulary bundles too
-VOCABULARY_KINDS = {"classification": "classes", "detection": "boxes", "segmentation": "masks", "raw": "scores"}
 OWN_DECODING = ("judged against our own decoding of the source's tensors (the bundle carries no package answers, "
                 "golden/answers.json): a decoder wrong on both sides cannot fail this")
 
@@ -41,7 +40,7 @@ def result_kind(m: Manifest) -> str | None:
         return m.postprocess.result.kind
     if m.postprocess.type == "raw" and m.postprocess.decision is None:
         return None  # raw arrays: no kind judges them
-    return VOCABULARY_KINDS.get(m.postprocess.type)
+    return vocabulary_kinds().get(m.postprocess.type)  # so package answers judge vocabulary bundles too
 
 
 def kind_floors(kind: Any, authored: Mapping[str, float]) -> dict[str, float]:
@@ -149,7 +148,7 @@ def judge_size_probes(opened: Any, m: Manifest, variant: str, golden: Sequence[G
     `frame size <w>x<h>`; a kernel or an INT8 that breaks only on large frames is caught before serving.
     `tensor_bound=False` where this device's image library rounds differently (agent.proof.pre_compare): a probe
     holds no bundled tensor to prove the model on, so its decoded answer is judged, as the golden set's task is."""
-    from agent.spec.inputs import InputFeeder
+    from agent.vocabulary.inputs import InputFeeder
 
     findings: list[Finding] = []
     feeder = InputFeeder.for_manifest(m)

@@ -15,22 +15,21 @@ import onnxruntime as ort
 
 from agent.bundle.load import Bundle
 from agent.errors import BundleError, PreprocessError, StageOutputError
-from agent.spec.decoders import check_result_size, decode
-from agent.spec.manifest import (
+from agent.vocabulary.decoders import check_result_size, decode
+from agent.vocabulary.manifest import (
     FRAME_SIZE,
     GEOMETRY,
     PRE_GRAPH_INPUT,
-    RESULT_FIELDS,
     FrameSpec,
     PostprocessSpec,
     PreprocessSpec,
     ResultSpec,
     TensorSpec,
 )
-from agent.spec.preprocess import IDENTITY, Geometry, Preprocessor
+from agent.vocabulary.preprocess import IDENTITY, Geometry, Preprocessor
 from agent.proof.terms import CPU
 
-GEOMETRY_VALUES = 6  # scale_x, scale_y, pad_x, pad_y, crop_x, crop_y (agent.spec.preprocess.Geometry)
+GEOMETRY_VALUES = 6  # scale_x, scale_y, pad_x, pad_y, crop_x, crop_y (agent.vocabulary.preprocess.Geometry)
 
 
 def stage_session(path: Path, stage: str, threads: int = 1) -> ort.InferenceSession:
@@ -102,7 +101,7 @@ def _watched_run(session: ort.InferenceSession, watch: StageWatch | None, names:
 class GraphPreprocessor:
     """`preprocess.graph`: raw frame (uint8 H x W x C of any size within the frame's bounds, or a sensor window
     [window, channels]) -> the model's frame input with a batch axis of 1, and the geometry of the graph's
-    `geometry` output (identity for a window). Same interface as agent.spec.preprocess.Preprocessor."""
+    `geometry` output (identity for a window). Same interface as agent.vocabulary.preprocess.Preprocessor."""
 
     def __init__(self, path: Path, frame: FrameSpec, spec: PreprocessSpec, model_input: TensorSpec):
         self.frame = frame
@@ -184,7 +183,7 @@ class GraphPreprocessor:
 
 
 class VocabularyPostprocessor:
-    """The declarative decoders (agent.spec.decoders), behind the interface a post graph has too."""
+    """The declarative decoders (agent.vocabulary.decoders), behind the interface a post graph has too."""
 
     stage_graph = False
 
@@ -219,7 +218,7 @@ class GraphPostprocessor:
         graph_outputs = {o.name for o in self.session.get_outputs()}
         # each field's output (named in `result`, else the field's own name) that the graph has: the load
         # check refused a graph lacking a required or a named one
-        wanted = [self.result.output_for(f.rstrip("?")) for f in RESULT_FIELDS[self.result.kind]]
+        wanted = [self.result.output_for(f.name) for f in self.kind.FIELDS]
         self.output_names = [n for n in dict.fromkeys(wanted) if n in graph_outputs]
         self.watch: StageWatch | None = None  # set while serving (agent.service.boot)
 

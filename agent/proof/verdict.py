@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from agent.proof.agreement import finite_or_none
 from agent.proof.parity import Finding, QuestionResult
 from agent.proof.terms import CPU, LatencyStats, Placement, reason_from_log
-from agent.spec.manifest import Manifest
+from agent.vocabulary.manifest import Manifest
 
 
 @dataclass(frozen=True)

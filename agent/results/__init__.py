@@ -1,19 +1,24 @@
 """Result kinds: the closed set of typed results a post stage may produce (classes, boxes with keypoints,
 masks, text, scores), each in one module with its fields, check, compact form, fidelity and floors.
 
-Pure (numpy). A new kind is one module with the members of `ResultKind` and its tests, added to `_MODULES`.
+Pure (numpy). A new kind is one module with the members of `ResultKind` and its tests: the package finds
+its modules (those with a NAME and FIELDS) and registers each one's declaration with `agent.vocabulary.kinds`,
+from which the manifest's checks and the bundle schema's result block are derived. `add_kind` registers
+one from elsewhere (a test's throwaway kind).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+import importlib
+import pkgutil
+from types import ModuleType
+from typing import Any, Mapping, Protocol, Sequence, cast
 
 import numpy as np
 
 from agent.errors import BundleError
 from agent.proof.parity import Finding
-from agent.results import boxes, classes, masks, scores, text
-from agent.results.fields import Field
+from agent.vocabulary.kinds import Field, Floor, KindDecl, Option, register, unregister
 
 
 class ResultKind(Protocol):
@@ -23,7 +28,9 @@ class ResultKind(Protocol):
     FIELDS: tuple[Field, ...]
     DEFAULT_FLOORS: Mapping[str, float]
     READS: tuple[str, ...]  # result `type`s `normalise` accepts: its own, and the vocabulary's it maps to
-    OPTIONS: Mapping[str, str]  # postprocess.result keys read besides the fields, each with what it does
+    OPTIONS: tuple[Option, ...]  # postprocess.result keys read besides the fields, each with what it does
+    FLOORS: tuple[Floor, ...]  # selftest.fidelity keys it judges by, with their defaults (= DEFAULT_FLOORS)
+    DECODED: bool  # read from positions in a raw layout (boxes, masks, text): a decoder needs package answers
 
     def check(self, tensors: Mapping[str, np.ndarray], spec: Any) -> list[str]: ...
 
@@ -39,10 +46,36 @@ class ResultKind(Protocol):
     def golden_warnings(self, answers: Sequence[Mapping[str, Any]]) -> list[str]: ...
 
 
-# The one list a new kind is added to; mypy checks each module against ResultKind here.
-_MODULES: tuple[ResultKind, ...] = (classes, boxes, masks, text, scores)
+KINDS: dict[str, ResultKind] = {}
 
-KINDS: dict[str, ResultKind] = {m.NAME: m for m in _MODULES}
+
+def declaration(kind: ResultKind) -> KindDecl:
+    """What the manifest and the bundle schema know of a kind, from the module's own constants."""
+    vocabulary = next((r for r in kind.READS if r != kind.NAME), None)
+    doc = ((getattr(kind, "__doc__", None) or "").strip().splitlines() or [""])[0]
+    return KindDecl(kind.NAME, kind.FIELDS, kind.OPTIONS, kind.FLOORS, vocabulary, doc, kind.DECODED)
+
+
+def add_kind(kind: ResultKind) -> None:
+    """Register a kind module (its behaviour here, its declaration with agent.vocabulary.kinds)."""
+    register(declaration(kind))
+    KINDS[kind.NAME] = kind
+
+
+def remove_kind(name: str) -> None:
+    """Forget a kind added by `add_kind` (a test's throwaway kind)."""
+    KINDS.pop(name, None)
+    unregister(name)
+
+
+def _discover() -> None:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        module: ModuleType = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "NAME") and hasattr(module, "FIELDS"):
+            add_kind(cast(ResultKind, module))
+
+
+_discover()
 
 
 def kind_for(name: str) -> ResultKind:
@@ -56,4 +89,4 @@ def kind_for(name: str) -> ResultKind:
 
 def kind_reading(result_type: str) -> ResultKind | None:
     """The kind whose `normalise` reads results of this `type` (a kind's own, or a vocabulary task's)."""
-    return next((k for k in _MODULES if result_type in k.READS), None)
+    return next((k for k in KINDS.values() if result_type in k.READS), None)

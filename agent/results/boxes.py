@@ -18,10 +18,11 @@ from agent.errors import BundleError, ResultTooLargeError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, lengths_agree, setting
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
 )
-from agent.spec.decoders import iou
+from agent.vocabulary.decoders import iou
 
 NAME = "boxes"
 FIELDS: tuple[Field, ...] = (
@@ -30,21 +31,25 @@ FIELDS: tuple[Field, ...] = (
     Field("class_ids", False, (1,), "number", "[N] class id per box", integral=True),
     Field("keypoints", False, (3,), "number", "[N, K, 2] or [N, K, 3] x, y (, visibility or score) in frame pixels"),
 )
-DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({
-    "match_iou": 0.5,  # a served box matches a package box of its class at this IoU or more
-    "min_recall": 0.9,
-    "min_precision": 0.9,
-    "min_median_iou": 0.85,
-    "score_tolerance": 0.02,
-    "max_keypoint_error": 0.05,  # distance / the package box's diagonal
-})
+FLOORS: tuple[Floor, ...] = (
+    Floor("match_iou", 0.5, "a served box matches a package box of its class at this IoU or more"),
+    Floor("min_recall", 0.9, "share of the package's boxes matched"),
+    Floor("min_precision", 0.9, "share of the served boxes matched"),
+    Floor("min_median_iou", 0.85, "floor of the matched boxes' median IoU"),
+    Floor("score_tolerance", 0.02, "|served score - package score| of matched boxes allowed"),
+    Floor("max_keypoint_error", 0.05, "keypoint distance over the package box's diagonal allowed"),
+)
+DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({f.key: f.default for f in FLOORS})
+# values read from positions in a raw layout: a decoder building it needs the package's answers to be proven
+DECODED = True
 READS: tuple[str, ...] = ("boxes", "detection")
 MIN_BOX_BYTES = 56  # the JSON of the smallest box entry is longer: {"box":[0.0,0.0,0.0,0.0],"score":0.0,...}
 # postprocess.result keys this kind reads besides its fields (and `kind`)
-OPTIONS: Mapping[str, str] = MappingProxyType({
-    "score_threshold": "rows scoring under it are no box (a padded fixed-size output); default: every row",
-    "max_detections": "at most this many boxes, best first; default: all",
-})
+OPTIONS: tuple[Option, ...] = (
+    Option("score_threshold", {"type": "number"},
+           "rows scoring under it are no box (a padded fixed-size output); default: every row"),
+    Option("max_detections", {"type": "integer", "minimum": 1}, "at most this many boxes, best first; default: all"),
+)
 
 
 @dataclass(frozen=True)

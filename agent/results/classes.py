@@ -17,6 +17,7 @@ from agent.proof.agreement import wilson_interval
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, rounded, setting
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
 )
@@ -25,15 +26,19 @@ NAME = "classes"
 FIELDS: tuple[Field, ...] = (
     Field("probabilities", True, (1,), "float", "[C] probability (or score) per class, one sample"),
 )
-DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({
-    "min_top1_agreement": 0.98,
-    "score_tolerance": 0.02,
-    # a swap of the package's own top-1 and top-2 is not counted where their margin is under this
-    "negligible_margin": 0.02,
-})
+FLOORS: tuple[Floor, ...] = (
+    Floor("min_top1_agreement", 0.98, "share of samples whose top-1 class is the package's"),
+    Floor("score_tolerance", 0.02, "|served score - package score| of the package's top-1 class allowed"),
+    Floor("negligible_margin", 0.02, "a swap of the package's top-1 and top-2 is not counted where their margin is under this"),
+)
+DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({f.key: f.default for f in FLOORS})
+# values read from positions in a raw layout: a decoder building it needs the package's answers to be proven
+DECODED = False
 READS: tuple[str, ...] = ("classes", "classification")
 # postprocess.result keys this kind reads besides its fields (and `kind`)
-OPTIONS: Mapping[str, str] = MappingProxyType({"top_k": "classes served, best first (default 5)"})
+OPTIONS: tuple[Option, ...] = (
+    Option("top_k", {"type": "integer", "minimum": 1, "default": 5}, "how many classes are served, best first (default 5)"),
+)
 DEFAULT_TOP_K = 5
 
 

@@ -8,27 +8,15 @@ Pure over numpy. `setting` reads one key of the result spec, whether the caller 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-DtypeClass = Literal["float", "int", "number", "mask"]
+from agent.vocabulary.kinds import DtypeClass, Field
+
+__all__ = ["DtypeClass", "Field"]  # declared on the vocabulary floor (agent/vocabulary/kinds.py), used here
 
 _KINDS: dict[DtypeClass, str] = {"float": "f", "int": "iub", "number": "fiub", "mask": "fiub"}
-
-
-@dataclass(frozen=True)
-class Field:
-    """One result tensor of one sample (no batch axis): its field name, whether a post stage must
-    output it, the ranks it may have, and the dtype class of its values."""
-
-    name: str
-    required: bool
-    ranks: tuple[int, ...]
-    dtype: DtypeClass
-    doc: str
-    integral: bool = False  # values must be whole numbers (ids), whatever the dtype
 
 
 def setting(spec: Any, key: str, default: Any = None) -> Any:

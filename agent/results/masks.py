@@ -18,23 +18,30 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, setting
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, read_pairs, sample_list, under,
 )
-from agent.spec.decoders import rle as row_major_rle
+from agent.vocabulary.decoders import rle as row_major_rle
 
 NAME = "masks"
 FIELDS: tuple[Field, ...] = (
     Field("mask", True, (2,), "mask", "[H, W] at frame size: 0/1 (bool, uint8), class ids, or float probabilities "
                                       "with postprocess.result.threshold"),
 )
-DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({"min_mask_iou": 0.9})
+FLOORS: tuple[Floor, ...] = (
+    Floor("min_mask_iou", 0.9, "IoU of the served mask with the package's"),
+)
+DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({f.key: f.default for f in FLOORS})
+# values read from positions in a raw layout: a decoder building it needs the package's answers to be proven
+DECODED = True
 READS: tuple[str, ...] = ("masks", "segmentation")
 # postprocess.result keys this kind reads besides its fields (and `kind`)
-OPTIONS: Mapping[str, str] = MappingProxyType({
-    "threshold": "a float mask is foreground where over it (required for float masks)",
-    "class_id": "a class-id mask is foreground where equal to it; default: non-zero",
-})
+OPTIONS: tuple[Option, ...] = (
+    Option("threshold", {"type": "number"}, "a float mask is foreground where over it (required for float masks)"),
+    Option("class_id", {"type": "integer", "minimum": 0},
+           "a class-id mask is foreground where equal to it; default: non-zero"),
+)
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,6 +17,7 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, label_of, rounded, setting
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
 )
@@ -25,12 +26,20 @@ NAME = "scores"
 FIELDS: tuple[Field, ...] = (
     Field("scores", True, (1,), "float", "[C] score per channel"),
 )
-DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({"min_decision_agreement": 0.98, "score_tolerance": 0.02})
+FLOORS: tuple[Floor, ...] = (
+    Floor("min_decision_agreement", 0.98, "share of samples deciding as the package does"),
+    Floor("score_tolerance", 0.02, "|served score - package score| allowed"),
+)
+DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({f.key: f.default for f in FLOORS})
+# values read from positions in a raw layout: a decoder building it needs the package's answers to be proven
+DECODED = False
 READS: tuple[str, ...] = ("scores", "raw")
 # postprocess.result keys this kind reads besides its fields (and `kind`)
-OPTIONS: Mapping[str, str] = MappingProxyType({
-    "threshold": "a channel is decided at or over it: one number, or a list of one per channel (required)",
-})
+OPTIONS: tuple[Option, ...] = (
+    Option("threshold", {"oneOf": [{"type": "number"}, {"type": "array", "items": {"type": "number"}, "minItems": 1}]},
+           "a channel is decided at or over it: one number, or a list of one per channel (required)",
+           required="kind scores needs a decision threshold"),
+)
 
 
 @dataclass(frozen=True)

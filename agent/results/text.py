@@ -17,6 +17,7 @@ from agent.errors import BundleError
 from agent.proof.parity import Finding
 from agent.results import parse
 from agent.results.fields import Field, check_fields, field_tensors, lengths_agree, rounded, setting
+from agent.vocabulary.kinds import Floor, Option
 from agent.results.floors import (
     Figures, count_mismatch, json_figures, merge_floors, over, read_pairs, sample_list, under,
 )
@@ -27,14 +28,23 @@ FIELDS: tuple[Field, ...] = (
           integral=True),
     Field("token_scores", False, (1,), "float", "[T] score per token"),
 )
-DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({"min_exact_match": 0.98, "max_cer": 0.02})
+FLOORS: tuple[Floor, ...] = (
+    Floor("min_exact_match", 0.98, "share of samples whose text equals the package's"),
+    Floor("max_cer", 0.02, "character error rate allowed"),
+)
+DEFAULT_FLOORS: Mapping[str, float] = MappingProxyType({f.key: f.default for f in FLOORS})
+# values read from positions in a raw layout: a decoder building it needs the package's answers to be proven
+DECODED = True
 READS: tuple[str, ...] = ("text",)
 # postprocess.result keys this kind reads besides its fields (and `kind`)
-OPTIONS: Mapping[str, str] = MappingProxyType({
-    "charset": "a file in the bundle, one entry per line (read by the caller, passed to compact)",
-    "charset_offset": "token id i is charset line i - charset_offset (default 0)",
-    "blank": "token id dropped as the CTC blank (default 0)",
-})
+OPTIONS: tuple[Option, ...] = (
+    Option("charset", {"type": "string"}, "a file in the bundle, one entry per line (read by the caller, passed to "
+           "compact)", required="kind text needs a charset file (one character per line, line i is token id i + "
+           "charset_offset)"),
+    Option("charset_offset", {"type": "integer", "minimum": 0, "default": 0},
+           "token id i is charset line i - charset_offset (default 0)"),
+    Option("blank", {"type": "integer", "minimum": 0, "default": 0}, "token id dropped as the CTC blank (default 0)"),
+)
 DEFAULT_BLANK = 0
 
 

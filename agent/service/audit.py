@@ -38,8 +38,8 @@ from agent.proof.stage_proof import used_outputs
 from agent.proof.verdict import Candidate
 from agent.serving.engine import AUDIT_SOURCE, Engine, build_engine
 from agent.service.slowness import SlowWatch
-from agent.spec.batch_axis import batch_size
-from agent.spec.decoders import split_batch
+from agent.vocabulary.batch_axis import batch_size
+from agent.vocabulary.decoders import split_batch
 
 log = get_logger("audit")
 

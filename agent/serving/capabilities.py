@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
-from agent.spec.manifest import ResizeSpec
+from agent.vocabulary.manifest import ResizeSpec
 
 if TYPE_CHECKING:
     from agent.serving.multisource import Feed

@@ -22,9 +22,9 @@ from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.logsetup import get_logger
 from agent.serving.sensors import stream_record
-from agent.spec.decisions import tracker_for
-from agent.spec.inputs import InputFeeder
-from agent.spec.preprocess import Geometry
+from agent.vocabulary.decisions import tracker_for
+from agent.vocabulary.inputs import InputFeeder
+from agent.vocabulary.preprocess import Geometry
 
 log = get_logger("engine")
 
@@ -40,7 +40,7 @@ class Engine:
     preprocessor: AnyPreprocessor  # the vocabulary or the bundle's pre graph (agent.proof.stages)
     labels: tuple[str, ...]
     feeder: InputFeeder | None = None
-    events: Any = None  # agent.spec.decisions.SegmentTracker when the bundle declares an event stage
+    events: Any = None  # agent.vocabulary.decisions.SegmentTracker when the bundle declares an event stage
     # state is read, run and written back as one step: two workers must not interleave on a source
     _state_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # the serving crash marker of this session's first inferences (agent.service.serving_ledger)

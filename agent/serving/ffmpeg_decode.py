@@ -4,11 +4,11 @@ size the model needs, never at full size in the capture thread.
 Why PyAV and not cv2.VideoCapture: OpenCV hands out only a full-size BGR picture (its YUV->BGR conversion
 alone costs about as much as the preprocessing), and exposes no scale. Through PyAV the capture thread
 keeps the decoder's frame as it is (the 4:2:0 planes, no copy); the preprocessing pool averages the planes
-down to 1/scale and converts only the reduced picture (agent/spec/yuv.py). Measured on this 2-core
+down to 1/scale and converts only the reduced picture (agent/vocabulary/yuv.py). Measured on this 2-core
 machine, 1080p H.264, CPU per frame: decode alone 3.6-3.8 ms; cv2.read + BGR->RGB + resize 5.5-7.0 ms;
 PyAV + swscale to 1/8 RGB 4.8-5.7 ms; PyAV planes + cv2 area + colour at 1/8 4.5-4.7 ms; an ffmpeg
 subprocess with -vf scale (its CPU counted) 5.5 ms, plus a process per camera and a pipe copy per frame.
-MJPEG is demuxed here too and its packets handed to libjpeg's reduced decode (agent/spec/jpeg.py).
+MJPEG is demuxed here too and its packets handed to libjpeg's reduced decode (agent/vocabulary/jpeg.py).
 
 A stream opened here is opened once: `ffmpeg -listen 1` and many cameras serve one client, so the codec is
 learnt from this connection, never probed on another.
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.spec.yuv import reduce_exact, yuv420_to_frame
+from agent.vocabulary.yuv import reduce_exact, yuv420_to_frame
 
 # PyAV is imported on the first video opened (90 ms and 22 MB here): folder, sensor and MQTT agents never pay.
 # Without it, video sources fall back to cv2.VideoCapture (full-size BGR).
@@ -280,7 +280,7 @@ def to_frame(frame: Any, scale: int, color: str, turns: int = 0) -> np.ndarray:
     """A decoded frame -> the bundle's frame at 1/scale in `color`, turned `turns` quarter turns counter-clockwise
     (the stream's display matrix: our own decoder's frames do not carry it). At full size FFmpeg's own conversion
     (swscale), the picture cv2.VideoCapture gives; reduced, the planes of the 4:2:0 formats in `PLANES_420` (8- and
-    10-bit, NV12 and P010 from hardware decoders) averaged down first (agent/spec/yuv.py). Other formats (4:2:2,
+    10-bit, NV12 and P010 from hardware decoders) averaged down first (agent/vocabulary/yuv.py). Other formats (4:2:2,
     4:4:4) are converted at full size, then reduced: swscale's own reduced conversion of them differed from the
     full picture by up to 255 on colour edges."""
     fmt = frame.format.name

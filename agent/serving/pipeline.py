@@ -40,7 +40,7 @@ from agent.serving.pipeline_parts import (  # noqa: F401 (EngineTally, LatestSlo
     _inference_cost,
     _Turns,
 )
-from agent.spec.decoders import DEFAULT_MAX_RESULT_BYTES, split_batch
+from agent.vocabulary.decoders import DEFAULT_MAX_RESULT_BYTES, split_batch
 from agent.serving.decoding import scaled_geometry
 from agent.serving.capabilities import Multiplexed, SkipsNonReference
 from agent.serving.sizing import StageCosts, StagePlan, initial_plan, plan_stages

@@ -6,7 +6,7 @@ samples of two streams. A stream that ends, restarts, loses samples (datagrams t
 backlog shed) or falls silent for longer than the bundle's reset_on_gap_s (in stream time, never the
 agent's own backlog) starts a new session, padded as the bundle declares, and says why. Every window
 carries a StreamSpan: which stream, which session of it, its index and the samples (and seconds) of
-stream time it covers; state is carried and reset by that span (agent/spec/inputs.py)."""
+stream time it covers; state is carried and reset by that span (agent/vocabulary/inputs.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from agent.logsetup import get_logger
 from agent.serving.sources import BadFrame, Frame, SourceStats
 from agent.serving.stream_time import Stream, StreamSpan, lost_reason
 from agent.serving.udp_receive import Datagram, Datagrams
-from agent.spec.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
 
 log = get_logger("source")
 

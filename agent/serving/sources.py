@@ -18,30 +18,31 @@ import os
 import random
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import cv2
 import numpy as np
 
 from agent.config import SourceConfig
-from agent.source_types import (CameraSourceConfig, FfmpegKeys, FolderSourceConfig, MqttSourceConfig, PictureKeys,
-                                StreamSourceConfig, VideoSourceConfig)
+from agent.source_types import (CameraSourceConfig, FfmpegKeys, FolderSourceConfig, MqttSourceConfig, StreamSourceConfig, VideoSourceConfig)
 from agent.source_types.registry import register as register_type
 from agent.source_types.registry import unregister as unregister_type
 from agent.errors import BadFrame, ConfigError, UndecodableFrame
 from agent.logsetup import get_logger
-from agent.npio import read_npy
 from agent.serving import ffmpeg_decode
-from agent.serving.decoding import decode_jpeg, decode_scale, is_jpeg, jpeg_size
+from agent.serving.decoding import decode_jpeg, is_jpeg, jpeg_size
 from agent.serving.capabilities import Retargetable, inner_sources
 from agent.serving.sizing import DecoderLoad
 from agent.serving.source_checks import probe_video
-from agent.spec.jpeg import MJPEG_FOURCCS
-from agent.spec.yuv import reduced_size
-from agent.spec.manifest import FrameSpec, ResizeSpec
-from agent.spec.preprocess import IMAGE_SUFFIXES, bgr_to_frame, imread_flag, read_image_file
+from agent.vocabulary.jpeg import MJPEG_FOURCCS
+from agent.vocabulary.manifest import FrameSpec, ResizeSpec
+from agent.vocabulary.preprocess import IMAGE_SUFFIXES, bgr_to_frame, read_image_file
+
+from agent.serving.frames import (  # noqa: F401 (what callers import from here)
+    CAPTURE_THREAD, Frame, FrameSource, Pacer, SourceStats, now_pair, reads_in_flight,
+)
+from agent.serving.mqtt_frames import MqttFrameSource
+from agent.serving.picture_scale import decode_jpeg_frame, jpeg_scale, log_scale, scale_for
 
 log = get_logger("source")
 
@@ -49,118 +50,6 @@ JPEG_SUFFIXES = (".jpg", ".jpeg")
 HW_DECODE = {"none": cv2.VIDEO_ACCELERATION_NONE, "any": cv2.VIDEO_ACCELERATION_ANY,
              "vaapi": cv2.VIDEO_ACCELERATION_VAAPI, "d3d11": cv2.VIDEO_ACCELERATION_D3D11,
              "mfx": cv2.VIDEO_ACCELERATION_MFX, "drm": cv2.VIDEO_ACCELERATION_DRM}
-
-
-def _released(_: Any) -> np.ndarray:
-    raise RuntimeError("this frame's pixels were released once its model input was made (Frame.release): "
-                       "read what you need before preprocessing")
-
-
-class Frame:
-    """One captured frame. `data` is in the bundle's frame contract.
-
-    `scale` > 1: decoded at 1/scale of the camera's frame (map boxes back with decoding.scaled_geometry).
-    `item`: with many sources, `source` is the source's name and `item` what that source called the frame.
-    `convert`: a colour conversion still owed, done once on the first read of `data` -- by the
-    preprocessing stage, so the capture thread never converts a full frame.
-    """
-
-    __slots__ = ("index", "_data", "captured_at", "captured_ns", "source", "scale", "_convert", "item", "full")
-
-    def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, source: str,
-                 scale: int = 1, convert: Callable[[np.ndarray], np.ndarray] | None = None,
-                 full: tuple[int, int] | None = None):
-        self.index = index
-        self._data: Any = data  # pixels, an encoded packet or a decoder frame still to convert; None once released
-        self.captured_at = captured_at  # wall clock, for results
-        self.captured_ns = captured_ns  # monotonic, for latency
-        self.source = source
-        self.scale = scale
-        self._convert = convert
-        self.item: str | None = None  # within a named source of many: the file the frame came from
-        self.full = full  # the camera frame's (height, width) where a reduced decode knows it (boxes clip to it)
-
-    @property
-    def data(self) -> np.ndarray:
-        if self._convert is not None:
-            self._data, self._convert = self._convert(self._data), None
-        return self._data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._data, self._convert = value, None
-
-    def release(self) -> None:
-        """Drop the pixels once the model's input is made: a full-size decoded frame (6 MB at 1080p) is then not
-        held while the model runs and the result waits its turn to be published. Reading `data` after raises."""
-        self._data, self._convert = None, _released
-
-    def __repr__(self) -> str:
-        data: Any = self._data
-        shape = None if data is None else getattr(data, "shape", None) or (data.height, data.width)  # av.VideoFrame
-        return (f"Frame(index={self.index}, source={self.source!r}, shape={shape}, scale={self.scale}, "
-                f"converted={self._convert is None}{', released' if self._convert is _released else ''})")
-
-
-@dataclass
-class SourceStats:
-    state: str = "starting"  # starting | open | lost | frozen | ended
-    frames: int = 0
-    bad: int = 0
-    reconnects: int = 0
-    losses: int = 0
-    frozen_events: int = 0
-    last_frame_ns: int = 0
-    last_error: str | None = None
-    heartbeat: float = field(default_factory=time.monotonic)  # the source's loop is alive (watchdog)
-    # how frames are decoded, for health: path (jpeg | ffmpeg | image | none), codec, scale, threads, hw
-    decoder: dict[str, Any] = field(default_factory=dict)
-    cpu_ns: int = 0      # CPU time of the reads that delivered frames (the pipeline sizes its stages by it)
-    cpu_frames: int = 0
-
-    def beat(self) -> None:
-        self.heartbeat = time.monotonic()
-
-
-CAPTURE_THREAD = "capture"  # the name every thread that reads a source starts with (the pipeline's, one per source)
-
-
-def reads_in_flight() -> list[str]:
-    """The capture threads still alive, each inside a source's read that its stop could not end (a stuck
-    camera). Interpreter teardown must not run under such a read: FFmpeg's interrupt callback in PyAV takes
-    the GIL every ~100 ms, and once teardown has freed the thread's state that is a use after free (an agent
-    ended -11 on SIGTERM with a stuck camera). The CLI ends the process with os._exit when this is not empty."""
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith(CAPTURE_THREAD) and t.is_alive())
-
-
-class FrameSource(Protocol):
-    name: str
-    live: bool
-
-    @property
-    def stats(self) -> SourceStats: ...
-
-    def read(self, stop: threading.Event) -> Frame | None:
-        """The next frame; None when the source has ended for good or `stop` is set. May raise BadFrame."""
-
-    def close(self) -> None: ...
-
-
-def _now() -> tuple[float, int]:
-    return time.time(), time.perf_counter_ns()
-
-
-class _Pacer:
-    def __init__(self, max_fps: float):
-        self.period = 1.0 / max_fps if max_fps > 0 else 0.0
-        self.next = time.monotonic()
-
-    def wait(self, stop: threading.Event, stats: "SourceStats") -> None:
-        if self.period:
-            while not stop.is_set() and (delay := self.next - time.monotonic()) > 0:
-                stats.beat()  # a slow pace is not a hang
-                stop.wait(min(delay, 1.0))
-            self.next = max(self.next + self.period, time.monotonic())
 
 
 OpenCVConfig = VideoSourceConfig | CameraSourceConfig | StreamSourceConfig  # the types OpenCVSource opens
@@ -182,7 +71,7 @@ class FolderSource:
         self.name = cfg.name or f"folder:{cfg.path}"
         self.pos = 0
         self.stats = SourceStats(state="open", decoder={"path": "image", "scale": 1})
-        self.pacer = _Pacer(cfg.max_fps)
+        self.pacer = Pacer(cfg.max_fps)
 
     def read(self, stop: threading.Event) -> Frame | None:
         self.stats.beat()
@@ -198,14 +87,14 @@ class FolderSource:
         self.pos += 1
         scale, full = 1, None
         if path.suffix.lower() in JPEG_SUFFIXES and self.frame.kind == "image":
-            data, scale, full = _decode_jpeg_frame(np.fromfile(path, np.uint8), self.cfg, self.frame, self.resize,
+            data, scale, full = decode_jpeg_frame(np.fromfile(path, np.uint8), self.cfg, self.frame, self.resize,
                                                    self.max_scale, self.stats, self.name)
         else:
             data = read_image_file(str(path), self.frame)
         if data is None:
             self.stats.bad += 1
             raise BadFrame(f"{path}: cannot decode image")
-        at, ns = _now()
+        at, ns = now_pair()
         self.stats.frames += 1
         self.stats.last_frame_ns = ns
         return Frame(self.stats.frames, data, at, ns, str(path.name), scale, full=full)
@@ -244,7 +133,7 @@ class OpenCVSource:
         self.backoff = cfg.reconnect_initial_s
         self.prev: np.ndarray | None = None  # the previous frame's signature (frozen-picture check)
         self.same = 0
-        self.pacer = _Pacer(cfg.max_fps if isinstance(cfg, VideoSourceConfig) else 0.0)
+        self.pacer = Pacer(cfg.max_fps if isinstance(cfg, VideoSourceConfig) else 0.0)
         # 0: the default (PyAV: min(cores, 2) frame threads at open; a MultiSource shares the cores among its
         # streams), until the stage planner measures the decoder and plans its threads (`plan_decoder`)
         self.decoder_threads = cfg.decoder_threads
@@ -427,7 +316,7 @@ class OpenCVSource:
                     return None
                 self._lose("read failed or timed out")
                 continue
-            at, ns = _now()
+            at, ns = now_pair()
             if self.live and self.stats.last_frame_ns and ns - self.stats.last_frame_ns > self.cfg.stall_timeout_s * 1e9:
                 log.warning("source.stalled", source=self.name, seconds=(ns - self.stats.last_frame_ns) / 1e9)
             self.stats.last_frame_ns = ns
@@ -438,7 +327,7 @@ class OpenCVSource:
             if self.packets:  # decoded by the preprocessing pool (a frame dropped as stale never is)
                 turns, size = self.turns, jpeg_size(img)
                 size = None if size is None else ffmpeg_decode.displayed(size, turns)
-                scale = _jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name, size, turns)
+                scale = jpeg_scale(img, self.cfg, self.resize, self.max_scale, self.stats, self.name, size, turns)
                 self.stats.frames += 1
                 return Frame(self.stats.frames, img, at, ns, self.name, scale,
                              functools.partial(self._decode, scale=scale, turns=turns), size)
@@ -482,9 +371,9 @@ class OpenCVSource:
     def _video_scale(self, img: Any) -> int:
         """The scale to reduce this decoded frame to (recorded in the source's stats when it changes)."""
         h, w = ffmpeg_decode.frame_size(img, self.turns)
-        scale, lowered = _scale_for(self.cfg, self.resize, h, w, self.max_scale, self.turns)
+        scale, lowered = scale_for(self.cfg, self.resize, h, w, self.max_scale, self.turns)
         if self.stats.decoder.get("scale") != scale:
-            _log_scale(self.name, scale, (h, w), lowered, self.cfg, codec=self.stats.decoder.get("codec"))
+            log_scale(self.name, scale, (h, w), lowered, self.cfg, codec=self.stats.decoder.get("codec"))
             self.stats.decoder = {**self.stats.decoder, "scale": scale, "reduce": "yuv-planes" if scale > 1 else None,
                                   "lowered_from": lowered}
         return scale
@@ -521,159 +410,6 @@ class OpenCVSource:
         if self.cap is not None:
             self.cap.release()
             self.cap = None
-
-
-class MqttFrameSource:
-    """Frames published on an MQTT topic: encoded images, `.npy` arrays, or raw bytes of the frame.
-
-    Latest-frame-wins by default (a small buffer of the newest payloads); a payload that does not
-    decode into the bundle's frame is counted and skipped.
-    """
-
-    live = True
-
-    def __init__(self, cfg: MqttSourceConfig, frame: FrameSpec, resize: ResizeSpec | None = None, max_scale: int = 8):
-        import paho.mqtt.client as paho
-
-        if not cfg.topic:
-            raise ConfigError("source.topic: an mqtt source needs the topic frames arrive on")
-        if frame.kind == "sensor" and frame.stateful:
-            from agent.serving.sensors import mqtt_stateful_message
-
-            raise ConfigError(mqtt_stateful_message())
-        self.cfg, self.frame, self.resize, self.max_scale = cfg, frame, resize, max_scale
-        self.name = cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
-        self.stats = SourceStats()
-        self._buf: deque[tuple[bytes, float, int]] = deque(maxlen=8)
-        self._cond = threading.Condition()
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
-        self.client.on_connect = self._on_connect
-        self.client.on_message = self._on_message
-        self._topic = cfg.topic
-        self.client.reconnect_delay_set(int(max(cfg.reconnect_initial_s, 1)), int(cfg.reconnect_max_s))
-        self.client.connect_async(cfg.host, cfg.port or 1883, 30)
-        self.client.loop_start()
-        self.stats.state = "open"
-
-    def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        if not rc.is_failure:
-            client.subscribe(self._topic, qos=0)
-
-    def _on_message(self, client: object, userdata: object, msg: object) -> None:
-        at, ns = _now()
-        with self._cond:
-            self._buf.append((msg.payload, at, ns))  # type: ignore[attr-defined]
-            self._cond.notify()
-
-    def _decode(self, data: bytes) -> tuple[np.ndarray, int, tuple[int, int] | None]:
-        """The payload -> (the frame, the scale it was decoded at, the picture's (height, width) where reduced)."""
-        f = self.frame
-        if not data:  # how MQTT clears a retained message: nothing to serve, and no decoder is asked
-            raise BadFrame(f"{self.name}: an empty payload")
-        if self.cfg.payload == "image" and f.kind == "image" and is_jpeg(np.frombuffer(data[:4], np.uint8)):
-            img, scale, full = _decode_jpeg_frame(np.frombuffer(data, np.uint8), self.cfg, f, self.resize,
-                                                  self.max_scale, self.stats, self.name)
-            if img is None:
-                raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable JPEG")
-            return img, scale, full
-        if self.cfg.payload == "image":
-            img = cv2.imdecode(np.frombuffer(data, np.uint8), imread_flag(f))
-            if img is None:
-                raise BadFrame(f"{self.name}: payload of {len(data)} bytes is not a decodable image")
-            return bgr_to_frame(img, f), 1, None
-        if self.cfg.payload == "npy":
-            try:
-                return read_npy(data), 1, None
-            except (ValueError, OSError, EOFError) as exc:
-                raise BadFrame(f"{self.name}: payload is not a .npy array: {exc}") from exc
-        dtype = np.dtype(f.dtype if f.kind == "sensor" else np.uint8)
-        expected = int(np.prod(f.shape)) * dtype.itemsize
-        if len(data) != expected:
-            raise BadFrame(f"{self.name}: raw payload of {len(data)} bytes, expected {expected} for {f.shape} {dtype}")
-        return np.frombuffer(data, dtype).reshape(f.shape).copy(), 1, None
-
-    def read(self, stop: threading.Event) -> Frame | None:
-        while not stop.is_set():
-            self.stats.beat()
-            with self._cond:
-                if not self._buf:
-                    self._cond.wait(0.2)
-                    continue
-                data, at, ns = self._buf.popleft()
-            try:
-                frame, scale, full = self._decode(data)
-            except BadFrame:
-                self.stats.bad += 1
-                raise
-            self.stats.frames += 1
-            self.stats.last_frame_ns = ns
-            return Frame(self.stats.frames, frame, at, ns, self.name, scale, full=full)
-        return None
-
-    def close(self) -> None:
-        self.client.disconnect()  # first: loop_stop() alone waits out paho's 1 s select
-        self.client.loop_stop()
-
-
-EXIF_TURNS = -1  # a still JPEG: libjpeg turns it by its EXIF orientation, which we do not read before decoding
-
-
-def _scale_for(cfg: PictureKeys, resize: ResizeSpec | None, height: int, width: int, max_scale: int,
-               turns: int) -> tuple[int, int | None]:
-    """(The scale to reduce a picture of this size to, the scale it was lowered from or None.) A turned picture
-    keeps each reduced pixel on its block only where the scale divides its size: the rounded-up edge (libjpeg's
-    partial block, our padding) is at the right and bottom before the turn, elsewhere after it (a review: boxes
-    2 pixels off at 1/4). Halved until it divides (phones' 1920 x 1080 and 4K keep 1/8); a forced scale too."""
-    wanted = scale = decode_scale(cfg.decode_scale, resize, height, width, limit=max_scale)
-    while turns and scale > 1 and (height % scale or width % scale):
-        scale //= 2
-    return scale, (wanted if scale != wanted else None)
-
-
-def _log_scale(name: str, scale: int, size: tuple[int, int] | None, lowered: int | None, cfg: PictureKeys,
-               **extra: Any) -> None:
-    h, w = size if size is not None else (0, 0)
-    why = None if lowered is None else (f"a turned picture is reduced only at a scale that divides its size "
-                                        f"({w}x{h}: not 1/{lowered})")
-    # a scale the config forced and the agent lowered is said as a warning: the user asked for it
-    (log.warning if lowered is not None and cfg.decode_scale != "auto" else log.info)(
-        "source.decode_scale", source=name, scale=scale, frame=None if size is None else f"{w}x{h}",
-        decoded=None if size is None else f"{-(-w // scale)}x{-(-h // scale)}", lowered_from=lowered,
-        reason=why, **extra)
-
-
-def _jpeg_scale(data: np.ndarray, cfg: PictureKeys, resize: ResizeSpec | None, max_scale: int, stats: SourceStats,
-                name: str, size: tuple[int, int] | None, turns: int = 0) -> int:
-    """The scale to decode this JPEG of `size` (its header's, as displayed; None: unknown) at, recorded in the
-    source's stats when it changes. `turns` EXIF_TURNS: it may be turned, the scale must divide its size."""
-    scale, lowered = (1, None) if size is None else _scale_for(cfg, resize, *size, max_scale, turns)
-    if stats.decoder.get("scale") != scale or stats.decoder.get("path") != "jpeg":
-        _log_scale(name, scale, size, lowered, cfg)
-        stats.decoder = {**stats.decoder, "path": "jpeg", "scale": scale, "lowered_from": lowered}
-    return scale
-
-
-def _camera_size(size: tuple[int, int] | None, img: np.ndarray, scale: int) -> tuple[int, int] | None:
-    """The (height, width) of the picture of header size `size` that a JPEG decoded at 1/scale into `img` (turned
-    as its EXIF orientation turned it), for boxes to clip to; None at full scale or where the header does not
-    say. The scale divides a still JPEG's size (EXIF_TURNS), so the reduced shape names the turn, but a square's."""
-    if size is None or scale == 1:
-        return None
-    for hw in (size, (size[1], size[0])):
-        if reduced_size(*hw, scale) == img.shape[:2]:
-            return hw
-    return None
-
-
-def _decode_jpeg_frame(data: np.ndarray, cfg: PictureKeys, frame: FrameSpec, resize: ResizeSpec | None,
-                       max_scale: int, stats: SourceStats,
-                       name: str) -> tuple[np.ndarray | None, int, tuple[int, int] | None]:
-    """One JPEG -> (the frame at the scale the model allows, in the bundle's colours, scale, the picture's
-    (height, width) where reduced); (None, 1, None) when it does not decode."""
-    size = jpeg_size(data)
-    scale = _jpeg_scale(data, cfg, resize, max_scale, stats, name, size, EXIF_TURNS)
-    img = decode_jpeg(data, frame.color, scale)
-    return (None, 1, None) if img is None else (img, scale, _camera_size(size, img, scale))
 
 
 SourceFactory = Callable[..., FrameSource]  # (its type's config, the bundle's frame, resize, max_scale) -> source

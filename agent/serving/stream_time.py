@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from agent.serving.sample_buffer import Samples
-from agent.spec.manifest import FrameSpec
+from agent.vocabulary.manifest import FrameSpec
 
 RATE_SPAN_S = 2.0  # a sender's rate is measured over this much wall time of its arrivals
 RATE_TOLERANCE = 0.1  # a measured rate further than this (relative) from the declared one is reported

@@ -2,7 +2,7 @@
 
 Each recipe writes one small ONNX graph that follows the stage interface (docs/recipes.md): a pre graph takes
 `frame` uint8 [H, W, 3] of any size and outputs the model's input plus `geometry` float32 [6] (scale_x,
-scale_y, pad_x, pad_y, crop_x, crop_y, as agent.spec.preprocess.Geometry); a post graph takes the model's
+scale_y, pad_x, pad_y, crop_x, crop_y, as agent.vocabulary.preprocess.Geometry); a post graph takes the model's
 outputs by name (batch axis kept), `frame_size` int64 [2] (h, w) and `geometry`, and outputs the fields of a
 result kind (boxes, scores, class_ids, keypoints, mask, tokens, token_scores, probabilities).
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from agent.errors import BundleError
-from agent.spec.manifest import DecisionSpec, EventSpec, PostprocessSpec
+from agent.vocabulary.manifest import DecisionSpec, EventSpec, PostprocessSpec
 
 Outputs = Mapping[str, np.ndarray]
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import numpy as np
 
 from agent.errors import PreprocessError
-from agent.spec.manifest import ExtraInput, Manifest
+from agent.vocabulary.manifest import ExtraInput, Manifest
 
 Feeds = dict[str, np.ndarray]
 

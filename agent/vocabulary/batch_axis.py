@@ -5,7 +5,7 @@ Some models put the batch on another axis, most often CTC text recognisers expor
 PyTorch's RNN default). Taking axis 0 as the batch hands the decoder one time step; the declaration says which
 axis is the batch, with no edit of the model. Everything that takes one frame's outputs out of a batch
 (serving's publish stage, the self-test, the audit, `bundle create`) slices on that axis
-(`agent.spec.decoders.split_batch` with the manifest's `batch_axes`); a post graph receives the slice
+(`agent.vocabulary.decoders.split_batch` with the manifest's `batch_axes`); a post graph receives the slice
 batch-first (`[1, T, C]`), so the recipes written for batch-first heads (`post.ctc`) serve time-major ones as
 they are. Recorded outputs (golden `reference.<output>`, `variant.<name>.<output>`) keep the model's own layout.
 """

@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 
 from agent.errors import PreprocessError, install_hint
-from agent.spec.manifest import FrameSpec, PreprocessSpec, ResizeSpec
+from agent.vocabulary.manifest import FrameSpec, PreprocessSpec, ResizeSpec
 
 _INTERPOLATION = {
     "nearest": cv2.INTER_NEAREST,

@@ -16,9 +16,9 @@ import cv2
 import numpy as np
 
 from agent.errors import ResultTooLargeError
-from agent.spec.decisions import decision_record
-from agent.spec.manifest import PostprocessSpec
-from agent.spec.preprocess import IDENTITY, Geometry
+from agent.vocabulary.decisions import decision_record
+from agent.vocabulary.manifest import PostprocessSpec
+from agent.vocabulary.preprocess import IDENTITY, Geometry
 
 Outputs = Mapping[str, np.ndarray]
 
