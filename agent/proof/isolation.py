@@ -116,7 +116,7 @@ class CrashLedger:
 
     def _all(self) -> list[CrashRecord]:
         out = []
-        raw = read_json(self.records_file, [])
+        raw = read_json(self.records_file, [], expect=list)
         for d in raw if isinstance(raw, list) else []:  # a damaged file (`7`, `true`) reads as no records
             try:
                 out.append(CrashRecord.from_dict(d))
@@ -183,8 +183,8 @@ class CrashLedger:
     def take_marker(self) -> tuple[str, str] | None:
         """(step, detail) of the markers a dead child left, removing them; None when there are none."""
         found = None
-        inflight = read_json(self.directory / INFLIGHT_FILE)
-        marker = read_json(self.directory / STEP_FILE)
+        inflight = read_json(self.directory / INFLIGHT_FILE, expect=dict)
+        marker = read_json(self.directory / STEP_FILE, expect=dict)
         if inflight and inflight.get("candidate"):
             found = ("candidate:" + str(inflight["candidate"]), str(inflight.get("detail", "")))
         elif marker and marker.get("step"):

@@ -388,9 +388,9 @@ class CrashMarkers:
         self.crashed_file = directory / SKIP_FILE
 
     def recover(self) -> dict[str, str]:
-        crashed: dict[str, str] = read_json(self.crashed_file, {}) or {}
-        left = read_json(self.inflight)
-        if left:
+        crashed: dict[str, str] = read_json(self.crashed_file, {}, expect=dict) or {}
+        left = read_json(self.inflight, expect=dict)
+        if left and left.get("bundle") and left.get("candidate"):
             key = f"{left['bundle']}|{left['candidate']}"
             crashed[key] = left.get("started", "")
             write_json_atomic(self.crashed_file, crashed)
@@ -548,7 +548,7 @@ def _cached_winner(run: _Run) -> SelftestReport | None:
     bundle, opts = run.bundle, run.opts
     if not (opts.use_cache and run.directory):
         return None
-    cached = read_json(run.directory / CACHE_FILE)
+    cached = read_json(run.directory / CACHE_FILE, expect=dict)
     if not cached or cached.get("key") != run.key:
         return None
     hit = next((c for c in run.candidates if c.key == cached.get("candidate") and c.key not in run.disproven), None)

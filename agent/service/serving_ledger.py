@@ -189,7 +189,7 @@ def _flight_point(raw: bytes) -> int | None:
 
 
 def _suspects(directory: Path) -> dict[str, Any]:
-    doc = read_json(directory / SUSPECTS_FILE, {})
+    doc = read_json(directory / SUSPECTS_FILE, {}, expect=dict)
     return doc if isinstance(doc, dict) else {}
 
 
