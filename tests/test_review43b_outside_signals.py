@@ -73,10 +73,10 @@ def test_sigabrt_from_outside_during_an_inference_is_not_charged(tmp_path: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="review 43b: SIGTERM to the self-test child alone (an earlyoom-style OOM "
-                   "daemon) ends the boot proof as 'stopped' and the agent serves nothing, with no re-proof: 0 results in 200 s, health 'self-test stopped by SIGTERM', advice 'none by itself' (2 of 2, load 15-25)")
 def test_sigterm_to_the_selftest_child_alone_still_serves(tmp_path: Path, agent_process) -> None:
-    cfg = demo_config(tmp_path)
+    # the pace below puts every timed run over the demo's 50 ms budget: served degraded once proven (the point
+    # here is the stop of the child alone, not the latency verdict)
+    cfg = demo_config(tmp_path, selection={"when_too_slow": "degraded", "latency_retries": 0})
     # a proof that lasts: every timed run of each candidate 50 ms slower (still progressing)
     env = {"EDGE_AGENT_FAULT": "pace:CPUExecutionProvider:fp32=0.05;pace:CPUExecutionProvider:int8=0.05"}
     agent = agent_process(cfg, name="boot", env=env).start()

@@ -13,7 +13,9 @@ costs the served candidate at the next boot. A record stops applying when those 
 it expires (`edge-agent selftest --forget-crashes` clears them).
 
 A child ended by SIGTERM, SIGINT or SIGHUP was stopped (systemd stops the whole cgroup), and a marker
-left by a child whose agent exited is an interrupted self-test: neither is recorded as a crash.
+left by a child whose agent exited is an interrupted self-test: neither is recorded as a crash. A child
+stopped while this process goes on (the child alone signalled: earlyoom, an operator) is proven again, up
+to STOP_RETRIES times; when the whole agent stops, the retry dies with it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ CHILD_MODULE = spare.CHILD_MODULE
 CRASH_TTL_S = 7 * 24 * 3600.0
 # How a stop ends a child: a shutdown, never a crash of the step it was in
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+# a child stopped while its parent goes on (the child alone signalled) is proven again this many times
+STOP_RETRIES = 2
 MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing steps is a broken install
 # The signals a process raises on itself when its own code fails (a driver's fault, an abort): evidence
 # against the step it was in. Any other death (SIGKILL: the OOM killer, an operator, a stop time-out) is
@@ -259,6 +263,7 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
     new: list[CrashRecord] = []
     unexplained: dict[tuple[str, str], int] = {}  # (step, detail) -> deaths there with no evidence
     noted: list[str] = []  # what was seen and not charged, for the report (health shows it)
+    stops = 0  # children stopped by a stop signal (SIGTERM, SIGINT, SIGHUP) while this process went on
     # Markers now are a child's whose agent exited mid-proof (stopped, or killed: the child then got
     # SIGKILL from PR_SET_PDEATHSIG): an interrupted self-test, not a crash of that step.
     stale = ledger.take_marker()
@@ -302,6 +307,15 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
             err = "\n".join(relay.tail)
             if proc.returncode is not None and -proc.returncode in STOP_SIGNALS:
                 found = ledger.take_marker()
+                stops += 1
+                if stops <= STOP_RETRIES:
+                    # the child alone was stopped (earlyoom and its kind send SIGTERM to the largest process, an
+                    # operator's kill): proven again, nothing charged. When the whole agent stops, it exits and
+                    # this retry dies with it (the child's parent-death signal), so a real shutdown is not delayed
+                    log.warning("selftest.child_stopped", signal=how, step=found[0] if found else None, retry=stops,
+                                of=STOP_RETRIES, reason="a stop of the child alone, not a crash: proven again")
+                    noted.append(f"{found[0] if found else 'the self-test'}: {how} from outside, proven again")
+                    continue
                 log.warning("selftest.stopped", signal=how, step=found[0] if found else None,
                             reason="a shutdown, not a crash: nothing recorded")
                 return ChildProof(None, f"self-test stopped by {how} (a shutdown, not a crash)", tuple(new))
