@@ -2,8 +2,10 @@
 full"). tests/test_boot_full_disk.py fills a state dir that holds only a `boots` file. A device that ran before
 with MQTT on has its outbox (`outbox.sqlite`, its `.held` and `.lost` counters) on that disk. Booted again once
 the disk is full, SQLite raises `OperationalError: disk I/O error` (not "full", not ENOSPC), which
-`links.start_mqtt` re-raises: `edge-agent: internal error: OperationalError: disk I/O error`, exit 1, nothing
-served, never connected; under the unit's restart limit the device stays down."""
+`links.start_mqtt` re-raised: `edge-agent: internal error: OperationalError: disk I/O error`, exit 1, nothing
+served, never connected; under the unit's restart limit the device stayed down. Now any error opening the
+outbox on the state disk falls back to the outbox in memory, said (`outbox.state_disk_full` when the disk is
+full), and the device serves."""
 
 from __future__ import annotations
 
@@ -19,8 +21,6 @@ from test_outbox_disk_full import fill, small_disk  # noqa: F401 - small_disk is
 
 @pytest.mark.slow
 @pytest.mark.parametrize("broker_up", [False, True])
-@pytest.mark.xfail(strict=False, reason="review 43b: a reboot on a full state disk that holds the outbox of an "
-                   "earlier boot exits 1 with 'internal error: OperationalError: disk I/O error' and serves nothing")
 def test_a_device_that_ran_before_boots_on_a_full_state_disk(tmp_path: Path, small_disk: Path, agent_process,  # noqa: F811
                                                              broker_up: bool) -> None:
     broker = Broker(tmp_path / "broker").start() if broker_up else None
