@@ -329,9 +329,16 @@ class ServingWatch:
         inject_fault(f"{self._fault_key}#0", self.faults)
 
     def _write(self, phase: str, late: bool = False) -> None:
-        write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
-                                      "pid": os.getpid(), "process": PROCESS_TOKEN, "phase": phase,
-                                      "at": time.time(), "late": late, "boot_id": boot_id()})
+        try:
+            write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
+                                          "pid": os.getpid(), "process": PROCESS_TOKEN, "phase": phase,
+                                          "at": time.time(), "late": late, "boot_id": boot_id()})
+        except OSError as exc:
+            # a full or read-only state disk: the session opens and serves all the same (a swap away from a
+            # disproven candidate must not fail for it); a death under this session then has no marker and is
+            # charged to nobody (charged only with evidence)
+            log.warning("serving.marker_unwritten", candidate=self.candidate, phase=phase, error=str(exc),
+                        detail="no crash marker for this session: a death now is charged to no candidate")
 
     def end(self) -> None:
         """This session no longer serves first: its marker goes (a death now is not its)."""
