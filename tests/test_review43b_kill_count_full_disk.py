@@ -5,8 +5,8 @@ two kills in a row while the outbox cannot write its `dropped` total (the state 
 this process's zeros at once (`HeldCounter._open`), then adds the previous process's count to `dropped` with
 `_count_drops`, which on a full disk keeps it in memory only (the INSERT into meta fails). The lost_at_stop path
 resets its file only once the count is persisted ("persisted first, then the file is reset"); the held path does
-not. So when the second process is killed too, the first process's loss is in no file: the third boot's `dropped`
-lacks it.
+did not. So when the second process was killed too, the first process's loss was in no file: the third boot's
+`dropped` lacked it. Now a drop count the disk cannot take is kept in the held file (slot `unsaved`) until it can.
 
 In process (the agent-level version is blocked today by test_review43b_full_disk_reboot.py: a boot on a full disk
 holding an outbox exits before it gets here): three Outbox objects on one file, a "kill" being the end of an
@@ -46,8 +46,6 @@ def _killed(box: Outbox) -> None:
     box.db.close()
 
 
-@pytest.mark.xfail(strict=False, reason="review 43b: boot 1 killed holding 10 results; boot 2 counts 10 in memory "
-                   "only (meta write refused) and is killed; boot 3's dropped is 0, not 10")
 def test_a_kill_counted_while_the_disk_is_full_survives_a_second_kill(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "outbox.sqlite"

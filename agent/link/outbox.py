@@ -126,16 +126,23 @@ class Outbox:
         self._undeleted: list[int] = []  # rows acknowledged (or sent at QoS 0) whose DELETE failed: retried
         self.sent = 0
         self.acked = 0
+        self._unsaved = 0  # drops counted whose total is not on disk yet (also in the held file: a kill keeps it)
+        self._held = HeldCounter(path.with_name(path.name + ".held"))
         self._lost = LostCounter(path.with_name(path.name + ".lost"))
         self.lost_at_previous_stop = self._lost.read()
         if self.lost_at_previous_stop:
             log.error("outbox.lost_at_previous_stop", count=self.lost_at_previous_stop,
                       detail="results the last stop could not keep (disk full); counted in dropped")
-            if self._count_drops(self.lost_at_previous_stop, "stop"):  # persisted first, then the file is reset
+            # persisted first, then the file is reset (until then the file keeps the count, not the held file)
+            if self._count_drops(self.lost_at_previous_stop, "stop", carry=False):
                 self._lost.allocate()
         else:
             self._lost.allocate()
-        self._held = HeldCounter(path.with_name(path.name + ".held"))
+        prev = self._held.previous
+        if prev is not None and prev.unsaved:  # its drops' total never reached the disk before it ended
+            log.error("outbox.unsaved_drops_recovered", count=prev.unsaved, pid=prev.pid,
+                      detail="drops the previous process counted but could not write (disk full); counted again")
+            self._count_drops(prev.unsaved, "counted by the previous process, not saved")
         self.lost_at_previous_kill, self.unacknowledged_at_previous_kill = self._count_previous_kill()
         if self.disk_count:
             log.info("outbox.recovered", messages=self.disk_count)
@@ -527,10 +534,11 @@ class Outbox:
         self._held.left(len(chosen) - len(ids), from_memory)
         self._count_drops(len(chosen), why, unacked)
 
-    def _count_drops(self, n: int, why: str, unacked: int = 0) -> bool:
+    def _count_drops(self, n: int, why: str, unacked: int = 0, carry: bool = True) -> bool:
         """`unacked`: of the `n`, those sent once and never acknowledged (the broker went away first): the
         subscriber may have them, so a count of drops is an upper bound on what was lost by that many.
-        True when the total is on disk."""
+        True when the total is on disk. `carry`: a count the disk cannot take is kept in the held file until
+        it can (False: the caller's own file keeps it)."""
         if n <= 0:
             return True
         self.dropped += n
@@ -541,7 +549,14 @@ class Outbox:
             self.db.execute("INSERT INTO meta(key, value) VALUES('dropped', ?) "
                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (self.dropped,))
         except DISK_ERRORS:
-            return False  # counted in memory (health shows it); persisted with the next drop that can be written
+            # counted in memory (health shows it), persisted with the next drop that can be written; meanwhile
+            # in the held file, so a kill before then does not lose the count (the next boot adds it)
+            if carry:
+                self._unsaved += n
+                self._held.unsaved(self._unsaved)
+            return False
+        self._unsaved = 0
+        self._held.unsaved(0)
         return True
 
     def _count_previous_kill(self) -> tuple[int, int]:
