@@ -9,7 +9,8 @@ the broker is connected only the overflow beyond `memory_messages` (the newest r
 older ones in memory and the newer ones that follow still go out from memory, interleaved by number
 with the rows read back. Disk writes, deletes and reads are batched: one transaction per pump round.
 Bounded by count and age; what the policy drops is counted and reported. The age bound runs on a
-monotonic clock within a boot: a wall-clock step (NTP, an RTC set late) drops nothing.
+monotonic clock within a boot: a wall-clock step (NTP, an RTC set late) drops nothing; across a
+restart in one machine boot the stamps follow the step (agent/link/outbox_clock.py).
 A full disk (or any failed write) loses nothing silently: a message is kept in memory until a write
 succeeds, up to `memory_messages`; beyond that bound the policy drops, counted in `dropped` with an
 `outbox.dropped` event (reason "disk"). Writes are retried on every pump, so recovery needs no restart.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -36,6 +36,7 @@ from typing import Callable
 from agent.config import OutboxConfig
 from agent.link.held import HeldCounter
 from agent.link.lost_at_stop import LostCounter
+from agent.link.outbox_clock import StepSafeClock, rebase_stamps, record
 from agent.logsetup import get_logger
 
 log = get_logger("outbox")
@@ -75,19 +76,6 @@ class Message:
 Publisher = Callable[[Message], "int | None"]
 
 
-class StepSafeClock:
-    """Wall time as read once at start plus monotonic time since: what `created` is stamped with and the
-    age bound measures against, so a wall-clock step during a boot neither ages nor rejuvenates anything.
-    Across a restart the stored stamps are compared with the next boot's wall clock: the only measure of
-    the time the agent was down."""
-
-    def __init__(self) -> None:
-        self._wall0, self._mono0 = time.time(), time.monotonic()
-
-    def __call__(self) -> float:
-        return self._wall0 + (time.monotonic() - self._mono0)
-
-
 class Outbox:
     def __init__(self, path: Path, cfg: OutboxConfig = OutboxConfig()):
         self.cfg = cfg
@@ -103,6 +91,7 @@ class Outbox:
         except DISK_ERRORS as exc:  # a full disk at start: the age bound scans the table until a later start
             log.warning("outbox.index_not_created", error=str(exc))
         self._now = StepSafeClock()
+        self._clock_recorded = rebase_stamps(self.db, self._now, self._meta)  # else with this process's first rows
         self._incoming: deque[Message] = deque()
         self._wake = threading.Condition()
         self._sleeping = False
@@ -371,7 +360,10 @@ class Outbox:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT INTO messages(id, topic, payload, qos, created) VALUES (?, ?, ?, ?, ?)",
                                 [(m.seq, m.topic, m.payload, m.qos, m.created) for m in msgs])
+            if not self._clock_recorded:  # the frame these stamps are in, for a restart after a clock step
+                record(self.db, self._now)
             self.db.execute("COMMIT")
+            self._clock_recorded = True
         except DISK_ERRORS as exc:
             self._rollback()
             self.write_failures += 1
