@@ -49,9 +49,6 @@ def _children(pid: int, needle: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="review 43b: SIGABRT from outside while an inference is in flight (first 64) "
-                   "is charged at once as 'the serving process died' for 7 days; the next boot skips int8 "
-                   "(4 of 4 runs, load 13-25 during a benchmark)")
 def test_sigabrt_from_outside_during_an_inference_is_not_charged(tmp_path: Path, agent_process) -> None:
     cfg = int8_first(tmp_path, demo_config(tmp_path))
     # each inference of int8 stays in flight ~50x its run time (a slow model): the in-flight byte is 1 most of
