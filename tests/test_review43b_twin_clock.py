@@ -25,8 +25,6 @@ DEVICE = "dev-r43b-rtc"
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="review 43b: a reboot whose clock is behind the previous boot's (no RTC, "
-                   "before NTP) is reported as a twin (mqtt.twin_detected) with no second agent anywhere (2 of 2, load 14-21)")
 def test_a_restart_with_the_clock_behind_is_not_a_twin(tmp_path: Path, agent_process) -> None:
     broker = Broker(tmp_path / "broker").start()
     try:
