@@ -49,9 +49,6 @@ def _selftest_children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="review 43b: three outside SIGKILLs in int8's trial within one proof (one "
-                   "memory-pressure episode, seconds) charge int8 for 7 days; the next boot, with no pressure, skips it "
-                   "(seen: 2 kills 2.3 s apart counted '1 of 3', '2 of 3' at detail '' in one proof)")
 def test_one_oom_episode_in_one_proof_does_not_charge_a_candidate_for_a_week(tmp_path: Path, agent_process) -> None:
     cfg = int8_first(tmp_path, demo_config(tmp_path))
     inflight = tmp_path / "state" / "selftest" / "inflight.json"
