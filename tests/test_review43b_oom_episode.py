@@ -51,7 +51,8 @@ def _selftest_children(pid: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="review 43b: three outside SIGKILLs in int8's trial within one proof (one "
                    "memory-pressure episode, seconds) charge int8 for 7 days; the next boot, with no pressure, skips it "
-                   "(seen: 2 kills 2.3 s apart counted '1 of 3', '2 of 3' at detail '' in one proof)")
+                   "(seen: kills at +0, +1.2, +2.6 s in one proof -> 'SIGKILL (out of memory?), 3 times in a row at the same "
+                   "point', next boot served fp32; the watcher lands all three kills in 1 of 4 runs, load 7-24)")
 def test_one_oom_episode_in_one_proof_does_not_charge_a_candidate_for_a_week(tmp_path: Path, agent_process) -> None:
     cfg = int8_first(tmp_path, demo_config(tmp_path))
     inflight = tmp_path / "state" / "selftest" / "inflight.json"
@@ -76,7 +77,7 @@ def test_one_oom_episode_in_one_proof_does_not_charge_a_candidate_for_a_week(tmp
                         kills.append(f"{k} at {time.time():.2f}")
                     except ProcessLookupError:
                         pass
-            time.sleep(0.001)
+            time.sleep(0.0002)
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
