@@ -60,9 +60,6 @@ def _mount_tmpfs(d: Path, size: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="review 43b (expected from the code, not reproduced here: the remount is refused "
-                   "while the agent has files open): state fs read-only, then SIGHUP: the reload's proof would raise "
-                   "OSError(EROFS) out of boot() and drop the proven engine")
 def test_a_reload_on_a_read_only_state_disk_keeps_the_proven_engine(tmp_path: Path, agent_process) -> None:
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "64m"):
