@@ -40,12 +40,21 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def read_json(path: Path, default: Any = None) -> Any:
-    """The JSON at `path`, or `default` when it is missing or unreadable (a torn write is treated as absent)."""
+def read_json(path: Path, default: Any = None, expect: type | None = None) -> Any:
+    """The JSON at `path`, or `default` when it is missing or unreadable (a torn write is treated as absent).
+    With `expect` (dict, list), a document of another type (disk corruption, a hand edit, another version's
+    file) is treated as absent too, and said: a state file must never keep a device from booting."""
     try:
-        return json.loads(Path(path).read_text())
+        doc = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return default
+    if expect is not None and not isinstance(doc, expect):
+        from agent.logsetup import get_logger  # the foundation's logger, imported where it is needed
+
+        get_logger("state").warning("state.file_ignored", file=str(path), found=type(doc).__name__,
+                                    expected=expect.__name__, detail="a document of the wrong type is read as absent")
+        return default
+    return doc
 
 
 def read_counter(path: Path) -> int:

@@ -9,6 +9,7 @@ import pytest
 
 from agent.config import OutboxConfig
 from agent.link import outbox as outbox_mod
+from agent.link import outbox_clock
 from agent.link.outbox import Outbox
 
 
@@ -132,8 +133,8 @@ def test_a_forward_wall_clock_step_longer_than_max_age_drops_nothing(tmp_path: P
         box.put("t", json.dumps({"seq": i}).encode(), 1)
     box.pump(lambda m: None, 10)
     assert box.stats()["depth"] == 10
-    stepped = outbox_mod.time.time() + 3600
-    monkeypatch.setattr(outbox_mod.time, "time", lambda: stepped)
+    stepped = outbox_clock.time.time() + 3600
+    monkeypatch.setattr(outbox_clock.time, "time", lambda: stepped)
     box.pump(lambda m: None, 10)
     s = box.stats()
     assert s["dropped"] == 0 and s["depth"] == 10, s

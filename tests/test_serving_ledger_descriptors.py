@@ -43,8 +43,11 @@ def test_a_watch_whose_marker_write_fails_leaves_no_descriptor_lock_or_file(tmp_
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(serving_ledger, "write_json_atomic", full)
-    with pytest.raises(OSError):
-        ServingWatch(tmp_path, "sha", "CPUExecutionProvider:fp32")
+    # the session opens without its marker (serving.marker_unwritten: review 43b, a drift switch on a full disk
+    # must not fail); ended and collected, it leaves nothing behind either
+    watch = ServingWatch(tmp_path, "sha", "CPUExecutionProvider:fp32")
+    watch.end()
+    del watch
     gc.collect()
     assert _open_under(tmp_path) == [], "descriptors left open by a watch that failed to start"
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "files left by a watch that failed to start"

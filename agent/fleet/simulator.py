@@ -278,7 +278,7 @@ class SimDevice:
             if not dest.exists():
                 shutil.copytree(fleet.seed_copy, dest, copy_function=os.link)
             self.store.commit(bid)
-            seeds = read_json(self.store.root / "seeds.json", {}) or {}
+            seeds = read_json(self.store.root / "seeds.json", {}, expect=dict) or {}
             write_json_atomic(self.store.root / "seeds.json", {**seeds, bid: fleet.seed_bundle.manifest_sha256})
         active = load_bundle(self.store.path(self.store.committed_id or bid), check_contracts=False)
         self.agent = SimAgent(self, active, self.report(active.root, provider=group.provider))

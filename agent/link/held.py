@@ -11,7 +11,8 @@ pump stores its counts once per batch.
 
 Layout (eight native-endian u64, 64 bytes: the file never leaves its device): magic, pid, state (0 running, 1 stopped cleanly),
 entered (results that entered memory), left (results that left memory: acknowledged, spilled to disk, or
-dropped and counted), sent (of those that entered, sent once), sent_left (of those that left, sent once).
+dropped and counted), sent (of those that entered, sent once), sent_left (of those that left, sent once),
+unsaved (drops counted whose total could not be written to disk yet: the next boot adds them, however this ended).
 Held only in memory = entered - left; of them sent once and never acknowledged (the broker may have them, so
 the count is an upper bound by that many) = sent - sent_left.
 
@@ -38,7 +39,7 @@ log = get_logger("outbox")
 MAGIC = b"EAHELD01"
 SIZE = 64
 # slots (u64 indexes): 0 the magic
-_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT = 1, 2, 3, 4, 5, 6
+_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT, _UNSAVED = 1, 2, 3, 4, 5, 6, 7
 RUNNING, STOPPED = 0, 1
 
 
@@ -50,6 +51,7 @@ class Previous:
     clean: bool  # it stopped cleanly (what it could not keep is in `lost_at_stop`)
     held: int  # results held only in memory when it ended
     unacknowledged: int  # of those, sent once and never acknowledged
+    unsaved: int = 0  # drops it counted whose total it could not write to disk (a full disk), however it ended
 
 
 class HeldCounter:
@@ -116,6 +118,12 @@ class HeldCounter:
             self._sent += n
             self._slots[_SENT] = self._sent
 
+    def unsaved(self, n: int) -> None:
+        """Drops counted in memory whose total is not on disk yet (the outbox's meta write failed): kept here so
+        a kill before the next write does not lose their count (the next boot adds them to `dropped`)."""
+        if self._slots is not None:
+            self._slots[_UNSAVED] = max(0, n)
+
     def stopped(self) -> None:
         """A clean stop: what memory still holds is counted by `lost_at_stop`, not again by the next boot."""
         if self._slots is not None and self._map is not None:
@@ -132,6 +140,7 @@ class HeldCounter:
 
 def _parse(raw: bytes) -> Previous:
     slots = memoryview(raw).cast("Q")
-    pid, state, entered, left, sent, sent_left = (slots[i] for i in (_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT))
+    pid, state, entered, left, sent, sent_left, unsaved = (
+        slots[i] for i in (_PID, _STATE, _ENTERED, _LEFT, _SENT, _SENT_LEFT, _UNSAVED))
     held = max(0, entered - left)  # never negative: two put threads may store their counts out of order
-    return Previous(pid, state == STOPPED, held, min(held, max(0, sent - sent_left)))
+    return Previous(pid, state == STOPPED, held, min(held, max(0, sent - sent_left)), unsaved)

@@ -98,6 +98,7 @@ class MqttLink:
         # another live agent under this device_id (a cloned card, a copied config): what was seen of it
         self.twin: dict[str, Any] | None = None
         self.started_ts = time.time()
+        self._retained_seen: dict[str, float] = {}  # other instance -> its retained availability's ts first seen
         self._twin_logged = 0.0
         self.topics = Topics(cfg.prefix or default_prefix(device_id))
         self.outbox = outbox
@@ -296,17 +297,24 @@ class MqttLink:
                              "config): the broker knocks each off in turn; give each device its own device_id")
 
     def _on_availability(self, msg: paho.MQTTMessage) -> None:
-        """Our own availability topic: a message from another instance written after this process started is a
-        second live agent under our device_id. With one client id the two are never connected together (each
-        connect knocks the other off), so what each sees is the other's retained `online` or last will at its
-        subscribe; a message of this device's previous process (a restart) was written before we started."""
+        """Our own availability topic: another instance that is alive is a second agent under our device_id.
+        With one client id the two are never connected together (each connect knocks the other off), so what
+        each sees is the other's retained `online` or last will at its subscribe. Alive means live: a message
+        delivered live, or a retained one that changed since we first saw it (republished: its writer runs).
+        The retained message of this device's previous process (a restart) never changes; its timestamp is
+        not compared with our clock, which may be behind the previous boot's (no RTC, before NTP)."""
         try:
             doc = json.loads(msg.payload)
             other = str(doc.get("instance") or "")
             written = float(doc.get("ts") or 0)
         except (ValueError, AttributeError, TypeError):
             return
-        if other and other != self.instance and (not msg.retain or written >= self.started_ts):
+        if not other or other == self.instance:
+            return
+        first = self._retained_seen.get(other)
+        if msg.retain and len(self._retained_seen) < 64:
+            self._retained_seen.setdefault(other, written)
+        if not msg.retain or (first is not None and written != first):
             self._twin_seen(other, f"its availability {str(doc.get('state'))[:20]!r} on our topic")
 
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: Any, props: Any) -> None:

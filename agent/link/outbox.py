@@ -9,7 +9,8 @@ the broker is connected only the overflow beyond `memory_messages` (the newest r
 older ones in memory and the newer ones that follow still go out from memory, interleaved by number
 with the rows read back. Disk writes, deletes and reads are batched: one transaction per pump round.
 Bounded by count and age; what the policy drops is counted and reported. The age bound runs on a
-monotonic clock within a boot: a wall-clock step (NTP, an RTC set late) drops nothing.
+monotonic clock within a boot: a wall-clock step (NTP, an RTC set late) drops nothing; across a
+restart in one machine boot the stamps follow the step (agent/link/outbox_clock.py).
 A full disk (or any failed write) loses nothing silently: a message is kept in memory until a write
 succeeds, up to `memory_messages`; beyond that bound the policy drops, counted in `dropped` with an
 `outbox.dropped` event (reason "disk"). Writes are retried on every pump, so recovery needs no restart.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -36,6 +36,7 @@ from typing import Callable
 from agent.config import OutboxConfig
 from agent.link.held import HeldCounter
 from agent.link.lost_at_stop import LostCounter
+from agent.link.outbox_clock import StepSafeClock, rebase_stamps, record
 from agent.logsetup import get_logger
 
 log = get_logger("outbox")
@@ -75,19 +76,6 @@ class Message:
 Publisher = Callable[[Message], "int | None"]
 
 
-class StepSafeClock:
-    """Wall time as read once at start plus monotonic time since: what `created` is stamped with and the
-    age bound measures against, so a wall-clock step during a boot neither ages nor rejuvenates anything.
-    Across a restart the stored stamps are compared with the next boot's wall clock: the only measure of
-    the time the agent was down."""
-
-    def __init__(self) -> None:
-        self._wall0, self._mono0 = time.time(), time.monotonic()
-
-    def __call__(self) -> float:
-        return self._wall0 + (time.monotonic() - self._mono0)
-
-
 class Outbox:
     def __init__(self, path: Path, cfg: OutboxConfig = OutboxConfig()):
         self.cfg = cfg
@@ -103,6 +91,7 @@ class Outbox:
         except DISK_ERRORS as exc:  # a full disk at start: the age bound scans the table until a later start
             log.warning("outbox.index_not_created", error=str(exc))
         self._now = StepSafeClock()
+        self._clock_recorded = rebase_stamps(self.db, self._now, self._meta)  # else with this process's first rows
         self._incoming: deque[Message] = deque()
         self._wake = threading.Condition()
         self._sleeping = False
@@ -126,16 +115,23 @@ class Outbox:
         self._undeleted: list[int] = []  # rows acknowledged (or sent at QoS 0) whose DELETE failed: retried
         self.sent = 0
         self.acked = 0
+        self._unsaved = 0  # drops counted whose total is not on disk yet (also in the held file: a kill keeps it)
+        self._held = HeldCounter(path.with_name(path.name + ".held"))
         self._lost = LostCounter(path.with_name(path.name + ".lost"))
         self.lost_at_previous_stop = self._lost.read()
         if self.lost_at_previous_stop:
             log.error("outbox.lost_at_previous_stop", count=self.lost_at_previous_stop,
                       detail="results the last stop could not keep (disk full); counted in dropped")
-            if self._count_drops(self.lost_at_previous_stop, "stop"):  # persisted first, then the file is reset
+            # persisted first, then the file is reset (until then the file keeps the count, not the held file)
+            if self._count_drops(self.lost_at_previous_stop, "stop", carry=False):
                 self._lost.allocate()
         else:
             self._lost.allocate()
-        self._held = HeldCounter(path.with_name(path.name + ".held"))
+        prev = self._held.previous
+        if prev is not None and prev.unsaved:  # its drops' total never reached the disk before it ended
+            log.error("outbox.unsaved_drops_recovered", count=prev.unsaved, pid=prev.pid,
+                      detail="drops the previous process counted but could not write (disk full); counted again")
+            self._count_drops(prev.unsaved, "counted by the previous process, not saved")
         self.lost_at_previous_kill, self.unacknowledged_at_previous_kill = self._count_previous_kill()
         if self.disk_count:
             log.info("outbox.recovered", messages=self.disk_count)
@@ -364,7 +360,10 @@ class Outbox:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT INTO messages(id, topic, payload, qos, created) VALUES (?, ?, ?, ?, ?)",
                                 [(m.seq, m.topic, m.payload, m.qos, m.created) for m in msgs])
+            if not self._clock_recorded:  # the frame these stamps are in, for a restart after a clock step
+                record(self.db, self._now)
             self.db.execute("COMMIT")
+            self._clock_recorded = True
         except DISK_ERRORS as exc:
             self._rollback()
             self.write_failures += 1
@@ -527,10 +526,11 @@ class Outbox:
         self._held.left(len(chosen) - len(ids), from_memory)
         self._count_drops(len(chosen), why, unacked)
 
-    def _count_drops(self, n: int, why: str, unacked: int = 0) -> bool:
+    def _count_drops(self, n: int, why: str, unacked: int = 0, carry: bool = True) -> bool:
         """`unacked`: of the `n`, those sent once and never acknowledged (the broker went away first): the
         subscriber may have them, so a count of drops is an upper bound on what was lost by that many.
-        True when the total is on disk."""
+        True when the total is on disk. `carry`: a count the disk cannot take is kept in the held file until
+        it can (False: the caller's own file keeps it)."""
         if n <= 0:
             return True
         self.dropped += n
@@ -541,7 +541,14 @@ class Outbox:
             self.db.execute("INSERT INTO meta(key, value) VALUES('dropped', ?) "
                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (self.dropped,))
         except DISK_ERRORS:
-            return False  # counted in memory (health shows it); persisted with the next drop that can be written
+            # counted in memory (health shows it), persisted with the next drop that can be written; meanwhile
+            # in the held file, so a kill before then does not lose the count (the next boot adds it)
+            if carry:
+                self._unsaved += n
+                self._held.unsaved(self._unsaved)
+            return False
+        self._unsaved = 0
+        self._held.unsaved(0)
         return True
 
     def _count_previous_kill(self) -> tuple[int, int]:

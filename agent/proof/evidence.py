@@ -57,7 +57,7 @@ class EvidenceLedger:
         self._unsaved: list[ServingEvidence] = []
 
     def _all(self) -> list[ServingEvidence]:
-        raw = read_json(self.file, [])
+        raw = read_json(self.file, [], expect=list)
         out = []
         for d in raw if isinstance(raw, list) else []:  # a damaged file reads as no records
             try:

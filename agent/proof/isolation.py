@@ -13,7 +13,9 @@ costs the served candidate at the next boot. A record stops applying when those 
 it expires (`edge-agent selftest --forget-crashes` clears them).
 
 A child ended by SIGTERM, SIGINT or SIGHUP was stopped (systemd stops the whole cgroup), and a marker
-left by a child whose agent exited is an interrupted self-test: neither is recorded as a crash.
+left by a child whose agent exited is an interrupted self-test: neither is recorded as a crash. A child
+stopped while this process goes on (the child alone signalled: earlyoom, an operator) is proven again, up
+to STOP_RETRIES times; when the whole agent stops, the retry dies with it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from agent.logsetup import get_logger
 from agent.proof import spare
 from agent.proof.probe import provider_versions
 from agent.proof.terms import CPU
-from agent.proof.crash_files import INFLIGHT_FILE, RECORDS_FILE, SKIP_FILE, STEP_FILE  # noqa: F401 (re-exported)
+from agent.proof.crash_files import (  # noqa: F401 (re-exported)
+    INFLIGHT_FILE, PROOF_DEATHS_FILE, RECORDS_FILE, SKIP_FILE, STEP_FILE,
+)
 
 log = get_logger("isolation")
 child_log = get_logger("selftest_child")
@@ -48,6 +52,8 @@ CHILD_MODULE = spare.CHILD_MODULE
 CRASH_TTL_S = 7 * 24 * 3600.0
 # How a stop ends a child: a shutdown, never a crash of the step it was in
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+# a child stopped while its parent goes on (the child alone signalled) is proven again this many times
+STOP_RETRIES = 2
 MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing steps is a broken install
 # The signals a process raises on itself when its own code fails (a driver's fault, an abort): evidence
 # against the step it was in. Any other death (SIGKILL: the OOM killer, an operator, a stop time-out) is
@@ -55,6 +61,10 @@ MAX_CHILDREN = 8  # each crash removes one step; more than this many crashing st
 # row (a deterministic kill, e.g. a candidate the OOM killer ends at the same run every time).
 FATAL_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
 UNEXPLAINED_DEATHS = 3
+# ... and in this many proofs (boots) in a row: deaths with no evidence in one proof alone are an episode (a
+# memory-pressure spell that kills whatever runs), skipped for that proof only
+UNEXPLAINED_PROOFS = 2
+PROOF_DEATHS_TTL_S = 86400.0  # a proof's episode counts toward the next proof's for a day
 PROGRESS_POLL_S = 0.5  # how often the parent looks at the child's markers for progress
 
 
@@ -113,17 +123,42 @@ class CrashLedger:
         # records this ledger could not write (a full disk, a read-only or damaged file): still applied by
         # this ledger, so the proof in progress skips the step that crashed instead of re-running it
         self._unsaved: list[CrashRecord] = []
+        self._transient: list[CrashRecord] = []  # skipped in this proof only (an episode with no evidence)
 
     def _all(self) -> list[CrashRecord]:
         out = []
-        raw = read_json(self.records_file, [])
+        raw = read_json(self.records_file, [], expect=list)
         for d in raw if isinstance(raw, list) else []:  # a damaged file (`7`, `true`) reads as no records
             try:
                 out.append(CrashRecord.from_dict(d))
             except (KeyError, TypeError, ValueError):
                 continue  # a record we cannot read cannot protect anything; it is dropped on the next write
         saved = {(r.step, r.bundle) for r in out}
-        return out + [r for r in self._unsaved if (r.step, r.bundle) not in saved]
+        return out + [r for r in self._unsaved + self._transient if (r.step, r.bundle) not in saved]
+
+    def skip_in_this_proof(self, step: str, bundle_sha: str, how: str, detail: str = "") -> None:
+        """Skip `step` for the rest of this proof, recording nothing: what killed it has no evidence against it."""
+        now = time.time()
+        provider = step.split(":")[1] if step.startswith(("probe:", "candidate:")) else CPU
+        self._transient.append(CrashRecord(step, "" if step.startswith("probe:") else bundle_sha, how,
+                                           provider_versions(provider), now, now + self.ttl_s, detail))
+
+    def proofs_with_deaths(self, step: str, bundle_sha: str) -> int:
+        """Count this proof's episode of unexplained deaths at `step`; returns the proofs in a row (a day apart
+        at most) that had one, this one included."""
+        path = self.directory / PROOF_DEATHS_FILE
+        doc = read_json(path, {}, expect=dict) or {}
+        key, now = f"{bundle_sha}|{step}", time.time()
+        prev = doc.get(key) if isinstance(doc.get(key), dict) else None
+        fresh = prev is not None and now - float(prev.get("at", 0) or 0) < PROOF_DEATHS_TTL_S
+        n = (int(prev.get("proofs", 0) or 0) if fresh and prev else 0) + 1
+        doc = {k: v for k, v in doc.items() if isinstance(v, dict) and now - float(v.get("at", 0) or 0) < PROOF_DEATHS_TTL_S}
+        doc[key] = {"proofs": n, "at": now}
+        try:
+            write_json_atomic(path, doc)
+        except OSError:
+            pass  # a full disk: this proof's episode is not remembered (charged later, never sooner)
+        return n
 
     def active(self, bundle_sha: str, now: float | None = None) -> dict[str, CrashRecord]:
         """Records that still apply: this bundle (or any, for probes), not expired, same versions."""
@@ -183,8 +218,8 @@ class CrashLedger:
     def take_marker(self) -> tuple[str, str] | None:
         """(step, detail) of the markers a dead child left, removing them; None when there are none."""
         found = None
-        inflight = read_json(self.directory / INFLIGHT_FILE)
-        marker = read_json(self.directory / STEP_FILE)
+        inflight = read_json(self.directory / INFLIGHT_FILE, expect=dict)
+        marker = read_json(self.directory / STEP_FILE, expect=dict)
         if inflight and inflight.get("candidate"):
             found = ("candidate:" + str(inflight["candidate"]), str(inflight.get("detail", "")))
         elif marker and marker.get("step"):
@@ -259,6 +294,7 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
     new: list[CrashRecord] = []
     unexplained: dict[tuple[str, str], int] = {}  # (step, detail) -> deaths there with no evidence
     noted: list[str] = []  # what was seen and not charged, for the report (health shows it)
+    stops = 0  # children stopped by a stop signal (SIGTERM, SIGINT, SIGHUP) while this process went on
     # Markers now are a child's whose agent exited mid-proof (stopped, or killed: the child then got
     # SIGKILL from PR_SET_PDEATHSIG): an interrupted self-test, not a crash of that step.
     stale = ledger.take_marker()
@@ -302,6 +338,15 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
             err = "\n".join(relay.tail)
             if proc.returncode is not None and -proc.returncode in STOP_SIGNALS:
                 found = ledger.take_marker()
+                stops += 1
+                if stops <= STOP_RETRIES:
+                    # the child alone was stopped (earlyoom and its kind send SIGTERM to the largest process, an
+                    # operator's kill): proven again, nothing charged. When the whole agent stops, it exits and
+                    # this retry dies with it (the child's parent-death signal), so a real shutdown is not delayed
+                    log.warning("selftest.child_stopped", signal=how, step=found[0] if found else None, retry=stops,
+                                of=STOP_RETRIES, reason="a stop of the child alone, not a crash: proven again")
+                    noted.append(f"{found[0] if found else 'the self-test'}: {how} from outside, proven again")
+                    continue
                 log.warning("selftest.stopped", signal=how, step=found[0] if found else None,
                             reason="a shutdown, not a crash: nothing recorded")
                 return ChildProof(None, f"self-test stopped by {how} (a shutdown, not a crash)", tuple(new))
@@ -320,7 +365,19 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
                                     reason="no fatal signal of the step's own (a kill from outside, the OOM "
                                            "killer): retried, not charged")
                         continue
+                    proofs = ledger.proofs_with_deaths(found[0], sha)
                     how = f"{how}, {seen} times in a row at the same point"
+                    if proofs < UNEXPLAINED_PROOFS:
+                        # one proof's episode (a memory-pressure spell kills whatever runs): skipped in this proof
+                        # only; charged when the next proof sees the same
+                        ledger.skip_in_this_proof(found[0], sha, how, found[1])
+                        noted.append(f"{found[0]}: {how}; skipped in this proof, charged if the next proof sees it too")
+                        log.warning("selftest.unexplained_episode", step=found[0], detail=found[1], signal=how,
+                                    proofs=proofs, of=UNEXPLAINED_PROOFS,
+                                    reason="deaths with no evidence in one proof: skipped in this proof only, "
+                                           "not charged")
+                        continue
+                    how = f"{how}, in {proofs} proofs in a row"
                 new.append(ledger.record(found[0], sha, how, found[1]))
                 continue
             doc = read_json(out)

@@ -388,9 +388,9 @@ class CrashMarkers:
         self.crashed_file = directory / SKIP_FILE
 
     def recover(self) -> dict[str, str]:
-        crashed: dict[str, str] = read_json(self.crashed_file, {}) or {}
-        left = read_json(self.inflight)
-        if left:
+        crashed: dict[str, str] = read_json(self.crashed_file, {}, expect=dict) or {}
+        left = read_json(self.inflight, expect=dict)
+        if left and left.get("bundle") and left.get("candidate"):
             key = f"{left['bundle']}|{left['candidate']}"
             crashed[key] = left.get("started", "")
             write_json_atomic(self.crashed_file, crashed)
@@ -421,8 +421,11 @@ def _interleaved(markers: CrashMarkers | None, bundle: Bundle, fn: Callable[[Any
 
 
 def cache_key(bundle: Bundle, statuses: Sequence[ProviderStatus], opts: SelftestOptions,
-              fingerprint: Mapping[str, str]) -> str:
+              fingerprint: Mapping[str, str], skipped: Sequence[str] = ()) -> str:
+    """`skipped`: the candidates this proof skips (a crash record, evidence from serving): a verdict won while a
+    better candidate was skipped is not reused once that skip no longer applies."""
     material = {
+        "skipped": sorted(skipped),
         "bundle": bundle.manifest_sha256,
         "onnxruntime": ort.__version__,
         "providers": [(s.name, s.usable, sorted(s.versions.items()), sorted(s.options.items())) for s in statuses],
@@ -506,10 +509,13 @@ def _start(bundle: Bundle, state_dir: Path | None, opts: SelftestOptions, seams:
     markers = CrashMarkers(directory) if directory else None
     # scales no configured source can choose are not proven (a 720p camera never decodes a 128x128 model's
     # frames at 1/8); a cached check bounded lower than the sources now allow is run again
+    crashed = markers.recover() if markers else {}
+    disproven = applying(directory, bundle, opts)
+    skipped = [k for k in crashed if k.startswith(f"{bundle.manifest_sha256}|")] + list(disproven)
     return _Run(bundle, opts, seams, t0, created, costs, list(golden), preprocessed, list(statuses), fingerprint,
-                cache_key(bundle, statuses, opts, fingerprint), list(candidates), list(notes), directory, markers,
-                markers.recover() if markers else {}, choosable_scale(opts.source_limits, m.preprocess.resize),
-                tuple(decode_paths(opts.source_limits)), applying(directory, bundle, opts))
+                cache_key(bundle, statuses, opts, fingerprint, skipped), list(candidates), list(notes), directory,
+                markers, crashed, choosable_scale(opts.source_limits, m.preprocess.resize),
+                tuple(decode_paths(opts.source_limits)), disproven)
 
 
 def _finish(run: _Run, results: list[CandidateResult], selected: CandidateResult | None, cached: bool,
@@ -548,7 +554,7 @@ def _cached_winner(run: _Run) -> SelftestReport | None:
     bundle, opts = run.bundle, run.opts
     if not (opts.use_cache and run.directory):
         return None
-    cached = read_json(run.directory / CACHE_FILE)
+    cached = read_json(run.directory / CACHE_FILE, expect=dict)
     if not cached or cached.get("key") != run.key:
         return None
     hit = next((c for c in run.candidates if c.key == cached.get("candidate") and c.key not in run.disproven), None)

@@ -231,7 +231,7 @@ def note_served(directory: Path, bundle: Bundle, candidate: str, report: dict[st
     gives other answers. Said in the report (`served_changed`, so health and the report page show it)
     and the journal; `served.json` keeps what served last."""
     path = directory / SERVED_FILE
-    last = read_json(path) or {}
+    last = read_json(path, expect=dict) or {}
     if last.get("bundle") == bundle.manifest_sha256 and last.get("candidate") not in (None, candidate):
         report["served_changed"] = {"previous": last["candidate"], "now": candidate, "since": last.get("at")}
         log.warning("boot.answers_changed", previous=last["candidate"], now=candidate, bundle=bundle.identity,

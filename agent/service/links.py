@@ -4,6 +4,8 @@ sinks, the live view and the /metrics server. Each is imported only when the con
 from __future__ import annotations
 
 import errno
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent.logsetup import get_logger
@@ -46,20 +48,33 @@ def start_mqtt(hub: Controller) -> None:
 
     try:
         hub.outbox = Outbox(cfg.state_dir / "outbox.sqlite", cfg.outbox)
-    except (OSError, sqlite3.OperationalError) as exc:
-        # a state disk full at boot (SQLite cannot even start its journal): the results go through an
-        # outbox in memory, as they do when the disk fills later; a backlog on the disk waits for a restart
-        # with space. Exiting here left the device down and silent.
-        if "full" not in str(exc) and getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
-            raise
+    except (OSError, sqlite3.Error) as exc:
+        # a state disk full at boot (SQLite cannot even start its journal; on a disk that already holds an outbox
+        # it says "disk I/O error", not "full"), read-only or damaged: the results go through an outbox in memory,
+        # as they do when the disk fills later; a backlog on the disk waits for a restart that can open it.
+        # Exiting here left the device down and silent.
+        full = "full" in str(exc) or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) \
+            or _free_bytes(cfg.state_dir) < FULL_BELOW_BYTES
         spare_dir = memory_dir(cfg.state_dir)
-        log.error("outbox.state_disk_full", file=str(cfg.state_dir / "outbox.sqlite"), error=str(exc),
+        log.error("outbox.state_disk_full" if full else "outbox.state_disk_unusable",
+                  file=str(cfg.state_dir / "outbox.sqlite"), error=f"{type(exc).__name__}: {exc}",
                   instead=str(spare_dir / "outbox.sqlite"),
-                  reason="disk full: results are kept in memory until the broker takes them")
+                  reason=("disk full" if full else "the outbox on the state disk cannot open")
+                  + ": results are kept in memory until the broker takes them")
         hub.outbox = Outbox(spare_dir / "outbox.sqlite", cfg.outbox)
     hub.link = MqttLink(cfg.mqtt, cfg.device_id, cfg.state_dir, hub.outbox, hub.command_inlet(), hub.status.retained,
                         on_bundle=hub.on_bundle_message if cfg.updates.enabled else None, instance=hub.instance)
     hub.link.start()
+
+
+FULL_BELOW_BYTES = 1 << 20  # a state disk with less free space than this is reported full
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
 
 
 def start_observers(hub: Controller) -> None:

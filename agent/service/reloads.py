@@ -64,7 +64,12 @@ class Reloads:
             new = self._read_config()
             if new is not None:
                 before: _Before = hub.call(lambda: self._stop_for(new))
-                outcome = boot(hub.cfg, hub.updates.store)
+                try:
+                    outcome = boot(hub.cfg, hub.updates.store)
+                except Exception as exc:  # noqa: BLE001 -- any failure of the proof is a refusal, never a dark device
+                    # (a read-only state disk's EROFS, a bug): the proven engine that served before serves on
+                    log.exception("reload.proof_raised", error=f"{type(exc).__name__}: {exc}")
+                    outcome = BootOutcome(None, None, None, f"the reload's proof failed: {type(exc).__name__}: {exc}")
                 hub.call(lambda: self._apply(outcome, before))
         finally:
             try:

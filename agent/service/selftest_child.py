@@ -143,7 +143,7 @@ def _prove(args: argparse.Namespace) -> dict[str, Any]:
         statuses += detect_providers((name,), opts.provider_options, opts.settings)
     mark_step(directory, None)
 
-    cached = read_json(directory / CACHE_FILE) or {}
+    cached = read_json(directory / CACHE_FILE, expect=dict) or {}
     cached_variant = str(cached.get("candidate") or "").rsplit(":", 1)[-1]
     if opts.use_cache and (f"candidate:{cached.get('candidate')}" in crashed or f"contract:{cached_variant}" in crashed):
         log.warning("selftest.cached_winner_crashed", candidate=cached.get("candidate"))

@@ -12,8 +12,9 @@ Which thread died: the serving process keeps Python's faulthandler writing to a 
 session. A native crash dumps "Current thread 0x..." there; the next boot charges the marker whose
 session ran on that thread and no other that merely ran beside it (pre, model and post run on their own
 threads, so under load a stage is often in flight when the model dies, and the other way round). When
-the dump names no thread of a marker (a crash in one of ORT's own pool threads, a decoder's), the rules
-below decide as before. When the fault file holds no dump at all (SIGKILL, the OOM killer, a stop time-out:
+the dump names no thread at all (a crash in one of ORT's own native pool threads), the rules below decide
+as before; when it names a Python thread that ran none of the markers' sessions (the main thread under a
+SIGABRT from outside, a decoder's or the link's thread), nothing is charged. When the fault file holds no dump at all (SIGKILL, the OOM killer, a stop time-out:
 nothing the process raised itself), the death is no evidence against the candidate: it is noted and retried,
 and recorded only when it recurs at the same inference in `UNEXPLAINED_DEATHS` processes in a row.
 
@@ -189,7 +190,7 @@ def _flight_point(raw: bytes) -> int | None:
 
 
 def _suspects(directory: Path) -> dict[str, Any]:
-    doc = read_json(directory / SUSPECTS_FILE, {})
+    doc = read_json(directory / SUSPECTS_FILE, {}, expect=dict)
     return doc if isinstance(doc, dict) else {}
 
 
@@ -329,9 +330,16 @@ class ServingWatch:
         inject_fault(f"{self._fault_key}#0", self.faults)
 
     def _write(self, phase: str, late: bool = False) -> None:
-        write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
-                                      "pid": os.getpid(), "process": PROCESS_TOKEN, "phase": phase,
-                                      "at": time.time(), "late": late, "boot_id": boot_id()})
+        try:
+            write_json_atomic(self.path, {"bundle": self.bundle_sha, "candidate": self.candidate, "step": self.step,
+                                          "pid": os.getpid(), "process": PROCESS_TOKEN, "phase": phase,
+                                          "at": time.time(), "late": late, "boot_id": boot_id()})
+        except OSError as exc:
+            # a full or read-only state disk: the session opens and serves all the same (a swap away from a
+            # disproven candidate must not fail for it); a death under this session then has no marker and is
+            # charged to nobody (charged only with evidence)
+            log.warning("serving.marker_unwritten", candidate=self.candidate, phase=phase, error=str(exc),
+                        detail="no crash marker for this session: a death now is charged to no candidate")
 
     def end(self) -> None:
         """This session no longer serves first: its marker goes (a death now is not its)."""
@@ -449,6 +457,14 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
                 if running and (ev := crashed.get(_process(doc)[:12])) is not None and ev[1] is not None
                 and ev[1] in threads[i]}
     named = {_process(dead[i][0]) for i in culprits}
+    # faulthandler names a "Current thread" only for a Python thread (a crash in one of ORT's own native pool
+    # threads names none): one that ran none of the process's sessions (the main thread under a SIGABRT from
+    # outside, a decoder's or the link's thread) is no evidence against the candidate that served
+    ran: dict[str, set[int]] = {}
+    for (doc, _), th in zip(dead, threads):
+        ran.setdefault(_process(doc), set()).update(th)
+    elsewhere = {proc for proc, th in ran.items()
+                 if (ev := crashed.get(proc[:12])) is not None and ev[1] is not None and ev[1] not in th}
     # Pre, model and post run on their own threads: a stage in flight beside the model's inference when the
     # process died may not be what died. Charging it refused the whole bundle for a model's crash another
     # candidate could avoid; so then the candidate is charged, and the stage only when it was in flight at
@@ -457,6 +473,11 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
                      if running and not str(doc.get("step") or "").startswith("stage:")}
     for i, (doc, running) in enumerate(dead):
         idle = not running
+        if _process(doc) in elsewhere:
+            log.warning("serving.crash_in_another_thread", step=doc.get("step"), candidate=doc["candidate"],
+                        reason="the fault file names a thread that ran none of the candidate's work (the main "
+                               "thread: a signal from outside; a decoder's or the link's thread): not charged")
+            continue
         if running and _process(doc) in named and i not in culprits:
             log.warning("serving.beside_the_crash", step=doc.get("step"), candidate=doc["candidate"],
                         reason="it ran beside the thread that died (named by the fault file): not charged")

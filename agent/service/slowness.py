@@ -4,8 +4,10 @@
 The proof measured latency once, at boot; a variant can slow down later (a thermal throttle, a driver that
 falls back to a slow path after some inferences, memory pressure). The audit thread reads the pipeline's
 inference histogram (count and sum, no per-inference work added) every `interval` (a fifth of
-`audit.slow_period_s`, at least 1 s): the mean inference time of each interval. The baseline is the mean of
-the engine's own first intervals once warm (the first interval after it starts serving is skipped); the
+`audit.slow_period_s`, at least 1 s): the mean inference time of each interval. The baseline is the smallest
+of the engine's first three interval means (the first, while sessions warm up, is slower and drops out
+unless the variant turned slow after it), so a slowdown that begins within the first intervals is not
+averaged into it (one that begins within the very first interval may be); the
 variant is reported slow when every interval of the last `audit.slow_period_s` had a mean over
 `audit.slow_factor` x that baseline, so it is said at most `slow_period_s` plus two intervals after the
 slowdown began (while frames flow), and cleared when a whole period is back under it. A machine's load
@@ -23,7 +25,7 @@ from agent.logsetup import get_logger
 
 log = get_logger("audit")
 
-BASELINE_INTERVALS = 2  # intervals (after the skipped warm one) averaged for the baseline
+BASELINE_INTERVALS = 2  # intervals after the warm one; the baseline is the smallest mean of the three
 MIN_RUNS = 5            # an interval with fewer inferences says nothing
 
 
@@ -59,14 +61,16 @@ class SlowWatch:
         runs, spent = count - self._last[1], total - self._last[2]
         self._last = (now, count, total)
         mean = spent / runs if runs >= MIN_RUNS else None
-        if not self._warm:  # the first interval: sessions warm up, caches fill
-            self._warm = mean is not None
+        if not self._warm:  # the first interval: sessions warm up, caches fill (slower, so the minimum below
+            self._warm = mean is not None  # drops it unless the variant turned slow within it)
+            if mean is not None:
+                self._base.append(mean)
             return None
         if self.baseline_ms is None:
             if mean is not None:
                 self._base.append(mean)
-                if len(self._base) >= BASELINE_INTERVALS:
-                    self.baseline_ms = sum(self._base) / len(self._base)
+                if len(self._base) >= BASELINE_INTERVALS + 1:
+                    self.baseline_ms = min(self._base)
                     log.info("audit.latency_baseline", candidate=engine.candidate.key,
                              inference_ms=round(self.baseline_ms, 3), slow_factor=self.factor,
                              slow_period_s=self.period_s)

@@ -138,7 +138,7 @@ class UpdateMachine:
     def __init__(self, store_root: Path):
         self.path = store_root / STATE_FILE
         self._lock = threading.Lock()  # guards only the snapshot swap: never held across work
-        self._snap = Snapshot.from_dict(read_json(self.path))
+        self._snap = Snapshot.from_dict(read_json(self.path, expect=dict))
         self.cancel = threading.Event()  # set by OFFER/ROLLBACK superseding a receiving delivery
 
     @property

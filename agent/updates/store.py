@@ -88,7 +88,7 @@ class BundleStore:
         return self.bundles / bid
 
     def history(self) -> list[str]:
-        return [h for h in (read_json(self.root / "history.json", []) or []) if (self.bundles / h).is_dir()]
+        return [h for h in (read_json(self.root / "history.json", [], expect=list) or []) if (self.bundles / h).is_dir()]
 
     def entries(self) -> list[StoreEntry]:
         cur, com = self.current_id, self.committed_id
@@ -176,13 +176,13 @@ class BundleStore:
         bid = self.add(staged, bundle)
         self.commit(bid)
         # trusted as what the operator installed (it needs no signature), pinned to its manifest hash
-        seeds = read_json(self.root / "seeds.json", {}) or {}
+        seeds = read_json(self.root / "seeds.json", {}, expect=dict) or {}
         write_json_atomic(self.root / "seeds.json", {**seeds, bid: bundle.manifest_sha256})
         return bid
 
     def seed_sha256(self, bid: str) -> str | None:
         """The manifest hash recorded when the operator's bundle seeded the store; None for pushed bundles."""
-        return (read_json(self.root / "seeds.json", {}) or {}).get(bid)
+        return (read_json(self.root / "seeds.json", {}, expect=dict) or {}).get(bid)
 
     def prune(self, keep: int) -> list[str]:
         """Keep the newest `keep` committed bundles, and never the ones in use."""
