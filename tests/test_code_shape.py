@@ -19,7 +19,7 @@ MAX_COMPLEXITY = 25
 MODULES = {
     "agent/bundle/create.py": (882, "bundle create: options, spec checks, the variants' judges and the stages (the "
                                     "model build's steps: model_build.py; quantisation: quantise.py)"),
-    "agent/proof/selftest.py": (713, "the self-test shell, its named steps and a candidate's proof (the batch and "
+    "agent/proof/selftest.py": (683, "the self-test shell, its named steps and a candidate's proof (the batch and "
                                      "concurrency judges: serving_shapes.py; the latency loop: latency_loop.py)"),
     "agent/serving/pipeline.py": (674, "the pipeline's threads; per-node stages come with issue 42"),
     "agent/fleet/simulator.py": (604, "a simulated device: its link, updates and commands (its groups' spec could move out)"),

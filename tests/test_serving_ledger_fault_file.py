@@ -66,7 +66,7 @@ def test_the_in_flight_record_names_every_thread_of_a_busy_session(tmp_path: Pat
     try:
         inside.wait(30)
         raw = watch.path.with_suffix(".inflight").read_bytes()
-        assert serving_ledger._flight_threads(raw) == set(idents), "threads missing or a thread id cut short"
+        assert serving_ledger.flight_threads(raw) == set(idents), "threads missing or a thread id cut short"
     finally:
         release.set()
         for t in threads:

@@ -94,4 +94,4 @@ def test_a_live_process_s_fault_file_is_left_alone(tmp_path: Path) -> None:
 @pytest.mark.parametrize("raw,threads", [(b"0" + b" " * 127, set()), (b"1 1f,a0" + b" " * 10, {0x1F, 0xA0}),
                                          (b"1", set()), (b"\xff\xfe", set())])
 def test_the_in_flight_record_reads_back_its_threads(raw: bytes, threads: set[int]) -> None:
-    assert serving_ledger._flight_threads(raw) == threads
+    assert serving_ledger.flight_threads(raw) == threads

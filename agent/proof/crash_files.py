@@ -1,6 +1,6 @@
 """The names of the crash-evidence files in `<state_dir>/selftest`, spelled once.
 
-The self-test in the child (`selftest.CrashMarkers`) and the parent that judges its death
+The self-test in the child (`crash_markers.CrashMarkers`) and the parent that judges its death
 (`isolation.CrashLedger`) read and write the same files; a name spelled twice drifted once.
 """
 

@@ -337,18 +337,9 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
             relay.join(timeout=10)
             err = "\n".join(relay.tail)
             if proc.returncode is not None and -proc.returncode in STOP_SIGNALS:
-                found = ledger.take_marker()
                 stops += 1
-                if stops <= STOP_RETRIES:
-                    # the child alone was stopped (earlyoom and its kind send SIGTERM to the largest process, an
-                    # operator's kill): proven again, nothing charged. When the whole agent stops, it exits and
-                    # this retry dies with it (the child's parent-death signal), so a real shutdown is not delayed
-                    log.warning("selftest.child_stopped", signal=how, step=found[0] if found else None, retry=stops,
-                                of=STOP_RETRIES, reason="a stop of the child alone, not a crash: proven again")
-                    noted.append(f"{found[0] if found else 'the self-test'}: {how} from outside, proven again")
+                if _stopped_retry(ledger, str(how), stops, noted):
                     continue
-                log.warning("selftest.stopped", signal=how, step=found[0] if found else None,
-                            reason="a shutdown, not a crash: nothing recorded")
                 return ChildProof(None, f"self-test stopped by {how} (a shutdown, not a crash)", tuple(new))
             if how is not None:
                 found = ledger.take_marker()
@@ -358,26 +349,13 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
                     # no evidence against the step (SIGKILL: the OOM killer, an operator): retried, and
                     # charged only when the same death comes back at the same point UNEXPLAINED_DEATHS times
                     seen = unexplained[found] = unexplained.get(found, 0) + 1
-                    noted.append(f"{found[0]} ({found[1] or 'no detail'}): {how}, {seen} of {UNEXPLAINED_DEATHS}")
-                    if seen < UNEXPLAINED_DEATHS:
-                        log.warning("selftest.unexplained_death", step=found[0], detail=found[1], signal=how,
-                                    deaths=seen, of=UNEXPLAINED_DEATHS,
-                                    reason="no fatal signal of the step's own (a kill from outside, the OOM "
-                                           "killer): retried, not charged")
+                    if _retry_unexplained(found, how, seen, noted):
                         continue
-                    proofs = ledger.proofs_with_deaths(found[0], sha)
-                    how = f"{how}, {seen} times in a row at the same point"
-                    if proofs < UNEXPLAINED_PROOFS:
-                        # one proof's episode (a memory-pressure spell kills whatever runs): skipped in this proof
-                        # only; charged when the next proof sees the same
-                        ledger.skip_in_this_proof(found[0], sha, how, found[1])
-                        noted.append(f"{found[0]}: {how}; skipped in this proof, charged if the next proof sees it too")
-                        log.warning("selftest.unexplained_episode", step=found[0], detail=found[1], signal=how,
-                                    proofs=proofs, of=UNEXPLAINED_PROOFS,
-                                    reason="deaths with no evidence in one proof: skipped in this proof only, "
-                                           "not charged")
+                    charged = _episode_or_charge(ledger, found, sha, f"{how}, {seen} times in a row at the same point",
+                                                 noted)
+                    if charged is None:
                         continue
-                    how = f"{how}, in {proofs} proofs in a row"
+                    how = charged
                 new.append(ledger.record(found[0], sha, how, found[1]))
                 continue
             doc = read_json(out)
@@ -395,6 +373,48 @@ def _prove_in_child(root: Path, state_dir: Path, config: Path | object | None, t
     return ChildProof(None, f"{len(new)} self-test processes crashed and {sum(unexplained.values())} were killed "
                             "from outside in a row", tuple(new))
 
+
+
+def _retry_unexplained(found: tuple[str, str], how: str, seen: int, noted: list[str]) -> bool:
+    """The `seen`-th death with no evidence at this point: True to retry (not charged yet)."""
+    noted.append(f"{found[0]} ({found[1] or 'no detail'}): {how}, {seen} of {UNEXPLAINED_DEATHS}")
+    if seen >= UNEXPLAINED_DEATHS:
+        return False
+    log.warning("selftest.unexplained_death", step=found[0], detail=found[1], signal=how, deaths=seen,
+                of=UNEXPLAINED_DEATHS, reason="no fatal signal of the step's own (a kill from outside, the OOM "
+                                              "killer): retried, not charged")
+    return True
+
+
+def _stopped_retry(ledger: CrashLedger, how: str, stops: int, noted: list[str]) -> bool:
+    """A child ended by a stop signal: True to prove again (the child alone was stopped: earlyoom and its kind
+    send SIGTERM to the largest process, an operator's kill), nothing charged. When the whole agent stops, it
+    exits and the retry dies with it (the child's parent-death signal), so a real shutdown is not delayed."""
+    found = ledger.take_marker()
+    step = found[0] if found else None
+    if stops <= STOP_RETRIES:
+        log.warning("selftest.child_stopped", signal=how, step=step, retry=stops, of=STOP_RETRIES,
+                    reason="a stop of the child alone, not a crash: proven again")
+        noted.append(f"{step or 'the self-test'}: {how} from outside, proven again")
+        return True
+    log.warning("selftest.stopped", signal=how, step=step, reason="a shutdown, not a crash: nothing recorded")
+    return False
+
+
+def _episode_or_charge(ledger: CrashLedger, found: tuple[str, str], sha: str, how: str,
+                       noted: list[str]) -> str | None:
+    """UNEXPLAINED_DEATHS deaths with no evidence at one point of this proof: None when it is this proof's
+    episode alone (a memory-pressure spell kills whatever runs: skipped in this proof only), else how the
+    charge reads (the next proof saw it too)."""
+    proofs = ledger.proofs_with_deaths(found[0], sha)
+    if proofs < UNEXPLAINED_PROOFS:
+        ledger.skip_in_this_proof(found[0], sha, how, found[1])
+        noted.append(f"{found[0]}: {how}; skipped in this proof, charged if the next proof sees it too")
+        log.warning("selftest.unexplained_episode", step=found[0], detail=found[1], signal=how, proofs=proofs,
+                    of=UNEXPLAINED_PROOFS, reason="deaths with no evidence in one proof: skipped in this proof only, "
+                                                  "not charged")
+        return None
+    return f"{how}, in {proofs} proofs in a row"
 
 def _progress(directory: Path) -> float:
     """When the child last showed progress: the newest write of its step or in-flight marker (each step,

@@ -26,7 +26,6 @@ from agent.hashing import sha256_bytes
 from agent.logsetup import get_logger
 from agent.npio import open_npz
 from agent.proof.evidence import ServingEvidence, applying
-from agent.proof.isolation import RunMarker
 from agent.proof.parity import fidelity_floors, judge_fidelity, judge_reproduction, reproduction_bounds
 from agent.proof.pre_compare import Levels, SampleDiff, compare, explain, lattice_levels
 from agent.proof.probe import detect_providers, device_fingerprint
@@ -56,7 +55,7 @@ from agent.vocabulary.batch_axis import check_single_sample_outputs
 from agent.vocabulary.decoders import split_batch
 from agent.vocabulary.preprocess import Preprocessor
 
-from agent.proof.crash_files import CACHE_FILE, INFLIGHT_FILE, SKIP_FILE
+from agent.proof.crash_files import CACHE_FILE
 from agent.proof.costs import ProofCosts
 from agent.proof.selftest_options import (  # noqa: F401 (names callers import from here)
     SelftestOptions,
@@ -77,6 +76,7 @@ from agent.proof.reduced_decode import (  # noqa: F401 (names callers import fro
 )
 from agent.proof.replay import golden_steps, is_sequence, run_golden
 from agent.proof.latency_loop import Trial, time_interleaved
+from agent.proof.crash_markers import CrashMarkers
 from agent.proof.serving_shapes import (  # noqa: F401 (tests import batch_sizes here)
     batch_sizes, judge_batches, judge_concurrent, run_concurrently,
 )
@@ -378,42 +378,6 @@ class Seams:
     prove: Callable[..., Trial] = prove
     evaluate: Callable[..., CandidateResult] = evaluate
     before_run: Callable[[Candidate, int], None] | None = None
-
-
-class CrashMarkers:
-    """A marker written before each candidate; one found at start means that candidate killed us."""
-
-    def __init__(self, directory: Path):
-        self.inflight = directory / INFLIGHT_FILE
-        self.crashed_file = directory / SKIP_FILE
-
-    def recover(self) -> dict[str, str]:
-        crashed: dict[str, str] = read_json(self.crashed_file, {}, expect=dict) or {}
-        left = read_json(self.inflight, expect=dict)
-        if left and left.get("bundle") and left.get("candidate"):
-            key = f"{left['bundle']}|{left['candidate']}"
-            crashed[key] = left.get("started", "")
-            write_json_atomic(self.crashed_file, crashed)
-            log.warning("selftest.crash_marker_found", candidate=left["candidate"], bundle=left["bundle"][:12])
-        if self.inflight.exists():
-            self.inflight.unlink()
-        return crashed
-
-    def enter(self, bundle_sha: str, c: Candidate) -> None:
-        write_json_atomic(self.inflight, {"bundle": bundle_sha, "candidate": c.key,
-                                          "started": datetime.now(timezone.utc).isoformat()})
-
-    def leave(self) -> None:
-        self.inflight.unlink(missing_ok=True)
-
-    def interleaved(self, bundle_sha: str, fn: Callable[[Any], T]) -> T:
-        """Run `fn(marker)`, a latency loop that switches the in-flight marker per candidate per run."""
-        marker = RunMarker(self.inflight, bundle_sha)
-        try:
-            return fn(marker)
-        finally:
-            marker.close()
-            self.leave()
 
 
 def _interleaved(markers: CrashMarkers | None, bundle: Bundle, fn: Callable[[Any], T]) -> T:

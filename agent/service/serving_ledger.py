@@ -52,6 +52,8 @@ from agent.logsetup import get_logger
 from agent.proof.isolation import CrashLedger, inject_fault, parse_faults
 from agent.proof.crash_files import SUSPECTS_FILE  # "<bundle>|<step>" -> {"deaths": n, "at": unix}
 
+from agent.service.flight_record import flight_point, flight_threads
+
 log = get_logger("serving_ledger")
 
 FAULT_ENV = "EDGE_AGENT_FAULT"
@@ -169,24 +171,6 @@ def _crashed_threads(directory: Path) -> dict[str, tuple[bool, int | None]]:
             log.error("serving.native_crash", thread=m.group(1), dump=text[:4000],
                       reason="the last serving process died in native code; its threads' stacks follow")
     return out
-
-
-def _flight_threads(raw: bytes) -> set[int]:
-    try:
-        head, _, rest = raw.decode("ascii").strip().partition(" ")
-        ids = rest.split(" #")[0]
-        return {int(t, 16) for t in ids.split(",") if t} if head == "1" else set()
-    except ValueError:
-        return set()
-
-
-def _flight_point(raw: bytes) -> int | None:
-    """The inference in flight when the process died (0: opening the session), from the in-flight record."""
-    try:
-        text = raw.decode("ascii").strip()
-        return int(text.rsplit(" #", 1)[1]) if text.startswith("1 ") and " #" in text else None
-    except (ValueError, IndexError):
-        return None
 
 
 def _suspects(directory: Path) -> dict[str, Any]:
@@ -450,21 +434,14 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
         if not isinstance(doc, dict) or not doc.get("candidate") or not doc.get("bundle"):
             continue
         dead.append((doc, not idle))
-        threads.append(_flight_threads(raw))
-        points.append(_flight_point(raw))
+        threads.append(flight_threads(raw))
+        points.append(flight_point(raw))
     # The fault file named the thread that died: its marker is the culprit, the others ran beside it.
     culprits = {i for i, (doc, running) in enumerate(dead)
                 if running and (ev := crashed.get(_process(doc)[:12])) is not None and ev[1] is not None
                 and ev[1] in threads[i]}
     named = {_process(dead[i][0]) for i in culprits}
-    # faulthandler names a "Current thread" only for a Python thread (a crash in one of ORT's own native pool
-    # threads names none): one that ran none of the process's sessions (the main thread under a SIGABRT from
-    # outside, a decoder's or the link's thread) is no evidence against the candidate that served
-    ran: dict[str, set[int]] = {}
-    for (doc, _), th in zip(dead, threads):
-        ran.setdefault(_process(doc), set()).update(th)
-    elsewhere = {proc for proc, th in ran.items()
-                 if (ev := crashed.get(proc[:12])) is not None and ev[1] is not None and ev[1] not in th}
+    elsewhere = _crashed_elsewhere(dead, threads, crashed)
     # Pre, model and post run on their own threads: a stage in flight beside the model's inference when the
     # process died may not be what died. Charging it refused the whole bundle for a model's crash another
     # candidate could avoid; so then the candidate is charged, and the stage only when it was in flight at
@@ -475,8 +452,7 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
         idle = not running
         if _process(doc) in elsewhere:
             log.warning("serving.crash_in_another_thread", step=doc.get("step"), candidate=doc["candidate"],
-                        reason="the fault file names a thread that ran none of the candidate's work (the main "
-                               "thread: a signal from outside; a decoder's or the link's thread): not charged")
+                        reason="the dump names a thread that ran none of the candidate's work: not charged")
             continue
         if running and _process(doc) in named and i not in culprits:
             log.warning("serving.beside_the_crash", step=doc.get("step"), candidate=doc["candidate"],
@@ -511,6 +487,18 @@ def recover(directory: Path, ledger: CrashLedger) -> list[str]:
                   reason="the last serving process died under this candidate; the self-test skips it")
         out.append(step)
     return out
+
+
+def _crashed_elsewhere(dead: list[tuple[dict[str, Any], bool]], threads: list[set[int]],
+                       crashed: Mapping[str, tuple[bool, int | None]]) -> set[str]:
+    """Processes whose fault file names a Python thread that ran none of their sessions (faulthandler names a
+    "Current thread" only for a Python thread; a crash in ORT's native pool threads names none): the main
+    thread under a SIGABRT from outside, a decoder's or the link's thread: no evidence against a candidate."""
+    ran: dict[str, set[int]] = {}
+    for (doc, _), th in zip(dead, threads):
+        ran.setdefault(_process(doc), set()).update(th)
+    return {proc for proc, th in ran.items()
+            if (ev := crashed.get(proc[:12])) is not None and ev[1] is not None and ev[1] not in th}
 
 
 def _process(doc: Mapping[str, Any]) -> str:
