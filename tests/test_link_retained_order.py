@@ -10,7 +10,8 @@ agent's facts as v1 committed after it had committed v2, and the operator had se
    the controller publishes a newer one; the link said "not connected" to the controller and dropped it,
    then sent its own, older, document.
 
-On a real Mosquitto, through a TCP relay that can swallow what passes (a link that died silently) and
+On a real Mosquitto, and (the first) on the two-node aedes cluster where it was seen (the agent on node B,
+the reader on node A), through a TCP relay that can swallow what passes (a link that died silently) and
 cut its connections (the death noticed)."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 from agent.config import MqttConfig
 from agent.link.mqtt import MqttLink
 from agent.link.outbox import Outbox
-from brokers import MOSQUITTO, Broker, Collector
+from brokers import MOSQUITTO, Broker, Collector, fleet_broker
 from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
@@ -87,19 +88,20 @@ class Relay:
         self.cut()
 
 
-def _link(port: int, state: Path, retained) -> MqttLink:  # type: ignore[no-untyped-def]
-    cfg = MqttConfig(enabled=True, port=port, keepalive=60, reconnect_min_s=1, reconnect_max_s=1)
+def _link(port: int, state: Path, retained, **mqtt) -> MqttLink:  # type: ignore[no-untyped-def]
+    cfg = MqttConfig(enabled=True, port=port, keepalive=60, reconnect_min_s=1, reconnect_max_s=1, **mqtt)
     return MqttLink(cfg, "dev-ro", state, Outbox(state / "outbox.sqlite"), lambda cmd: {"ok": True}, retained)
 
 
 def _settled(link: MqttLink) -> bool:
     """Every QoS 1 publish of the link acknowledged, so Mosquitto (it stores a retained message before its
-    PUBACK) holds what the link last sent. paho keeps them in a private map: read, never set."""
+    PUBACK) holds what the link last sent; aedes writes it to Redis right after its PUBACK, long before a
+    new reader's SUBSCRIBE. paho keeps them in a private map: read, never set."""
     return link.connected.is_set() and not link.client._out_messages
 
 
-def _retained(port: int) -> dict:
-    col = Collector(port, [TOPIC])
+def _retained(port: int, protocol: str = "5") -> dict:
+    col = Collector(port, [TOPIC], protocol=protocol)
     try:
         assert col.wait(lambda: col.connects >= 1 and col.on(TOPIC), 20), "no retained document"
         return json.loads(col.on(TOPIC)[-1].payload)
@@ -107,14 +109,15 @@ def _retained(port: int) -> dict:
         col.close()
 
 
-def test_a_document_queued_before_a_reconnect_is_not_sent_over_the_current_one(tmp_path: Path) -> None:
-    broker = Broker(tmp_path / "broker").start()
-    relay = Relay(broker.port)
+@pytest.mark.parametrize("kind", ["mosquitto", "aedes-cluster"])
+def test_a_document_queued_before_a_reconnect_is_not_sent_over_the_current_one(tmp_path: Path, kind: str) -> None:
+    broker = fleet_broker(kind, tmp_path / "broker")  # the devices' port, and (a cluster) the other node to read
+    relay = Relay(broker.device_port)
     state = {"committed": 1, "current": 1}
-    link = _link(relay.port, tmp_path / "state", lambda: {TOPIC: json.dumps(state).encode()})
+    link = _link(relay.port, tmp_path / "state", lambda: {TOPIC: json.dumps(state).encode()}, **broker.agent_mqtt)
     try:
         link.start()
-        assert wait_until(lambda: _settled(link), 30) and _retained(broker.port) == state
+        assert wait_until(lambda: _settled(link), 30) and _retained(broker.port, broker.protocol) == state
         relay.swallow()  # the link is dead and nobody knows yet
         state["current"] = 2  # the update switched: the self-test's facts, lost on the way, kept by paho
         link.publish_retained(TOPIC, json.dumps(state).encode())
@@ -124,7 +127,7 @@ def test_a_document_queued_before_a_reconnect_is_not_sent_over_the_current_one(t
         link.publish_retained(TOPIC, json.dumps(state).encode())
         session = link.session
         assert wait_until(lambda: link.session > session and _settled(link), 30), "the link did not come back"
-        assert _retained(broker.port) == {"committed": 2, "current": 2}
+        assert _retained(broker.port, broker.protocol) == {"committed": 2, "current": 2}
     finally:
         link.stop(drain_s=0)
         relay.close()
