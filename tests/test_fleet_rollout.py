@@ -82,7 +82,11 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     for v in (2, 3):
         src = t / f"v{v}"
         shutil.copytree(DEMO, src)
-        rewrite_manifest(src, lambda m, v=v: m.update(version=v))
+        # a 1 s latency budget: the host's load is not what this test judges. On 2 shared cores at load 12-30
+        # (7 December 2026) the real agents' probation p95 (105-470 ms) went over the demo's 50 ms, they rolled
+        # v2 back (4 of 4 runs, 3 on the cluster, 1 on Mosquitto); tests/test_updates* judge probation.
+        rewrite_manifest(src, lambda m, v=v: m.update(version=v, selftest={**m["selftest"],
+                                                                           "latency_budget_ms": {"default": 1000.0}}))
         sign_bundle(src, t / "k.pem")
         archives[v] = pack(src, web / f"v{v}.tar.gz")
     handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
@@ -112,7 +116,8 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def link_events(agent: AgentProcess) -> list[str]:
     """A real agent's connects, disconnects and update steps, in order, from its JSON log."""
-    keep = ("mqtt.connected", "mqtt.disconnected", "mqtt.superseded_dropped", "update.switched", "update.committed")
+    keep = ("mqtt.connected", "mqtt.disconnected", "mqtt.superseded_dropped", "update.switched", "update.committed",
+            "update.rolled_back", "update.rejected")
     out = []
     for line in agent.log_path.read_text().splitlines():
         try:
@@ -187,9 +192,12 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
         r = fleet(world, "ls", "--where", "group=real", "--where", "provider=CPUExecutionProvider", "--json")
         rows = json.loads(r.stdout)
         assert sorted(x["device"] for x in rows) == [f"real-{i}" for i in range(REAL_AGENTS)], rows
-        # Until 7 December 2026 this failed on the aedes cluster: a real agent's link went down between its
-        # self-test and its commit, and after the reconnect paho sent the queued self-test facts (v1 committed)
-        # after the connect's current ones (tests/test_link_retained_order.py). Each agent's link events say so.
+        # Until 7 December 2026 this failed on the aedes cluster (2 of 2 runs, load 27-47), v1 read for a real
+        # agent. Two causes fit and both are gone: its probation over the 50 ms budget rolled v2 back (seen here
+        # on 7 December: the same assertion, the agent's log said update.rolled_back; the budget above), or a
+        # link that went down between its self-test and its commit, after which paho sent the queued self-test
+        # facts (v1 committed) after the connect's current ones (tests/test_link_retained_order.py reproduces it
+        # on the cluster; fixed in agent/link/superseded.py). Each agent's events say which, if it comes back.
         assert all(x["committed"] == "digits-classifier@2" and x["fidelity_margin"] is not None for x in rows), \
             [(x["device"], x["committed"], x["fidelity_margin"], x.get("availability"),
               link_events(world["agents"][int(x["device"].split("-")[1])])) for x in rows]
