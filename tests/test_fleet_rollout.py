@@ -82,7 +82,11 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     for v in (2, 3):
         src = t / f"v{v}"
         shutil.copytree(DEMO, src)
-        rewrite_manifest(src, lambda m, v=v: m.update(version=v))
+        # a 1 s latency budget: the host's load is not what this test judges. On 2 shared cores at load 12-30
+        # (7 December 2026) the real agents' probation p95 (105-470 ms) went over the demo's 50 ms, they rolled
+        # v2 back (4 of 4 runs, 3 on the cluster, 1 on Mosquitto); tests/test_updates* judge probation.
+        rewrite_manifest(src, lambda m, v=v: m.update(version=v, selftest={**m["selftest"],
+                                                                           "latency_budget_ms": {"default": 1000.0}}))
         sign_bundle(src, t / "k.pem")
         archives[v] = pack(src, web / f"v{v}.tar.gz")
     handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(web), **k)
@@ -102,12 +106,27 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     col = Collector(broker.device_port, ["edge/+/cmd/update", "edge/+/cmd/rollback"], protocol=broker.protocol)
     assert col.wait(lambda: col.connects >= 1, 20)
     yield {"kind": request.param, "t": t, "port": broker.port, "device_port": broker.device_port, "protocol": broker.protocol, "url": f"http://127.0.0.1:{srv.server_address[1]}", "archives": archives,
-           "col": col, "pub": t / "k.pub"}
+           "col": col, "pub": t / "k.pub", "agents": agents}
     col.close()
     for a in agents:
         a.stop()
     srv.shutdown()
     broker.stop()
+
+
+def link_events(agent: AgentProcess) -> list[str]:
+    """A real agent's connects, disconnects and update steps, in order, from its JSON log."""
+    keep = ("mqtt.connected", "mqtt.disconnected", "mqtt.superseded_dropped", "update.switched", "update.committed",
+            "update.rolled_back", "update.rejected")
+    out = []
+    for line in agent.log_path.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") in keep:
+            out.append(f"{e.get('timestamp', '')[11:23]} {e['event']}")
+    return out
 
 
 def wait_real_agents(world: dict, timeout: float = 180) -> None:
@@ -133,15 +152,7 @@ def commands(world: dict, kind: str) -> dict[str, int]:
     return out
 
 
-def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_killed(
-        world: dict, request: pytest.FixtureRequest) -> None:
-    if world["kind"] == "aedes-cluster":
-        # plan, start, the kill, resume (done, phase 3, gate passed) and status pass on the cluster; then (2 of 2
-        # runs, 7 December) `fleet ls` through node A read one real agent's retained facts as v1 committed although
-        # the operator had judged it committed by its fresh v2 facts: a stale retained document on the cluster, or
-        # an agent republishing older facts on reconnect; not explained yet (docs/fleet.md)
-        request.applymarker(pytest.mark.xfail(reason="aedes cluster: fleet ls saw a real agent's stale retained "
-                                                     "facts after the rollout (not explained yet)", strict=False))
+def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_killed(world: dict) -> None:
     groups = [GroupProfile(n, 50, labels={"fleet": "one"}) for n in "abcd"]
     sims = sim_fleet(world, groups, "one")
     try:
@@ -181,8 +192,15 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
         r = fleet(world, "ls", "--where", "group=real", "--where", "provider=CPUExecutionProvider", "--json")
         rows = json.loads(r.stdout)
         assert sorted(x["device"] for x in rows) == [f"real-{i}" for i in range(REAL_AGENTS)], rows
+        # Until 7 December 2026 this failed on the aedes cluster (2 of 2 runs, load 27-47), v1 read for a real
+        # agent. Two causes fit and both are gone: its probation over the 50 ms budget rolled v2 back (seen here
+        # on 7 December: the same assertion, the agent's log said update.rolled_back; the budget above), or a
+        # link that went down between its self-test and its commit, after which paho sent the queued self-test
+        # facts (v1 committed) after the connect's current ones (tests/test_link_retained_order.py reproduces it
+        # on the cluster; fixed in agent/link/superseded.py). Each agent's events say which, if it comes back.
         assert all(x["committed"] == "digits-classifier@2" and x["fidelity_margin"] is not None for x in rows), \
-            [(x["device"], x["committed"], x["fidelity_margin"], x.get("availability")) for x in rows]
+            [(x["device"], x["committed"], x["fidelity_margin"], x.get("availability"),
+              link_events(world["agents"][int(x["device"].split("-")[1])])) for x in rows]
 
         # a device publishes its update verdict, then its facts: the rollout may end on the last verdicts
         # before their facts reach the broker, so the facts are waited for (a barrier), then judged
@@ -201,7 +219,8 @@ def test_four_phase_rollout_commits_everywhere_and_survives_its_operator_being_k
             sim = {d.id: {"commands": d.update_commands, "fate": d.fate} for d in sims.devices if d.id in behind}
             pytest.fail(f"left on an older version: {behind}; records "
                         f"{ {d: records.get(f'fleet/rollout/one/device/{d}') for d in behind} }; status "
-                        f"{ {d: status.get(f'edge/{d}/update/status') for d in behind} }; simulator {sim}")
+                        f"{ {d: status.get(f'edge/{d}/update/status') for d in behind} }; simulator {sim}; links "
+                        f"{ {d: link_events(world['agents'][int(d[5:])]) for d in behind if d.startswith('real-')} }")
         # no device commanded twice: what the devices received (sims count), and what the broker carried
         assert all(d.update_commands == 1 for d in sims.devices), [d.id for d in sims.devices if d.update_commands != 1]
         seen = commands(world, "update")

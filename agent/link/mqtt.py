@@ -28,6 +28,7 @@ from agent.errors import ConfigError
 from agent.fsio import bump_counter, read_counter
 from agent.logsetup import get_logger
 from agent.link.outbox import Message, Outbox
+from agent.link.superseded import drop_queued
 from agent.link.topics import Topics, default_prefix
 
 log = get_logger("mqtt")
@@ -109,6 +110,9 @@ class MqttLink:
         self._session_file = state_dir / "mqtt-session"
         self.session = read_counter(self._session_file)
         self.connected = threading.Event()
+        # the connect's republish and every other retained publish, one at a time: a document the controller
+        # publishes while the connect republishes is sent after the connect's (never dropped as "not connected")
+        self._retained_lock = threading.Lock()
         self._stop = threading.Event()
         self._pump_thread = threading.Thread(target=self._pump, name="mqtt-pump", daemon=True)
         v5 = cfg.protocol == "5"
@@ -178,8 +182,9 @@ class MqttLink:
     # -- publishing ------------------------------------------------------------------------------------
     def publish_retained(self, topic: str, payload: bytes) -> None:
         """Latest-state topics bypass the outbox: only the newest value matters, and it is sent on connect."""
-        if self.connected.is_set():
-            self.client.publish(topic, payload, qos=1, retain=True)
+        with self._retained_lock:
+            if self.connected.is_set():
+                self.client.publish(topic, payload, qos=1, retain=True)
 
     def publish_now(self, topic: str, payload: bytes) -> bool:
         """A reply's payload (a snapshot's JPEG): QoS 1, not retained, not through the outbox (nothing on disk; an
@@ -244,15 +249,25 @@ class MqttLink:
         rc, _ = client.subscribe([(t, 1) for t in topics])
         if rc != paho.MQTT_ERR_SUCCESS:
             raise ConnectionError(f"subscribe to {topics} failed: {paho.error_string(rc)}")
-        client.publish(self.topics.availability, _availability("online", self.session, self.instance),
-                       qos=1, retain=True)
+        with self._retained_lock:
+            self._republish(client)
+            self.connected.set()
+        log.info("mqtt.connected", session=self.session, host=self.cfg.host, port=self.cfg.port)
+
+    def _republish(self, client: paho.Client) -> None:
+        """Availability and the current retained documents, replacing what paho still holds of older ones
+        (agent/link/superseded.py: sent after these, they would be the ones the broker keeps)."""
+        online = _availability("online", self.session, self.instance)
         try:
-            for topic, payload in self.retained().items():
-                client.publish(topic, payload, qos=1, retain=True)
+            docs = {self.topics.availability: online, **self.retained()}
         except Exception:  # never let it kill paho's network thread: the next health publish repairs it
             log.exception("mqtt.retained_publish_failed")
-        self.connected.set()
-        log.info("mqtt.connected", session=self.session, host=self.cfg.host, port=self.cfg.port)
+            docs = {self.topics.availability: online}
+        dropped = drop_queued(client, docs)
+        if dropped:
+            log.info("mqtt.superseded_dropped", count=dropped, detail="older retained documents not sent again")
+        for topic, payload in docs.items():
+            client.publish(topic, payload, qos=1, retain=True)
 
     @staticmethod
     def _drop_connection(client: paho.Client) -> None:
@@ -326,8 +341,9 @@ class MqttLink:
             return
         if msg.topic == f"{self.cfg.homeassistant_prefix}/status":
             if msg.payload == b"online":
-                for topic, payload in self.retained().items():
-                    client.publish(topic, payload, qos=1, retain=True)
+                with self._retained_lock:
+                    for topic, payload in self.retained().items():
+                        client.publish(topic, payload, qos=1, retain=True)
             return
         if self.on_bundle is not None and msg.topic.startswith(self.topics.prefix + "bundle/"):
             try:
