@@ -54,3 +54,35 @@ def test_int16_pcm_declared_for_a_float32_bundle_is_refused_or_served_as_the_sam
         stop.set()
         tx.close()
         src.close()
+
+
+@pytest.mark.xfail(strict=False, reason="a sender at half the declared rate whose datagrams each arrive later than "
+                                        "their audio (a gap reset at each) is never measured: each session restart "
+                                        "clears the rate clock, so no measured_rate, no rate_off_by, no log")
+def test_a_sender_at_half_the_declared_rate_is_reported_even_when_each_datagram_is_a_gap() -> None:
+    """Issue 44's own case: 'a sender at half the declared rate (10 s of audio over 23 s) was served with no
+    warning, because the gap rule restarts its clock at each late arrival'. Here each datagram holds 0.5 s of
+    audio and comes 1 s after the last (8 kHz against a declared 16 kHz), reset_on_gap_s 0.2."""
+    import time
+
+    from agent.serving.sensors import SensorSource
+
+    state = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn", reset_on_gap_s=0.2),)
+    src = SensorSource(SourceConfig(type="udp", host="127.0.0.1", port=0, sample_rate=16000),
+                       frame_from_dict(FRAME, state))
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        t0 = time.monotonic()
+        for k in range(6):  # 8,000 samples every 1.0 s for 5 s: 8,000 samples/s
+            delay = t0 + k * 1.0 - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            tx.sendto(np.zeros(8000, "<f4").tobytes(), ("127.0.0.1", src.port))
+        time.sleep(0.5)
+        h = src.streams_health()
+        (s,) = h["streams"].values()
+        assert "rate_off_by" in s, (f"5 s of a sender at half the declared rate: restarts {h['restarts']}, "
+                                    f"session {s['session']}, measured_rate {s.get('measured_rate')}, no rate_off_by")
+    finally:
+        tx.close()
+        src.close()
