@@ -128,10 +128,16 @@ def test_a_sender_heard_again_after_stream_timeout_is_a_new_session_whatever_oth
     r = _Reader(src)
     stop_b = threading.Event()
 
-    def chatter() -> None:  # another sender in real time: a datagram of 16 ms every 16 ms
-        while not stop_b.is_set():
-            b.sendto(np.zeros(W, "<f4").tobytes(), ("127.0.0.1", src.port))
-            time.sleep(W / 16000)
+    def chatter() -> None:  # another sender in real time: a datagram of 2 ms every 2 ms (its own process)
+        import subprocess
+        import sys
+
+        code = (f"import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nwhile True:\n"
+                f"    s.sendto(bytes(128), ('127.0.0.1', {src.port}))\n    time.sleep(0.002)\n")
+        p = subprocess.Popen([sys.executable, "-c", code])
+        stop_b.wait()
+        p.kill()
+        p.wait()
 
     try:
         for k in range(4):
