@@ -103,3 +103,34 @@ def test_a_window_whose_run_raised_is_a_hole_for_the_next_one() -> None:
         if k != 1:  # window 1's run raised: no advance
             feeder.advance("s", {"hn": np.full((1, 4), k + 1, np.float32)})
     assert feeder.last_note != "carried", f"window 2 after the failed window 1: {feeder.last_note!r}"
+
+
+@pytest.mark.xfail(strict=False, reason="windows the pipeline already took from the source but has not served (its "
+                                        "frame and prepared queues, the one in flight) are not in backlog_samples: "
+                                        "the backlog reads several windows short while the agent is behind")
+def test_backlog_samples_counts_every_window_not_yet_served(bundle: Path) -> None:  # noqa: F811
+    """docs/sensors.md: backlog_samples: 'samples delivered and not yet served'. A UDP sender sends 96 windows at
+    once to the suite's stateful bundle made 3.75x slower than real time; while it works through them, health's
+    backlog is compared with what was sent less what was served (published)."""
+    x = _stream(34, 96)
+    served = _Served(bundle, type="udp", host="127.0.0.1", port=0).start()
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    health = served.source.streams_health  # type: ignore[attr-defined]
+    try:
+        for i in range(0, len(x), 8 * W):
+            tx.sendto(x[i:i + 8 * W].astype("<f4").tobytes(), ("127.0.0.1", served.source.port))
+        assert wait_until(lambda: len(served.results()) >= 20, 30)
+        short = []
+        for _ in range(10):
+            n = len(served.results())
+            (st,) = health()["streams"].values()
+            n2 = len(served.results())
+            if n == n2:  # nothing published meanwhile
+                short.append(len(x) - n * W - st["backlog_samples"])
+            time.sleep(0.05)
+        assert short and max(short) <= W, (
+            f"backlog_samples short of the samples not yet served by {sorted(set(short))} samples "
+            f"({sorted({s // W for s in short})} windows of {W})")
+    finally:
+        tx.close()
+        served.close()
