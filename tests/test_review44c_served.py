@@ -50,9 +50,6 @@ def test_a_restarted_seq32_feeder_is_served_as_its_own_stream_by_a_slow_agent(bu
         served.close()
 
 
-@pytest.mark.xfail(strict=False, reason="a window whose outputs are non-finite is dropped, but its NaN state was already "
-                                        "carried forward: every later window of the stream is NaN and dropped too, "
-                                        "never reset (5 of 24 windows served, 19 inference errors: non-finite scores and stateN)")
 def test_one_window_with_non_finite_outputs_does_not_poison_the_rest_of_the_stream(bundle: Path) -> None:  # noqa: F811
     """docs/sensors.md: 'If a window of a stream still never runs (an inference error), the next one starts from
     the initial state and says so'. Window 5 holds finite but huge samples (garbage from a broken sender, +-3e38):
@@ -85,9 +82,6 @@ def test_one_window_with_non_finite_outputs_does_not_poison_the_rest_of_the_stre
         served.close()
 
 
-@pytest.mark.xfail(strict=False, reason="the InputFeeder records a window as the stream's last before the model ran: "
-                                        "when the run raises, the next window is 'carried' from the state before the "
-                                        "failed window, across it")
 def test_a_window_whose_run_raised_is_a_hole_for_the_next_one() -> None:
     """docs/sensors.md: 'If a window of a stream still never runs (an inference error), the next one starts from
     the initial state and says so'. The engine calls feeds(), then session.run() (which raises here), and
