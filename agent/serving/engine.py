@@ -105,9 +105,28 @@ class Engine:
                 frame.state = note = self.feeder.last_note
                 if note is not None and note.startswith("reset"):  # the result says so too (result.stream.state)
                     log.warning("state.reset", stream=span.stream, session=span.session, window=span.window, reason=note)
-            outs = dict(zip(names, self.opened.session.run(None, feeds)))
-            self.feeder.advance(source, outs)
+            outs = dict(zip(names, self.opened.session.run(None, feeds)))  # raised: the feeder's next window resets
+            bad = self.non_finite(outs, self._carried_outputs)
+            if bad:  # a NaN/inf state is never carried: the next window starts again and says why
+                where = f"window {span.window} of the stream" if span is not None else "the last step"
+                self.feeder.failed(source, f"{where} gave non-finite outputs {bad}")
+            else:
+                self.feeder.advance(source, outs)
         return outs
+
+    @functools.cached_property
+    def _carried_outputs(self) -> frozenset[str]:
+        """Outputs judged before a stateful step's state is stored: those served and those fed back."""
+        m = self.bundle.manifest
+        return (frozenset(self.opened.output_names) - m.unused_outputs) | {x.from_output for x in m.inputs
+                                                                           if x.kind == "state" and x.from_output}
+
+    def non_finite(self, outputs: Mapping[str, np.ndarray], judged: frozenset[str] | None = None) -> list[str]:
+        """The outputs with NaN/inf values among `judged` (default: every output but those outside
+        postprocess.uses, which are never judged nor served)."""
+        unused = self.bundle.manifest.unused_outputs
+        return [k for k, v in outputs.items() if (k in judged if judged is not None else k not in unused)
+                and v.dtype.kind == "f" and not np.isfinite(v).all()]
 
     def annotate(self, frame: Any, result: dict[str, Any]) -> dict[str, Any]:
         """A decoded result with what serving knows beyond the outputs: the stream time span a sensor

@@ -513,9 +513,7 @@ class Pipeline:
             outputs: dict[str, np.ndarray] | None = p.engine.run(p.tensor, p.frames[0].source,
                                                                   p.frames[0].captured_at, frame=p.frames[0])
             assert outputs is not None
-            unused = p.engine.bundle.manifest.unused_outputs  # not in postprocess.uses: never judged, nor served
-            bad = [k for k, v in outputs.items()
-                   if k not in unused and v.dtype.kind == "f" and not np.isfinite(v).all()]
+            bad = p.engine.non_finite(outputs)
             if bad:  # NaN/inf answers are wrong answers: counted, never published
                 raise NonFiniteOutput(f"non-finite values in outputs {bad}")
         except Exception as exc:  # a runtime failure on one input is counted, not fatal

@@ -46,8 +46,10 @@ def initial_state(x: ExtraInput) -> np.ndarray:
 class _SourceState:
     values: dict[str, np.ndarray]
     last_seen: float | None
-    session: int = 0  # a sensor stream's session and last window index (StreamSpan), -1: none yet
-    window: int = -1
+    session: int = 0  # a sensor stream's session and the index of its last window whose outputs were stored
+    window: int = -1  # (StreamSpan), -1: none yet
+    fed: int | None = None  # the window fed to the model and not yet advanced (its run still going, or failed)
+    broken: str | None = None  # why the state must not be carried (a window whose outputs were not finite)
 
 
 class StreamPlace(Protocol):
@@ -58,7 +60,7 @@ class StreamPlace(Protocol):
     reset: str | None
 
 
-MAX_TRACKED_SOURCES = 1024  # state kept for at most this many sources/streams (the oldest is forgotten)
+MAX_TRACKED_SOURCES = 1024  # state kept for at most this many sources/streams (the least recently used is forgotten)
 
 
 class InputFeeder:
@@ -66,7 +68,11 @@ class InputFeeder:
 
     `feeds(tensor, source, at)` -> every input the model needs; `advance(source, outputs)` stores the
     outputs that feed state inputs on the next step. A gap longer than an input's reset_on_gap_s, or
-    `reset(source)` (a new stream), starts that source from the initial state again.
+    `reset(source)` (a new stream), starts that source from the initial state again. A sensor window's
+    state is carried only from the window just before it whose outputs were stored: a window fed and
+    never advanced (its run raised) or marked `failed` (non-finite outputs) is a hole, and the next
+    window starts again, saying why in `last_note`. At most MAX_TRACKED_SOURCES sources are kept; the
+    least recently used is forgotten first, so a long-lived stream outlives many short ones.
     """
 
     def __init__(self, frame_input: str, extra: Sequence[ExtraInput] = ()):
@@ -89,6 +95,17 @@ class InputFeeder:
     def reset(self, source: str) -> None:
         self._sources.pop(source, None)
 
+    def failed(self, source: str, why: str) -> None:
+        """The step just fed for `source` gave outputs that must not be carried (not finite): its state is
+        not stored, and the next step starts again from the initial state, saying `reset: <why>`."""
+        s = self._sources.get(source)
+        if s is None:
+            return
+        if s.fed is None:  # not a sensor window's step (no span): nothing to say, just start again
+            self._sources.pop(source, None)
+        else:
+            s.broken, s.fed = why, None
+
     def state_of(self, source: str) -> dict[str, np.ndarray]:
         s = self._sources.get(source)
         return {x.name: (s.values[x.name] if s else initial_state(x)) for x in self.states}
@@ -109,16 +126,26 @@ class InputFeeder:
             note = "initial" if span.window == 0 else f"initial ({span.window} windows of the stream not served)"
         elif s.session != span.session:
             note = f"reset: {span.reset or 'new stream session'}"
+        elif s.broken is not None:
+            note = f"reset: {s.broken}"
+        elif s.fed is not None:  # fed to the model, never advanced: its run raised
+            note = f"reset: window {s.fed} of the stream did not run (an inference error)"
         elif span.window != s.window + 1:
             note = f"reset: {span.window - s.window - 1} windows of the stream were not served"
         else:
-            s.window = span.window
+            s.fed = span.window
+            self._used(source, s)
             self.last_note = "carried"
             return s
         s = self._fresh(source)
-        s.session, s.window = span.session, span.window
+        s.session, s.window, s.fed = span.session, span.window - 1, span.window
         self.last_note = note
         return s
+
+    def _used(self, source: str, s: _SourceState) -> None:
+        """Most recently used last: the first in order is the one forgotten when too many are kept."""
+        self._sources.pop(source, None)
+        self._sources[source] = s
 
     def _current(self, source: str, at: float | None) -> _SourceState:
         s = self._sources.get(source)
@@ -128,6 +155,8 @@ class InputFeeder:
                 s = None
         if s is None:
             s = self._fresh(source)
+        else:
+            self._used(source, s)
         if at is not None:
             s.last_seen = at
         return s
@@ -169,6 +198,8 @@ class InputFeeder:
         for x in self.states:
             assert x.from_output is not None
             s.values[x.name] = np.asarray(outputs[x.from_output], dtype=x.dtype).reshape(initial_state(x).shape)
+        if s.fed is not None:  # the window fed is now the stream's last: the next one carries from it
+            s.window, s.fed = s.fed, None
 
 
 def sequence_feeds(feeder: InputFeeder, tensors: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> list[Feeds]:
