@@ -16,7 +16,7 @@ import pytest
 
 from agent.config import SourceConfig
 from agent.errors import ConfigError
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 from waiting import wait_until
 
 STATE = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn", reset_on_gap_s=1.0),)

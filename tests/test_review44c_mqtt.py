@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from agent.config import SourceConfig
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 from waiting import wait_until
 
 W = 256

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from agent.config import SourceConfig
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 from waiting import wait_until
 
 W = 256
@@ -92,7 +92,7 @@ def test_a_sender_heard_again_after_many_others_goes_on_as_its_next_session() ->
     (session 2, reset: sender heard again after it was quiet ...)'. max_streams 1: the source remembers 4 quiet
     senders; 5 others come and go before A is heard again."""
     from agent.serving.sensors import SensorSource
-    from agent.spec.inputs import InputFeeder
+    from agent.vocabulary.inputs import InputFeeder
 
     src = SensorSource(SourceConfig(type="udp", host="127.0.0.1", port=0, max_streams=1, stream_timeout_s=0.1),
                        frame_from_dict(FRAME, STATE))

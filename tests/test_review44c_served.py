@@ -87,8 +87,8 @@ def test_a_window_whose_run_raised_is_a_hole_for_the_next_one() -> None:
     the initial state and says so'. The engine calls feeds(), then session.run() (which raises here), and
     advance() only after a run that returned (agent/serving/engine.py _run)."""
     from agent.serving.stream_time import StreamSpan
-    from agent.spec.inputs import InputFeeder
-    from agent.spec.manifest import ExtraInput
+    from agent.vocabulary.inputs import InputFeeder
+    from agent.vocabulary.manifest import ExtraInput
 
     feeder = InputFeeder("x", (ExtraInput("h", "state", "float32", (1, 4), from_output="hn"),))
     span = lambda k: StreamSpan("s", 1, k, k * 256, (k + 1) * 256, 256)  # noqa: E731

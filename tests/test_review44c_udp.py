@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from agent.config import SourceConfig
-from agent.spec.manifest import ExtraInput, frame_from_dict
+from agent.vocabulary.manifest import ExtraInput, frame_from_dict
 from waiting import wait_until
 
 W = 256
@@ -250,7 +250,7 @@ def test_a_malformed_datagram_dropped_from_a_plain_udp_stream_is_a_hole_not_carr
     """docs/sensors.md: 'A UDP datagram that is not a whole number of samples is malformed: counted and dropped';
     issue 44: state is never carried across a hole. The agent made this hole itself (it dropped the datagram),
     so it knows it is there."""
-    from agent.spec.inputs import InputFeeder
+    from agent.vocabulary.inputs import InputFeeder
 
     src = _source()
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -344,7 +344,7 @@ def test_a_long_lived_stream_keeps_its_state_while_many_short_senders_come_and_g
     """Senders that open a socket per event (a new source port each time: a new stream each) next to one sensor
     that streams for days. Each short sender's stream times out (stream_timeout_s 1.0) and frees its place; the
     long-lived stream's state must be carried at every window, all served."""
-    from agent.spec.inputs import InputFeeder
+    from agent.vocabulary.inputs import InputFeeder
 
     src = _source(max_streams=256, stream_timeout_s=1.0)
     feeder = InputFeeder("x", (ExtraInput("h", "state", "float32", (1, 4), from_output="hn"),))

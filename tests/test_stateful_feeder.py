@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from agent.serving.stream_time import StreamSpan
-from agent.spec import inputs
-from agent.spec.inputs import InputFeeder
-from agent.spec.manifest import ExtraInput
+from agent.vocabulary import inputs
+from agent.vocabulary.inputs import InputFeeder
+from agent.vocabulary.manifest import ExtraInput
 
 
 def _feeder() -> InputFeeder:
