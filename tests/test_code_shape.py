@@ -25,8 +25,6 @@ MODULES = {
     "agent/serving/pipeline.py": (674, "the pipeline's threads; per-node stages come with issue 42"),
     "agent/serving/sources.py": (768, "every frame source's opener in one module; each could live with its type"),
     "agent/fleet/simulator.py": (604, "a simulated device: its link, updates and commands (its groups' spec could move out)"),
-    "agent/serving/sensors.py": (700, "the sensor source: UDP, pipe and MQTT readers in one class (each could live "
-                                      "with its type)"),
     "agent/link/outbox.py": (613, "store and forward: memory, the SQLite spill, the pump's batches and the counts of "
                                   "every loss"),
     "agent/fleet/operator.py": (680, "the operator loop and its reconciliation"),

@@ -30,17 +30,14 @@ from agent.source_types import FileSourceConfig, MqttSourceConfig, NetworkKeys, 
 from agent.errors import ConfigError
 from agent.logsetup import get_logger
 from agent.serving.sources import BadFrame, Frame, SourceStats
-from agent.serving.stream_time import Stream, StreamSpan, lost_reason
+from agent.serving.stream_time import Stream, StreamSpan
+from agent.serving.sensor_losses import SEQ, SEQ_BYTES
+from agent.serving.sensor_mqtt import MqttSamples
 from agent.serving.udp_receive import Datagram, Datagrams
 from agent.spec.manifest import FrameSpec, ResizeSpec
 
 log = get_logger("source")
 
-SEQ = struct.Struct("<I")  # source.framing seq32: each datagram starts with its sender's sequence number
-SEQ_BYTES = SEQ.size
-# a sequenced datagram at most this many behind the expected one is late (reordered, duplicated) and dropped;
-# further behind, its sender restarted its numbering (a reboot from the same address): a new session
-SEQ_REORDER = 64
 
 
 class SensorFrame(Frame):
@@ -58,7 +55,7 @@ class SensorFrame(Frame):
 _Stream = Stream  # the name the stream-time tests import
 
 
-class SensorSource:
+class SensorSource(MqttSamples):
     """Sensor windows, each stream on its own: see the module docstring.
 
     Samples are little-endian `sample_dtype` (default: the bundle's frame.dtype), channels interleaved. A UDP
@@ -245,63 +242,6 @@ class SensorSource:
         log.warning("source.backlog_shed", source=self.name, stream=s.name, lost_samples=lost,
                     max_backlog_s=self.max_backlog_s)
 
-    def _overflow(self, lost: int, d: Datagram, samples: int) -> None:
-        """The socket dropped `lost` datagrams just before `d`: a hole in the stream they belonged to. One
-        stream: its own, each of its largest datagram's size (or `d`'s). Several: whose cannot be told, so each
-        starts again."""
-        if not self.sequenced:  # sequenced: counted per stream where its sequence jumps
-            self.lost_datagrams += lost
-        own = self.streams.get(d.sender)
-        others = [s for a, s in self.streams.items() if a != d.sender and s.received]
-        why = f"{lost} datagrams dropped by the socket: its receive buffer was full"
-        if self.sequenced:
-            pass  # each sender's sequence numbers find its own hole (and count its samples): see _sequence
-        elif not others:  # one sender: the hole is its own (before its first datagram: not counted as its)
-            samples = max(samples, own.largest if own is not None else 0)  # a short datagram after: its last
-            self.lost_samples += lost * samples
-            if own is not None and own.received:
-                self.dropped_samples += own.hole(lost * samples, lost_reason(lost * samples, why))
-                self.restarts += 1
-        else:
-            for s in [*others, *([own] if own is not None else [])]:
-                self.dropped_samples += s.hole(0, f"{why}, from any of {len(others) + (own is not None)} senders")
-            self.restarts += 1
-        log.warning("source.datagrams_lost", source=self.name, lost_datagrams=lost, total=self.lost_datagrams,
-                    receive_buffer_bytes=self.datagrams.receive_buffer if self.datagrams else None,
-                    fix="raise source.receive_buffer_bytes, or give the agent more CPU")
-
-    def _sequence(self, s: Stream, seq: int, samples: int) -> bool:
-        """A sender's sequence number: a jump ahead is datagrams lost (a hole, counted exactly for datagrams of
-        this one's size); one already passed is late or a duplicate (counted, dropped: its place was taken).
-        False: drop this datagram."""
-        expect, s.next_seq = s.next_seq, (seq + 1) % 2**32
-        if expect is None or seq == expect:
-            return True
-        ahead = (seq - expect) % 2**32
-        behind = (expect - seq) % 2**32
-        if ahead >= 2**31 and behind > SEQ_REORDER:
-            # far behind: not a late datagram (reordering is a few datagrams) but a sender that restarted its
-            # numbering from the same address (a reboot sooner than stream_timeout_s): a new session, said
-            self.restarts += 1
-            self.dropped_samples += s.end(f"sender restarted its sequence numbers ({seq} after {expect - 1})")
-            log.info("source.stream_restarted", source=self.name, stream=s.name,
-                     reason="sequence numbers started again", sequence=seq, expected=expect)
-            return True
-        if ahead >= 2**31:  # behind what was already taken
-            s.next_seq = expect
-            s.late_datagrams += 1
-            self.late_datagrams += 1
-            return False
-        lost = ahead * samples
-        self.lost_samples += lost
-        self.lost_datagrams += ahead
-        self.restarts += 1
-        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} {self.unit} missing: sequence {expect} to "
-                                                               f"{(seq - 1) % 2**32}"))
-        log.warning(f"source.{self.unit}_lost", source=self.name, stream=s.name, **{f"lost_{self.unit}": ahead},
-                    lost_samples=lost, detail="a gap in the sender's sequence numbers")
-        return True
-
     def _ready(self) -> tuple[np.ndarray, StreamSpan] | None:
         """A window of some stream, taking the streams in turn so one fast sender cannot starve the rest."""
         items = list(self.streams.values())
@@ -446,81 +386,6 @@ class SensorSource:
             # the kernel's arrival time: silence before it is the sender's, whatever the agent was doing
             self._take(s, data, d.arrival, 0.0 if self.datagrams and self.datagrams.exact else None)
             self._shed(s)
-
-    def _mqtt_open(self, cfg: MqttSourceConfig) -> str:
-        """An MQTT topic whose payloads are chunks of one stream's samples, in the order published."""
-        import paho.mqtt.client as paho
-
-        if not cfg.topic:
-            raise ConfigError("source.topic: an mqtt source needs the topic samples arrive on")
-        if "+" in cfg.topic or "#" in cfg.topic:
-            raise ConfigError(f"source.topic: {cfg.topic!r} with payload: samples is one stream: name one topic, "
-                              "not a filter (samples of two publishers would mix in one window)")
-        self.topic = cfg.topic
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
-        self.client.on_connect = self._mqtt_connected
-        self.client.on_disconnect = self._mqtt_disconnected
-        self.client.on_message = self._mqtt_message
-        self.client.reconnect_delay_set(int(max(cfg.reconnect_initial_s, 1)), int(cfg.reconnect_max_s))
-        return cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
-
-    def _mqtt_connected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        if not rc.is_failure:
-            # QoS 1: the broker hands the topic's messages over in order, resending what TCP did not confirm
-            client.subscribe(self.topic, qos=1)
-            self.stats.state = "open"
-
-    def _mqtt_disconnected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        """What was published while the agent was not connected never arrives: a hole in the stream."""
-        if self._closing.is_set():
-            return
-        with self._cond:
-            self.stats.losses += 1
-            self.stats.state = "lost"
-            for st in self.streams.values():
-                if st.received:
-                    self.dropped_samples += st.hole(0, "the MQTT connection was lost: samples published meanwhile "
-                                                       "were not delivered")
-                    self.restarts += 1
-        log.warning("source.lost", source=self.name, reason="MQTT connection lost")
-
-    def _mqtt_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        now = time.time()
-        data = bytes(msg.payload)
-        seq = None
-        if self.sequenced and len(data) >= SEQ_BYTES:
-            (seq,) = SEQ.unpack_from(data)
-            data = data[SEQ_BYTES:]
-        with self._cond:
-            if not data or len(data) % self.sample_bytes or (self.sequenced and seq is None):
-                self.stats.bad += 1
-                head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
-                self._bad.append(f"{self.name}: payload of {len(msg.payload)} bytes is not {head}whole samples of "
-                                 f"{self.sample_bytes} bytes")
-            elif seq is not None and not self._sequence(self.streams[None], seq, len(data) // self.sample_bytes):
-                pass  # late or duplicated: counted, dropped
-            else:
-                s = self.streams[None]
-                # silence counts from when paho's thread last found the connection empty (None: this payload was
-                # already waiting behind the last one -- the agent's backlog, never the publisher's gap)
-                self._take(s, data, now, self._mqtt_idle)
-                self._shed(s)
-            self._mqtt_idle = None if self._mqtt_waiting(client) else time.time()
-            self._cond.notify_all()
-
-    @staticmethod
-    def _mqtt_waiting(client: Any) -> bool:
-        """Bytes of the next message already in the connection's receive queue (paho reads one packet at a
-        time, so what the kernel holds is what is waiting)."""
-        sock = client.socket()
-        if sock is None:
-            return False
-        if hasattr(sock, "pending") and sock.pending():  # TLS: decrypted bytes not read yet
-            return True
-        try:
-            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
-        except (OSError, ValueError):
-            return False
 
     def _same_fifo(self) -> bool:
         assert self.path is not None and self.fd is not None
