@@ -20,6 +20,14 @@ from agent.source_types import MqttSourceConfig
 log = get_logger("source")
 
 
+def topic_filter_problem(cfg: MqttSourceConfig, key: str = "source") -> str | None:
+    """A topic filter where one stream's topic is needed (refused at boot and by `config check` alike)."""
+    if cfg.payload != "samples" or not cfg.topic or ("+" not in cfg.topic and "#" not in cfg.topic):
+        return None
+    return (f"{key}.topic: {cfg.topic!r} with payload: samples is one stream: name one topic, not a filter "
+            "(samples of two publishers would mix in one window)")
+
+
 class MqttSamples(LossCounting):
     """paho's callbacks, run on paho's network thread: payloads into the topic's one stream."""
 
@@ -36,9 +44,9 @@ class MqttSamples(LossCounting):
 
         if not cfg.topic:
             raise ConfigError("source.topic: an mqtt source needs the topic samples arrive on")
-        if "+" in cfg.topic or "#" in cfg.topic:
-            raise ConfigError(f"source.topic: {cfg.topic!r} with payload: samples is one stream: name one topic, "
-                              "not a filter (samples of two publishers would mix in one window)")
+        why = topic_filter_problem(cfg)
+        if why is not None:
+            raise ConfigError(why)
         self.topic = cfg.topic
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
         self.client.on_connect = self._mqtt_connected
@@ -62,9 +70,8 @@ class MqttSamples(LossCounting):
             self.stats.state = "lost"
             for st in self.streams.values():
                 if st.received:
-                    self.dropped_samples += st.hole(0, "the MQTT connection was lost: samples published meanwhile "
-                                                       "were not delivered")
-                    self.restarts += 1
+                    # one hole: the jump in the numbers after it counts its samples, not another restart
+                    self._hole(st, 0, "the MQTT connection was lost: samples published meanwhile were not delivered")
         log.warning("source.lost", source=self.name, reason="MQTT connection lost")
 
     def _mqtt_message(self, client: Any, userdata: Any, msg: Any) -> None:
@@ -75,18 +82,19 @@ class MqttSamples(LossCounting):
             (seq,) = SEQ.unpack_from(data)
             data = data[SEQ_BYTES:]
         with self._cond:
-            if not data or len(data) % self.sample_bytes or (self.sequenced and seq is None):
+            if (not data and seq is None) or len(data) % self.sample_bytes or (self.sequenced and seq is None):
                 self.stats.bad += 1
                 head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
                 self._bad.append(f"{self.name}: payload of {len(msg.payload)} bytes is not {head}whole samples of "
                                  f"{self.sample_bytes} bytes")
-            elif seq is not None and not self._sequence(self.streams[None], seq, len(data) // self.sample_bytes):
-                pass  # late or duplicated: counted, dropped
             else:
                 s = self.streams[None]
-                # silence counts from when paho's thread last found the connection empty (None: this payload was
-                # already waiting behind the last one -- the agent's backlog, never the publisher's gap)
-                self._take(s, data, now, self._mqtt_idle)
+                # late or duplicated: counted, dropped; a numbered payload of no samples takes its number only
+                for got, _at in (self._sequence(s, seq, data, now) if seq is not None else [(data, now)]):
+                    if got:
+                        # silence counts from when paho's thread last found the connection empty (None: this
+                        # payload was already waiting behind the last one -- the agent's backlog, never a gap)
+                        self._take(s, got, now, self._mqtt_idle)
                 self._shed(s)
             self._mqtt_idle = None if self._mqtt_waiting(client) else time.time()
             self._cond.notify_all()

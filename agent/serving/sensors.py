@@ -21,7 +21,7 @@ import termios
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -30,13 +30,17 @@ from agent.source_types import FileSourceConfig, MqttSourceConfig, NetworkKeys, 
 from agent.errors import ConfigError
 from agent.logsetup import get_logger
 from agent.serving.sources import BadFrame, Frame, SourceStats
-from agent.serving.stream_time import Stream, StreamSpan
+from agent.serving.stream_time import Stream, StreamSpan, lost_reason
 from agent.serving.sensor_losses import SEQ, SEQ_BYTES
+from agent.serving.sensor_checks import (declared_mismatch, mqtt_stateful_message, mqtt_unframed_message,  # noqa: F401
+                                        stateful_lossy_message, stream_problems)  # (the config check's, named here too)
 from agent.serving.sensor_mqtt import MqttSamples
 from agent.serving.udp_receive import Datagram, Datagrams
 from agent.spec.manifest import FrameSpec, ResizeSpec
 
 log = get_logger("source")
+
+SESSION_MEMORY = 16384  # quiet senders whose session number is remembered beyond the max_streams x 4 kept whole
 
 
 
@@ -87,8 +91,7 @@ class SensorSource(MqttSamples):
         if frame.stateful and isinstance(cfg, MqttSourceConfig) and cfg.payload == "samples" and cfg.framing != "seq32":
             raise ConfigError(mqtt_unframed_message())  # a hole the broker made could not be seen: as config check
         self.cfg, self.frame = cfg, frame
-        # what the feeder sends: the source's sample_dtype, else the bundle's frame.dtype (the model's own
-        # samples; a default of float32 read 16-bit PCM as garbage, two samples to a value)
+        # what the feeder sends: the source's sample_dtype, else the bundle's frame.dtype (its model's own samples)
         self.dtype = np.dtype(cfg.sample_dtype or frame.dtype).newbyteorder("<")
         self.sample_bytes = self.dtype.itemsize * frame.channels
         self.hop = cfg.hop or frame.step
@@ -107,9 +110,10 @@ class SensorSource(MqttSamples):
         self.fd: int | None = None
         self.fifo = False
         self.streams: OrderedDict[Any, Stream] = OrderedDict()
-        # senders whose stream timed out, kept (empty) so one heard again goes on with its next session: its
-        # results, state notes and segments never mistake the new stream for the old one (bounded, oldest out)
+        # senders whose stream timed out, kept (empty; beyond max_streams x 4 their session number only) so one
+        # heard again goes on with its next session: never mistaken for the old stream (bounded, oldest out)
         self.quiet: OrderedDict[Any, Stream] = OrderedDict()
+        self.sessions_of: OrderedDict[Any, int] = OrderedDict()
         self.refused = 0             # datagrams of senders beyond max_streams
         self.refused_senders: set[Any] = set()  # bounded by max_streams * 4 (a count, not a list, beyond that)
         self.dropped_samples = 0     # leftovers of streams that ended or restarted
@@ -176,8 +180,9 @@ class SensorSource(MqttSamples):
     # -- streams -----------------------------------------------------------------------------------
     def _stream_for(self, addr: Any, now: float) -> Stream | None:
         s = self.streams.get(addr)
-        if s is not None:
+        if s is not None and not self._timed_out(s, now):
             return s
+        # a new sender, or this one heard again after stream_timeout_s (whatever the others kept doing)
         self._expire(now)
         if len(self.streams) >= self.max_streams:
             self.refused += 1
@@ -187,37 +192,62 @@ class SensorSource(MqttSamples):
                             max_streams=self.max_streams, refused=self.refused)
             return None
         s = self.quiet.pop(addr, None)
+        why = f"sender heard again after it was quiet for {self.stream_timeout_s} s"
         if s is not None:
-            s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
+            s.resume(why)
             # its earlier losses stay in the source's totals (/metrics: stream "(ended)"); counted anew from here
             s.lost_samples = s.dropped_samples = 0
         else:
             sender = f"{addr[0]}:{addr[1]}"
             s = Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
+            session = self.sessions_of.pop(addr, None)
+            if session is not None:  # its stream forgotten, its place in it not: the next session, said
+                s.session, s.restart_due = session, True
+                s.resume(why)
         self.streams[addr] = s
         self.refused_senders.discard(addr)
         log.info("source.stream_started", source=self.name, stream=s.name, streams=len(self.streams))
         return s
 
+    def _timed_out(self, s: Stream, now: float) -> bool:
+        """Quiet like a gap, in stream time: beyond the audio the sender already sent (with a sample rate), so
+        a sender ahead of real time is never quiet between its datagrams. A stream with windows still to serve
+        is behind, not quiet."""
+        since = s.due if s.due is not None else s.last_arrival
+        return not s.ready and now - since > self.stream_timeout_s
+
     def _expire(self, now: float) -> None:
         for addr, s in list(self.streams.items()):
-            if s.ready:
-                continue  # windows still to serve: the stream is behind, not quiet
-            # quiet like a gap, in stream time: beyond the audio the sender already sent (with a sample rate),
-            # so a sender ahead of real time is never quiet between its datagrams
-            since = s.due if s.due is not None else s.last_arrival
-            if now - since > self.stream_timeout_s:
-                del self.streams[addr]
-                self.dropped_samples += s.end("timed out")
-                s.next_seq = None  # heard again: a new session, whatever number its sender is at
-                self.quiet[addr] = s
-                while len(self.quiet) > self.max_streams * 4:
-                    self.quiet.popitem(last=False)
-                log.info("source.stream_ended", source=self.name, stream=s.name, reason="quiet for "
-                         f"{self.stream_timeout_s} s")
+            if not self._timed_out(s, now):
+                continue
+            del self.streams[addr]
+            self._late(s)  # a number held back: late, its successor never came
+            before = s.session
+            self.dropped_samples += s.end("timed out")
+            s.restart_due = s.session > before  # counted in restarts when heard again
+            s.next_seq = None  # heard again: a new session, whatever number its sender is at
+            self.quiet[addr] = s
+            while len(self.quiet) > self.max_streams * 4:  # beyond: only its session number is remembered
+                old, gone = self.quiet.popitem(last=False)
+                self.sessions_of[old] = gone.session
+            while len(self.sessions_of) > SESSION_MEMORY:
+                self.sessions_of.popitem(last=False)
+            log.info("source.stream_ended", source=self.name, stream=s.name, reason="quiet for "
+                     f"{self.stream_timeout_s} s")
 
     def _take(self, s: Stream, data: bytes, arrival: float, idle_since: float | None) -> None:
         samples = np.frombuffer(data, self.dtype).astype(np.float32).reshape(-1, self.frame.channels)
+        if self.dtype.kind == "f" and not np.all(np.isfinite(samples)):
+            # a broken sender: the delivery (datagram, payload, read) is dropped whole, a hole counted in its
+            # stream (its state never carried across; no window mixes good samples with its neighbours')
+            self.stats.bad += 1
+            self._bad.append(f"{s.name}: {len(samples)} samples with non-finite values dropped")
+            self.lost_samples += len(samples)
+            self._hole(s, len(samples), lost_reason(len(samples), "non-finite samples dropped"))
+            return
+        if s.restart_due:  # the first samples of a new session after one that ended (writer, sender back)
+            s.restart_due = False
+            self.restarts += 1
         dropped = s.push(samples, arrival, idle_since)
         if dropped is not None:
             self.restarts += 1
@@ -313,6 +343,7 @@ class SensorSource(MqttSamples):
                 d = self.datagrams.receive()
             except TimeoutError:
                 with self._cond:
+                    self._quiet_drops()  # drops at a burst's end: no later datagram carries them
                     self._expire(time.time())
                 return True
             with self._cond:
@@ -333,7 +364,7 @@ class SensorSource(MqttSamples):
                 with self._cond:  # health reads the stream and the pipe's fd
                     os.close(self.fd)
                     self.fd = None
-                    self.dropped_samples += s.end("FIFO replaced")
+                    self._end_writer(s, "FIFO replaced")
                 return self._reopen(wait=0.0)
             return True
         data = os.read(self.fd, 65536)
@@ -341,8 +372,7 @@ class SensorSource(MqttSamples):
         self._idle_since = None
         if not data:
             with self._cond:
-                left = s.end("writer restarted")
-                self.dropped_samples += left
+                left = self._end_writer(s, "writer restarted")
                 self._cond.notify_all()
                 if not self.fifo:
                     return False
@@ -368,24 +398,47 @@ class SensorSource(MqttSamples):
         if self.sequenced and len(data) >= SEQ_BYTES:
             (seq,) = SEQ.unpack_from(data)
             data = data[SEQ_BYTES:]
-        whole = len(data) > 0 and len(data) % self.sample_bytes == 0 and (seq is not None or not self.sequenced)
+        # a numbered datagram of no samples (a heartbeat: the sender had nothing to send) takes its number
+        whole = len(data) % self.sample_bytes == 0 and (len(data) > 0 or seq is not None) and (
+            seq is not None or not self.sequenced)
         if d.dropped is not None and d.dropped != self._drop_count:
             lost = (d.dropped - self._drop_count) % 2**32
             self._drop_count = d.dropped
-            self._overflow(lost, d, len(data) // self.sample_bytes if whole else 0)
+            self._overflow(lost, addr, len(data) // self.sample_bytes if whole else 0)
         if not whole:
-            self.stats.bad += 1
-            head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
-            self._bad.append(f"{self.name}: datagram of {len(d.data)} bytes from {addr[0]}:{addr[1]} is not {head}"
-                             f"whole samples of {self.sample_bytes} bytes")
+            self._malformed(d, data)
             return
         s = self._stream_for(addr, d.arrival)
-        if s is not None and seq is not None and not self._sequence(s, seq, len(data) // self.sample_bytes):
+        if s is None:
             return
-        if s is not None:
-            # the kernel's arrival time: silence before it is the sender's, whatever the agent was doing
-            self._take(s, data, d.arrival, 0.0 if self.datagrams and self.datagrams.exact else None)
-            self._shed(s)
+        # the kernel's arrival time: silence before it is the sender's, whatever the agent was doing
+        exact = 0.0 if self.datagrams and self.datagrams.exact else None
+        for got, at in (self._sequence(s, seq, data, d.arrival) if seq is not None else [(data, d.arrival)]):
+            if got:
+                self._take(s, got, at, exact)
+        self._shed(s)
+
+    def _malformed(self, d: Datagram, data: bytes) -> None:
+        """Counted and dropped. An unnumbered sender's: a hole the agent made in its stream (its whole samples
+        counted lost, the state not carried across); a numbered one's shows as a jump at its next number."""
+        self.stats.bad += 1
+        head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
+        addr = d.sender
+        self._bad.append(f"{self.name}: datagram of {len(d.data)} bytes from {addr[0]}:{addr[1]} is not {head}"
+                         f"whole samples of {self.sample_bytes} bytes")
+        s = self.streams.get(addr)
+        if not self.sequenced and s is not None and s.received:
+            lost = len(data) // self.sample_bytes
+            self.lost_samples += lost
+            self._hole(s, lost, lost_reason(lost, f"a malformed datagram of {len(d.data)} bytes was dropped"))
+
+    def _end_writer(self, s: Stream, why: str) -> int:
+        """The pipe's writer went away: its leftovers dropped; the next writer's first samples are a restart."""
+        before = s.session
+        left = s.end(why)
+        self.dropped_samples += left
+        s.restart_due = s.restart_due or s.session > before
+        return left
 
     def _same_fifo(self) -> bool:
         assert self.path is not None and self.fd is not None
@@ -487,70 +540,6 @@ class SensorSource(MqttSamples):
             if self.fd is not None and not isinstance(self.cfg, StdinSourceConfig):
                 os.close(self.fd)
             self.fd = None
-
-
-def stateful_lossy_message(where: str = "source") -> str:
-    return (f"{where}.lossless: false drops windows, but the bundle carries state (inputs with kind: state): a "
-            "stateful model must see every window of a stream in order. Remove source.lossless (stateful bundles "
-            "default to lossless) or serve a stateless bundle")
-
-
-def declared_mismatch(frame: FrameSpec, cfg: SourceConfig, key: str = "source") -> str | None:
-    """Why what the source declares its senders send (sample rate, channels) is not what the bundle takes:
-    the answers would change (8 kHz audio through a 16 kHz model is served wrong, without an error)."""
-    if not isinstance(cfg, SampleKeys):
-        return None
-    if cfg.sample_rate and cfg.sample_rate != frame.sample_rate:
-        takes = f"{frame.sample_rate:g} samples/s" if frame.sample_rate else "no declared sample rate"
-        return (f"key {key}.sample_rate: the senders send {cfg.sample_rate:g} samples/s but the bundle's frame takes "
-                f"{takes} (input.frame.sample_rate): resample before sending, or serve a bundle built for this rate")
-    if cfg.channels and cfg.channels != frame.channels:
-        return (f"key {key}.channels: the senders send {cfg.channels} channels but the bundle's frame takes "
-                f"{frame.channels} (input.frame.channels)")
-    if frame.stateful and cfg.hop and cfg.hop != frame.step:
-        # the state advances once per hop the model was built for: another hop feeds samples to it twice (or
-        # skips them), and every answer changes
-        return (f"key {key}.hop: {cfg.hop} samples, but the bundle carries state (inputs with kind: state) built "
-                f"for its frame's hop of {frame.step} (input.frame.hop): remove {key}.hop, or serve a stateless "
-                "bundle")
-    return None
-
-
-def mqtt_stateful_message(where: str = "source") -> str:
-    return (f"key {where}.type: mqtt cannot keep a stateful bundle's contract (inputs with kind: state) with payload "
-            "image, npy or raw: its frames are latest-frame-wins whole windows, with no stream time, so windows would "
-            f"be dropped and the state carried across the hole; set {where}.payload: samples (the topic's payloads "
-            "are the stream's samples, windows cut in stream time), or send over udp, a FIFO (file) or stdin")
-
-
-def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[SourceConfig],
-                    keys: Sequence[str]) -> list[str]:
-    """What `config check` refuses about serving this bundle's frames from these sources."""
-    out = []
-    states = [f"inputs[{i}] ({x.name}, kind: state)" for i, x in enumerate(inputs) if x.kind == "state"]
-    for key, src in zip(keys, sources):
-        if states and isinstance(src, MqttSourceConfig) and src.payload != "samples":
-            out.append(mqtt_stateful_message(key))
-        if states and isinstance(src, MqttSourceConfig) and src.payload == "samples" and src.framing != "seq32":
-            out.append(mqtt_unframed_message(key))
-        if states and src.lossless is False:
-            out.append(f"key {key}.lossless: false with a stateful bundle ({', '.join(states)}): windows would be "
-                       "dropped and the state carried across the hole; remove the key (stateful bundles default to "
-                       "lossless)")
-        if frame.kind == "sensor" and src.delivers() == "sensor":
-            why = declared_mismatch(frame, src, key)
-            if why is not None:
-                out.append(why)
-    return out
-
-
-def mqtt_unframed_message(where: str = "source") -> str:
-    return (f"key {where}.framing: none with mqtt payload: samples into a bundle with state: a broker drops QoS 1 "
-            "messages queued beyond its limit for a subscriber that is behind (Mosquitto's max_queued_messages, "
-            "1000 by default) without a word, and unnumbered payloads cannot show the hole, so the state would be "
-            f"carried across it; set {where}.framing: seq32 and number the payloads (each starts with its uint32 "
-            "sequence number: a dropped payload is counted and resets the state), or send over udp with seq32, "
-            "a FIFO (file) or stdin")
 
 
 def stream_record(frame: Frame) -> Mapping[str, Any] | None:
