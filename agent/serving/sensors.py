@@ -419,16 +419,17 @@ class SensorSource(MqttSamples):
         self._shed(s)
 
     def _malformed(self, d: Datagram, data: bytes) -> None:
-        """Counted and dropped. An unnumbered sender's: a hole the agent made in its stream (its whole samples
-        counted lost, the state not carried across); a numbered one's shows as a jump at its next number."""
+        """Counted and dropped. An unnumbered sender's holding a sample's bytes or more: a hole the agent made in
+        its stream (its whole samples counted lost, the state not carried across); a numbered one's shows as a
+        jump at its next number."""
         self.stats.bad += 1
         head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
         addr = d.sender
         self._bad.append(f"{self.name}: datagram of {len(d.data)} bytes from {addr[0]}:{addr[1]} is not {head}"
                          f"whole samples of {self.sample_bytes} bytes")
         s = self.streams.get(addr)
-        if not self.sequenced and s is not None and s.received:
-            lost = len(data) // self.sample_bytes
+        lost = len(data) // self.sample_bytes  # fewer bytes than a sample: a stray packet, not the stream's audio
+        if not self.sequenced and s is not None and s.received and lost:
             self.lost_samples += lost
             self._hole(s, lost, lost_reason(lost, f"a malformed datagram of {len(d.data)} bytes was dropped"))
 
