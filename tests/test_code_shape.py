@@ -23,8 +23,6 @@ MODULES = {
                                      "concurrency judges: serving_shapes.py; the latency loop: latency_loop.py)"),
     "agent/serving/pipeline.py": (674, "the pipeline's threads; per-node stages come with issue 42"),
     "agent/fleet/simulator.py": (604, "a simulated device: its link, updates and commands (its groups' spec could move out)"),
-    "agent/serving/sensors.py": (700, "the sensor source: UDP, pipe and MQTT readers in one class (each could live "
-                                      "with its type)"),
     "agent/fleet/operator.py": (680, "the operator loop and its reconciliation"),
 }
 # "path::function" -> (lines, complexity) it may not exceed, and why

@@ -26,8 +26,6 @@ FRAME = {"kind": "sensor", "channels": 1, "sample_rate": 16000, "window": W}
 
 @pytest.mark.slow
 @pytest.mark.idle
-@pytest.mark.xfail(strict=False, reason="one lost connection with 2 payloads published meanwhile is counted as 2 "
-                                        "restarts (the disconnect, then the sequence jump) for one hole")
 def test_a_lost_mqtt_connection_is_one_hole_counted_once(tmp_path: Path) -> None:
     import paho.mqtt.client as paho
 

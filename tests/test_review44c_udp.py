@@ -71,9 +71,6 @@ class _Reader:
             self.frames.append(f)
 
 
-@pytest.mark.xfail(strict=False, reason="the socket's drops at the end of a burst are never read: the kernel counted "
-                                        "them (/proc/net/udp drops 40-ish), lost_datagrams 0, lost_samples 0; served + "
-                                        "counted falls short of the samples sent")
 @pytest.mark.parametrize("framing", ["none", "seq32"])
 def test_datagrams_the_socket_dropped_at_the_end_of_a_burst_are_counted(framing: str) -> None:
     """A file replayed over UDP at once (the issue's 'a file written at once'), into a receiving thread that is
@@ -112,13 +109,7 @@ def test_datagrams_the_socket_dropped_at_the_end_of_a_burst_are_counted(framing:
         src.close()
 
 
-_QUIET_XFAIL = pytest.mark.xfail(strict=False, reason=(
-    "a sender quiet for longer than stream_timeout_s comes back into the same session (session 1, window 4) with its "
-    "state carried when another sender kept the socket busy (its stream never expired); with the socket quiet it is "
-    "session 2, reset"))
-
-
-@pytest.mark.parametrize("other_sender", [False, pytest.param(True, marks=_QUIET_XFAIL)],
+@pytest.mark.parametrize("other_sender", [False, True],
                          ids=["socket-quiet", "another-sender-talking"])
 def test_a_sender_heard_again_after_stream_timeout_is_a_new_session_whatever_other_senders_do(other_sender: bool) -> None:
     """docs/sensors.md: a sender heard again after its stream timed out is session 2, its state starts again.
@@ -174,9 +165,6 @@ def _send_seq(tx: socket.socket, port: int, numbers: Any, value: Any) -> None:
             time.sleep(0.02)  # paced: the socket's buffer (about 90 such datagrams) never overflows
 
 
-@pytest.mark.xfail(strict=False, reason="a seq32 sender that restarts its numbering less than 64 datagrams into its "
-                                        "stream: its new datagrams are dropped as 'late' until the numbers catch up, "
-                                        "then the new stream is served as the old one's continuation, state carried")
 def test_a_seq32_sender_restarting_soon_after_it_started_is_a_new_session() -> None:
     """docs/sensors.md: 'A number further behind is a sender that restarted its numbering from the same address
     (a reboot sooner than stream_timeout_s): a new session'. A feeder that crashes 20 datagrams (0.32 s) into
@@ -243,9 +231,6 @@ def test_seq32_duplicates_and_a_reordered_pair_across_the_wrap_are_counted_once(
         src.close()
 
 
-@pytest.mark.xfail(strict=False, reason="a malformed (odd-size) datagram of a plain UDP sender is dropped and counted "
-                                        "only as a bad frame: the samples on either side of it are joined in one "
-                                        "session, the state carried across the hole; lost_samples 0")
 def test_a_malformed_datagram_dropped_from_a_plain_udp_stream_is_a_hole_not_carried_across() -> None:
     """docs/sensors.md: 'A UDP datagram that is not a whole number of samples is malformed: counted and dropped';
     issue 44: state is never carried across a hole. The agent made this hole itself (it dropped the datagram),
@@ -278,8 +263,6 @@ def test_a_malformed_datagram_dropped_from_a_plain_udp_stream_is_a_hole_not_carr
         src.close()
 
 
-@pytest.mark.xfail(strict=False, reason="a NaN sample drops its whole window (good samples too) as a bad frame: "
-                                        "counted in no stream's lost/dropped samples")
 def test_a_window_dropped_for_a_nan_sample_is_counted_in_its_stream() -> None:
     """Issue 44 point 2: every loss counted per stream in health; a stateful stream must be served whole or the
     loss counted: served windows x W + counted samples == samples sent."""
@@ -306,9 +289,6 @@ def test_a_window_dropped_for_a_nan_sample_is_counted_in_its_stream() -> None:
         src.close()
 
 
-@pytest.mark.xfail(strict=False, reason="one stale duplicate more than 64 behind: taken for a restart (its old samples "
-                                        "served as a new session), then the sender's next datagram counted as 89 "
-                                        "datagrams lost (22,784 samples) although none was lost")
 def test_a_stale_duplicate_datagram_does_not_count_a_loss_that_never_happened() -> None:
     """seq32 numbers 0..99 in order, one stray copy of 10 (a duplicate the network delivered late), then 100..109:
     every datagram of the stream arrived; nothing may be counted lost."""
@@ -387,9 +367,6 @@ def test_a_long_lived_stream_keeps_its_state_while_many_short_senders_come_and_g
         src.close()
 
 
-@pytest.mark.xfail(strict=False, reason="a numbered datagram of no samples (a heartbeat) is malformed and its number "
-                                        "not taken: the next datagram counts it as 1 datagram (256 samples) lost "
-                                        "and resets the state, though no sample was lost")
 def test_a_numbered_datagram_of_no_samples_loses_nothing() -> None:
     """docs/sensors.md: with seq32 'a jump is a hole of exactly the missing datagrams'. Numbers 0, 1, then 2 with
     no samples (the sender had nothing to send: a heartbeat), then 3, 4: no datagram is missing."""

@@ -21,7 +21,7 @@ import termios
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -31,16 +31,17 @@ from agent.errors import ConfigError
 from agent.logsetup import get_logger
 from agent.serving.sources import BadFrame, Frame, SourceStats
 from agent.serving.stream_time import Stream, StreamSpan, lost_reason
+from agent.serving.sensor_losses import SEQ, SEQ_BYTES
+from agent.serving.sensor_checks import (declared_mismatch, mqtt_stateful_message, mqtt_unframed_message,  # noqa: F401
+                                        stateful_lossy_message, stream_problems)  # (the config check's, named here too)
+from agent.serving.sensor_mqtt import MqttSamples
 from agent.serving.udp_receive import Datagram, Datagrams
 from agent.vocabulary.manifest import FrameSpec, ResizeSpec
 
 log = get_logger("source")
 
-SEQ = struct.Struct("<I")  # source.framing seq32: each datagram starts with its sender's sequence number
-SEQ_BYTES = SEQ.size
-# a sequenced datagram at most this many behind the expected one is late (reordered, duplicated) and dropped;
-# further behind, its sender restarted its numbering (a reboot from the same address): a new session
-SEQ_REORDER = 64
+SESSION_MEMORY = 16384  # quiet senders whose session number is remembered beyond the max_streams x 4 kept whole
+
 
 
 class SensorFrame(Frame):
@@ -58,7 +59,7 @@ class SensorFrame(Frame):
 _Stream = Stream  # the name the stream-time tests import
 
 
-class SensorSource:
+class SensorSource(MqttSamples):
     """Sensor windows, each stream on its own: see the module docstring.
 
     Samples are little-endian `sample_dtype` (default: the bundle's frame.dtype), channels interleaved. A UDP
@@ -90,8 +91,7 @@ class SensorSource:
         if frame.stateful and isinstance(cfg, MqttSourceConfig) and cfg.payload == "samples" and cfg.framing != "seq32":
             raise ConfigError(mqtt_unframed_message())  # a hole the broker made could not be seen: as config check
         self.cfg, self.frame = cfg, frame
-        # what the feeder sends: the source's sample_dtype, else the bundle's frame.dtype (the model's own
-        # samples; a default of float32 read 16-bit PCM as garbage, two samples to a value)
+        # what the feeder sends: the source's sample_dtype, else the bundle's frame.dtype (its model's own samples)
         self.dtype = np.dtype(cfg.sample_dtype or frame.dtype).newbyteorder("<")
         self.sample_bytes = self.dtype.itemsize * frame.channels
         self.hop = cfg.hop or frame.step
@@ -110,9 +110,10 @@ class SensorSource:
         self.fd: int | None = None
         self.fifo = False
         self.streams: OrderedDict[Any, Stream] = OrderedDict()
-        # senders whose stream timed out, kept (empty) so one heard again goes on with its next session: its
-        # results, state notes and segments never mistake the new stream for the old one (bounded, oldest out)
+        # senders whose stream timed out, kept (empty; beyond max_streams x 4 their session number only) so one
+        # heard again goes on with its next session: never mistaken for the old stream (bounded, oldest out)
         self.quiet: OrderedDict[Any, Stream] = OrderedDict()
+        self.sessions_of: OrderedDict[Any, int] = OrderedDict()
         self.refused = 0             # datagrams of senders beyond max_streams
         self.refused_senders: set[Any] = set()  # bounded by max_streams * 4 (a count, not a list, beyond that)
         self.dropped_samples = 0     # leftovers of streams that ended or restarted
@@ -179,8 +180,9 @@ class SensorSource:
     # -- streams -----------------------------------------------------------------------------------
     def _stream_for(self, addr: Any, now: float) -> Stream | None:
         s = self.streams.get(addr)
-        if s is not None:
+        if s is not None and not self._timed_out(s, now):
             return s
+        # a new sender, or this one heard again after stream_timeout_s (whatever the others kept doing)
         self._expire(now)
         if len(self.streams) >= self.max_streams:
             self.refused += 1
@@ -190,37 +192,62 @@ class SensorSource:
                             max_streams=self.max_streams, refused=self.refused)
             return None
         s = self.quiet.pop(addr, None)
+        why = f"sender heard again after it was quiet for {self.stream_timeout_s} s"
         if s is not None:
-            s.resume(f"sender heard again after it was quiet for {self.stream_timeout_s} s")
+            s.resume(why)
             # its earlier losses stay in the source's totals (/metrics: stream "(ended)"); counted anew from here
             s.lost_samples = s.dropped_samples = 0
         else:
             sender = f"{addr[0]}:{addr[1]}"
             s = Stream(f"{self.name}/{sender}", self.frame, self.hop, sender)
+            session = self.sessions_of.pop(addr, None)
+            if session is not None:  # its stream forgotten, its place in it not: the next session, said
+                s.session, s.restart_due = session, True
+                s.resume(why)
         self.streams[addr] = s
         self.refused_senders.discard(addr)
         log.info("source.stream_started", source=self.name, stream=s.name, streams=len(self.streams))
         return s
 
+    def _timed_out(self, s: Stream, now: float) -> bool:
+        """Quiet like a gap, in stream time: beyond the audio the sender already sent (with a sample rate), so
+        a sender ahead of real time is never quiet between its datagrams. A stream with windows still to serve
+        is behind, not quiet."""
+        since = s.due if s.due is not None else s.last_arrival
+        return not s.ready and now - since > self.stream_timeout_s
+
     def _expire(self, now: float) -> None:
         for addr, s in list(self.streams.items()):
-            if s.ready:
-                continue  # windows still to serve: the stream is behind, not quiet
-            # quiet like a gap, in stream time: beyond the audio the sender already sent (with a sample rate),
-            # so a sender ahead of real time is never quiet between its datagrams
-            since = s.due if s.due is not None else s.last_arrival
-            if now - since > self.stream_timeout_s:
-                del self.streams[addr]
-                self.dropped_samples += s.end("timed out")
-                s.next_seq = None  # heard again: a new session, whatever number its sender is at
-                self.quiet[addr] = s
-                while len(self.quiet) > self.max_streams * 4:
-                    self.quiet.popitem(last=False)
-                log.info("source.stream_ended", source=self.name, stream=s.name, reason="quiet for "
-                         f"{self.stream_timeout_s} s")
+            if not self._timed_out(s, now):
+                continue
+            del self.streams[addr]
+            self._late(s)  # a number held back: late, its successor never came
+            before = s.session
+            self.dropped_samples += s.end("timed out")
+            s.restart_due = s.session > before  # counted in restarts when heard again
+            s.next_seq = None  # heard again: a new session, whatever number its sender is at
+            self.quiet[addr] = s
+            while len(self.quiet) > self.max_streams * 4:  # beyond: only its session number is remembered
+                old, gone = self.quiet.popitem(last=False)
+                self.sessions_of[old] = gone.session
+            while len(self.sessions_of) > SESSION_MEMORY:
+                self.sessions_of.popitem(last=False)
+            log.info("source.stream_ended", source=self.name, stream=s.name, reason="quiet for "
+                     f"{self.stream_timeout_s} s")
 
     def _take(self, s: Stream, data: bytes, arrival: float, idle_since: float | None) -> None:
         samples = np.frombuffer(data, self.dtype).astype(np.float32).reshape(-1, self.frame.channels)
+        if self.dtype.kind == "f" and not np.all(np.isfinite(samples)):
+            # a broken sender: the delivery (datagram, payload, read) is dropped whole, a hole counted in its
+            # stream (its state never carried across; no window mixes good samples with its neighbours')
+            self.stats.bad += 1
+            self._bad.append(f"{s.name}: {len(samples)} samples with non-finite values dropped")
+            self.lost_samples += len(samples)
+            self._hole(s, len(samples), lost_reason(len(samples), "non-finite samples dropped"))
+            return
+        if s.restart_due:  # the first samples of a new session after one that ended (writer, sender back)
+            s.restart_due = False
+            self.restarts += 1
         dropped = s.push(samples, arrival, idle_since)
         if dropped is not None:
             self.restarts += 1
@@ -244,63 +271,6 @@ class SensorSource:
         self.restarts += 1
         log.warning("source.backlog_shed", source=self.name, stream=s.name, lost_samples=lost,
                     max_backlog_s=self.max_backlog_s)
-
-    def _overflow(self, lost: int, d: Datagram, samples: int) -> None:
-        """The socket dropped `lost` datagrams just before `d`: a hole in the stream they belonged to. One
-        stream: its own, each of its largest datagram's size (or `d`'s). Several: whose cannot be told, so each
-        starts again."""
-        if not self.sequenced:  # sequenced: counted per stream where its sequence jumps
-            self.lost_datagrams += lost
-        own = self.streams.get(d.sender)
-        others = [s for a, s in self.streams.items() if a != d.sender and s.received]
-        why = f"{lost} datagrams dropped by the socket: its receive buffer was full"
-        if self.sequenced:
-            pass  # each sender's sequence numbers find its own hole (and count its samples): see _sequence
-        elif not others:  # one sender: the hole is its own (before its first datagram: not counted as its)
-            samples = max(samples, own.largest if own is not None else 0)  # a short datagram after: its last
-            self.lost_samples += lost * samples
-            if own is not None and own.received:
-                self.dropped_samples += own.hole(lost * samples, lost_reason(lost * samples, why))
-                self.restarts += 1
-        else:
-            for s in [*others, *([own] if own is not None else [])]:
-                self.dropped_samples += s.hole(0, f"{why}, from any of {len(others) + (own is not None)} senders")
-            self.restarts += 1
-        log.warning("source.datagrams_lost", source=self.name, lost_datagrams=lost, total=self.lost_datagrams,
-                    receive_buffer_bytes=self.datagrams.receive_buffer if self.datagrams else None,
-                    fix="raise source.receive_buffer_bytes, or give the agent more CPU")
-
-    def _sequence(self, s: Stream, seq: int, samples: int) -> bool:
-        """A sender's sequence number: a jump ahead is datagrams lost (a hole, counted exactly for datagrams of
-        this one's size); one already passed is late or a duplicate (counted, dropped: its place was taken).
-        False: drop this datagram."""
-        expect, s.next_seq = s.next_seq, (seq + 1) % 2**32
-        if expect is None or seq == expect:
-            return True
-        ahead = (seq - expect) % 2**32
-        behind = (expect - seq) % 2**32
-        if ahead >= 2**31 and behind > SEQ_REORDER:
-            # far behind: not a late datagram (reordering is a few datagrams) but a sender that restarted its
-            # numbering from the same address (a reboot sooner than stream_timeout_s): a new session, said
-            self.restarts += 1
-            self.dropped_samples += s.end(f"sender restarted its sequence numbers ({seq} after {expect - 1})")
-            log.info("source.stream_restarted", source=self.name, stream=s.name,
-                     reason="sequence numbers started again", sequence=seq, expected=expect)
-            return True
-        if ahead >= 2**31:  # behind what was already taken
-            s.next_seq = expect
-            s.late_datagrams += 1
-            self.late_datagrams += 1
-            return False
-        lost = ahead * samples
-        self.lost_samples += lost
-        self.lost_datagrams += ahead
-        self.restarts += 1
-        self.dropped_samples += s.hole(lost, lost_reason(lost, f"{ahead} {self.unit} missing: sequence {expect} to "
-                                                               f"{(seq - 1) % 2**32}"))
-        log.warning(f"source.{self.unit}_lost", source=self.name, stream=s.name, **{f"lost_{self.unit}": ahead},
-                    lost_samples=lost, detail="a gap in the sender's sequence numbers")
-        return True
 
     def _ready(self) -> tuple[np.ndarray, StreamSpan] | None:
         """A window of some stream, taking the streams in turn so one fast sender cannot starve the rest."""
@@ -373,6 +343,7 @@ class SensorSource:
                 d = self.datagrams.receive()
             except TimeoutError:
                 with self._cond:
+                    self._quiet_drops()  # drops at a burst's end: no later datagram carries them
                     self._expire(time.time())
                 return True
             with self._cond:
@@ -393,7 +364,7 @@ class SensorSource:
                 with self._cond:  # health reads the stream and the pipe's fd
                     os.close(self.fd)
                     self.fd = None
-                    self.dropped_samples += s.end("FIFO replaced")
+                    self._end_writer(s, "FIFO replaced")
                 return self._reopen(wait=0.0)
             return True
         data = os.read(self.fd, 65536)
@@ -401,8 +372,7 @@ class SensorSource:
         self._idle_since = None
         if not data:
             with self._cond:
-                left = s.end("writer restarted")
-                self.dropped_samples += left
+                left = self._end_writer(s, "writer restarted")
                 self._cond.notify_all()
                 if not self.fifo:
                     return False
@@ -428,99 +398,48 @@ class SensorSource:
         if self.sequenced and len(data) >= SEQ_BYTES:
             (seq,) = SEQ.unpack_from(data)
             data = data[SEQ_BYTES:]
-        whole = len(data) > 0 and len(data) % self.sample_bytes == 0 and (seq is not None or not self.sequenced)
+        # a numbered datagram of no samples (a heartbeat: the sender had nothing to send) takes its number
+        whole = len(data) % self.sample_bytes == 0 and (len(data) > 0 or seq is not None) and (
+            seq is not None or not self.sequenced)
         if d.dropped is not None and d.dropped != self._drop_count:
             lost = (d.dropped - self._drop_count) % 2**32
             self._drop_count = d.dropped
-            self._overflow(lost, d, len(data) // self.sample_bytes if whole else 0)
+            self._overflow(lost, addr, len(data) // self.sample_bytes if whole else 0)
         if not whole:
-            self.stats.bad += 1
-            head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
-            self._bad.append(f"{self.name}: datagram of {len(d.data)} bytes from {addr[0]}:{addr[1]} is not {head}"
-                             f"whole samples of {self.sample_bytes} bytes")
+            self._malformed(d, data)
             return
         s = self._stream_for(addr, d.arrival)
-        if s is not None and seq is not None and not self._sequence(s, seq, len(data) // self.sample_bytes):
+        if s is None:
             return
-        if s is not None:
-            # the kernel's arrival time: silence before it is the sender's, whatever the agent was doing
-            self._take(s, data, d.arrival, 0.0 if self.datagrams and self.datagrams.exact else None)
-            self._shed(s)
+        # the kernel's arrival time: silence before it is the sender's, whatever the agent was doing
+        exact = 0.0 if self.datagrams and self.datagrams.exact else None
+        for got, at in (self._sequence(s, seq, data, d.arrival) if seq is not None else [(data, d.arrival)]):
+            if got:
+                self._take(s, got, at, exact)
+        self._shed(s)
 
-    def _mqtt_open(self, cfg: MqttSourceConfig) -> str:
-        """An MQTT topic whose payloads are chunks of one stream's samples, in the order published."""
-        import paho.mqtt.client as paho
+    def _malformed(self, d: Datagram, data: bytes) -> None:
+        """Counted and dropped. An unnumbered sender's holding a sample's bytes or more: a hole the agent made in
+        its stream (its whole samples counted lost, the state not carried across); a numbered one's shows as a
+        jump at its next number."""
+        self.stats.bad += 1
+        head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
+        addr = d.sender
+        self._bad.append(f"{self.name}: datagram of {len(d.data)} bytes from {addr[0]}:{addr[1]} is not {head}"
+                         f"whole samples of {self.sample_bytes} bytes")
+        s = self.streams.get(addr)
+        lost = len(data) // self.sample_bytes  # fewer bytes than a sample: a stray packet, not the stream's audio
+        if not self.sequenced and s is not None and s.received and lost:
+            self.lost_samples += lost
+            self._hole(s, lost, lost_reason(lost, f"a malformed datagram of {len(d.data)} bytes was dropped"))
 
-        if not cfg.topic:
-            raise ConfigError("source.topic: an mqtt source needs the topic samples arrive on")
-        if "+" in cfg.topic or "#" in cfg.topic:
-            raise ConfigError(f"source.topic: {cfg.topic!r} with payload: samples is one stream: name one topic, "
-                              "not a filter (samples of two publishers would mix in one window)")
-        self.topic = cfg.topic
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2)
-        self.client.on_connect = self._mqtt_connected
-        self.client.on_disconnect = self._mqtt_disconnected
-        self.client.on_message = self._mqtt_message
-        self.client.reconnect_delay_set(int(max(cfg.reconnect_initial_s, 1)), int(cfg.reconnect_max_s))
-        return cfg.name or f"mqtt:{cfg.host}:{cfg.port or 1883}/{cfg.topic}"
-
-    def _mqtt_connected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        if not rc.is_failure:
-            # QoS 1: the broker hands the topic's messages over in order, resending what TCP did not confirm
-            client.subscribe(self.topic, qos=1)
-            self.stats.state = "open"
-
-    def _mqtt_disconnected(self, client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-        """What was published while the agent was not connected never arrives: a hole in the stream."""
-        if self._closing.is_set():
-            return
-        with self._cond:
-            self.stats.losses += 1
-            self.stats.state = "lost"
-            for st in self.streams.values():
-                if st.received:
-                    self.dropped_samples += st.hole(0, "the MQTT connection was lost: samples published meanwhile "
-                                                       "were not delivered")
-                    self.restarts += 1
-        log.warning("source.lost", source=self.name, reason="MQTT connection lost")
-
-    def _mqtt_message(self, client: Any, userdata: Any, msg: Any) -> None:
-        now = time.time()
-        data = bytes(msg.payload)
-        seq = None
-        if self.sequenced and len(data) >= SEQ_BYTES:
-            (seq,) = SEQ.unpack_from(data)
-            data = data[SEQ_BYTES:]
-        with self._cond:
-            if not data or len(data) % self.sample_bytes or (self.sequenced and seq is None):
-                self.stats.bad += 1
-                head = f"a {SEQ_BYTES}-byte sequence number and " if self.sequenced else ""
-                self._bad.append(f"{self.name}: payload of {len(msg.payload)} bytes is not {head}whole samples of "
-                                 f"{self.sample_bytes} bytes")
-            elif seq is not None and not self._sequence(self.streams[None], seq, len(data) // self.sample_bytes):
-                pass  # late or duplicated: counted, dropped
-            else:
-                s = self.streams[None]
-                # silence counts from when paho's thread last found the connection empty (None: this payload was
-                # already waiting behind the last one -- the agent's backlog, never the publisher's gap)
-                self._take(s, data, now, self._mqtt_idle)
-                self._shed(s)
-            self._mqtt_idle = None if self._mqtt_waiting(client) else time.time()
-            self._cond.notify_all()
-
-    @staticmethod
-    def _mqtt_waiting(client: Any) -> bool:
-        """Bytes of the next message already in the connection's receive queue (paho reads one packet at a
-        time, so what the kernel holds is what is waiting)."""
-        sock = client.socket()
-        if sock is None:
-            return False
-        if hasattr(sock, "pending") and sock.pending():  # TLS: decrypted bytes not read yet
-            return True
-        try:
-            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] > 0
-        except (OSError, ValueError):
-            return False
+    def _end_writer(self, s: Stream, why: str) -> int:
+        """The pipe's writer went away: its leftovers dropped; the next writer's first samples are a restart."""
+        before = s.session
+        left = s.end(why)
+        self.dropped_samples += left
+        s.restart_due = s.restart_due or s.session > before
+        return left
 
     def _same_fifo(self) -> bool:
         assert self.path is not None and self.fd is not None
@@ -622,70 +541,6 @@ class SensorSource:
             if self.fd is not None and not isinstance(self.cfg, StdinSourceConfig):
                 os.close(self.fd)
             self.fd = None
-
-
-def stateful_lossy_message(where: str = "source") -> str:
-    return (f"{where}.lossless: false drops windows, but the bundle carries state (inputs with kind: state): a "
-            "stateful model must see every window of a stream in order. Remove source.lossless (stateful bundles "
-            "default to lossless) or serve a stateless bundle")
-
-
-def declared_mismatch(frame: FrameSpec, cfg: SourceConfig, key: str = "source") -> str | None:
-    """Why what the source declares its senders send (sample rate, channels) is not what the bundle takes:
-    the answers would change (8 kHz audio through a 16 kHz model is served wrong, without an error)."""
-    if not isinstance(cfg, SampleKeys):
-        return None
-    if cfg.sample_rate and cfg.sample_rate != frame.sample_rate:
-        takes = f"{frame.sample_rate:g} samples/s" if frame.sample_rate else "no declared sample rate"
-        return (f"key {key}.sample_rate: the senders send {cfg.sample_rate:g} samples/s but the bundle's frame takes "
-                f"{takes} (input.frame.sample_rate): resample before sending, or serve a bundle built for this rate")
-    if cfg.channels and cfg.channels != frame.channels:
-        return (f"key {key}.channels: the senders send {cfg.channels} channels but the bundle's frame takes "
-                f"{frame.channels} (input.frame.channels)")
-    if frame.stateful and cfg.hop and cfg.hop != frame.step:
-        # the state advances once per hop the model was built for: another hop feeds samples to it twice (or
-        # skips them), and every answer changes
-        return (f"key {key}.hop: {cfg.hop} samples, but the bundle carries state (inputs with kind: state) built "
-                f"for its frame's hop of {frame.step} (input.frame.hop): remove {key}.hop, or serve a stateless "
-                "bundle")
-    return None
-
-
-def mqtt_stateful_message(where: str = "source") -> str:
-    return (f"key {where}.type: mqtt cannot keep a stateful bundle's contract (inputs with kind: state) with payload "
-            "image, npy or raw: its frames are latest-frame-wins whole windows, with no stream time, so windows would "
-            f"be dropped and the state carried across the hole; set {where}.payload: samples (the topic's payloads "
-            "are the stream's samples, windows cut in stream time), or send over udp, a FIFO (file) or stdin")
-
-
-def stream_problems(frame: FrameSpec, inputs: Sequence[Any], sources: Sequence[SourceConfig],
-                    keys: Sequence[str]) -> list[str]:
-    """What `config check` refuses about serving this bundle's frames from these sources."""
-    out = []
-    states = [f"inputs[{i}] ({x.name}, kind: state)" for i, x in enumerate(inputs) if x.kind == "state"]
-    for key, src in zip(keys, sources):
-        if states and isinstance(src, MqttSourceConfig) and src.payload != "samples":
-            out.append(mqtt_stateful_message(key))
-        if states and isinstance(src, MqttSourceConfig) and src.payload == "samples" and src.framing != "seq32":
-            out.append(mqtt_unframed_message(key))
-        if states and src.lossless is False:
-            out.append(f"key {key}.lossless: false with a stateful bundle ({', '.join(states)}): windows would be "
-                       "dropped and the state carried across the hole; remove the key (stateful bundles default to "
-                       "lossless)")
-        if frame.kind == "sensor" and src.delivers() == "sensor":
-            why = declared_mismatch(frame, src, key)
-            if why is not None:
-                out.append(why)
-    return out
-
-
-def mqtt_unframed_message(where: str = "source") -> str:
-    return (f"key {where}.framing: none with mqtt payload: samples into a bundle with state: a broker drops QoS 1 "
-            "messages queued beyond its limit for a subscriber that is behind (Mosquitto's max_queued_messages, "
-            "1000 by default) without a word, and unnumbered payloads cannot show the hole, so the state would be "
-            f"carried across it; set {where}.framing: seq32 and number the payloads (each starts with its uint32 "
-            "sequence number: a dropped payload is counted and resets the state), or send over udp with seq32, "
-            "a FIFO (file) or stdin")
 
 
 def stream_record(frame: Frame) -> Mapping[str, Any] | None:

@@ -88,6 +88,11 @@ class Stream:
         self.rate_said = False  # a rate off the declared one was logged (once per stream)
         self.next_seq: int | None = None  # the sequence number the sender's next datagram should carry
         self.late_datagrams = 0  # datagrams whose sequence number was already passed (late, duplicated)
+        # seq32: a datagram whose number was already passed, held until the next one says whether it was late
+        # (dropped) or the first of a sender that restarted its numbering (agent/serving/sensor_losses.py)
+        self.held_back: tuple[int, bytes, float] | None = None
+        self.restart_due = False  # a session ended (writer gone, timed out): its next samples count a restart
+        self.lost_range: tuple[int, int] | None = None  # seq32: (first, count) of the numbers last counted lost
         self._rate_from: tuple[float, int] | None = None
         self._restart("start")
 
@@ -105,7 +110,7 @@ class Stream:
         self.reset = why if self.session > 1 else None
         self.padded = self.frame.pad == 0
         self.skip = 0  # samples still to skip before the next window starts (a hop longer than the window)
-        self._rate_from = None
+        # the rate clock runs on across sessions (a sender slower than declared has a gap at every delivery)
 
     def _close(self) -> int:
         """End this session: the windows it can still fill are kept (served before the next session's);
@@ -144,6 +149,8 @@ class Stream:
         session after what came before, its first window saying `reason`. Returns the old session's
         leftover samples (dropped: fewer than a window)."""
         self.lost_samples += lost
+        if lost:
+            self._rate_from = None  # samples that never arrived: the rate is measured afresh from here
         if not self.received:
             return 0  # nothing of this stream yet: it starts at its first sample, no state to reset
         if not self.windows and not len(self.buf) and self.session > 1:
@@ -274,7 +281,9 @@ class Stream:
 
     def health(self, now: float, in_pipe: int = 0) -> dict[str, Any]:
         """`in_pipe`: samples still waiting in the pipe the stream is read from (its backlog too)."""
-        oldest = self.oldest_unserved()
+        # behind only while a window waits to be served: samples waiting for the rest of their window (a writer
+        # that paused mid-window) are not the agent's backlog in time
+        oldest = self.oldest_unserved() if self.ready else None
         sr = self.frame.sample_rate
         backlog = self.backlog + in_pipe
         out: dict[str, Any] = {"session": self.session, "windows": self.windows, "buffered": len(self.buf),

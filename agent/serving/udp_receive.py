@@ -10,6 +10,7 @@ neither (not Linux), the arrival is the read time and drops are not seen (`Datag
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import sys
@@ -20,6 +21,8 @@ from typing import Any
 # Linux's values (asm-generic and every architecture the agent ships for); Python does not name them
 SO_TIMESTAMPNS = 35
 SO_RXQ_OVFL = 40
+SO_MEMINFO = 55  # u32[SK_MEMINFO_VARS]; SK_MEMINFO_DROPS (index 8) is the counter SO_RXQ_OVFL reports
+SK_MEMINFO_DROPS = 8
 MAX_DATAGRAM = 65536
 
 
@@ -55,6 +58,21 @@ class Datagrams:
     @property
     def receive_buffer(self) -> int:
         return int(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+
+    def drops(self) -> int | None:
+        """The socket's drop counter now (None where it is not known): drops after the last datagram queued
+        (the end of a burst) ride on no datagram, so they are read here when the socket is quiet."""
+        if not self.counts_drops:
+            return None
+        if select.select([self.sock], [], [], 0)[0]:
+            return None  # datagrams still queued: drops came after them (read once the queue is drained)
+        try:
+            raw = self.sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+        except OSError:
+            return None
+        if len(raw) < 4 * (SK_MEMINFO_DROPS + 1):
+            return None
+        return int(struct.unpack_from("=I", raw, 4 * SK_MEMINFO_DROPS)[0])
 
     def receive(self) -> Datagram:
         """The next datagram; raises TimeoutError after the socket's time-out."""

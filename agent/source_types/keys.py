@@ -113,7 +113,9 @@ class SampleKeys:
     """Sensor streams: samples cut into the bundle's windows."""
 
     sample_dtype: Annotated[Literal["float32", "int16", "uint8"] | None,
-                            Key("sensor samples, little-endian", default_doc="the bundle's frame.dtype")] = None
+                            Key("sensor samples, little-endian; cast to the bundle's frame.dtype, never "
+                                "rescaled: integer samples into a float frame (or floats into an integer one) "
+                                "are refused", default_doc="the bundle's frame.dtype")] = None
     hop: Annotated[int, Key("sensor: samples between windows (0: the bundle's frame.hop, else the window)", ge=0)] = 0
     sample_rate: Annotated[float, Key("sensor: samples per second the senders send (0: not declared); refused unless "
                                       "it is the bundle's frame.sample_rate, and a sender measured off it by more "
