@@ -65,7 +65,10 @@ def test_sigkill_in_the_first_64_inferences_on_three_boots_charges_nothing_and_e
     for boot, n in enumerate((4, 11, 23), 1):  # an operator's kill -9 lands at another inference each time
         agent = agent_process(cfg, name=f"boot{boot}", env={"EDGE_AGENT_FAULT": f"serve:{INT8}#{n}=SIGKILL"})
         assert agent.run(180) == -signal.SIGKILL, agent.log_text()[-2000:]
-        assert {r["variant"] for r in agent.results()} == {"int8"}, "this boot did not serve the candidate"
+        # the boot served the candidate (not skipped as charged); a kill at the 4th inference may land before
+        # the first result is printed (inference runs ahead of publishing: CI saw none printed at -n 2)
+        assert [e["variant"] for e in agent.events("boot.ready")] == ["int8"], "this boot did not serve the candidate"
+        assert {r["variant"] for r in agent.results()} <= {"int8"}
         assert _crashes(tmp_path) == []
     agent = agent_process(cfg, name="boot4").start()
     assert agent.wait_results(1)[0]["variant"] == "int8"
