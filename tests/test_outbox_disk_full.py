@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -43,6 +44,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     try:
         yield d
     finally:
+        # a boot on the full disk keeps its proof's state in memory (agent.service.boot.memory_dir, kept across
+        # starts by design): the test's own go with it, never left in /dev/shm
+        from agent.service.boot import memory_dir
+
+        for state in [p for p in d.iterdir() if p.is_dir()] if d.is_dir() else []:
+            shutil.rmtree(memory_dir(state), ignore_errors=True)
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
