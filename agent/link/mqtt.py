@@ -98,7 +98,6 @@ class MqttLink:
         self.device_id, self.instance = device_id, instance
         # another live agent under this device_id (a cloned card, a copied config): what was seen of it
         self.twin: dict[str, Any] | None = None
-        self.started_ts = time.time()
         self._retained_seen: dict[str, float] = {}  # other instance -> its retained availability's ts first seen
         self._twin_logged = 0.0
         self.topics = Topics(cfg.prefix or default_prefix(device_id))
