@@ -37,6 +37,7 @@ def test_behind_s_does_not_grow_while_the_agent_waits_for_the_rest_of_a_window(t
 
     def read() -> None:
         while (f := src.read(stop)) is not None:
+            f.settled()  # served, as the pipeline's publish stage says
             frames.append(f)
 
     threading.Thread(target=read, daemon=True).start()

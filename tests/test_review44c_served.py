@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from test_sensor_backlog import WX, C, W, _Served, _stream, bundle, reference  # noqa: F401 (bundle: the fixture)
 from waiting import wait_until
@@ -96,9 +95,6 @@ def test_a_window_whose_run_raised_is_a_hole_for_the_next_one() -> None:
     assert feeder.last_note != "carried", f"window 2 after the failed window 1: {feeder.last_note!r}"
 
 
-@pytest.mark.xfail(strict=False, reason="windows the pipeline already took from the source but has not served (its "
-                                        "frame and prepared queues, the one in flight) are not in backlog_samples: "
-                                        "the backlog reads several windows short while the agent is behind")
 def test_backlog_samples_counts_every_window_not_yet_served(bundle: Path) -> None:  # noqa: F811
     """docs/sensors.md: backlog_samples: 'samples delivered and not yet served'. A UDP sender sends 96 windows at
     once to the suite's stateful bundle made 3.75x slower than real time; while it works through them, health's

@@ -387,6 +387,8 @@ def test_a_backlog_beyond_max_backlog_s_is_shed_counted_and_the_stream_starts_ag
         frames = [src.read(stop) for _ in range(3)]
         assert [(f.span.session, f.span.window, int(f.data[0, 0])) for f in frames] == [(2, 0, 7), (2, 1, 8), (2, 2, 9)]
         assert frames[0].span.reset == "1,792 samples lost (the agent was more than source.max_backlog_s 0.1 s behind)"
+        for f in frames:
+            f.settled()  # served, as the pipeline's publish stage says
         h = src.streams_health()
         assert (h["lost_samples"], h["restarts"]) == (1792, 1)
         assert h["streams"][frames[0].span.stream]["backlog_samples"] == 0

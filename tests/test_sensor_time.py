@@ -159,6 +159,7 @@ def test_a_hole_serves_the_windows_before_it_and_the_backlog_counts_every_sample
     spans, oldest = [], []
     while (got := s.pop()) is not None:
         spans.append(got[1])
+        s.settle(got[1])  # served: the pipeline is done with it
         oldest.append(s.oldest_unserved())
     assert [(sp.session, sp.start) for sp in spans] == [(1, k * 50) for k in range(7)]
     assert oldest == [10.0] * 5 + [10.5, None] and s.backlog == 0
@@ -176,3 +177,17 @@ def test_samples_that_waited_in_a_pipe_are_no_gap_however_late_they_are_read() -
     assert s.push(_chunk(100, 200), arrival=9.0, idle_since=8.9) is None  # watched empty for 0.1 s only
     assert s.session == 1
     assert s.push(_chunk(100, 300), arrival=20.0, idle_since=9.0) == 0 and s.session == 2  # watched 11 s
+
+
+def test_a_window_taken_and_not_yet_served_stays_in_the_backlog_until_settled() -> None:
+    """Issue 44 (review 44c): backlog_samples is 'delivered and not yet served'. A window the pipeline took
+    (in its queues, in flight) is still the agent's backlog; settling one settles every window taken before it
+    (one the pipeline dropped without a word leaves with the next)."""
+    s = _Stream("s", _frame(), 50)
+    s.push(_chunk(220), arrival=10.0)  # windows of 100 every 50: [0, 100), [50, 150), [100, 200); 20 wait
+    spans = [s.pop()[1] for _ in range(3)]  # type: ignore[index]
+    assert (s.backlog, s.in_flight, s.oldest_unserved()) == (20, 200, 10.0)
+    s.settle(spans[1])  # the second published; the first was dropped without settling
+    assert (s.backlog, s.in_flight) == (20, 50)
+    s.settle(spans[2])
+    assert (s.backlog, s.in_flight) == (20, 0)

@@ -55,6 +55,10 @@ class Frame:
         held while the model runs and the result waits its turn to be published. Reading `data` after raises."""
         self._data, self._convert = None, _released
 
+    def settled(self) -> None:
+        """The pipeline is done with this frame: its result published, or the frame dropped. A no-op here; a
+        sensor window tells its stream, whose backlog counts the windows taken and not yet served."""
+
     def __repr__(self) -> str:
         data: Any = self._data
         shape = None if data is None else getattr(data, "shape", None) or (data.height, data.width)  # av.VideoFrame

@@ -449,6 +449,7 @@ class Pipeline:
                         tally.refused += 1
                 self._count_drop("bad_frame" if isinstance(exc, UndecodableFrame) else "refused_by_preprocessing")
                 log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
+                f.settled()
         if not frames:  # the number is spent: tell the publisher so it does not wait for it
             if turn is not None:
                 self._turns.finish(engine, turn, "hand_over", "run")
@@ -606,67 +607,74 @@ class Pipeline:
                 self.done.set()
 
     def _publish_results(self) -> None:
-        m = self.metrics
         for item in self._in_order():
-            if item.outputs is None:
+            try:
+                self._publish_item(item)
+            finally:  # published or dropped: sensor windows leave their stream's backlog
+                for frame in item.prepared.frames:
+                    frame.settled()
+
+    def _publish_item(self, item: Inferred) -> None:
+        m = self.metrics
+        if item.outputs is None:
+            return
+        p: Prepared = item.prepared
+        eng = p.engine
+        n = len(p.frames)
+        tally = self.tally(eng)
+        for i, frame in enumerate(p.frames):
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            outs = split_batch(item.outputs, i, eng.bundle.manifest.batch_axes)
+            try:
+                result = eng.annotate(frame, eng.decode(outs, p.geometry[i], self.max_result_bytes))
+            except StageOutputError as exc:  # a post graph's outputs its kind refuses: counted, never served
+                m.result_errors += 1
+                tally.post_refused += 1
+                self._count_drop("post_stage_refused")
+                log.error("result.post_stage_refused", source=frame.source, index=frame.index, reason=str(exc),
+                          result_errors=m.result_errors)
                 continue
-            p: Prepared = item.prepared
-            eng = p.engine
-            n = len(p.frames)
-            tally = self.tally(eng)
-            for i, frame in enumerate(p.frames):
-                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                outs = split_batch(item.outputs, i, eng.bundle.manifest.batch_axes)
-                try:
-                    result = eng.annotate(frame, eng.decode(outs, p.geometry[i], self.max_result_bytes))
-                except StageOutputError as exc:  # a post graph's outputs its kind refuses: counted, never served
-                    m.result_errors += 1
-                    tally.post_refused += 1
-                    self._count_drop("post_stage_refused")
-                    log.error("result.post_stage_refused", source=frame.source, index=frame.index, reason=str(exc),
-                              result_errors=m.result_errors)
-                    continue
-                except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
-                    m.result_errors += 1
-                    self._count_drop("result_too_large")
-                    log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
-                              result_errors=m.result_errors)
-                    continue
-                t1 = time.perf_counter_ns()
-                self._seq += 1
-                timings = {
-                    "queue_ms": round((p.dequeued_ns - frame.captured_ns) / 1e6, 3),
-                    "preprocess_ms": round(p.preprocess_ms / n, 3),
-                    "inference_ms": round(item.inference_ms, 3),
-                    "postprocess_ms": round((t1 - t0) / 1e6, 3),
-                    "total_ms": round((t1 - frame.captured_ns) / 1e6, 3),
-                }
-                for key in ("queue", "preprocess", "inference", "postprocess", "total"):
-                    m.observe(key, timings[f"{key}_ms"])
-                self.sink.write({
-                    "boot": self.boot,
-                    **({"instance": self.instance} if self.instance else {}),
-                    "seq": self._seq,
-                    "captured_at": round(frame.captured_at, 6),
-                    "source": frame.source,
-                    **({"item": frame.item} if frame.item is not None else {}),
-                    "frame_index": frame.index,
-                    "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
-                    "variant": eng.candidate.variant,
-                    "provider": eng.candidate.provider,  # verified against the session's effective list
-                    "batch": n,
-                    "timings": timings,
-                    "result": result,
-                })
-                if self.live is not None:
-                    self.live.served(id(frame), self._seq, result)
-                m.frames_out += 1
-                tally.results += 1
-                if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:
-                    tally.inference_ms.append(item.inference_ms)
-                m.rate_out.mark()
-                m.last_progress = time.monotonic()
-                self._costs.add("publish", time.thread_time_ns() - c0)
-                if eng is self._engine:  # after a swap, the old engine's results still in flight are not the new one's
-                    self._size_stages()
+            except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
+                m.result_errors += 1
+                self._count_drop("result_too_large")
+                log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
+                          result_errors=m.result_errors)
+                continue
+            t1 = time.perf_counter_ns()
+            self._seq += 1
+            timings = {
+                "queue_ms": round((p.dequeued_ns - frame.captured_ns) / 1e6, 3),
+                "preprocess_ms": round(p.preprocess_ms / n, 3),
+                "inference_ms": round(item.inference_ms, 3),
+                "postprocess_ms": round((t1 - t0) / 1e6, 3),
+                "total_ms": round((t1 - frame.captured_ns) / 1e6, 3),
+            }
+            for key in ("queue", "preprocess", "inference", "postprocess", "total"):
+                m.observe(key, timings[f"{key}_ms"])
+            self.sink.write({
+                "boot": self.boot,
+                **({"instance": self.instance} if self.instance else {}),
+                "seq": self._seq,
+                "captured_at": round(frame.captured_at, 6),
+                "source": frame.source,
+                **({"item": frame.item} if frame.item is not None else {}),
+                "frame_index": frame.index,
+                "bundle": {"name": eng.bundle.manifest.name, "version": eng.bundle.manifest.version},
+                "variant": eng.candidate.variant,
+                "provider": eng.candidate.provider,  # verified against the session's effective list
+                "batch": n,
+                "timings": timings,
+                "result": result,
+            })
+            if self.live is not None:
+                self.live.served(id(frame), self._seq, result)
+            m.frames_out += 1
+            tally.results += 1
+            if len(tally.inference_ms) < EngineTally.MAX_SAMPLES:
+                tally.inference_ms.append(item.inference_ms)
+            m.rate_out.mark()
+            m.last_progress = time.monotonic()
+            self._costs.add("publish", time.thread_time_ns() - c0)
+            if eng is self._engine:  # after a swap, the old engine's results still in flight are not the new one's
+                self._size_stages()
 

@@ -21,7 +21,7 @@ import termios
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -48,12 +48,20 @@ class SensorFrame(Frame):
     """A sensor window and its place in its stream. `state`: what the engine did with the model's state
     at this window (carried, or why it started again), written when the window ran."""
 
-    __slots__ = ("span", "state")
+    __slots__ = ("span", "state", "_on_settled")
 
-    def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, span: StreamSpan):
+    def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, span: StreamSpan,
+                 on_settled: Callable[[StreamSpan], None] | None = None):
         super().__init__(index, data, captured_at, captured_ns, span.stream)
         self.span = span
         self.state: str | None = None
+        self._on_settled = on_settled
+
+    def settled(self) -> None:
+        """Served or dropped: the window leaves its stream's backlog (once)."""
+        call, self._on_settled = self._on_settled, None
+        if call is not None:
+            call(self.span)
 
 
 _Stream = Stream  # the name the stream-time tests import
@@ -272,7 +280,7 @@ class SensorSource(MqttSamples):
         log.warning("source.backlog_shed", source=self.name, stream=s.name, lost_samples=lost,
                     max_backlog_s=self.max_backlog_s)
 
-    def _ready(self) -> tuple[np.ndarray, StreamSpan] | None:
+    def _ready(self) -> tuple[np.ndarray, StreamSpan, Stream] | None:
         """A window of some stream, taking the streams in turn so one fast sender cannot starve the rest."""
         items = list(self.streams.values())
         for k in range(len(items)):
@@ -280,7 +288,7 @@ class SensorSource(MqttSamples):
             got = s.pop()
             if got is not None:
                 self._turn = (self._turn + k + 1) % max(len(items), 1)
-                return got
+                return (*got, s)
         return None
 
     # -- reading -----------------------------------------------------------------------------------
@@ -464,15 +472,20 @@ class SensorSource(MqttSamples):
         self.stats.state = "open"
         return True
 
-    def _window(self, got: tuple[np.ndarray, StreamSpan]) -> Frame:
-        win, span = got
+    def _window(self, got: tuple[np.ndarray, StreamSpan, Stream]) -> Frame:
+        win, span, stream = got
         at, ns = time.time(), time.perf_counter_ns()
         if not np.all(np.isfinite(win)):
             self.stats.bad += 1
             raise BadFrame(f"{span.stream}: window {span.window} with non-finite samples")
         self.stats.frames += 1
         self.stats.last_frame_ns = ns
-        return SensorFrame(self.stats.frames, win, at, ns, span)
+        return SensorFrame(self.stats.frames, win, at, ns, span, lambda sp: self._settled(stream, sp))
+
+    def _settled(self, stream: Stream, span: StreamSpan) -> None:
+        """The pipeline served (or dropped) this window: it and any taken before it leave the backlog."""
+        with self._cond:
+            stream.settle(span)
 
     def read(self, stop: threading.Event) -> Frame | None:
         """The next window of some stream; every source's samples are taken by a thread of its own (UDP's

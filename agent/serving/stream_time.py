@@ -81,6 +81,10 @@ class Stream:
         self.largest = 0  # the largest delivery: a sender's datagram size, for datagrams the socket dropped
         self.disposed = 0  # of those, in the order delivered: served in a window, skipped, dropped or lost
         self.behind = 0  # leftovers dropped at a hole while the windows before them still wait (see _close)
+        # windows taken by the pipeline and not yet served or dropped: ((session, window), their own samples);
+        # still the agent's backlog (settle() removes them, and every one taken before, when one is done)
+        self.taken: deque[tuple[tuple[int, int], int]] = deque()
+        self.in_flight = 0
         self.arrivals: deque[tuple[int, float]] = deque()  # (received after a delivery, its arrival)
         self.lost_samples = 0
         self.dropped_samples = 0
@@ -182,11 +186,23 @@ class Stream:
         """Real samples delivered and not yet served (or dropped)."""
         return self.received - self.disposed - self.behind
 
-    def oldest_unserved(self) -> float | None:
-        """The arrival of the oldest sample no window has served yet, None when none waits."""
-        while self.arrivals and self.arrivals[0][0] <= self.disposed:
+    def settle(self, span: StreamSpan) -> None:
+        """The pipeline published (or dropped) this window. Windows are served in order within a stream, so
+        any taken before it are done too: one the pipeline dropped without a word leaves with the next."""
+        key = (span.session, span.window)
+        while self.taken and self.taken[0][0] <= key:
+            self.in_flight -= self.taken.popleft()[1]
+
+    def _forget_served(self) -> None:
+        served = self.disposed - self.in_flight
+        while self.arrivals and self.arrivals[0][0] <= served:
             self.arrivals.popleft()
-        return self.arrivals[0][1] if self.arrivals and self.backlog else None
+
+    def oldest_unserved(self) -> float | None:
+        """The arrival of the oldest sample no window has served yet (taken windows the pipeline still works on
+        included), None when none waits."""
+        self._forget_served()
+        return self.arrivals[0][1] if self.arrivals and (self.backlog or self.in_flight) else None
 
     def push(self, samples: np.ndarray, arrival: float, idle_since: float | None = 0.0) -> int | None:
         """Add samples that arrived at `arrival` (wall clock); the samples a gap restart dropped, None if none.
@@ -263,16 +279,21 @@ class Stream:
         return win, span
 
     def pop(self) -> tuple[np.ndarray, StreamSpan] | None:
-        """The next window: those of a session that ended first, then the current session's."""
+        """The next window: those of a session that ended first, then the current session's. Its own samples
+        stay in the backlog, in flight, until settle() says the pipeline is done with it."""
         if self.closed:
             win, span, own = self.closed.popleft()
             self.disposed += own
             self._settle()
             got: tuple[np.ndarray, StreamSpan] | None = (win, span)
         else:
+            served_to = max(self.served_to, 0)
             got = self._pop_current()
-        while self.arrivals and self.arrivals[0][0] <= self.disposed:  # bounded by what waits
-            self.arrivals.popleft()
+            own = 0 if got is None else got[1].end - max(got[1].start, served_to, 0)
+        if got is not None and own > 0:
+            self.taken.append(((got[1].session, got[1].window), own))
+            self.in_flight += own
+        self._forget_served()  # bounded by what waits
         return got
 
     @property
@@ -283,9 +304,9 @@ class Stream:
         """`in_pipe`: samples still waiting in the pipe the stream is read from (its backlog too)."""
         # behind only while a window waits to be served: samples waiting for the rest of their window (a writer
         # that paused mid-window) are not the agent's backlog in time
-        oldest = self.oldest_unserved() if self.ready else None
+        oldest = self.oldest_unserved() if self.ready or self.in_flight else None
         sr = self.frame.sample_rate
-        backlog = self.backlog + in_pipe
+        backlog = self.backlog + self.in_flight + in_pipe  # taken by the pipeline and not yet served: behind too
         out: dict[str, Any] = {"session": self.session, "windows": self.windows, "buffered": len(self.buf),
                                "lost_samples": self.lost_samples, "dropped_samples": self.dropped_samples,
                                "backlog_samples": backlog,
