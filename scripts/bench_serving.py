@@ -288,9 +288,13 @@ def agent(video: Path | str, bundle_dir: Path, variant: str, settings: dict, n: 
                     (cpu1 - cpu_w) / max(last_counted - max(warm, 1), 1) * 1000)
 
 
-def first_result(video: Path, bundle_dir: Path, state: Path) -> tuple[float, float, float]:
+SERVING_AFTER = 30  # results: the cold-start row's serving RSS is read at this one
+
+
+def first_result(video: Path, bundle_dir: Path, state: Path) -> tuple[float, float, float, float]:
     """`edge-agent run` from spawn to its first result: (seconds, the process's CPU seconds by then, peak RSS MB
-    by then). A fresh `state` proves the bundle cold; the same one again serves from the cached verdict."""
+    by then, RSS MB while serving: at result SERVING_AFTER or the video's end). A fresh `state` proves the bundle
+    cold; the same one again serves from the cached verdict."""
     cfg = {"state_dir": str(state), "bundle": str(bundle_dir), "source": {"type": "video", "path": str(video)}}
     path = state.parent / f"{state.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -301,11 +305,25 @@ def first_result(video: Path, bundle_dir: Path, state: Path) -> tuple[float, flo
     line = proc.stdout.readline()
     took = time.perf_counter() - t0
     cpu, rss = _proc_cpu_s(proc.pid, children=True), _proc_hwm_mb(proc.pid)
+    serving = float("nan")
+    for _ in range(SERVING_AFTER - 1):
+        if not proc.stdout.readline():
+            break
+        serving = _proc_hwm_mb(proc.pid, "VmRSS")
     proc.terminate()
     proc.wait(timeout=30)
     if not line:
         raise SystemExit(f"the agent published no result (exit {proc.returncode})")
-    return took, cpu, rss
+    return took, cpu, rss, serving
+
+
+def report_child_peak_mb(state: Path) -> float:
+    """The proof's peak RSS as its report says (each part's `peak_rss_mb`: the proof child's own, at boot)."""
+    try:
+        costs = json.loads((state / "selftest" / "report.json").read_text()).get("costs", [])
+        return max((float(c["peak_rss_mb"]) for c in costs if "peak_rss_mb" in c), default=float("nan"))
+    except (OSError, ValueError):
+        return float("nan")
 
 
 def agent_bytecode(compiled: bool) -> str:
@@ -338,7 +356,7 @@ def cold_start(args: argparse.Namespace) -> int:
         print(f"note: no detector row: the layout model's references are not built ({LAYOUT}/heldout.npz)")
     print(f"setting: {agent_bytecode(not args.no_bytecode)}")
     print(f"{'bundle':9} {'run':6} {'first result s':>14} {'CPU s by then':>13} {'proof CPU s':>11} "
-          f"{'peak RSS MB':>11} {'load':>5}")
+          f"{'peak RSS MB':>11} {'serving RSS':>11} {'proof child peak':>16} {'child/serving':>13} {'load':>5}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, bundle_dir, frames_from in bundles:
@@ -348,12 +366,17 @@ def cold_start(args: argparse.Namespace) -> int:
             for r in range(args.runs):
                 state = tmp / f"{name}-state-{r}"
                 for run in ("cold", "cached"):
-                    took, cpu, rss = first_result(video, bundle_dir, state)
+                    took, cpu, rss, serving = first_result(video, bundle_dir, state)
+                    child = report_child_peak_mb(state)
                     print(f"{name:9} {run:6} {took:>14.2f} {cpu:>13.2f} {report_cpu_s(state):>11.2f} {rss:>11.0f} "
-                          f"{os.getloadavg()[0]:>5.1f}", flush=True)
+                          f"{serving:>11.0f} {child:>16.0f} {child / serving:>13.2f} {os.getloadavg()[0]:>5.1f}",
+                          flush=True)
     print("cold: a fresh state directory (the boot proof runs); cached: the same again (the cached verdict); "
           "CPU s = the agent process's user+system time at its first result, with its ended children's (the proof, "
-          "imports, the first frame); proof CPU s = the report's `cpu_ms` (its parts' costs, imports excluded)")
+          "imports, the first frame); proof CPU s = the report's `cpu_ms` (its parts' costs, imports excluded); "
+          f"peak RSS = the agent's VmHWM at its first result; serving RSS = its VmRSS at result {SERVING_AFTER}; "
+          "proof child peak = the report's largest `peak_rss_mb` (the proof child's own ru_maxrss: on a cached "
+          "row, the child that checked the cached verdict)")
     return 0
 
 
