@@ -96,6 +96,11 @@ def install_hint(extra: str, package: str) -> str:
     return f"pip install '.[{extra}]' from an edge-agent checkout (or pip install {package})"
 
 
+class SwapRefused(AgentError):
+    """A running pipeline cannot take this engine in place (its source was opened for another sensor frame):
+    the caller starts a pipeline for it, as at boot."""
+
+
 class Stopping(AgentError):
     """The controller's loop has ended: a `call` posted now is never run."""
 

@@ -44,6 +44,7 @@ def test_samples_a_udp_stream_lost_stay_counted_in_metrics_after_the_stream_time
 
     def read() -> None:
         while (f := src.read(stop)) is not None:
+            f.settled()  # served, as the pipeline's publish stage says
             frames.append(f)
 
     threading.Thread(target=read, daemon=True).start()

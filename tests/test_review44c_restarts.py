@@ -26,6 +26,7 @@ STATE = (ExtraInput("h", "state", "float32", (1, 4), from_output="hn", reset_on_
 def _reader(src: Any, frames: list, stop: threading.Event) -> None:
     def run() -> None:
         while (f := src.read(stop)) is not None:
+            f.settled()  # served, as the pipeline's publish stage says
             frames.append(f)
 
     threading.Thread(target=run, daemon=True).start()
@@ -96,6 +97,7 @@ def test_a_sender_heard_again_after_many_others_goes_on_as_its_next_session() ->
 
     def run() -> None:  # as the engine does
         while (f := src.read(stop)) is not None:
+            f.settled()  # served, as the pipeline's publish stage says
             feeder.feeds(np.zeros(1), f.span.stream, span=f.span)
             feeder.advance(f.span.stream, {"hn": np.ones((1, 4), np.float32)})
             frames.append(f)

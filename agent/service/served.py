@@ -8,7 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from agent.bundle.load import Bundle
-from agent.errors import AgentError, ConfigError
+from agent.errors import AgentError, ConfigError, SwapRefused
 from agent.logsetup import get_logger
 from agent.serving.engine import Engine
 from agent.serving.multisource import MultiSource
@@ -139,7 +139,13 @@ class Served:
         assert self.engine is not None
         if self.serving:
             assert self.pipeline is not None  # serving means a live pipeline
-            self.pipeline.swap_engine(self.engine)
+            try:
+                self.pipeline.swap_engine(self.engine)
+            except SwapRefused as exc:  # another sensor frame: its source opened for it, as at boot
+                log.info("pipeline.restarted_for_bundle", reason=str(exc))
+                self.stop_pipeline()
+                self.start_pipeline()
+                return
             self.retarget_decode()
         else:
             self.stop_pipeline()

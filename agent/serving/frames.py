@@ -55,9 +55,10 @@ class Frame:
         held while the model runs and the result waits its turn to be published. Reading `data` after raises."""
         self._data, self._convert = None, _released
 
-    def settled(self) -> None:
-        """The pipeline is done with this frame: its result published, or the frame dropped. A no-op here; a
-        sensor window tells its stream, whose backlog counts the windows taken and not yet served."""
+    def settled(self, dropped: bool = False) -> None:
+        """The pipeline is done with this frame: its result published, or (`dropped`) the frame dropped. A no-op
+        here; a sensor window tells its stream, whose backlog counts the windows taken and not yet served and
+        whose `dropped_samples` counts those dropped."""
 
     def __repr__(self) -> str:
         data: Any = self._data

@@ -135,6 +135,7 @@ class MultiSource:
                 feed.source.close()
 
     def _offer(self, feed: Feed, item: Any) -> None:
+        stale: list[Frame] = []
         with self._cond:
             if feed.lossless:
                 while len(feed.waiting) >= feed.capacity and not self._stop.is_set():
@@ -144,13 +145,16 @@ class MultiSource:
                     feed.left_at_stop += 1
                     return
             elif len(feed.waiting) >= 1:  # latest frame wins, per source
-                dropped = sum(isinstance(x, Frame) for x in feed.waiting)
+                stale = [x for x in feed.waiting if isinstance(x, Frame)]
+                dropped = len(stale)
                 feed.waiting.clear()
                 feed.stale += dropped
                 if dropped and self.on_drop is not None:
                     self.on_drop("stale", dropped)
             feed.waiting.append(item)
             self._cond.notify_all()
+        for f in stale:  # outside the lock: a sensor window tells its source's stream it was dropped
+            f.settled(dropped=True)
 
     # -- the pipeline's side ----------------------------------------------------------------------------
     def read(self, stop: threading.Event) -> Frame | None:
@@ -207,6 +211,7 @@ class MultiSource:
                 feed.stale += 1
         if out is not frame:
             frame.release()  # the pipeline counts the drop (it counted this frame as captured)
+            frame.settled(dropped=True)
         return out
 
     # -- stuck sources -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 
 from agent.config import PipelineConfig
 from agent.serving.engine import Engine
-from agent.errors import NonFiniteOutput, PreprocessError, ResultTooLargeError, StageOutputError
+from agent.errors import NonFiniteOutput, PreprocessError, ResultTooLargeError, StageOutputError, SwapRefused
 from agent.logsetup import get_logger
 from agent.proof.terms import CPU
 from agent.serving.metrics import PipelineMetrics
@@ -86,6 +86,7 @@ class Pipeline:
         self._close_requested = False
         self._source_closed = False
         self._engine = engine
+        self._frame = engine.bundle.manifest.frame  # the frame contract the source was opened for
         self._drops_lock = threading.Lock()
         self._captured_drops = 0  # drops of frames this pipeline captured (not a source's own stale frames)
         if many is not None:  # many sources: a live source's stale frames are dropped before capture
@@ -153,6 +154,13 @@ class Pipeline:
         """Frames preprocessed for the old engine finish on it; the next frame uses the new one."""
         with self._tally_lock:
             self._tallies[id(engine)] = EngineTally()  # a fresh record, even for an engine served before
+        if engine.bundle.manifest.frame.kind == "sensor" and engine.bundle.manifest.frame != self._frame:
+            # the source was opened for another frame contract (window, hop, its gap rule, latest-frame-wins or
+            # lossless): the new engine must get a source opened for its own, as at boot
+            raise SwapRefused(f"the new bundle's sensor frame differs from the one the source was opened for "
+                              f"({self._frame} -> {engine.bundle.manifest.frame}): restart the pipeline")
+        if engine.feeder is not None and self._engine.feeder is not None and engine.feeder is not self._engine.feeder:
+            engine.feeder.take_over(self._engine.feeder)
         old, self._engine = self._engine, engine
         self._sized_results = 0  # a new model costs what it costs: measured and sized again
         if self._fuse_for(engine) != self._fused:  # another provider: the other layout, all threads until sized
@@ -449,7 +457,7 @@ class Pipeline:
                         tally.refused += 1
                 self._count_drop("bad_frame" if isinstance(exc, UndecodableFrame) else "refused_by_preprocessing")
                 log.warning("frame.bad", source=f.source, index=f.index, reason=str(exc), bad_frames=m.bad_frames)
-                f.settled()
+                f.settled(dropped=True)
         if not frames:  # the number is spent: tell the publisher so it does not wait for it
             if turn is not None:
                 self._turns.finish(engine, turn, "hand_over", "run")
@@ -610,13 +618,15 @@ class Pipeline:
         for item in self._in_order():
             try:
                 self._publish_item(item)
-            finally:  # published or dropped: sensor windows leave their stream's backlog
+            finally:  # each frame was settled as published or dropped; a publish that raised drops the rest
                 for frame in item.prepared.frames:
-                    frame.settled()
+                    frame.settled(dropped=True)
 
     def _publish_item(self, item: Inferred) -> None:
         m = self.metrics
-        if item.outputs is None:
+        if item.outputs is None:  # the run failed: counted there
+            for frame in item.prepared.frames:
+                frame.settled(dropped=True)
             return
         p: Prepared = item.prepared
         eng = p.engine
@@ -633,12 +643,14 @@ class Pipeline:
                 self._count_drop("post_stage_refused")
                 log.error("result.post_stage_refused", source=frame.source, index=frame.index, reason=str(exc),
                           result_errors=m.result_errors)
+                frame.settled(dropped=True)
                 continue
             except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
                 m.result_errors += 1
                 self._count_drop("result_too_large")
                 log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
                           result_errors=m.result_errors)
+                frame.settled(dropped=True)
                 continue
             t1 = time.perf_counter_ns()
             self._seq += 1
@@ -666,6 +678,7 @@ class Pipeline:
                 "timings": timings,
                 "result": result,
             })
+            frame.settled()
             if self.live is not None:
                 self.live.served(id(frame), self._seq, result)
             m.frames_out += 1

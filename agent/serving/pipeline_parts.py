@@ -28,12 +28,16 @@ class LatestSlot:
         self._on_drop = on_drop
 
     def put(self, item: Any) -> None:
+        dropped = None
         with self._cond:
             if self._full and self._item is not _END:
                 self._on_drop()
+                dropped = self._item
             if not (self._full and self._item is _END):
                 self._item, self._full = item, True
             self._cond.notify()
+        if isinstance(dropped, Frame):  # outside the box's lock: a sensor window tells its source's stream
+            dropped.settled(dropped=True)
 
     @property
     def waiting(self) -> bool:

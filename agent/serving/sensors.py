@@ -51,17 +51,17 @@ class SensorFrame(Frame):
     __slots__ = ("span", "state", "_on_settled")
 
     def __init__(self, index: int, data: np.ndarray, captured_at: float, captured_ns: int, span: StreamSpan,
-                 on_settled: Callable[[StreamSpan], None] | None = None):
+                 on_settled: Callable[[StreamSpan, bool], None] | None = None):
         super().__init__(index, data, captured_at, captured_ns, span.stream)
         self.span = span
         self.state: str | None = None
         self._on_settled = on_settled
 
-    def settled(self) -> None:
-        """Served or dropped: the window leaves its stream's backlog (once)."""
+    def settled(self, dropped: bool = False) -> None:
+        """Served or dropped: the window leaves its stream's backlog (once); a dropped one is counted there."""
         call, self._on_settled = self._on_settled, None
         if call is not None:
-            call(self.span)
+            call(self.span, dropped)
 
 
 _Stream = Stream  # the name the stream-time tests import
@@ -140,6 +140,8 @@ class SensorSource(MqttSamples):
         self._ended = threading.Event()  # a file or stdin was read to its end (a FIFO never ends)
         self.held = 0                # times a pipe was left unread: its stream's buffer was full (backpressure)
         self._holding = False        # a pipe is left unread now
+        # a FIFO whose writer left while it was held: the bytes of that writer still in the pipe (None: none seen)
+        self._hup_left: int | None = None
         self._thread: threading.Thread | None = None
         self.client: Any = None  # paho's client for an mqtt source
         # samples from the network (UDP, MQTT): no pipe whose unread bytes are a backlog too (see _in_pipe)
@@ -325,6 +327,7 @@ class SensorSource(MqttSamples):
         """The buffer is full: stop reading. What the writer writes meanwhile waits in the pipe (the agent's
         backlog, never a gap); a pause of the writer's while held cannot be seen, which is said here."""
         self._idle_since = None  # not watching: what waits in the pipe when reading again is backlog
+        self._watch_hangup()
         if not self._holding:
             self._holding = True
             self.held += 1
@@ -332,6 +335,18 @@ class SensorSource(MqttSamples):
                         detail="the agent is max_backlog_s behind: the pipe is left unread and its writer "
                                "blocks; a pause of the writer's meanwhile is not seen",
                         fix="give the agent more CPU, or write no faster than real time")
+
+    def _watch_hangup(self) -> None:
+        """While held, a FIFO whose writer has gone shows POLLHUP although its bytes still wait unread: those
+        are the last writer's, so the stream ends once they are read, and a writer that opens meanwhile starts
+        a new session (read late, its bytes would follow the old writer's with no end-of-file between). A writer
+        that leaves and another that opens within one check (0.2 s) cannot be told apart."""
+        if not self.fifo or self.fd is None or self._hup_left is not None:
+            return
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if any(ev & select.POLLHUP for _, ev in poller.poll(0)):
+            self._hup_left = self._pipe_bytes()
 
     def _udp_loop(self) -> None:
         """The UDP thread: every datagram off the socket as it comes, into its stream."""
@@ -375,9 +390,18 @@ class SensorSource(MqttSamples):
                     self._end_writer(s, "FIFO replaced")
                 return self._reopen(wait=0.0)
             return True
-        data = os.read(self.fd, 65536)
+        hup = self._hup_left
+        if hup == 0:  # the writer that left while the pipe was held: all its bytes are read
+            with self._cond:
+                self._hup_left = None
+                left = self._end_writer(s, "writer restarted")
+            log.info("source.writer_gone", source=self.name, dropped_samples=left, sessions=s.session - 1)
+            return True
+        data = os.read(self.fd, 65536 if hup is None else min(hup, 65536))
         now, idle_since = time.time(), self._idle_since
         self._idle_since = None
+        if hup is not None:
+            self._hup_left = max(0, hup - len(data)) if data else None
         if not data:
             with self._cond:
                 left = self._end_writer(s, "writer restarted")
@@ -480,12 +504,16 @@ class SensorSource(MqttSamples):
             raise BadFrame(f"{span.stream}: window {span.window} with non-finite samples")
         self.stats.frames += 1
         self.stats.last_frame_ns = ns
-        return SensorFrame(self.stats.frames, win, at, ns, span, lambda sp: self._settled(stream, sp))
+        return SensorFrame(self.stats.frames, win, at, ns, span, lambda sp, dropped: self._settled(stream, sp, dropped))
 
-    def _settled(self, stream: Stream, span: StreamSpan) -> None:
-        """The pipeline served (or dropped) this window: it and any taken before it leave the backlog."""
+    def _settled(self, stream: Stream, span: StreamSpan, dropped: bool) -> None:
+        """The pipeline served (or dropped) this window: it and any taken before it leave the backlog; a dropped
+        window's own samples count as dropped in its stream and the source."""
         with self._cond:
-            stream.settle(span)
+            if dropped:
+                self.dropped_samples += stream.settle_dropped(span)
+            else:
+                stream.settle(span)
 
     def read(self, stop: threading.Event) -> Frame | None:
         """The next window of some stream; every source's samples are taken by a thread of its own (UDP's
@@ -515,6 +543,9 @@ class SensorSource(MqttSamples):
         with self._cond:
             in_pipe = self._in_pipe()
             streams = {s.name: s.health(now, in_pipe) for s in self.streams.values()}
+            # a sender gone quiet is timed out by stream time, but the windows it sent before are the agent's
+            # backlog until served: listed (and in behind_s) while the pipeline still holds some
+            streams.update((s.name, s.health(now)) for s in self.quiet.values() if s.in_flight and s.name not in streams)
             out: dict[str, Any] = {
                 "max_streams": self.max_streams, "refused_datagrams": self.refused, "restarts": self.restarts,
                 "dropped_samples": self.dropped_samples, "lost_samples": self.lost_samples,
@@ -530,14 +561,17 @@ class SensorSource(MqttSamples):
 
     def _in_pipe(self) -> int:
         """Samples written into the pipe (FIFO, stdin) and not read yet: the agent's backlog there too."""
+        return 0 if self._pushed else self._pipe_bytes() // self.sample_bytes
+
+    def _pipe_bytes(self) -> int:
         fd = self.fd
-        if fd is None or self._pushed:
+        if fd is None:
             return 0
         try:
             waiting = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
         except OSError:  # a regular file or device without FIONREAD, or closed meanwhile
             return 0
-        return max(0, int(waiting)) // self.sample_bytes
+        return max(0, int(waiting))
 
     def close(self) -> None:
         self._closing.set()

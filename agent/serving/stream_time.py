@@ -81,9 +81,10 @@ class Stream:
         self.largest = 0  # the largest delivery: a sender's datagram size, for datagrams the socket dropped
         self.disposed = 0  # of those, in the order delivered: served in a window, skipped, dropped or lost
         self.behind = 0  # leftovers dropped at a hole while the windows before them still wait (see _close)
-        # windows taken by the pipeline and not yet served or dropped: ((session, window), their own samples);
-        # still the agent's backlog (settle() removes them, and every one taken before, when one is done)
-        self.taken: deque[tuple[tuple[int, int], int]] = deque()
+        # windows taken by the pipeline and not yet served or dropped: ((session, window), their own samples,
+        # the arrival of the oldest of them); still the agent's backlog (settle() removes them, and every one
+        # taken before, when one is done), with their own arrival times (a shed forgets only the samples it drops)
+        self.taken: deque[tuple[tuple[int, int], int, float | None]] = deque()
         self.in_flight = 0
         self.arrivals: deque[tuple[int, float]] = deque()  # (received after a delivery, its arrival)
         self.lost_samples = 0
@@ -193,16 +194,26 @@ class Stream:
         while self.taken and self.taken[0][0] <= key:
             self.in_flight -= self.taken.popleft()[1]
 
+    def settle_dropped(self, span: StreamSpan) -> int:
+        """The pipeline dropped this window (latest-frame-wins, a refused or failed run): settled, and its own
+        samples counted as dropped in this stream. Returns them (0 when it was settled already)."""
+        key = (span.session, span.window)
+        own = next((n for k, n, _ in self.taken if k == key), 0)
+        self.settle(span)
+        self.dropped_samples += own
+        return own
+
     def _forget_served(self) -> None:
-        served = self.disposed - self.in_flight
-        while self.arrivals and self.arrivals[0][0] <= served:
+        while self.arrivals and self.arrivals[0][0] <= self.disposed:
             self.arrivals.popleft()
 
     def oldest_unserved(self) -> float | None:
         """The arrival of the oldest sample no window has served yet (taken windows the pipeline still works on
         included), None when none waits."""
+        if self.taken:  # the pipeline takes windows in order: the oldest taken is the oldest unserved
+            return self.taken[0][2]
         self._forget_served()
-        return self.arrivals[0][1] if self.arrivals and (self.backlog or self.in_flight) else None
+        return self.arrivals[0][1] if self.arrivals and self.backlog else None
 
     def push(self, samples: np.ndarray, arrival: float, idle_since: float | None = 0.0) -> int | None:
         """Add samples that arrived at `arrival` (wall clock); the samples a gap restart dropped, None if none.
@@ -281,6 +292,8 @@ class Stream:
     def pop(self) -> tuple[np.ndarray, StreamSpan] | None:
         """The next window: those of a session that ended first, then the current session's. Its own samples
         stay in the backlog, in flight, until settle() says the pipeline is done with it."""
+        self._forget_served()
+        oldest = self.arrivals[0][1] if self.arrivals else None  # of the first sample not yet disposed of
         if self.closed:
             win, span, own = self.closed.popleft()
             self.disposed += own
@@ -291,7 +304,7 @@ class Stream:
             got = self._pop_current()
             own = 0 if got is None else got[1].end - max(got[1].start, served_to, 0)
         if got is not None and own > 0:
-            self.taken.append(((got[1].session, got[1].window), own))
+            self.taken.append(((got[1].session, got[1].window), own, oldest))
             self.in_flight += own
         self._forget_served()  # bounded by what waits
         return got

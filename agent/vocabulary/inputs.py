@@ -81,6 +81,7 @@ class InputFeeder:
         self.states = tuple(x for x in self.extra if x.kind == "state")
         self._constants = {x.name: constant_value(x) for x in self.extra if x.kind == "constant"}
         self._sources: dict[str, _SourceState] = {}
+        self._successor = False  # took over from another engine's feeder while streams went on (take_over)
         # what the last step did with its stream's state: carried, initial, or why it started again
         self.last_note: str | None = None
 
@@ -94,6 +95,18 @@ class InputFeeder:
 
     def reset(self, source: str) -> None:
         self._sources.pop(source, None)
+
+    def take_over(self, old: "InputFeeder", why: str = "the engine changed (an update or a reload)") -> None:
+        """This feeder's engine replaces `old`'s while streams go on: each stream `old` was serving keeps its
+        place, so its next window here starts again saying `reset: <why>` -- never that the windows the old
+        engine served were not served. No state crosses engines (another model, another state)."""
+        self._successor = True
+        for source, st in list(old._sources.items()):
+            if st.session:  # a sensor stream's place (frames without a span start afresh anyway)
+                self._sources[source] = _SourceState({x.name: initial_state(x) for x in self.states}, None,
+                                                     st.session, st.window, None, why)
+        while len(self._sources) > MAX_TRACKED_SOURCES:
+            self._sources.pop(next(iter(self._sources)))
 
     def failed(self, source: str, why: str) -> None:
         """The step just fed for `source` gave outputs that must not be carried (not finite): its state is
@@ -123,7 +136,10 @@ class InputFeeder:
         (windows dropped before they ran) -- state never carries across a hole, and the note says so."""
         s = self._sources.get(source)
         if s is None:
-            note = "initial" if span.window == 0 else f"initial ({span.window} windows of the stream not served)"
+            note = ("initial" if span.window == 0 else
+                    # the previous engine served (or was serving) this stream's earlier windows
+                    f"initial: the engine changed (an update or a reload) before window {span.window}"
+                    if self._successor else f"initial ({span.window} windows of the stream not served)")
         elif s.session != span.session:
             note = f"reset: {span.reset or 'new stream session'}"
         elif s.broken is not None:
