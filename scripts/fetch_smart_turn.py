@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fetch pipecat-ai's Smart Turn v3.2 (an already-quantised end-of-turn classifier over a Whisper log-mel
-of the last 8 s) and the package's own numpy feature code, for tests/test_sensor_frontend.py.
+of the last 8 s) and the package's own numpy feature code, for tests/bundle/test_sensor_frontend.py.
 
 `pip download pipecat-ai==1.14.0 --no-deps` (BSD-2-Clause, checked in the wheel's METADATA), then extract
 the model and `_whisper_features.py` into $EDGE_AGENT_CACHE/real-models/smart-turn/ with pinned hashes.

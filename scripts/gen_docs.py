@@ -10,7 +10,7 @@ and the layout in docs/architecture.md (between its `layout` markers) from each 
 docstring: a module without one, or a package the picture leaves out, cannot happen.
 
   python scripts/gen_docs.py          # rewrite the files
-  python scripts/gen_docs.py --check  # exit 1 naming each stale file (tests/test_docs.py runs this)
+  python scripts/gen_docs.py --check  # exit 1 naming each stale file (tests/project/test_docs.py runs this)
 """
 
 from __future__ import annotations

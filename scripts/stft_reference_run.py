@@ -1,5 +1,5 @@
 """torch.stft magnitude of float32 audio, as a reference for the stft_magnitude front-end (run in the
-references venv, which holds torch; tests/test_sensor_frontend_stft.py calls it).
+references venv, which holds torch; tests/bundle/test_sensor_frontend_stft.py calls it).
 
 usage: stft_reference_run.py AUDIO.npy N_FFT HOP POWER OUT.npy [AUDIO.npy N_FFT HOP POWER OUT.npy ...]
 (AUDIO [B, samples] float32; several jobs in one run pay for one torch import)

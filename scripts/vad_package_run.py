@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Silero VAD's OWN results on given audio, for the sensor-stream tests (tests/test_sensor_*.py).
+"""Silero VAD's OWN results on given audio, for the sensor-stream tests (tests/serving/test_sensor_*.py).
 
 Runs inside $EDGE_AGENT_CACHE/real-models/../venv-real (silero-vad and torch installed); nothing of the agent
 is imported. Reads a JSON job: {"golden": {"out": npz, "sequences": n} | null, "streams": [{"audio": f32 file,

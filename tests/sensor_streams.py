@@ -91,7 +91,7 @@ def package_run(work: Path, streams: Iterable[np.ndarray], segments: dict[str, A
 def build_vad_bundle(work: Path, frame: dict[str, Any] | None = None, postprocess: dict[str, Any] | None = None,
                      reset_on_gap_s: float | None = 1.0, extra: dict[str, Any] | None = None) -> Path:
     """`bundle create` of the real Silero VAD with the given frame and postprocess (FP32 only: its INT8
-    quantises nothing, see tests/test_real_models.py)."""
+    quantises nothing, see tests/e2e/test_real_models.py)."""
     require_vad()
     work.mkdir(parents=True, exist_ok=True)
     golden = work / "golden.npz"

@@ -1,4 +1,4 @@
-"""Result kind `peak` (a throwaway for tests/test_result_kind_plugin.py): the index and value of the largest of
+"""Result kind `peak` (a throwaway for tests/results/test_result_kind_plugin.py): the index and value of the largest of
 C values. One module, registered from the test alone: nothing else in the tree names it.
 
 Judged per sample by index: the share of samples whose peak is the package's, floor `min_peak_agreement`.

@@ -1,6 +1,6 @@
 """A throwaway source type, the whole of it in this one module: its config class and its opener.
 
-tests/test_source_types.py registers it (`register_source`) and nothing else in the tree names it: config
+tests/source_types/test_source_types.py registers it (`register_source`) and nothing else in the tree names it: config
 parsing, `config check`, the generated schema and docs, and the pipeline must take it from the registry.
 It plays a folder's PNGs `frames` times round, as a camera would hand them over (never from the network).
 """

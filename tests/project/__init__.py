@@ -1,0 +1,1 @@
+"""The project itself: the layout of agent/, the shape of its code, the docs, the scripts and the installer."""

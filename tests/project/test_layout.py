@@ -1,0 +1,76 @@
+"""The tree shows the architecture: packages by concern, lower ones never importing higher ones,
+and the pure core never importing onnxruntime or a shell module."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+AGENT = Path(__file__).resolve().parents[2] / "agent"
+
+# Foundation modules (errors, fsio, hashing, logsetup, npio, quantiles) sit under everything; `testing` and
+# `__main__` over everything. Packages on one floor (serving, link, updates) do not import each other.
+FLOOR = {
+    "__init__": 0, "errors": 0, "fsio": 0, "hashing": 0, "logsetup": 0, "keydoc": 0, "npio": 0, "quantiles": 0,
+    "vocabulary": 1, "bundle": 2, "proof": 3, "results": 3, "config": 4, "config_schema": 4, "source_types": 4,
+    "serving": 5, "link": 5, "updates": 5,
+    "report": 6, "service": 6, "fleet": 6, "testing": 7, "__main__": 7,
+}
+# The upward arrows: `bundle create` measures each variant it builds through the proof's sessions
+# ... and judges the package's answers by their result kind (issue 21); its model build's steps
+# (bundle/model_build.py) are part of the same command.
+ALLOWED_UP = {("bundle/create.py", "proof"), ("bundle/create.py", "results"), ("bundle/model_build.py", "proof")}
+PURE = [
+    "agent.vocabulary.manifest", "agent.vocabulary.preprocess", "agent.vocabulary.decoders",
+    "agent.proof.terms", "agent.proof.parity", "agent.proof.agreement", "agent.proof.verdict", "agent.proof.selection", "agent.proof.pre_compare",
+    "agent.proof.isa", "agent.config",
+    "agent.config_schema", "agent.source_types", "agent.results", "agent.results.answers",
+]
+
+
+def _agent_imports(path: Path) -> list[str]:
+    out: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "agent":
+            out += [f"agent.{a.name}" for a in node.names] if node.module == "agent" else [node.module]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "agent"]
+    return out
+
+
+def test_every_module_belongs_to_a_known_floor_and_every_package_says_what_it_owns():
+    for path in AGENT.rglob("*.py"):
+        top = path.relative_to(AGENT).parts[0].removesuffix(".py")
+        assert top in FLOOR, f"{path}: not in the layout; add it to a package by concern"
+    for pkg in (p for p in AGENT.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()))
+        assert doc and len(doc) > 20, f"{pkg}/__init__.py must say what the package owns"
+
+
+def test_no_package_imports_a_higher_or_sibling_floor():
+    wrong = []
+    for path in AGENT.rglob("*.py"):
+        rel = path.relative_to(AGENT)
+        me = rel.parts[0].removesuffix(".py")
+        for mod in _agent_imports(path):
+            parts = mod.split(".")
+            target = parts[1] if len(parts) > 1 and parts[1] in FLOOR else "__init__"
+            upward = FLOOR[target] > FLOOR[me]
+            sideways = FLOOR[target] == FLOOR[me] == 5 and target != me
+            if (upward or sideways) and (rel.as_posix(), target) not in ALLOWED_UP:
+                wrong.append(f"{rel}: imports {mod}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_pure_core_imports_no_onnxruntime_no_broker_client_and_no_shell_module():
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in PURE)
+        + "bad = [m for m in ('onnxruntime', 'paho', 'sqlite3', 'agent.proof.session', 'agent.proof.probe') if m in sys.modules]\n"
+        + "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=AGENT.parent).stdout.strip()
+    assert out == "", f"the pure core pulled in: {out}"
