@@ -30,6 +30,13 @@ PURE = [
 ]
 
 
+TESTS = AGENT.parent / "tests"
+# tests/<package>/test_<module>.py mirror agent/ (docs/testing.md); the folders of tests/ that are no package of
+# agent/, each for what has no one package: agent's top-level modules (config, fsio, npio, quantiles, ...), the
+# agent end to end as deployed, the project itself; and the suite's data.
+TEST_FOLDERS_BESIDE_PACKAGES = {"core", "e2e", "project", "fixtures", "aedes"}
+
+
 def _agent_imports(path: Path) -> list[str]:
     out: list[str] = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -74,3 +81,22 @@ def test_pure_core_imports_no_onnxruntime_no_broker_client_and_no_shell_module()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=AGENT.parent).stdout.strip()
     assert out == "", f"the pure core pulled in: {out}"
+
+
+def test_tests_mirror_the_package_and_no_test_file_is_left_flat() -> None:
+    """Issue 46 item 6: a test lives in the folder of the package it tests (tests/serving/ for agent/serving/), its
+    faults named for the behaviour they pin, not the review that found them; tests/ itself holds only the
+    helper modules every folder imports (agentproc, brokers, waiting, ...) and conftest.py."""
+    packages = {p.name for p in AGENT.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")}
+    assert folders - packages - TEST_FOLDERS_BESIDE_PACKAGES == set(), "a tests/ folder that names no agent/ package"
+    assert sorted(p.name for p in TESTS.glob("test_*.py")) == [], "test files left flat in tests/"
+    test_files = [p for p in TESTS.glob("*/test_*.py")]
+    for folder in folders - {"fixtures", "aedes"}:
+        assert (TESTS / folder / "__init__.py").is_file(), f"tests/{folder}/ is not a package"
+        assert sorted(p.name for p in (TESTS / folder).glob("*.py") if not p.name.startswith("test_")) == ["__init__.py"], (
+            f"tests/{folder}/ holds a helper: helpers live in tests/ itself")
+    assert list(TESTS.glob("*/*/test_*.py")) == [], "one folder deep: tests/<package>/test_<module>.py"
+    names = [p.name for p in test_files]
+    assert sorted({n for n in names if names.count(n) > 1}) == [], "one basename, one test file"
+    assert [p.name for p in test_files if "review" in p.stem] == [], "named for a review, not a behaviour"
