@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
+from full_disk import small_disk  # noqa: F401 - a real full disk (tests/full_disk.py) for every folder
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "digits-classifier"
 

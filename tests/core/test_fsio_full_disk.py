@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent.fsio import write_atomic
-from tests.link.test_outbox_disk_full import fill, small_disk  # noqa: F401 - small_disk is a fixture
+from full_disk import fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 
 def test_a_write_the_full_disk_refuses_leaves_no_tmp_file(small_disk: Path) -> None:  # noqa: F811

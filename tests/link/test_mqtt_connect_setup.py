@@ -17,7 +17,7 @@ from agent.config import MqttConfig
 from agent.link.mqtt import MqttLink
 from agent.link.outbox import Outbox
 from brokers import MOSQUITTO, Broker, Collector
-from tests.link.test_outbox_disk_full import fill, small_disk  # noqa: F401
+from full_disk import fill, small_disk  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not Path(MOSQUITTO).exists() and not os.environ.get("CI"),
                                 reason="mosquitto is not installed")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from agent.config import OutboxConfig
 from agent.link.outbox import Outbox
-from tests.link.test_outbox_disk_full import BOUND, Wire, drain, fill, small_disk  # noqa: F401 - small_disk is a fixture
+from tests.link.test_outbox_disk_full import BOUND, Wire, drain
+from full_disk import fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 
 def test_new_results_are_sent_while_delivered_rows_wait_for_their_delete(small_disk: Path) -> None:  # noqa: F811

@@ -24,7 +24,7 @@ from agent.link.held import HeldCounter
 from agent.link.outbox import Outbox
 from agentproc import demo_config
 from brokers import MOSQUITTO, Broker, Collector
-from tests.link.test_outbox_disk_full import fill, small_disk  # noqa: F401  (a real full tmpfs)
+from full_disk import fill, small_disk  # noqa: F401  (a real full tmpfs)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "dev-killed"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from agentproc import demo_config
 from brokers import Broker, Collector
-from tests.link.test_outbox_disk_full import fill, pytestmark_agent, small_disk  # noqa: F401 - small_disk is a fixture
+from tests.link.test_outbox_disk_full import pytestmark_agent
+from full_disk import fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 DEVICE = "dev-bootfull"
 PREFIX = f"edge/{DEVICE}/"

@@ -16,7 +16,7 @@ import pytest
 
 from agentproc import demo_config
 from brokers import Broker
-from tests.link.test_outbox_disk_full import fill, small_disk  # noqa: F401 - small_disk is a fixture
+from full_disk import fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 
 @pytest.mark.slow

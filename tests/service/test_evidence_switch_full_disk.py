@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agentproc import DEMO_BUNDLE, demo_config
-from tests.link.test_outbox_disk_full import fill, small_disk  # noqa: F401 - small_disk is a fixture
+from full_disk import fill, small_disk  # noqa: F401 - small_disk is a fixture
 
 INT8, FP32 = "CPUExecutionProvider:int8", "CPUExecutionProvider:fp32"
 

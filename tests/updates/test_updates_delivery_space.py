@@ -16,7 +16,7 @@ from agent.updates.delivery import Downloader, inbox_entry
 from agent.updates.store import BundleStore
 from agent.updates.updater import Updater
 from slow_servers import tcp_server
-from tests.link.test_outbox_disk_full import small_disk  # noqa: F401 - small_disk is a fixture
+from full_disk import small_disk  # noqa: F401 - small_disk is a fixture
 
 BIG = 12 * 2**20  # over the 8 MiB disk, under updates.max_bundle_bytes
 

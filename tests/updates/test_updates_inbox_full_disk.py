@@ -12,7 +12,7 @@ from agent.config import UpdatesConfig
 from agent.updates.delivery import watch_inbox
 from agent.updates.store import BundleStore
 from agent.updates.updater import Updater
-from tests.link.test_outbox_disk_full import fill, small_disk  # noqa: F401 - small_disk is a fixture
+from full_disk import fill, small_disk  # noqa: F401 - small_disk is a fixture
 from tests.updates.test_updates_inbox_swap import _Idle
 from waiting import wait_until
 

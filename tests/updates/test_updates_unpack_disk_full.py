@@ -12,7 +12,7 @@ from agent.config import UpdatesConfig
 from agent.updates.machine import State
 from agent.updates.store import BundleStore
 from agent.updates.updater import Updater
-from tests.link.test_outbox_disk_full import _mount_tmpfs
+from full_disk import _mount_tmpfs
 from tests.updates.test_updates_inbox_swap import _Idle
 
 import pytest
