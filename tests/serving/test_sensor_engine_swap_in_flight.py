@@ -14,8 +14,8 @@ import socket
 from pathlib import Path
 
 
-from review44r_gate import Gate, Gated
-from test_sensor_backlog import W, _stream, bundle  # noqa: F401 (bundle: the fixture)
+from gated_pipeline import Gate, Gated
+from tests.serving.test_sensor_backlog import W, _stream, bundle  # noqa: F401 (bundle: the fixture)
 from waiting import wait_until
 
 

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from agent.errors import SwapRefused
-from review44r_gate import Gate, Gated
-from test_sensor_backlog import C, SR, W, _stream, bundle  # noqa: F401 (bundle: the fixture)
+from gated_pipeline import Gate, Gated
+from tests.serving.test_sensor_backlog import C, SR, W, _stream, bundle  # noqa: F401 (bundle: the fixture)
 from waiting import wait_until
 
 

@@ -1,5 +1,5 @@
-"""Review 44r's helpers: the real pipeline serving a real bundle whose inference is held at a gate (the engine's
-`watch` hook, as tests/test_sensor_backlog.py's _Delay), so a test decides which windows are in flight."""
+"""The real pipeline serving a real bundle whose inference is held at a gate (the engine's
+`watch` hook, as tests/serving/test_sensor_backlog.py's _Delay), so a test decides which windows are in flight."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from review44r_gate import Gate, Gated
+from gated_pipeline import Gate, Gated
 from waiting import wait_until
 
 
