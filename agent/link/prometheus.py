@@ -20,7 +20,7 @@ log = get_logger("metrics")
 
 NS = "edge_agent"
 # the update machine's states (agent.updates.machine.State; link/ may not import updates/, so spelled here and
-# held equal by tests/test_update_steps.py): an update status's `state` is always one of them
+# held equal by tests/updates/test_update_steps.py): an update status's `state` is always one of them
 UPDATE_STATES = ("idle", "receiving", "verifying", "staged", "proving", "switching", "probation", "committed",
                  "rolled_back", "rejected")
 

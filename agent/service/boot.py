@@ -151,7 +151,7 @@ def bundle_unreadable(root: Path) -> str | None:
 def _no_report(root: Path, error: str | None, crashed: bool = False, refused: bool = False) -> BootOutcome:
     """A proof with no report: an unreadable bundle is said as `config check` says it (key bundle: ...). Never after
     a child died on the way (a crash, a signal, a time-out, a load recorded as killing a process): nothing of such a
-    bundle is read in the agent's own process (tests/test_boot_load_isolation.py)."""
+    bundle is read in the agent's own process (tests/proof/test_boot_load_isolation.py)."""
     text = error or ""
     if crashed or text.startswith(("loading the bundle", "the child died")) or "SIG" in text or "timeout" in text:
         return BootOutcome(None, None, None, error)

@@ -1,7 +1,7 @@
 """What the pipeline and health may read from a source beyond `FrameSource`: one small Protocol each.
 
 A source has a capability by having its members; callers ask `isinstance(source, Multiplexed)` and get a
-typed value, never `getattr(source, "name", None)` (tests/test_source_capabilities.py greps for that). Each
+typed value, never `getattr(source, "name", None)` (tests/source_types/test_source_types.py greps for that). Each
 Protocol names its implementers, so a new source type sees what it may offer.
 """
 

@@ -21,7 +21,7 @@ from agent.proof.stages import AnyPreprocessor, Postprocessor, VocabularyPostpro
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.logsetup import get_logger
-from agent.serving.sensors import stream_record
+from agent.serving.stream_time import stream_record
 from agent.vocabulary.decisions import tracker_for
 from agent.vocabulary.inputs import InputFeeder
 from agent.vocabulary.preprocess import Geometry

@@ -21,7 +21,7 @@ import termios
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
@@ -140,12 +140,10 @@ class SensorSource(MqttSamples):
         self._ended = threading.Event()  # a file or stdin was read to its end (a FIFO never ends)
         self.held = 0                # times a pipe was left unread: its stream's buffer was full (backpressure)
         self._holding = False        # a pipe is left unread now
-        # a FIFO whose writer left while it was held: the bytes of that writer still in the pipe (None: none seen)
-        self._hup_left: int | None = None
+        self._hup_left: int | None = None  # a FIFO writer gone while held: its bytes still unread (_watch_hangup)
         self._thread: threading.Thread | None = None
         self.client: Any = None  # paho's client for an mqtt source
-        # samples from the network (UDP, MQTT): no pipe whose unread bytes are a backlog too (see _in_pipe)
-        self._pushed = isinstance(cfg, NetworkKeys)
+        self._pushed = isinstance(cfg, NetworkKeys)  # UDP, MQTT: no pipe whose unread bytes are a backlog (_in_pipe)
         self.topic: str | None = None  # mqtt: the one topic the samples arrive on
         self._mqtt_idle: float | None = 0.0  # mqtt: since when paho's thread found the connection empty
         if isinstance(cfg, UdpSourceConfig):
@@ -589,14 +587,3 @@ class SensorSource(MqttSamples):
                 os.close(self.fd)
             self.fd = None
 
-
-def stream_record(frame: Frame) -> Mapping[str, Any] | None:
-    """The stream a result came from, for the result (None for frames that are not sensor windows)."""
-    span = getattr(frame, "span", None)
-    if span is None:
-        return None
-    rec = span.record()
-    state = getattr(frame, "state", None)
-    if state is not None:
-        rec["state"] = state
-    return rec

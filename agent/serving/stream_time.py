@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -335,3 +335,15 @@ class Stream:
             if off is not None:  # the measured rate over the declared one: the sender is not what was declared
                 out["rate_off_by"] = round(off, 3)
         return out
+
+
+def stream_record(frame: Any) -> Mapping[str, Any] | None:
+    """The stream a result came from, for the result (None for frames that are not sensor windows)."""
+    span = getattr(frame, "span", None)
+    if span is None:
+        return None
+    rec = span.record()
+    state = getattr(frame, "state", None)
+    if state is not None:
+        rec["state"] = state
+    return rec
