@@ -18,7 +18,6 @@ MAX_COMPLEXITY = 25
 # path -> (lines it may not exceed, why it is still over)
 MODULES = {
     "agent/fleet/simulator.py": (604, "a simulated device: its link, updates and commands (its groups' spec could move out)"),
-    "agent/fleet/operator.py": (680, "the operator loop and its reconciliation"),
 }
 # "path::function" -> (lines, complexity) it may not exceed, and why
 FUNCTIONS = {
