@@ -331,7 +331,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     import signal
     import tempfile
 
-    from agent.fleet.simulator import SimFleet, load_groups, split_devices
+    from agent.fleet.sim_fleet import SimFleet
+    from agent.fleet.sim_groups import load_groups, split_devices
     from agent.fleet.state import parse_broker
 
     groups = load_groups(args.groups)

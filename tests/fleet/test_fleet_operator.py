@@ -28,7 +28,8 @@ from agent.fleet.operator import Operator
 from agent.fleet.rollback import FleetRollback, RollbackCaps
 from agent.fleet.rollout_records import compact
 from agent.fleet.plan import Artifact, Gates, Plan, start_order
-from agent.fleet.simulator import GroupProfile, SimFleet
+from agent.fleet.sim_fleet import SimFleet
+from agent.fleet.sim_groups import GroupProfile
 from agent.fleet.state import Connection, FleetClient, RolloutTopics, SyncPolicy, control_request
 from agent.hashing import sha256_file
 from agent.testing import rewrite_manifest

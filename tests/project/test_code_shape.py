@@ -16,9 +16,7 @@ MAX_FUNCTION_LINES = 80
 MAX_COMPLEXITY = 25
 
 # path -> (lines it may not exceed, why it is still over)
-MODULES = {
-    "agent/fleet/simulator.py": (604, "a simulated device: its link, updates and commands (its groups' spec could move out)"),
-}
+MODULES: dict[str, tuple[int, str]] = {}  # none left: the last five were split by job (issue 46)
 # "path::function" -> (lines, complexity) it may not exceed, and why
 FUNCTIONS = {
     "agent/proof/reduced_decode.py::_reduced_decode": (89, 25, "the reduced-decode check with its nested judges"),
