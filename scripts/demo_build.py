@@ -12,7 +12,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent.bundle.create import CreateOptions, create_bundle, read_spec  # noqa: E402
+from agent.bundle.build_spec import read_spec  # noqa: E402
+from agent.bundle.create import CreateOptions, create_bundle  # noqa: E402
 from agent.vocabulary.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
 from agent.vocabulary.preprocess import Preprocessor  # noqa: E402
 

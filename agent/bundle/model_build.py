@@ -1,7 +1,8 @@
 """`bundle create`'s model build as named steps over one `_Build` value: check the model and its stages against
 the spec, load the sample sets, the spec's preprocessing against the package's own tensors, the reference outputs,
 the stages and the package's answers (before anything quantises), the variants made and each judged, the quality
-gate, the golden samples and the manifest written. The helpers each step calls live in `agent.bundle.create`.
+gate, the golden samples and the manifest written. The helpers each step calls live in the build's
+modules: build_spec, build_runs, pre_drift, variant_judges, quantise.
 """
 
 from __future__ import annotations
@@ -16,60 +17,53 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
-from agent.bundle.decoder_proof import unproven_decoder
-from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files
-from agent.bundle.samples import load_samples
-from agent.proof.parity import fidelity_floors
-from agent.vocabulary.batch_axis import check_single_sample_outputs, spec_batch_axes
-from agent.vocabulary.manifest import ExtraInput, MANIFEST_NAME, TensorSpec
-from agent.bundle.create import (  # the build's helpers: one module owns them, the steps only call them
+from agent.bundle.build_runs import (
+    PROVIDERS_BY_PRECISION,
+    VariantBuild,
     _as_batch,
-    BundleError,
-    CalibrationFeeds,
-    check_against_answers,
-    check_answers_kind,
-    check_preprocess_drift,
-    convert_fp16,
-    CPU,
     _cpu_session,
-    CreateOptions,
-    DEFAULT_PREPROCESS_DRIFT,
-    explaining_key,
     _Extended,
     _figures,
-    golden_answers_text,
-    GoldenStages,
-    InputFeeder,
-    judge_fidelity,
-    judge_final_results,
-    judge_sizes,
     _latency_ms,
-    log,
     _ort_version,
-    ort_view,
-    prepare_fp32,
     _Prepared,
-    preprocess_from_dict,
-    prequantized,
-    PROVIDERS_BY_PRECISION,
-    provisional_manifest,
-    _quality_gate,
-    quantize_int8,
-    reason_of,
     _run_all,
-    SampleSet,
-    size_extremes,
-    size_probe_arrays,
     _source,
-    split_batch,
-    stage_files,
     _top1,
     _unbatch,
     _used,
-    validate_against_model,
+    ort_view,
+    prepare_fp32,
     variant_outputs,
-    VariantBuild,
 )
+from agent.bundle.build_spec import CreateOptions, provisional_manifest, stage_files, validate_against_model
+from agent.bundle.decoder_proof import unproven_decoder
+from agent.bundle.load import ANSWERS_FILE, golden_arrays, hash_files
+from agent.bundle.pre_drift import DEFAULT_PREPROCESS_DRIFT, check_preprocess_drift, explaining_key
+from agent.bundle.quantise import CalibrationFeeds, convert_fp16, prequantized, quantize_int8, reason_of
+from agent.bundle.samples import SampleSet, load_samples
+from agent.bundle.variant_judges import (
+    GoldenStages,
+    _quality_gate,
+    check_against_answers,
+    check_answers_kind,
+    golden_answers_text,
+    judge_final_results,
+    judge_sizes,
+    size_extremes,
+    size_probe_arrays,
+)
+from agent.errors import BundleError
+from agent.logsetup import get_logger
+from agent.proof.parity import fidelity_floors, judge_fidelity
+from agent.proof.terms import CPU
+from agent.vocabulary.batch_axis import check_single_sample_outputs, spec_batch_axes
+from agent.vocabulary.decoders import split_batch
+from agent.vocabulary.inputs import InputFeeder
+from agent.vocabulary.manifest import MANIFEST_NAME, ExtraInput, TensorSpec, preprocess_from_dict
+
+log = get_logger("bundle.create")  # the build's events keep the command's logger
+
 
 @dataclass
 class _Build:

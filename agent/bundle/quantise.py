@@ -17,7 +17,7 @@ from agent.logsetup import get_logger
 from agent.vocabulary.inputs import InputFeeder
 
 if TYPE_CHECKING:
-    from agent.bundle.create import CreateOptions
+    from agent.bundle.build_spec import CreateOptions
 
 log = get_logger("bundle.create")
 INSTALL_BUILD_HINT = install_hint("build", "onnx sympy")

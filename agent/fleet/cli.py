@@ -22,7 +22,8 @@ from agent.link.topics import ROOT
 # Every `edge-agent` command builds this parser: the fleet's modules (paho, the operator) load only
 # when a fleet command runs.
 if TYPE_CHECKING:
-    from agent.fleet.operator import DeviceCache, Operator
+    from agent.fleet.devices import DeviceCache
+    from agent.fleet.operator import Operator
     from agent.fleet.plan import Artifact
     from agent.fleet.state import Connection, FleetClient
 
@@ -49,7 +50,7 @@ def _where(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _fleet_view(conn: Connection) -> DeviceCache:
-    from agent.fleet.operator import DeviceCache
+    from agent.fleet.devices import DeviceCache
     from agent.fleet.state import FleetClient
 
     cache = DeviceCache(conn.device_root)
@@ -179,7 +180,7 @@ def _operator(args: argparse.Namespace, rid: str) -> tuple[Operator, FleetClient
 
 
 def _run(op: Operator, args: argparse.Namespace) -> int:
-    from agent.fleet.operator import status_table
+    from agent.fleet.rollout_records import status_table
 
     try:
         state = op.run(max_s=args.max_s)
@@ -190,7 +191,7 @@ def _run(op: Operator, args: argparse.Namespace) -> int:
 
 
 def _cmd_start(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import RolloutError
+    from agent.errors import RolloutError
     from agent.fleet.plan import Plan
     from dataclasses import replace
 
@@ -217,7 +218,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import RolloutError
+    from agent.errors import RolloutError
 
     op, _ = _operator(args, args.id)
     if op.state.get("status") == "paused":
@@ -277,7 +278,7 @@ def _cmd_set_url(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import status_table
+    from agent.fleet.rollout_records import status_table
 
     while True:
         op, client = _operator(args, args.id)
@@ -292,7 +293,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollback(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import FleetRollback, RollbackCaps, status_table
+    from agent.fleet.rollback import FleetRollback, RollbackCaps
+    from agent.fleet.rollout_records import status_table
 
     op, client = _operator(args, args.id)
     try:
@@ -313,7 +315,7 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from agent.fleet.operator import compact
+    from agent.fleet.rollout_records import compact
 
     op, client = _operator(args, args.id)
     try:
@@ -329,7 +331,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     import signal
     import tempfile
 
-    from agent.fleet.simulator import SimFleet, load_groups, split_devices
+    from agent.fleet.sim_fleet import SimFleet
+    from agent.fleet.sim_groups import load_groups, split_devices
     from agent.fleet.state import parse_broker
 
     groups = load_groups(args.groups)

@@ -3,151 +3,44 @@ they report, records every outcome and decision in the rollout's retained docume
 phase on what the devices proved. `resume` is the same loop started from the documents on the broker.
 
 The loop owns all of its state on one thread; paho's thread only puts messages on a queue.
+
+Its record keeping (documents read and written, decisions, compaction, the status table): rollout_records.py;
+`fleet rollback`: rollback.py.
 """
 
 from __future__ import annotations
 
-import json
-import queue
-import socket
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 from agent.errors import RolloutError
-from agent.fleet.devices import DeviceCache
 from agent.fleet.facts import FactsRow, prior_version
 from agent.fleet.gates import abort_reason, away, downloading, judge_phase, observe
-from agent.fleet.plan import Plan
-from agent.fleet.state import (
-    MAX_DECISIONS,
-    STATE_SCHEMA,
-    FleetClient,
-    RolloutTopics,
-    decode,
-)
+from agent.fleet.rollout_records import HEARTBEAT_S, RolloutRecords
+from agent.fleet.state import FleetClient
 from agent.logsetup import get_logger
 
 log = get_logger("fleet")
 
 TERMINAL = ("done", "aborted", "rolled_back")
-HEARTBEAT_S = 2.0
 LEASE_S = 10.0  # a state whose heartbeat is older than this has no live operator: resume may take it
 
 
-class Operator:
+class Operator(RolloutRecords):
     """Runs one rollout (or its fleet rollback) from its retained documents."""
 
     def __init__(self, client: FleetClient, rollout_id: str, device_root: str, out: TextIO | None = None,
                  clock: Callable[[], float] = time.time, tick_s: float = 0.1):
-        self.client, self.t = client, RolloutTopics(rollout_id)
-        self.devices = DeviceCache(device_root)
-        self.out = out or sys.stderr
-        self.clock, self.tick_s = clock, tick_s
-        self.owner = f"{socket.gethostname()}:{id(self):x}"
-        self.plan: Plan | None = None
-        self.state: dict[str, Any] = {}
-        self.records: dict[str, dict[str, Any]] = {}
-        self.control: dict[str, Any] | None = None
-        self.index: dict[str, int] = {}
+        super().__init__(client, rollout_id, device_root, out, clock, tick_s)
         self._starts: list[float] = []  # start times in the last minute: the rate cap
         self._tokens = 1.0
         self._tokens_at = clock()
-        self._beat = 0.0
-        self._dirty = False
         self._soak_until: float | None = None
-        self._running = False
         self._handled_control = 0.0  # the newest control request applied (its ts), kept in the state
-        self.taken_over: str | None = None
         self._recommand_pending = False  # set by take_over: a resume looks for uncommanded devices once
         self._awaiting_slot: set[str] = set()  # found uncommanded on resume, waiting for the caps
-        self._connects = 0  # the client's connections this operator has reconciled after
-        self._rejections: dict[str, Any] | None = None  # the index last published (None: not yet)
         self._offline_at_turn: dict[str, float] = {}  # devices offline when their turn came, since when
-
-    # -- loading ---------------------------------------------------------------------------------------
-    def topics(self) -> list[str]:
-        return self.devices.topics() + [self.t.all]
-
-    def ingest(self, topic: str, payload: bytes) -> None:
-        doc = decode(payload)
-        if topic.startswith(self.t.base):
-            rest = topic[len(self.t.base):]
-            if rest == "plan" and doc:
-                self.plan = Plan.from_dict(doc)
-                self.index = {d: i for i, d in enumerate(self.plan.targets)}
-            elif rest == "state" and doc and int(doc.get("rev", 0)) >= int(self.state.get("rev", 0)):
-                if doc.get("owner") != self.owner:
-                    if self._running:  # another operator took over (resume --force): this one steps aside
-                        self.taken_over = str(doc.get("owner"))
-                        return
-                    self.state = doc
-            elif rest == "control" and doc:
-                self.control = doc
-            elif rest.startswith("device/") and doc:
-                d = rest[len("device/"):]
-                if int(doc.get("rev", 0)) >= int((self.records.get(d) or {}).get("rev", 0)):
-                    self.records[d] = doc
-            return
-        self.devices.take(topic, doc)
-
-    def load(self) -> None:
-        for topic, payload, _ in self.client.sync():
-            self.ingest(topic, payload)
-        if self.plan is None:
-            raise RolloutError(f"no rollout {self.t.id!r} on the broker ({self.t.plan} is empty): "
-                               "start it with `edge-agent fleet rollout start PLAN.json`")
-
-    def drain(self) -> None:
-        while True:
-            try:
-                topic, payload, _ = self.client.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self.ingest(topic, payload)
-
-    # -- writing -----------------------------------------------------------------------------------------
-    def decide(self, event: str, **detail: Any) -> None:
-        """A decision: logged, printed, and kept (timestamped) in the state document."""
-        rec = {"ts": round(self.clock(), 3), "event": event, **detail}
-        self.state.setdefault("decisions", []).append(rec)
-        self.state["decisions"] = self.state["decisions"][-MAX_DECISIONS:]
-        log.info("fleet." + event, rollout=self.t.id, **detail)
-        print(f"{time.strftime('%H:%M:%S', time.gmtime(rec['ts']))} {event} "
-              + " ".join(f"{k}={v}" for k, v in detail.items()), file=self.out, flush=True)
-        self._dirty = True
-
-    def save_state(self, release: bool = False) -> None:
-        """`release`: this operator stops here; another may take over at once (no lease to wait out)."""
-        self.state.update(schema=STATE_SCHEMA, id=self.t.id, rev=int(self.state.get("rev", 0)) + 1, owner=self.owner,
-                          heartbeat=round(self.clock(), 3), counts=self.counts(), released=release)
-        self.client.publish(self.t.state, self.state)
-        self._beat, self._dirty = self.clock(), False
-        rejected = {d: r.get("provider") for d, r in sorted(self.records.items()) if r.get("kind") == "rejected_selftest"}
-        if rejected != self._rejections:
-            self.client.publish(self.t.rejections, {"rejected_selftest": rejected})
-            self._rejections = rejected
-
-    def save_record(self, device: str, **changes: Any) -> dict[str, Any]:
-        rec = {**(self.records.get(device) or {"device": device}), **changes}
-        rec["rev"] = int(rec.get("rev", 0)) + 1
-        self.client.publish(self.t.device(device), rec)  # acknowledged before anything is sent to the device
-        self.records[device] = rec
-        return rec
-
-    def counts(self) -> dict[str, int]:
-        c: dict[str, int] = {"targets": len(self.plan.targets) if self.plan else 0, "started": 0, "committed": 0,
-                             "failed": 0, "in_flight": 0, "offline_in_progress": 0, "rolled_back_by_fleet": 0}
-        for r in self.records.values():
-            c["started"] += 1
-            if r.get("state") == "started" and r.get("offline_since"):
-                c["offline_in_progress"] += 1
-            c[r.get("state", "started") if r.get("state") in ("committed", "failed") else "in_flight"] += 1
-            if (r.get("rollback") or {}).get("state") == "done":
-                c["rolled_back_by_fleet"] += 1
-        return c
 
     # -- taking over ---------------------------------------------------------------------------------------
     def take_over(self, force: bool = False) -> None:
@@ -254,20 +147,6 @@ class Operator:
         if st in ("done", "rolled_back"):
             return True
         return st == "aborted" and in_flight == 0
-
-    def reconcile_after_reconnect(self) -> None:
-        """After a reconnect, the broker may have restarted and lost what it had not yet saved (Mosquitto
-        persists at its autosave interval): this operator's state and records are republished, so the
-        retained truth is again the newest (their revs never go back), and a later resume or rollback
-        reads it. The devices' own retained documents come again with the resubscription."""
-        n = self.client.connects
-        if n <= max(1, self._connects):
-            self._connects = max(self._connects, n)
-            return
-        self._connects = n
-        for d, rec in sorted(self.records.items()):
-            self.client.publish(self.t.device(d), rec, wait=False)
-        self.decide("broker_reconnected", republished_records=len(self.records), connects=n)
 
     def step(self) -> None:
         plan, now = self.plan, self.clock()
@@ -508,173 +387,3 @@ class Operator:
         self.client.publish(f"{self.devices.root}{device}/cmd/update",
                             {"url": self.state.get("url") or a.url, "sha256": a.sha256, "id": plan.id}, retain=False)
         self.save_record(device, commanded=round(self.clock(), 3))
-
-
-@dataclass(frozen=True)
-class RollbackCaps:
-    """`fleet rollback`'s own pace and abort line (the plan's rate and abort line by default)."""
-
-    rate_per_min: float
-    max_in_flight: int
-    abort_failure_pct: float
-    abort_min_finished: int
-
-
-def compact(op: Operator) -> int:
-    """Remove a finished rollout's device records (empty retained publishes), keeping its plan, its state
-    (counts, decisions, and now `compacted`) and its rejections index: what a later `plan` reads. A later
-    `fleet rollback` still finds the devices by their facts (their previous versions are then unknown).
-    Returns the number of records removed."""
-    st = op.state.get("status")
-    if st not in ("done", "rolled_back", "rollback_aborted") and not (st == "aborted" and not op.counts()["in_flight"]):
-        raise RolloutError(f"rollout {op.t.id} is {st}: only a finished rollout (done, rolled back, or aborted with "
-                           "nothing in flight) is compacted")
-    counts = op.counts()
-    op.save_state()  # the counts and the rejections index, from the records, before they go
-    removed = sorted(op.records)
-    for d in removed:
-        op.client.publish(op.t.device(d), b"", wait=False)
-    op.state["compacted"] = {"records": len(removed), "counts": counts, "ts": round(op.clock(), 3)}
-    op.decide("compacted", records=len(removed))
-    op.save_state(release=True)
-    return len(removed)
-
-
-class FleetRollback:
-    """`fleet rollback`: every device that runs the rollout's bundle goes back to its previous committed
-    bundle with the device's own `rollback` command (kept locally: no download), at the plan's rate cap.
-
-    Which devices run it is read from their own retained facts, not only from the operator's records: a
-    device recorded failed (timed out while its link was down) that committed afterwards runs the bundle
-    as surely as one recorded committed."""
-
-    def __init__(self, op: Operator, caps: RollbackCaps | None = None):
-        self.op = op
-        self.update_id = f"{op.t.id}-rollback"
-        plan = op.plan
-        assert plan is not None
-        # its own caps; by default the plan's (rate, downloads in flight, the abort line)
-        self.caps = caps or RollbackCaps(plan.rate_per_min, plan.max_downloads, plan.gates.abort_failure_pct,
-                                         plan.gates.abort_min_finished)
-
-    def run(self, max_s: float | None = None) -> dict[str, Any]:
-        op, plan = self.op, self.op.plan
-        assert plan is not None
-        if op.state.get("status") not in ("aborted", "done", "held", "awaiting_approval", "paused", "rolling_back",
-                                          "rollback_aborted"):
-            raise RolloutError(f"rollout {plan.id} is {op.state.get('status')}: pause or abort it before a fleet rollback")
-        if op.state.get("status") == "aborted" and op.counts()["in_flight"]:
-            raise RolloutError(f"rollout {plan.id} still has {op.counts()['in_flight']} devices in flight; "
-                               "wait for their verdicts (fleet rollout status) before rolling back")
-        op.state["status"] = "rolling_back"
-        todo = self.targets()
-        caps = self.caps
-        op.decide("rollback_started", devices=len(todo), rate_per_min=caps.rate_per_min,
-                  max_in_flight=caps.max_in_flight, abort_pct=caps.abort_failure_pct, abort_min=caps.abort_min_finished)
-        op.save_state()
-        end = None if max_s is None else time.monotonic() + max_s
-        interval = 60.0 / caps.rate_per_min
-        last = 0.0
-        stopped = False  # the rollback's own abort line was crossed: nothing more starts
-        while True:
-            op.drain()
-            now = op.clock()
-            pending = False
-            states = [(op.records[d].get("rollback") or {}).get("state") for d in todo]
-            in_flight = states.count("started")
-            for d in todo:
-                rb = (op.records[d].get("rollback") or {})
-                st = rb.get("state")
-                if st is None and not stopped:
-                    pending = True
-                    if now - last >= interval and in_flight < caps.max_in_flight:
-                        in_flight += 1
-                        op.save_record(d, rollback={"state": "started", "started": round(now, 3)})
-                        op.devices.replies.pop(d, None)
-                        op.client.publish(f"{op.devices.root}{d}/cmd/rollback", {"id": self.update_id}, retain=False,
-                                          wait=False)
-                        last = now
-                elif st == "started":
-                    pending = True
-                    self._observe(d, rb, now)
-                    if not stopped and (op.records[d].get("rollback") or {}).get("state") == "failed":
-                        stopped = self._check_abort(todo)
-            if op._dirty or now - op._beat >= HEARTBEAT_S:
-                op.save_state()
-            if not pending or (end is not None and time.monotonic() > end):
-                break
-            time.sleep(op.tick_s)
-        done = sum(1 for d in todo if (op.records[d].get("rollback") or {}).get("state") == "done")
-        untouched = sum(1 for d in todo if not (op.records[d].get("rollback") or {}).get("state"))
-        op.state["status"] = "rollback_aborted" if stopped else "rolled_back"
-        op.decide("rolled_back", devices=len(todo), returned=done, failed=len(todo) - done - untouched,
-                  not_started=untouched)
-        op.save_state(release=True)
-        return op.state
-
-    def _check_abort(self, todo: list[str]) -> bool:
-        """The rollback's own abort line: a bad previous bundle must not go back fleet-wide either."""
-        op, caps = self.op, self.caps
-        states = [(op.records[d].get("rollback") or {}).get("state") for d in todo]
-        finished, failed = states.count("done") + states.count("failed"), states.count("failed")
-        if finished >= caps.abort_min_finished and 100.0 * failed / finished >= caps.abort_failure_pct:
-            op.decide("rollback_aborted", finished=finished, failed=failed,
-                      reason=f"{failed} of {finished} finished rollbacks failed (>= {caps.abort_failure_pct:g} % after "
-                             f"{caps.abort_min_finished}); no more devices are sent back")
-            return True
-        return False
-
-    def targets(self) -> list[str]:
-        """Every device of the plan that its facts show committed to the rollout's bundle, and every one
-        recorded committed (its facts may not have arrived), in the plan's order. A device with no record
-        (the broker lost it) gets one, its previous version from its facts."""
-        op, plan = self.op, self.op.plan
-        assert plan is not None
-        todo = []
-        for d in plan.targets:
-            rec = op.records.get(d)
-            runs = plan.artifact.names(FactsRow(d, op.devices.facts.get(d) or {}, {}).committed())
-            if runs or (rec or {}).get("state") == "committed":
-                if rec is None:
-                    op.save_record(d, state="committed", kind="found_by_facts",
-                                   previous=prior_version(op.devices.facts.get(d) or {}, bool(runs)),
-                                   reason="its facts show the rollout's bundle committed; no record was kept")
-                todo.append(d)
-        return todo
-
-    def _observe(self, d: str, rb: dict[str, Any], now: float) -> None:
-        op = self.op
-        st = op.devices.status.get(d) or {}
-        prev = op.records[d].get("previous") or {}
-        com = ((op.devices.facts.get(d) or {}).get("bundle") or {}).get("committed") or {}
-        if st.get("update") == self.update_id and st.get("state") == "committed":
-            back = (com.get("name"), com.get("version")) == (prev.get("name"), prev.get("version")) if prev \
-                else not op.plan.artifact.names(com)  # type: ignore[union-attr]
-            if back:
-                op.save_record(d, rollback={**rb, "state": "done", "finished": round(now, 3)})
-        elif st.get("update") == self.update_id and st.get("state") in ("rejected", "rolled_back"):
-            op.save_record(d, rollback={**rb, "state": "failed", "reason": str(st.get("reason"))[:300]})
-        elif now - float(rb["started"]) > op.plan.device_timeout_s:  # type: ignore[union-attr]
-            op.save_record(d, rollback={**rb, "state": "failed", "reason": "timed out"})
-
-
-def status_table(state: dict[str, Any], records: dict[str, dict[str, Any]]) -> str:
-    c = state.get("counts") or {}
-    lines = [f"rollout {state.get('id')}: {state.get('status')} phase {state.get('phase')} rev {state.get('rev')} "
-             f"owner {state.get('owner')}",
-             "  " + "  ".join(f"{k}={v}" for k, v in c.items())]
-    kinds: dict[str, int] = {}
-    for r in records.values():
-        if r.get("state") == "failed":
-            kinds[r.get("kind", "?")] = kinds.get(r.get("kind", "?"), 0) + 1
-    if kinds:
-        lines.append("  failures: " + ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())))
-    if state.get("gate"):
-        g = state["gate"]
-        lines.append(f"  gate after phase {g['phase']}: {'passed' if g['passed'] else 'FAILED'}")
-        for ch in g["checks"]:
-            lines.append(f"    {ch['name']:24} {ch['measured']!s:>10} vs {ch['bound']}  {'ok' if ch['passed'] else 'FAILED'}")
-    for d in (state.get("decisions") or [])[-8:]:
-        lines.append(f"  {time.strftime('%H:%M:%S', time.gmtime(d['ts']))} {d['event']} "
-                     + json.dumps({k: v for k, v in d.items() if k not in ('ts', 'event')})[:200])
-    return "\n".join(lines)

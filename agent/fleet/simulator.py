@@ -9,6 +9,9 @@ frames on probation (drawn evidence), and the MQTT link's command dispatch (this
 two threads and an SQLite outbox per device, which hundreds of devices on two cores cannot afford), on
 the same topics and payloads as agent/link/mqtt.py. All clients share one epoll loop thread and one
 worker pool, so a thousand devices fit in one process.
+
+This module is the device (its link, updates and commands); the groups and their fates: sim_groups.py; the fleet
+in one process and its socket loop: sim_fleet.py.
 """
 
 from __future__ import annotations
@@ -17,162 +20,43 @@ import contextlib
 import json
 import os
 import random
-import selectors
 import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 from agent import __version__
-from agent.errors import SimulatedCrash
-from agent.proof.terms import CPU
 from agent.bundle.load import Bundle, load_bundle
-from agent.config import PayloadError, UpdatesConfig, parse_json_object
+from agent.config import PayloadError, parse_json_object
+from agent.errors import SimulatedCrash
 from agent.fleet.facts import device_facts
+from agent.fleet.sim_groups import GroupProfile
 from agent.fleet.state import mqtt_protocol
 from agent.fsio import read_json, write_json_atomic
 from agent.link.topics import Topics, default_prefix
 from agent.logsetup import get_logger
-from agent.vocabulary.manifest import MANIFEST_NAME, parse_manifest
+from agent.proof.terms import CPU
 from agent.updates.commands import CommandRefused, Rollback, is_repeat, parse_update_command, repeat_reply
 from agent.updates.delivery import ChunkReceiver, Downloader
 from agent.updates.probation import ProbationEvidence, ProbationVerdict, judge_probation
-from agent.updates.store import BundleStore, bundle_id
+from agent.updates.store import BundleStore
 from agent.updates.updater import Updater, UpdateRejected
+from agent.vocabulary.manifest import MANIFEST_NAME, parse_manifest
+
+if TYPE_CHECKING:
+    from agent.fleet.sim_fleet import SimFleet
 
 log = get_logger("fleet.sim")
 
-FATES = ("ok", "reject", "rollback", "crash", "hang", "flaky", "offline")
 RECONNECT_S = (0.5, 30.0)  # backoff: first delay, cap (each attempt doubles it, times a jitter of 0.5..1.5)
-
-
-@dataclass(frozen=True)
-class GroupProfile:
-    """One group's declared distribution. Percentages are exact per group (a seeded shuffle picks
-    which devices), so a test's threshold is crossed by design, not by luck."""
-
-    name: str
-    count: int
-    reject_pct: float = 0.0      # self-test rejects the bundle
-    rollback_pct: float = 0.0    # probation fails (inference errors): rolled back
-    crash_pct: float = 0.0       # the device drops (last will) during the self-test, back after crash_down_s
-    hang_pct: float = 0.0        # the self-test never ends within the rollout's time-out
-    flaky_pct: float = 0.0       # the link drops (last will) when the self-test starts, back after flaky_down_s;
-    #                              the update goes on meanwhile and its verdict is reported on reconnect
-    offline_pct: float = 0.0     # connects once (its facts retained), then drops for good (its last will)
-    slow_pct: float = 0.0        # the self-test takes slow_factor times longer (still passes)
-    selftest_s: tuple[float, float] = (0.2, 0.6)
-    probation_s: float = 0.3
-    slow_factor: float = 5.0
-    crash_down_s: float = 2.0
-    flaky_down_s: float = 20.0
-    hang_s: float = 3600.0
-    provider: str = CPU
-    fallback_pct: float = 0.0    # the new bundle's self-test selects CPU although the old one ran on `provider`
-    p95_ms: tuple[float, float] = (4.0, 8.0)
-    budget_ms: float = 50.0
-    fidelity_margin: tuple[float, float] = (0.01, 0.02)  # top-1 agreement above the floor
-    labels: Mapping[str, str] = field(default_factory=dict)
-
-    @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> GroupProfile:
-        known = set(GroupProfile.__dataclass_fields__)
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"group {d.get('name')!r}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-        kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-        return GroupProfile(**kw)
-
-
-def assign_fates(groups: list[GroupProfile], seed: int) -> list[tuple[str, GroupProfile, str, bool, bool]]:
-    """(device id, group, fate, slow, fallback) for every simulated device, deterministic for a seed."""
-    out = []
-    rng = random.Random(seed)
-    for g in groups:
-        ids = [f"sim-{g.name}-{i:04d}" for i in range(g.count)]
-        fates = []
-        for fate, pct in (("reject", g.reject_pct), ("rollback", g.rollback_pct), ("crash", g.crash_pct),
-                          ("hang", g.hang_pct), ("flaky", g.flaky_pct), ("offline", g.offline_pct)):
-            fates += [fate] * round(g.count * pct / 100.0)
-        fates += ["ok"] * (g.count - len(fates))
-        rng.shuffle(fates)
-        slow = set(rng.sample(range(g.count), round(g.count * g.slow_pct / 100.0)))
-        fall = set(rng.sample(range(g.count), round(g.count * g.fallback_pct / 100.0)))
-        out += [(d, g, f, i in slow, i in fall) for i, (d, f) in enumerate(zip(ids, fates[:g.count]))]
-    return out
-
-
-class SocketLoop:
-    """One epoll loop for many paho clients (paho's external-loop callbacks): one thread, not one per client."""
-
-    def __init__(self) -> None:
-        self.sel = selectors.DefaultSelector()
-        self.lock = threading.Lock()
-        self.clients: list[paho.Client] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="sim-loop", daemon=True)
-
-    def attach(self, client: paho.Client) -> None:
-        client.on_socket_open = self._open
-        client.on_socket_close = self._close
-        client.on_socket_register_write = self._want_write
-        client.on_socket_unregister_write = self._done_write
-        with self.lock:
-            self.clients.append(client)
-
-    def _open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        with self.lock:
-            self.sel.register(sock, selectors.EVENT_READ, client)
-
-    def _close(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        with self.lock, contextlib.suppress(KeyError, ValueError):
-            self.sel.unregister(sock)
-
-    def _want_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        with self.lock, contextlib.suppress(KeyError, ValueError):
-            self.sel.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, client)
-
-    def _done_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        with self.lock, contextlib.suppress(KeyError, ValueError):
-            self.sel.modify(sock, selectors.EVENT_READ, client)
-
-    def _run(self) -> None:
-        next_misc = next_ping = 0.0
-        while not self.stop.is_set():
-            with self.lock:
-                empty = not self.sel.get_map()
-            events = [] if empty else self.sel.select(0.1)
-            if empty:
-                time.sleep(0.05)
-            for key, mask in events:
-                c: paho.Client = key.data
-                if mask & selectors.EVENT_READ:
-                    c.loop_read()
-                if mask & selectors.EVENT_WRITE:
-                    c.loop_write()
-            if time.monotonic() >= next_misc:
-                with self.lock:
-                    clients = list(self.clients)
-                ping = time.monotonic() >= next_ping
-                for c in clients:
-                    # paho unregisters the write interest after draining, racing a publisher thread that queued
-                    # a packet just then (the interest is registered once, not per packet): flush strays here
-                    if c.want_write():
-                        c.loop_write()
-                    if ping:  # keep-alive pings and retries
-                        c.loop_misc()
-                if ping:
-                    next_ping = time.monotonic() + 1.0
-                next_misc = time.monotonic() + 0.25
 
 
 @dataclass
@@ -508,97 +392,3 @@ class SimDevice:
         cid = payload.get("id")
         body = {"command": name, **({"id": cid} if isinstance(cid, (str, int, float)) else {}), **result}
         self.client.publish(self.topics.reply(name), json.dumps(body), qos=1)
-
-
-class SimFleet:
-    """N simulated devices in this process: one socket loop, one worker pool, one state root."""
-
-    def __init__(self, host: str, port: int, groups: list[GroupProfile], seed_bundle: Path, trusted_keys: list[Path],
-                 state_root: Path, seed: int = 1, root: str = "edge", workers: int = 64, protocol: str = "5"):
-        self.host, self.port, self.seed, self.root = host, port, seed, root
-        self.protocol = protocol  # "5" or "3.1.1" (--mqtt-protocol): a broker without MQTT 5, e.g. aedes
-        self.state_root = state_root
-        self.stop = threading.Event()
-        self.loop = SocketLoop()
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sim-job")
-        self.connected: set[str] = set()
-        self.seed_bundle = load_bundle(seed_bundle, check_contracts=False)
-        self.seed_id = bundle_id(self.seed_bundle)
-        self.seed_copy = state_root / "_seed" / self.seed_id  # one copy on the state root's filesystem, then links
-        if not self.seed_copy.exists():
-            shutil.copytree(seed_bundle, self.seed_copy)
-        self.updates = UpdatesConfig(enabled=True, trusted_keys=tuple(trusted_keys), probation_s=1.0,
-                                     probation_frames=40, keep=3)
-        self.devices = [SimDevice(self, d, g, f, slow, fall) for d, g, f, slow, fall in assign_fates(groups, seed)]
-
-    def start(self, timeout: float = 120.0) -> SimFleet:
-        self.loop.thread.start()
-        for d in self.devices:
-            d.connect()
-        deadline = time.monotonic() + timeout
-        while len(self.connected) < len(self.devices):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(self.connected)} of {len(self.devices)} simulated devices connected "
-                                   f"within {timeout:g} s")
-            time.sleep(0.05)
-        for d in self.devices:
-            if d.fate == "offline":  # seen once (retained facts), then gone for good: its last will stands
-                d._link_dropped = True
-                d.lose_link()
-        return self
-
-    def close(self) -> None:
-        self.stop.set()
-        for d in self.devices:
-            with contextlib.suppress(Exception):
-                d.client.publish(d.topics.availability, d._availability("stopped", d.session), qos=1, retain=True)
-                d.client.disconnect()
-        time.sleep(0.5)
-        self.loop.stop.set()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-    def summary(self) -> dict[str, Any]:
-        by: dict[str, dict[str, int]] = {}
-        for d in self.devices:
-            com = d.store.committed_id or "?"
-            g = by.setdefault(d.group.name, {})
-            g[com] = g.get(com, 0) + 1
-        return {"devices": len(self.devices), "committed_by_group": by,
-                "update_commands": {d.id: d.update_commands for d in self.devices if d.update_commands},
-                "rollback_commands": {d.id: d.rollback_commands for d in self.devices if d.rollback_commands}}
-
-
-def load_groups(spec: str | Path, default_count: int | None = None) -> list[GroupProfile]:
-    """Groups from a YAML/JSON file (a list of GroupProfile mappings) or `name:count[:key=val,...]` items
-    separated by ';', e.g. `a:50;b:50:reject_pct=30`."""
-    p = Path(str(spec))
-    if p.exists():
-        import yaml
-
-        data = yaml.safe_load(p.read_text())
-        items = data.get("groups") if isinstance(data, dict) else data
-        if not isinstance(items, list):
-            raise ValueError(f"{p}: expected a list of groups (or {{groups: [...]}}), found {type(items).__name__}")
-        return [GroupProfile.from_dict(g) for g in items]
-    groups = []
-    for item in str(spec).split(";"):
-        parts = item.strip().split(":")
-        if not parts[0]:
-            continue
-        kw: dict[str, Any] = {"name": parts[0], "count": int(parts[1]) if len(parts) > 1 else (default_count or 1)}
-        for kv in (parts[2].split(",") if len(parts) > 2 else []):
-            k, _, v = kv.partition("=")
-            kw[k] = float(v) if k.endswith(("_pct", "_s", "_ms", "_factor")) else v
-        groups.append(GroupProfile.from_dict(kw))
-    return groups
-
-
-def split_devices(total: int, groups: list[GroupProfile]) -> list[GroupProfile]:
-    """`--devices N` over the declared groups' shares (their counts as weights)."""
-    weight = sum(g.count for g in groups) or 1
-    out, left = [], total
-    for i, g in enumerate(groups):
-        n = left if i == len(groups) - 1 else round(total * g.count / weight)
-        out.append(replace(g, count=n))
-        left -= n
-    return out

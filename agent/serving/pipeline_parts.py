@@ -16,6 +16,7 @@ from agent.serving.engine import Engine
 from agent.serving.sources import Frame
 
 _END = object()  # the end of the frames: what a stage passes on when the source ended or stop was asked
+_WORKER_DONE = object()  # an inference worker ended: the publisher counts them before it ends
 
 
 class LatestSlot:

@@ -113,8 +113,7 @@ def test_spec_with_unknown_key_is_named(tiny_inputs: dict[str, Path], tmp_path: 
 import onnx  # noqa: E402
 import structlog  # noqa: E402
 
-from agent.bundle.create import INSTALL_BUILD_HINT, CalibrationFeeds  # noqa: E402
-from agent.bundle.quantise import reason_of  # noqa: E402
+from agent.bundle.quantise import INSTALL_BUILD_HINT, CalibrationFeeds, reason_of  # noqa: E402
 from agent.proof.inspect import render_text, summarize  # noqa: E402
 from agent.vocabulary.inputs import InputFeeder  # noqa: E402
 from agent.vocabulary.manifest import FrameSpec, preprocess_from_dict  # noqa: E402
@@ -290,7 +289,7 @@ def test_calibration_with_exactly_16_batch_1_runs_builds_not_no_data_is_collecte
 def test_calibration_ranges_cover_the_first_samples_not_only_the_tail(tiny_inputs: dict[str, Path], tmp_path: Path) -> None:
     from onnx import numpy_helper
 
-    from agent.bundle.create import quantize_int8
+    from agent.bundle.quantise import quantize_int8
 
     pre = _tiny_pre()
     # one bright frame first, then 19 mid-grey ones: the input's range must reach the bright one
@@ -345,7 +344,7 @@ def test_an_int8_in_which_nothing_was_quantized_is_refused_not_shipped_as_int8(
 def test_quantized_nodes_are_counted_inside_if_branches() -> None:
     from onnx import helper
 
-    from agent.bundle.create import count_quantized_nodes
+    from agent.bundle.quantise import count_quantized_nodes
 
     qdq = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]), helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
     branch = helper.make_graph(qdq, "then", [], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])

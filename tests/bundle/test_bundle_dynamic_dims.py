@@ -5,7 +5,7 @@ from __future__ import annotations
 from onnx import TensorProto
 from onnx import helper as oh
 
-from agent.bundle.create import _dims
+from agent.bundle.build_runs import _dims
 
 
 def test_a_dim_value_of_minus_one_is_a_dynamic_dim_not_a_size() -> None:
@@ -22,7 +22,7 @@ def test_a_variant_whose_symbolic_dims_ort_names_otherwise_records_no_contract_o
     from pathlib import Path
     from types import SimpleNamespace
 
-    from agent.bundle.create import variant_outputs
+    from agent.bundle.build_runs import variant_outputs
 
     def session(*shape: object) -> SimpleNamespace:
         out = SimpleNamespace(name="softmax", type="tensor(float)", shape=list(shape))

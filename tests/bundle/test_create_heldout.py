@@ -96,7 +96,7 @@ def test_the_below_floor_text_names_every_stage_before_a_long_list_of_one_stage(
     """The held-out set adds a stage's findings (vs source, vs package) before the frame-size findings, and the
     below_floor text is cut at its length: the first finding of each stage comes first (the PicoDet INT8's text
     lost its frame-size findings this way)."""
-    from agent.bundle.create import BELOW_FLOOR_CHARS, _each_stage_first
+    from agent.bundle.variant_judges import BELOW_FLOOR_CHARS, _each_stage_first
 
     golden = [f"fidelity: m{i} = 0.1 under bound 0.9 on sample {i} at stage build golden ({'x' * 300})" for i in range(20)]
     sizes = ["fidelity: m = 0.2 over bound 0.02 on sample 0 at stage build frame size 360x480 vs fp32",

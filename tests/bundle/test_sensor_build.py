@@ -76,7 +76,7 @@ def test_an_already_qdq_model_is_kept_as_int8_without_quantising_and_the_selftes
 def test_dynamically_quantised_integer_ops_are_detected_as_already_quantised(tmp_path: Path) -> None:
     from onnxruntime.quantization import quantize_dynamic
 
-    from agent.bundle.create import prequantized
+    from agent.bundle.quantise import prequantized
     from agent.testing import make_tiny_sensor_model
 
     float_model = make_tiny_sensor_model(tmp_path / "f.onnx")
@@ -114,7 +114,7 @@ def test_a_bad_spec_is_refused_before_any_quantisation_starts(tmp_path: Path, mu
 def test_held_out_top1_of_a_single_output_binary_classifier_is_its_decision(tmp_path: Path) -> None:
     """One logit per sample: classes 0 and 1 by its sigmoid (the decoder's rule); argmax over one value said
     class 0 for every sample (0.625 on a set where agreement is 1.0)."""
-    from agent.bundle.create import _top1
+    from agent.bundle.build_runs import _top1
     from agent.vocabulary.manifest import PostprocessSpec
 
     post = PostprocessSpec(type="classification", output="logit")

@@ -13,9 +13,11 @@ import pytest
 from brokers import Broker, Collector
 from waiting import wait_until
 
-from agent.fleet.operator import FleetRollback, Operator
+from agent.fleet.operator import Operator
+from agent.fleet.rollback import FleetRollback
 from agent.fleet.plan import Plan
-from agent.fleet.simulator import GroupProfile, SimFleet
+from agent.fleet.sim_fleet import SimFleet
+from agent.fleet.sim_groups import GroupProfile
 from agent.fleet.state import Connection, FleetClient, RolloutTopics, SyncPolicy
 from tests.fleet.test_fleet_operator import publish_plan, serve_v2
 

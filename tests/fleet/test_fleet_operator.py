@@ -23,9 +23,13 @@ from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
-from agent.fleet.operator import FleetRollback, Operator, RollbackCaps, RolloutError, compact
+from agent.errors import RolloutError
+from agent.fleet.operator import Operator
+from agent.fleet.rollback import FleetRollback, RollbackCaps
+from agent.fleet.rollout_records import compact
 from agent.fleet.plan import Artifact, Gates, Plan, start_order
-from agent.fleet.simulator import GroupProfile, SimFleet
+from agent.fleet.sim_fleet import SimFleet
+from agent.fleet.sim_groups import GroupProfile
 from agent.fleet.state import Connection, FleetClient, RolloutTopics, SyncPolicy, control_request
 from agent.hashing import sha256_file
 from agent.testing import rewrite_manifest

@@ -27,7 +27,8 @@ from waiting import wait_until
 
 from agent.bundle.archive import pack
 from agent.bundle.signing import keygen, sign_bundle
-from agent.fleet.simulator import GroupProfile, SimFleet
+from agent.fleet.sim_fleet import SimFleet
+from agent.fleet.sim_groups import GroupProfile
 from agent.testing import rewrite_manifest
 from agentproc import AgentProcess, demo_config
 

@@ -13,7 +13,8 @@ from brokers import Broker
 from waiting import wait_until
 
 from agent.bundle.signing import keygen
-from agent.fleet.simulator import GroupProfile, SimFleet
+from agent.fleet.sim_fleet import SimFleet
+from agent.fleet.sim_groups import GroupProfile
 
 
 @pytest.fixture

@@ -20,8 +20,10 @@ FLOOR = {
 }
 # The upward arrows: `bundle create` measures each variant it builds through the proof's sessions
 # ... and judges the package's answers by their result kind (issue 21); its model build's steps
-# (bundle/model_build.py) are part of the same command.
-ALLOWED_UP = {("bundle/create.py", "proof"), ("bundle/create.py", "results"), ("bundle/model_build.py", "proof")}
+# (bundle/model_build.py) and the modules they call (the spec, the runs, the variants' judges) are part of the same
+# command.
+ALLOWED_UP = {("bundle/model_build.py", "proof"), ("bundle/build_spec.py", "proof"), ("bundle/build_runs.py", "proof"),
+              ("bundle/variant_judges.py", "proof"), ("bundle/variant_judges.py", "results")}
 PURE = [
     "agent.vocabulary.manifest", "agent.vocabulary.preprocess", "agent.vocabulary.decoders",
     "agent.proof.terms", "agent.proof.parity", "agent.proof.agreement", "agent.proof.verdict", "agent.proof.selection", "agent.proof.pre_compare",

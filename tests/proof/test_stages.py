@@ -461,8 +461,9 @@ def test_int8_that_clips_beyond_the_calibrated_size_is_refused_naming_the_frame_
     """The build's check at the declared extremes, given an INT8 calibrated on the small frames alone."""
     import onnxruntime as ort
 
-    from agent.bundle.create import (CalibrationFeeds, GoldenStages, judge_sizes, prepare_fp32, quantize_int8,
-                                     size_extremes)
+    from agent.bundle.build_runs import prepare_fp32
+    from agent.bundle.quantise import CalibrationFeeds, quantize_int8
+    from agent.bundle.variant_judges import GoldenStages, judge_sizes, size_extremes
     from agent.bundle.samples import load_samples
     from agent.proof.parity import fidelity_floors
     from agent.proof.stages import GraphPreprocessor, VocabularyPostprocessor
@@ -539,7 +540,7 @@ def test_variant_whose_quantisation_made_an_output_dim_concrete_keeps_its_own_re
     import onnx
     import onnxruntime as ort
 
-    from agent.bundle.create import variant_outputs
+    from agent.bundle.build_runs import variant_outputs
 
     m = load_bundle(tiny_bundle).manifest
     path = tiny_bundle / m.variant("int8").file

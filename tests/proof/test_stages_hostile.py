@@ -230,7 +230,7 @@ def test_a_variant_whose_post_stage_refuses_a_golden_sample_is_rejected_at_build
         tmp_path: Path) -> None:
     """`bundle create` judges each variant's final result: an INT8 whose outputs the post stage refuses on one golden
     sample (a token beyond the charset) aborted the whole build with StageOutputError; FP32 could still serve."""
-    from agent.bundle.create import GoldenStages, judge_final_results
+    from agent.bundle.variant_judges import GoldenStages, judge_final_results
 
     post = GraphPostprocessor(_tokens_post(tmp_path / "post.onnx", 4), PostprocessSpec(
         graph="post.onnx", result=ResultSpec(kind="text", options={"charset": "charset.txt"})), (), ["_", "a", "b"])
@@ -278,7 +278,7 @@ def test_the_size_extremes_gate_at_build_never_judges_an_unused_output(tmp_path:
     NaN `aux` refused any variant there."""
     import onnxruntime as ort
 
-    from agent.bundle.create import GoldenStages, judge_sizes
+    from agent.bundle.variant_judges import GoldenStages, judge_sizes
     from agent.proof.parity import fidelity_floors
     from agent.proof.stages import postprocessor_for, preprocessor_for
     from agent.vocabulary.inputs import InputFeeder
@@ -298,7 +298,8 @@ def test_package_answers_of_another_kind_than_the_bundle_serves_are_refused_nami
     hint sent the author to postprocess.graph or preprocess, not to the answers' kind."""
     import json
 
-    from agent.bundle.create import CreateOptions, check_against_answers
+    from agent.bundle.create import CreateOptions
+    from agent.bundle.variant_judges import check_against_answers
     from agent.errors import BundleError
 
     answers = json.dumps({"kind": "scores", "package": "pkg 1.0", "produced_by": "run.py",

@@ -23,7 +23,8 @@ from agent.proof.terms import CPU, SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving import ffmpeg_decode
 from agent.serving.engine import build_engine
-from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP, Pipeline
+from agent.serving.pipeline import Pipeline
+from agent.serving.pipeline_publish import SIZING_FRAMES, SIZING_WARMUP
 from agent.serving.sizing import DecoderLoad, StageCosts, plan_decoders, plan_stages
 from agent.serving.sources import is_lossless, open_source
 from agent.vocabulary.manifest import FrameSpec, ResizeSpec

@@ -177,7 +177,7 @@ def test_after_a_swap_to_a_stateful_engine_frames_run_one_at_a_time_in_order(tmp
 def test_configured_pool_sizes_do_not_hide_that_a_stateful_model_runs_one_thread(tmp_path: Path) -> None:
     """The plan's thread counts are exported as gauges: with a stateful model one thread runs each stage,
     whatever the configured sizes, and the plan must say so (its reason already did)."""
-    from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP
+    from agent.serving.pipeline_publish import SIZING_FRAMES, SIZING_WARMUP
 
     stateless = _engine()
     fields = {f.name: getattr(stateless, f.name) for f in dataclasses.fields(stateless)}
@@ -312,7 +312,7 @@ def test_cpu_of_helper_threads_is_seen_with_many_sources(tmp_path: Path) -> None
     """Each frame is captured once, by one source's thread: the stages' own CPU per frame counts capture
     once, not once per source (4 sources hid the helper threads' 4 ms per frame entirely)."""
     from agent.serving.multisource import MultiSource
-    from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP
+    from agent.serving.pipeline_publish import SIZING_FRAMES, SIZING_WARMUP
 
     engine = _engine()
     per = (SIZING_WARMUP + SIZING_FRAMES) // 4 + 4
@@ -360,7 +360,7 @@ class _ColdStartEngine(Engine):
 
 
 def test_a_new_engine_is_sized_on_its_own_warm_results_not_the_old_engines_in_flight(tmp_path: Path) -> None:
-    from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP
+    from agent.serving.pipeline_publish import SIZING_FRAMES, SIZING_WARMUP
 
     old = _engine()
     new = _ColdStartEngine(**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)})

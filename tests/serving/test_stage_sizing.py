@@ -19,7 +19,8 @@ from agent.config import PipelineConfig, SourceConfig
 from agent.proof.terms import SessionSettings
 from agent.proof.verdict import Candidate
 from agent.serving.engine import build_engine
-from agent.serving.pipeline import SIZING_FRAMES, SIZING_WARMUP, Pipeline
+from agent.serving.pipeline import Pipeline
+from agent.serving.pipeline_publish import SIZING_FRAMES, SIZING_WARMUP
 from agent.serving.sizing import StageCosts, plan_stages
 from agent.serving.sources import is_lossless, open_source
 from agent.testing import ListSink
