@@ -10,7 +10,9 @@ for the same number of messages, the raw broker rate: one publisher -> one subsc
   PYTHONPATH=. python scripts/bench_fleet.py --devices 1000 --rate 600 --json bench_fleet.json
 
 Also: the time each phase began (from the rollout's decisions), update commands per device (every one the
-broker carried, counted per device: the target is exactly 1), and the rollback's time, CPU and RSS.
+broker carried, counted per device: the target is exactly 1), the operator's first decisions
+(`first_decisions`, seconds after it was launched), and the rollback's time, CPU and RSS. With `--json`, the
+operator's, the rollback's and the simulator's logs are kept beside it (`NAME.operator.log`, ...).
 """
 
 from __future__ import annotations
@@ -373,9 +375,12 @@ def main() -> int:
         state = docs.get("fleet/rollout/bench/state") or {}
         assert isinstance(state, dict)
         phase_began = {0: 0.0}
+        first_decisions = []  # what the operator decided in its first phases, seconds after it was started
         for d in state.get("decisions") or []:
             if d.get("event") == "phase_advanced":
                 phase_began[int(d["phase"])] = round(float(d["ts"]) - wall0, 1)
+            if len(first_decisions) < 8:
+                first_decisions.append({k: (round(float(v) - wall0, 1) if k == "ts" else v) for k, v in d.items()})
         starts = sorted(d["started"] for t, d in docs.items() if "/device/" in t and isinstance(d, dict) and "started" in d)
         j, max_per_min = 0, 0
         for i, s in enumerate(starts):
@@ -393,7 +398,7 @@ def main() -> int:
             "sim_connect_s": ready.get("connect_s"), "sim_setup_s": round(setup_s, 1),
             "plan_s": round(plan_s, 1), "plan_targets": planned,
             "rollout_s": round(rollout_s, 1), "status": state.get("status"), "committed": committed,
-            "phase_began_s": phase_began,
+            "phase_began_s": phase_began, "first_decisions": first_decisions,
             "counts": state.get("counts"), "max_started_in_60s": max_per_min,
             "update_commands": sum(upd.values()), "devices_commanded": len(upd),
             "update_commands_per_device_max": max(upd.values(), default=0),
@@ -455,6 +460,10 @@ def main() -> int:
                     p.wait(20)
                 except subprocess.TimeoutExpired:
                     p.kill()
+        if args.json:  # the operator's and the simulator's logs, beside the figures
+            for log in ("operator.log", "rollback.log", "sim.log"):
+                if (work / log).exists():
+                    shutil.copy(work / log, args.json.with_suffix("." + log))
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
 
