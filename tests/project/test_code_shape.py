@@ -28,7 +28,7 @@ FUNCTIONS = {
     "agent/link/push.py::push": (88, 25, "the push's steps with their error replies"),
     "agent/proof/isolation.py::_prove_in_child": (87, 25, "the child's life: spawn, watch, judge its death"),
     "agent/service/selftest_child.py::_prove": (101, 25, "the child's steps, each under its crash marker"),
-    "agent/serving/sensors.py::__init__": (96, 25, "a sensor source's settings, checked one by one"),
+    "agent/serving/sensors.py::__init__": (94, 25, "a sensor source's settings, checked one by one"),
 }
 
 
