@@ -95,19 +95,14 @@ def _publish_item(pipe: Pipeline, item: Inferred) -> None:
         outs = split_batch(item.outputs, i, eng.bundle.manifest.batch_axes)
         try:
             result = eng.annotate(frame, eng.decode(outs, p.geometry[i], pipe.max_result_bytes))
-        except StageOutputError as exc:  # a post graph's outputs its kind refuses: counted, never served
+        except (StageOutputError, ResultTooLargeError) as exc:  # counted, never served
+            # a post graph's outputs its kind refuses, or a result too large for one message
+            refused = isinstance(exc, StageOutputError)
             m.result_errors += 1
-            tally.post_refused += 1
-            pipe._count_drop("post_stage_refused")
-            log.error("result.post_stage_refused", source=frame.source, index=frame.index, reason=str(exc),
-                      result_errors=m.result_errors)
-            frame.settled(dropped=True)
-            continue
-        except ResultTooLargeError as exc:  # counted, never a multi-megabyte message
-            m.result_errors += 1
-            pipe._count_drop("result_too_large")
-            log.error("result.too_large", source=frame.source, index=frame.index, reason=str(exc),
-                      result_errors=m.result_errors)
+            tally.post_refused += refused
+            pipe._count_drop("post_stage_refused" if refused else "result_too_large")
+            log.error("result.post_stage_refused" if refused else "result.too_large", source=frame.source,
+                      index=frame.index, reason=str(exc), result_errors=m.result_errors)
             frame.settled(dropped=True)
             continue
         t1 = time.perf_counter_ns()
