@@ -242,7 +242,11 @@ def test_cmd_snapshot_publishes_the_served_frame_with_its_result_drawn_as_jpeg_o
         diff = [np.abs(raw.astype(int) - img.astype(int)) for raw in raws]
         best = min(diff, key=lambda d: float(d[200:].mean()))
         assert best[200:].mean() < 12  # the served frame itself (JPEG noise only) below the words
-        assert best[5:60, 5:150].mean() > 3 * best[200:].mean() + 10  # and the label drawn top left, where it differs
+        # and the label drawn top left, where it differs: pixels far from the raw frame there, against the same
+        # area below the words (JPEG noise only); a pixel count, not a mean, so a short label passes as a long one
+        label = int((best[5:60, 5:150].max(axis=2) > 80).sum())
+        below = int((best[200:255, 5:150].max(axis=2) > 80).sum())
+        assert label > 200 and label > 10 * below, (label, below)
         assert (img[5:60, 5:150] > 230).all(axis=2).sum() > 50  # in white
 
         col.c.publish(prefix + "cmd/pause", b"{}", qos=1).wait_for_publish(10)
