@@ -65,9 +65,14 @@ def test_sigkill_in_the_first_64_inferences_on_three_boots_charges_nothing_and_e
     for boot, n in enumerate((4, 11, 23), 1):  # an operator's kill -9 lands at another inference each time
         agent = agent_process(cfg, name=f"boot{boot}", env={"EDGE_AGENT_FAULT": f"serve:{INT8}#{n}=SIGKILL"})
         assert agent.run(180) == -signal.SIGKILL, agent.log_text()[-2000:]
-        # the boot served the candidate (not skipped as charged); a kill at the 4th inference may land before
-        # the first result is printed (inference runs ahead of publishing: CI saw none printed at -n 2)
-        assert [e["variant"] for e in agent.events("boot.ready")] == ["int8"], "this boot did not serve the candidate"
+        # the boot served the candidate (not skipped as charged): the fault fires only in its serving session, and
+        # the next boot reads the death from the candidate's own marker. Neither its results nor `boot.ready` are
+        # evidence: a kill at the 4th inference can land before either is written (inference runs ahead of
+        # publishing, and the pipeline starts before the boot logs `boot.ready`; CI at -n 2 saw both missing)
+        if boot > 1:
+            noted = [(e["step"], e["deaths"]) for e in agent.events("serving.unexplained_death")]
+            assert noted == [(f"candidate:{INT8}", 1)], f"boot {boot - 1} did not die serving the candidate: {noted}"
+        assert {e["variant"] for e in agent.events("boot.ready")} <= {"int8"}
         assert {r["variant"] for r in agent.results()} <= {"int8"}
         assert _crashes(tmp_path) == []
     agent = agent_process(cfg, name="boot4").start()
