@@ -25,17 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _status_mb() -> dict[str, float]:
-    """This process's RSS, its anonymous and file-backed parts, and its peak, in MB (from /proc/self/status)."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
-            out[key] = int(value.split()[0]) / 1024
-    return out
-
-
-def _pid_status_mb(pid: int) -> dict[str, float]:
+def _status_mb(pid: int | str = "self") -> dict[str, float]:
+    """A process's RSS, its anonymous and file-backed parts, and its peak, in MB (from /proc/<pid>/status)."""
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -108,7 +99,7 @@ def agent_serving(bundle_dir: Path, url: str, results: int, tmp: Path) -> dict[s
     for _ in proc.stdout:
         got += 1
         if got >= results:
-            status = _pid_status_mb(proc.pid)
+            status = _status_mb(proc.pid)
             break
     proc.terminate()
     proc.wait(timeout=30)

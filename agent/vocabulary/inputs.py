@@ -103,10 +103,8 @@ class InputFeeder:
         self._successor = True
         for source, st in list(old._sources.items()):
             if st.session:  # a sensor stream's place (frames without a span start afresh anyway)
-                self._sources[source] = _SourceState({x.name: initial_state(x) for x in self.states}, None,
-                                                     st.session, st.window, None, why)
-        while len(self._sources) > MAX_TRACKED_SOURCES:
-            self._sources.pop(next(iter(self._sources)))
+                s = self._fresh(source)
+                s.session, s.window, s.broken = st.session, st.window, why
 
     def failed(self, source: str, why: str) -> None:
         """The step just fed for `source` gave outputs that must not be carried (not finite): its state is
